@@ -1,0 +1,38 @@
+"""Communication: process groups, the ledger, the collectives and their autograd conjugates.
+
+Every collective tpkit performs goes through `collectives.py`, which records it in
+the group's `Ledger`; `ops.py` wraps them as the conjugate autograd operators of the
+Megatron paper; `theory.py` states what each layer must send.
+"""
+
+from tpkit.comm.collectives import all_gather, all_reduce, broadcast, recv, reduce_scatter, send
+from tpkit.comm.group import CommGroup
+from tpkit.comm.ledger import Ledger, Record
+from tpkit.comm.ops import (
+    copy_to_tp,
+    gather_from_sp,
+    gather_from_tp,
+    reduce_from_tp,
+    reduce_scatter_to_sp,
+    scatter_to_sp,
+    scatter_to_tp,
+)
+
+__all__ = [
+    "CommGroup",
+    "Ledger",
+    "Record",
+    "all_gather",
+    "all_reduce",
+    "broadcast",
+    "copy_to_tp",
+    "gather_from_sp",
+    "gather_from_tp",
+    "recv",
+    "reduce_from_tp",
+    "reduce_scatter",
+    "reduce_scatter_to_sp",
+    "scatter_to_sp",
+    "scatter_to_tp",
+    "send",
+]

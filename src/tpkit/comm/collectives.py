@@ -1,0 +1,91 @@
+"""The one place where tpkit calls torch.distributed. Every call is recorded in the ledger.
+
+All functions take a `CommGroup`; on a group of one rank they return at once and
+record nothing (nothing was sent). `phase` says whether the call belongs to the
+forward or the backward pass (or to a label such as "grads"); `scope` overrides
+the ledger's current scope (backward passes carry the scope of their forward).
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.distributed as dist
+
+from tpkit.comm.group import CommGroup
+
+# torch 2.13 renamed the tensor forms (`*_into_tensor` -> `*_single`); accept both.
+_all_gather_single = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
+_reduce_scatter_single = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
+
+_REDUCE_OPS = {"sum": dist.ReduceOp.SUM, "max": dist.ReduceOp.MAX, "min": dist.ReduceOp.MIN}
+
+
+def _nbytes(x: torch.Tensor) -> int:
+    return x.numel() * x.element_size()
+
+
+def all_reduce(x: torch.Tensor, group: CommGroup, op: str = "sum", *, phase: str = "forward",
+               scope: str | None = None) -> torch.Tensor:
+    """Reduce `x` over the group, in place; returns `x`."""
+    if group.size == 1:
+        return x
+    with group.ledger.timed("all_reduce", group, x.numel(), _nbytes(x), phase, scope):
+        dist.all_reduce(x, op=_REDUCE_OPS[op], group=group.pg)
+    return x
+
+
+def all_gather(x: torch.Tensor, group: CommGroup, dim: int = -1, *, phase: str = "forward",
+               scope: str | None = None) -> torch.Tensor:
+    """Concatenate every rank's `x` along `dim` (rank order)."""
+    if group.size == 1:
+        return x
+    p, dim = group.size, dim % x.dim()
+    x = x.contiguous()
+    out = torch.empty((p * x.shape[0], *x.shape[1:]), dtype=x.dtype, device=x.device)
+    with group.ledger.timed("all_gather", group, out.numel(), _nbytes(out), phase, scope):
+        _all_gather_single(out, x, group=group.pg)
+    if dim == 0:
+        return out
+    out = out.view(p, *x.shape).movedim(0, dim)  # [..., p, x.shape[dim], ...]
+    return out.reshape(*x.shape[:dim], p * x.shape[dim], *x.shape[dim + 1:])
+
+
+def reduce_scatter(x: torch.Tensor, group: CommGroup, dim: int = -1, *, phase: str = "forward",
+                   scope: str | None = None) -> torch.Tensor:
+    """Sum `x` over the group and keep this rank's chunk of `dim`."""
+    if group.size == 1:
+        return x
+    p, dim = group.size, dim % x.dim()
+    if x.shape[dim] % p:
+        raise ValueError(f"reduce_scatter: dimension {dim} of size {x.shape[dim]} does not "
+                         f"divide over {p} ranks")
+    inp = x.movedim(dim, 0).contiguous()  # [S, ...]: chunk r of dim is rows r*S/p...
+    out = torch.empty(inp.shape[0] // p, *inp.shape[1:], dtype=x.dtype, device=x.device)
+    with group.ledger.timed("reduce_scatter", group, x.numel(), _nbytes(x), phase, scope):
+        _reduce_scatter_single(out, inp, group=group.pg)
+    return out.movedim(0, dim)
+
+
+def broadcast(x: torch.Tensor, group: CommGroup, src: int = 0, *, phase: str = "forward",
+              scope: str | None = None) -> torch.Tensor:
+    """Copy group rank `src`'s `x` to every rank, in place."""
+    if group.size == 1:
+        return x
+    with group.ledger.timed("broadcast", group, x.numel(), _nbytes(x), phase, scope):
+        dist.broadcast(x, src=group.ranks[src], group=group.pg)
+    return x
+
+
+def send(x: torch.Tensor, group: CommGroup, dst: int, *, phase: str = "forward",
+         scope: str | None = None) -> None:
+    """Point-to-point send to group rank `dst` (pipeline activations and gradients)."""
+    with group.ledger.timed("send", group, x.numel(), _nbytes(x), phase, scope):
+        dist.send(x.contiguous(), dst=group.ranks[dst], group=group.pg)
+
+
+def recv(x: torch.Tensor, group: CommGroup, src: int, *, phase: str = "forward",
+         scope: str | None = None) -> torch.Tensor:
+    """Point-to-point receive into `x` from group rank `src`; returns `x`."""
+    with group.ledger.timed("recv", group, x.numel(), _nbytes(x), phase, scope):
+        dist.recv(x, src=group.ranks[src], group=group.pg)
+    return x

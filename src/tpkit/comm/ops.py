@@ -1,0 +1,137 @@
+"""The conjugate autograd operators of Megatron-LM (Shoeybi et al. 2019, section 3).
+
+    f = copy_to_tp       forward: identity              backward: all-reduce
+    g = reduce_from_tp   forward: all-reduce            backward: identity
+    scatter_to_tp        forward: keep own slice (-1)   backward: all-gather (-1)
+    gather_from_tp       forward: all-gather (-1)       backward: keep own slice
+    scatter_to_sp        forward: keep own seq slice    backward: all-gather seq
+    gather_from_sp       forward: all-gather seq        backward: reduce-scatter seq
+    reduce_scatter_to_sp forward: reduce-scatter seq    backward: all-gather seq
+
+A column-parallel layer starts with f, a row-parallel one ends with g: between them
+nothing is sent. Sequence parallelism (Korthikanti et al. 2022) replaces f by
+gather_from_sp and g by reduce_scatter_to_sp on the sequence dimension (dim 1 of
+[b, s, h]). Every operator takes its group explicitly.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from tpkit.comm import collectives as C
+from tpkit.comm.group import CommGroup
+
+SEQ_DIM = 1  # activations are [b, s, h]
+
+
+def _own_slice(x: torch.Tensor, group: CommGroup, dim: int) -> torch.Tensor:
+    size = x.shape[dim]
+    if size % group.size:
+        raise ValueError(f"dimension {dim} of size {size} does not split over "
+                         f"{group.name}={group.size} ranks")
+    return x.narrow(dim, group.rank * (size // group.size), size // group.size).contiguous()
+
+
+class _CopyToTP(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x, group):
+        ctx.group, ctx.scope = group, group.ledger.current_scope()
+        return x.view_as(x)
+
+    @staticmethod
+    def backward(ctx, grad):
+        return C.all_reduce(grad.contiguous(), ctx.group, phase="backward", scope=ctx.scope), None
+
+
+class _ReduceFromTP(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x, group):
+        return C.all_reduce(x.contiguous().clone(), group)
+
+    @staticmethod
+    def backward(ctx, grad):
+        return grad, None
+
+
+class _ScatterToTP(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x, group, dim):
+        ctx.group, ctx.dim, ctx.scope = group, dim, group.ledger.current_scope()
+        return _own_slice(x, group, dim)
+
+    @staticmethod
+    def backward(ctx, grad):
+        return C.all_gather(grad, ctx.group, ctx.dim, phase="backward", scope=ctx.scope), None, None
+
+
+class _GatherFromTP(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x, group, dim):
+        ctx.group, ctx.dim = group, dim
+        return C.all_gather(x, group, dim)
+
+    @staticmethod
+    def backward(ctx, grad):
+        return _own_slice(grad, ctx.group, ctx.dim), None, None
+
+
+class _ReduceScatterToSP(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x, group, dim):
+        ctx.group, ctx.dim, ctx.scope = group, dim, group.ledger.current_scope()
+        return C.reduce_scatter(x, group, dim)
+
+    @staticmethod
+    def backward(ctx, grad):
+        return C.all_gather(grad, ctx.group, ctx.dim, phase="backward", scope=ctx.scope), None, None
+
+
+class _GatherFromSP(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x, group, dim):
+        ctx.group, ctx.dim, ctx.scope = group, dim, group.ledger.current_scope()
+        return C.all_gather(x, group, dim)
+
+    @staticmethod
+    def backward(ctx, grad):
+        g = C.reduce_scatter(grad, ctx.group, ctx.dim, phase="backward", scope=ctx.scope)
+        return g, None, None
+
+
+def _skip(group: CommGroup) -> bool:
+    return group.size == 1
+
+
+def copy_to_tp(x: torch.Tensor, group: CommGroup) -> torch.Tensor:
+    """f: identity forward, all-reduce of the gradient backward."""
+    return x if _skip(group) else _CopyToTP.apply(x, group)
+
+
+def reduce_from_tp(x: torch.Tensor, group: CommGroup) -> torch.Tensor:
+    """g: all-reduce forward (sums the partial outputs), identity backward."""
+    return x if _skip(group) else _ReduceFromTP.apply(x, group)
+
+
+def scatter_to_tp(x: torch.Tensor, group: CommGroup, dim: int = -1) -> torch.Tensor:
+    """Keep this rank's slice of `dim` forward; all-gather the gradient backward."""
+    return x if _skip(group) else _ScatterToTP.apply(x, group, dim)
+
+
+def gather_from_tp(x: torch.Tensor, group: CommGroup, dim: int = -1) -> torch.Tensor:
+    """All-gather `dim` forward; keep this rank's slice of the gradient backward."""
+    return x if _skip(group) else _GatherFromTP.apply(x, group, dim)
+
+
+def scatter_to_sp(x: torch.Tensor, group: CommGroup, dim: int = SEQ_DIM) -> torch.Tensor:
+    """Enter sequence-parallel form: keep this rank's slice of the sequence."""
+    return x if _skip(group) else _ScatterToTP.apply(x, group, dim)
+
+
+def gather_from_sp(x: torch.Tensor, group: CommGroup, dim: int = SEQ_DIM) -> torch.Tensor:
+    """All-gather the sequence forward; reduce-scatter the gradient backward."""
+    return x if _skip(group) else _GatherFromSP.apply(x, group, dim)
+
+
+def reduce_scatter_to_sp(x: torch.Tensor, group: CommGroup, dim: int = SEQ_DIM) -> torch.Tensor:
+    """Sum partial outputs and keep this rank's sequence slice; all-gather backward."""
+    return x if _skip(group) else _ReduceScatterToSP.apply(x, group, dim)

@@ -1,0 +1,48 @@
+"""The one place that touches `torch.cuda`: backend choice, per-rank device, sync.
+
+CPU and GPU are both first-class: under gloo every rank computes on the CPU, under
+nccl rank `LOCAL_RANK` computes on `cuda:LOCAL_RANK`.
+"""
+
+from __future__ import annotations
+
+import torch
+
+
+def cuda_available() -> bool:
+    """True when at least one CUDA device is visible."""
+    return torch.cuda.is_available()
+
+
+def default_backend() -> str:
+    """nccl when CUDA is available, else gloo."""
+    return "nccl" if cuda_available() else "gloo"
+
+
+def device_for(backend: str, local_rank: int = 0) -> torch.device:
+    """The device a rank computes on: cuda:LOCAL_RANK under nccl, cpu under gloo."""
+    if backend == "nccl":
+        torch.cuda.set_device(local_rank)
+        return torch.device("cuda", local_rank)
+    return torch.device("cpu")
+
+
+def synchronize(device: torch.device) -> None:
+    """Wait for queued kernels on `device` (a no-op on the CPU), for honest timings."""
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+def rng_state(device: torch.device) -> torch.Tensor:
+    """The generator state of `device` (CPU or CUDA)."""
+    if device.type == "cuda":
+        return torch.cuda.get_rng_state(device)
+    return torch.get_rng_state()
+
+
+def set_rng_state(state: torch.Tensor, device: torch.device) -> None:
+    """Restore a state returned by `rng_state`."""
+    if device.type == "cuda":
+        torch.cuda.set_rng_state(state, device)
+    else:
+        torch.set_rng_state(state)
