@@ -1,0 +1,217 @@
+"""`ModelConfig` and presets, from tiny test models to the published sizes. Pure Python.
+
+Validation is per feature, in small functions, each error naming the numbers
+(`config.check(tp=4, pp=2, sp=True, seq=1024)`); it runs on every rank before any
+collective, so a bad layout never hangs and never fails deep inside a forward.
+"""
+
+from __future__ import annotations
+
+from dataclasses import asdict, dataclass, replace
+
+
+@dataclass(frozen=True)
+class ModelConfig:
+    """Shape and flavour of a transformer (GPT-2, Llama and BERT styles)."""
+
+    name: str = "custom"
+    vocab_size: int = 256
+    hidden: int = 64
+    num_layers: int = 2
+    num_heads: int = 4
+    num_kv_heads: int | None = None  # None: = num_heads (no GQA); 1: MQA
+    ffn_hidden: int | None = None  # None: 4 * hidden
+    max_seq_len: int = 128
+    norm: str = "layernorm"  # layernorm | rmsnorm
+    activation: str = "gelu"  # gelu | swiglu | relu
+    position: str = "learned"  # learned | rope
+    rope_theta: float = 10000.0
+    causal: bool = True  # False: bidirectional encoder (BERT)
+    type_vocab_size: int = 0  # 2 for BERT's token types
+    tie_embeddings: bool = True
+    bias: bool = True
+    dropout: float = 0.0
+    norm_eps: float = 1e-5
+    init_std: float = 0.02
+
+    # -- derived -----------------------------------------------------------------------
+    @property
+    def kv_heads(self) -> int:
+        """Number of key/value heads (== num_heads without GQA)."""
+        return self.num_kv_heads or self.num_heads
+
+    @property
+    def ffn(self) -> int:
+        """Width of the MLP's inner layer."""
+        return self.ffn_hidden or 4 * self.hidden
+
+    @property
+    def head_dim(self) -> int:
+        """hidden / num_heads."""
+        return self.hidden // self.num_heads
+
+    def padded_vocab(self, tp: int) -> int:
+        """Vocabulary rounded up to a multiple of tp (the padded rows never win a softmax)."""
+        return -(-self.vocab_size // tp) * tp
+
+    def with_(self, **changes) -> ModelConfig:
+        """A copy with some fields changed."""
+        return replace(self, **changes)
+
+    def to_dict(self) -> dict:
+        """Plain dict (for manifests and JSON)."""
+        return asdict(self)
+
+    @classmethod
+    def from_dict(cls, d: dict) -> ModelConfig:
+        """Inverse of `to_dict`; unknown keys are an error naming them."""
+        unknown = set(d) - set(cls.__dataclass_fields__)
+        if unknown:
+            raise ValueError(f"unknown ModelConfig fields: {sorted(unknown)}")
+        return cls(**d)
+
+    # -- parameter counts (unpadded vocabulary) ------------------------------------------
+    def layer_params(self) -> int:
+        """Parameters of one transformer layer."""
+        h, hd, nh, kv, f = self.hidden, self.head_dim, self.num_heads, self.kv_heads, self.ffn
+        b = 1 if self.bias else 0
+        qkv = h * (nh + 2 * kv) * hd + b * (nh + 2 * kv) * hd
+        out = nh * hd * h + b * h
+        mlp = (3 * h * f) if self.activation == "swiglu" else (2 * h * f + b * (f + h))
+        norms = 2 * self._norm_params()
+        return qkv + out + mlp + norms
+
+    def _norm_params(self) -> int:
+        return 2 * self.hidden if self.norm == "layernorm" else self.hidden
+
+    def embedding_params(self) -> int:
+        """Token (+ learned position, + token type) embeddings."""
+        n = self.vocab_size * self.hidden
+        if self.position == "learned":
+            n += self.max_seq_len * self.hidden
+        return n + self.type_vocab_size * self.hidden
+
+    def num_params(self) -> int:
+        """Total parameters (tied output embedding counted once)."""
+        head = 0 if self.tie_embeddings else self.vocab_size * self.hidden
+        return (self.embedding_params() + self.num_layers * self.layer_params()
+                + self._norm_params() + head)
+
+    # -- validation ----------------------------------------------------------------------
+    def check(self, tp: int = 1, pp: int = 1, sp: bool = False, seq: int | None = None) -> None:
+        """Raise ValueError naming the numbers if this model cannot run at (tp, pp, sp)."""
+        problems = self.problems(tp=tp, pp=pp, sp=sp, seq=seq)
+        if problems:
+            raise ValueError(f"{self.name}: " + "; ".join(problems))
+
+    def problems(self, tp: int = 1, pp: int = 1, sp: bool = False,
+                 seq: int | None = None) -> list[str]:
+        """Every reason this model cannot run at (tp, pp, sp, seq); empty when it can."""
+        out: list[str] = []
+        for check in (_check_shape, _check_heads, _check_kv_heads, _check_ffn, _check_pipeline,
+                      _check_sequence, _check_choices):
+            out += check(self, tp=tp, pp=pp, sp=sp, seq=seq)
+        return out
+
+
+def _check_shape(c: ModelConfig, **_) -> list[str]:
+    bad = [f"{k}={getattr(c, k)} must be positive" for k in
+           ("vocab_size", "hidden", "num_layers", "num_heads", "max_seq_len")
+           if getattr(c, k) < 1]
+    if not bad and c.hidden % c.num_heads:
+        bad.append(f"hidden={c.hidden} is not divisible by num_heads={c.num_heads}")
+    if c.position == "rope" and c.num_heads and (c.hidden // c.num_heads) % 2:
+        bad.append(f"head_dim={c.hidden // c.num_heads} must be even for rotary embeddings")
+    return bad
+
+
+def _check_heads(c: ModelConfig, tp: int, **_) -> list[str]:
+    if c.num_heads % tp:
+        return [f"num_heads={c.num_heads} is not divisible by tp={tp}"]
+    return []
+
+
+def _check_kv_heads(c: ModelConfig, tp: int, **_) -> list[str]:
+    kv = c.kv_heads
+    if kv < 1 or c.num_heads % kv:
+        return [f"num_heads={c.num_heads} is not a multiple of num_kv_heads={kv}"]
+    if kv % tp and tp % kv:
+        return [f"num_kv_heads={kv} is neither a multiple nor a divisor of tp={tp}"]
+    return []
+
+
+def _check_ffn(c: ModelConfig, tp: int, **_) -> list[str]:
+    return [f"ffn_hidden={c.ffn} is not divisible by tp={tp}"] if c.ffn % tp else []
+
+
+def _check_pipeline(c: ModelConfig, pp: int, **_) -> list[str]:
+    if pp > c.num_layers:
+        return [f"pp={pp} stages is more than num_layers={c.num_layers}"]
+    return []
+
+
+def _check_sequence(c: ModelConfig, tp: int, sp: bool, seq: int | None, **_) -> list[str]:
+    out = []
+    if seq is not None and seq > c.max_seq_len:
+        out.append(f"sequence length {seq} exceeds max_seq_len={c.max_seq_len}")
+    if sp and seq is not None and seq % tp:
+        out.append(f"sequence length {seq} is not divisible by tp={tp} "
+                   f"(sequence parallelism splits the sequence over tp)")
+    return out
+
+
+def _check_choices(c: ModelConfig, **_) -> list[str]:
+    out = []
+    for field_name, allowed in (("norm", ("layernorm", "rmsnorm")),
+                                ("activation", ("gelu", "swiglu", "relu")),
+                                ("position", ("learned", "rope"))):
+        if getattr(c, field_name) not in allowed:
+            out.append(f"{field_name}={getattr(c, field_name)!r} is not one of {allowed}")
+    return out
+
+
+def _gpt2(name: str, h: int, layers: int, heads: int, **kw) -> ModelConfig:
+    return ModelConfig(name=name, vocab_size=kw.pop("vocab_size", 50257), hidden=h,
+                       num_layers=layers, num_heads=heads, max_seq_len=kw.pop("max_seq_len", 1024),
+                       **kw)
+
+
+def _llama(name: str, h: int, layers: int, heads: int, kv: int, ffn: int, **kw) -> ModelConfig:
+    return ModelConfig(name=name, vocab_size=kw.pop("vocab_size", 32000), hidden=h,
+                       num_layers=layers, num_heads=heads, num_kv_heads=kv, ffn_hidden=ffn,
+                       max_seq_len=kw.pop("max_seq_len", 4096), norm="rmsnorm",
+                       activation="swiglu", position="rope", tie_embeddings=False, bias=False,
+                       **kw)
+
+
+# Sizes from the published model cards / papers: GPT-2 (Radford et al. 2019), GPT-3
+# (Brown et al. 2020, table 2.1), Llama 2 (Touvron et al. 2023), Llama 3 (Dubey et al. 2024).
+PRESETS: dict[str, ModelConfig] = {
+    "gpt2-tiny": _gpt2("gpt2-tiny", 64, 4, 4, vocab_size=256, max_seq_len=128),
+    "llama-tiny": _llama("llama-tiny", 64, 4, 8, 2, 160, vocab_size=256, max_seq_len=128),
+    "bert-tiny": ModelConfig(name="bert-tiny", vocab_size=512, hidden=64, num_layers=2,
+                             num_heads=4, max_seq_len=128, causal=False, type_vocab_size=2,
+                             norm_eps=1e-12),
+    "gpt2-124m": _gpt2("gpt2-124m", 768, 12, 12),
+    "gpt2-355m": _gpt2("gpt2-355m", 1024, 24, 16),
+    "gpt2-774m": _gpt2("gpt2-774m", 1280, 36, 20),
+    "gpt2-1.5b": _gpt2("gpt2-1.5b", 1600, 48, 25),
+    "gpt3-175b": _gpt2("gpt3-175b", 12288, 96, 96, max_seq_len=2048),
+    "llama2-7b": _llama("llama2-7b", 4096, 32, 32, 32, 11008, norm_eps=1e-5),
+    "llama2-13b": _llama("llama2-13b", 5120, 40, 40, 40, 13824),
+    "llama2-70b": _llama("llama2-70b", 8192, 80, 64, 8, 28672),
+    "llama3-8b": _llama("llama3-8b", 4096, 32, 32, 8, 14336, vocab_size=128256,
+                        max_seq_len=8192, rope_theta=500000.0),
+    "llama3-70b": _llama("llama3-70b", 8192, 80, 64, 8, 28672, vocab_size=128256,
+                         max_seq_len=8192, rope_theta=500000.0),
+    "llama3-405b": _llama("llama3-405b", 16384, 126, 128, 8, 53248, vocab_size=128256,
+                          max_seq_len=8192, rope_theta=500000.0),
+}
+
+
+def get_preset(name: str) -> ModelConfig:
+    """A preset by name; an unknown name is an error listing the known ones."""
+    try:
+        return PRESETS[name]
+    except KeyError:
+        raise ValueError(f"unknown preset {name!r}; known: {', '.join(PRESETS)}") from None
