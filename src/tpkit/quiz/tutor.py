@@ -1,0 +1,128 @@
+"""The terminal tutor: one question at a time, the verdict and explanation right after.
+
+    score = run_tutor(items, ui, scripted([1, 2, 3, 4, 1, 2, 3, 4]), out=sys.stdout)
+
+Answers come from one of three sources, all numbered 1..4 as the options are shown:
+`interactive` (asks again on a bad answer), `from_lines` (one per line, for piped
+stdin) and `scripted` (from `--answers 1,3,2,...`); the last two raise `AnswerError`
+on a bad or missing answer, which the CLI turns into exit code 2. The last line
+printed is exactly `Score: N/8`. Pure Python, no torch (live text comes from a callback).
+"""
+
+from __future__ import annotations
+
+import textwrap
+from collections.abc import Callable, Iterable, Iterator
+from typing import TextIO
+
+from tpkit.quiz.content import NUM_OPTIONS, Item
+
+AnswerFn = Callable[[Item, dict], int]  # returns the chosen option's index (0-based)
+LiveFn = Callable[[int], str]  # question number (seed order) -> demonstration text
+WIDTH = 88
+
+
+class AnswerError(ValueError):
+    """A scripted answer is missing or not a number between 1 and 4."""
+
+
+def parse_answer(text: str, n: int = NUM_OPTIONS) -> int:
+    """'3' -> 2 (0-based); AnswerError naming the text unless it is an integer in 1..n."""
+    text = text.strip()
+    if not text.isdigit() or not 1 <= int(text) <= n:
+        raise AnswerError(f"answer {text!r} is not a number between 1 and {n}")
+    return int(text) - 1
+
+
+def parse_answers(text: str, count: int, n: int = NUM_OPTIONS) -> list[int]:
+    """'1,3,2,...' -> 0-based indices; AnswerError unless there are exactly `count` valid ones."""
+    parts = [p for p in text.replace(" ", ",").split(",") if p.strip()]
+    if len(parts) != count:
+        raise AnswerError(f"--answers has {len(parts)} answers, expected {count} "
+                          f"(one per question, e.g. 1,2,3,4,1,2,3,4)")
+    out = []
+    for i, part in enumerate(parts, start=1):
+        try:
+            out.append(parse_answer(part, n))
+        except AnswerError as e:
+            raise AnswerError(f"--answers, question {i}: {e}") from None
+    return out
+
+
+def scripted(answers: Iterable[int]) -> AnswerFn:
+    """Answer from a list of 0-based indices (already validated)."""
+    it: Iterator[int] = iter(answers)
+
+    def answer(item: Item, ui: dict) -> int:
+        try:
+            return next(it)
+        except StopIteration:
+            raise AnswerError(f"no answer given for question {item.number}") from None
+
+    return answer
+
+
+def from_lines(stream: TextIO) -> AnswerFn:
+    """Answer from a stream, one answer per line (blank lines skipped)."""
+
+    def answer(item: Item, ui: dict) -> int:
+        for line in stream:
+            if line.strip():
+                return parse_answer(line, len(item.options))
+        raise AnswerError(f"input ended before question {item.number} was answered")
+
+    return answer
+
+
+def interactive(read: Callable[[str], str], out: TextIO) -> AnswerFn:
+    """Ask with `read(prompt)` (e.g. `input`) until the answer is valid."""
+
+    def answer(item: Item, ui: dict) -> int:
+        n = len(item.options)
+        while True:
+            try:
+                return parse_answer(read(ui["prompt"].format(n=n)), n)
+            except AnswerError:
+                print(ui["invalid"].format(n=n), file=out)
+
+    return answer
+
+
+def render_question(item: Item, index: int, total: int, ui: dict) -> str:
+    """The question and its numbered options."""
+    lines = [f"{ui['question']} {index}/{total}", _wrap(item.question, "")]
+    lines += [_wrap(opt, f"  {k}. ", "     ") for k, opt in enumerate(item.options, start=1)]
+    return "\n".join(lines)
+
+
+def render_verdict(item: Item, choice: int, ui: dict) -> str:
+    """Right or wrong, the correct option, and the explanation."""
+    ok = choice == item.correct
+    head = ui["right"] if ok else ui["wrong"]
+    right = f"{ui['correct_answer']} {item.correct + 1}. {item.options[item.correct]}"
+    expl = _wrap(item.explanation, f"{ui['explanation']} ", "  ")
+    return "\n".join([_wrap(f"{head} {right}", ""), expl])
+
+
+def run_tutor(items: list[Item], ui: dict, answer: AnswerFn, out: TextIO,
+              live: LiveFn | None = None, echo: bool = False) -> int:
+    """Ask every item in turn, explain after each answer, print `Score: N/8`; return N."""
+    score = 0
+    for index, item in enumerate(items, start=1):
+        print(render_question(item, index, len(items), ui), file=out)
+        choice = answer(item, ui)
+        if echo:
+            print(f"> {choice + 1}", file=out)
+        score += choice == item.correct
+        print(render_verdict(item, choice, ui), file=out)
+        if live is not None:
+            print(f"--- {ui['live']} ---", file=out)
+            print(live(item.number), file=out)
+        print(file=out, flush=True)
+    print(f"Score: {score}/{len(items)}", file=out, flush=True)
+    return score
+
+
+def _wrap(text: str, first: str, rest: str | None = None) -> str:
+    return textwrap.fill(text, WIDTH, initial_indent=first,
+                         subsequent_indent=first if rest is None else rest)
