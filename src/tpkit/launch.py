@@ -148,17 +148,38 @@ class WorkerPool:
             if tid != task_id:
                 continue
             if status == "err":
-                name, msg, tb, exc_blob = payload
-                original = _unpickle(exc_blob)
-                raise SpawnError(f"rank {rank} raised {name}: {msg}\n--- traceback on rank "
-                                 f"{rank} ---\n{tb}", rank, original)
+                raise self._root_cause(rank, payload)
             out[rank] = pickle.loads(payload)
         return [out[r] for r in range(self.nprocs)]
 
-    def _check_alive(self, done: dict, deadline: float) -> None:
+    def _root_cause(self, rank: int, payload: tuple, grace_s: float = 1.0) -> SpawnError:
+        """A rank raised. A peer that died first makes the others fail in a collective
+        ("connection reset"); wait briefly and name the dead rank as the cause if any."""
+        name, msg, tb, exc_blob = payload
+        first = SpawnError(f"rank {rank} raised {name}: {msg}\n--- traceback on rank "
+                           f"{rank} ---\n{tb}", rank, _unpickle(exc_blob))
+        end = time.monotonic() + grace_s
+        while time.monotonic() < end:
+            dead = self._dead_ranks()
+            if dead and rank not in dead:
+                r, how = dead[0]
+                return SpawnError(f"rank {r} died ({how}) before returning a result; "
+                                  f"rank {rank} then failed: {name}: {msg.splitlines()[0][:200]}",
+                                  r)
+            time.sleep(0.05)
+        return first
+
+    def _dead_ranks(self) -> list[tuple[int, str]]:
+        out = []
         for r, p in enumerate(self._procs):
-            if r not in done and p.exitcode is not None:
-                how = (f"signal {-p.exitcode}" if p.exitcode < 0 else f"exit code {p.exitcode}")
+            if p.exitcode is not None:
+                out.append((r, f"signal {-p.exitcode}" if p.exitcode < 0
+                            else f"exit code {p.exitcode}"))
+        return out
+
+    def _check_alive(self, done: dict, deadline: float) -> None:
+        for r, how in self._dead_ranks():
+            if r not in done:
                 raise SpawnError(f"rank {r} died ({how}) before returning a result", r)
         if time.monotonic() > deadline:
             late = [r for r in range(self.nprocs) if r not in done]

@@ -1,0 +1,13 @@
+"""Tensor-parallel layers: linear (column/row), MLP, attention, embeddings, loss, norms."""
+
+from tpkit.layers.grads import finalize_tp_grads
+from tpkit.layers.linear import ColumnParallelLinear, RowParallelLinear
+from tpkit.layers.mlp import ColumnColumnMLP, ParallelMLP
+
+__all__ = [
+    "ColumnColumnMLP",
+    "ColumnParallelLinear",
+    "ParallelMLP",
+    "RowParallelLinear",
+    "finalize_tp_grads",
+]

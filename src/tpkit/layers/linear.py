@@ -1,0 +1,153 @@
+"""Column- and row-parallel linear layers (Shoeybi et al. 2019, section 3, figure 3).
+
+    Y = X A, A split by columns          Z = Y B, B split by rows
+    A = [A_0 | A_1]                      B = [B_0 ; B_1]
+    rank r: Y_r = X A_r   ([b, s, n/tp]) rank r: Z_r = Y_r B_r   ([b, s, m], partial)
+                                         Z = Z_0 + Z_1           (one all-reduce)
+
+A column-parallel layer needs the full X on every rank (f = copy_to_tp: identity
+forward, all-reduce of dX backward) and leaves its output split by columns. A
+row-parallel layer takes that split input as is and sums the partial products
+(g = reduce_from_tp). Column then row: nothing is sent in between.
+
+Weights are stored as torch does, [out, in]: "split by columns of A" is dim 0 of
+the stored weight, "split by rows of B" is dim 1.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from tpkit.comm import ops
+from tpkit.comm.group import CommGroup
+from tpkit.sharding import SP_TAG, TPSplit, master_normal, shard, tag
+
+
+def _divisible(n: int, tp: int, what: str) -> None:
+    if n % tp:
+        raise ValueError(f"{what}={n} is not divisible by tp={tp}")
+
+
+class ColumnParallelLinear(nn.Module):
+    """y = x A^T + b with A's output features split over tp: each rank owns out/tp of them.
+
+    `partition_sizes` declares fused weights (e.g. [ffn, ffn] for gate+up, or
+    [q, k, v]): each logical part is split separately, so every rank holds its slice
+    of each. `partition_chunks` (default tp for every part) lets a part be cut into
+    fewer chunks shared by groups of ranks (grouped-query kv heads when kv < tp).
+    """
+
+    def __init__(self, in_features: int, out_features: int, group: CommGroup, *,
+                 bias: bool = True, gather_output: bool = False,
+                 partition_sizes: list[int] | None = None,
+                 partition_chunks: list[int] | None = None, sequence_parallel: bool = False,
+                 init_std: float = 0.02, seed: int = 0, device: torch.device | str | None = None,
+                 dtype: torch.dtype | None = None) -> None:
+        super().__init__()
+        tp = group.size
+        parts = tuple(partition_sizes or [out_features])
+        if sum(parts) != out_features:
+            raise ValueError(f"partition_sizes {list(parts)} sum to {sum(parts)}, "
+                             f"not out_features={out_features}")
+        if partition_chunks is None:
+            for size in parts:
+                _divisible(size, tp, "out_features" if len(parts) == 1 else "partition size")
+        self.split = TPSplit(0, parts, tuple(partition_chunks or [tp] * len(parts)))
+        self.split.check(tp, "ColumnParallelLinear")
+        if sequence_parallel and gather_output:
+            raise ValueError("sequence_parallel and gather_output cannot both be set")
+        self.in_features, self.out_features, self.group = in_features, out_features, group
+        self.gather_output, self.sequence_parallel = gather_output, sequence_parallel
+        self.init_std, self.seed = init_std, seed
+        local = self.split.local_size()
+        kw = dict(device=device, dtype=dtype)
+        self.weight = tag(nn.Parameter(torch.empty(local, in_features, **kw)), self.split)
+        self.bias = tag(nn.Parameter(torch.empty(local, **kw)), TPSplit(0, parts, self.split.chunks)
+                        ) if bias else None
+        self.reset_parameters()
+
+    def reset_parameters(self) -> None:
+        """Draw the full weight from `seed` and keep this rank's slice; zero bias."""
+        if self.weight.is_meta:
+            return
+        full = master_normal((self.out_features, self.in_features), self.init_std, self.seed)
+        with torch.no_grad():
+            self.weight.copy_(shard(full, self.split, self.group.rank, self.group.size))
+            if self.bias is not None:
+                self.bias.zero_()
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        """x [b, s, in] (or [b, s/tp, in] with sequence parallelism) -> [b, s, out/tp]."""
+        if self.sequence_parallel:
+            x = ops.gather_from_sp(x, self.group)  # [b, s, in]
+        else:
+            x = ops.copy_to_tp(x, self.group)  # [b, s, in]; backward all-reduce
+        y = F.linear(x, self.weight, self.bias)  # [b, s, out/tp]
+        return ops.gather_from_tp(y, self.group) if self.gather_output else y
+
+    def extra_repr(self) -> str:
+        return (f"in={self.in_features}, out={self.out_features} (local {self.weight.shape[0]}), "
+                f"tp={self.group.size}, gather_output={self.gather_output}, "
+                f"sp={self.sequence_parallel}")
+
+
+class RowParallelLinear(nn.Module):
+    """y = x A^T + b with A's input features split over tp; partial outputs all-reduced.
+
+    The bias is added once, after the reduce. `partial(x)` returns this rank's
+    un-reduced contribution (quiz answer 7: the partials sum to the full output).
+    """
+
+    def __init__(self, in_features: int, out_features: int, group: CommGroup, *,
+                 bias: bool = True, input_is_parallel: bool = True,
+                 sequence_parallel: bool = False, init_std: float = 0.02, seed: int = 0,
+                 device: torch.device | str | None = None,
+                 dtype: torch.dtype | None = None) -> None:
+        super().__init__()
+        tp = group.size
+        _divisible(in_features, tp, "in_features")
+        if sequence_parallel and not input_is_parallel:
+            raise ValueError("sequence_parallel needs input_is_parallel=True")
+        self.in_features, self.out_features, self.group = in_features, out_features, group
+        self.input_is_parallel, self.sequence_parallel = input_is_parallel, sequence_parallel
+        self.init_std, self.seed = init_std, seed
+        self.split = TPSplit.even(1, in_features, tp)
+        kw = dict(device=device, dtype=dtype)
+        self.weight = tag(nn.Parameter(torch.empty(out_features, in_features // tp, **kw)),
+                          self.split)
+        self.bias = tag(nn.Parameter(torch.empty(out_features, **kw)), None) if bias else None
+        if self.bias is not None and sequence_parallel:
+            setattr(self.bias, SP_TAG, True)  # added on [b, s/tp, h]: its grad is partial
+        self.reset_parameters()
+
+    def reset_parameters(self) -> None:
+        """Draw the full weight from `seed` and keep this rank's slice; zero bias."""
+        if self.weight.is_meta:
+            return
+        full = master_normal((self.out_features, self.in_features), self.init_std, self.seed)
+        with torch.no_grad():
+            self.weight.copy_(shard(full, self.split, self.group.rank, self.group.size))
+            if self.bias is not None:
+                self.bias.zero_()
+
+    def partial(self, x: torch.Tensor) -> torch.Tensor:
+        """This rank's partial product x_r A_r^T [b, s, out] (no reduce, no bias)."""
+        if not self.input_is_parallel:
+            x = ops.scatter_to_tp(x, self.group)  # [b, s, in/tp]
+        return F.linear(x, self.weight)  # [b, s, out], a partial sum
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        """x [b, s, in/tp] (or [b, s, in] if not input_is_parallel) -> [b, s, out]."""
+        y = self.partial(x)  # [b, s, out], partial over tp
+        if self.sequence_parallel:
+            y = ops.reduce_scatter_to_sp(y, self.group)  # [b, s/tp, out]
+        else:
+            y = ops.reduce_from_tp(y, self.group)  # [b, s, out]
+        return y + self.bias if self.bias is not None else y
+
+    def extra_repr(self) -> str:
+        return (f"in={self.in_features} (local {self.weight.shape[1]}), out={self.out_features}, "
+                f"tp={self.group.size}, input_is_parallel={self.input_is_parallel}, "
+                f"sp={self.sequence_parallel}")

@@ -1,0 +1,86 @@
+"""The Megatron MLP: fc1 split by columns, fc2 split by rows (quiz answer 2).
+
+    x [b, s, h] --f--> fc1 (column) --> act --> fc2 (row) --g--> z [b, s, h]
+                       [b, s, ffn/tp]   local   [b, s, h] partial -> all-reduce
+
+The activation is element-wise, so each rank applies it to its own columns; fc2's
+rows match fc1's columns, so each rank multiplies what it already has. Forward:
+one all-reduce (g). Backward: one all-reduce (f). Nothing in between.
+
+`ColumnColumnMLP` splits both matrices by columns, the layout the quiz rejects: fc2
+needs all of fc1's output, so it must be all-gathered in the middle (and again at
+the end). It exists to measure why.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from tpkit.comm.group import CommGroup
+from tpkit.layers.linear import ColumnParallelLinear, RowParallelLinear
+from tpkit.sharding import seed_for
+
+ACTIVATIONS = ("gelu", "swiglu", "relu")
+
+
+def _check_activation(activation: str) -> None:
+    if activation not in ACTIVATIONS:
+        raise ValueError(f"activation={activation!r} is not one of {ACTIVATIONS}")
+
+
+class ParallelMLP(nn.Module):
+    """Column-parallel fc1 -> activation -> row-parallel fc2 (GELU, ReLU or SwiGLU)."""
+
+    def __init__(self, hidden: int, ffn: int, group: CommGroup, *, activation: str = "gelu",
+                 bias: bool = True, sequence_parallel: bool = False, init_std: float = 0.02,
+                 out_std: float | None = None, seed: int = 0,
+                 device: torch.device | str | None = None, dtype: torch.dtype | None = None
+                 ) -> None:
+        super().__init__()
+        _check_activation(activation)
+        self.activation = activation
+        gated = activation == "swiglu"
+        kw = dict(device=device, dtype=dtype)
+        self.fc1 = ColumnParallelLinear(  # [gate; up] fused for SwiGLU: each part split alone
+            hidden, 2 * ffn if gated else ffn, group, bias=bias,
+            partition_sizes=[ffn, ffn] if gated else None, sequence_parallel=sequence_parallel,
+            init_std=init_std, seed=seed_for(seed, "fc1"), **kw)
+        self.fc2 = RowParallelLinear(ffn, hidden, group, bias=bias,
+                                     sequence_parallel=sequence_parallel,
+                                     init_std=out_std or init_std, seed=seed_for(seed, "fc2"), **kw)
+
+    def act(self, y: torch.Tensor) -> torch.Tensor:
+        """The element-wise activation on this rank's columns [b, s, ffn/tp]."""
+        if self.activation == "swiglu":
+            gate, up = y.chunk(2, dim=-1)  # [b, s, ffn/tp] each
+            return F.silu(gate) * up
+        return F.gelu(y, approximate="tanh") if self.activation == "gelu" else F.relu(y)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        """x [b, s, h] -> [b, s, h]; one all-reduce forward, one backward."""
+        y = self.fc1(x)  # [b, s, ffn/tp] (or [b, s, 2ffn/tp] fused)
+        return self.fc2(self.act(y))  # [b, s, h], summed over tp
+
+
+class ColumnColumnMLP(nn.Module):
+    """Both matrices split by columns (quiz answer 2's wrong option), to count its traffic."""
+
+    def __init__(self, hidden: int, ffn: int, group: CommGroup, *, activation: str = "gelu",
+                 bias: bool = True, seed: int = 0) -> None:
+        super().__init__()
+        _check_activation(activation)
+        if activation == "swiglu":
+            raise ValueError("ColumnColumnMLP supports gelu and relu only")
+        self.activation = activation
+        self.fc1 = ColumnParallelLinear(hidden, ffn, group, bias=bias, gather_output=True,
+                                        seed=seed_for(seed, "fc1"))
+        self.fc2 = ColumnParallelLinear(ffn, hidden, group, bias=bias, gather_output=True,
+                                        seed=seed_for(seed, "fc2"))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        """x [b, s, h] -> [b, s, h]; all-gathers fc1's output before fc2 can start."""
+        y = self.fc1(x)  # all-gather: [b, s, ffn] on every rank
+        y = F.gelu(y, approximate="tanh") if self.activation == "gelu" else F.relu(y)
+        return self.fc2(y)  # all-gather again: [b, s, h]

@@ -1,0 +1,130 @@
+"""How a tensor-parallel parameter is split, as a tag on the parameter (nanotron style).
+
+Checkpoints, Hugging Face import/export and the tests read the tag instead of
+guessing from names. A split is along one `dim`, in logical `parts` (a fused
+gate+up weight has two parts, a fused qkv weight three), and each part is cut into
+`chunks` pieces: chunks == tp means every rank owns its own piece; chunks < tp means
+groups of tp/chunks ranks hold the same piece (grouped-query kv heads when
+num_kv_heads < tp); chunks == 1 means the part is replicated.
+
+    fused [gate; up] weight, tp=2 (rows = dim 0):     rank 0        rank 1
+      gate rows 0..f-1   -> chunks of f/2            gate[:f/2]    gate[f/2:]
+      up   rows f..2f-1  -> chunks of f/2            up[:f/2]      up[f/2:]
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+TAG = "tp_split"  # attribute name on torch.nn.Parameter
+SP_TAG = "sequence_parallel"  # replicated parameter whose gradient is partial per tp rank
+
+
+@dataclass(frozen=True)
+class TPSplit:
+    """A parameter split along `dim` into logical `parts`, part i cut into `chunks[i]`."""
+
+    dim: int
+    parts: tuple[int, ...]
+    chunks: tuple[int, ...]
+
+    @classmethod
+    def even(cls, dim: int, size: int, tp: int) -> TPSplit:
+        """One part, split evenly over tp."""
+        return cls(dim, (size,), (tp,))
+
+    def check(self, tp: int, what: str = "parameter") -> None:
+        """ValueError naming the numbers unless every part splits as declared."""
+        for size, n in zip(self.parts, self.chunks):
+            if n < 1 or tp % n:
+                raise ValueError(f"{what}: {n} chunks do not divide over tp={tp}")
+            if size % n:
+                raise ValueError(f"{what}: partition of size {size} does not split evenly "
+                                 f"into {n} chunks (tp={tp})")
+
+    def local_size(self) -> int:
+        """Size along `dim` that each rank holds."""
+        return sum(size // n for size, n in zip(self.parts, self.chunks))
+
+    def chunk_index(self, part: int, rank: int, tp: int) -> int:
+        """Which chunk of `part` rank `rank` holds."""
+        return rank * self.chunks[part] // tp
+
+    def shared(self, tp: int) -> bool:
+        """True when some part is held by several ranks (its gradient needs a sum)."""
+        return any(n < tp for n in self.chunks)
+
+
+def shard(full: torch.Tensor, split: TPSplit, rank: int, tp: int) -> torch.Tensor:
+    """The slice of a full (global) tensor that `rank` of `tp` holds."""
+    pieces, start = [], 0
+    for i, (size, n) in enumerate(zip(split.parts, split.chunks)):
+        c = size // n
+        pieces.append(full.narrow(split.dim, start + split.chunk_index(i, rank, tp) * c, c))
+        start += size
+    if start != full.shape[split.dim]:
+        raise ValueError(f"tensor of size {full.shape[split.dim]} along dim {split.dim} does not "
+                         f"match the partitions {list(split.parts)} (sum {start})")
+    return torch.cat(pieces, split.dim) if len(pieces) > 1 else pieces[0].clone()
+
+
+def unshard(shards: list[torch.Tensor], split: TPSplit) -> torch.Tensor:
+    """Rebuild the full tensor from every rank's shard (rank order)."""
+    tp = len(shards)
+    out = []
+    for i, (size, n) in enumerate(zip(split.parts, split.chunks)):
+        c, offset = size // n, sum(s // k for s, k in zip(split.parts[:i], split.chunks[:i]))
+        owners = [next(r for r in range(tp) if split.chunk_index(i, r, tp) == j) for j in range(n)]
+        out += [shards[r].narrow(split.dim, offset, c) for r in owners]
+    return torch.cat(out, split.dim)
+
+
+def tag(param: torch.Tensor, split: TPSplit | None) -> torch.Tensor:
+    """Attach a split to a parameter (None: replicated over tp)."""
+    setattr(param, TAG, split)
+    return param
+
+
+def split_of(param: torch.Tensor) -> TPSplit | None:
+    """The parameter's split, or None when it is replicated over tp."""
+    return getattr(param, TAG, None)
+
+
+def master_normal(shape: tuple[int, ...], std: float, seed: int) -> torch.Tensor:
+    """The full (tp=1) weight, drawn from `seed` on the CPU: every tp holds these values."""
+    g = torch.Generator().manual_seed(seed)
+    return torch.randn(shape, generator=g, dtype=torch.float32) * std
+
+
+def seed_for(base: int, name: str) -> int:
+    """A stable per-parameter seed from a base seed and a module path."""
+    import zlib
+
+    return (base * 1_000_003 + zlib.crc32(name.encode())) % (2**63)
+
+
+def shard_state_dict(module: torch.nn.Module, full: dict[str, torch.Tensor], rank: int,
+                     tp: int) -> dict[str, torch.Tensor]:
+    """Cut a full (tp=1) state dict into what `module` (on `rank` of `tp`) holds."""
+    out = {}
+    for name, p in module.named_parameters():
+        split = split_of(p)
+        out[name] = full[name] if split is None or tp == 1 else shard(full[name], split, rank, tp)
+    return out
+
+
+def full_state_dict(per_rank: list[dict[str, torch.Tensor]], splits: dict[str, TPSplit | None]
+                    ) -> dict[str, torch.Tensor]:
+    """Rebuild a full state dict from every tp rank's local one (rank order)."""
+    out = {}
+    for name, split in splits.items():
+        tensors = [sd[name] for sd in per_rank]
+        out[name] = tensors[0] if split is None or len(tensors) == 1 else unshard(tensors, split)
+    return out
+
+
+def splits_of(module: torch.nn.Module) -> dict[str, TPSplit | None]:
+    """name -> split for every parameter of a module."""
+    return {name: split_of(p) for name, p in module.named_parameters()}

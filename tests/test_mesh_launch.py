@@ -1,0 +1,120 @@
+"""The mesh's rank grid and groups, the locality check, and `spawn`'s error handling."""
+
+from __future__ import annotations
+
+import warnings
+
+import pytest
+import torch
+
+from tpkit.launch import SpawnError, spawn
+from tpkit.mesh import (
+    ParallelMesh,
+    TopologyWarning,
+    check_sizes,
+    coord_of,
+    group_ranks,
+    rank_grid,
+)
+
+
+@pytest.mark.parametrize("tp,pp,dp", [(2, 1, 1), (2, 2, 1), (2, 2, 2), (4, 2, 1), (1, 4, 2)])
+def test_grid_is_tp_innermost_and_groups_partition_the_world(tp, pp, dp):
+    world = tp * pp * dp
+    grid = rank_grid(tp, pp, dp)
+    for d in range(dp):
+        for p in range(pp):
+            ranks = grid[d][p]
+            assert ranks == list(range(ranks[0], ranks[0] + tp))  # a run of consecutive ranks
+            for t, r in enumerate(ranks):
+                c = coord_of(r, tp, pp)
+                assert (c.dp, c.pp, c.tp) == (d, p, t)
+    for kind, size in (("tp", tp), ("pp", pp), ("dp", dp), ("mp", tp * pp)):
+        groups = group_ranks(kind, tp, pp, dp)
+        assert sorted(r for g in groups for r in g) == list(range(world))
+        assert all(len(g) == size for g in groups)
+    # pp groups step by tp, dp groups by tp*pp
+    assert group_ranks("pp", tp, pp, dp)[0] == tuple(range(0, tp * pp, tp))
+    assert group_ranks("dp", tp, pp, dp)[0] == tuple(range(0, world, tp * pp))
+
+
+def test_sizes_must_multiply_to_world():
+    with pytest.raises(ValueError, match=r"tp\*pp\*dp = 2\*2\*2 = 8 does not equal world_size=4"):
+        check_sizes(4, 2, 2, 2)
+    with pytest.raises(ValueError, match="world_size=1"):
+        ParallelMesh(2, 1, 1)
+
+
+def test_tp_group_spanning_nodes_warns_with_reason_or_errors():
+    with pytest.warns(TopologyWarning, match="spans 2 nodes of 2 ranks"):
+        _mesh_without_groups(4, 2, strict=False)
+    with pytest.raises(ValueError, match="all-reduces the activations 4 times per layer"):
+        _mesh_without_groups(4, 2, strict=True)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        _mesh_without_groups(2, 2, strict=False)  # tp=2 inside a node of 2: silent
+
+
+def _mesh_without_groups(tp, per_node, strict):
+    # the locality check runs before any process group is touched
+    m = ParallelMesh.__new__(ParallelMesh)
+    m.tp_size, m.pp_size, m.dp_size, m.ranks_per_node = tp, 4 // tp, 1, per_node
+    m._check_locality(strict)
+    return m
+
+
+def _mesh_facts(mesh):
+    return dict(rank=mesh.rank, tp=mesh.tp_group.ranks, pp=mesh.pp_group.ranks,
+                dp=mesh.dp_group.ranks, tp_rank=mesh.tp_rank, pp_rank=mesh.pp_rank)
+
+
+def test_groups_on_real_processes(pools):
+    facts = pools.run(_mesh_facts, 4, mesh=dict(tp=2, pp=2, dp=1))
+    assert [f["tp"] for f in facts] == [(0, 1), (0, 1), (2, 3), (2, 3)]
+    assert [f["pp"] for f in facts] == [(0, 2), (1, 3), (0, 2), (1, 3)]
+    assert [f["pp_rank"] for f in facts] == [0, 0, 1, 1]
+    facts = pools.run(_mesh_facts, 4, mesh=dict(tp=2, pp=1, dp=2))
+    assert [f["dp"] for f in facts] == [(0, 2), (1, 3), (0, 2), (1, 3)]
+
+
+def _raise_on_rank_one(rank):
+    if rank == 1:
+        raise ValueError("num_heads=5 is not divisible by tp=2")
+    import torch.distributed as dist
+
+    dist.barrier()  # rank 0 would wait forever for rank 1
+    return rank
+
+
+def _die_on_rank_zero(rank):
+    import os
+
+    if rank == 0:
+        os._exit(3)
+    import torch.distributed as dist
+
+    dist.barrier()
+
+
+def _sum_ranks(rank, scale):
+    import torch.distributed as dist
+
+    t = torch.tensor([float(rank)])
+    dist.all_reduce(t)
+    return scale * t.item()
+
+
+def test_spawn_returns_per_rank_results():
+    assert spawn(_sum_ranks, 2, 10.0, timeout=60) == [10.0, 10.0]
+
+
+def test_a_raising_rank_reaches_the_parent_within_the_timeout():
+    with pytest.raises(SpawnError, match="rank 1 raised ValueError: num_heads=5") as info:
+        spawn(_raise_on_rank_one, 2, timeout=60)
+    assert info.value.rank == 1
+    assert isinstance(info.value.original, ValueError)
+
+
+def test_a_dead_rank_is_named():
+    with pytest.raises(SpawnError, match=r"rank 0 died \(exit code 3\)"):
+        spawn(_die_on_rank_zero, 2, timeout=60)
