@@ -53,7 +53,7 @@ def run(args: argparse.Namespace) -> int:
     if args.web:
         from tpkit.quiz.web import serve
 
-        return serve(quiz, port=args.port, lang=args.lang, live=args.live, tp=args.tp)
+        return serve(quiz, port=args.port, lang=args.lang, live=args.live)
     items = quiz.items(args.lang, shuffle=args.shuffle, seed=args.seed)
     try:
         if args.answers is not None:

@@ -1,0 +1,158 @@
+"""The web tutor: only the page's files on 127.0.0.1, the JSON endpoint, and a real browser.
+
+The browser test drives Debian's chromium with Playwright: it answers all 8 questions,
+sees each explanation appear, switches language mid-quiz, and checks the final score.
+It fails (never skips) when chromium or playwright is missing: `make browser` installs them.
+"""
+
+from __future__ import annotations
+
+import http.client
+import json
+import shutil
+import threading
+
+import pytest
+
+from tpkit.quiz.content import load_quiz
+from tpkit.quiz.web import make_server
+
+CHROMIUM = "/usr/bin/chromium"
+CHROMIUM_ARGS = ["--headless", "--no-sandbox", "--disable-gpu", "--disable-background-networking",
+                 "--disable-component-update", "--disable-sync", "--no-first-run"]
+
+
+def _serve(live=None):
+    server = make_server(load_quiz(), port=0, lang="fr", live=live)
+    threading.Thread(target=server.serve_forever, daemon=True).start()
+    return server
+
+
+@pytest.fixture(scope="module")
+def server():
+    calls = []
+
+    def fake_live(number: int, tp: int) -> dict:  # the web layer only; live.py has its own tests
+        calls.append((number, tp))
+        return {"text": f"demo {number} at tp={tp}", "tp": tp}
+
+    srv = _serve(fake_live)
+    srv.calls = calls
+    yield srv
+    srv.shutdown()
+    srv.server_close()
+
+
+def get(server, path: str, host: str | None = None, method: str = "GET"):
+    port = server.server_address[1]
+    conn = http.client.HTTPConnection("127.0.0.1", port, timeout=10)
+    conn.request(method, path, headers={"Host": host or f"127.0.0.1:{port}"})
+    resp = conn.getresponse()
+    body = resp.read()
+    conn.close()
+    return resp.status, resp.getheader("Content-Type"), body
+
+
+def test_binds_to_loopback_only(server):
+    assert server.server_address[0] == "127.0.0.1"
+
+
+@pytest.mark.parametrize("path", ["/", "/index.html", "/app.js", "/style.css"])
+def test_page_files_are_served(server, path):
+    status, ctype, body = get(server, path)
+    assert status == 200 and body
+    assert ctype.split(";")[0] in ("text/html", "text/javascript", "text/css")
+
+
+@pytest.mark.parametrize("path", ["/../questions.json", "/questions.json", "/web/app.js",
+                                  "/%2e%2e/content.py", "/..%2f..%2fpyproject.toml",
+                                  "/app.js/../../cli.py", "//etc/passwd", "/content.py"])
+def test_nothing_else_is_served(server, path):
+    status, _, body = get(server, path)
+    assert status == 404, (path, body[:80])
+
+
+def test_foreign_host_header_is_refused(server):
+    assert get(server, "/", host="evil.example:80")[0] == 403
+
+
+def test_quiz_endpoint_has_both_languages(server):
+    status, ctype, body = get(server, "/api/quiz")
+    data = json.loads(body)
+    assert status == 200 and ctype == "application/json"
+    assert data["languages"] == ["fr", "en"] and data["default_lang"] == "fr"
+    assert len(data["questions"]) == 8 and data["live"] is True
+
+
+def test_live_endpoint_is_bounded(server):
+    status, _, body = get(server, "/api/live/3?tp=4")
+    assert status == 200 and json.loads(body)["text"] == "demo 3 at tp=4"
+    assert get(server, "/api/live/3?tp=4")[0] == 200 and server.calls == [(3, 4)]  # cached
+    assert get(server, "/api/live/9")[0] == 404
+    assert get(server, "/api/live/1?tp=3")[0] == 400
+    assert get(server, "/api/live/1?tp=2x")[0] == 400
+
+
+def test_live_endpoint_absent_without_live():
+    srv = _serve(None)
+    try:
+        assert get(srv, "/api/live/1")[0] == 404
+        assert json.loads(get(srv, "/api/quiz")[2])["live"] is False
+    finally:
+        srv.shutdown()
+        srv.server_close()
+
+
+def _browser(playwright):
+    if not shutil.which(CHROMIUM):
+        pytest.fail(f"{CHROMIUM} not found: the browser test needs Debian's chromium "
+                    f"(run `make browser`, or `apt-get install chromium`)")
+    return playwright.chromium.launch(executable_path=CHROMIUM, args=CHROMIUM_ARGS)
+
+
+@pytest.mark.timeout(90)
+def test_browser_answers_all_questions_switches_language_and_scores(server):
+    try:
+        from playwright.sync_api import expect, sync_playwright
+    except ImportError:
+        pytest.fail("playwright is not installed: `pip install -e '.[web]'` (see `make test`)")
+    quiz = load_quiz()
+    fr, en = quiz.items("fr"), quiz.items("en")
+    choices = [0, 0, 2, 3, 1, 1, 2, 0]  # questions 2, 5 and 8 wrong: 5/8
+    url = f"http://127.0.0.1:{server.server_address[1]}/?lang=fr"
+    with sync_playwright() as p:
+        browser = _browser(p)
+        page = browser.new_page()
+        errors: list[str] = []
+        page.on("pageerror", lambda e: errors.append(str(e)))
+        page.goto(url)
+        expect(page.locator("#title")).to_have_text(quiz.title("fr"))
+        expect(page.locator(".question")).to_have_count(8)
+        for i, k in enumerate(choices):
+            items = fr if i < 4 else en
+            section = page.locator(f"#q{i + 1}")
+            expect(section.locator("svg.diagram")).to_have_count(1)
+            expect(section.locator(".explanation")).to_have_count(0)  # not before answering
+            section.locator(".option").nth(k).click()
+            expect(section.locator(".explanation")).to_contain_text(items[i].explanation)
+            verdict = "right" if k == items[i].correct else "wrong"
+            expect(section.locator(f".verdict.{verdict}")).to_have_count(1)
+            expect(section.locator(".option.right")).to_have_text(
+                f"{items[i].correct + 1}.{items[i].options[items[i].correct]}")
+            if i == 3:  # halfway: switch to English, answers and explanations stay
+                expect(page.locator("#score")).to_contain_text("Score : 3/8")
+                page.click("#lang-en")
+                expect(page.locator("html")).to_have_attribute("lang", "en")
+                expect(page.locator("#title")).to_have_text(quiz.title("en"))
+                expect(page.locator("#q1 .explanation")).to_contain_text(en[0].explanation)
+                expect(page.locator(".explanation")).to_have_count(4)
+        expect(page.locator("#final")).to_be_visible()
+        expect(page.locator("#final")).to_contain_text("Score: 5/8")
+        expect(page.locator("#score")).to_contain_text("Score: 5/8")
+        page.click("#lang-fr")
+        expect(page.locator("#final")).to_contain_text("Score : 5/8")
+        page.click("#restart")
+        expect(page.locator(".explanation")).to_have_count(0)
+        expect(page.locator("#final")).to_be_hidden()
+        browser.close()
+    assert errors == []
