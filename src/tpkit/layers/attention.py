@@ -1,0 +1,135 @@
+"""Self-attention split by heads (Shoeybi et al. 2019, section 3; quiz answer 4).
+
+    x [b, s, h] --f--> qkv (column-parallel, fused [q; k; v])
+        rank r: q heads  [r*nh/tp, (r+1)*nh/tp)            -> [b, nh/tp, s, hd]
+                kv heads its query heads read (GQA)         -> [b, kv_local, s, hd]
+        local scaled-dot-product attention: heads never talk to each other
+    --> out (row-parallel) --g--> one all-reduce -> [b, s, h]
+
+Grouped-query attention: with num_kv_heads >= tp the kv heads are split like the
+query heads; with num_kv_heads < tp (tp a multiple of kv) groups of tp/kv ranks hold
+the same kv head — the one their query heads read — and `finalize_tp_grads` sums
+its gradient over them. MQA (1 kv head) is the case kv = 1.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from tpkit.comm.group import CommGroup
+from tpkit.layers.linear import ColumnParallelLinear, RowParallelLinear
+from tpkit.layers.random import TPRandom
+from tpkit.layers.rotary import apply_rope, rope_angles
+from tpkit.sharding import seed_for
+
+
+@dataclass
+class KVCache:
+    """This rank's keys and values so far: [b, kv_local, t, hd] each (its heads only)."""
+
+    k: torch.Tensor | None = None
+    v: torch.Tensor | None = None
+
+    @property
+    def length(self) -> int:
+        """Number of cached positions."""
+        return 0 if self.k is None else self.k.shape[2]
+
+
+def heads_of_rank(num_heads: int, num_kv_heads: int, tp: int, rank: int
+                  ) -> tuple[list[int], list[int]]:
+    """(query heads, kv heads) that `rank` of `tp` owns."""
+    q = list(range(rank * num_heads // tp, (rank + 1) * num_heads // tp))
+    if num_kv_heads >= tp:
+        kv = list(range(rank * num_kv_heads // tp, (rank + 1) * num_kv_heads // tp))
+    else:
+        kv = [rank * num_kv_heads // tp]
+    return q, kv
+
+
+class ParallelAttention(nn.Module):
+    """Multi-head / grouped-query / multi-query self-attention, heads split over tp."""
+
+    def __init__(self, hidden: int, num_heads: int, group: CommGroup, *,
+                 num_kv_heads: int | None = None, bias: bool = True, causal: bool = True,
+                 rope_theta: float | None = None, dropout: float = 0.0,
+                 sequence_parallel: bool = False, init_std: float = 0.02,
+                 out_std: float | None = None, seed: int = 0, device=None, dtype=None) -> None:
+        super().__init__()
+        tp, kv = group.size, num_kv_heads or num_heads
+        if hidden % num_heads:
+            raise ValueError(f"hidden={hidden} is not divisible by num_heads={num_heads}")
+        if num_heads % tp:
+            raise ValueError(f"num_heads={num_heads} is not divisible by tp={tp}")
+        if num_heads % kv:
+            raise ValueError(f"num_heads={num_heads} is not a multiple of num_kv_heads={kv}")
+        if kv % tp and tp % kv:
+            raise ValueError(f"num_kv_heads={kv} is neither a multiple nor a divisor of tp={tp}")
+        self.hidden, self.num_heads, self.num_kv_heads, self.group = hidden, num_heads, kv, group
+        self.head_dim = hd = hidden // num_heads
+        self.local_heads = num_heads // tp
+        self.local_kv = kv // tp if kv >= tp else 1
+        self.causal, self.rope_theta, self.dropout = causal, rope_theta, dropout
+        kv_chunks = tp if kv >= tp else kv
+        kw = dict(device=device, dtype=dtype)
+        self.qkv = ColumnParallelLinear(
+            hidden, (num_heads + 2 * kv) * hd, group, bias=bias,
+            partition_sizes=[num_heads * hd, kv * hd, kv * hd],
+            partition_chunks=[tp, kv_chunks, kv_chunks], sequence_parallel=sequence_parallel,
+            init_std=init_std, seed=seed_for(seed, "qkv"), **kw)
+        self.out = RowParallelLinear(num_heads * hd, hidden, group, bias=bias,
+                                     sequence_parallel=sequence_parallel,
+                                     init_std=out_std or init_std, seed=seed_for(seed, "out"), **kw)
+
+    def owned_heads(self) -> tuple[list[int], list[int]]:
+        """(query heads, kv heads) this rank computes."""
+        return heads_of_rank(self.num_heads, self.num_kv_heads, self.group.size, self.group.rank)
+
+    def forward(self, x: torch.Tensor, attention_mask: torch.Tensor | None = None,
+                rng: TPRandom | None = None, kv_cache: KVCache | None = None) -> torch.Tensor:
+        """x [b, s, h] ([b, s/tp, h] with SP) -> same shape; one all-reduce forward.
+
+        `attention_mask` [b, s_total] is 1 for real tokens and 0 for padding.
+        """
+        qkv = self.qkv(x)  # [b, s, (nh/tp + 2 kv_local) hd]
+        b, s, _ = qkv.shape
+        hd, nq, nkv = self.head_dim, self.local_heads, self.local_kv
+        q, k, v = qkv.split([nq * hd, nkv * hd, nkv * hd], dim=-1)
+        q = q.view(b, s, nq, hd).transpose(1, 2)  # [b, nh/tp, s, hd]
+        k = k.view(b, s, nkv, hd).transpose(1, 2)  # [b, kv_local, s, hd]
+        v = v.view(b, s, nkv, hd).transpose(1, 2)
+        offset = kv_cache.length if kv_cache is not None else 0
+        if self.rope_theta is not None:
+            cos, sin = rope_angles(s, hd, self.rope_theta, offset, x.device)
+            q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
+        if kv_cache is not None:
+            k = k if kv_cache.k is None else torch.cat([kv_cache.k, k], dim=2)
+            v = v if kv_cache.v is None else torch.cat([kv_cache.v, v], dim=2)
+            kv_cache.k, kv_cache.v = k, v
+        if nkv != nq:  # grouped-query: each kv head serves nq/nkv query heads
+            k = k.repeat_interleave(nq // nkv, dim=1)  # [b, nh/tp, t, hd]
+            v = v.repeat_interleave(nq // nkv, dim=1)
+        y = self._attend(q, k, v, attention_mask, offset, rng)  # [b, nh/tp, s, hd]
+        y = y.transpose(1, 2).reshape(b, s, nq * hd)  # [b, s, h/tp]
+        return self.out(y)  # [b, s, h] summed over tp
+
+    def _attend(self, q, k, v, attention_mask, offset, rng):
+        s, t = q.shape[2], k.shape[2]
+        p = self.dropout if self.training else 0.0
+        mask = None
+        if attention_mask is not None or (self.causal and offset):
+            mask = torch.ones(s, t, dtype=torch.bool, device=q.device)
+            if self.causal:
+                mask = torch.tril(mask, diagonal=offset)  # query i sees keys <= offset + i
+            mask = mask.expand(q.shape[0], 1, s, t)
+            if attention_mask is not None:
+                mask = mask & attention_mask[:, None, None, -t:].bool()
+        causal = self.causal and mask is None
+        if p and rng is not None:  # the heads are split over tp: per-rank dropout masks
+            with rng.fork():
+                return F.scaled_dot_product_attention(q, k, v, mask, p, is_causal=causal)
+        return F.scaled_dot_product_attention(q, k, v, mask, p, is_causal=causal)

@@ -1,0 +1,42 @@
+"""LayerNorm and RMSNorm, replicated over tp.
+
+Without sequence parallelism every tp rank normalizes the same [b, s, h] activations
+(redundant, cheap). With it, each rank normalizes its own [b, s/tp, h] slice, so the
+weight gradient on each rank is a partial sum: the weights are tagged and
+`finalize_tp_grads` sums them over tp.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from tpkit.sharding import SP_TAG, tag
+
+
+class Norm(nn.Module):
+    """LayerNorm (weight, bias) or RMSNorm (weight) over the last dimension."""
+
+    def __init__(self, hidden: int, kind: str = "layernorm", eps: float = 1e-5, *,
+                 sequence_parallel: bool = False, device=None, dtype=None) -> None:
+        super().__init__()
+        if kind not in ("layernorm", "rmsnorm"):
+            raise ValueError(f"norm={kind!r} is not one of ('layernorm', 'rmsnorm')")
+        self.kind, self.eps, self.hidden = kind, eps, hidden
+        self.weight = tag(nn.Parameter(torch.ones(hidden, device=device, dtype=dtype)), None)
+        self.bias = tag(nn.Parameter(torch.zeros(hidden, device=device, dtype=dtype)), None) \
+            if kind == "layernorm" else None
+        for p in self.parameters():
+            setattr(p, SP_TAG, sequence_parallel)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        """x [..., h] -> [..., h], computed in float32."""
+        if self.kind == "layernorm":
+            return F.layer_norm(x, (self.hidden,), self.weight, self.bias, self.eps)
+        xf = x.float()
+        y = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + self.eps)
+        return (y * self.weight.float()).to(x.dtype)
+
+    def extra_repr(self) -> str:
+        return f"{self.kind}, hidden={self.hidden}, eps={self.eps}"

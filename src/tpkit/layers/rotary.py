@@ -1,0 +1,30 @@
+"""Rotary position embeddings (Su et al. 2021), in the rotate-half layout of Llama.
+
+Applied per head, so it commutes with splitting heads over tp: each rank rotates
+its own heads with the same angles.
+"""
+
+from __future__ import annotations
+
+import torch
+
+
+def rope_angles(seq: int, head_dim: int, theta: float, offset: int = 0,
+                device: torch.device | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """cos, sin [seq, head_dim] for positions offset .. offset+seq-1."""
+    inv = 1.0 / theta ** (torch.arange(0, head_dim, 2, device=device, dtype=torch.float32)
+                          / head_dim)  # [hd/2]
+    pos = torch.arange(offset, offset + seq, device=device, dtype=torch.float32)  # [s]
+    freqs = torch.outer(pos, inv)  # [s, hd/2]
+    emb = torch.cat([freqs, freqs], dim=-1)  # [s, hd]
+    return emb.cos(), emb.sin()
+
+
+def _rotate_half(x: torch.Tensor) -> torch.Tensor:
+    a, b = x.chunk(2, dim=-1)
+    return torch.cat([-b, a], dim=-1)
+
+
+def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """x [b, heads, s, hd] rotated by position."""
+    return (x.float() * cos + _rotate_half(x.float()) * sin).to(x.dtype)

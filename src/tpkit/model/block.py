@@ -1,0 +1,59 @@
+"""One transformer layer (pre-norm GPT/Llama, or post-norm BERT), tensor-parallel.
+
+    x --norm--> attention (heads split) --g--> dropout --+--> norm --> MLP --g--> dropout --+-->
+    |____________________________________________________|  |_____________________________|
+
+Per micro-batch it sends exactly 2 all-reduces of b*s*h forward and 2 backward
+(with sequence parallelism: 2 all-gathers + 2 reduce-scatters each way).
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from tpkit.comm.group import CommGroup
+from tpkit.layers.attention import KVCache, ParallelAttention
+from tpkit.layers.mlp import ParallelMLP
+from tpkit.layers.norm import Norm
+from tpkit.layers.random import TPRandom, dropout
+from tpkit.model.config import ModelConfig
+from tpkit.sharding import seed_for
+
+
+class Block(nn.Module):
+    """Norm + ParallelAttention + Norm + ParallelMLP with residuals."""
+
+    def __init__(self, config: ModelConfig, group: CommGroup, *, layer_index: int,
+                 sequence_parallel: bool = False, seed: int = 0, device=None, dtype=None
+                 ) -> None:
+        super().__init__()
+        c, sp = config, sequence_parallel
+        out_std = c.init_std / (2 * c.num_layers) ** 0.5  # GPT-2's scaled residual init
+        kw = dict(device=device, dtype=dtype)
+        self.pre_norm = c.causal  # BERT (bidirectional) is post-norm
+        self.sequence_parallel, self.p = sp, c.dropout
+        self.attn_norm = Norm(c.hidden, c.norm, c.norm_eps, sequence_parallel=sp, **kw)
+        self.attn = ParallelAttention(
+            c.hidden, c.num_heads, group, num_kv_heads=c.kv_heads, bias=c.bias, causal=c.causal,
+            rope_theta=c.rope_theta if c.position == "rope" else None, dropout=c.dropout,
+            sequence_parallel=sp, init_std=c.init_std, out_std=out_std,
+            seed=seed_for(seed, f"layers.{layer_index}.attn"), **kw)
+        self.mlp_norm = Norm(c.hidden, c.norm, c.norm_eps, sequence_parallel=sp, **kw)
+        self.mlp = ParallelMLP(c.hidden, c.ffn, group, activation=c.activation, bias=c.bias,
+                               sequence_parallel=sp, init_std=c.init_std, out_std=out_std,
+                               seed=seed_for(seed, f"layers.{layer_index}.mlp"), **kw)
+
+    def forward(self, x: torch.Tensor, attention_mask: torch.Tensor | None = None,
+                rng: TPRandom | None = None, kv_cache: KVCache | None = None) -> torch.Tensor:
+        """x [b, s, h] ([b, s/tp, h] with SP) -> same shape."""
+        sharded = self.sequence_parallel  # residual stream split over tp only with SP
+        if self.pre_norm:
+            a = self.attn(self.attn_norm(x), attention_mask, rng, kv_cache)
+            x = x + dropout(a, self.p, self.training, rng, sharded)
+            m = self.mlp(self.mlp_norm(x))
+            return x + dropout(m, self.p, self.training, rng, sharded)
+        a = self.attn(x, attention_mask, rng, kv_cache)
+        x = self.attn_norm(x + dropout(a, self.p, self.training, rng, sharded))
+        m = self.mlp(x)
+        return self.mlp_norm(x + dropout(m, self.p, self.training, rng, sharded))

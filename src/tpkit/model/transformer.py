@@ -1,0 +1,190 @@
+"""`Transformer`: the one model definition. tp=1 is the single-device reference.
+
+    ids [b, s] -> Embeddings (vocab-parallel; + positions, token types)
+               -> Block x L (this pipeline stage's share, global indices)
+               -> final norm -> head (column-parallel, tied to the embedding or not)
+               -> logits [b, s, V_pad/tp], never gathered -> vocab_parallel_cross_entropy
+
+With pipeline parallelism each stage builds only its layers (embedding on the
+first, final norm and head on the last); parameter names keep global layer
+indices so checkpoints do not depend on the layout.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from tpkit.comm import ops
+from tpkit.layers.attention import KVCache
+from tpkit.layers.cross_entropy import vocab_parallel_cross_entropy
+from tpkit.layers.embedding import VocabParallelEmbedding, padded_master
+from tpkit.layers.grads import finalize_tp_grads
+from tpkit.layers.norm import Norm
+from tpkit.layers.random import TPRandom, checkpointed, dropout
+from tpkit.model.block import Block
+from tpkit.model.config import ModelConfig
+from tpkit.sharding import SP_TAG, TPSplit, seed_for, shard, tag
+
+
+def stage_layers(num_layers: int, pp: int, stage: int) -> range:
+    """Global layer indices of a pipeline stage (earlier stages take the remainder)."""
+    base, extra = divmod(num_layers, pp)
+    start = stage * base + min(stage, extra)
+    return range(start, start + base + (1 if stage < extra else 0))
+
+
+class Embeddings(nn.Module):
+    """Word (vocab-parallel) + learned positions + token types; replicated extras."""
+
+    def __init__(self, c: ModelConfig, group, sp: bool, seed: int, device=None, dtype=None):
+        super().__init__()
+        kw = dict(device=device, dtype=dtype)
+        self.word = VocabParallelEmbedding(c.vocab_size, c.hidden, group, sequence_parallel=sp,
+                                           init_std=c.init_std, seed=seed_for(seed, "embed.word"),
+                                           **kw)
+        self.group, self.sp, self.p = group, sp, c.dropout
+        self.position = self._table(c.max_seq_len, c, seed, "embed.position", sp, kw) \
+            if c.position == "learned" else None
+        self.token_type = self._table(c.type_vocab_size, c, seed, "embed.token_type", sp, kw) \
+            if c.type_vocab_size else None
+
+    @staticmethod
+    def _table(n, c, seed, name, sp, kw):
+        e = nn.Embedding(n, c.hidden, **kw)
+        if not e.weight.is_meta:
+            from tpkit.sharding import master_normal
+            with torch.no_grad():
+                e.weight.copy_(master_normal((n, c.hidden), c.init_std, seed_for(seed, name)))
+        tag(e.weight, None)
+        setattr(e.weight, SP_TAG, sp)  # with SP each rank adds its sequence slice only
+        return e
+
+    def forward(self, ids, token_types=None, position_offset: int = 0, rng=None):
+        """ids [b, s] -> [b, s, h] (or [b, s/tp, h] with SP)."""
+        x = self.word(ids)  # reduced over tp (all-reduce, or reduce-scatter with SP)
+        s_local, s = x.shape[1], ids.shape[1]
+        first = self.group.rank * s_local if self.sp else 0  # this rank's sequence slice
+        if self.position is not None:
+            pos = torch.arange(position_offset + first, position_offset + first + s_local,
+                               device=ids.device)
+            x = x + self.position(pos)
+        if self.token_type is not None:
+            tt = token_types if token_types is not None else torch.zeros_like(ids)
+            x = x + self.token_type(tt[:, first:first + s_local] if self.sp else tt)
+        del s
+        return dropout(x, self.p, self.training, rng, sharded=self.sp)
+
+
+class Transformer(nn.Module):
+    """GPT-2, Llama and BERT style transformers, tensor- and pipeline-parallel."""
+
+    def __init__(self, config: ModelConfig, mesh, *, seed: int = 0,
+                 sequence_parallel: bool = False, recompute: bool = False,
+                 device: torch.device | str | None = None, dtype: torch.dtype | None = None
+                 ) -> None:
+        super().__init__()
+        tp, pp = mesh.tp_size, mesh.pp_size
+        config.check(tp=tp, pp=pp)  # every rank, before any collective
+        self.config, self.mesh, self.group = config, mesh, mesh.tp_group
+        self.sequence_parallel, self.recompute, self.seed = sequence_parallel, recompute, seed
+        self.layer_range = stage_layers(config.num_layers, pp, mesh.pp_rank)
+        self.is_first_stage, self.is_last_stage = mesh.pp_rank == 0, mesh.pp_rank == pp - 1
+        device = device if device is not None else mesh.device
+        kw = dict(device=device, dtype=dtype)
+        self.rng = TPRandom(seed, mesh.tp_rank, torch.device(device) if str(device) != "meta"
+                            else None)
+        if self.is_first_stage:
+            self.embed = Embeddings(config, self.group, sequence_parallel, seed, **kw)
+        self.layers = nn.ModuleDict({
+            str(i): Block(config, self.group, layer_index=i, sequence_parallel=sequence_parallel,
+                          seed=seed, **kw) for i in self.layer_range})
+        if self.is_last_stage:
+            self.final_norm = Norm(config.hidden, config.norm, config.norm_eps,
+                                   sequence_parallel=sequence_parallel, **kw)
+            self._make_head(kw)
+
+    def _make_head(self, kw) -> None:
+        c, tp = self.config, self.group.size
+        if c.tie_embeddings and self.is_first_stage:
+            self.head = None  # the embedding table itself
+            return
+        padded = c.padded_vocab(tp)
+        split = TPSplit.even(0, padded, tp)
+        w = nn.Parameter(torch.empty(padded // tp, c.hidden, **kw))
+        if not w.is_meta:
+            name = "embed.word" if c.tie_embeddings else "head"
+            full = padded_master(c.vocab_size, padded, c.hidden, c.init_std, seed_for(self.seed,
+                                                                                     name))
+            with torch.no_grad():
+                w.copy_(shard(full, split, self.group.rank, tp))
+        self.head = nn.Module()
+        self.head.weight = tag(w, split)
+        if c.tie_embeddings:
+            w.tied_to = "embed.word.weight"  # the first stage's table: grads summed over pp
+
+    @property
+    def head_weight(self) -> torch.Tensor:
+        """The output projection [V_pad/tp, h] (the embedding table when tied on one stage)."""
+        return self.embed.word.weight if self.head is None else self.head.weight
+
+    def activation_shape(self, b: int, s: int) -> tuple[int, int, int]:
+        """Shape of the hidden states passed between pipeline stages on this rank."""
+        return (b, s // self.group.size if self.sequence_parallel else s, self.config.hidden)
+
+    def forward(self, x: torch.Tensor, attention_mask: torch.Tensor | None = None,
+                token_types: torch.Tensor | None = None,
+                kv_caches: list[KVCache] | None = None, position_offset: int = 0
+                ) -> torch.Tensor:
+        """First stage: ids [b, s]; others: hidden. Last stage returns logits [b, s, V_pad/tp]."""
+        h = self.body(x, attention_mask, token_types, kv_caches, position_offset)
+        return self.logits(h) if self.is_last_stage else h
+
+    def body(self, x, attention_mask=None, token_types=None, kv_caches=None, position_offset=0):
+        """Embedding (first stage) and this stage's layers; final norm on the last stage."""
+        if self.is_first_stage:
+            if self.sequence_parallel and x.shape[1] % self.group.size:
+                raise ValueError(f"sequence length {x.shape[1]} is not divisible by "
+                                 f"tp={self.group.size} (sequence parallelism)")
+            x = self.embed(x, token_types, position_offset, self.rng)
+        for j, (i, layer) in enumerate(self.layers.items()):
+            cache = kv_caches[j] if kv_caches is not None else None
+            with self.mesh.ledger.scope(f"layers.{i}"):
+                if self.recompute and self.training and cache is None:
+                    x = checkpointed(lambda t, lay=layer: lay(t, attention_mask, self.rng),
+                                     self.rng, x)
+                else:
+                    x = layer(x, attention_mask, self.rng, cache)
+        return self.final_norm(x) if self.is_last_stage else x
+
+    def logits(self, h: torch.Tensor) -> torch.Tensor:
+        """Final hidden [b, s, h] ([b, s/tp, h] with SP) -> vocab-parallel logits."""
+        with self.mesh.ledger.scope("head"):
+            if self.sequence_parallel:
+                h = ops.gather_from_sp(h, self.group)  # [b, s, h]
+            else:
+                h = ops.copy_to_tp(h, self.group)  # backward: all-reduce
+            return torch.nn.functional.linear(h, self.head_weight)  # [b, s, V_pad/tp]
+
+    def hidden_states(self, ids, attention_mask=None, token_types=None) -> torch.Tensor:
+        """Final hidden states [b, s, h] (gathered over the sequence with SP)."""
+        h = self.body(ids, attention_mask, token_types)
+        return ops.gather_from_sp(h, self.group) if self.sequence_parallel else h
+
+    def loss(self, logits: torch.Tensor, labels: torch.Tensor, ignore_index: int = -100,
+             label_smoothing: float = 0.0) -> torch.Tensor:
+        """Mean cross-entropy over non-ignored tokens; identical on every tp rank."""
+        with self.mesh.ledger.scope("loss"):
+            per_token = vocab_parallel_cross_entropy(
+                logits, labels, self.group, self.config.vocab_size, ignore_index=ignore_index,
+                label_smoothing=label_smoothing)
+        n = (labels != ignore_index).sum().clamp(min=1)
+        return per_token.sum() / n
+
+    def finalize_grads(self) -> None:
+        """The tensor-parallel gradient sums (SP norms, shared kv heads); once per step."""
+        finalize_tp_grads(self, self.group)
+
+    def param_bytes(self) -> int:
+        """Bytes of parameters on this rank."""
+        return sum(p.numel() * p.element_size() for p in self.parameters())
