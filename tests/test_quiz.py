@@ -1,0 +1,141 @@
+"""The quiz: content in both languages, the terminal tutor, and the live demonstrations.
+
+Content: 8 questions per language, 4 distinct options each, exactly one correct, the
+same in both languages. Tutor: a scripted run shows the verdict, the correct option
+and the explanation right after each answer, and ends with `Score: N/8`. Live: each
+demonstration computes its figures on local gloo processes, and they change with tp.
+"""
+
+from __future__ import annotations
+
+import io
+import json
+import subprocess
+import sys
+from importlib import resources
+
+import pytest
+
+from tpkit.quiz.content import load_quiz, problems
+from tpkit.quiz.tutor import (
+    AnswerError,
+    from_lines,
+    interactive,
+    parse_answers,
+    run_tutor,
+    scripted,
+)
+
+SEED_ANSWERS = [1, 2, 3, 4, 1, 2, 3, 4]  # the seed's correct options, numbered 1..4
+
+
+@pytest.fixture(scope="module")
+def quiz():
+    return load_quiz()
+
+
+# -- content -----------------------------------------------------------------------------
+def test_eight_questions_four_options_one_answer_in_each_language(quiz):
+    for lang in ("fr", "en"):
+        items = quiz.items(lang)
+        assert len(items) == 8
+        for item in items:
+            assert len(item.options) == 4 == len(set(item.options))
+            assert item.question.strip() and item.explanation.strip()
+        assert [i.correct + 1 for i in items] == SEED_ANSWERS
+
+
+def test_same_correct_index_and_diagram_in_both_languages(quiz):
+    fr, en = quiz.items("fr"), quiz.items("en")
+    assert [(i.correct, i.diagram, i.id) for i in fr] == [(i.correct, i.diagram, i.id) for i in en]
+
+
+def test_french_uses_the_field_s_words(quiz):
+    text = json.dumps([(i.question, i.options, i.explanation) for i in quiz.items("fr")],
+                      ensure_ascii=False)
+    assert "all-reduce" in text and "convolution" in text and "par colonnes" in text
+    assert "par lignes" in text
+    assert "tout réduit" not in text and "circonvolution" not in text
+
+
+def test_validation_names_the_problem(quiz):
+    data = json.loads(resources.files("tpkit.quiz").joinpath("questions.json").read_text("utf-8"))
+    assert problems(data) == []
+    data["questions"][2]["answer"] = 4
+    data["questions"][5]["en"]["options"].pop()
+    found = problems(data)
+    assert any("question 3: answer=4" in p for p in found)
+    assert any("question 6 (en)" in p for p in found)
+    data["questions"].pop()
+    assert any("7 questions, expected 8" in p for p in problems(data))
+
+
+def test_shuffle_keeps_each_answer_with_its_question(quiz):
+    plain = {i.id: i.options[i.correct] for i in quiz.items("en")}
+    shuffled = quiz.items("en", shuffle=True, seed=5)
+    assert [i.id for i in shuffled] != [i.id for i in quiz.items("en")]
+    assert {i.id: i.options[i.correct] for i in shuffled} == plain
+    assert [i.options for i in quiz.items("en", shuffle=True, seed=5)] == \
+        [i.options for i in shuffled]
+
+
+# -- terminal tutor ------------------------------------------------------------------------
+@pytest.mark.parametrize("lang", ["fr", "en"])
+def test_scripted_run_explains_after_each_answer_and_scores(quiz, lang):
+    items, ui, out = quiz.items(lang), quiz.ui(lang), io.StringIO()
+    answers = [1, 2, 3, 1, 1, 4, 3, 4]  # questions 4 and 6 wrong
+    score = run_tutor(items, ui, scripted([a - 1 for a in answers]), out, echo=True)
+    text = out.getvalue()
+    assert score == 6 and text.rstrip().splitlines()[-1] == "Score: 6/8"
+    pos = 0
+    for item, a in zip(items, answers):  # in order: question, answer, verdict, explanation
+        pos = text.index(item.question[:40], pos)
+        pos = text.index(f"> {a}", pos)
+        verdict = ui["right"] if a - 1 == item.correct else ui["wrong"]
+        pos = text.index(verdict, pos)
+        pos = text.index(ui["correct_answer"], pos)
+        pos = text.index(ui["explanation"], pos)
+        assert item.explanation.split()[3] in text[pos:pos + 400]
+
+
+def test_interactive_asks_again_on_a_bad_answer(quiz):
+    replies = iter(["x", "9", "", "1"] + ["1"] * 7)  # three bad replies, then 1 everywhere
+    out = io.StringIO()
+    score = run_tutor(quiz.items("en"), quiz.ui("en"), interactive(lambda _: next(replies), out),
+                      out)
+    assert out.getvalue().count("Invalid answer") == 3
+    assert score == 2  # option 1 is right for questions 1 and 5
+
+
+def test_answers_parsing_and_errors():
+    assert parse_answers("1,2,3,4,1,2,3,4", 8) == [0, 1, 2, 3, 0, 1, 2, 3]
+    with pytest.raises(AnswerError, match="3 answers, expected 8"):
+        parse_answers("1,2,3", 8)
+    with pytest.raises(AnswerError, match="question 2: answer '5'"):
+        parse_answers("1,5,3,4,1,2,3,4", 8)
+    with pytest.raises(AnswerError, match="ended before question 1"):
+        from_lines(io.StringIO("\n\n"))(load_quiz().items("en")[0], {})
+
+
+def _cli(*args: str, stdin: str | None = None) -> subprocess.CompletedProcess:
+    code = "import sys; from tpkit.cli import main; sys.exit(main(sys.argv[1:]))"
+    return subprocess.run([sys.executable, "-c", code, "quiz", *args], input=stdin,
+                          capture_output=True, text=True, timeout=60)
+
+
+@pytest.mark.timeout(60)
+def test_cli_scripted_stdin_bad_answers_and_no_torch():
+    r = _cli("--lang", "fr", "--answers", "1,2,3,4,1,2,3,1")
+    assert r.returncode == 0 and r.stdout.splitlines()[-1] == "Score: 7/8"
+    assert r.stdout.count("Explication :") == 8 and "Bonne réponse :" in r.stdout
+    r = _cli("--lang", "en", stdin="1\n2\n3\n4\n\n1\n2\n3\n4\n")
+    assert r.returncode == 0 and r.stdout.splitlines()[-1] == "Score: 8/8"
+    r = _cli("--answers", "1,2,7,4,1,2,3,4")
+    assert r.returncode == 2 and "question 3: answer '7'" in r.stderr
+    r = _cli("--lang", "en", stdin="1\n2\n")
+    assert r.returncode == 2 and "ended before question 3" in r.stderr
+    code = ("import sys; from tpkit.cli import main; main(['quiz', '--answers', "
+            "'1,1,1,1,1,1,1,1']); assert 'torch' not in sys.modules, 'torch imported'")
+    r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60)
+    assert r.returncode == 0, r.stderr
+    assert r.stdout.splitlines()[-1] == "Score: 2/8"
