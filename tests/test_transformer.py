@@ -1,0 +1,173 @@
+"""The whole model and its parts against the tp=1 model, with and without sequence
+parallelism: logits, loss and every gathered gradient equal to float32 round-off
+(max abs diff <= 1e-5), and the ledger equal to the theory per layer."""
+
+from __future__ import annotations
+
+from dataclasses import replace
+
+import pytest
+import torch
+
+from helpers import gather_grads, max_diff
+from tpkit.comm import theory
+from tpkit.mesh import ParallelMesh
+from tpkit.model import ModelConfig, Transformer, get_preset
+from tpkit.sharding import TPSplit, splits_of
+
+B, S = 2, 12
+# 6 heads, 3 kv heads, a vocabulary no tp divides: runs at tp = 1, 2 (kv split 3:... no), 3
+ODD = ModelConfig(name="odd", vocab_size=250, hidden=48, num_layers=2, num_heads=6,
+                  num_kv_heads=3, ffn_hidden=96, max_seq_len=32)
+
+
+def run_model(mesh, cfg: ModelConfig, sp: bool, ids, labels, recompute=False):
+    torch.manual_seed(1234)
+    model = Transformer(cfg, mesh, seed=7, sequence_parallel=sp, recompute=recompute)
+    token_types = torch.zeros_like(ids) if cfg.type_vocab_size else None
+    logits = model(ids, token_types=token_types)
+    loss = model.loss(logits, labels)
+    loss.backward()
+    model.finalize_grads()
+    grads = {n: p.grad.detach().clone() for n, p in model.named_parameters()}
+    return dict(logits=logits.detach(), loss=loss.item(), grads=grads, splits=splits_of(model),
+                counts={s: mesh.ledger.counts(scope=s) for s in ("layers.0", "loss", "head")},
+                bytes={s: mesh.ledger.total(scope=s)["wire_bytes"] for s in ("layers.0",)},
+                param_bytes=model.param_bytes())
+
+
+def unpad(t: torch.Tensor, name: str, vocab: int) -> torch.Tensor:
+    """Padded vocabulary rows (embedding, head) differ in count by tp: compare the real ones."""
+    return t[:vocab] if name in ("embed.word.weight", "head.weight") else t
+
+
+def compare(cfg, ref, results, tol=1e-5):
+    tp = len(results)
+    logits = torch.cat([r["logits"] for r in results], -1)[..., :cfg.vocab_size]
+    assert max_diff(logits, ref["logits"][..., :cfg.vocab_size]) <= tol
+    assert all(abs(r["loss"] - ref["loss"]) <= tol for r in results)  # same loss on every rank
+    grads = gather_grads([r["grads"] for r in results], results[0]["splits"])
+    for name, g in ref["grads"].items():
+        assert max_diff(unpad(grads[name], name, cfg.vocab_size),
+                        unpad(g, name, cfg.vocab_size)) <= tol, (tp, name)
+
+
+def batch(cfg, seed=0):
+    g = torch.Generator().manual_seed(seed)
+    ids = torch.randint(0, cfg.vocab_size, (B, S), generator=g)
+    labels = torch.randint(0, cfg.vocab_size, (B, S), generator=g)
+    labels[0, :2] = -100  # some ignored tokens
+    return ids, labels
+
+
+CASES = [("gpt2-tiny", 2, False), ("gpt2-tiny", 4, False), ("gpt2-tiny", 2, True),
+         ("gpt2-tiny", 4, True), ("llama-tiny", 2, False), ("llama-tiny", 4, True),
+         ("bert-tiny", 2, False), ("bert-tiny", 4, True), ("odd", 3, False), ("odd", 3, True)]
+
+
+@pytest.mark.parametrize("preset,tp,sp", CASES)
+def test_model_equals_tp1(run_tp, preset, tp, sp):
+    cfg = ODD if preset == "odd" else replace(get_preset(preset), num_layers=2)
+    ids, labels = batch(cfg)
+    ref = run_model(ParallelMesh.single(), cfg, False, ids, labels)
+    results = run_tp(run_model, tp, cfg, sp, ids, labels)
+    compare(cfg, ref, results)
+    # the ledger: per layer exactly 2 all-reduces of b*s*h each way (or 2 AG + 2 RS)
+    h = cfg.hidden
+    for r in results:
+        assert r["counts"]["layers.0"] == theory.as_counter(theory.layer(B, S, h, tp, sp))
+        assert r["counts"]["loss"] == theory.as_counter(theory.cross_entropy(B, S, tp))
+
+
+@pytest.mark.parametrize("kv,tp", [(2, 4), (1, 2), (1, 4), (4, 2)])
+def test_grouped_query_kv_heads_split_or_replicated(run_tp, kv, tp):
+    """num_kv_heads < tp: ranks share kv heads and their gradients are summed."""
+    cfg = replace(get_preset("llama-tiny"), num_layers=1, num_kv_heads=kv)
+    ids, labels = batch(cfg, 1)
+    ref = run_model(ParallelMesh.single(), cfg, False, ids, labels)
+    results = run_tp(run_model, tp, cfg, False, ids, labels)
+    compare(cfg, ref, results)
+    split = results[0]["splits"]["layers.0.attn.qkv.weight"]
+    assert split.chunks == (tp, min(kv, tp), min(kv, tp))
+    if kv < tp:  # sharers hold identical gradients for their kv head after finalize
+        hd, nq = cfg.head_dim, cfg.num_heads // tp
+        for a in range(tp):
+            for b in range(tp):
+                if a * kv // tp == b * kv // tp:
+                    ga = results[a]["grads"]["layers.0.attn.qkv.weight"][nq * hd:]
+                    gb = results[b]["grads"]["layers.0.attn.qkv.weight"][nq * hd:]
+                    assert torch.equal(ga, gb)
+
+
+def test_sequence_parallel_sends_the_same_bytes(run_tp):
+    cfg = replace(get_preset("gpt2-tiny"), num_layers=1)
+    ids, labels = batch(cfg)
+    plain = run_tp(run_model, 2, cfg, False, ids, labels)[0]["bytes"]["layers.0"]
+    sp = run_tp(run_model, 2, cfg, True, ids, labels)[0]["bytes"]["layers.0"]
+    assert plain == sp > 0
+
+
+def test_recomputation_gives_the_same_gradients(run_tp):
+    cfg = replace(get_preset("gpt2-tiny"), num_layers=2, dropout=0.1)
+    ids, labels = batch(cfg)
+    for tp in (1, 2):
+        plain = run_tp(run_model, tp, cfg, True, ids, labels, False)
+        again = run_tp(run_model, tp, cfg, True, ids, labels, True)
+        for a, b in zip(plain, again):
+            assert a["loss"] == b["loss"]
+            for n in a["grads"]:
+                assert max_diff(a["grads"][n], b["grads"][n]) <= 1e-6, n
+
+
+def param_bytes(mesh, cfg):
+    m = Transformer(cfg, mesh, device="meta")
+    sharded = sum(p.numel() for p in m.parameters() if getattr(p, "tp_split", None))
+    return m.param_bytes(), sharded
+
+
+def test_parameter_bytes_per_rank_follow_the_formula(run_tp):
+    """Per rank: sharded parameters / tp + replicated ones (float32)."""
+    cfg = get_preset("gpt2-tiny")
+    total1, sharded1 = param_bytes(ParallelMesh.single(), cfg)
+    assert total1 == 4 * cfg.num_params()
+    for tp in (2, 4):
+        total, _ = run_tp(param_bytes, tp, cfg)[0]
+        pad = (cfg.padded_vocab(tp) - cfg.vocab_size) * cfg.hidden
+        assert total == 4 * ((sharded1 + pad) // tp + (cfg.num_params() - sharded1))
+
+
+def bad_configs(mesh):
+    tp = mesh.tp_size
+    out = []
+    for cfg, sp, seq in [(replace(get_preset("gpt2-tiny"), num_heads=6, hidden=60), False, 8),
+                         (replace(get_preset("llama-tiny"), num_kv_heads=4, num_heads=12,
+                                  hidden=96), False, 8),
+                         (replace(get_preset("gpt2-tiny"), hidden=66), False, 8),
+                         (get_preset("gpt2-tiny"), True, 6)]:
+        mesh.ledger.clear()
+        try:
+            m = Transformer(cfg, mesh, sequence_parallel=sp)
+            m(torch.zeros(1, seq, dtype=torch.long))
+            out.append((None, None))
+        except ValueError as e:
+            out.append((str(e), len(mesh.ledger.records)))  # nothing sent before the error
+    return out
+
+
+def test_bad_configs_fail_on_every_rank_before_any_collective(run_tp):
+    for rank_errors in run_tp(bad_configs, 4):
+        errors = [e for e, _ in rank_errors]
+        assert all(n == 0 for e, n in rank_errors if e is not None)
+        assert "num_heads=6 is not divisible by tp=4" in errors[0]
+        assert errors[1] is None  # 4 kv heads at tp=4: one each
+        assert "hidden=66 is not divisible by num_heads=4" in errors[2]
+        assert "sequence length 6 is not divisible by tp=4" in errors[3]
+    for rank_errors in run_tp(bad_configs, 3):
+        assert "num_kv_heads=4 is neither a multiple nor a divisor of tp=3" in rank_errors[1][0]
+        assert rank_errors[1][1] == 0
+
+
+def test_split_tags_describe_fused_qkv():
+    m = Transformer(get_preset("llama-tiny"), ParallelMesh.single())
+    s = splits_of(m)["layers.0.attn.qkv.weight"]
+    assert s == TPSplit(0, (64, 16, 16), (1, 1, 1))
