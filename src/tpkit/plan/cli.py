@@ -1,0 +1,116 @@
+"""`tpkit plan`: the best tp/pp/dp layouts for a model on a cluster, as a table or JSON.
+
+    tpkit plan --preset llama3-70b --nodes 8 --gpus-per-node 8 --hardware h100
+    tpkit plan --heads 32 --hidden 4096 --layers 32 --vocab 32000 --seq 4096 --json
+    tpkit plan --preset gpt3-175b --nodes 16 --hardware a100-80gb --explain --top 3
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+
+from tpkit.model.config import ModelConfig, get_preset
+from tpkit.plan.hardware import PROFILES, HardwareError, get_hardware
+from tpkit.plan.planner import PlanError, Request, plan
+from tpkit.plan.simulate import Cluster, Estimate
+
+GB = 1e9
+
+
+def add_arguments(p: argparse.ArgumentParser) -> None:
+    """Options of `tpkit plan`."""
+    m = p.add_argument_group("model (a preset, or a custom shape)")
+    m.add_argument("--preset", help="a tpkit.model preset, e.g. llama3-70b, gpt3-175b")
+    for flag, help_ in (("--heads", "attention heads"), ("--hidden", "hidden size"),
+                        ("--layers", "transformer layers"), ("--vocab", "vocabulary size"),
+                        ("--kv-heads", "key/value heads (GQA; default = heads)"),
+                        ("--ffn", "MLP width (default 4 x hidden)")):
+        m.add_argument(flag, type=int, help=help_)
+    m.add_argument("--swiglu", action="store_true", help="Llama-style MLP (3 matrices)")
+    c = p.add_argument_group("cluster and run")
+    c.add_argument("--nodes", type=int, default=1)
+    c.add_argument("--gpus-per-node", type=int, help="devices per node (default: the profile's)")
+    c.add_argument("--hardware", default="h100",
+                   help=f"{', '.join(PROFILES)}, local (after `tpkit calibrate`)")
+    c.add_argument("--hardware-file", help="TOML file with more profiles")
+    c.add_argument("--seq", type=int, help="sequence length (default: the model's, max 4096)")
+    c.add_argument("--global-batch", type=int, help="sequences per step (default 8 x devices)")
+    f = p.add_argument_group("pin choices (default: search them)")
+    for flag in ("--tp", "--pp", "--dp", "--micro-batch", "--interleave"):
+        f.add_argument(flag, type=int)
+    f.add_argument("--recompute", choices=("none", "selective", "full"))
+    f.add_argument("--sp", choices=("on", "off"))
+    f.add_argument("--zero1", choices=("on", "off"))
+    o = p.add_argument_group("output")
+    o.add_argument("--top", type=int, default=8, help="how many plans to show")
+    o.add_argument("--json", action="store_true", help="JSON list of plans, best first")
+    o.add_argument("--explain", action="store_true", help="per-layer breakdown of each plan")
+    o.add_argument("--all", action="store_true", help="every variant, not the best per (tp, pp)")
+
+
+def model_from_args(a: argparse.Namespace) -> ModelConfig:
+    """The preset, or a custom model from --heads --hidden --layers --vocab (--seq)."""
+    custom = {"num_heads": a.heads, "hidden": a.hidden, "num_layers": a.layers,
+              "vocab_size": a.vocab}
+    if a.preset:
+        cfg = get_preset(a.preset)
+        return cfg.with_(**{k: v for k, v in custom.items() if v is not None})
+    missing = [k for k, v in zip(("--heads", "--hidden", "--layers", "--vocab"), custom.values())
+               if v is None]
+    if missing:
+        raise PlanError(f"give --preset, or a custom model with {' '.join(missing)} (and --seq)")
+    return ModelConfig(name="custom", max_seq_len=a.seq or 2048, num_kv_heads=a.kv_heads,
+                       ffn_hidden=a.ffn, activation="swiglu" if a.swiglu else "gelu", **custom)
+
+
+def request_from_args(a: argparse.Namespace) -> Request:
+    """Model, cluster and pinned choices from the command line."""
+    cfg = model_from_args(a)
+    if a.preset and (a.kv_heads or a.ffn):
+        cfg = cfg.with_(num_kv_heads=a.kv_heads or cfg.num_kv_heads, ffn_hidden=a.ffn or cfg.ffn)
+    seq = a.seq or min(cfg.max_seq_len, 4096)
+    if seq > cfg.max_seq_len:
+        cfg = cfg.with_(max_seq_len=seq)
+    hw = get_hardware(a.hardware, a.hardware_file)
+    cluster = Cluster(hw, nodes=a.nodes, devices_per_node=a.gpus_per_node)
+    onoff = {"on": True, "off": False, None: None}
+    fixed = {"tp": a.tp, "pp": a.pp, "dp": a.dp, "micro_batch": a.micro_batch,
+             "interleave": a.interleave, "recompute": a.recompute, "sp": onoff[a.sp],
+             "zero1": onoff[a.zero1]}
+    gbs = a.global_batch or 8 * cluster.devices
+    return Request(cfg, seq, gbs, cluster, {k: v for k, v in fixed.items() if v is not None})
+
+
+def plan_dict(e: Estimate) -> dict:
+    """One plan as JSON-able dict (the keys scripts rely on, then the breakdown)."""
+    lay = e.layout
+    return {"tp": lay.tp, "pp": lay.pp, "dp": lay.dp, "micro_batch": lay.micro_batch,
+            "sp": lay.sp, "recompute": lay.recompute, "zero1": lay.zero1,
+            "interleave": lay.interleave, "micro_batches": e.micro_batches,
+            "step_time_s": e.step_time_s, "tokens_per_s": e.tokens_per_s,
+            "tflops_per_device": e.tflops_per_device, "mfu": e.mfu,
+            "memory_gb": e.memory["total"] / GB, "reason": e.reason,
+            "terms_s": e.terms, "memory_breakdown_gb": {k: v / GB for k, v in e.memory.items()},
+            "per_layer_s": e.per_layer}
+
+
+def run(args: argparse.Namespace) -> int:
+    """Print the plans; exit 1 with the reason when there is none."""
+    try:
+        req = request_from_args(args)
+        plans = plan(req, top=args.top, distinct=not args.all)
+    except (PlanError, HardwareError, ValueError) as e:
+        print(f"tpkit plan: {e}", file=sys.stderr)
+        return 1
+    if args.json:
+        print(json.dumps([plan_dict(e) for e in plans], indent=1))
+        return 0
+    from tpkit.plan.report import print_explain, print_table
+
+    print_table(req, plans)
+    if args.explain:
+        for e in plans:
+            print_explain(req, e)
+    return 0

@@ -1,0 +1,160 @@
+"""Cost model: FLOPs to seconds, bytes to seconds. Pure Python, one formula per function.
+
+Collectives, alpha-beta model of a ring over p ranks (Thakur et al. 2005; NCCL's
+bus-bandwidth convention), n bytes per rank, alpha latency per step, B bus bandwidth:
+
+    all-reduce                  2(p-1) alpha + 2(p-1)/p * n/B
+    all-gather, reduce-scatter   (p-1) alpha +  (p-1)/p * n/B     (n = the full tensor)
+    point-to-point                     alpha +            n/B
+
+A group runs on the intra-node link when all its ranks share a node, else on the
+inter-node link. Compute (Narayanan et al. 2021, appendix; Megatron counting):
+
+    forward of one layer      2 b s P_matmul + 4 b s^2 h    (= 24 b s h^2 + 4 b s^2 h for
+                                                             GPT with ffn = 4h)
+    backward                  twice the forward; full recompute adds one forward
+    logits                    2 b s h V forward
+
+Pipeline bubble of 1F1B: (p-1)/m of the ideal time; interleaved with v chunks per
+device: (p-1)/(v m) (Narayanan et al. 2021, sections 2.2.1-2.2.2).
+"""
+
+from __future__ import annotations
+
+from tpkit.model.config import ModelConfig
+from tpkit.plan.hardware import Accelerator, Hardware, Link
+
+
+# -- collectives -----------------------------------------------------------------------------
+def all_reduce_time(nbytes: float, p: int, link: Link) -> float:
+    """Ring all-reduce of `nbytes` per rank over p ranks: 2(p-1)a + 2(p-1)/p n/B."""
+    if p <= 1:
+        return 0.0
+    return 2 * (p - 1) * link.latency + 2 * (p - 1) / p * nbytes / link.bandwidth
+
+
+def all_gather_time(nbytes: float, p: int, link: Link) -> float:
+    """Ring all-gather producing `nbytes` per rank: (p-1)a + (p-1)/p n/B."""
+    if p <= 1:
+        return 0.0
+    return (p - 1) * link.latency + (p - 1) / p * nbytes / link.bandwidth
+
+
+def reduce_scatter_time(nbytes: float, p: int, link: Link) -> float:
+    """Ring reduce-scatter of `nbytes` per rank: (p-1)a + (p-1)/p n/B (same as all-gather)."""
+    return all_gather_time(nbytes, p, link)
+
+
+def p2p_time(nbytes: float, link: Link) -> float:
+    """One send/recv of `nbytes`: a + n/B."""
+    return link.latency + nbytes / link.bandwidth
+
+
+def group_fits_node(span: int, per_node: int) -> bool:
+    """A group of `span` consecutive ranks, aligned on multiples of span, stays in one node."""
+    return span <= per_node and per_node % span == 0
+
+
+def link_for(span: int, hw: Hardware, stride: int = 1) -> Link:
+    """The link a group runs on: `span` consecutive ranks, of which every `stride`-th is in it.
+
+    Inside a node: the intra-node link. Across nodes, a ring crosses each node boundary
+    through NICs, and NCCL spreads its channels over the NICs of the group's ranks: a
+    group with k ranks per node gets k NICs (each GPU owns one on DGX/HGX), at most the
+    intra-node rate. So a tp group that fills whole nodes uses all their NICs, while
+    the dp groups, one rank per node each, get one NIC apiece.
+    """
+    per_node = hw.devices_per_node
+    if group_fits_node(span, per_node):
+        return hw.intra
+    k = max(1, min(span, per_node) // stride)
+    bandwidth = min(hw.intra.bandwidth, k * hw.inter.bandwidth)
+    name = hw.inter.name + (f" x{k} NICs" if k > 1 else "")
+    return Link(name, bandwidth, hw.inter.latency)
+
+
+def p2p_link(span: int, hw: Hardware) -> Link:
+    """Stage-to-stage sends: each rank sends its own 1/tp share through its own NIC."""
+    return hw.intra if group_fits_node(span, hw.devices_per_node) else hw.inter
+
+
+# -- compute ---------------------------------------------------------------------------------
+def matmul_params(c: ModelConfig) -> int:
+    """Weights of one layer that take part in a matmul (qkv, out, MLP), no biases or norms."""
+    h, hd = c.hidden, c.head_dim
+    attn = h * (c.num_heads + 2 * c.kv_heads) * hd + c.num_heads * hd * h
+    mlp = (3 if c.activation == "swiglu" else 2) * h * c.ffn
+    return attn + mlp
+
+
+def layer_forward_flops(c: ModelConfig, b: int, s: int) -> dict[str, float]:
+    """Forward FLOPs of one layer and micro-batch: {'gemm': 2bsP, 'attention': 4bs^2h}."""
+    return {"gemm": 2.0 * b * s * matmul_params(c), "attention": 4.0 * b * s * s * c.hidden}
+
+
+def logits_forward_flops(c: ModelConfig, b: int, s: int) -> float:
+    """Forward FLOPs of the output projection: 2 b s h V."""
+    return 2.0 * b * s * c.hidden * c.vocab_size
+
+
+def model_flops_per_token(c: ModelConfig, s: int) -> float:
+    """Training FLOPs per token without recomputation: 3 x forward (MFU's numerator)."""
+    layer = layer_forward_flops(c, 1, s)
+    fwd = c.num_layers * (layer["gemm"] + layer["attention"]) + logits_forward_flops(c, 1, s)
+    return 3 * fwd / s
+
+
+def gemm_efficiency(acc: Accelerator, smallest_dim: float) -> float:
+    """Fraction of peak a GEMM reaches when its smallest side is d: eff * d / (d + d_half).
+
+    A modelling assumption, not a measured law: small sides lower the arithmetic
+    intensity and tile occupancy (NVIDIA, "Matrix Multiplication Background" guide);
+    `tpkit calibrate` fits eff and d_half on this machine.
+    """
+    return acc.gemm_efficiency * smallest_dim / (smallest_dim + acc.gemm_half_dim)
+
+
+def gemm_time(flops: float, acc: Accelerator, smallest_dim: float) -> float:
+    """Seconds for `flops` of GEMM whose smallest side is `smallest_dim`."""
+    return flops / (acc.peak_flops * gemm_efficiency(acc, smallest_dim))
+
+
+def memory_time(nbytes: float, acc: Accelerator) -> float:
+    """Seconds to stream `nbytes` through device memory (elementwise kernels)."""
+    return nbytes / acc.mem_bandwidth
+
+
+# -- pipeline and data parallel ------------------------------------------------------------
+def bubble_fraction(pp: int, m: int, interleave: int = 1) -> float:
+    """Idle fraction of the ideal time, (p-1)/(v m)."""
+    return (pp - 1) / (interleave * m)
+
+
+def dp_sync_time(grad_bytes: float, dp: int, link: Link, zero1: bool) -> float:
+    """Gradient all-reduce over dp (ZeRO-1: reduce-scatter grads + all-gather weights).
+
+    ZeRO-1 sends the same bytes in two halves; `grad_bytes` stands for the weights too
+    (equal sizes in bf16 mixed precision).
+    """
+    if zero1:
+        return (reduce_scatter_time(grad_bytes, dp, link)
+                + all_gather_time(grad_bytes, dp, link))
+    return all_reduce_time(grad_bytes, dp, link)
+
+
+def exposed_dp_time(sync: float, backward_window: float, overlap: bool, zero1: bool) -> float:
+    """What the dp sync adds to the step once it overlaps the last backward pass.
+
+    Gradient buckets go out while the last micro-batch's backward runs; the ZeRO-1
+    all-gather of the updated weights (half the sync) comes after the optimizer step.
+    """
+    if not overlap:
+        return sync
+    hideable = sync / 2 if zero1 else sync
+    return sync - min(hideable, backward_window)
+
+
+def optimizer_time(params: int, dp: int, zero1: bool, acc: Accelerator,
+                   bytes_per_param: int = 28) -> float:
+    """Adam step, memory bound: reads grad, master, m, v and writes them and the weights."""
+    return memory_time(params / (dp if zero1 else 1) * bytes_per_param, acc)

@@ -1,0 +1,86 @@
+"""Published runs the planner is checked against: model shapes, layouts and measured results.
+
+Shoeybi et al. 2019, "Megatron-LM" (arXiv:1909.08053): table 1 models, GPT-2 style,
+vocab 51,200, sequence 1024, activation checkpointing after every layer, DGX-2H
+(16 V100 per node). Weak scaling at batch 8 per model replica (figure 5 and sec. 5.1:
+8-way model parallel reaches 77% of linear scaling); 512 GPUs (64-way data parallel,
+global batch 512) sustain 15.1 PFLOP/s, 76% of the 39 TFLOP/s single-GPU baseline.
+
+Narayanan et al. 2021, "Efficient Large-Scale Language Model Training on GPU Clusters
+Using Megatron-LM" (arXiv:2104.04473): table 1 (weak scaling to 1T parameters on
+Selene, DGX A100 80 GB, vocab 51,200, sequence 2048; layouts from the authors'
+examples/sc21/run_table_1.sh) and figure 13 (162.2B = 32 layers, h=20480, 128 heads on
+64 GPUs, micro-batch 1, full recompute; examples/sc21/run_figure_13.sh). Their
+TFLOP/s count recomputation (96 B s l h^2 (...)): compare with `hw_tflops_per_device`.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from tpkit.model.config import ModelConfig
+
+
+def gpt(name: str, hidden: int, layers: int, heads: int, seq: int) -> ModelConfig:
+    """A Megatron GPT: learned positions, LayerNorm, GeLU, biases, tied embeddings."""
+    return ModelConfig(name=name, vocab_size=51200, hidden=hidden, num_layers=layers,
+                       num_heads=heads, max_seq_len=seq)
+
+
+@dataclass(frozen=True)
+class Published:
+    """One published measurement: model, layout, cluster and what was achieved."""
+
+    config: ModelConfig
+    seq: int
+    global_batch: int
+    tp: int
+    pp: int
+    dp: int
+    micro_batch: int
+    interleave: int
+    hardware: str
+    per_node: int
+    tflops_per_gpu: float  # as the paper counts them (with recomputation for Narayanan)
+    source: str
+
+
+# Shoeybi et al. 2019, table 1 models (hidden, layers, heads); model-parallel GPUs 1, 2, 4, 8.
+SHOEYBI_2019 = [gpt("megatron-1.2b", 1536, 40, 16, 1024), gpt("megatron-2.5b", 1920, 54, 20, 1024),
+                gpt("megatron-4.2b", 2304, 64, 24, 1024), gpt("megatron-8.3b", 3072, 72, 32, 1024)]
+# Weak-scaling efficiency at 1, 2, 4, 8-way model parallelism (figure 5; 77% quoted in 5.1).
+SHOEYBI_MP_EFFICIENCY = {1: 1.00, 2: 0.95, 4: 0.82, 8: 0.77}
+SHOEYBI_BASELINE_TFLOPS = 39.0  # 1.2B on one V100 ("30% of peak")
+SHOEYBI_512_PFLOPS = 15.1  # 8.3B, 8-way model x 64-way data parallel (76% scaling)
+
+# Narayanan et al. 2021, table 1 rows: (name, heads, hidden, layers, tp, pp, GPUs, batch,
+# micro-batch, virtual stages per device, achieved TFLOP/s per GPU).
+_TABLE1 = [
+    ("1.7B", 24, 2304, 24, 1, 1, 32, 512, 16, 1, 137),
+    ("3.6B", 32, 3072, 30, 2, 1, 64, 512, 16, 1, 138),
+    ("7.5B", 32, 4096, 36, 4, 1, 128, 512, 16, 1, 142),
+    ("18.4B", 48, 6144, 40, 8, 1, 256, 1024, 8, 1, 135),
+    ("39.1B", 64, 8192, 48, 8, 2, 512, 1536, 4, 1, 138),
+    ("76.1B", 80, 10240, 60, 8, 4, 1024, 1792, 2, 3, 140),
+    ("145.6B", 96, 12288, 80, 8, 8, 1536, 2304, 2, 2, 148),
+    ("310.1B", 128, 16384, 96, 8, 16, 1920, 2160, 1, 2, 155),
+    ("529.6B", 128, 20480, 105, 8, 35, 2520, 2520, 1, 3, 163),
+    ("1008.0B", 160, 25600, 128, 8, 64, 3072, 3072, 1, 1, 163),
+]
+
+
+def narayanan_table1() -> list[Published]:
+    """Narayanan et al. 2021 table 1 as Published rows (A100 80 GB, 8 per node)."""
+    out = []
+    for name, heads, h, layers, tp, pp, gpus, gbs, mb, v, tf in _TABLE1:
+        cfg = gpt(f"megatron-{name}", h, layers, heads, 2048)
+        out.append(Published(cfg, 2048, gbs, tp, pp, gpus // (tp * pp), mb, v, "a100-80gb", 8,
+                             tf, "Narayanan et al. 2021, table 1"))
+    return out
+
+
+NARAYANAN_162B = gpt("megatron-162b", 20480, 32, 128, 2048)
+# Figure 13 is a plot; these are approximate readings of its peaks at (tp=8, pp=8), in
+# TFLOP/s per GPU, batch 128 and 32 (read to about +-10 TFLOP/s).
+NARAYANAN_FIG13_PEAK = {128: 165.0, 32: 142.0}
+FIG13_LAYOUTS = [(32, 2), (16, 4), (8, 8), (4, 16), (2, 32)]  # (tp, pp) on 64 GPUs

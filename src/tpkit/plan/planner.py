@@ -1,0 +1,171 @@
+"""The planner: enumerate layouts, drop what does not fit, rank by predicted step time.
+
+    for tp in divisors(devices)        (heads, kv heads and ffn must split over tp)
+      for pp in divisors(devices / tp) (at most one layer per stage)
+        dp = devices / (tp pp)         (the global batch must split over dp)
+        for micro-batch, sequence parallelism, recomputation, ZeRO-1, interleaving:
+            simulate; keep it if its fullest device fits in memory
+
+Plans are ranked by step time (the global batch is fixed, so by tokens/s), the best
+of each (tp, pp) kept, and each gets a one-line reason (see `reasons.py`). A request
+that nothing satisfies raises `PlanError` naming the numbers.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from tpkit.model.config import ModelConfig
+from tpkit.plan.memory import RECOMPUTE, Precision
+from tpkit.plan.reasons import explain
+from tpkit.plan.simulate import Cluster, Estimate, Layout, evaluate
+
+MICRO_BATCHES = (1, 2, 4, 8, 16, 32)
+CHOICES = ("tp", "pp", "dp", "micro_batch", "sp", "recompute", "zero1", "interleave")
+
+
+class PlanError(ValueError):
+    """No plan satisfies the request; the message names the numbers that rule them out."""
+
+
+@dataclass(frozen=True)
+class Request:
+    """A model, its sequence length and global batch (sequences per step), and a cluster."""
+
+    config: ModelConfig
+    seq: int
+    global_batch: int
+    cluster: Cluster
+    fixed: dict = field(default_factory=dict)  # pin any of CHOICES, e.g. {"tp": 8}
+    precision: Precision | None = None
+
+
+def divisors(n: int) -> list[int]:
+    """Positive divisors of n, ascending."""
+    return [d for d in range(1, n + 1) if n % d == 0]
+
+
+def _options(req: Request, name: str, default: list) -> list:
+    if name in req.fixed and req.fixed[name] is not None:
+        return [req.fixed[name]]
+    return default
+
+
+def _degrees(req: Request, rejected: dict[str, str]) -> list[tuple[int, int, int]]:
+    """(tp, pp, dp) triples the model and the batch admit; others go to `rejected`."""
+    c, n = req.config, req.cluster.devices
+    out = []
+    for tp in _options(req, "tp", divisors(n)):
+        problems = c.problems(tp=tp, seq=req.seq) if n % tp == 0 else [
+            f"tp={tp} does not divide {n} devices"]
+        if problems:
+            rejected.setdefault(f"tp={tp}", "; ".join(problems))
+            continue
+        for pp in _options(req, "pp", divisors(n // tp)):
+            dp = n // (tp * pp)
+            why = _degree_problem(req, tp, pp, dp)
+            if why:
+                rejected.setdefault(f"tp={tp} pp={pp}", why)
+                continue
+            out.append((tp, pp, dp))
+    return out
+
+
+def _degree_problem(req: Request, tp: int, pp: int, dp: int) -> str | None:
+    n, layers = req.cluster.devices, req.config.num_layers
+    if tp * pp * dp != n:
+        return f"tp*pp = {tp}*{pp} does not divide {n} devices"
+    if pp > layers:
+        return f"pp={pp} stages is more than num_layers={layers}"
+    if "dp" in req.fixed and req.fixed["dp"] not in (None, dp):
+        return f"dp would be {dp}, not the requested {req.fixed['dp']}"
+    if req.global_batch % dp:
+        return f"global batch {req.global_batch} is not divisible by dp={dp}"
+    return None
+
+
+def candidates(req: Request) -> tuple[list[Layout], dict[str, str]]:
+    """Every layout to simulate, and why the (tp, pp) pairs left out were left out."""
+    rejected: dict[str, str] = {}
+    out = []
+    for tp, pp, dp in _degrees(req, rejected):
+        per_replica = req.global_batch // dp
+        mbs = [b for b in _options(req, "micro_batch", list(MICRO_BATCHES)) if per_replica % b == 0]
+        if not mbs:
+            rejected.setdefault(f"tp={tp} pp={pp}", f"micro-batch does not divide the "
+                                f"{per_replica} sequences per replica")
+        for mb in mbs:
+            out += _variants(req, tp, pp, dp, mb, per_replica // mb)
+    return out, rejected
+
+
+def _variants(req: Request, tp: int, pp: int, dp: int, mb: int, m: int) -> list[Layout]:
+    sps = [False, True] if tp > 1 and req.seq % tp == 0 else [False]
+    zeros = [False, True] if dp > 1 else [False]
+    chunks = [1] + ([2] if pp > 1 and m % pp == 0 and req.config.num_layers % (2 * pp) == 0
+                    else [])
+    return [Layout(tp, pp, dp, mb, sp, rc, z, v)
+            for sp in _options(req, "sp", sps) for rc in _options(req, "recompute", list(RECOMPUTE))
+            for z in _options(req, "zero1", zeros) for v in _options(req, "interleave", chunks)]
+
+
+def plan(req: Request, top: int | None = None, distinct: bool = True) -> list[Estimate]:
+    """Feasible plans, best first (best of each (tp, pp) when `distinct`), with reasons.
+
+    Raises PlanError when no layout exists or none fits in memory.
+    """
+    _check_request(req)
+    layouts, rejected = candidates(req)
+    if not layouts:
+        raise PlanError(_no_layout_message(req, rejected))
+    c = req.config
+    estimates = [evaluate(c, req.seq, req.global_batch, lay, req.cluster, req.precision)
+                 for lay in layouts]
+    fitting = sorted((e for e in estimates if e.fits), key=lambda e: e.step_time_s)
+    if not fitting:
+        raise PlanError(_no_fit_message(req, estimates))
+    if distinct:
+        fitting = _best_per_degrees(fitting)
+    best = fitting[0]
+    for e in fitting:
+        e.reason = explain(e, best, c, req.seq, req.cluster)
+    return fitting[:top] if top else fitting
+
+
+def _best_per_degrees(ranked: list[Estimate]) -> list[Estimate]:
+    seen, out = set(), []
+    for e in ranked:
+        key = (e.layout.tp, e.layout.pp)
+        if key not in seen:
+            seen.add(key)
+            out.append(e)
+    return out
+
+
+def _check_request(req: Request) -> None:
+    cl = req.cluster
+    for name, v in (("nodes", cl.nodes), ("devices per node", cl.per_node),
+                    ("global batch", req.global_batch), ("sequence length", req.seq)):
+        if not isinstance(v, int) or v < 1:
+            raise PlanError(f"{name}={v!r} must be a positive integer")
+
+
+def _no_layout_message(req: Request, rejected: dict[str, str]) -> str:
+    c, n = req.config, req.cluster.devices
+    why = "; ".join(f"{k}: {v}" for k, v in list(rejected.items())[:6])
+    more = f" (and {len(rejected) - 6} more)" if len(rejected) > 6 else ""
+    return (f"no (tp, pp, dp) layout of {n} devices works for {c.name} with global batch "
+            f"{req.global_batch} and sequence {req.seq}: {why}{more}")
+
+
+def _no_fit_message(req: Request, estimates: list[Estimate]) -> str:
+    smallest = min(estimates, key=lambda e: e.memory["total"])
+    lay, acc = smallest.layout, req.cluster.hardware.accelerator
+    gb = 1e9
+    usable = req.cluster.usable_memory * acc.memory_bytes
+    return (f"{req.config.name} ({req.config.num_params() / 1e9:.1f}B parameters) does not fit "
+            f"on {req.cluster.devices} x {acc.name}: the smallest plan (tp={lay.tp}, "
+            f"pp={lay.pp}, dp={lay.dp}, micro-batch {lay.micro_batch}, recompute="
+            f"{lay.recompute}, zero1={lay.zero1}) needs {smallest.memory['total'] / gb:.1f} GB "
+            f"per device, {usable / gb:.1f} GB usable of {acc.memory_bytes / gb:.0f} GB; "
+            f"add devices or shorten the sequence")

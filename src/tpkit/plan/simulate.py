@@ -1,0 +1,203 @@
+"""One plan, simulated: the step time of a (tp, pp, dp, micro-batch, ...) layout, term by term.
+
+    step = m (t_stage)                      compute + tp collectives of the slowest stage
+         + (p-1)/v t_stage                  pipeline bubble (1F1B, v interleaved chunks)
+         + m v 2 t_p2p                      activations forward, gradients backward
+         + exposed dp sync + optimizer      after overlap with the last backward
+
+where t_stage is one micro-batch through one stage, forward and backward, and m the
+micro-batches per replica. Elementwise kernels (norms, activation, dropout, softmax,
+residuals) are memory bound: they stream about twice the bytes they keep for backward.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field, replace
+
+from tpkit.model.config import ModelConfig
+from tpkit.plan import cost
+from tpkit.plan.hardware import Hardware
+from tpkit.plan.memory import (
+    Precision,
+    activation_bytes_per_layer,
+    memory_per_device,
+    params_per_rank,
+    stage_layers,
+)
+
+
+@dataclass(frozen=True)
+class Layout:
+    """How a run is split: the three degrees, micro-batch, and the memory savers."""
+
+    tp: int
+    pp: int
+    dp: int
+    micro_batch: int
+    sp: bool = False
+    recompute: str = "selective"  # none | selective | full
+    zero1: bool = False
+    interleave: int = 1  # virtual pipeline chunks per device (v)
+
+
+@dataclass(frozen=True)
+class Cluster:
+    """nodes x devices_per_node devices of one hardware profile."""
+
+    hardware: Hardware
+    nodes: int = 1
+    devices_per_node: int | None = None  # None: the profile's
+    usable_memory: float = 0.9  # share of device memory a run may use (context, fragmentation)
+    overlap_dp: bool = True
+    flash_attention: bool = True  # False: attention scores hit memory (pre-2022 Megatron)
+
+    @property
+    def per_node(self) -> int:
+        """Devices in one node."""
+        return self.devices_per_node or self.hardware.devices_per_node
+
+    @property
+    def devices(self) -> int:
+        """All devices."""
+        return self.nodes * self.per_node
+
+    @property
+    def profile(self) -> Hardware:
+        """The hardware profile with this cluster's devices per node."""
+        return replace(self.hardware, devices_per_node=self.per_node)
+
+
+@dataclass
+class Estimate:
+    """Predicted cost of one layout: seconds per step by term, memory, throughput."""
+
+    layout: Layout
+    step_time_s: float
+    terms: dict[str, float]  # seconds per step: compute, tp_comm, p2p, bubble, dp, optimizer
+    per_layer: dict[str, float]  # seconds per layer and micro-batch, by kind
+    memory: dict[str, float]  # bytes on the fullest device
+    tokens_per_s: float
+    tflops_per_device: float
+    mfu: float
+    hw_tflops_per_device: float  # counting recomputed FLOPs (how Megatron papers report)
+    micro_batches: int
+    fits: bool = True
+    reason: str = ""
+    notes: dict[str, float] = field(default_factory=dict)  # e.g. stage_imbalance
+
+
+def layer_times(c: ModelConfig, seq: int, lay: Layout, hw: Hardware, prec: Precision,
+                flash: bool = True) -> dict[str, float]:
+    """Seconds for one layer and one micro-batch on one rank, by kind (forward and backward)."""
+    acc, b, t = hw.accelerator, lay.micro_batch, lay.tp
+    flops = cost.layer_forward_flops(c, b, seq)
+    gemm = cost.gemm_time(flops["gemm"] / t, acc, min(b * seq, c.hidden / t))
+    attn = cost.gemm_time(flops["attention"] / t, acc, c.head_dim)
+    kept = "selective" if flash else "none"  # fused attention never writes the scores
+    elem = cost.memory_time(2 * activation_bytes_per_layer(
+        seq, b, c.hidden, c.num_heads, t, lay.sp, kept, prec.activation), acc)
+    out = {"gemm_fwd": gemm, "attention_fwd": attn, "elementwise_fwd": elem,
+           "gemm_bwd": 2 * gemm, "attention_bwd": 2 * attn, "elementwise_bwd": 2 * elem,
+           "recompute": {"none": 0.0, "selective": attn, "full": gemm + attn + elem}[lay.recompute]}
+    out.update(tp_collectives(c, seq, lay, hw, prec))
+    return out
+
+
+def tp_collectives(c: ModelConfig, seq: int, lay: Layout, hw: Hardware,
+                   prec: Precision) -> dict[str, float]:
+    """Tensor-parallel traffic of one layer: 2 all-reduces of b*s*h each way (or 2 AG + 2 RS)."""
+    n = lay.micro_batch * seq * c.hidden * prec.activation
+    link = cost.link_for(lay.tp, hw)
+    if lay.sp:
+        one = cost.all_gather_time(n, lay.tp, link) + cost.reduce_scatter_time(n, lay.tp, link)
+    else:
+        one = 2 * cost.all_reduce_time(n, lay.tp, link)
+    again = one if lay.recompute == "full" else 0.0  # recomputed forward repeats its collectives
+    return {"tp_comm_fwd": one, "tp_comm_bwd": one + again}
+
+
+def _stage_extras(c: ModelConfig, seq: int, lay: Layout, hw: Hardware, prec: Precision,
+                  last: bool) -> tuple[float, float]:
+    """(compute, comm) seconds of the embedding (first stage) or logits (last stage)."""
+    acc, b, t = hw.accelerator, lay.micro_batch, lay.tp
+    link = cost.link_for(t, hw)
+    n = b * seq * c.hidden * prec.activation
+    if not last:  # vocab-parallel embedding: one all-reduce forward (the backward is local)
+        return 0.0, cost.all_reduce_time(n, t, link)
+    logits = cost.gemm_time(3 * cost.logits_forward_flops(c, b, seq) / t, acc,
+                            min(b * seq, c.hidden))
+    ce = 3 * cost.all_reduce_time(4 * b * seq, t, link)  # max, target logit, sum of exp
+    return logits, ce + cost.all_reduce_time(n, t, link)  # + the input-grad all-reduce
+
+
+def evaluate(c: ModelConfig, seq: int, global_batch: int, lay: Layout, cluster: Cluster,
+             prec: Precision | None = None) -> Estimate:
+    """Predict step time, memory and throughput of one layout (no feasibility filtering)."""
+    hw = cluster.profile
+    prec = prec or Precision.for_dtype(hw.accelerator.dtype)
+    m = global_batch // (lay.dp * lay.micro_batch)
+    lt = layer_times(c, seq, lay, hw, prec, cluster.flash_attention)
+    layer_compute = sum(v for k, v in lt.items() if not k.startswith("tp_comm"))
+    layer_comm = lt["tp_comm_fwd"] + lt["tp_comm_bwd"]
+    layers = stage_layers(c.num_layers, lay.pp)
+    _, embed_comm = _stage_extras(c, seq, lay, hw, prec, last=False)
+    head_compute, head_comm = _stage_extras(c, seq, lay, hw, prec, last=True)
+    first = (layers[0] * layer_compute, layers[0] * layer_comm + embed_comm)
+    last = (layers[-1] * layer_compute + head_compute, layers[-1] * layer_comm + head_comm)
+    stages = [first, last] if lay.pp > 1 else [(last[0], last[1] + embed_comm)]
+    compute_mb, comm_mb = max(stages, key=lambda s: s[0] + s[1])
+    t_stage = compute_mb + comm_mb
+    terms = {"compute": m * compute_mb, "tp_comm": m * comm_mb,
+             "bubble": cost.bubble_fraction(lay.pp, m, lay.interleave) * m * t_stage,
+             "p2p": _p2p_per_step(c, seq, lay, hw, prec, m)}
+    terms.update(_dp_and_optimizer(c, lay, cluster, hw, prec, layers[0] * (
+        lt["gemm_bwd"] + lt["attention_bwd"] + lt["elementwise_bwd"])))
+    step = sum(terms.values())
+    mem = memory_per_device(c, seq, lay.micro_batch, lay.tp, lay.pp, lay.dp, m, lay.sp,
+                            lay.recompute, lay.zero1, prec, lay.interleave)
+    e = _estimate(c, seq, global_batch, lay, cluster, step, terms, lt, mem, m)
+    e.notes["stage_imbalance"] = max(sum(s) for s in stages) / min(sum(s) for s in stages) - 1
+    return e
+
+
+def _p2p_per_step(c: ModelConfig, seq: int, lay: Layout, hw: Hardware, prec: Precision,
+                  m: int) -> float:
+    """Stage-to-stage sends on the critical path; scatter-gather sends 1/tp per rank."""
+    if lay.pp == 1:
+        return 0.0
+    n = lay.micro_batch * seq * c.hidden * prec.activation / lay.tp
+    link = cost.p2p_link(lay.tp * lay.pp, hw)
+    return m * lay.interleave * 2 * cost.p2p_time(n, link)
+
+
+def _dp_and_optimizer(c: ModelConfig, lay: Layout, cluster: Cluster, hw: Hardware,
+                      prec: Precision, backward_window: float) -> dict[str, float]:
+    params = max(params_per_rank(c, lay.tp, lay.pp, s) for s in {0, lay.pp - 1})
+    link = cost.link_for(lay.tp * lay.pp * lay.dp, hw, stride=lay.tp * lay.pp)
+    sync = cost.dp_sync_time(params * prec.grad, lay.dp, link, lay.zero1)
+    exposed = cost.exposed_dp_time(sync, backward_window, cluster.overlap_dp, lay.zero1)
+    return {"dp": exposed,
+            "optimizer": cost.optimizer_time(params, lay.dp, lay.zero1, hw.accelerator)}
+
+
+def _estimate(c: ModelConfig, seq: int, global_batch: int, lay: Layout, cluster: Cluster,
+              step: float, terms: dict, lt: dict, mem: dict, m: int) -> Estimate:
+    tokens = global_batch * seq
+    devices = lay.tp * lay.pp * lay.dp
+    model_flops = cost.model_flops_per_token(c, seq) * tokens
+    extra = {"none": 0.0, "selective": 1 / 3 * _attention_share(c, seq), "full": 1 / 3}
+    hw_flops = model_flops * (1 + extra[lay.recompute])
+    peak = cluster.hardware.accelerator.peak_flops
+    fits = mem["total"] <= cluster.usable_memory * cluster.hardware.accelerator.memory_bytes
+    return Estimate(layout=lay, step_time_s=step, terms=terms, per_layer=lt, memory=mem,
+                    tokens_per_s=tokens / step,
+                    tflops_per_device=model_flops / step / devices / 1e12,
+                    mfu=model_flops / step / devices / peak,
+                    hw_tflops_per_device=hw_flops / step / devices / 1e12,
+                    micro_batches=m, fits=fits)
+
+
+def _attention_share(c: ModelConfig, seq: int) -> float:
+    """Share of a layer's forward FLOPs spent in the attention core (4 b s^2 h)."""
+    f = cost.layer_forward_flops(c, 1, seq)
+    return f["attention"] / (f["gemm"] + f["attention"])
