@@ -139,3 +139,91 @@ def test_cli_scripted_stdin_bad_answers_and_no_torch():
     r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60)
     assert r.returncode == 0, r.stderr
     assert r.stdout.splitlines()[-1] == "Score: 2/8"
+
+
+# -- live demonstrations (real runs on gloo processes; the suite's shared worker pools) ----------
+@pytest.fixture(scope="module")
+def live(pools):
+    from tpkit.quiz.live import LiveSession
+
+    return LiveSession(runner=pools.run)
+
+
+def _both(live, number: int, **kw) -> tuple[dict, dict]:
+    a, b = live.run(number, tp=2), live.run(number, tp=4)
+    assert a["text"] != b["text"] and a["tp"] == 2 and b["tp"] == 4
+    return a, b
+
+
+@pytest.mark.timeout(120)
+def test_live_1_weight_shapes_split_and_exact(live):
+    for d, tp in zip(_both(live, 1), (2, 4)):
+        assert [p["fc1"] for p in d["per_rank"]] == [[64 // tp, 16]] * tp  # columns of A
+        assert [p["fc2"] for p in d["per_rank"]] == [[16, 64 // tp]] * tp  # rows of B
+        assert d["max_abs_diff"] == 0.0
+
+
+@pytest.mark.timeout(120)
+def test_live_2_column_row_one_all_reduce_column_column_all_gathers(live):
+    a, b = _both(live, 2)
+    for d in (a, b):
+        assert [r[:3] for r in d["column_row"]["records"]] == [
+            ("all_reduce", "forward", 2 * 4 * 16), ("all_reduce", "backward", 2 * 4 * 16)]
+        forward = [r[0] for r in d["column_column"]["records"] if r[1] == "forward"]
+        assert forward == ["all_gather", "all_gather"]
+        assert d["column_row"]["max_abs_diff"] < 1e-5 and d["column_column"]["max_abs_diff"] < 1e-5
+    assert a["column_row"]["wire_bytes"] < b["column_row"]["wire_bytes"]  # 2(p-1)/p n
+
+
+@pytest.mark.timeout(120)
+def test_live_3_and_8_planner_and_measured_all_reduces(live):
+    a, b = _both(live, 3)
+    for d in (a, b):
+        assert d["planner"]["inter_s"] > 3 * d["planner"]["intra_s"] and d["local_layer_s"] > 0
+    assert a["planner"]["intra_s"] != b["planner"]["intra_s"]
+    a, b = _both(live, 8)
+    for d in (a, b):
+        t1, t8, t64 = d["measured_s"]
+        assert t64 > t1 and t64 > t8
+        assert d["latency_inter_s"] > d["latency_intra_s"] > 0
+    assert b["latency_intra_s"] == pytest.approx(3 * a["latency_intra_s"])  # 2(p-1) alpha
+
+
+@pytest.mark.timeout(120)
+def test_live_4_heads_per_rank(live):
+    a, b = _both(live, 4)
+    assert [p["q_heads"] for p in a["per_rank"]] == [[0, 1, 2, 3], [4, 5, 6, 7]]
+    assert [p["kv_heads"] for p in b["per_rank"]] == [[0], [0], [1], [1]]  # shared kv heads
+    for d in (a, b):
+        assert d["layer_matches_arithmetic"] and d["max_abs_diff"] < 1e-5
+
+
+@pytest.mark.timeout(120)
+@pytest.mark.parametrize("number", [5, 7])
+def test_live_5_7_partials_sum_to_the_single_device_output(live, number):
+    for d in _both(live, number):
+        assert len(d["partial_vs_ref"]) == d["tp"]
+        assert min(d["partial_vs_ref"]) > 1e-3  # a partial alone is not the output
+        assert d["sum_vs_ref"] < 1e-5
+    if number == 5:
+        assert d["records"] == [("all_reduce", "forward", 2 * 4 * 16, d["records"][0][3])]
+
+
+@pytest.mark.timeout(120)
+def test_live_6_rank_grid(live):
+    from tpkit.quiz.live import demo_grid
+
+    a, b = demo_grid(live, tp=2, pp=2), demo_grid(live, tp=4, pp=1)  # both on 4 ranks
+    assert a["grid"] == [[[0, 1], [2, 3]]] and b["grid"] == [[[0, 1, 2, 3]]]
+    assert [r["tp"] for r in a["ranks"]] == [[0, 1], [0, 1], [2, 3], [2, 3]]
+    assert [r["pp"] for r in a["ranks"]] == [[0, 2], [1, 3], [0, 2], [1, 3]]
+    assert a["text"] != b["text"]
+
+
+@pytest.mark.timeout(120)
+def test_cli_live_shows_a_demonstration_after_each_answer():
+    r = _cli("--live", "--lang", "en", "--answers", "1,2,3,4,1,2,3,3")
+    assert r.returncode == 0, r.stderr[-2000:]
+    assert r.stdout.count("--- Live demonstration ---") == 8
+    assert "max |diff|" in r.stdout and "all_gather forward" in r.stdout
+    assert r.stdout.splitlines()[-1] == "Score: 7/8"

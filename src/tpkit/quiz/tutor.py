@@ -125,4 +125,5 @@ def run_tutor(items: list[Item], ui: dict, answer: AnswerFn, out: TextIO,
 
 def _wrap(text: str, first: str, rest: str | None = None) -> str:
     return textwrap.fill(text, WIDTH, initial_indent=first,
-                         subsequent_indent=first if rest is None else rest)
+                         subsequent_indent=first if rest is None else rest,
+                         break_on_hyphens=False)
