@@ -137,7 +137,6 @@ def test_parameter_bytes_per_rank_follow_the_formula(run_tp):
 
 
 def bad_configs(mesh):
-    tp = mesh.tp_size
     out = []
     for cfg, sp, seq in [(replace(get_preset("gpt2-tiny"), num_heads=6, hidden=60), False, 8),
                          (replace(get_preset("llama-tiny"), num_kv_heads=4, num_heads=12,
