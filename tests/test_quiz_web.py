@@ -103,6 +103,14 @@ def test_live_endpoint_absent_without_live():
         srv.server_close()
 
 
+def _sync_api():
+    try:
+        from playwright.sync_api import expect, sync_playwright
+    except ImportError:
+        pytest.fail("playwright is not installed: `pip install -e '.[web]'` (see `make test`)")
+    return expect, sync_playwright
+
+
 def _browser(playwright):
     if not shutil.which(CHROMIUM):
         pytest.fail(f"{CHROMIUM} not found: the browser test needs Debian's chromium "
@@ -112,10 +120,7 @@ def _browser(playwright):
 
 @pytest.mark.timeout(90)
 def test_browser_answers_all_questions_switches_language_and_scores(server):
-    try:
-        from playwright.sync_api import expect, sync_playwright
-    except ImportError:
-        pytest.fail("playwright is not installed: `pip install -e '.[web]'` (see `make test`)")
+    expect, sync_playwright = _sync_api()
     quiz = load_quiz()
     fr, en = quiz.items("fr"), quiz.items("en")
     choices = [0, 0, 2, 3, 1, 1, 2, 0]  # questions 2, 5 and 8 wrong: 5/8
@@ -156,3 +161,32 @@ def test_browser_answers_all_questions_switches_language_and_scores(server):
         expect(page.locator("#final")).to_be_hidden()
         browser.close()
     assert errors == []
+
+
+@pytest.mark.timeout(120)
+def test_cli_web_live_serves_real_demonstrations_to_the_browser():
+    import signal
+    import subprocess
+    import sys
+
+    expect, sync_playwright = _sync_api()
+    code = "import sys; from tpkit.cli import main; sys.exit(main(sys.argv[1:]))"
+    proc = subprocess.Popen([sys.executable, "-c", code, "quiz", "--web", "--live", "--port", "0",
+                             "--lang", "en"], stdout=subprocess.PIPE, text=True)
+    try:
+        line = proc.stdout.readline()
+        assert "http://127.0.0.1:" in line, line
+        url = line.split()[2]
+        with sync_playwright() as p:
+            browser = _browser(p)
+            page = browser.new_page()
+            page.goto(url)
+            page.locator("#q2 .option").nth(1).click()
+            page.locator("#q2 .live button").click()
+            expect(page.locator("#q2 .live pre")).to_contain_text("all_reduce forward",
+                                                                  timeout=60_000)
+            expect(page.locator("#q2 .live pre")).to_contain_text("tp=2")
+            browser.close()
+    finally:
+        proc.send_signal(signal.SIGINT)
+        assert proc.wait(timeout=30) == 0
