@@ -1,0 +1,366 @@
+"""Sharded, reshardable checkpoints: every rank writes its own shards, any layout reads them.
+
+    save(dir, model, optimizer, step=100, extra=dict(loader=..., rng=...), mesh=mesh)
+    extra = load(dir, model, optimizer, mesh=mesh)     # at any (tp, pp) the model admits
+
+A save is atomic. All ranks write into `.<dir>.tmp` (model and optimizer shards by
+dp replica 0, a small JSON per rank), fsync, meet; rank 0 then writes the manifest
+(sha256 and size of every file) last and renames the directory into place. A save
+killed midway leaves the previous checkpoint at `dir` untouched.
+
+A load reads, per parameter, only the chunks this rank holds at *its* layout
+(`ckpt_io.local_slice`, driven by the split tags of the model being loaded), checks
+every file it opens against the manifest, stages everything, and copies into the
+model only when every rank has staged without error: nothing is ever half-loaded.
+Optimizer state (AdamW's exp_avg, exp_avg_sq: same shape as the parameter) carries
+the parameter's tag and reshards the same way.
+"""
+
+from __future__ import annotations
+
+import base64
+import json
+import os
+import random
+import shutil
+import time
+from pathlib import Path
+from typing import Any
+
+import torch
+from safetensors.torch import save_file
+from torch import nn
+
+from tpkit.comm import all_reduce
+from tpkit.device import rng_state, set_rng_state
+from tpkit.mesh import ParallelMesh
+from tpkit.sharding import split_of
+from tpkit.train.ckpt_io import (
+    FORMAT,
+    MANIFEST,
+    VERSION,
+    CheckpointError,
+    ShardedSource,
+    file_entry,
+    fsync_path,
+    local_slice,
+    model_file,
+    optim_file,
+    rank_file,
+    read_manifest,
+    split_to_json,
+    verify_file,
+    write_json,
+)
+
+__all__ = ["CheckpointError", "capture_rng", "latest", "load", "read_manifest",
+           "restore_rng", "save"]
+
+PAUSE_ENV = "TPKIT_CKPT_PAUSE_S"  # tests: sleep after each file, to kill a save midway
+IGNORED_CONFIG = ("name", "dropout")  # differences that do not change the weights
+
+
+# -- public API -------------------------------------------------------------------------
+def save(path: str | Path, model: nn.Module, optimizer: torch.optim.Optimizer | None = None,
+         *, step: int = 0, extra: dict | None = None, mesh: ParallelMesh | None = None) -> Path:
+    """Write a checkpoint of this rank's shards into `path`, atomically; call on every rank.
+
+    `extra` (per rank; JSON values and tensors, e.g. the data-loader position and
+    `capture_rng()`) comes back from `load`. Returns the checkpoint directory.
+    """
+    mesh = mesh or getattr(model, "mesh", None) or ParallelMesh.single()
+    root = Path(path)
+    tmp = root.parent / f".{root.name}.tmp"
+    if mesh.rank == 0:
+        shutil.rmtree(tmp, ignore_errors=True)
+        tmp.mkdir(parents=True)
+    _agree(mesh, True)
+    err = _attempt(_write_rank, tmp, model, optimizer, extra, mesh)
+    _raise_unless_all(mesh, err, f"{root}: another rank failed to write its shards; "
+                                 f"the previous checkpoint is untouched")
+    if mesh.rank == 0:
+        err = _attempt(_finish, tmp, root, model, optimizer, step, mesh)
+    _raise_unless_all(mesh, err, f"{root}: rank 0 failed to write the manifest")
+    return root
+
+
+def load(path: str | Path, model: nn.Module, optimizer: torch.optim.Optimizer | None = None,
+         *, mesh: ParallelMesh | None = None) -> dict:
+    """Load a checkpoint written at any layout into `model` (and `optimizer`) at this one.
+
+    Returns this rank's `extra` when the layout is unchanged, else rank 0's (plus
+    `"step"`). Raises CheckpointError naming the file and the problem; on any
+    error no rank changes anything.
+    """
+    mesh = mesh or getattr(model, "mesh", None) or ParallelMesh.single()
+    root = _resolve(Path(path))
+    staged: Any = None
+    err: BaseException | None = None
+    try:
+        manifest = read_manifest(root)
+        _check_config(root, manifest, model)
+        staged = _stage(root, manifest, model, optimizer, mesh)
+    except Exception as e:  # noqa: BLE001 - re-raised after every rank agreed
+        err = e
+    _raise_unless_all(mesh, err, f"{root}: another rank failed to load (see its error); "
+                                 f"nothing was loaded")
+    params, optim_state, extra = staged
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            p.copy_(params[name])
+    if optimizer is not None and optim_state is not None:
+        optimizer.load_state_dict(optim_state)
+    return extra
+
+
+def latest(root: str | Path) -> Path | None:
+    """The complete checkpoint (manifest present) with the highest step under `root`."""
+    found = []
+    for d in Path(root).iterdir() if Path(root).is_dir() else []:
+        if d.is_dir() and not d.name.startswith(".") and (d / MANIFEST).is_file():
+            try:
+                found.append((read_manifest(d)["step"], d.name, d))
+            except CheckpointError:
+                continue
+    return max(found)[2] if found else None
+
+
+def capture_rng(device: torch.device | None = None) -> dict:
+    """This process's generator states (torch on `device`, Python), for `extra`."""
+    version, state, gauss = random.getstate()
+    return dict(torch=rng_state(device or torch.device("cpu")),
+                python=[version, list(state), gauss])
+
+
+def restore_rng(state: dict, device: torch.device | None = None) -> None:
+    """Restore what `capture_rng` returned (after a load)."""
+    set_rng_state(state["torch"], device or torch.device("cpu"))
+    version, inner, gauss = state["python"]
+    random.setstate((version, tuple(inner), gauss))
+
+
+# -- writing ----------------------------------------------------------------------------
+def _write_rank(tmp: Path, model: nn.Module, optimizer, extra: dict | None,
+                mesh: ParallelMesh) -> None:
+    t, p, tp = mesh.tp_rank, mesh.pp_rank, mesh.tp_size
+    config = getattr(model, "config", None)
+    record: dict[str, Any] = dict(rank=mesh.rank, files={}, tensors={}, optim_tensors={},
+                                  optim_groups=None, extra=_encode(extra or {}))
+    if mesh.dp_rank == 0:
+        params = _own_params(model)
+        record["tensors"] = {n: _meta(split_of(q), q.shape, q.dtype, tp, p, config)
+                             for n, q in params.items()}
+        _write_tensors(tmp, model_file(t, p), {n: q.detach() for n, q in params.items()}, record)
+        if optimizer is not None:
+            tensors, metas, groups = _optim_tensors(model, optimizer, tp, p, config)
+            record["optim_tensors"], record["optim_groups"] = metas, groups
+            if tensors:
+                _write_tensors(tmp, optim_file(t, p), tensors, record)
+    write_json(tmp / rank_file(mesh.rank), record)
+    _pause()
+
+
+def _write_tensors(tmp: Path, fname: str, tensors: dict[str, torch.Tensor], record: dict
+                   ) -> None:
+    cpu = {n: x.detach().to("cpu").contiguous() for n, x in tensors.items()}
+    meta = {n: record["tensors"].get(n) or record["optim_tensors"].get(n) for n in cpu}
+    save_file(cpu, str(tmp / fname), metadata={"tpkit": json.dumps(meta)})
+    fsync_path(tmp / fname)
+    record["files"][fname] = file_entry(tmp / fname)
+    _pause()
+
+
+def _meta(split, local_shape, dtype: torch.dtype, tp: int, stage: int, config) -> dict:
+    """Global and logical (unpadded) shape and split tag of a tensor."""
+    shape = list(local_shape)
+    if split is not None:
+        shape[split.dim] = sum(split.parts)
+    logical = list(shape)
+    if (config is not None and split is not None and split.dim == 0 and len(split.parts) == 1
+            and shape[0] == config.padded_vocab(tp) > config.vocab_size):
+        logical[0] = config.vocab_size  # vocabulary padding is not part of the model
+    return dict(shape=shape, logical=logical, split=split_to_json(split), stage=stage,
+                dtype=str(dtype).removeprefix("torch."))
+
+
+def _own_params(model: nn.Module) -> dict[str, torch.Tensor]:
+    """Parameters this stage owns (a pipeline copy of a tied embedding is saved once)."""
+    return {n: p for n, p in model.named_parameters() if not getattr(p, "tied_to", None)}
+
+
+def _optim_tensors(model: nn.Module, optimizer, tp: int, stage: int, config):
+    names = {id(p): n for n, p in _own_params(model).items()}
+    tensors, metas = {}, {}
+    for p, state in optimizer.state.items():
+        if id(p) not in names:
+            continue
+        for key, value in state.items():
+            if not torch.is_tensor(value):
+                value = torch.tensor(value)
+            full = f"{names[id(p)]}::{key}"
+            tensors[full] = value
+            split = split_of(p) if value.shape == p.shape else None
+            metas[full] = _meta(split, value.shape, value.dtype, tp, stage, config)
+    groups = [{k: v for k, v in g.items() if k != "params"} for g in optimizer.param_groups]
+    return tensors, metas, _encode(groups)
+
+
+def _finish(tmp: Path, root: Path, model: nn.Module, optimizer, step: int,
+            mesh: ParallelMesh) -> None:
+    records = [json.loads((tmp / rank_file(r)).read_text()) for r in range(mesh.world_size)]
+    files, tensors, optim_tensors = {}, {}, {}
+    for r, rec in enumerate(records):
+        files.update(rec["files"])
+        files[rank_file(r)] = file_entry(tmp / rank_file(r))
+        tensors.update(rec["tensors"])
+        optim_tensors.update(rec["optim_tensors"])
+    config = getattr(model, "config", None)
+    manifest = dict(format=FORMAT, version=VERSION, step=step,
+                    config=config.to_dict() if config is not None else None,
+                    layout=dict(tp=mesh.tp_size, pp=mesh.pp_size, dp=mesh.dp_size),
+                    tensors=tensors, optim_tensors=optim_tensors,
+                    optimizer=dict(type=type(optimizer).__name__,
+                                   groups=records[0]["optim_groups"]) if optimizer else None,
+                    extra=records[0]["extra"], files=files, saved_at=time.time())
+    write_json(tmp / MANIFEST, manifest)  # last: a directory without it is incomplete
+    fsync_path(tmp)
+    aside = root.parent / f".{root.name}.old"
+    shutil.rmtree(aside, ignore_errors=True)
+    if root.exists():
+        os.rename(root, aside)
+    os.rename(tmp, root)
+    fsync_path(root.parent)
+    shutil.rmtree(aside, ignore_errors=True)
+
+
+# -- reading ----------------------------------------------------------------------------
+def _resolve(root: Path) -> Path:
+    """`root`, or the previous checkpoint a save moved aside just before it was killed."""
+    aside = root.parent / f".{root.name}.old"
+    if not root.exists() and (aside / MANIFEST).is_file():
+        return aside
+    return root
+
+
+def _check_config(root: Path, manifest: dict, model: nn.Module) -> None:
+    config, saved = getattr(model, "config", None), manifest.get("config")
+    if config is None or saved is None:
+        return
+    mine = config.to_dict()
+    diffs = [f"{k}={saved.get(k)!r} in the checkpoint, {mine.get(k)!r} in the model"
+             for k in sorted(set(mine) | set(saved))
+             if k not in IGNORED_CONFIG and saved.get(k) != mine.get(k)]
+    if diffs:
+        raise CheckpointError(f"{root / MANIFEST}: written for a different model: "
+                              + "; ".join(diffs))
+
+
+def _stage(root: Path, manifest: dict, model: nn.Module, optimizer, mesh: ParallelMesh):
+    source, where = ShardedSource(root, manifest), str(root)
+    params = {}
+    for name, p in model.named_parameters():
+        src = getattr(p, "tied_to", None) or name
+        params[name] = local_slice(source, src, split_of(p), mesh.tp_rank, mesh.tp_size,
+                                   tuple(p.shape), where).to(p.dtype)
+    optim_state = None
+    if optimizer is not None:
+        optim_state = _stage_optimizer(root, manifest, model, optimizer, mesh)
+    layout = dict(tp=mesh.tp_size, pp=mesh.pp_size, dp=mesh.dp_size)
+    rank = mesh.rank if layout == manifest["layout"] else 0
+    fname = rank_file(rank)
+    record = json.loads(verify_file(root, fname, manifest["files"].get(fname)).read_text())
+    extra = _decode(record["extra"])
+    extra.setdefault("step", manifest["step"])
+    return params, optim_state, extra
+
+
+def _stage_optimizer(root: Path, manifest: dict, model: nn.Module, optimizer,
+                     mesh: ParallelMesh) -> dict:
+    if manifest.get("optimizer") is None:
+        raise CheckpointError(f"{root / MANIFEST}: the checkpoint holds no optimizer state")
+    source, saved = ShardedSource(root, manifest, "optim"), manifest["optim_tensors"]
+    keys: dict[str, list[str]] = {}
+    for full in saved:
+        name, key = full.split("::", 1)
+        keys.setdefault(name, []).append(key)
+    names = {id(p): n for n, p in model.named_parameters()}
+    state_dict = optimizer.state_dict()
+    order = [p for g in optimizer.param_groups for p in g["params"]]
+    state = {}
+    for idx, p in enumerate(order):
+        src = getattr(p, "tied_to", None) or names[id(p)]
+        entry = {}
+        for key in keys.get(src, []):
+            full = f"{src}::{key}"
+            like = tuple(p.shape) if saved[full]["logical"] != [] else ()
+            entry[key] = local_slice(source, full, split_of(p) if like else None,
+                                     mesh.tp_rank, mesh.tp_size, like, str(root))
+        if entry:
+            state[idx] = entry
+    groups = _decode(manifest["optimizer"]["groups"])
+    if len(groups) != len(state_dict["param_groups"]):
+        raise CheckpointError(f"{root / MANIFEST}: {len(groups)} optimizer parameter groups "
+                              f"saved, the optimizer has {len(state_dict['param_groups'])}")
+    for mine, old in zip(state_dict["param_groups"], groups):
+        mine.update({k: tuple(v) if isinstance(mine.get(k), tuple) else v
+                     for k, v in old.items()})
+    state_dict["state"] = state
+    return state_dict
+
+
+# -- helpers ----------------------------------------------------------------------------
+def _attempt(fn, *args) -> BaseException | None:
+    try:
+        fn(*args)
+    except Exception as e:  # noqa: BLE001 - reported after every rank agreed
+        return e
+    return None
+
+
+def _agree(mesh: ParallelMesh, ok: bool) -> bool:
+    """True when every rank says ok (a barrier over the whole world: mp, then dp)."""
+    flag = torch.tensor([1.0 if ok else 0.0], device=mesh.device)
+    all_reduce(flag, mesh.mp_group, op="min", phase="checkpoint")
+    all_reduce(flag, mesh.dp_group, op="min", phase="checkpoint")
+    return bool(flag.item() == 1.0)
+
+
+def _raise_unless_all(mesh: ParallelMesh, err: BaseException | None, other: str) -> None:
+    if not _agree(mesh, err is None):
+        raise err if err is not None else CheckpointError(other)
+
+
+def _pause() -> None:
+    if os.environ.get(PAUSE_ENV):
+        time.sleep(float(os.environ[PAUSE_ENV]))
+
+
+def _encode(obj: Any) -> Any:
+    """JSON form of nested dicts/lists with tensors (base64 of the raw bytes)."""
+    if torch.is_tensor(obj):
+        t = obj.detach().to("cpu").contiguous()
+        raw = t.reshape(-1).view(torch.uint8).numpy().tobytes() if t.numel() else b""
+        return {"__tensor__": base64.b64encode(raw).decode(), "dtype": str(t.dtype)[6:],
+                "shape": list(t.shape)}
+    if isinstance(obj, dict):
+        return {str(k): _encode(v) for k, v in obj.items()}
+    if isinstance(obj, (list, tuple)):
+        return [_encode(v) for v in obj]
+    if obj is None or isinstance(obj, (str, int, float, bool)):
+        return obj
+    raise TypeError(f"checkpoint extra: cannot store a {type(obj).__name__} (use JSON values "
+                    f"and tensors)")
+
+
+def _decode(obj: Any) -> Any:
+    """Inverse of `_encode`."""
+    if isinstance(obj, dict) and "__tensor__" in obj:
+        raw = bytearray(base64.b64decode(obj["__tensor__"]))
+        dtype = getattr(torch, obj["dtype"])
+        flat = torch.frombuffer(raw, dtype=torch.uint8) if raw else torch.empty(0, dtype=torch.uint8)
+        return flat.view(dtype).reshape(obj["shape"]).clone()
+    if isinstance(obj, dict):
+        return {k: _decode(v) for k, v in obj.items()}
+    if isinstance(obj, list):
+        return [_decode(v) for v in obj]
+    return obj

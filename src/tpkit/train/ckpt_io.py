@@ -1,0 +1,268 @@
+"""Files of a sharded checkpoint, and reading any slice of a global tensor back.
+
+A checkpoint directory, written at (tp, pp, dp):
+
+    manifest.json                      written last: config, step, layout, tensor table,
+                                       optimizer layout, extra, sha256 + size of every file
+    model-tp{t}-pp{p}.safetensors      what tp rank t of stage p holds (dp replica 0)
+    optim-tp{t}-pp{p}.safetensors      its optimizer state, same tags ("{param}::{key}")
+    rank-{r}.json                      per-rank extra (RNG states...), no pickle
+
+Every tensor is described by its global shape (`shape`, padded vocabulary included),
+its `logical` shape (without padding) and its split tag. Reading a slice for a new
+layout goes through `Source.read(name, dim, start, stop)` — the rows [start, stop) of
+the logical global tensor along `dim` — so a rank reads only what it will hold,
+from a sharded checkpoint, one full file, or a Hugging Face model (`tpkit.model.hf`).
+
+    global rows of a fused part, written at tp=2, read at tp=4 by rank 1:
+      part q: [ chunk0 (rank 0) | chunk1 (rank 1) ]      rank 1 wants q rows [c/2, c)
+                                   ^ read from rank 0's file, local rows [c/2, c)
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+from pathlib import Path
+from typing import Any, Protocol
+
+import torch
+from safetensors import safe_open
+
+from tpkit.sharding import TPSplit, unshard
+
+MANIFEST = "manifest.json"
+FORMAT = "tpkit-checkpoint"
+VERSION = 1
+
+
+class CheckpointError(RuntimeError):
+    """A checkpoint is missing, damaged, or does not fit the model; names the file."""
+
+
+def model_file(tp_rank: int, pp_rank: int) -> str:
+    """File name of one (tp rank, stage) model shard."""
+    return f"model-tp{tp_rank:02d}-pp{pp_rank:02d}.safetensors"
+
+
+def optim_file(tp_rank: int, pp_rank: int) -> str:
+    """File name of one (tp rank, stage) optimizer shard."""
+    return f"optim-tp{tp_rank:02d}-pp{pp_rank:02d}.safetensors"
+
+
+def rank_file(rank: int) -> str:
+    """File name of one global rank's extra state."""
+    return f"rank-{rank:05d}.json"
+
+
+# -- split tags as JSON -----------------------------------------------------------------
+def split_to_json(split: TPSplit | None) -> dict | None:
+    """A split tag as plain JSON (None: replicated)."""
+    return None if split is None else dict(dim=split.dim, parts=list(split.parts),
+                                           chunks=list(split.chunks))
+
+
+def split_from_json(d: dict | None) -> TPSplit | None:
+    """Inverse of `split_to_json`."""
+    return None if d is None else TPSplit(d["dim"], tuple(d["parts"]), tuple(d["chunks"]))
+
+
+# -- durable writes ---------------------------------------------------------------------
+def fsync_path(path: Path) -> None:
+    """Flush a file (or a directory entry) to disk."""
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+def write_json(path: Path, obj: Any) -> None:
+    """Write JSON and fsync it."""
+    with open(path, "w") as f:
+        json.dump(obj, f, indent=1, sort_keys=True)
+        f.flush()
+        os.fsync(f.fileno())
+
+
+def file_entry(path: Path) -> dict:
+    """{"sha256", "bytes"} of a file, streamed."""
+    h = hashlib.sha256()
+    with open(path, "rb") as f:
+        for block in iter(lambda: f.read(1 << 22), b""):
+            h.update(block)
+    return dict(sha256=h.hexdigest(), bytes=path.stat().st_size)
+
+
+def verify_file(root: Path, name: str, entry: dict | None) -> Path:
+    """The path of `name` after checking it exists, has its size and its sha256."""
+    path = root / name
+    if entry is None:
+        raise CheckpointError(f"{path}: not listed in {root / MANIFEST}")
+    if not path.is_file():
+        raise CheckpointError(f"{path}: missing shard (listed in {MANIFEST})")
+    size = path.stat().st_size
+    if size != entry["bytes"]:
+        raise CheckpointError(f"{path}: truncated or resized: {size} bytes on disk, "
+                              f"{entry['bytes']} in {MANIFEST}")
+    if file_entry(path)["sha256"] != entry["sha256"]:
+        raise CheckpointError(f"{path}: checksum mismatch (sha256 differs from {MANIFEST}): "
+                              f"the file is corrupted")
+    return path
+
+
+def read_manifest(root: str | Path) -> dict:
+    """The manifest of a checkpoint directory, or a CheckpointError saying why not."""
+    root = Path(root)
+    path = root / MANIFEST
+    if not root.is_dir():
+        raise CheckpointError(f"{root}: no such checkpoint directory")
+    if not path.is_file():
+        raise CheckpointError(f"{path}: missing: the save did not finish, or {root} is not "
+                              f"a tpkit checkpoint")
+    try:
+        manifest = json.loads(path.read_text())
+    except (OSError, ValueError) as e:
+        raise CheckpointError(f"{path}: unreadable manifest: {e}") from None
+    if manifest.get("format") != FORMAT:
+        raise CheckpointError(f"{path}: format {manifest.get('format')!r} is not {FORMAT!r}")
+    if manifest.get("version", 0) > VERSION:
+        raise CheckpointError(f"{path}: version {manifest['version']} is newer than this "
+                              f"tpkit reads ({VERSION})")
+    return manifest
+
+
+# -- reading slices ---------------------------------------------------------------------
+class Source(Protocol):
+    """Where global tensors come from (sharded checkpoint, full file, Hugging Face)."""
+
+    def logical_shape(self, name: str) -> tuple[int, ...] | None:
+        """Global shape without vocabulary padding; None when the source lacks `name`."""
+
+    def read(self, name: str, dim: int, start: int, stop: int) -> torch.Tensor:
+        """Rows [start, stop) of the logical global tensor along `dim`."""
+
+
+class ShardedSource:
+    """Reads global slices out of the per-rank files of a checkpoint, verifying each file
+    (size + sha256) the first time it is opened."""
+
+    def __init__(self, root: str | Path, manifest: dict, kind: str = "model") -> None:
+        self.root, self.manifest, self.kind = Path(root), manifest, kind
+        self.tp = manifest["layout"]["tp"]
+        self.tensors = manifest["tensors"] if kind == "model" else manifest["optim_tensors"]
+        self._open: dict[str, Any] = {}
+
+    def logical_shape(self, name: str) -> tuple[int, ...] | None:
+        """Global shape without padding (None: not in this checkpoint)."""
+        meta = self.tensors.get(name)
+        return None if meta is None else tuple(meta["logical"])
+
+    def _local(self, tp_rank: int, stage: int, name: str, dim: int, a: int, b: int | None
+               ) -> torch.Tensor:
+        fname = (model_file if self.kind == "model" else optim_file)(tp_rank, stage)
+        if fname not in self._open:
+            path = verify_file(self.root, fname, self.manifest["files"].get(fname))
+            self._open[fname] = safe_open(str(path), framework="pt")
+        f = self._open[fname]
+        if name not in f.keys():
+            raise CheckpointError(f"{self.root / fname}: tensor {name!r} is missing from the file")
+        sl = f.get_slice(name)
+        if not sl.get_shape():
+            return f.get_tensor(name)
+        return sl[(slice(None),) * dim + (slice(a, b),)]
+
+    def read(self, name: str, dim: int, start: int, stop: int) -> torch.Tensor:
+        """Rows [start, stop) along `dim`, from the files of the ranks that hold them."""
+        meta = self.tensors[name]
+        split, stage = split_from_json(meta["split"]), meta["stage"]
+        if split is None or self.tp == 1:
+            return self._local(0, stage, name, dim, start, stop)
+        if split.dim != dim:  # unusual: gather the whole tensor, then cut
+            full = unshard([self._local(r, stage, name, 0, 0, None) for r in range(self.tp)],
+                           split)
+            return full.narrow(dim, start, stop - start)
+        return torch.cat(list(self._pieces(split, stage, name, start, stop)), dim)
+
+    def _pieces(self, split: TPSplit, stage: int, name: str, start: int, stop: int):
+        part_start, local_off = 0, 0
+        for i, (size, n) in enumerate(zip(split.parts, split.chunks)):
+            c = size // n
+            lo, hi = max(start, part_start), min(stop, part_start + size)
+            while lo < hi:
+                j = (lo - part_start) // c  # chunk j of part i holds row lo
+                owner = next(r for r in range(self.tp) if split.chunk_index(i, r, self.tp) == j)
+                end = min(hi, part_start + (j + 1) * c)
+                a = local_off + lo - part_start - j * c
+                yield self._local(owner, stage, name, split.dim, a, a + end - lo)
+                lo = end
+            part_start, local_off = part_start + size, local_off + c
+
+
+class FullSource:
+    """One safetensors file of full (logical, unpadded) tensors, e.g. `tpkit convert`'s."""
+
+    def __init__(self, path: str | Path) -> None:
+        self.path = Path(path)
+        if not self.path.is_file():
+            raise CheckpointError(f"{self.path}: no such file")
+        self.f = safe_open(str(self.path), framework="pt")
+        self.names = set(self.f.keys())
+
+    def logical_shape(self, name: str) -> tuple[int, ...] | None:
+        """Shape in the file (None: absent)."""
+        return tuple(self.f.get_slice(name).get_shape()) if name in self.names else None
+
+    def read(self, name: str, dim: int, start: int, stop: int) -> torch.Tensor:
+        """Rows [start, stop) along `dim`."""
+        sl = self.f.get_slice(name)
+        if not sl.get_shape():
+            return self.f.get_tensor(name)
+        return sl[(slice(None),) * dim + (slice(start, stop),)]
+
+
+def local_slice(source: Source, name: str, split: TPSplit | None, rank: int, tp: int,
+                shape: tuple[int, ...], where: str = "checkpoint") -> torch.Tensor:
+    """What `rank` of `tp` holds of global tensor `name`: its chunk of every part, each
+    read from `source`; rows past the logical size (vocabulary padding) are zeros."""
+    logical = source.logical_shape(name)
+    if logical is None:
+        raise CheckpointError(f"{where}: has no tensor {name!r}")
+    if split is None:
+        _check_dims(logical, shape, None, name, where)
+        if not shape:
+            return source.read(name, 0, 0, 1).reshape(())
+        return source.read(name, 0, 0, shape[0])
+    full = list(shape)
+    full[split.dim] = sum(split.parts)
+    _check_dims(logical, tuple(full), split, name, where)
+    pieces, start = [], 0
+    for i, (size, n) in enumerate(zip(split.parts, split.chunks)):
+        c = size // n
+        a = start + split.chunk_index(i, rank, tp) * c
+        pieces.append(_padded_read(source, name, split.dim, a, a + c, logical[split.dim]))
+        start += size
+    return torch.cat(pieces, split.dim) if len(pieces) > 1 else pieces[0]
+
+
+def _padded_read(source: Source, name: str, dim: int, a: int, b: int, rows: int
+                 ) -> torch.Tensor:
+    if b <= rows:
+        return source.read(name, dim, a, b)
+    real = source.read(name, dim, a, rows) if a < rows else None
+    shape = list(real.shape if real is not None else source.read(name, dim, 0, 1).shape)
+    shape[dim] = b - max(a, rows)
+    pad = torch.zeros(shape, dtype=real.dtype if real is not None else torch.float32)
+    return pad if real is None else torch.cat([real, pad], dim)
+
+
+def _check_dims(logical: tuple[int, ...], full: tuple[int, ...], split: TPSplit | None,
+                name: str, where: str) -> None:
+    ok = len(logical) == len(full)
+    for d, (a, b) in enumerate(zip(logical, full)):
+        padded = split is not None and d == split.dim and len(split.parts) == 1
+        ok = ok and (a <= b if padded else a == b)
+    if not ok:
+        raise CheckpointError(f"{where}: tensor {name!r} has global shape {list(logical)}, "
+                              f"the model expects {list(full)}")
