@@ -170,3 +170,12 @@ def test_split_tags_describe_fused_qkv():
     m = Transformer(get_preset("llama-tiny"), ParallelMesh.single())
     s = splits_of(m)["layers.0.attn.qkv.weight"]
     assert s == TPSplit(0, (64, 16, 16), (1, 1, 1))
+
+
+def test_published_presets_build_on_the_meta_device_at_their_layouts():
+    """llama3-70b at tp=8, pp=2 on a virtual mesh: each rank holds 1/16 of the weights
+    (plus replicated norms), without a single process or byte of real memory."""
+    cfg = get_preset("llama3-70b")
+    per_rank = [Transformer(cfg, ParallelMesh.virtual(tp=8, pp=2, rank=r), device="meta")
+                .param_bytes() // 4 for r in (0, 8)]
+    assert abs(sum(per_rank) * 8 - cfg.num_params()) / cfg.num_params() < 1e-3

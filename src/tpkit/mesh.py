@@ -136,6 +136,25 @@ class ParallelMesh:
         return cls(1, 1, 1, rank=0, world_size=1, ledger=ledger)
 
     @classmethod
+    def virtual(cls, tp: int = 1, pp: int = 1, dp: int = 1, rank: int = 0,
+                ranks_per_node: int | None = None) -> ParallelMesh:
+        """A mesh with no processes behind it: sizes and coordinates only, for building
+        models on the meta device (parameter counts, memory) at any layout. Any
+        collective on it raises."""
+        m = cls.__new__(cls)
+        m.world_size, m.rank = tp * pp * dp, rank
+        check_sizes(m.world_size, tp, pp, dp)
+        m.tp_size, m.pp_size, m.dp_size = tp, pp, dp
+        m.ranks_per_node = ranks_per_node or m.world_size
+        m.ledger, m.backend, m.device = Ledger(), "none", torch.device("meta")
+        m.coord = coord_of(rank, tp, pp)
+        m.groups = {}
+        for kind in ("tp", "pp", "dp", "mp"):
+            ranks = next(g for g in group_ranks(kind, tp, pp, dp) if rank in g)
+            m.groups[kind] = CommGroup(kind, ranks, ranks.index(rank), None, m.ledger)
+        return m
+
+    @classmethod
     def from_env(cls, tp: int | None = None, pp: int = 1, dp: int | None = None,
                  timeout_s: float = 300.0, **kw) -> ParallelMesh:
         """Build from torchrun's environment (RANK, WORLD_SIZE, LOCAL_WORLD_SIZE, MASTER_*).

@@ -20,6 +20,12 @@ _reduce_scatter_single = getattr(dist, "reduce_scatter_single", None) or dist.re
 _REDUCE_OPS = {"sum": dist.ReduceOp.SUM, "max": dist.ReduceOp.MAX, "min": dist.ReduceOp.MIN}
 
 
+def _real(group: CommGroup) -> None:
+    if group.pg is None:
+        raise RuntimeError(f"{group!r} has no process group (a virtual mesh): it cannot "
+                           f"communicate")
+
+
 def _nbytes(x: torch.Tensor) -> int:
     return x.numel() * x.element_size()
 
@@ -29,6 +35,7 @@ def all_reduce(x: torch.Tensor, group: CommGroup, op: str = "sum", *, phase: str
     """Reduce `x` over the group, in place; returns `x`."""
     if group.size == 1:
         return x
+    _real(group)
     with group.ledger.timed("all_reduce", group, x.numel(), _nbytes(x), phase, scope):
         dist.all_reduce(x, op=_REDUCE_OPS[op], group=group.pg)
     return x
@@ -39,6 +46,7 @@ def all_gather(x: torch.Tensor, group: CommGroup, dim: int = -1, *, phase: str =
     """Concatenate every rank's `x` along `dim` (rank order)."""
     if group.size == 1:
         return x
+    _real(group)
     p, dim = group.size, dim % x.dim()
     x = x.contiguous()
     out = torch.empty((p * x.shape[0], *x.shape[1:]), dtype=x.dtype, device=x.device)
@@ -55,6 +63,7 @@ def reduce_scatter(x: torch.Tensor, group: CommGroup, dim: int = -1, *, phase: s
     """Sum `x` over the group and keep this rank's chunk of `dim`."""
     if group.size == 1:
         return x
+    _real(group)
     p, dim = group.size, dim % x.dim()
     if x.shape[dim] % p:
         raise ValueError(f"reduce_scatter: dimension {dim} of size {x.shape[dim]} does not "
