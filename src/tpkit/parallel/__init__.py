@@ -1,0 +1,37 @@
+"""Pipeline and data parallelism around the tensor-parallel model (quiz answer 6).
+
+    p2p.py            StageLink: activations / gradients between neighbouring stages
+    schedules.py      GPipe, 1F1B, forward-only; bubble theory (p-1)/m
+    data_parallel.py  bucketed dp gradient all-reduce; tied-embedding group first<->last stage
+    grad_norm.py      global gradient norm counting every parameter once; clipping
+    zero.py           ZeRO-1: AdamW state sharded over dp
+"""
+
+from tpkit.parallel.data_parallel import allreduce_grads, sync_tied_grads, tied_embedding_group
+from tpkit.parallel.grad_norm import clip_grads, global_grad_norm
+from tpkit.parallel.p2p import StageLink
+from tpkit.parallel.schedules import (
+    SCHEDULES,
+    MicroBatch,
+    StepStats,
+    bubble_theory,
+    forward_only,
+    run_schedule,
+)
+from tpkit.parallel.zero import ZeroAdamW
+
+__all__ = [
+    "SCHEDULES",
+    "MicroBatch",
+    "StageLink",
+    "StepStats",
+    "ZeroAdamW",
+    "allreduce_grads",
+    "bubble_theory",
+    "clip_grads",
+    "forward_only",
+    "global_grad_norm",
+    "run_schedule",
+    "sync_tied_grads",
+    "tied_embedding_group",
+]

@@ -1,0 +1,99 @@
+"""Gradient synchronisation after backward: tied embeddings across stages, then dp.
+
+Data parallelism (each dp replica a different slice of the batch): after the last
+micro-batch every gradient is averaged over `mesh.dp_group`. Gradients are packed
+into flat buckets (~`bucket_mb` MiB each) so that a model of many small tensors
+costs a few all-reduces, not one per parameter:
+
+    grads [g0 g1 g2 | g3 g4 | ...]  --flatten-->  bucket --all_reduce(dp)/dp--> unflatten
+
+Tied embeddings with pp > 1: the first stage owns `embed.word.weight`, the last
+stage owns `head.weight` (attribute `tied_to`), the same matrix. Each gets only its
+own use's gradient, so the two are summed over a group of {first, last} stage with
+the same tp and dp index (Megatron's "embedding group"), which keeps them equal.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from tpkit.comm import all_reduce
+from tpkit.comm.group import CommGroup
+from tpkit.mesh import Coord, ParallelMesh, rank_of
+
+TIED_ATTR = "tied_to"
+
+
+def allreduce_grads(params: list[nn.Parameter], group: CommGroup, *, average: bool = True,
+                    bucket_mb: float = 25.0) -> None:
+    """Sum (or average) the gradients of `params` over `group`, in flat buckets."""
+    if group.size == 1:
+        return
+    grads = [p.grad for p in params if p.grad is not None]
+    for bucket in _buckets(grads, int(bucket_mb * 2**20)):
+        flat = torch.cat([g.reshape(-1) for g in bucket])  # [sum numel]
+        all_reduce(flat, group, phase="grads", scope="data_parallel")
+        if average:
+            flat /= group.size
+        offset = 0
+        for g in bucket:
+            g.copy_(flat[offset:offset + g.numel()].view_as(g))
+            offset += g.numel()
+
+
+def _buckets(grads: list[torch.Tensor], limit: int) -> list[list[torch.Tensor]]:
+    """Consecutive groups of same-dtype gradients, each at most `limit` bytes (or one)."""
+    out: list[list[torch.Tensor]] = []
+    size = 0
+    for g in grads:
+        nbytes = g.numel() * g.element_size()
+        if not out or size + nbytes > limit or out[-1][0].dtype != g.dtype:
+            out.append([])
+            size = 0
+        out[-1].append(g)
+        size += nbytes
+    return out
+
+
+def tied_embedding_group(mesh: ParallelMesh, tied: bool) -> CommGroup | None:
+    """This rank's {first stage, last stage} group (same tp, dp index), or None.
+
+    Collective: every rank must call it with the same `tied` (the model's
+    tie_embeddings); with pp > 1 each rank then creates every group in the same
+    order, as torch.distributed.new_group requires.
+    """
+    if mesh.pp_size == 1 or not tied:
+        return None
+    mine = None
+    for d in range(mesh.dp_size):
+        for t in range(mesh.tp_size):
+            ranks = (rank_of(Coord(d, 0, t), mesh.tp_size, mesh.pp_size),
+                     rank_of(Coord(d, mesh.pp_size - 1, t), mesh.tp_size, mesh.pp_size))
+            pg = dist.new_group(list(ranks))
+            if mesh.rank in ranks:
+                mine = CommGroup("tied", ranks, ranks.index(mesh.rank), pg, mesh.ledger)
+    return mine
+
+
+def tied_params(model: nn.Module) -> list[nn.Parameter]:
+    """This stage's halves of the tied pairs: the last stage's head (`tied_to` set),
+    the first stage's word embedding."""
+    named = sorted(model.named_parameters())
+    out = [p for _, p in named if getattr(p, TIED_ATTR, None)]
+    targets = {getattr(p, TIED_ATTR) for p in out} or {"embed.word.weight"}
+    return out + [p for n, p in named if n in targets]
+
+
+def sync_tied_grads(model: nn.Module, group: CommGroup | None) -> None:
+    """Sum the gradients of the tied parameters between the first and the last stage."""
+    if group is None:
+        return
+    params = tied_params(model)
+    if len(params) != 1:
+        raise RuntimeError(f"expected one tied parameter on this stage, found {len(params)}")
+    p = params[0]
+    if p.grad is None:
+        p.grad = torch.zeros_like(p)
+    all_reduce(p.grad, group, phase="grads", scope="tied_embedding")

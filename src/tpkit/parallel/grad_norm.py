@@ -1,0 +1,64 @@
+"""The global gradient norm of a 3D-parallel model, each parameter counted once.
+
+    ||g||^2 =   sum over tp-split params of every tp rank's shard   (disjoint pieces)
+              + sum over tp-replicated params, from tp rank 0 only  (same on every rank)
+              , summed over pp stages                                (disjoint layers)
+              - the tied head on the last stage                      (= the embedding)
+    and NOT summed over dp: after averaging, every replica holds the same gradients.
+
+A part of a split held by several ranks (grouped-query kv heads with
+num_kv_heads < tp: `chunks` < tp) appears tp/chunks times in the tp sum, so it is
+weighted by chunks/tp. One all-reduce of one float over the tp x pp group.
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+from torch import nn
+
+from tpkit.comm import all_reduce
+from tpkit.mesh import ParallelMesh
+from tpkit.parallel.data_parallel import TIED_ATTR
+from tpkit.sharding import split_of
+
+
+def local_sq_norm(model: nn.Module, tp_size: int, tp_rank: int, pp_size: int) -> torch.Tensor:
+    """This rank's share of ||g||^2 (float64 scalar), as described in the module doc."""
+    total = torch.zeros((), dtype=torch.float64)
+    for p in model.parameters():
+        if p.grad is None or (pp_size > 1 and getattr(p, TIED_ATTR, None)):
+            continue
+        g = p.grad.detach().double()
+        split = split_of(p)
+        if split is None or tp_size == 1:
+            if tp_rank == 0:
+                total += g.square().sum().cpu()
+        elif not split.shared(tp_size):
+            total += g.square().sum().cpu()
+        else:
+            offset = 0
+            for size, chunks in zip(split.parts, split.chunks):
+                piece = g.narrow(split.dim, offset, size // chunks)
+                total += piece.square().sum().cpu() * chunks / tp_size
+                offset += size // chunks
+    return total
+
+
+def global_grad_norm(model: nn.Module, mesh: ParallelMesh) -> float:
+    """||g||_2 over the whole model (one replica), identical on every rank."""
+    sq = local_sq_norm(model, mesh.tp_size, mesh.tp_rank, mesh.pp_size).to(mesh.device)
+    all_reduce(sq, mesh.mp_group, phase="grads", scope="grad_norm")
+    return math.sqrt(sq.item())
+
+
+def clip_grads(model: nn.Module, norm: float, max_norm: float) -> float:
+    """Scale every gradient by min(1, max_norm / norm); returns the factor used."""
+    if max_norm <= 0 or norm <= max_norm or not math.isfinite(norm):
+        return 1.0
+    factor = max_norm / (norm + 1e-6)
+    for p in model.parameters():
+        if p.grad is not None:
+            p.grad.mul_(factor)
+    return factor

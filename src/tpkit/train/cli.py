@@ -1,0 +1,154 @@
+"""`tpkit train`: flags (or a TOML file) -> a run on local processes or under torchrun.
+
+    tpkit train --preset gpt2-tiny --tp 2 --pp 2 --steps 300          # 4 local gloo processes
+    torchrun --nnodes 2 --nproc_per_node 8 -m tpkit train --tp 8 --pp 2 ...   # one per GPU
+
+Without RANK in the environment the command spawns `--nproc` (default tp*pp*dp)
+local gloo processes with `tpkit.launch.spawn`; under torchrun every process runs
+the loop on the mesh from the environment (tp innermost: a tp group stays on one
+node; a layout that breaks that is warned about, with the reason). Configuration
+errors are reported before any process starts (and again on every rank).
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+from dataclasses import fields
+
+from tpkit.train.config import DTYPES, TrainConfig
+
+_FLAGS = {  # field -> (type or action, help)
+    "preset": (str, "model preset (gpt2-tiny, llama-tiny, ...)"),
+    "tp": (int, "tensor-parallel size"), "pp": (int, "pipeline stages"),
+    "dp": (int, "data-parallel replicas (default: what the processes leave over)"),
+    "steps": (int, "optimizer steps"),
+    "micro_batches": (int, "micro-batches per step and replica"),
+    "global_batch": (int, "sequences per step, all replicas together"),
+    "seq": (int, "sequence length"), "lr": (float, "peak learning rate"),
+    "min_lr": (float, "final learning rate (default lr/10)"),
+    "warmup": (int, "warmup steps"), "weight_decay": (float, "AdamW weight decay"),
+    "clip": (float, "clip the global gradient norm to this (0: off)"),
+    "sp": ("store_true", "sequence parallelism"),
+    "zero1": ("store_true", "shard the optimizer state over dp (ZeRO-1)"),
+    "schedule": (str, "pipeline schedule: gpipe or 1f1b"),
+    "dtype": (str, f"one of {DTYPES} (bfloat16: autocast)"),
+    "recompute": ("store_true", "recompute activations in backward"),
+    "data": (str, "text file, directory of .txt, or .bin of uint16 tokens "
+                  "(default: Python's own documentation, embedded)"),
+    "val_fraction": (float, "held-out fraction of the data"),
+    "eval_every": (int, "validation every N steps"),
+    "ckpt_every": (int, "checkpoint every N steps (and always at the end)"),
+    "out": (str, "output directory (metrics.jsonl, loss.png, checkpoints/)"),
+    "seed": (int, "seed of weights and data order"),
+}
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    """The flags of `tpkit train` (each mirrors a TrainConfig field and TOML key)."""
+    for name, (kind, text) in _FLAGS.items():
+        flag = "--" + name.replace("_", "-")
+        if kind == "store_true":
+            parser.add_argument(flag, action="store_true", default=argparse.SUPPRESS, help=text)
+        else:
+            parser.add_argument(flag, type=kind, default=argparse.SUPPRESS, help=text)
+    parser.add_argument("--config", help="TOML file with the same keys; flags override it")
+    parser.add_argument("--nproc", type=int, help="local processes to spawn (default tp*pp*dp)")
+    parser.add_argument("--no-progress", action="store_true", help="no progress bar")
+
+
+def config_from_args(args: argparse.Namespace, world: int | None) -> TrainConfig:
+    """TrainConfig from the TOML file (if any) overridden by the flags given."""
+    names = {f.name for f in fields(TrainConfig)}
+    given = {k: v for k, v in vars(args).items() if k in names}
+    if getattr(args, "no_progress", False):
+        given["progress"] = False
+    cfg = TrainConfig.from_toml(args.config, **given) if args.config else TrainConfig(**given)
+    if "dp" not in given and world and world % (cfg.tp * cfg.pp) == 0 and not (
+            args.config and "dp" in _toml_keys(args.config)):
+        cfg = cfg.with_(dp=world // (cfg.tp * cfg.pp))
+    return cfg
+
+
+def _toml_keys(path: str) -> set[str]:
+    from tpkit.train.config import tomllib
+
+    with open(path, "rb") as f:
+        return {k.replace("-", "_") for k in tomllib.load(f)}
+
+
+def _worker(mesh, cfg: TrainConfig) -> dict:
+    from tpkit.train.loop import train
+
+    return train(cfg, mesh)
+
+
+def _print_report(results: list[dict]) -> None:
+    from tpkit.train.metrics import report
+
+    first = results[0]
+    last = next((r for r in results if r["stage"] == first["pp"] - 1 and r["tp_rank"] == 0),
+                None)
+    tables = [first["table"], first["theory"]]
+    if last is not None and last is not first:
+        tables.append(last["theory"])
+    print(report(first, tables))
+
+
+def run(args: argparse.Namespace) -> int:
+    """Train; 0 on success, 2 on a configuration or data error (named on stderr)."""
+    from tpkit.launch import SpawnError
+
+    torchrun = "RANK" in os.environ and "WORLD_SIZE" in os.environ
+    world = int(os.environ["WORLD_SIZE"]) if torchrun else args.nproc
+    try:
+        cfg = config_from_args(args, world)
+        cfg.check(world or cfg.world_size)
+        if torchrun:
+            return _run_torchrun(cfg)
+        from tpkit.model import get_preset
+        from tpkit.train.data import load_tokens
+
+        load_tokens(cfg.data, get_preset(cfg.preset).vocab_size)  # data errors before spawning
+        return _run_local(cfg)
+    except (ValueError, FileNotFoundError) as e:
+        print(f"tpkit train: error: {e}", file=sys.stderr)
+        return 2
+    except SpawnError as e:
+        if isinstance(e.original, (ValueError, FileNotFoundError)):
+            print(f"tpkit train: error: {e.original}", file=sys.stderr)
+            return 2
+        raise
+
+
+def _run_local(cfg: TrainConfig) -> int:
+    from tpkit.launch import spawn
+    from tpkit.mesh import ParallelMesh
+
+    n = cfg.world_size
+    if n == 1:
+        results = [_worker(ParallelMesh.single(), cfg)]
+    else:
+        threads = max(1, (os.cpu_count() or 1) // n)
+        results = spawn(_worker, n, cfg, mesh=dict(tp=cfg.tp, pp=cfg.pp, dp=cfg.dp),
+                        threads=threads, timeout=7 * 24 * 3600.0)
+    _print_report(results)
+    return 0
+
+
+def _run_torchrun(cfg: TrainConfig) -> int:
+    import torch.distributed as dist
+
+    from tpkit.mesh import ParallelMesh
+    from tpkit.train.loop import train
+
+    mesh = ParallelMesh.from_env(tp=cfg.tp, pp=cfg.pp, dp=cfg.dp)
+    print(f"rank {mesh.rank}: {mesh!r}, tp group {list(mesh.tp_group.ranks)}", flush=True)
+    result = train(cfg, mesh)
+    if mesh.rank == 0:
+        print(mesh.describe())
+        _print_report([result])
+    dist.barrier()
+    dist.destroy_process_group()
+    return 0

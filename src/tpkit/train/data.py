@@ -1,0 +1,137 @@
+"""Training data: the embedded corpus, byte-level tokens, and a dp-aware loader.
+
+The default corpus ships with Python itself: `pydoc_data.topics` (the text of the
+language reference's help topics, ~465 KB), so `tpkit train` needs no download.
+Tokens are bytes (vocab 256, the size of gpt2-tiny and llama-tiny). `--data PATH`
+takes a text file, a directory of .txt files, or a .bin of uint16 token ids.
+
+The loader cuts the token stream into windows of seq+1 tokens (inputs and the
+same shifted by one as labels), shuffles them per epoch with a fixed seed, and at
+each step takes the next `global_batch` of them:
+
+    global batch of step t:  [ dp0: b | dp1: b | ... ]    b = global_batch / dp
+    every tp rank and pp stage of replica d reads the same slice (no broadcast)
+
+Its state is one number, the position in that stream, saved with checkpoints.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import numpy as np
+import torch
+
+
+def embedded_text() -> str:
+    """The text of Python's help topics, in a fixed order."""
+    from pydoc_data.topics import topics
+
+    return "\n\n".join(topics[k] for k in sorted(topics))
+
+
+def encode_bytes(text: str) -> np.ndarray:
+    """UTF-8 bytes as uint16 token ids (0..255)."""
+    return np.frombuffer(text.encode("utf-8"), dtype=np.uint8).astype(np.uint16)
+
+
+def decode_bytes(ids) -> str:
+    """Inverse of `encode_bytes` (invalid sequences replaced)."""
+    return bytes(int(i) for i in ids).decode("utf-8", errors="replace")
+
+
+def load_tokens(path: str | Path | None, vocab_size: int = 256) -> np.ndarray:
+    """Token ids of the corpus at `path` (None: the embedded one); clear errors."""
+    if path is None:
+        tokens = encode_bytes(embedded_text())
+    else:
+        p = Path(path)
+        if not p.exists():
+            raise FileNotFoundError(f"data file {p} does not exist")
+        if p.is_dir():
+            files = sorted(p.glob("*.txt"))
+            if not files:
+                raise ValueError(f"data directory {p} holds no .txt file")
+            tokens = encode_bytes("\n\n".join(f.read_text(errors="replace") for f in files))
+        elif p.suffix == ".bin":
+            if p.stat().st_size % 2:
+                raise ValueError(f"data file {p} has an odd size ({p.stat().st_size} bytes); "
+                                 f"a .bin holds uint16 token ids")
+            tokens = np.fromfile(p, dtype=np.uint16)
+        else:
+            tokens = encode_bytes(p.read_text(errors="replace"))
+        if tokens.size == 0:
+            raise ValueError(f"data file {p} is empty (0 tokens)")
+    top = int(tokens.max())
+    if top >= vocab_size:
+        raise ValueError(f"token id {top} in the data is out of the model's vocab_size="
+                         f"{vocab_size}")
+    return tokens
+
+
+def split_tokens(tokens: np.ndarray, val_fraction: float) -> tuple[np.ndarray, np.ndarray]:
+    """(train, held-out) : the last `val_fraction` of the stream is held out."""
+    n_val = int(len(tokens) * val_fraction)
+    return tokens[:len(tokens) - n_val], tokens[len(tokens) - n_val:]
+
+
+class TokenLoader:
+    """Batches of (ids, labels) [b, s] for one dp replica; resumable by position."""
+
+    def __init__(self, tokens: np.ndarray, seq: int, global_batch: int, dp_rank: int = 0,
+                 dp_size: int = 1, seed: int = 0, shuffle: bool = True,
+                 name: str = "training") -> None:
+        if global_batch % dp_size:
+            raise ValueError(f"global_batch={global_batch} is not divisible by dp={dp_size}")
+        self.tokens = torch.from_numpy(tokens.astype(np.int64))
+        self.seq, self.global_batch, self.seed, self.shuffle = seq, global_batch, seed, shuffle
+        self.dp_rank, self.dp_size = dp_rank, dp_size
+        self.windows = (len(tokens) - 1) // seq
+        if self.windows < global_batch:
+            raise ValueError(f"{name} data has {len(tokens)} tokens = {self.windows} windows of "
+                             f"seq={seq}, fewer than global_batch={global_batch}")
+        self.position = 0  # sequences consumed, all replicas together
+        self._perm: tuple[int, torch.Tensor] | None = None
+
+    def _order(self, epoch: int) -> torch.Tensor:
+        if self._perm is None or self._perm[0] != epoch:
+            g = torch.Generator().manual_seed(self.seed * 1_000_003 + epoch)
+            perm = torch.randperm(self.windows, generator=g) if self.shuffle else \
+                torch.arange(self.windows)
+            self._perm = (epoch, perm)
+        return self._perm[1]
+
+    def window_ids(self, position: int) -> list[int]:
+        """Window indices of this replica's slice of the global batch at `position`."""
+        b = self.global_batch // self.dp_size
+        out = []
+        for i in range(position + self.dp_rank * b, position + (self.dp_rank + 1) * b):
+            out.append(int(self._order(i // self.windows)[i % self.windows]))
+        return out
+
+    def next_batch(self) -> tuple[torch.Tensor, torch.Tensor]:
+        """(ids, labels), each [global_batch/dp, seq] long; advances the position."""
+        rows = [self.tokens[w * self.seq:w * self.seq + self.seq + 1]
+                for w in self.window_ids(self.position)]
+        self.position += self.global_batch
+        batch = torch.stack(rows)  # [b, s+1]
+        return batch[:, :-1].contiguous(), batch[:, 1:].contiguous()
+
+    def state_dict(self) -> dict:
+        """Position in the stream (and what it depends on)."""
+        return dict(position=self.position, seed=self.seed, seq=self.seq,
+                    global_batch=self.global_batch, windows=self.windows)
+
+    def load_state_dict(self, state: dict) -> None:
+        """Resume at a saved position (same data, seq and seed)."""
+        for k in ("seed", "seq", "windows"):
+            if state.get(k, getattr(self, k)) != getattr(self, k):
+                raise ValueError(f"loader state has {k}={state[k]}, this loader {getattr(self, k)}")
+        self.position = int(state["position"])
+
+
+def micro_batches(ids: torch.Tensor, labels: torch.Tensor, m: int) -> list:
+    """Split a replica's batch [b, s] into m micro-batches [b/m, s]."""
+    from tpkit.parallel.schedules import MicroBatch
+
+    return [MicroBatch(i, y) for i, y in zip(ids.chunk(m), labels.chunk(m))]

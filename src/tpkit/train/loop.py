@@ -1,0 +1,207 @@
+"""The training loop: one step = pipeline schedule, gradient sums, clip, AdamW.
+
+    for each step:
+      batch of this dp replica -> m micro-batches -> GPipe / 1F1B over the pp stages
+      model.finalize_grads()          tp: sequence-parallel norms, shared kv heads
+      sync_tied_grads                 pp: embedding (first stage) + head (last stage)
+      allreduce_grads(dp)             dp: average over replicas (bucketed)
+      global_grad_norm -> clip        every parameter counted once (tp, pp; not dp)
+      optimizer.step()                AdamW, or ZeRO-1 (slice update + all-gather over dp)
+
+Every rank runs this same function; rank 0 writes the metrics, the plot and the
+report. Checkpoints use `tpkit.train.checkpoint.save` (sharded, reshardable).
+"""
+
+from __future__ import annotations
+
+import time
+from pathlib import Path
+
+import torch
+
+from tpkit.comm import all_reduce
+from tpkit.mesh import ParallelMesh
+from tpkit.parallel import (
+    StageLink,
+    allreduce_grads,
+    bubble_theory,
+    clip_grads,
+    forward_only,
+    global_grad_norm,
+    run_schedule,
+    sync_tied_grads,
+    tied_embedding_group,
+)
+from tpkit.train import metrics
+from tpkit.train.config import TrainConfig
+from tpkit.train.data import TokenLoader, load_tokens, micro_batches, split_tokens
+from tpkit.train.optim import build_optimizer, lr_at, set_lr
+
+
+def prepare(cfg: TrainConfig, mesh: ParallelMesh) -> tuple[TokenLoader, TokenLoader | None]:
+    """Every check that can fail, before any collective: config, layout, data."""
+    from tpkit.model import get_preset
+
+    cfg.check(mesh.world_size)
+    got = (mesh.tp_size, mesh.pp_size, mesh.dp_size)
+    if got != (cfg.tp, cfg.pp, cfg.dp):
+        raise ValueError(f"mesh (tp, pp, dp) = {got} does not match the config "
+                         f"{(cfg.tp, cfg.pp, cfg.dp)}")
+    tokens = load_tokens(cfg.data, get_preset(cfg.preset).vocab_size)
+    train_tok, val_tok = split_tokens(tokens, cfg.val_fraction)
+    kw = dict(seq=cfg.seq, global_batch=cfg.global_batch, dp_rank=mesh.dp_rank,
+              dp_size=mesh.dp_size, seed=cfg.seed)
+    loader = TokenLoader(train_tok, **kw, name="training")
+    val = TokenLoader(val_tok, **kw, shuffle=False, name="validation") \
+        if cfg.val_fraction > 0 else None
+    return loader, val
+
+
+def build_model(cfg: TrainConfig, mesh: ParallelMesh) -> torch.nn.Module:
+    """The preset's Transformer, this rank's stage and shard of it."""
+    from tpkit.model import Transformer, get_preset
+
+    return Transformer(get_preset(cfg.preset), mesh, seed=cfg.seed, sequence_parallel=cfg.sp,
+                       recompute=cfg.recompute)
+
+
+def replica_mean(value: float | None, mesh: ParallelMesh) -> float:
+    """The last stage's value, averaged over dp replicas, known on every rank."""
+    t = torch.tensor([value if value is not None else 0.0], dtype=torch.float64,
+                     device=mesh.device)
+    if mesh.tp_rank != 0:
+        t.zero_()  # every tp rank of the last stage holds it; count one
+    all_reduce(t, mesh.mp_group, phase="metrics", scope="metrics")
+    all_reduce(t, mesh.dp_group, phase="metrics", scope="metrics")
+    return t.item() / mesh.dp_size
+
+
+def train(cfg: TrainConfig, mesh: ParallelMesh, model: torch.nn.Module | None = None) -> dict:
+    """Run `cfg.steps` steps on this rank; returns the run's summary (same on all ranks)."""
+    loader, val_loader = prepare(cfg, mesh)
+    model = model or build_model(cfg, mesh)
+    model.train()
+    tied = tied_embedding_group(mesh, model.config.tie_embeddings)
+    link = StageLink(mesh.pp_group, device=mesh.device)
+    opt = build_optimizer(model, cfg, mesh)
+    out, lead = Path(cfg.out), mesh.rank == 0
+    log = metrics.MetricsLog(out / "metrics.jsonl" if lead else None)
+    bar = metrics.Progress(cfg.steps, lead and cfg.progress)
+    autocast = (torch.autocast(mesh.device.type, dtype=torch.bfloat16)
+                if cfg.dtype == "bfloat16" else None)
+    rows, ckpt, tokens_per_step = [], None, cfg.global_batch * cfg.seq
+    train_s = idle = busy = 0.0
+    try:
+        for step in range(cfg.steps):
+            mesh.ledger.clear()
+            row = _step(cfg, mesh, model, link, tied, opt, loader, autocast, step)
+            train_s += row["step_s"]
+            if step > 0 or cfg.steps == 1:
+                idle, busy = idle + row["idle_s"], busy + row["step_s"] - row["idle_s"]
+            last_records = list(mesh.ledger.records)
+            row["tokens_per_s"] = tokens_per_step / row["step_s"]
+            row["comm_line"] = metrics.comm_line(row["comm"])
+            if val_loader is not None and _due(step, cfg.eval_every, cfg.steps):
+                row["val_loss"] = evaluate(cfg, mesh, model, link, val_loader, autocast)
+            if cfg.ckpt_every and (step + 1) % cfg.ckpt_every == 0 and step + 1 < cfg.steps:
+                ckpt = save_checkpoint(cfg, mesh, model, opt, loader, step + 1)
+            rows.append(row)
+            log.write({k: v for k, v in row.items() if k != "comm_line"})
+            bar.update(row)
+    finally:
+        bar.close()
+        link.close()
+    if cfg.checkpoint:
+        ckpt = save_checkpoint(cfg, mesh, model, opt, loader, cfg.steps)
+    mesh.ledger.records[:] = last_records
+    return _summary(cfg, mesh, model, rows, train_s, idle, busy, ckpt, lead)
+
+
+def _due(step: int, every: int, steps: int) -> bool:
+    return step + 1 == steps or (every > 0 and (step + 1) % every == 0)
+
+
+def _step(cfg, mesh, model, link, tied, opt, loader, autocast, step: int) -> dict:
+    """One optimizer step; returns its metrics row."""
+    t0 = time.perf_counter()
+    lr = lr_at(step, cfg)
+    set_lr(opt, lr)
+    ids, labels = loader.next_batch()  # [G/dp, s] each
+    micro = micro_batches(ids.to(mesh.device), labels.to(mesh.device), cfg.micro_batches)
+    stats = run_schedule(cfg.schedule, model, link, micro, autocast)
+    model.finalize_grads()
+    sync_tied_grads(model, tied)
+    allreduce_grads([p for p in model.parameters() if p.requires_grad], mesh.dp_group)
+    norm = global_grad_norm(model, mesh)
+    clip_grads(model, norm, cfg.clip)
+    opt.step()
+    opt.zero_grad(set_to_none=True)
+    comm = metrics.comm_by_group(mesh.ledger.records)
+    loss = replica_mean(stats.loss, mesh)
+    return dict(step=step + 1, loss=loss, lr=lr, grad_norm=norm, idle_s=stats.idle_s,
+                schedule_s=stats.total_s, step_s=time.perf_counter() - t0, comm=comm,
+                tokens=(step + 1) * cfg.global_batch * cfg.seq)
+
+
+def evaluate(cfg: TrainConfig, mesh: ParallelMesh, model, link: StageLink,
+             loader: TokenLoader, autocast=None) -> float:
+    """Mean validation loss over the first `cfg.eval_batches` held-out batches."""
+    model.eval()
+    loader.position, losses = 0, []
+    for _ in range(cfg.eval_batches):
+        ids, labels = loader.next_batch()
+        stats = forward_only(model, link, micro_batches(ids.to(mesh.device),
+                                                        labels.to(mesh.device),
+                                                        cfg.micro_batches), autocast)
+        losses.append(replica_mean(stats.loss, mesh))
+    model.train()
+    return sum(losses) / len(losses)
+
+
+def save_checkpoint(cfg: TrainConfig, mesh: ParallelMesh, model, opt, loader: TokenLoader,
+                    step: int) -> str:
+    """Sharded checkpoint at out/checkpoints/step_N (loader position in `extra`).
+
+    With ZeRO-1 the optimizer state is sharded over dp in flat slices, which the
+    checkpoint format (per-parameter moments) does not describe: weights only.
+    """
+    from tpkit.train import checkpoint
+
+    path = Path(cfg.out) / "checkpoints" / f"step_{step:06d}"
+    optimizer = opt if isinstance(opt, torch.optim.Optimizer) else None
+    checkpoint.save(path, model, optimizer, step=step, mesh=mesh,
+                    extra=dict(loader=loader.state_dict(), config=cfg.to_dict()))
+    return str(path)
+
+
+def _summary(cfg, mesh, model, rows, train_s, idle, busy, ckpt, lead) -> dict:
+    """Per-rank result: losses, throughput, bubble, this rank's comm table vs theory."""
+    ratio = torch.tensor([idle / busy if busy > 0 else 0.0], dtype=torch.float64,
+                         device=mesh.device)
+    with mesh.ledger.paused():
+        all_reduce(ratio, mesh.pp_group, phase="metrics", scope="metrics")
+    c, b = model.config, cfg.micro_batch_size
+    expects = metrics.stage_theory(c.hidden, b, cfg.seq, mesh.tp_size, mesh.pp_size, cfg.sp,
+                                   cfg.micro_batches, model.is_first_stage, model.is_last_stage,
+                                   len(model.layer_range))
+    rows_t = metrics.theory_rows(mesh.ledger, expects)
+    where = f"rank {mesh.rank} (stage {mesh.pp_rank}, tp rank {mesh.tp_rank})"
+    val = [r["val_loss"] for r in rows if "val_loss" in r]
+    result = dict(cfg.to_dict(), rank=mesh.rank, first_loss=rows[0]["loss"],
+                  last_loss=rows[-1]["loss"], val_loss=val[-1] if val else None,
+                  losses=[r["loss"] for r in rows], grad_norms=[r["grad_norm"] for r in rows],
+                  tokens_per_s=len(rows) * cfg.global_batch * cfg.seq / train_s,
+                  seconds=train_s, bubble=ratio.item() / mesh.pp_size,
+                  bubble_theory=bubble_theory(mesh.pp_size, cfg.micro_batches),
+                  stage=mesh.pp_rank, tp_rank=mesh.tp_rank,
+                  table=mesh.ledger.table(f"{where}: everything sent in one step",
+                                          by_scope=False),
+                  theory=metrics.theory_table(rows_t, f"{where}: tp/pp traffic of one step "
+                                                      f"vs theory"),
+                  theory_ok=all(r["recorded"] == r["theory"] for r in rows_t), checkpoint=ckpt,
+                  metrics=str(Path(cfg.out) / "metrics.jsonl"), plot=None)
+    if lead and cfg.plot:
+        result["plot"] = str(metrics.plot_losses(rows, Path(cfg.out) / "loss.png",
+                                                 f"{cfg.preset} tp={cfg.tp} pp={cfg.pp} "
+                                                 f"dp={cfg.dp}"))
+    return result

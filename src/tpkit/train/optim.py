@@ -1,0 +1,54 @@
+"""AdamW (optionally ZeRO-1 sharded over dp) and the warmup + cosine learning rate.
+
+    lr(t) = lr * (t+1)/warmup                                   t < warmup
+          = min_lr + (lr - min_lr) * (1 + cos(pi * q)) / 2      q = (t-warmup)/(steps-warmup)
+
+Weight decay applies to matrices (dim >= 2) only, not to biases and norm gains.
+"""
+
+from __future__ import annotations
+
+import math
+
+from torch import nn
+
+from tpkit.mesh import ParallelMesh
+from tpkit.parallel.zero import ZeroAdamW
+from tpkit.train.config import TrainConfig
+
+
+def param_groups(model: nn.Module, weight_decay: float) -> list[dict]:
+    """[decayed matrices, undecayed vectors], in parameter order."""
+    decay, plain = [], []
+    for p in model.parameters():
+        if p.requires_grad:
+            (decay if p.dim() >= 2 else plain).append(p)
+    groups = [dict(params=decay, weight_decay=weight_decay), dict(params=plain, weight_decay=0.0)]
+    return [g for g in groups if g["params"]]
+
+
+def build_optimizer(model: nn.Module, cfg: TrainConfig, mesh: ParallelMesh):
+    """torch AdamW, or `ZeroAdamW` sharding its state over the dp group with --zero1."""
+    import torch
+
+    groups = param_groups(model, cfg.weight_decay)
+    kw = dict(lr=cfg.lr, betas=(0.9, cfg.beta2), eps=1e-8)
+    if cfg.zero1 and mesh.dp_size > 1:
+        return ZeroAdamW(groups, mesh.dp_group, **kw)
+    return torch.optim.AdamW(groups, **kw)
+
+
+def lr_at(step: int, cfg: TrainConfig) -> float:
+    """Learning rate of step `step` (0-based): linear warmup, then cosine to min_lr."""
+    min_lr = cfg.lr / 10 if cfg.min_lr is None else cfg.min_lr
+    if step < cfg.warmup:
+        return cfg.lr * (step + 1) / cfg.warmup
+    span = max(cfg.steps - cfg.warmup, 1)
+    q = min((step - cfg.warmup) / span, 1.0)
+    return min_lr + (cfg.lr - min_lr) * 0.5 * (1.0 + math.cos(math.pi * q))
+
+
+def set_lr(optimizer, lr: float) -> None:
+    """Set the learning rate of every param group."""
+    for g in optimizer.param_groups:
+        g["lr"] = lr
