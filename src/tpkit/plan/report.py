@@ -41,7 +41,7 @@ def print_table(req: Request, plans: list[Estimate], console: Console | None = N
         lay = e.layout
         t.add_row(str(i), str(lay.tp), str(lay.pp), str(lay.dp), str(lay.micro_batch),
                   _options(e), f"{e.step_time_s:.3g}", f"{e.tokens_per_s:,.0f}",
-                  f"{e.tflops_per_device:.0f}", f"{e.mfu:.0%}", f"{e.memory['total'] / GB:.1f}")
+                  f"{e.tflops_per_device:.3g}", f"{e.mfu:.0%}", f"{e.memory['total'] / GB:.1f}")
     console.print(t)
     for i, e in enumerate(plans, 1):  # reasons below: a sentence reads badly in a narrow cell
         console.print(f"{i:>2}. {e.reason}", highlight=False)

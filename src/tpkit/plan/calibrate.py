@@ -1,0 +1,200 @@
+"""`tpkit calibrate`: measure this machine into a hardware profile called `local`.
+
+    matmul      float32, the 3 GEMMs of a linear layer of smallest side d = 16..1024, one
+                thread, then all threads;
+                fit  1/rate = 1/peak + (d_half/peak) (1/d)   (the planner's GEMM model)
+    elementwise tanh-GELU over 64 MiB: the bytes/s elementwise kernels get
+    all-reduce  gloo, p = 2 and 4 local processes, 4 KiB .. 16 MiB; least squares fit of
+                t = 2(p-1) alpha + 2(p-1)/p n / B   (the planner's ring model)
+
+A "device" of the local profile is one process with one thread (how `tpkit.launch` runs
+tests with `threads=1`). The profile goes to ~/.cache/tpkit/local.toml (or --out) and
+`tpkit plan --hardware local` reads it. Importing this module does not import torch:
+the measuring functions import it when they run.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import statistics
+import time
+from pathlib import Path
+
+from tpkit.plan.hardware import GB, Accelerator, Hardware, Link, default_local_path, profile_to_toml
+
+SIZES = (4 << 10, 64 << 10, 1 << 20, 4 << 20, 16 << 20)
+DIMS = (16, 32, 64, 128, 256, 512, 1024)
+
+
+# -- fits (pure Python) -----------------------------------------------------------------------
+def linear_fit(xs: list[float], ys: list[float]) -> tuple[float, float]:
+    """Least squares y = a + b x; returns (a, b)."""
+    n, mx, my = len(xs), sum(xs) / len(xs), sum(ys) / len(ys)
+    sxx = sum((x - mx) ** 2 for x in xs)
+    b = sum((x - mx) * (y - my) for x, y in zip(xs, ys)) / sxx if n > 1 and sxx else 0.0
+    return my - b * mx, b
+
+
+def fit_gemm(samples: list[tuple[float, float]]) -> tuple[float, float]:
+    """(peak FLOP/s, d_half) from (smallest side d, FLOP/s) pairs: rate = peak d / (d + d_half)."""
+    a, b = linear_fit([1 / d for d, _ in samples], [1 / r for _, r in samples])
+    peak = 1 / a if a > 0 else max(r for _, r in samples)
+    return peak, max(b * peak, 0.0)
+
+
+def fit_alpha_beta(samples: list[tuple[int, float, float]]) -> tuple[float, float]:
+    """(alpha s, bandwidth B/s) from (p, bytes, seconds): t = 2(p-1) alpha + 2(p-1)/p n/B.
+
+    Least squares on relative errors (each row divided by its t), so that the small
+    messages that set alpha count as much as the large ones that set B.
+    """
+    rows = [(2 * (p - 1) / t, 2 * (p - 1) / p * n / t, 1.0) for p, n, t in samples]
+    s11 = sum(u * u for u, _, _ in rows)
+    s12 = sum(u * v for u, v, _ in rows)
+    s22 = sum(v * v for _, v, _ in rows)
+    y1 = sum(u * t for u, _, t in rows)
+    y2 = sum(v * t for _, v, t in rows)
+    det = s11 * s22 - s12 * s12
+    alpha = (y1 * s22 - y2 * s12) / det
+    inv_bw = (s11 * y2 - s12 * y1) / det
+    return max(alpha, 0.0), 1 / inv_bw if inv_bw > 0 else float("inf")
+
+
+# -- measurements (torch, imported when they run) -----------------------------------------------
+def _best_time(fn, reps: int = 5) -> float:
+    fn()
+    times = []
+    for _ in range(reps):
+        t0 = time.perf_counter()
+        fn()
+        times.append(time.perf_counter() - t0)
+    return min(times)
+
+
+def measure_matmul(threads: int, dims: tuple[int, ...] = DIMS, m: int = 1024) -> list:
+    """[(d, FLOP/s)] of the three GEMMs of a linear layer whose smallest side is d.
+
+    x [m, d] @ w [d, m] (forward), g [m, m] @ w^T (input gradient), x^T @ g (weight
+    gradient): float32, on `threads` threads, the FLOPs of all three over their time.
+    """
+    import torch
+
+    old = torch.get_num_threads()
+    torch.set_num_threads(threads)
+    try:
+        out = []
+        for d in dims:
+            x, w, g = torch.randn(m, d), torch.randn(d, m), torch.randn(m, m)
+            seconds = _best_time(lambda x=x, w=w, g=g: (x @ w, g @ w.t(), x.t() @ g))
+            out.append((d, 3 * 2 * m * d * m / seconds))
+        return out
+    finally:
+        torch.set_num_threads(old)
+
+
+def measure_memory_bandwidth(nbytes: int = 64 << 20) -> float:
+    """Bytes/s (read + write) of an elementwise kernel: tanh-GELU on one thread.
+
+    On a CPU an activation is not a pure copy; its rate is what elementwise kernels get.
+    """
+    import torch
+    import torch.nn.functional as F
+
+    old = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        src = torch.randn(nbytes // 4)
+        return 2 * nbytes / _best_time(lambda: F.gelu(src, approximate="tanh"), reps=3)
+    finally:
+        torch.set_num_threads(old)
+
+
+def _all_reduce_worker(mesh, sizes: tuple[int, ...], reps: int) -> list[tuple[int, float]]:
+    import torch
+    import torch.distributed as dist
+
+    from tpkit.comm import all_reduce
+
+    mesh.ledger.enabled = False
+    out = []
+    for n in sizes:
+        x = torch.ones(n // 4)
+        times = []
+        for i in range(reps + 2):
+            dist.barrier(group=mesh.tp_group.pg)
+            t0 = time.perf_counter()
+            all_reduce(x, mesh.tp_group)
+            if i >= 2:
+                times.append(time.perf_counter() - t0)
+        out.append((n, statistics.median(times)))
+    return out
+
+
+def measure_all_reduce(nprocs: int, sizes: tuple[int, ...] = SIZES, reps: int = 10) -> list:
+    """[(p, bytes, seconds)] of gloo all-reduces on `nprocs` local processes (rank 0's view)."""
+    from tpkit.launch import spawn
+
+    results = spawn(_all_reduce_worker, nprocs, sizes, reps, mesh=dict(tp=nprocs), threads=1)
+    return [(nprocs, n, t) for n, t in results[0]]
+
+
+# -- profile ----------------------------------------------------------------------------------
+def build_profile(gemm1: list, mem_bw: float, alpha: float, bandwidth: float,
+                  ram_bytes: float, cores: int) -> Hardware:
+    """The `local` profile: one device = one process with one thread."""
+    peak, d_half = fit_gemm(gemm1)
+    acc = Accelerator("local CPU core (measured)", peak, ram_bytes / cores, mem_bw, dtype="fp32",
+                      gemm_efficiency=1.0, gemm_half_dim=d_half)
+    link = Link("gloo (measured)", bandwidth, alpha)
+    return Hardware("local", acc, link, link, cores)
+
+
+def _ram_bytes() -> float:
+    try:
+        return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+    except (ValueError, OSError, AttributeError):
+        return 8 * GB
+
+
+def add_arguments(p: argparse.ArgumentParser) -> None:
+    """Options of `tpkit calibrate`."""
+    p.add_argument("--out", help=f"profile file (default {default_local_path()})")
+    p.add_argument("--nproc", type=int, default=2,
+                   help="processes for the all-reduce fit (4 is measured as well)")
+    p.add_argument("--reps", type=int, default=10, help="timed all-reduces per size")
+
+
+def run(args: argparse.Namespace) -> int:
+    """Measure, fit, write the profile, print what was found."""
+    cores = os.cpu_count() or 1
+    print(f"matmul, float32, 1 thread and {cores} threads ...", flush=True)
+    one, allt = measure_matmul(1), measure_matmul(cores)
+    mem_bw = measure_memory_bandwidth()
+    samples = []
+    for p in sorted({args.nproc, 4}):
+        print(f"all-reduce on {p} gloo processes ...", flush=True)
+        samples += measure_all_reduce(p, reps=args.reps)
+    alpha, bw = fit_alpha_beta(samples)
+    hw = build_profile(one, mem_bw, alpha, bw, _ram_bytes(), cores)
+    notes = _notes(one, allt, samples, alpha, bw)
+    out = Path(args.out) if args.out else default_local_path()
+    out.parent.mkdir(parents=True, exist_ok=True)
+    out.write_text(f"# tpkit calibrate, {time.strftime('%Y-%m-%d %H:%M')}, {cores} cores\n"
+                   + "".join(f"# {line}\n" for line in notes) + profile_to_toml(hw))
+    print("\n".join(notes) + f"\nwrote {out}; use `tpkit plan --hardware local"
+          + ("" if out == default_local_path() else f" --hardware-file {out}") + "`")
+    return 0
+
+
+def _notes(one: list, allt: list, samples: list, alpha: float, bw: float) -> list[str]:
+    peak1, dh1 = fit_gemm(one)
+    lines = [f"matmul 1 thread: fit peak {peak1 / 1e9:.1f} GFLOP/s, d_half {dh1:.0f}; best "
+             f"measured {max(r for _, r in one) / 1e9:.1f} GFLOP/s, all threads "
+             f"{max(r for _, r in allt) / 1e9:.1f} GFLOP/s",
+             f"all-reduce fit: alpha {alpha * 1e6:.1f} us, bandwidth {bw / GB:.2f} GB/s"]
+    for p, n, t in samples:
+        model = 2 * (p - 1) * alpha + 2 * (p - 1) / p * n / bw
+        lines.append(f"  p={p} {n >> 10:>6} KiB: measured {t * 1e3:8.3f} ms, fit "
+                     f"{model * 1e3:8.3f} ms ({model / t - 1:+.0%})")
+    return lines
