@@ -142,31 +142,30 @@ def restore_rng(state: dict, device: torch.device | None = None) -> None:
 # -- writing ----------------------------------------------------------------------------
 def _write_rank(tmp: Path, model: nn.Module, optimizer, extra: dict | None,
                 mesh: ParallelMesh) -> None:
-    t, p, tp = mesh.tp_rank, mesh.pp_rank, mesh.tp_size
-    config = getattr(model, "config", None)
-    record: dict[str, Any] = dict(rank=mesh.rank, files={}, tensors={}, optim_tensors={},
-                                  optim_groups=None, extra=_encode(extra or {}))
-    if mesh.dp_rank == 0:
-        params = _own_params(model)
-        record["tensors"] = {n: _meta(split_of(q), q.shape, q.dtype, tp, p, config)
-                             for n, q in params.items()}
-        _write_tensors(tmp, model_file(t, p), {n: q.detach() for n, q in params.items()}, record)
+    params, optim, groups = {}, {}, None
+    if mesh.dp_rank == 0:  # dp replicas hold the same shards: replica 0 writes them
+        params = {n: (q.detach(), split_of(q)) for n, q in _own_params(model).items()}
         if optimizer is not None:
-            tensors, metas, groups = _optim_tensors(model, optimizer, tp, p, config)
-            record["optim_tensors"], record["optim_groups"] = metas, groups
-            if tensors:
-                _write_tensors(tmp, optim_file(t, p), tensors, record)
-    write_json(tmp / rank_file(mesh.rank), record)
-    _pause()
+            optim, groups = _optim_tensors(model, optimizer)
+    write_record(tmp, mesh.rank, mesh.tp_rank, mesh.pp_rank, mesh.tp_size,
+                 getattr(model, "config", None), params, optim, groups, _encode(extra or {}))
 
 
-def _write_tensors(tmp: Path, fname: str, tensors: dict[str, torch.Tensor], record: dict
-                   ) -> None:
-    cpu = {n: x.detach().to("cpu").contiguous() for n, x in tensors.items()}
-    meta = {n: record["tensors"].get(n) or record["optim_tensors"].get(n) for n in cpu}
-    save_file(cpu, str(tmp / fname), metadata={"tpkit": json.dumps(meta)})
-    fsync_path(tmp / fname)
-    record["files"][fname] = file_entry(tmp / fname)
+def write_record(tmp: Path, rank: int, tp_rank: int, stage: int, tp: int, config,
+                 params: dict, optim: dict, groups: list | None, extra: dict) -> None:
+    """Write one rank's shards (name -> (local tensor, split)) and its JSON record."""
+    record: dict[str, Any] = dict(rank=rank, files={}, optim_groups=groups, extra=extra)
+    for kind, tensors, fname in (("tensors", params, model_file(tp_rank, stage)),
+                                 ("optim_tensors", optim, optim_file(tp_rank, stage))):
+        record[kind] = {n: _meta(sp, t.shape, t.dtype, tp, stage, config)
+                        for n, (t, sp) in tensors.items()}
+        if tensors:
+            cpu = {n: t.detach().to("cpu").contiguous() for n, (t, _) in tensors.items()}
+            save_file(cpu, str(tmp / fname), metadata={"tpkit": json.dumps(record[kind])})
+            fsync_path(tmp / fname)
+            record["files"][fname] = file_entry(tmp / fname)
+            _pause()
+    write_json(tmp / rank_file(rank), record)
     _pause()
 
 
@@ -188,39 +187,43 @@ def _own_params(model: nn.Module) -> dict[str, torch.Tensor]:
     return {n: p for n, p in model.named_parameters() if not getattr(p, "tied_to", None)}
 
 
-def _optim_tensors(model: nn.Module, optimizer, tp: int, stage: int, config):
+def _optim_tensors(model: nn.Module, optimizer) -> tuple[dict, list]:
+    """"{param}::{key}" -> (state tensor, split: the parameter's, or None for scalars)."""
     names = {id(p): n for n, p in _own_params(model).items()}
-    tensors, metas = {}, {}
+    out = {}
     for p, state in optimizer.state.items():
-        if id(p) not in names:
-            continue
-        for key, value in state.items():
-            if not torch.is_tensor(value):
-                value = torch.tensor(value)
-            full = f"{names[id(p)]}::{key}"
-            tensors[full] = value
-            split = split_of(p) if value.shape == p.shape else None
-            metas[full] = _meta(split, value.shape, value.dtype, tp, stage, config)
+        for key, value in state.items() if id(p) in names else ():
+            value = value if torch.is_tensor(value) else torch.tensor(value)
+            out[f"{names[id(p)]}::{key}"] = (value, split_of(p) if value.shape == p.shape
+                                             else None)
     groups = [{k: v for k, v in g.items() if k != "params"} for g in optimizer.param_groups]
-    return tensors, metas, _encode(groups)
+    return out, _encode(groups)
 
 
 def _finish(tmp: Path, root: Path, model: nn.Module, optimizer, step: int,
             mesh: ParallelMesh) -> None:
-    records = [json.loads((tmp / rank_file(r)).read_text()) for r in range(mesh.world_size)]
+    config = getattr(model, "config", None)
+    write_manifest(tmp, root, config.to_dict() if config is not None else None,
+                   type(optimizer).__name__ if optimizer is not None else None, step,
+                   dict(tp=mesh.tp_size, pp=mesh.pp_size, dp=mesh.dp_size))
+
+
+def write_manifest(tmp: Path, root: Path, config: dict | None, optimizer: str | None,
+                   step: int, layout: dict) -> None:
+    """Merge the per-rank records in `tmp` into the manifest (written last), then move
+    `tmp` to `root` (replacing a previous checkpoint there only now)."""
+    world = layout["tp"] * layout["pp"] * layout["dp"]
+    records = [json.loads((tmp / rank_file(r)).read_text()) for r in range(world)]
     files, tensors, optim_tensors = {}, {}, {}
     for r, rec in enumerate(records):
         files.update(rec["files"])
         files[rank_file(r)] = file_entry(tmp / rank_file(r))
         tensors.update(rec["tensors"])
         optim_tensors.update(rec["optim_tensors"])
-    config = getattr(model, "config", None)
-    manifest = dict(format=FORMAT, version=VERSION, step=step,
-                    config=config.to_dict() if config is not None else None,
-                    layout=dict(tp=mesh.tp_size, pp=mesh.pp_size, dp=mesh.dp_size),
+    manifest = dict(format=FORMAT, version=VERSION, step=step, config=config, layout=layout,
                     tensors=tensors, optim_tensors=optim_tensors,
-                    optimizer=dict(type=type(optimizer).__name__,
-                                   groups=records[0]["optim_groups"]) if optimizer else None,
+                    optimizer=dict(type=optimizer, groups=records[0]["optim_groups"])
+                    if optimizer else None,
                     extra=records[0]["extra"], files=files, saved_at=time.time())
     write_json(tmp / MANIFEST, manifest)  # last: a directory without it is incomplete
     fsync_path(tmp)

@@ -200,6 +200,22 @@ class ShardedSource:
             part_start, local_off = part_start + size, local_off + c
 
 
+class DictSource:
+    """A `Source` over a dict of full logical tensors (in memory)."""
+
+    def __init__(self, full: dict[str, torch.Tensor]) -> None:
+        self.full = full
+
+    def logical_shape(self, name: str) -> tuple[int, ...] | None:
+        """Shape of `name` (None: absent)."""
+        return tuple(self.full[name].shape) if name in self.full else None
+
+    def read(self, name: str, dim: int, start: int, stop: int) -> torch.Tensor:
+        """Rows [start, stop) along `dim`."""
+        t = self.full[name]
+        return t if t.dim() == 0 else t.narrow(dim, start, stop - start)
+
+
 class FullSource:
     """One safetensors file of full (logical, unpadded) tensors, e.g. `tpkit convert`'s."""
 

@@ -1,0 +1,391 @@
+"""Hugging Face models in and out: GPT-2, Llama family (GQA, Mistral-style), BERT encoders.
+
+    model = from_pretrained("path/to/hf-dir", mesh)   # each rank reads only its slices
+    to_hf(checkpoint_dir_or_model, "out-dir")         # a directory `transformers` loads
+
+A table maps every tpkit parameter to the Hugging Face tensors it is made of, in
+tpkit's [out, in] layout (GPT-2's Conv1D stores [in, out]: transposed on the fly):
+
+    layers.{i}.attn.qkv.weight  = [q_proj; k_proj; v_proj]      (Llama, BERT)
+                                = c_attn.weight^T               (GPT-2, already fused)
+    layers.{i}.mlp.fc1.weight   = [gate_proj; up_proj]          (SwiGLU)
+
+`HFSource` serves the rows a rank needs (`ckpt_io.local_slice`) with safetensors
+`get_slice`, so no process reads the whole model.
+
+BERT needs three things `ModelConfig` cannot say yet (an embedding LayerNorm, exact
+erf GELU, no final norm after a post-norm stack); `build_model` adds them to the
+Transformer it builds for a BERT config (`bert_style`).
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from types import MethodType
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+from safetensors import safe_open
+from safetensors.torch import save_file
+from torch import nn
+
+from tpkit.layers.norm import Norm
+from tpkit.mesh import ParallelMesh
+from tpkit.model.config import ModelConfig
+from tpkit.sharding import split_of
+from tpkit.train.ckpt_io import CheckpointError, local_slice
+
+Recipe = tuple[tuple[str, ...], bool]  # Hugging Face keys concatenated on dim 0, transposed?
+
+
+# -- configs ----------------------------------------------------------------------------
+def config_from_hf(hf: dict) -> tuple[str, ModelConfig]:
+    """(family, ModelConfig) for a Hugging Face config.json dict; ValueError if unsupported."""
+    kind = hf.get("model_type")
+    if kind == "gpt2":
+        act = {"gelu_new": "gelu", "gelu_pytorch_tanh": "gelu", "relu": "relu"}.get(
+            hf.get("activation_function", "gelu_new"))
+        if act is None or hf.get("scale_attn_by_inverse_layer_idx") or \
+                not hf.get("scale_attn_weights", True):
+            raise ValueError(f"gpt2 variant not supported: activation "
+                             f"{hf.get('activation_function')!r}, attention scaling options")
+        return "gpt2", ModelConfig(
+            name="hf-gpt2", vocab_size=hf["vocab_size"], hidden=hf["n_embd"],
+            num_layers=hf["n_layer"], num_heads=hf["n_head"], ffn_hidden=hf.get("n_inner"),
+            max_seq_len=hf["n_positions"], activation=act,
+            tie_embeddings=hf.get("tie_word_embeddings", True),
+            norm_eps=hf.get("layer_norm_epsilon", 1e-5))
+    if kind in ("llama", "mistral"):
+        rope = hf.get("rope_parameters") or hf.get("rope_scaling") or {}
+        heads = hf["num_attention_heads"]
+        bad = [k for k in ("attention_bias", "mlp_bias") if hf.get(k)]
+        if rope.get("rope_type", "default") != "default" or hf.get("hidden_act") != "silu" \
+                or hf.get("head_dim", hf["hidden_size"] // heads) != hf["hidden_size"] // heads \
+                or bad:
+            raise ValueError(f"{kind} variant not supported (rope {rope.get('rope_type')}, "
+                             f"act {hf.get('hidden_act')}, head_dim, biases {bad})")
+        return "llama", ModelConfig(
+            name=f"hf-{kind}", vocab_size=hf["vocab_size"], hidden=hf["hidden_size"],
+            num_layers=hf["num_hidden_layers"], num_heads=heads,
+            num_kv_heads=hf.get("num_key_value_heads") or heads,
+            ffn_hidden=hf["intermediate_size"], max_seq_len=hf["max_position_embeddings"],
+            norm="rmsnorm", activation="swiglu", position="rope",
+            rope_theta=rope.get("rope_theta", hf.get("rope_theta", 10000.0)),
+            tie_embeddings=hf.get("tie_word_embeddings", False), bias=False,
+            norm_eps=hf.get("rms_norm_eps", 1e-6))
+    if kind == "bert":
+        if hf.get("hidden_act", "gelu") != "gelu" or \
+                hf.get("position_embedding_type", "absolute") != "absolute":
+            raise ValueError("bert variant not supported (activation or position type)")
+        return "bert", ModelConfig(
+            name="hf-bert", vocab_size=hf["vocab_size"], hidden=hf["hidden_size"],
+            num_layers=hf["num_hidden_layers"], num_heads=hf["num_attention_heads"],
+            ffn_hidden=hf["intermediate_size"], max_seq_len=hf["max_position_embeddings"],
+            causal=False, type_vocab_size=hf["type_vocab_size"],
+            norm_eps=hf.get("layer_norm_eps", 1e-12))
+    raise ValueError(f"model_type {kind!r} is not supported (gpt2, llama, mistral, bert)")
+
+
+def family_of(c: ModelConfig) -> str:
+    """Which Hugging Face family a tpkit config exports to."""
+    if bert_style(c):
+        return "bert"
+    if c.position == "rope" and c.norm == "rmsnorm" and c.activation == "swiglu" and not c.bias:
+        return "llama"
+    if c.position == "learned" and c.norm == "layernorm" and c.causal and c.bias:
+        return "gpt2"
+    raise ValueError(f"{c.name}: no Hugging Face family has position={c.position}, "
+                     f"norm={c.norm}, activation={c.activation}, bias={c.bias}")
+
+
+def config_to_hf(c: ModelConfig) -> dict:
+    """The config.json of the exported model."""
+    fam = family_of(c)
+    if fam == "gpt2":
+        return dict(model_type="gpt2", architectures=["GPT2LMHeadModel"], n_embd=c.hidden,
+                    n_layer=c.num_layers, n_head=c.num_heads, n_inner=c.ffn,
+                    n_positions=c.max_seq_len, vocab_size=c.vocab_size,
+                    activation_function="gelu_new" if c.activation == "gelu" else c.activation,
+                    layer_norm_epsilon=c.norm_eps, tie_word_embeddings=c.tie_embeddings,
+                    resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0)
+    if fam == "llama":
+        return dict(model_type="llama", architectures=["LlamaForCausalLM"],
+                    hidden_size=c.hidden, intermediate_size=c.ffn, num_hidden_layers=c.num_layers,
+                    num_attention_heads=c.num_heads, num_key_value_heads=c.kv_heads,
+                    head_dim=c.head_dim, max_position_embeddings=c.max_seq_len,
+                    vocab_size=c.vocab_size, rms_norm_eps=c.norm_eps, hidden_act="silu",
+                    rope_theta=c.rope_theta,
+                    rope_parameters=dict(rope_type="default", rope_theta=c.rope_theta),
+                    tie_word_embeddings=c.tie_embeddings, attention_bias=False, mlp_bias=False)
+    return dict(model_type="bert", architectures=["BertModel"], hidden_size=c.hidden,
+                num_hidden_layers=c.num_layers, num_attention_heads=c.num_heads,
+                intermediate_size=c.ffn, max_position_embeddings=c.max_seq_len,
+                vocab_size=c.vocab_size, type_vocab_size=c.type_vocab_size,
+                layer_norm_eps=c.norm_eps, hidden_act="gelu", hidden_dropout_prob=0.0,
+                attention_probs_dropout_prob=0.0)
+
+
+# -- name tables ------------------------------------------------------------------------
+def table(fam: str, c: ModelConfig) -> dict[str, Recipe]:
+    """tpkit name -> (Hugging Face keys, transposed) for the whole model (no prefixes)."""
+    out: dict[str, Recipe] = {}
+    wb = ("weight", "bias")
+    for i in range(c.num_layers):
+        L = f"layers.{i}"
+        if fam == "gpt2":
+            h = f"h.{i}"
+            for ours, theirs, tr in (("attn_norm", "ln_1", False), ("mlp_norm", "ln_2", False),
+                                     ("attn.qkv", "attn.c_attn", True),
+                                     ("attn.out", "attn.c_proj", True),
+                                     ("mlp.fc1", "mlp.c_fc", True), ("mlp.fc2", "mlp.c_proj", True)):
+                for w in wb:
+                    out[f"{L}.{ours}.{w}"] = ((f"{h}.{theirs}.{w}",), tr and w == "weight")
+        elif fam == "llama":
+            h = f"layers.{i}"
+            a = f"{h}.self_attn"
+            out[f"{L}.attn_norm.weight"] = ((f"{h}.input_layernorm.weight",), False)
+            out[f"{L}.mlp_norm.weight"] = ((f"{h}.post_attention_layernorm.weight",), False)
+            out[f"{L}.attn.qkv.weight"] = (tuple(f"{a}.{x}_proj.weight" for x in "qkv"), False)
+            out[f"{L}.attn.out.weight"] = ((f"{a}.o_proj.weight",), False)
+            out[f"{L}.mlp.fc1.weight"] = ((f"{h}.mlp.gate_proj.weight", f"{h}.mlp.up_proj.weight"),
+                                          False)
+            out[f"{L}.mlp.fc2.weight"] = ((f"{h}.mlp.down_proj.weight",), False)
+        else:
+            h = f"encoder.layer.{i}"
+            for w in wb:
+                out[f"{L}.attn.qkv.{w}"] = (tuple(f"{h}.attention.self.{x}.{w}"
+                                                  for x in ("query", "key", "value")), False)
+                for ours, theirs in (("attn.out", "attention.output.dense"),
+                                     ("attn_norm", "attention.output.LayerNorm"),
+                                     ("mlp.fc1", "intermediate.dense"),
+                                     ("mlp.fc2", "output.dense"), ("mlp_norm", "output.LayerNorm")):
+                    out[f"{L}.{ours}.{w}"] = ((f"{h}.{theirs}.{w}",), False)
+    out.update(_outer(fam, c))
+    return out
+
+
+def _outer(fam: str, c: ModelConfig) -> dict[str, Recipe]:
+    if fam == "gpt2":
+        out = {"embed.word.weight": (("wte.weight",), False),
+               "embed.position.weight": (("wpe.weight",), False),
+               "final_norm.weight": (("ln_f.weight",), False),
+               "final_norm.bias": (("ln_f.bias",), False)}
+    elif fam == "llama":
+        out = {"embed.word.weight": (("embed_tokens.weight",), False),
+               "final_norm.weight": (("norm.weight",), False)}
+    else:
+        e = "embeddings"
+        out = {"embed.word.weight": ((f"{e}.word_embeddings.weight",), False),
+               "embed.position.weight": ((f"{e}.position_embeddings.weight",), False),
+               "embed.token_type.weight": ((f"{e}.token_type_embeddings.weight",), False),
+               "embed.norm.weight": ((f"{e}.LayerNorm.weight",), False),
+               "embed.norm.bias": ((f"{e}.LayerNorm.bias",), False),
+               "pooler.weight": (("pooler.dense.weight",), False),
+               "pooler.bias": (("pooler.dense.bias",), False)}
+    if not c.tie_embeddings and fam != "bert":
+        out["head.weight"] = (("@lm_head.weight",), False)  # '@': outside the base prefix
+    return out
+
+
+# -- reading ----------------------------------------------------------------------------
+class HFSource:
+    """A `ckpt_io.Source` over Hugging Face tensors (safetensors files or a state dict)."""
+
+    def __init__(self, tensors: Any, recipes: dict[str, Recipe], where: str) -> None:
+        self.tensors, self.recipes, self.where = tensors, recipes, where
+        keys = set(tensors.keys())
+        base = recipes["embed.word.weight"][0][0]
+        self.prefix = next((p for p in ("", "transformer.", "model.", "bert.")
+                            if p + base in keys), None)
+        if self.prefix is None:
+            raise CheckpointError(f"{where}: no {base!r} among its tensors")
+        self.keys = keys
+
+    def _key(self, k: str) -> str:
+        return k[1:] if k.startswith("@") else self.prefix + k
+
+    def _shape(self, key: str, tr: bool) -> list[int]:
+        t = self.tensors[key]
+        shape = list(t.get_shape() if hasattr(t, "get_shape") else t.shape)
+        return shape[::-1] if tr else shape
+
+    def logical_shape(self, name: str) -> tuple[int, ...] | None:
+        """Shape in tpkit's layout (None when the model lacks it, e.g. no pooler)."""
+        if name not in self.recipes:
+            return None
+        keys, tr = self.recipes[name]
+        if any(self._key(k) not in self.keys for k in keys):
+            return None
+        shapes = [self._shape(self._key(k), tr) for k in keys]
+        return (sum(s[0] for s in shapes), *shapes[0][1:])
+
+    def read(self, name: str, dim: int, start: int, stop: int) -> torch.Tensor:
+        """Rows [start, stop) along `dim` of the tpkit tensor, read piece by piece."""
+        keys, tr = self.recipes[name]
+        pieces, offset = [], 0
+        for k in keys:
+            key = self._key(k)
+            n = self._shape(key, tr)[0]
+            if dim == 0:
+                lo, hi = max(start, offset), min(stop, offset + n)
+                if lo < hi:
+                    pieces.append(self._get(key, tr, 0, lo - offset, hi - offset))
+            else:
+                pieces.append(self._get(key, tr, dim, start, stop))
+            offset += n
+        return torch.cat(pieces, 0) if len(pieces) > 1 else pieces[0]
+
+    def _get(self, key: str, tr: bool, dim: int, a: int, b: int) -> torch.Tensor:
+        t = self.tensors[key]
+        hf_dim = (1 - dim) if tr else dim
+        x = t[(slice(None),) * hf_dim + (slice(a, b),)]
+        return x.T if tr else x
+
+
+class _SafetensorsDir:
+    """Key -> get_slice object over model.safetensors or its sharded index."""
+
+    def __init__(self, root: Path) -> None:
+        index = root / "model.safetensors.index.json"
+        files = sorted(set(json.loads(index.read_text())["weight_map"].values())) \
+            if index.is_file() else ["model.safetensors"]
+        self.map: dict[str, Any] = {}
+        for f in files:
+            if not (root / f).is_file():
+                raise CheckpointError(f"{root / f}: missing (only safetensors are read; "
+                                      f"convert pytorch_model.bin with transformers first)")
+            h = safe_open(str(root / f), framework="pt")
+            self.map.update({k: h for k in h.keys()})
+
+    def keys(self):
+        return self.map.keys()
+
+    def __getitem__(self, key: str):
+        return self.map[key].get_slice(key)
+
+
+def open_hf(path_or_model: Any) -> tuple[dict, Any, str]:
+    """(config dict, tensors, description) of a Hugging Face directory or live model."""
+    if isinstance(path_or_model, (str, Path)):
+        root = Path(path_or_model)
+        if not (root / "config.json").is_file():
+            raise CheckpointError(f"{root / 'config.json'}: missing: not a Hugging Face model "
+                                  f"directory")
+        return json.loads((root / "config.json").read_text()), _SafetensorsDir(root), str(root)
+    sd = {k: v.detach() for k, v in path_or_model.state_dict().items()}
+    return path_or_model.config.to_dict(), sd, type(path_or_model).__name__
+
+
+def from_pretrained(path_or_model: Any, mesh: ParallelMesh | None = None, *,
+                    dtype: torch.dtype | None = None, sequence_parallel: bool = False
+                    ) -> nn.Module:
+    """A tpkit Transformer holding a Hugging Face model's weights, this rank's slices only.
+
+    `path_or_model`: a local directory (config.json + safetensors) or a loaded
+    `transformers` model. BERT models keep their pooler as `model.pooler` if present.
+    """
+    mesh = mesh or ParallelMesh.single()
+    hf, tensors, where = open_hf(path_or_model)
+    fam, config = config_from_hf(hf)
+    source = HFSource(tensors, table(fam, config), where)
+    model = build_model(config, mesh, device="meta", dtype=dtype,
+                        sequence_parallel=sequence_parallel,
+                        pooler=source.logical_shape("pooler.weight") is not None)
+    materialize(model, mesh.device)
+    load_from(model, source, mesh, where)
+    return model
+
+
+def load_from(model: nn.Module, source: Any, mesh: ParallelMesh, where: str) -> None:
+    """Copy this rank's slice of every parameter out of `source` (staged, then copied)."""
+    staged = {}
+    for name, p in model.named_parameters():
+        src = getattr(p, "tied_to", None) or name
+        staged[name] = local_slice(source, src, split_of(p), mesh.tp_rank, mesh.tp_size,
+                                   tuple(p.shape), where).to(p.dtype)
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            p.copy_(staged[name])
+
+
+def materialize(model: nn.Module, device: torch.device | str) -> nn.Module:
+    """Allocate a meta-built model on `device`, keeping the parameters' split tags."""
+    tags = {n: dict(vars(p)) for n, p in model.named_parameters()}
+    model.to_empty(device=device)
+    for n, p in model.named_parameters():
+        vars(p).update(tags[n])
+    return model
+
+
+# -- building ---------------------------------------------------------------------------
+def bert_style(c: ModelConfig) -> bool:
+    """A bidirectional post-norm encoder with token types: built the BERT way."""
+    return not c.causal and c.type_vocab_size > 0
+
+
+def build_model(config: ModelConfig, mesh: ParallelMesh, *, pooler: bool = False,
+                **kw) -> nn.Module:
+    """`Transformer(config, mesh, **kw)`, plus BERT's embedding LayerNorm, exact GELU and
+    no final norm when `bert_style(config)` (not yet expressible in ModelConfig)."""
+    from tpkit.model.transformer import Transformer
+
+    model = Transformer(config, mesh, **kw)
+    if not bert_style(config):
+        return model
+    dev = {k: v for k, v in kw.items() if k in ("device", "dtype")}
+    dev.setdefault("device", mesh.device)
+    for layer in model.layers.values():
+        layer.mlp.act = lambda y: F.gelu(y)  # BERT's erf GELU (tpkit's "gelu" is tanh)
+    if model.is_first_stage:
+        emb = model.embed
+        emb.norm = Norm(config.hidden, "layernorm", config.norm_eps,
+                        sequence_parallel=model.sequence_parallel, **dev)
+        inner = emb.forward
+        emb.forward = MethodType(lambda self, *a, **k: self.norm(inner(*a, **k)), emb)
+    if model.is_last_stage:
+        model.final_norm = nn.Identity()  # post-norm: the last layer's output is normalized
+        if pooler:
+            model.pooler = nn.Linear(config.hidden, config.hidden, **dev)
+    return model
+
+
+def pooled(model: nn.Module, hidden: torch.Tensor) -> torch.Tensor:
+    """BERT's pooler output tanh(W h[:, 0] + b) [b, h] from final hidden states."""
+    return torch.tanh(model.pooler(hidden[:, 0]))
+
+
+def to_hf(source: Any, out_dir: str | Path, config: ModelConfig | None = None) -> Path:
+    """Write a Hugging Face directory (config.json + model.safetensors) from a tpkit
+    checkpoint directory, a full safetensors file (`tpkit convert`), or a tp=1 model."""
+    from tpkit.train.convert import open_source
+
+    src, config, names = open_source(source, config)
+    fam, out = family_of(config), Path(out_dir)
+    prefix = {"gpt2": "transformer.", "llama": "model.", "bert": ""}[fam]
+    tensors = {}
+    for name, (keys, tr) in table(fam, config).items():
+        if name not in names:
+            continue
+        shape = src.logical_shape(name)
+        full = src.read(name, 0, 0, shape[0]) if shape else src.read(name, 0, 0, 1)
+        offset = 0
+        for k in keys:
+            part = full.narrow(0, offset, _piece_rows(fam, config, k, full.shape[0] // len(keys)))
+            offset += part.shape[0]
+            tensors[k[1:] if k.startswith("@") else prefix + k] = \
+                (part.T if tr else part).contiguous().clone()
+    out.mkdir(parents=True, exist_ok=True)
+    save_file(tensors, str(out / "model.safetensors"), metadata={"format": "pt"})
+    (out / "config.json").write_text(json.dumps(config_to_hf(config), indent=1))
+    return out
+
+
+def _piece_rows(fam: str, c: ModelConfig, key: str, even: int) -> int:
+    """Rows of one Hugging Face piece of a fused tpkit tensor (k/v smaller under GQA)."""
+    if fam == "llama" and (".k_proj" in key or ".v_proj" in key):
+        return c.kv_heads * c.head_dim
+    if fam == "llama" and ".q_proj" in key:
+        return c.num_heads * c.head_dim
+    return even
