@@ -173,6 +173,7 @@ class ParallelMesh:
         problem = locality_problem(self.tp_size, self.pp_size, self.dp_size, self.ranks_per_node)
         if problem is None:
             return
+        problem += _predicted_cost(self.tp_size, self.ranks_per_node)
         if strict:
             raise ValueError(problem)
         warnings.warn(problem, TopologyWarning, stacklevel=3)
@@ -237,6 +238,17 @@ class ParallelMesh:
     def __repr__(self) -> str:
         return (f"ParallelMesh(rank={self.rank}, tp={self.tp_size}, pp={self.pp_size}, "
                 f"dp={self.dp_size}, coord={self.coord})")
+
+
+def _predicted_cost(tp: int, ranks_per_node: int) -> str:
+    """The planner's estimate of what crossing nodes costs (same model as `tpkit plan`)."""
+    try:
+        from tpkit.plan.topology import cross_node_penalty
+
+        said = cross_node_penalty(None, tp, ranks_per_node, hardware="h100")
+    except Exception as e:  # noqa: BLE001 - the warning must never fail
+        return f" (no cost estimate: {e})"
+    return f". Predicted on H100 nodes with InfiniBand: {said}" if said else ""
 
 
 def _env_int(name: str) -> int | None:
