@@ -27,7 +27,7 @@ def _layout(e: Estimate) -> str:
 
 def print_table(req: Request, plans: list[Estimate], console: Console | None = None) -> None:
     """The ranked plans: step time, tokens/s, TFLOP/s per device, MFU, memory, reason."""
-    console = console or Console()
+    console = console or Console(width=max(Console().width, 120))
     c, cl = req.config, req.cluster
     acc = cl.hardware.accelerator
     title = (f"{c.name} ({c.num_params() / 1e9:.1f}B) on {cl.nodes} x {cl.per_node} {acc.name} "
@@ -49,7 +49,7 @@ def print_table(req: Request, plans: list[Estimate], console: Console | None = N
 
 def print_explain(req: Request, e: Estimate, console: Console | None = None) -> None:
     """Per-layer (one micro-batch) times, per-step terms, and memory of one plan."""
-    console = console or Console()
+    console = console or Console(width=max(Console().width, 120))
     t = Table(title=f"{_layout(e)}: one layer, one micro-batch, one rank")
     t.add_column("per layer")
     t.add_column("ms", justify="right")
