@@ -1,0 +1,173 @@
+"""Damaged checkpoints fail loudly and change nothing; a killed save keeps the old one;
+`tpkit convert` round-trips and reshards offline.
+
+Checked: a flipped byte, a truncated file, a missing shard, a manifest of another
+model each raise a CheckpointError naming the file and the problem, and every
+parameter of the model (on every rank) is unchanged afterwards.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+import torch
+
+from test_checkpoint_helpers import LLAMA, fill, gather, local_state, random_full, set_grads
+from tpkit.mesh import ParallelMesh
+from tpkit.model.transformer import Transformer
+from tpkit.train import checkpoint as ckpt
+from tpkit.train import convert
+
+
+def saved(path: Path, seed: int = 1) -> tuple[Transformer, dict]:
+    mesh = ParallelMesh.single()
+    model = Transformer(LLAMA, mesh)
+    fill(model, random_full(LLAMA, seed=seed), mesh)
+    ckpt.save(path, model, step=seed, mesh=mesh)
+    return model, {n: p.detach().clone() for n, p in model.named_parameters()}
+
+
+def flip(f: Path) -> None:
+    data = bytearray(f.read_bytes())
+    data[len(data) // 2] ^= 0x40
+    f.write_bytes(bytes(data))
+
+
+def truncate(f: Path) -> None:
+    f.write_bytes(f.read_bytes()[:-100])
+
+
+def other_model(root: Path) -> None:
+    import json
+
+    m = json.loads((root / "manifest.json").read_text())
+    m["config"]["num_layers"] = 6
+    (root / "manifest.json").write_text(json.dumps(m))
+
+
+FAULTS = [("flipped byte", lambda r: flip(r / "model-tp00-pp00.safetensors"),
+           "model-tp00-pp00.safetensors: checksum mismatch"),
+          ("truncated", lambda r: truncate(r / "model-tp00-pp00.safetensors"),
+           "model-tp00-pp00.safetensors: truncated"),
+          ("missing shard", lambda r: (r / "model-tp00-pp00.safetensors").unlink(),
+           "model-tp00-pp00.safetensors: missing shard"),
+          ("other model", other_model, r"manifest.json: written for a different model: "
+                                       r"num_layers=6 in the checkpoint, 4 in the model"),
+          ("no manifest", lambda r: (r / "manifest.json").unlink(), "manifest.json: missing")]
+
+
+@pytest.mark.timeout(60)
+@pytest.mark.parametrize("fault,damage,message", FAULTS, ids=[f[0] for f in FAULTS])
+def test_damaged_checkpoint_is_refused(tmp_path, fault, damage, message):
+    saved(tmp_path / "c", seed=1)
+    model, before = saved(tmp_path / "other", seed=2)
+    damage(tmp_path / "c")
+    with pytest.raises(ckpt.CheckpointError, match=message):
+        ckpt.load(tmp_path / "c", model)
+    for n, p in model.named_parameters():
+        assert torch.equal(p, before[n]), f"{n} changed by a failed load"
+
+
+def damaged_load_worker(mesh, path):
+    model = Transformer(LLAMA, mesh, seed=9)
+    before = {n: p.detach().clone() for n, p in model.named_parameters()}
+    try:
+        ckpt.load(path, model, mesh=mesh)
+    except ckpt.CheckpointError as e:
+        unchanged = all(torch.equal(p, before[n]) for n, p in model.named_parameters())
+        return str(e), unchanged
+    return None, False
+
+
+@pytest.mark.timeout(60)
+def test_one_rank_damaged_no_rank_loads(run_tp, tmp_path):
+    saved(tmp_path / "c")
+    convert.reshard(tmp_path / "c", tmp_path / "tp2", tp=2)
+    flip(tmp_path / "tp2" / "model-tp01-pp00.safetensors")  # only rank 1 reads it
+    (err0, same0), (err1, same1) = run_tp(damaged_load_worker, 2, str(tmp_path / "tp2"))
+    assert "model-tp01-pp00.safetensors: checksum mismatch" in err1
+    assert "another rank failed to load" in err0
+    assert same0 and same1
+
+
+KILLED_SAVE = """
+import sys, torch
+from tpkit.mesh import ParallelMesh
+from tpkit.model.transformer import Transformer
+from tpkit.train import checkpoint as ckpt
+sys.path.insert(0, sys.argv[2])
+from test_checkpoint_helpers import LLAMA
+model = Transformer(LLAMA, ParallelMesh.single(), seed=3)
+opt = torch.optim.AdamW(model.parameters())
+ckpt.save(sys.argv[1], model, opt, step=99)
+"""
+
+
+@pytest.mark.timeout(60)
+def test_killed_save_keeps_previous(tmp_path):
+    root = tmp_path / "ckpt"
+    model, before = saved(root, seed=1)
+    env = dict(os.environ, **{ckpt.PAUSE_ENV: "30"})
+    proc = subprocess.Popen([sys.executable, "-c", KILLED_SAVE, str(root),
+                             str(Path(__file__).parent)], env=env)
+    tmp = tmp_path / ".ckpt.tmp"
+    deadline = time.monotonic() + 40
+    while not (tmp / "model-tp00-pp00.safetensors").exists():  # mid-save: first file written
+        assert proc.poll() is None and time.monotonic() < deadline, "save did not start"
+        time.sleep(0.05)
+    proc.send_signal(signal.SIGKILL)
+    proc.wait()
+    with torch.no_grad():
+        for p in model.parameters():
+            p.zero_()
+    assert ckpt.load(root, model)["step"] == 1
+    for n, p in model.named_parameters():
+        assert torch.equal(p, before[n])
+    ckpt.save(root, model, step=2)  # the next save cleans the leftover
+    assert not tmp.exists() and ckpt.read_manifest(root)["step"] == 2
+
+
+def train_save(mesh, path):
+    model = Transformer(LLAMA, mesh)
+    fill(model, random_full(LLAMA, seed=1), mesh)
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
+    set_grads(model, random_full(LLAMA, seed=2), mesh)
+    opt.step()
+    ckpt.save(path, model, opt, step=5, mesh=mesh)
+    return local_state(model, mesh, opt)
+
+
+def plain_load(mesh, path, with_optimizer=True):
+    model = Transformer(LLAMA, mesh, seed=3)
+    opt = torch.optim.AdamW(model.parameters()) if with_optimizer else None
+    ckpt.load(path, model, opt, mesh=mesh)
+    return local_state(model, mesh, opt)
+
+
+@pytest.mark.timeout(90)
+def test_convert_full_and_offline_reshard(run_tp, tmp_path):
+    want = run_tp(train_save, 2, str(tmp_path / "c22"), pp=2)
+    full = convert.to_full(tmp_path / "c22", tmp_path / "full.safetensors")
+    args = argparse.Namespace(source=str(tmp_path / "c22"), dest=str(tmp_path / "c41"),
+                              to="sharded", tp=4, pp=1)
+    assert convert.run(args) == 0  # keeps the optimizer state
+    convert.reshard(full, tmp_path / "f12", tp=1, pp=2)  # weights only
+    v = LLAMA.vocab_size
+    for path, tp, pp in (("c41", 4, 1), ("f12", 1, 2)):
+        got = run_tp(plain_load, tp, str(tmp_path / path), path == "c41", pp=pp)
+        for n, t in gather(want, v).items():
+            assert torch.equal(gather(got, v)[n], t), (path, n)
+    got = gather(run_tp(plain_load, 4, str(tmp_path / "c41")), v, "opt")
+    assert got.keys() == gather(want, v, "opt").keys()
+    for n, t in gather(want, v, "opt").items():
+        assert torch.equal(got[n], t), n
+    bad = argparse.Namespace(source=str(tmp_path / "nowhere"), dest=str(tmp_path / "x"),
+                             to="full", tp=1, pp=1)
+    assert convert.run(bad) == 1
