@@ -1,0 +1,119 @@
+"""The training loop and `tpkit train`: a short run on the embedded corpus lowers the
+loss and leaves metrics, a plot and checkpoints; bad input fails before training
+starts, on every rank, with the numbers named; the TOML config mirrors the flags."""
+
+from __future__ import annotations
+
+import json
+import math
+from pathlib import Path
+
+import pytest
+import torch
+
+from tpkit.cli import main
+from tpkit.mesh import ParallelMesh
+from tpkit.train.config import TrainConfig
+from tpkit.train.loop import train
+from tpkit.train.optim import lr_at
+
+
+def _short_run(mesh, out: str) -> dict:
+    cfg = TrainConfig(preset="gpt2-tiny", tp=mesh.tp_size, pp=mesh.pp_size, steps=30,
+                      micro_batches=2, global_batch=8, seq=64, lr=3e-3, warmup=5, eval_every=15,
+                      ckpt_every=20, out=out, progress=False)
+    r = train(cfg, mesh)
+    return {k: r[k] for k in ("losses", "val_loss", "plot", "checkpoint", "metrics", "theory_ok",
+                              "tokens_per_s")}
+
+
+@pytest.mark.timeout(90)
+def test_short_run_lowers_loss_and_leaves_outputs(run_tp, tmp_path):
+    r = run_tp(_short_run, 2, str(tmp_path), pp=2)[0]
+    first, last = sum(r["losses"][:3]) / 3, sum(r["losses"][-3:]) / 3
+    assert first > 5.0 > 4.0 > last  # from ~ln(256) = 5.5 towards the byte statistics
+    assert r["val_loss"] < first and r["theory_ok"] and r["tokens_per_s"] > 0
+    rows = [json.loads(line) for line in Path(r["metrics"]).read_text().splitlines()]
+    assert [row["step"] for row in rows] == list(range(1, 31))
+    assert {"loss", "lr", "grad_norm", "tokens_per_s", "comm"} <= set(rows[0])
+    assert {"tp", "pp", "tied"} <= set(rows[0]["comm"])  # the step's traffic, per group
+    assert [row["step"] for row in rows if "val_loss" in row] == [15, 30]
+    assert Path(r["plot"]).stat().st_size > 1000
+    ckpts = sorted(p.name for p in (tmp_path / "checkpoints").iterdir())
+    assert ckpts == ["step_000020", "step_000030"] and r["checkpoint"].endswith("step_000030")
+
+
+def _bad(mesh, out: str, changes: dict) -> str:
+    cfg = TrainConfig(tp=mesh.tp_size, pp=mesh.pp_size, dp=mesh.dp_size, steps=1, seq=32,
+                      out=out, progress=False, **changes)
+    try:
+        train(cfg, mesh)
+    except (ValueError, FileNotFoundError) as e:
+        return str(e)
+    return "no error"
+
+
+@pytest.mark.timeout(60)
+def test_bad_input_fails_on_every_rank_before_training(run_tp, tmp_path):
+    (tmp_path / "empty.txt").write_text("")
+    cases = [
+        (dict(pp=1, dp=2), dict(global_batch=10, micro_batches=4),
+         "global_batch=10 is not divisible by dp*micro_batches = 2*4 = 8"),
+        (dict(pp=4, dp=1), dict(preset="bert-tiny"), "pp=4 stages is more than num_layers=2"),
+        (dict(pp=2, dp=1), dict(data=str(tmp_path / "empty.txt")), "is empty (0 tokens)"),
+        (dict(pp=2, dp=1), dict(data=str(tmp_path / "nope.txt")), "nope.txt does not exist"),
+    ]
+    for layout, changes, message in cases:
+        errors = run_tp(_bad, 4 // (layout["pp"] * layout["dp"]), str(tmp_path), changes,
+                        **layout)
+        assert all(message in e for e in errors), (message, errors)
+
+
+def test_cli_reports_errors_before_spawning(capsys, tmp_path):
+    assert main(["train", "--tp", "2", "--pp", "5", "--steps", "1"]) == 2
+    assert "pp=5 stages is more than num_layers=4" in capsys.readouterr().err
+    assert main(["train", "--dp", "2", "--global-batch", "6", "--micro-batches", "2"]) == 2
+    assert "global_batch=6 is not divisible by dp*micro_batches = 2*2 = 4" in \
+        capsys.readouterr().err
+    assert main(["train", "--data", str(tmp_path / "missing.bin")]) == 2
+    assert "missing.bin does not exist" in capsys.readouterr().err
+
+
+def test_toml_config_mirrors_flags(tmp_path):
+    from tpkit.train.cli import add_arguments, config_from_args
+
+    toml = tmp_path / "run.toml"
+    toml.write_text('preset = "llama-tiny"\ntp = 2\npp = 2\nmicro-batches = 4\nzero1 = true\n'
+                    'schedule = "gpipe"\nlr = 1e-3\n')
+    import argparse
+
+    parser = argparse.ArgumentParser()
+    add_arguments(parser)
+    cfg = config_from_args(parser.parse_args(["--config", str(toml), "--lr", "2e-3"]), None)
+    assert (cfg.preset, cfg.tp, cfg.pp, cfg.micro_batches, cfg.zero1, cfg.schedule, cfg.lr) == \
+        ("llama-tiny", 2, 2, 4, True, "gpipe", 2e-3)  # the flag overrides the file
+    cfg = config_from_args(parser.parse_args(["--tp", "2", "--nproc", "8"]), 8)
+    assert cfg.dp == 4  # what the processes leave over
+    toml.write_text("tp = 2\nmicro_batchez = 4\n")
+    with pytest.raises(ValueError, match="unknown keys \\['micro_batchez'\\]"):
+        TrainConfig.from_toml(toml)
+
+
+def test_warmup_then_cosine():
+    cfg = TrainConfig(steps=110, warmup=10, lr=1e-3, min_lr=1e-4)
+    assert lr_at(0, cfg) == pytest.approx(1e-4) and lr_at(9, cfg) == pytest.approx(1e-3)
+    assert lr_at(60, cfg) == pytest.approx(5.5e-4) and lr_at(110, cfg) == pytest.approx(1e-4)
+
+
+@pytest.mark.timeout(60)
+def test_bfloat16_autocast_trains(tmp_path):
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        cfg = TrainConfig(steps=8, global_batch=4, seq=32, lr=1e-2, dtype="bfloat16",
+                          val_fraction=0.0, out=str(tmp_path), progress=False, plot=False,
+                          checkpoint=False)
+        r = train(cfg, ParallelMesh.single())
+    finally:
+        torch.set_num_threads(threads)
+    assert all(math.isfinite(v) for v in r["losses"]) and r["losses"][-1] < r["losses"][0]

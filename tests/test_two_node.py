@@ -1,0 +1,68 @@
+"""Two "nodes" on this machine: two torchrun agents (--nnodes 2, --node_rank 0 and 1,
+2 processes each, so LOCAL_WORLD_SIZE=2) run `tpkit train` together.
+
+tp=2 x dp=2: torchrun numbers node 0's processes 0,1 and node 1's 2,3, and the mesh
+puts tp innermost, so each tp group is one node's pair and only dp crosses nodes.
+tp=4 x dp=1 must span both nodes: the run still trains but warns, with the reason
+(4 all-reduces of the activations per layer and micro-batch over the slow link).
+"""
+
+from __future__ import annotations
+
+import os
+import re
+import socket
+import subprocess
+import sys
+
+import pytest
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _two_agents(tmp_path, *train_args: str) -> list[subprocess.CompletedProcess]:
+    port = _free_port()
+    env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONWARNINGS="default")
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--nnodes", "2", "--nproc_per_node",
+           "2", "--master_addr", "127.0.0.1", "--master_port", str(port)]
+    train = ["-m", "tpkit", "train", "--steps", "2", "--global-batch", "4", "--seq", "32",
+             "--no-progress", "--out", str(tmp_path), *train_args]
+    agents = [subprocess.Popen(cmd + ["--node_rank", str(n)] + train, env=env, text=True,
+                               stdout=subprocess.PIPE, stderr=subprocess.PIPE)
+              for n in (0, 1)]
+    out = []
+    for a in agents:
+        try:
+            stdout, stderr = a.communicate(timeout=150)
+        except subprocess.TimeoutExpired:
+            for b in agents:
+                b.kill()
+            raise
+        out.append(subprocess.CompletedProcess(a.args, a.returncode, stdout, stderr))
+    for p in out:
+        assert p.returncode == 0, p.stderr[-3000:]
+    return out
+
+
+def _tp_groups(procs) -> dict[int, list[int]]:
+    text = "".join(p.stdout for p in procs)
+    return {int(r): [int(x) for x in g.split(",")]
+            for r, g in re.findall(r"rank (\d+): ParallelMesh.*tp group \[([\d, ]+)\]", text)}
+
+
+@pytest.mark.timeout(200)
+def test_tp_stays_inside_a_node_and_tp_across_nodes_warns(tmp_path):
+    procs = _two_agents(tmp_path / "tp2", "--tp", "2")
+    assert _tp_groups(procs) == {0: [0, 1], 1: [0, 1], 2: [2, 3], 3: [2, 3]}
+    assert "TopologyWarning" not in procs[0].stderr + procs[1].stderr
+    assert "loss" in procs[0].stdout and "dp=2" in procs[0].stdout  # rank 0 reports
+
+    procs = _two_agents(tmp_path / "tp4", "--tp", "4")
+    assert _tp_groups(procs) == {r: [0, 1, 2, 3] for r in range(4)}
+    err = procs[0].stderr + procs[1].stderr
+    assert "tensor-parallel group of tp=4 spans 2 nodes of 2 ranks each" in err
+    assert "keep tp <= 2" in err
