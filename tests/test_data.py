@@ -82,8 +82,10 @@ def test_user_data_text_bin_and_split(tmp_path):
     assert decode_bytes(load_tokens(tmp_path / "a.txt")[:5]) == "hello"
     assert len(load_tokens(tmp_path)) == 600  # a directory: its .txt files
     assert load_tokens(tmp_path / "t.bin", vocab_size=512)[-1] == 299
-    train, val = split_tokens(np.arange(100), 0.1)
+    train, val = split_tokens(np.arange(100), 0.1)  # short: the tail
     assert len(train) == 90 and list(val) == list(range(90, 100))
+    train, val = split_tokens(np.arange(100), 0.25, block=10)  # every 4th block of 10
+    assert list(val) == list(range(30, 40)) + list(range(70, 80)) and len(train) == 80
 
 
 def test_bad_data_errors(tmp_path):

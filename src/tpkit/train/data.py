@@ -69,10 +69,24 @@ def load_tokens(path: str | Path | None, vocab_size: int = 256) -> np.ndarray:
     return tokens
 
 
-def split_tokens(tokens: np.ndarray, val_fraction: float) -> tuple[np.ndarray, np.ndarray]:
-    """(train, held-out) : the last `val_fraction` of the stream is held out."""
-    n_val = int(len(tokens) * val_fraction)
-    return tokens[:len(tokens) - n_val], tokens[len(tokens) - n_val:]
+def split_tokens(tokens: np.ndarray, val_fraction: float, block: int = 8192
+                 ) -> tuple[np.ndarray, np.ndarray]:
+    """(train, held-out): every k-th block of `block` tokens is held out, k = 1/fraction.
+
+    Interleaved, so the held-out text is drawn from the whole corpus (the end of
+    the embedded one is mostly tables, far easier to predict). A corpus shorter
+    than 2 blocks holds out its tail instead.
+    """
+    if val_fraction <= 0:
+        return tokens, tokens[:0]
+    if len(tokens) < 2 * block:
+        n_val = int(len(tokens) * val_fraction)
+        return tokens[:len(tokens) - n_val], tokens[len(tokens) - n_val:]
+    period = max(2, round(1 / val_fraction))
+    blocks = [tokens[i:i + block] for i in range(0, len(tokens), block)]
+    val = [b for i, b in enumerate(blocks) if i % period == period - 1]
+    train = [b for i, b in enumerate(blocks) if i % period != period - 1]
+    return np.concatenate(train), np.concatenate(val)
 
 
 class TokenLoader:

@@ -188,7 +188,8 @@ def _summary(cfg, mesh, model, rows, train_s, idle, busy, ckpt, lead) -> dict:
     where = f"rank {mesh.rank} (stage {mesh.pp_rank}, tp rank {mesh.tp_rank})"
     val = [r["val_loss"] for r in rows if "val_loss" in r]
     result = dict(cfg.to_dict(), rank=mesh.rank, first_loss=rows[0]["loss"],
-                  last_loss=rows[-1]["loss"], val_loss=val[-1] if val else None,
+                  last_loss=rows[-1]["loss"], tail=min(10, len(rows)),
+                  tail_loss=sum(r["loss"] for r in rows[-10:]) / min(10, len(rows)), val_loss=val[-1] if val else None,
                   losses=[r["loss"] for r in rows], grad_norms=[r["grad_norm"] for r in rows],
                   tokens_per_s=len(rows) * cfg.global_batch * cfg.seq / train_s,
                   seconds=train_s, bubble=ratio.item() / mesh.pp_size,

@@ -100,8 +100,9 @@ def report(result: dict, tables: list[str]) -> str:
     lines = [f"trained {result['preset']} at tp={result['tp']} x pp={result['pp']} x "
              f"dp={result['dp']} ({result['schedule']}, {result['micro_batches']} micro-batches) "
              f"for {result['steps']} steps",
-             f"loss {result['first_loss']:.4f} -> {result['last_loss']:.4f}"
-             + (f"  (validation {result['val_loss']:.4f})" if result.get("val_loss") else ""),
+             f"loss {result['first_loss']:.4f} (step 1) -> {result['tail_loss']:.4f} (mean of the "
+             f"last {result['tail']} steps)"
+             + (f", held-out validation {result['val_loss']:.4f}" if result.get("val_loss") else ""),
              f"throughput {result['tokens_per_s']:,.0f} tokens/s "
              f"({result['seconds']:.1f} s in all)"]
     if result["pp"] > 1:
