@@ -15,8 +15,9 @@ import torch
 
 from test_checkpoint_helpers import GPT2, LLAMA, fill, random_full
 from tpkit.comm import all_gather
+from tpkit.generate import load_model, run
 from tpkit.mesh import ParallelMesh
-from tpkit.model.generate import decode, encode, generate, load_model, run
+from tpkit.model.generate import decode, encode, generate
 from tpkit.model.transformer import Transformer
 from tpkit.train import checkpoint as ckpt
 

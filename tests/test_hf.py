@@ -15,7 +15,8 @@ transformers = pytest.importorskip("transformers")
 
 from tpkit.comm import all_gather  # noqa: E402
 from tpkit.mesh import ParallelMesh  # noqa: E402
-from tpkit.model.hf import from_pretrained, pooled, to_hf  # noqa: E402
+from tpkit.model.hf import from_pretrained, pooled  # noqa: E402
+from tpkit.train.convert import to_hf  # noqa: E402  (checkpoints too)
 from tpkit.train import checkpoint as ckpt  # noqa: E402
 
 V = 101

@@ -17,7 +17,7 @@ COMMANDS: dict[str, tuple[str, str]] = {
     "plan": ("tpkit.plan.cli", "plan tp/pp/dp for a model on a cluster (no torch needed)"),
     "calibrate": ("tpkit.plan.calibrate", "measure this machine into a hardware profile"),
     "convert": ("tpkit.train.convert", "convert / reshard checkpoints, to and from safetensors"),
-    "generate": ("tpkit.model.generate", "tensor-parallel text generation with a KV cache"),
+    "generate": ("tpkit.generate", "tensor-parallel text generation with a KV cache"),
     "quiz": ("tpkit.quiz.cli", "the tensor-parallelism quiz, as a live tutor (fr/en)"),
 }
 

@@ -160,8 +160,8 @@ def _print_rows(rows, tol) -> None:
               "ledger vs theory", "ok"):
         t.add_column(c, justify="right")
     for tp, d, pb, problems, good in rows:
-        fmt = lambda k: f"{d[k]:.2e}" if k in d else "-"  # noqa: E731
-        t.add_row(str(tp), fmt("out"), fmt("loss"), fmt("grads"), fmt("gx"), human_bytes(pb),
+        cells = [f"{d[k]:.2e}" if k in d else "-" for k in ("out", "loss", "grads", "gx")]
+        t.add_row(str(tp), *cells, human_bytes(pb),
                   "matches" if not problems else "; ".join(problems)[:60], "yes" if good else "NO")
     print(render(t))
 

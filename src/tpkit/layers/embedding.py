@@ -42,6 +42,7 @@ class VocabParallelEmbedding(nn.Module):
         self.split = TPSplit.even(0, self.padded_vocab, tp)
         self.weight = tag(nn.Parameter(torch.empty(self.per_rank, hidden, device=device,
                                                    dtype=dtype)), self.split)
+        self.weight.logical_size = vocab_size  # rows past it are padding (checkpoints drop them)
         self.reset_parameters()
 
     def reset_parameters(self) -> None:

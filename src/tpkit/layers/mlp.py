@@ -22,12 +22,18 @@ from tpkit.comm.group import CommGroup
 from tpkit.layers.linear import ColumnParallelLinear, RowParallelLinear
 from tpkit.sharding import seed_for
 
-ACTIVATIONS = ("gelu", "swiglu", "relu")
+ACTIVATIONS = ("gelu", "gelu_exact", "swiglu", "relu")
 
 
 def _check_activation(activation: str) -> None:
     if activation not in ACTIVATIONS:
         raise ValueError(f"activation={activation!r} is not one of {ACTIVATIONS}")
+
+
+def _elementwise(y: torch.Tensor, activation: str) -> torch.Tensor:
+    if activation == "gelu":
+        return F.gelu(y, approximate="tanh")  # GPT-2's "gelu_new"
+    return F.gelu(y) if activation == "gelu_exact" else F.relu(y)
 
 
 class ParallelMLP(nn.Module):
@@ -56,7 +62,7 @@ class ParallelMLP(nn.Module):
         if self.activation == "swiglu":
             gate, up = y.chunk(2, dim=-1)  # [b, s, ffn/tp] each
             return F.silu(gate) * up
-        return F.gelu(y, approximate="tanh") if self.activation == "gelu" else F.relu(y)
+        return _elementwise(y, self.activation)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         """x [b, s, h] -> [b, s, h]; one all-reduce forward, one backward."""
@@ -72,7 +78,7 @@ class ColumnColumnMLP(nn.Module):
         super().__init__()
         _check_activation(activation)
         if activation == "swiglu":
-            raise ValueError("ColumnColumnMLP supports gelu and relu only")
+            raise ValueError("ColumnColumnMLP supports element-wise activations only")
         self.activation = activation
         self.fc1 = ColumnParallelLinear(hidden, ffn, group, bias=bias, gather_output=True,
                                         seed=seed_for(seed, "fc1"))
@@ -82,5 +88,4 @@ class ColumnColumnMLP(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         """x [b, s, h] -> [b, s, h]; all-gathers fc1's output before fc2 can start."""
         y = self.fc1(x)  # all-gather: [b, s, ffn] on every rank
-        y = F.gelu(y, approximate="tanh") if self.activation == "gelu" else F.relu(y)
-        return self.fc2(y)  # all-gather again: [b, s, h]
+        return self.fc2(_elementwise(y, self.activation))  # all-gather again: [b, s, h]

@@ -31,7 +31,7 @@ class Block(nn.Module):
         c, sp = config, sequence_parallel
         out_std = c.init_std / (2 * c.num_layers) ** 0.5  # GPT-2's scaled residual init
         kw = dict(device=device, dtype=dtype)
-        self.pre_norm = c.causal  # BERT (bidirectional) is post-norm
+        self.pre_norm = c.pre_norm  # BERT is post-norm
         self.sequence_parallel, self.p = sp, c.dropout
         self.attn_norm = Norm(c.hidden, c.norm, c.norm_eps, sequence_parallel=sp, **kw)
         self.attn = ParallelAttention(

@@ -23,10 +23,12 @@ class ModelConfig:
     ffn_hidden: int | None = None  # None: 4 * hidden
     max_seq_len: int = 128
     norm: str = "layernorm"  # layernorm | rmsnorm
-    activation: str = "gelu"  # gelu | swiglu | relu
+    activation: str = "gelu"  # gelu (tanh, GPT-2) | gelu_exact (erf, BERT) | swiglu | relu
     position: str = "learned"  # learned | rope
     rope_theta: float = 10000.0
     causal: bool = True  # False: bidirectional encoder (BERT)
+    pre_norm: bool = True  # False: post-norm layers (BERT) and no final norm
+    embed_norm: bool = False  # a norm right after the embeddings (BERT)
     type_vocab_size: int = 0  # 2 for BERT's token types
     tie_embeddings: bool = True
     bias: bool = True
@@ -94,8 +96,8 @@ class ModelConfig:
     def num_params(self) -> int:
         """Total parameters (tied output embedding counted once)."""
         head = 0 if self.tie_embeddings else self.vocab_size * self.hidden
-        return (self.embedding_params() + self.num_layers * self.layer_params()
-                + self._norm_params() + head)
+        norms = self._norm_params() * (int(self.pre_norm) + int(self.embed_norm))
+        return self.embedding_params() + self.num_layers * self.layer_params() + norms + head
 
     # -- validation ----------------------------------------------------------------------
     def check(self, tp: int = 1, pp: int = 1, sp: bool = False, seq: int | None = None) -> None:
@@ -163,7 +165,7 @@ def _check_sequence(c: ModelConfig, tp: int, sp: bool, seq: int | None, **_) -> 
 def _check_choices(c: ModelConfig, **_) -> list[str]:
     out = []
     for field_name, allowed in (("norm", ("layernorm", "rmsnorm")),
-                                ("activation", ("gelu", "swiglu", "relu")),
+                                ("activation", ("gelu", "gelu_exact", "swiglu", "relu")),
                                 ("position", ("learned", "rope"))):
         if getattr(c, field_name) not in allowed:
             out.append(f"{field_name}={getattr(c, field_name)!r} is not one of {allowed}")
@@ -191,6 +193,7 @@ PRESETS: dict[str, ModelConfig] = {
     "llama-tiny": _llama("llama-tiny", 64, 4, 8, 2, 160, vocab_size=256, max_seq_len=128),
     "bert-tiny": ModelConfig(name="bert-tiny", vocab_size=512, hidden=64, num_layers=2,
                              num_heads=4, max_seq_len=128, causal=False, type_vocab_size=2,
+                             pre_norm=False, embed_norm=True, activation="gelu_exact",
                              norm_eps=1e-12),
     "gpt2-124m": _gpt2("gpt2-124m", 768, 12, 12),
     "gpt2-355m": _gpt2("gpt2-355m", 1024, 24, 16),

@@ -1,7 +1,8 @@
 """Hugging Face models in and out: GPT-2, Llama family (GQA, Mistral-style), BERT encoders.
 
     model = from_pretrained("path/to/hf-dir", mesh)   # each rank reads only its slices
-    to_hf(checkpoint_dir_or_model, "out-dir")         # a directory `transformers` loads
+    to_hf(model, "out-dir")                           # a directory `transformers` loads
+    tpkit.train.convert.to_hf(checkpoint_dir, "out-dir")   # the same from a checkpoint
 
 A table maps every tpkit parameter to the Hugging Face tensors it is made of, in
 tpkit's [out, in] layout (GPT-2's Conv1D stores [in, out]: transposed on the fly):
@@ -10,32 +11,29 @@ tpkit's [out, in] layout (GPT-2's Conv1D stores [in, out]: transposed on the fly
                                 = c_attn.weight^T               (GPT-2, already fused)
     layers.{i}.mlp.fc1.weight   = [gate_proj; up_proj]          (SwiGLU)
 
-`HFSource` serves the rows a rank needs (`ckpt_io.local_slice`) with safetensors
+`HFSource` serves the rows a rank needs (`tpkit.shard_io.local_slice`) with safetensors
 `get_slice`, so no process reads the whole model.
 
-BERT needs three things `ModelConfig` cannot say yet (an embedding LayerNorm, exact
-erf GELU, no final norm after a post-norm stack); `build_model` adds them to the
-Transformer it builds for a BERT config (`bert_style`).
+BERT is a post-norm encoder (`pre_norm=False`: no final norm) with an embedding
+LayerNorm (`embed_norm=True`) and exact erf GELU (`activation="gelu_exact"`);
+`build_model` adds its optional pooler.
 """
 
 from __future__ import annotations
 
 import json
 from pathlib import Path
-from types import MethodType
 from typing import Any
 
 import torch
-import torch.nn.functional as F
 from safetensors import safe_open
 from safetensors.torch import save_file
 from torch import nn
 
-from tpkit.layers.norm import Norm
 from tpkit.mesh import ParallelMesh
 from tpkit.model.config import ModelConfig
+from tpkit.shard_io import CheckpointError, DictSource, local_slice
 from tpkit.sharding import split_of
-from tpkit.train.ckpt_io import CheckpointError, local_slice
 
 Recipe = tuple[tuple[str, ...], bool]  # Hugging Face keys concatenated on dim 0, transposed?
 
@@ -83,8 +81,8 @@ def config_from_hf(hf: dict) -> tuple[str, ModelConfig]:
             name="hf-bert", vocab_size=hf["vocab_size"], hidden=hf["hidden_size"],
             num_layers=hf["num_hidden_layers"], num_heads=hf["num_attention_heads"],
             ffn_hidden=hf["intermediate_size"], max_seq_len=hf["max_position_embeddings"],
-            causal=False, type_vocab_size=hf["type_vocab_size"],
-            norm_eps=hf.get("layer_norm_eps", 1e-12))
+            causal=False, type_vocab_size=hf["type_vocab_size"], pre_norm=False,
+            embed_norm=True, activation="gelu_exact", norm_eps=hf.get("layer_norm_eps", 1e-12))
     raise ValueError(f"model_type {kind!r} is not supported (gpt2, llama, mistral, bert)")
 
 
@@ -321,33 +319,20 @@ def materialize(model: nn.Module, device: torch.device | str) -> nn.Module:
 
 # -- building ---------------------------------------------------------------------------
 def bert_style(c: ModelConfig) -> bool:
-    """A bidirectional post-norm encoder with token types: built the BERT way."""
-    return not c.causal and c.type_vocab_size > 0
+    """A bidirectional post-norm encoder with token types: BERT."""
+    return not c.causal and not c.pre_norm and c.embed_norm and c.type_vocab_size > 0
 
 
 def build_model(config: ModelConfig, mesh: ParallelMesh, *, pooler: bool = False,
                 **kw) -> nn.Module:
-    """`Transformer(config, mesh, **kw)`, plus BERT's embedding LayerNorm, exact GELU and
-    no final norm when `bert_style(config)` (not yet expressible in ModelConfig)."""
+    """`Transformer(config, mesh, **kw)`, with BERT's pooler (`model.pooler`) if asked."""
     from tpkit.model.transformer import Transformer
 
     model = Transformer(config, mesh, **kw)
-    if not bert_style(config):
-        return model
-    dev = {k: v for k, v in kw.items() if k in ("device", "dtype")}
-    dev.setdefault("device", mesh.device)
-    for layer in model.layers.values():
-        layer.mlp.act = lambda y: F.gelu(y)  # BERT's erf GELU (tpkit's "gelu" is tanh)
-    if model.is_first_stage:
-        emb = model.embed
-        emb.norm = Norm(config.hidden, "layernorm", config.norm_eps,
-                        sequence_parallel=model.sequence_parallel, **dev)
-        inner = emb.forward
-        emb.forward = MethodType(lambda self, *a, **k: self.norm(inner(*a, **k)), emb)
-    if model.is_last_stage:
-        model.final_norm = nn.Identity()  # post-norm: the last layer's output is normalized
-        if pooler:
-            model.pooler = nn.Linear(config.hidden, config.hidden, **dev)
+    if pooler and bert_style(config) and model.is_last_stage:
+        dev = {k: v for k, v in kw.items() if k in ("device", "dtype")}
+        dev.setdefault("device", mesh.device)
+        model.pooler = nn.Linear(config.hidden, config.hidden, **dev)
     return model
 
 
@@ -356,12 +341,29 @@ def pooled(model: nn.Module, hidden: torch.Tensor) -> torch.Tensor:
     return torch.tanh(model.pooler(hidden[:, 0]))
 
 
-def to_hf(source: Any, out_dir: str | Path, config: ModelConfig | None = None) -> Path:
-    """Write a Hugging Face directory (config.json + model.safetensors) from a tpkit
-    checkpoint directory, a full safetensors file (`tpkit convert`), or a tp=1 model."""
-    from tpkit.train.convert import open_source
+def memory_source(source: Any, config: ModelConfig | None = None
+                  ) -> tuple[DictSource, ModelConfig, set[str]]:
+    """(Source, config, names) over a tp=1 model or a dict of full tensors (padding cut)."""
+    if isinstance(source, dict):
+        if config is None:
+            raise ValueError("a dict of tensors needs its ModelConfig")
+        return DictSource(source), config, set(source)
+    if source.mesh.tp_size * source.mesh.pp_size != 1:
+        raise ValueError("to_hf(model) needs a tp=1, pp=1 model; save a checkpoint and "
+                         "export that with `tpkit convert --to hf` instead")
+    full = {n: p.detach()[:getattr(p, "logical_size", p.shape[0])]
+            for n, p in source.named_parameters() if not getattr(p, "tied_to", None)}
+    return DictSource(full), source.config, set(full)
 
-    src, config, names = open_source(source, config)
+
+def to_hf(source: Any, out_dir: str | Path, config: ModelConfig | None = None) -> Path:
+    """Write a Hugging Face directory (config.json + model.safetensors) from a tp=1 model
+    or a dict of full tensors. (`tpkit.train.convert.to_hf` also takes checkpoints.)"""
+    return write_hf(*memory_source(source, config), out_dir)
+
+
+def write_hf(src: Any, config: ModelConfig, names: set[str], out_dir: str | Path) -> Path:
+    """Write a Hugging Face directory from any `Source` of full logical tensors."""
     fam, out = family_of(config), Path(out_dir)
     prefix = {"gpt2": "transformer.", "llama": "model.", "bert": ""}[fam]
     tensors = {}

@@ -48,6 +48,8 @@ class Embeddings(nn.Module):
             if c.position == "learned" else None
         self.token_type = self._table(c.type_vocab_size, c, seed, "embed.token_type", sp, kw) \
             if c.type_vocab_size else None
+        self.norm = Norm(c.hidden, c.norm, c.norm_eps, sequence_parallel=sp, **kw) \
+            if c.embed_norm else None
 
     @staticmethod
     def _table(n, c, seed, name, sp, kw):
@@ -73,6 +75,8 @@ class Embeddings(nn.Module):
             tt = token_types if token_types is not None else torch.zeros_like(ids)
             x = x + self.token_type(tt[:, first:first + s_local] if self.sp else tt)
         del s
+        if self.norm is not None:
+            x = self.norm(x)
         return dropout(x, self.p, self.training, rng, sharded=self.sp)
 
 
@@ -99,9 +103,10 @@ class Transformer(nn.Module):
         self.layers = nn.ModuleDict({
             str(i): Block(config, self.group, layer_index=i, sequence_parallel=sequence_parallel,
                           seed=seed, **kw) for i in self.layer_range})
-        if self.is_last_stage:
+        if self.is_last_stage:  # post-norm stacks end normalized: no final norm
             self.final_norm = Norm(config.hidden, config.norm, config.norm_eps,
-                                   sequence_parallel=sequence_parallel, **kw)
+                                   sequence_parallel=sequence_parallel, **kw) \
+                if config.pre_norm else None
             self._make_head(kw)
 
     def _make_head(self, kw) -> None:
@@ -120,6 +125,7 @@ class Transformer(nn.Module):
                 w.copy_(shard(full, split, self.group.rank, tp))
         self.head = nn.Module()
         self.head.weight = tag(w, split)
+        w.logical_size = c.vocab_size  # rows past it are vocabulary padding
         if c.tie_embeddings:
             w.tied_to = "embed.word.weight"  # the first stage's table: grads summed over pp
 
@@ -155,7 +161,7 @@ class Transformer(nn.Module):
                                      self.rng, x)
                 else:
                     x = layer(x, attention_mask, self.rng, cache)
-        return self.final_norm(x) if self.is_last_stage else x
+        return self.final_norm(x) if self.is_last_stage and self.final_norm is not None else x
 
     def logits(self, h: torch.Tensor) -> torch.Tensor:
         """Final hidden [b, s, h] ([b, s/tp, h] with SP) -> vocab-parallel logits."""

@@ -85,10 +85,10 @@ def params_per_rank(config: ModelConfig, tp: int, pp: int, stage: int) -> int:
     n = stage_layers(c.num_layers, pp)[stage] * layer_params_per_rank(c, tp)
     vocab_shard = c.padded_vocab(tp) // tp * c.hidden
     if stage == 0:
-        n += vocab_shard + c.type_vocab_size * c.hidden
+        n += vocab_shard + c.type_vocab_size * c.hidden + (norm_params(c) if c.embed_norm else 0)
         n += c.max_seq_len * c.hidden if c.position == "learned" else 0
     if stage == pp - 1:
-        n += norm_params(c)
+        n += norm_params(c) if c.pre_norm else 0
         if not c.tie_embeddings or pp > 1:
             n += vocab_shard
     return n

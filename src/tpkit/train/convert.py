@@ -31,7 +31,6 @@ from tpkit.sharding import split_of
 from tpkit.train.ckpt_io import (
     MANIFEST,
     CheckpointError,
-    DictSource,
     FullSource,
     ShardedSource,
     local_slice,
@@ -63,21 +62,20 @@ def meta_model(config: ModelConfig, tp: int, pp: int, tp_rank: int, pp_rank: int
                        pooler=names is not None and "pooler.weight" in names)
 
 
+def to_hf(source: Any, out_dir: str | Path, config: ModelConfig | None = None) -> Path:
+    """A Hugging Face directory from a checkpoint dir, a full file, a tp=1 model or a dict."""
+    from tpkit.model.hf import write_hf
+
+    return write_hf(*open_source(source, config), out_dir)
+
+
 def open_source(source: Any, config: ModelConfig | None = None
                 ) -> tuple[Any, ModelConfig, set[str]]:
     """(Source, config, tensor names) of a checkpoint dir, full file, HF dir, model or dict."""
-    if isinstance(source, nn.Module):
-        full = {n: p.detach()[:source.config.vocab_size] if n in ("embed.word.weight",
-                                                                 "head.weight") else p.detach()
-                for n, p in source.named_parameters() if not getattr(p, "tied_to", None)}
-        if source.mesh.tp_size * source.mesh.pp_size != 1:
-            raise ValueError("to_hf(model) needs a tp=1, pp=1 model; save a checkpoint and "
-                             "export that instead")
-        return DictSource(full), source.config, set(full)
-    if isinstance(source, dict):
-        if config is None:
-            raise ValueError("a dict of tensors needs its ModelConfig")
-        return DictSource(source), config, set(source)
+    if isinstance(source, nn.Module | dict):
+        from tpkit.model.hf import memory_source
+
+        return memory_source(source, config)
     path = Path(source)
     if (path / MANIFEST).is_file():
         m = read_manifest(path)
@@ -184,8 +182,6 @@ def run(args: argparse.Namespace) -> int:
         if args.to == "full":
             out = to_full(args.source, args.dest)
         elif args.to == "hf":
-            from tpkit.model.hf import to_hf
-
             out = to_hf(args.source, args.dest)
         else:
             out = reshard(args.source, args.dest, args.tp, args.pp)
