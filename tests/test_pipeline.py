@@ -1,4 +1,5 @@
-"""Pipeline schedules: GPipe and 1F1B compute the same step; every stage sends m
+"""Pipeline schedules: GPipe and 1F1B compute the same step, 1F1B holding at most
+p - s micro-batches' activations on stage s instead of m; every stage sends m
 activations forward and receives m gradients back (the ledger against theory);
 the bubble is measured as idle/busy per stage next to (p-1)/m; the tied embedding
 (first stage) and head (last stage) get the same summed gradient and stay equal."""
@@ -27,7 +28,7 @@ def _both_schedules(mesh, out: str) -> dict:
     for schedule, m in (("gpipe", 4), ("1f1b", 4), ("1f1b", 2)):  # m=2 < p: warm-up capped
         r = train(_cfg(out, pp=mesh.pp_size, schedule=schedule, micro_batches=m), mesh)
         runs[(schedule, m)] = {k: r[k] for k in ("losses", "grad_norms", "bubble",
-                                                 "bubble_theory", "theory_ok")}
+                                                 "bubble_theory", "theory_ok", "max_inflight")}
     return runs
 
 
@@ -39,6 +40,10 @@ def test_gpipe_and_1f1b_agree_and_send_what_theory_says(run_tp, tmp_path):
     for a, b in zip(g["losses"] + g["grad_norms"], f["losses"] + f["grad_norms"]):
         assert math.isclose(a, b, rel_tol=1e-5)
     assert all(run["theory_ok"] for rank in per_rank for run in rank.values())
+    # activations held at once on stage s: GPipe all m, 1F1B at most p - s
+    assert [rank[("gpipe", 4)]["max_inflight"] for rank in per_rank] == [4, 4, 4, 4]
+    assert [rank[("1f1b", 4)]["max_inflight"] for rank in per_rank] == [4, 3, 2, 1]
+    assert [rank[("1f1b", 2)]["max_inflight"] for rank in per_rank] == [2, 2, 2, 1]
     for run in r.values():  # measured idle/busy, next to the theory (not asserted equal)
         assert run["bubble"] > 0 and math.isfinite(run["bubble"])
     assert f["bubble_theory"] == bubble_theory(4, 4) == 0.75

@@ -117,3 +117,35 @@ def test_bfloat16_autocast_trains(tmp_path):
     finally:
         torch.set_num_threads(threads)
     assert all(math.isfinite(v) for v in r["losses"]) and r["losses"][-1] < r["losses"][0]
+
+
+def _zero1_state(mesh) -> dict:
+    from tpkit.parallel import ZeroAdamW, allreduce_grads
+    from tpkit.train.optim import param_groups
+
+    torch.manual_seed(0)  # replicas start equal, as the model's seeded init makes them
+    nets = [torch.nn.Sequential(torch.nn.Linear(5, 7), torch.nn.Linear(7, 3)) for _ in range(2)]
+    torch.manual_seed(1 + mesh.dp_rank)  # different data per replica
+    nets[1].load_state_dict(nets[0].state_dict())
+    zero = ZeroAdamW(param_groups(nets[0], 0.1), mesh.dp_group, lr=0.1)
+    plain = torch.optim.AdamW(param_groups(nets[1], 0.1), lr=0.1)
+    x = torch.randn(4, 5)
+    for net, opt in ((nets[0], zero), (nets[1], plain)):
+        for _ in range(3):
+            net(x).square().sum().backward()
+            allreduce_grads(list(net.parameters()), mesh.dp_group)
+            opt.step()
+            opt.zero_grad()
+    state = [v for s in zero.inner.state.values() for k, v in s.items() if k != "step"]
+    return dict(moments=sum(t.numel() for t in state), params=nets[0].state_dict(),
+                same=all(torch.allclose(a, b, atol=1e-6) for a, b in
+                         zip(nets[0].parameters(), nets[1].parameters())))
+
+
+@pytest.mark.timeout(60)
+def test_zero1_shards_adam_state_and_matches_adamw(pools):
+    r = pools.run(_zero1_state, 2, mesh=dict(tp=1, pp=1, dp=2))
+    n_matrix, n_vector = 5 * 7 + 7 * 3, 7 + 3  # decayed and undecayed groups, each split in 2
+    assert [x["moments"] for x in r] == [2 * (n_matrix // 2 + n_vector // 2)] * 2
+    assert all(x["same"] for x in r)  # the sharded update is AdamW's
+    assert all(torch.equal(r[0]["params"][k], r[1]["params"][k]) for k in r[0]["params"])

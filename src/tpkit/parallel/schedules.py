@@ -45,6 +45,7 @@ class StepStats:
     losses: list[float] = field(default_factory=list)  # per micro-batch (last stage only)
     idle_s: float = 0.0  # blocked in pipeline receives / sends
     total_s: float = 0.0  # wall time of the schedule
+    max_inflight: int = 0  # most micro-batches whose activations were held at once
 
     @property
     def loss(self) -> float | None:
@@ -87,6 +88,7 @@ def gpipe(model, link: StageLink, micro: list[MicroBatch],
     """All forwards, then all backwards in reverse order (Huang et al. 2019)."""
     stats, t0, idle0 = StepStats(), time.perf_counter(), link.idle_s
     saved = [_forward(model, link, mb, 1.0 / len(micro), stats, autocast) for mb in micro]
+    stats.max_inflight = len(saved)
     for x, out in reversed(saved):
         _backward(model, link, x, out)
     return _finish(link, stats, t0, idle0)
@@ -101,8 +103,10 @@ def one_f_one_b(model, link: StageLink, micro: list[MicroBatch],
     inflight: deque = deque()
     for i in range(warmup):
         inflight.append(_forward(model, link, micro[i], scale, stats, autocast))
+        stats.max_inflight = len(inflight)
     for i in range(warmup, m):
         inflight.append(_forward(model, link, micro[i], scale, stats, autocast))
+        stats.max_inflight = max(stats.max_inflight, len(inflight))
         _backward(model, link, *inflight.popleft())
     while inflight:
         _backward(model, link, *inflight.popleft())

@@ -139,7 +139,7 @@ def _step(cfg, mesh, model, link, tied, opt, loader, autocast, step: int) -> dic
     comm = metrics.comm_by_group(mesh.ledger.records)
     loss = replica_mean(stats.loss, mesh)
     return dict(step=step + 1, loss=loss, lr=lr, grad_norm=norm, idle_s=stats.idle_s,
-                schedule_s=stats.total_s, step_s=time.perf_counter() - t0, comm=comm,
+                schedule_s=stats.total_s, max_inflight=stats.max_inflight, step_s=time.perf_counter() - t0, comm=comm,
                 tokens=(step + 1) * cfg.global_batch * cfg.seq)
 
 
@@ -194,6 +194,7 @@ def _summary(cfg, mesh, model, rows, train_s, idle, busy, ckpt, lead) -> dict:
                   tokens_per_s=len(rows) * cfg.global_batch * cfg.seq / train_s,
                   seconds=train_s, bubble=ratio.item() / mesh.pp_size,
                   bubble_theory=bubble_theory(mesh.pp_size, cfg.micro_batches),
+                  max_inflight=max(r["max_inflight"] for r in rows),
                   stage=mesh.pp_rank, tp_rank=mesh.tp_rank,
                   table=mesh.ledger.table(f"{where}: everything sent in one step",
                                           by_scope=False),
