@@ -46,7 +46,10 @@ class _CopyToTP(torch.autograd.Function):
 class _ReduceFromTP(torch.autograd.Function):
     @staticmethod
     def forward(ctx, x, group):
-        return C.all_reduce(x.contiguous().clone(), group)
+        if not x.is_contiguous():
+            return C.all_reduce(x.contiguous(), group)
+        ctx.mark_dirty(x)  # in place: autograd errors out if anything saved x for backward
+        return C.all_reduce(x, group)
 
     @staticmethod
     def backward(ctx, grad):

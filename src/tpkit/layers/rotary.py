@@ -6,18 +6,28 @@ its own heads with the same angles.
 
 from __future__ import annotations
 
+from functools import lru_cache
+
 import torch
+
+
+@lru_cache(maxsize=32)
+def _table(n: int, head_dim: int, theta: float, device: torch.device | None
+           ) -> tuple[torch.Tensor, torch.Tensor]:
+    inv = 1.0 / theta ** (torch.arange(0, head_dim, 2, device=device, dtype=torch.float32)
+                          / head_dim)  # [hd/2]
+    pos = torch.arange(n, device=device, dtype=torch.float32)  # [n]
+    freqs = torch.outer(pos, inv)  # [n, hd/2]
+    emb = torch.cat([freqs, freqs], dim=-1)  # [n, hd]
+    return emb.cos(), emb.sin()
 
 
 def rope_angles(seq: int, head_dim: int, theta: float, offset: int = 0,
                 device: torch.device | None = None) -> tuple[torch.Tensor, torch.Tensor]:
-    """cos, sin [seq, head_dim] for positions offset .. offset+seq-1."""
-    inv = 1.0 / theta ** (torch.arange(0, head_dim, 2, device=device, dtype=torch.float32)
-                          / head_dim)  # [hd/2]
-    pos = torch.arange(offset, offset + seq, device=device, dtype=torch.float32)  # [s]
-    freqs = torch.outer(pos, inv)  # [s, hd/2]
-    emb = torch.cat([freqs, freqs], dim=-1)  # [s, hd]
-    return emb.cos(), emb.sin()
+    """cos, sin [seq, head_dim] for positions offset .. offset+seq-1 (cached tables)."""
+    n = 1 << max(offset + seq - 1, 1).bit_length()  # a power of two >= offset + seq
+    cos, sin = _table(n, head_dim, float(theta), device)
+    return cos[offset:offset + seq], sin[offset:offset + seq]
 
 
 def _rotate_half(x: torch.Tensor) -> torch.Tensor:
