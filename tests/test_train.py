@@ -149,3 +149,20 @@ def test_zero1_shards_adam_state_and_matches_adamw(pools):
     assert [x["moments"] for x in r] == [2 * (n_matrix // 2 + n_vector // 2)] * 2
     assert all(x["same"] for x in r)  # the sharded update is AdamW's
     assert all(torch.equal(r[0]["params"][k], r[1]["params"][k]) for k in r[0]["params"])
+
+
+def _resumed(mesh, out: str) -> dict:
+    kw = dict(tp=mesh.tp_size, steps=6, global_batch=4, seq=32, val_fraction=0.0,
+              progress=False, plot=False)
+    straight = train(TrainConfig(**kw, ckpt_every=3, out=out + "/a"), mesh)
+    again = train(TrainConfig(**kw, out=out + "/b", resume=out + "/a/checkpoints/step_000003"),
+                  mesh)
+    return dict(straight=straight["losses"], resumed=again["losses"])
+
+
+@pytest.mark.timeout(60)
+def test_resume_continues_the_same_run(run_tp, tmp_path):
+    r = run_tp(_resumed, 2, str(tmp_path))[0]
+    assert len(r["resumed"]) == 3  # steps 4..6: weights, AdamW moments, loader position
+    for a, b in zip(r["straight"][3:], r["resumed"]):
+        assert math.isclose(a, b, rel_tol=1e-6), (r["straight"], r["resumed"])

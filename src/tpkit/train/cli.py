@@ -42,6 +42,7 @@ _FLAGS = {  # field -> (type or action, help)
     "ckpt_every": (int, "checkpoint every N steps (and always at the end)"),
     "out": (str, "output directory (metrics.jsonl, loss.png, checkpoints/)"),
     "seed": (int, "seed of weights and data order"),
+    "resume": (str, "continue from a checkpoint (or the latest one in a folder)"),
 }
 
 

@@ -52,6 +52,7 @@ class TrainConfig:
     log_every: int = 1
     out: str = "runs/train"
     seed: int = 0
+    resume: str | None = None  # a checkpoint directory, or a folder of them (the latest)
     progress: bool = True
     plot: bool = True
     checkpoint: bool = True

@@ -91,12 +91,13 @@ def train(cfg: TrainConfig, mesh: ParallelMesh, model: torch.nn.Module | None = 
                 if cfg.dtype == "bfloat16" else None)
     rows, ckpt, tokens_per_step = [], None, cfg.global_batch * cfg.seq
     train_s = idle = busy = 0.0
+    start = resume(cfg, mesh, model, opt, loader) if cfg.resume else 0
     try:
-        for step in range(cfg.steps):
+        for step in range(start, cfg.steps):
             mesh.ledger.clear()
             row = _step(cfg, mesh, model, link, tied, opt, loader, autocast, step)
             train_s += row["step_s"]
-            if step > 0 or cfg.steps == 1:
+            if step > start or cfg.steps == start + 1:
                 idle, busy = idle + row["idle_s"], busy + row["step_s"] - row["idle_s"]
             last_records = list(mesh.ledger.records)
             row["tokens_per_s"] = tokens_per_step / row["step_s"]
@@ -170,8 +171,24 @@ def save_checkpoint(cfg: TrainConfig, mesh: ParallelMesh, model, opt, loader: To
     path = Path(cfg.out) / "checkpoints" / f"step_{step:06d}"
     optimizer = opt if isinstance(opt, torch.optim.Optimizer) else None
     checkpoint.save(path, model, optimizer, step=step, mesh=mesh,
-                    extra=dict(loader=loader.state_dict(), config=cfg.to_dict()))
+                    extra=dict(loader=loader.state_dict(), step=step, config=cfg.to_dict()))
     return str(path)
+
+
+def resume(cfg: TrainConfig, mesh: ParallelMesh, model, opt, loader: TokenLoader) -> int:
+    """Load weights, AdamW state and loader position from `cfg.resume`; the next step."""
+    from tpkit.train import checkpoint
+
+    path = Path(cfg.resume)
+    if not (path / "manifest.json").is_file():
+        path = checkpoint.latest(path) or checkpoint.latest(path / "checkpoints") or path
+    optimizer = opt if isinstance(opt, torch.optim.Optimizer) else None
+    extra = checkpoint.load(path, model, optimizer, mesh=mesh)
+    loader.load_state_dict(extra["loader"])
+    if int(extra["step"]) >= cfg.steps:
+        raise ValueError(f"{path} is at step {extra['step']}: nothing left to do for "
+                         f"steps={cfg.steps}")
+    return int(extra["step"])
 
 
 def _summary(cfg, mesh, model, rows, train_s, idle, busy, ckpt, lead) -> dict:
