@@ -204,7 +204,7 @@ def _summary(cfg, mesh, model, rows, train_s, idle, busy, ckpt, lead) -> dict:
     rows_t = metrics.theory_rows(mesh.ledger, expects)
     where = f"rank {mesh.rank} (stage {mesh.pp_rank}, tp rank {mesh.tp_rank})"
     val = [r["val_loss"] for r in rows if "val_loss" in r]
-    result = dict(cfg.to_dict(), rank=mesh.rank, first_loss=rows[0]["loss"],
+    result = dict(cfg.to_dict(), rank=mesh.rank, hidden=c.hidden, micro_batch=b, first_loss=rows[0]["loss"],
                   last_loss=rows[-1]["loss"], tail=min(10, len(rows)),
                   tail_loss=sum(r["loss"] for r in rows[-10:]) / min(10, len(rows)), val_loss=val[-1] if val else None,
                   losses=[r["loss"] for r in rows], grad_norms=[r["grad_norm"] for r in rows],

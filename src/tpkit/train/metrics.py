@@ -108,6 +108,13 @@ def report(result: dict, tables: list[str]) -> str:
     if result["pp"] > 1:
         lines.append(f"pipeline bubble: idle/busy measured {result['bubble']:.3f} "
                      f"(mean over stages), theory (p-1)/m = {result['bubble_theory']:.3f}")
+    b, sq, h, tp = result["micro_batch"], result["seq"], result["hidden"], result["tp"]
+    if tp > 1 and not result["sp"]:
+        lines.append(f"theory per micro-batch (Megatron): each layer 2 all-reduces of b*s*h = "
+                     f"{b}*{sq}*{h} = {b * sq * h:,} forward and 2 backward; the embedding 1 "
+                     f"forward; the head's input 1 backward; cross-entropy 3 of b*s = "
+                     f"{b * sq:,} forward" + ("; between stages one activation forward and "
+                                              "its gradient back" if result["pp"] > 1 else ""))
     lines += tables
     lines.append(f"metrics {result['metrics']}")
     if result.get("plot"):
