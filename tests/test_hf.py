@@ -10,14 +10,13 @@ from __future__ import annotations
 
 import pytest
 import torch
+import transformers  # the `hf` extra, installed by `make test`: never skipped
 
-transformers = pytest.importorskip("transformers")
-
-from tpkit.comm import all_gather  # noqa: E402
-from tpkit.mesh import ParallelMesh  # noqa: E402
-from tpkit.model.hf import from_pretrained, pooled  # noqa: E402
-from tpkit.train.convert import to_hf  # noqa: E402  (checkpoints too)
-from tpkit.train import checkpoint as ckpt  # noqa: E402
+from tpkit.comm import all_gather
+from tpkit.mesh import ParallelMesh
+from tpkit.model.hf import from_pretrained, pooled
+from tpkit.train import checkpoint as ckpt
+from tpkit.train.convert import to_hf  # checkpoints too
 
 V = 101
 IDS = torch.randint(0, V, (2, 7), generator=torch.Generator().manual_seed(0))

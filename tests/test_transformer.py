@@ -32,6 +32,7 @@ def run_model(mesh, cfg: ModelConfig, sp: bool, ids, labels, recompute=False):
     grads = {n: p.grad.detach().clone() for n, p in model.named_parameters()}
     return dict(logits=logits.detach(), loss=loss.item(), grads=grads, splits=splits_of(model),
                 counts={s: mesh.ledger.counts(scope=s) for s in ("layers.0", "loss", "head")},
+                whole=mesh.ledger.counts(phase="forward") + mesh.ledger.counts(phase="backward"),
                 bytes={s: mesh.ledger.total(scope=s)["wire_bytes"] for s in ("layers.0",)},
                 param_bytes=model.param_bytes())
 
@@ -77,6 +78,8 @@ def test_model_equals_tp1(run_tp, preset, tp, sp):
     for r in results:
         assert r["counts"]["layers.0"] == theory.as_counter(theory.layer(B, S, h, tp, sp))
         assert r["counts"]["loss"] == theory.as_counter(theory.cross_entropy(B, S, tp))
+        # and the whole step: embedding + layers + head + loss, nothing else
+        assert r["whole"] == theory.as_counter(theory.stage(B, S, h, tp, sp, cfg.num_layers))
 
 
 @pytest.mark.parametrize("kv,tp", [(2, 4), (1, 2), (1, 4), (4, 2)])

@@ -82,6 +82,10 @@ def _model_case(mesh, a) -> dict:
             theory.layer(b, s, h, tp, a["sp"]), scope=f"layers.{i}")]
     problems += [f"loss: {p}" for p in mesh.ledger.compare(theory.cross_entropy(b, s, tp),
                                                           scope="loss")]
+    step = theory.stage(b, s, h, tp, a["sp"], cfg.num_layers)  # the whole model, no extras
+    got = mesh.ledger.counts(phase="forward") + mesh.ledger.counts(phase="backward")
+    if got != theory.as_counter(step):
+        problems.append(f"whole step: recorded {dict(got)} != theory {dict(theory.as_counter(step))}")
     return dict(out=logits.detach().float(), loss=loss.item(), gx=None, splits=splits_of(m),
                 grads={n: p.grad.float() for n, p in m.named_parameters()},
                 vocab=cfg.vocab_size, problems=problems, param_bytes=m.param_bytes(),

@@ -5,7 +5,15 @@ the group's `Ledger`; `ops.py` wraps them as the conjugate autograd operators of
 Megatron paper; `theory.py` states what each layer must send.
 """
 
-from tpkit.comm.collectives import all_gather, all_reduce, broadcast, recv, reduce_scatter, send
+from tpkit.comm.collectives import (
+    all_gather,
+    all_reduce,
+    broadcast,
+    isend,
+    recv,
+    reduce_scatter,
+    send,
+)
 from tpkit.comm.group import CommGroup
 from tpkit.comm.ledger import Ledger, Record
 from tpkit.comm.ops import (
@@ -28,6 +36,7 @@ __all__ = [
     "copy_to_tp",
     "gather_from_sp",
     "gather_from_tp",
+    "isend",
     "recv",
     "reduce_from_tp",
     "reduce_scatter",

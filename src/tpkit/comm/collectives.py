@@ -92,6 +92,18 @@ def send(x: torch.Tensor, group: CommGroup, dst: int, *, phase: str = "forward",
         dist.send(x.contiguous(), dst=group.ranks[dst], group=group.pg)
 
 
+def isend(x: torch.Tensor, group: CommGroup, dst: int, *, phase: str = "forward",
+          scope: str | None = None):
+    """Post a point-to-point send to group rank `dst` and return at once; `.wait()` the
+    returned handle before reusing `x` (which must stay alive until then). Pipeline
+    stages send this way so that two neighbours sending to each other cannot deadlock."""
+    if not x.is_contiguous():
+        raise ValueError("isend needs a contiguous tensor (it must outlive the send)")
+    _real(group)
+    with group.ledger.timed("send", group, x.numel(), _nbytes(x), phase, scope):
+        return dist.isend(x, dst=group.ranks[dst], group=group.pg)
+
+
 def recv(x: torch.Tensor, group: CommGroup, src: int, *, phase: str = "forward",
          scope: str | None = None) -> torch.Tensor:
     """Point-to-point receive into `x` from group rank `src`; returns `x`."""

@@ -74,10 +74,36 @@ def layer(b: int, s: int, h: int, tp: int, sp: bool = False) -> list[Expect]:
 
 
 def embedding(b: int, s: int, h: int, tp: int, sp: bool = False) -> list[Expect]:
-    """Vocab-parallel embedding: the masked partial lookups are summed once."""
+    """Vocab-parallel embedding: the masked partial lookups are summed once (with SP a
+    reduce-scatter, whose conjugate all-gathers the gradient back for the table)."""
     if tp == 1:
         return []
-    return [Expect("reduce_scatter" if sp else "all_reduce", "forward", b * s * h)]
+    if sp:
+        return [Expect("reduce_scatter", "forward", b * s * h),
+                Expect("all_gather", "backward", b * s * h)]
+    return [Expect("all_reduce", "forward", b * s * h)]
+
+
+def head(b: int, s: int, h: int, tp: int, sp: bool = False) -> list[Expect]:
+    """The vocab-parallel output layer: its input's gradient is all-reduced (f), or with
+    SP the input is all-gathered forward and its gradient reduce-scattered."""
+    if tp == 1:
+        return []
+    if sp:
+        return [Expect("all_gather", "forward", b * s * h),
+                Expect("reduce_scatter", "backward", b * s * h)]
+    return [Expect("all_reduce", "backward", b * s * h)]
+
+
+def stage(b: int, s: int, h: int, tp: int, sp: bool, num_layers: int, *, first: bool = True,
+          last: bool = True) -> list[Expect]:
+    """Tensor-parallel traffic of one micro-batch through a pipeline stage holding
+    `num_layers` layers (the whole model when first and last)."""
+    out = embedding(b, s, h, tp, sp) if first else []
+    out += layer(b, s, h, tp, sp) * num_layers
+    if last:
+        out += head(b, s, h, tp, sp) + cross_entropy(b, s, tp)
+    return out
 
 
 def cross_entropy(b: int, s: int, tp: int) -> list[Expect]:

@@ -5,22 +5,21 @@
 
 Every transfer goes through `tpkit.comm.send/recv` on `mesh.pp_group`, so the
 ledger sees it (group "pp", phase forward for activations, backward for their
-gradients). Gloo's send is a rendezvous: it returns only once the peer has posted
-the matching receive, so two neighbours that both send first would deadlock (the
-steady state of 1F1B does exactly that). Sends therefore run on one background
-thread per direction — FIFO per peer, like `isend` — and receives block in the
-main thread. The time spent blocked in receives (and in the final flush of sends)
-is the stage's idle time: the measured pipeline bubble.
+gradients). A blocking send is a rendezvous: it returns only once the peer has
+posted the matching receive, so two neighbours that both send first would deadlock
+(the steady state of 1F1B does exactly that). Sends are therefore posted with
+`isend` (the tensor kept alive until flushed, as NCCL and gloo both require) and
+receives block in the main thread. The time spent blocked in receives (and in the
+final flush of sends) is the stage's idle time: the measured pipeline bubble.
 """
 
 from __future__ import annotations
 
 import time
-from concurrent.futures import Future, ThreadPoolExecutor
 
 import torch
 
-from tpkit.comm import recv, send
+from tpkit.comm import isend, recv
 from tpkit.comm.group import CommGroup
 
 
@@ -32,9 +31,7 @@ class StageLink:
         self.group, self.dtype, self.device = group, dtype, torch.device(device)
         self.stage, self.stages = group.rank, group.size
         self.is_first, self.is_last = self.stage == 0, self.stage == self.stages - 1
-        self._senders = {d: ThreadPoolExecutor(1, thread_name_prefix=f"pp-send-{d}")
-                         for d in ("forward", "backward")}
-        self._pending: list[Future] = []
+        self._pending: list[tuple] = []  # (handle, tensor kept alive until the send is done)
         self.idle_s = 0.0
 
     # -- activations, forward -----------------------------------------------------------
@@ -66,19 +63,16 @@ class StageLink:
         return buf
 
     def _send(self, x: torch.Tensor, dst: int, phase: str) -> None:
-        self._pending.append(self._senders[phase].submit(
-            send, x, self.group, dst, phase=phase, scope="pipeline"))
+        self._pending.append((isend(x, self.group, dst, phase=phase, scope="pipeline"), x))
 
     def flush(self) -> None:
-        """Wait for every queued send (raises what a send raised); counted as idle."""
+        """Wait for every posted send (raises what a send raised); counted as idle."""
         t0 = time.perf_counter()
         pending, self._pending = self._pending, []
-        for f in pending:
-            f.result()
+        for work, _ in pending:
+            work.wait()
         self.idle_s += time.perf_counter() - t0
 
     def close(self) -> None:
-        """Flush, then stop the sender threads."""
+        """Wait for the last sends."""
         self.flush()
-        for ex in self._senders.values():
-            ex.shutdown(wait=True)

@@ -128,26 +128,13 @@ def stage_theory(hidden: int, b: int, s: int, tp: int, pp: int, sp: bool, m: int
                  first: bool, last: bool, num_layers: int) -> list:
     """What one step must send on this rank's tp and pp groups (tpkit.comm.theory).
 
-    Per micro-batch: the embedding (first stage; with SP its reduce-scatter is
-    all-gathered back in backward, which `theory.embedding` leaves out), 2+2 per layer, the head's input
-    (all-reduce of its gradient, or SP's all-gather / reduce-scatter) and the
-    three cross-entropy all-reduces (last stage); and between stages one
-    activation forward and its gradient backward, [b, s, h] ([b, s/tp, h] with SP).
+    Per micro-batch: `theory.stage` (embedding on the first stage, 2+2 per layer,
+    head and the three cross-entropy all-reduces on the last); and between stages
+    one activation forward and its gradient backward, [b, s, h] ([b, s/tp, h] with SP).
     """
     from tpkit.comm import theory
 
-    one: list = []
-    if first:
-        one += theory.embedding(b, s, hidden, tp, sp)
-        if sp and tp > 1:  # the reduce-scatter's conjugate, for the embedding's weight grad
-            one.append(theory.Expect("all_gather", "backward", b * s * hidden))
-    one += theory.layer(b, s, hidden, tp, sp) * num_layers
-    if last and tp > 1:
-        n = b * s * hidden
-        one += ([theory.Expect("all_gather", "forward", n),
-                 theory.Expect("reduce_scatter", "backward", n)] if sp
-                else [theory.Expect("all_reduce", "backward", n)])
-        one += theory.cross_entropy(b, s, tp)
+    one = theory.stage(b, s, hidden, tp, sp, num_layers, first=first, last=last)
     act = b * (s // tp if sp else s) * hidden
     if pp > 1 and not last:
         one += [theory.Expect("send", "forward", act), theory.Expect("recv", "backward", act)]
