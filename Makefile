@@ -26,8 +26,12 @@ venv: $(STAMP)
 browser:
 	@command -v chromium >/dev/null 2>&1 || { apt-get update -qq && apt-get install -y -qq chromium >/dev/null; }
 
+# The main job: prove the sharded models exact against tp=1 (a GPT-style and a
+# Llama-style GQA model), then train gpt2-tiny with tp=2 x pp=2 on 4 processes.
 demo: $(STAMP)
-	$(BIN)/tpkit verify --component mlp --tp 1,2,4
+	$(BIN)/tpkit verify --preset gpt2-tiny --tp 1,2,4
+	$(BIN)/tpkit verify --preset llama-tiny --tp 1,2,4 --sp
+	$(BIN)/tpkit train --preset gpt2-tiny --tp 2 --pp 2 --steps 400 --micro-batches 4 --global-batch 16 --seq 128 --out runs/demo
 
 test: $(STAMP) browser
 	$(BIN)/python -m pytest
