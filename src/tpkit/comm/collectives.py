@@ -8,6 +8,8 @@ the ledger's current scope (backward passes carry the scope of their forward).
 
 from __future__ import annotations
 
+import time
+
 import torch
 import torch.distributed as dist
 
@@ -39,6 +41,51 @@ def all_reduce(x: torch.Tensor, group: CommGroup, op: str = "sum", *, phase: str
     with group.ledger.timed("all_reduce", group, x.numel(), _nbytes(x), phase, scope):
         dist.all_reduce(x, op=_REDUCE_OPS[op], group=group.pg)
     return x
+
+
+class Pending:
+    """A collective in flight. `wait()` returns its result and records it in the ledger
+    with the time it really cost this rank: posting it plus waiting for it (the time
+    hidden behind other work is not counted)."""
+
+    def __init__(self, work, finish, record: tuple) -> None:
+        self._work, self._finish, self._record = work, finish, record
+        self._posted_s = 0.0
+
+    def wait(self) -> torch.Tensor:
+        """Block until done; the result."""
+        t0 = time.perf_counter()
+        self._work.wait()
+        op, group, numel, nbytes, phase, scope = self._record
+        group.ledger.add(op, group, numel, nbytes, self._posted_s + time.perf_counter() - t0,
+                         phase, scope)
+        return self._finish()
+
+
+def all_reduce_async(x: torch.Tensor, group: CommGroup, *, phase: str = "backward",
+                     scope: str | None = None) -> Pending:
+    """Start summing `x` over the group in place; `.wait()` returns `x`."""
+    _real(group)
+    t0 = time.perf_counter()
+    work = dist.all_reduce(x, group=group.pg, async_op=True)
+    p = Pending(work, lambda: x, ("all_reduce", group, x.numel(), _nbytes(x), phase, scope))
+    p._posted_s = time.perf_counter() - t0
+    return p
+
+
+def reduce_scatter_async(x: torch.Tensor, group: CommGroup, dim: int, *,
+                         phase: str = "backward", scope: str | None = None) -> Pending:
+    """Start summing `x` and scattering `dim`; `.wait()` returns this rank's chunk."""
+    _real(group)
+    p_, dim = group.size, dim % x.dim()
+    t0 = time.perf_counter()
+    inp = x.movedim(dim, 0).contiguous()  # [S, ...]
+    out = torch.empty(inp.shape[0] // p_, *inp.shape[1:], dtype=x.dtype, device=x.device)
+    work = _reduce_scatter_single(out, inp, group=group.pg, async_op=True)
+    p = Pending(work, lambda: (inp, out.movedim(0, dim))[1],  # inp kept alive until done
+                ("reduce_scatter", group, x.numel(), _nbytes(x), phase, scope))
+    p._posted_s = time.perf_counter() - t0
+    return p
 
 
 def all_gather(x: torch.Tensor, group: CommGroup, dim: int = -1, *, phase: str = "forward",

@@ -72,11 +72,14 @@ class Ledger:
         """Time the block and record it as one collective."""
         t0 = time.perf_counter()
         yield
+        self.add(op, group, numel, nbytes, time.perf_counter() - t0, phase, scope)
+
+    def add(self, op: str, group, numel: int, nbytes: int, seconds: float, phase: str,
+            scope: str | None) -> None:
+        """Record one collective that took `seconds` of this rank's time."""
         if self.enabled:
-            self.records.append(
-                Record(op, group.name, group.size, numel, nbytes, time.perf_counter() - t0,
-                       self.current_scope() if scope is None else scope, phase)
-            )
+            self.records.append(Record(op, group.name, group.size, numel, nbytes, seconds,
+                                       self.current_scope() if scope is None else scope, phase))
 
     @contextmanager
     def paused(self) -> Iterator[None]:

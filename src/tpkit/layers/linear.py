@@ -20,9 +20,42 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from tpkit.comm import collectives as C
 from tpkit.comm import ops
 from tpkit.comm.group import CommGroup
 from tpkit.sharding import SP_TAG, TPSplit, master_normal, shard, tag
+
+
+class _ColumnLinear(torch.autograd.Function):
+    """f (or SP's all-gather) fused with the matmul, so that backward overlaps the
+    input-gradient collective with the weight-gradient matmul (as Megatron-LM does):
+
+        forward:  x_full = x (or all-gather of the sequence);  y = x_full A^T + b
+        backward: dx = dy A   -> start all-reduce (or reduce-scatter) of dx
+                  dA = dy^T x_full, db = sum dy          <- while dx is on the wire
+                  wait for dx
+    """
+
+    @staticmethod
+    def forward(ctx, x, weight, bias, group, sp):
+        x_full = C.all_gather(x, group, ops.SEQ_DIM) if sp else x  # [b, s, in]
+        ctx.save_for_backward(x_full, weight)
+        ctx.group, ctx.sp, ctx.has_bias = group, sp, bias is not None
+        ctx.scope = group.ledger.current_scope()
+        return F.linear(x_full, weight, bias)  # [b, s, out/tp]
+
+    @staticmethod
+    def backward(ctx, dy):
+        x, w = ctx.saved_tensors
+        dx = dy.matmul(w.to(dy.dtype))  # [b, s, in], this rank's partial sum
+        if ctx.sp:
+            pending = C.reduce_scatter_async(dx, ctx.group, ops.SEQ_DIM, scope=ctx.scope)
+        else:
+            pending = C.all_reduce_async(dx, ctx.group, scope=ctx.scope)
+        dy2 = dy.reshape(-1, dy.shape[-1])  # [b*s, out/tp]
+        dw = dy2.t().matmul(x.reshape(-1, x.shape[-1]).to(dy.dtype))  # [out/tp, in]
+        db = dy2.sum(0) if ctx.has_bias else None
+        return pending.wait().to(x.dtype), dw.to(w.dtype), db, None, None
 
 
 def _divisible(n: int, tp: int, what: str) -> None:
@@ -80,11 +113,11 @@ class ColumnParallelLinear(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         """x [b, s, in] (or [b, s/tp, in] with sequence parallelism) -> [b, s, out/tp]."""
-        if self.sequence_parallel:
-            x = ops.gather_from_sp(x, self.group)  # [b, s, in]
-        else:
-            x = ops.copy_to_tp(x, self.group)  # [b, s, in]; backward all-reduce
-        y = F.linear(x, self.weight, self.bias)  # [b, s, out/tp]
+        if self.group.size == 1:
+            y = F.linear(x, self.weight, self.bias)  # [b, s, out]: the tp=1 reference
+        else:  # f (or SP all-gather) + matmul; backward all-reduces dx behind the dW matmul
+            y = _ColumnLinear.apply(x, self.weight, self.bias, self.group,
+                                    self.sequence_parallel)  # [b, s, out/tp]
         return ops.gather_from_tp(y, self.group) if self.gather_output else y
 
     def extra_repr(self) -> str:
