@@ -121,6 +121,8 @@ def report(result: dict, tables: list[str]) -> str:
         lines.append(f"loss curve {result['plot']}")
     if result.get("checkpoint"):
         lines.append(f"checkpoint {result['checkpoint']}")
+        lines.append(f"sample it:  tpkit generate --checkpoint {result['checkpoint']} --tp 2 "
+                     f"--prompt 'The return statement' --temperature 0.8 --top-k 40")
     return "\n".join(lines)
 
 
