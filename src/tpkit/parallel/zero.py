@@ -11,6 +11,11 @@ after the dp all-reduce, the full averaged gradients; each one updates only its
 The moments take 1/dp of the memory. The update is element-wise, so the result is
 AdamW's, exactly. (With a reduce-scatter of the gradients instead of the all-reduce
 it would be ZeRO-2; the bytes on the wire are the same.)
+
+Checkpoints see the state per parameter, as plain AdamW keeps it (`full_state`:
+all-gather the slices over dp, cut the flat vector back into parameters;
+`load_full_state`: flatten, keep slice r), so a file does not depend on dp or on
+ZeRO being on.
 """
 
 from __future__ import annotations
@@ -49,14 +54,23 @@ class ZeroAdamW:
         n = self._padded_len(params) // self.group.size
         return self.group.rank * n, (self.group.rank + 1) * n, n
 
+    def _flat(self, tensors: list[torch.Tensor], params: list[nn.Parameter]) -> torch.Tensor:
+        """This rank's slice [n/dp] of the padded concatenation of `tensors`."""
+        lo, hi, _ = self._bounds(params)
+        flat = torch.cat([t.reshape(-1) for t in tensors])  # [n]
+        return _padded(flat, self._padded_len(params))[lo:hi]
+
     @torch.no_grad()
     def step(self) -> None:
-        """Update this rank's slice, then all-gather the slices into every parameter."""
+        """Update this rank's slice, then all-gather the slices into every parameter.
+
+        The slice is re-read from the parameters first, so weights loaded (or changed)
+        since the last step are the ones updated.
+        """
         for params, shard_group in zip(self.params, self.inner.param_groups):
-            lo, hi, _ = self._bounds(params)
+            shard_group["params"][0].copy_(self._flat([p.detach() for p in params], params))
             grads = [p.grad if p.grad is not None else torch.zeros_like(p) for p in params]
-            flat_g = _padded(torch.cat([g.reshape(-1) for g in grads]), self._padded_len(params))
-            shard_group["params"][0].grad = flat_g[lo:hi].clone()  # [n/dp]
+            shard_group["params"][0].grad = self._flat(grads, params).clone()  # [n/dp]
         self.inner.step()
         for params, shard_group in zip(self.params, self.inner.param_groups):
             mine = shard_group["params"][0].detach()  # [n/dp]
@@ -79,6 +93,43 @@ class ZeroAdamW:
     def load_state_dict(self, state: dict) -> None:
         """Restore a shard saved by `state_dict` (same dp layout)."""
         self.inner.load_state_dict(state)
+
+    @torch.no_grad()
+    def full_state(self) -> dict[nn.Parameter, dict[str, torch.Tensor]]:
+        """Per-parameter AdamW state, as `torch.optim.AdamW.state` holds it; call on every
+        dp rank (one all-gather per group and moment)."""
+        out: dict[nn.Parameter, dict[str, torch.Tensor]] = {}
+        for params, shard_group in zip(self.params, self.inner.param_groups):
+            state = self.inner.state.get(shard_group["params"][0], {})
+            moments = {k: v for k, v in state.items() if torch.is_tensor(v) and v.dim() == 1}
+            full = {k: all_gather(v, self.group, dim=0, phase="checkpoint", scope="zero1")
+                    for k, v in moments.items()}  # [n padded]
+            offset = 0
+            for p in params:
+                entry = {k: v.clone() for k, v in state.items() if k not in moments}  # step
+                entry.update({k: v[offset:offset + p.numel()].view_as(p).clone()
+                              for k, v in full.items()})
+                offset += p.numel()
+                if entry:
+                    out[p] = entry
+        return out
+
+    @torch.no_grad()
+    def load_full_state(self, state: dict[nn.Parameter, dict[str, torch.Tensor]]) -> None:
+        """Inverse of `full_state`: keep this rank's slice of each moment (a parameter
+        without state gets zeros; the step count is the group's)."""
+        for params, shard_group in zip(self.params, self.inner.param_groups):
+            master = shard_group["params"][0]
+            have = [state[p] for p in params if state.get(p)]
+            if not have:
+                self.inner.state.pop(master, None)
+                continue
+            entry = {k: v.clone() for k, v in have[0].items() if v.dim() == 0}  # step
+            for key in {k for e in have for k, v in e.items() if v.dim() > 0}:
+                parts = [state[p][key] if key in state.get(p, {}) else torch.zeros_like(p)
+                         for p in params]
+                entry[key] = self._flat([t.to(master) for t in parts], params).clone()
+            self.inner.state[master] = entry
 
 
 def _padded(flat: torch.Tensor, n: int) -> torch.Tensor:

@@ -13,7 +13,9 @@ A load reads, per parameter, only the chunks this rank holds at *its* layout
 every file it opens against the manifest, stages everything, and copies into the
 model only when every rank has staged without error: nothing is ever half-loaded.
 Optimizer state (AdamW's exp_avg, exp_avg_sq: same shape as the parameter) carries
-the parameter's tag and reshards the same way.
+the parameter's tag and reshards the same way; ZeRO-1's flat dp slices are gathered
+into that same per-parameter form (`ckpt_optim`), so either optimizer, at any dp,
+reads a file either one wrote.
 """
 
 from __future__ import annotations
@@ -34,7 +36,9 @@ from torch import nn
 from tpkit.comm import all_reduce
 from tpkit.device import rng_state, set_rng_state
 from tpkit.mesh import ParallelMesh
+from tpkit.parallel.zero import ZeroAdamW
 from tpkit.sharding import split_of
+from tpkit.train import ckpt_optim
 from tpkit.train.ckpt_io import (
     FORMAT,
     MANIFEST,
@@ -56,14 +60,18 @@ from tpkit.train.ckpt_io import (
 __all__ = ["CheckpointError", "capture_rng", "latest", "load", "read_manifest",
            "restore_rng", "save"]
 
+Optimizer = torch.optim.Optimizer | ZeroAdamW  # what save / load accept
 PAUSE_ENV = "TPKIT_CKPT_PAUSE_S"  # tests: sleep after each file, to kill a save midway
 IGNORED_CONFIG = ("name", "dropout")  # differences that do not change the weights
 
 
 # -- public API -------------------------------------------------------------------------
-def save(path: str | Path, model: nn.Module, optimizer: torch.optim.Optimizer | None = None,
+def save(path: str | Path, model: nn.Module, optimizer: Optimizer | None = None,
          *, step: int = 0, extra: dict | None = None, mesh: ParallelMesh | None = None) -> Path:
     """Write a checkpoint of this rank's shards into `path`, atomically; call on every rank.
+
+    `optimizer`: torch AdamW (or any torch optimizer) or `ZeroAdamW`, whose slices are
+    gathered over dp into the same per-parameter state.
 
     `extra` (per rank; JSON values and tensors, e.g. the data-loader position and
     `capture_rng()`) comes back from `load`. Returns the checkpoint directory.
@@ -75,7 +83,8 @@ def save(path: str | Path, model: nn.Module, optimizer: torch.optim.Optimizer | 
         shutil.rmtree(tmp, ignore_errors=True)
         tmp.mkdir(parents=True)
     _agree(mesh, True)
-    err = _attempt(_write_rank, tmp, model, optimizer, extra, mesh)
+    state = ckpt_optim.gather_state(optimizer) if optimizer is not None else None  # ZeRO: dp
+    err = _attempt(_write_rank, tmp, model, optimizer, state, extra, mesh)
     _raise_unless_all(mesh, err, f"{root}: another rank failed to write its shards; "
                                  f"the previous checkpoint is untouched")
     if mesh.rank == 0:
@@ -84,7 +93,7 @@ def save(path: str | Path, model: nn.Module, optimizer: torch.optim.Optimizer | 
     return root
 
 
-def load(path: str | Path, model: nn.Module, optimizer: torch.optim.Optimizer | None = None,
+def load(path: str | Path, model: nn.Module, optimizer: Optimizer | None = None,
          *, mesh: ParallelMesh | None = None) -> dict:
     """Load a checkpoint written at any layout into `model` (and `optimizer`) at this one.
 
@@ -109,7 +118,7 @@ def load(path: str | Path, model: nn.Module, optimizer: torch.optim.Optimizer | 
         for name, p in model.named_parameters():
             p.copy_(params[name])
     if optimizer is not None and optim_state is not None:
-        optimizer.load_state_dict(optim_state)
+        ckpt_optim.apply_state(optimizer, *optim_state)
     return extra
 
 
@@ -140,13 +149,14 @@ def restore_rng(state: dict, device: torch.device | None = None) -> None:
 
 
 # -- writing ----------------------------------------------------------------------------
-def _write_rank(tmp: Path, model: nn.Module, optimizer, extra: dict | None,
-                mesh: ParallelMesh) -> None:
+def _write_rank(tmp: Path, model: nn.Module, optimizer, state: ckpt_optim.State | None,
+                extra: dict | None, mesh: ParallelMesh) -> None:
     params, optim, groups = {}, {}, None
     if mesh.dp_rank == 0:  # dp replicas hold the same shards: replica 0 writes them
         params = {n: (q.detach(), split_of(q)) for n, q in _own_params(model).items()}
         if optimizer is not None:
-            optim, groups = _optim_tensors(model, optimizer)
+            optim = ckpt_optim.state_tensors(_own_params(model), state)
+            groups = _encode(ckpt_optim.group_settings(optimizer))
     write_record(tmp, mesh.rank, mesh.tp_rank, mesh.pp_rank, mesh.tp_size,
                  getattr(model, "config", None), params, optim, groups, _encode(extra or {}))
 
@@ -185,19 +195,6 @@ def _meta(split, local_shape, dtype: torch.dtype, tp: int, stage: int, config) -
 def _own_params(model: nn.Module) -> dict[str, torch.Tensor]:
     """Parameters this stage owns (a pipeline copy of a tied embedding is saved once)."""
     return {n: p for n, p in model.named_parameters() if not getattr(p, "tied_to", None)}
-
-
-def _optim_tensors(model: nn.Module, optimizer) -> tuple[dict, list]:
-    """"{param}::{key}" -> (state tensor, split: the parameter's, or None for scalars)."""
-    names = {id(p): n for n, p in _own_params(model).items()}
-    out = {}
-    for p, state in optimizer.state.items():
-        for key, value in state.items() if id(p) in names else ():
-            value = value if torch.is_tensor(value) else torch.tensor(value)
-            out[f"{names[id(p)]}::{key}"] = (value, split_of(p) if value.shape == p.shape
-                                             else None)
-    groups = [{k: v for k, v in g.items() if k != "params"} for g in optimizer.param_groups]
-    return out, _encode(groups)
 
 
 def _finish(tmp: Path, root: Path, model: nn.Module, optimizer, step: int,
@@ -267,7 +264,8 @@ def _stage(root: Path, manifest: dict, model: nn.Module, optimizer, mesh: Parall
                                    tuple(p.shape), where).to(p.dtype)
     optim_state = None
     if optimizer is not None:
-        optim_state = _stage_optimizer(root, manifest, model, optimizer, mesh)
+        optim_state = (ckpt_optim.stage_state(root, manifest, model, optimizer, mesh),
+                       _decode(manifest["optimizer"]["groups"]))
     layout = dict(tp=mesh.tp_size, pp=mesh.pp_size, dp=mesh.dp_size)
     rank = mesh.rank if layout == manifest["layout"] else 0
     fname = rank_file(rank)
@@ -275,40 +273,6 @@ def _stage(root: Path, manifest: dict, model: nn.Module, optimizer, mesh: Parall
     extra = _decode(record["extra"])
     extra.setdefault("step", manifest["step"])
     return params, optim_state, extra
-
-
-def _stage_optimizer(root: Path, manifest: dict, model: nn.Module, optimizer,
-                     mesh: ParallelMesh) -> dict:
-    if manifest.get("optimizer") is None:
-        raise CheckpointError(f"{root / MANIFEST}: the checkpoint holds no optimizer state")
-    source, saved = ShardedSource(root, manifest, "optim"), manifest["optim_tensors"]
-    keys: dict[str, list[str]] = {}
-    for full in saved:
-        name, key = full.split("::", 1)
-        keys.setdefault(name, []).append(key)
-    names = {id(p): n for n, p in model.named_parameters()}
-    state_dict = optimizer.state_dict()
-    order = [p for g in optimizer.param_groups for p in g["params"]]
-    state = {}
-    for idx, p in enumerate(order):
-        src = getattr(p, "tied_to", None) or names[id(p)]
-        entry = {}
-        for key in keys.get(src, []):
-            full = f"{src}::{key}"
-            like = tuple(p.shape) if saved[full]["logical"] != [] else ()
-            entry[key] = local_slice(source, full, split_of(p) if like else None,
-                                     mesh.tp_rank, mesh.tp_size, like, str(root))
-        if entry:
-            state[idx] = entry
-    groups = _decode(manifest["optimizer"]["groups"])
-    if len(groups) != len(state_dict["param_groups"]):
-        raise CheckpointError(f"{root / MANIFEST}: {len(groups)} optimizer parameter groups "
-                              f"saved, the optimizer has {len(state_dict['param_groups'])}")
-    for mine, old in zip(state_dict["param_groups"], groups):
-        mine.update({k: tuple(v) if isinstance(mine.get(k), tuple) else v
-                     for k, v in old.items()})
-    state_dict["state"] = state
-    return state_dict
 
 
 # -- helpers ----------------------------------------------------------------------------

@@ -161,33 +161,42 @@ def evaluate(cfg: TrainConfig, mesh: ParallelMesh, model, link: StageLink,
 
 def save_checkpoint(cfg: TrainConfig, mesh: ParallelMesh, model, opt, loader: TokenLoader,
                     step: int) -> str:
-    """Sharded checkpoint at out/checkpoints/step_N (loader position in `extra`).
-
-    With ZeRO-1 the optimizer state is sharded over dp in flat slices, which the
-    checkpoint format (per-parameter moments) does not describe: weights only.
-    """
+    """Sharded checkpoint at out/checkpoints/step_N: weights, AdamW (or ZeRO-1) state,
+    and in `extra` the loader position, the step and this rank's generator states."""
     from tpkit.train import checkpoint
 
     path = Path(cfg.out) / "checkpoints" / f"step_{step:06d}"
-    optimizer = opt if isinstance(opt, torch.optim.Optimizer) else None
-    checkpoint.save(path, model, optimizer, step=step, mesh=mesh,
-                    extra=dict(loader=loader.state_dict(), step=step, config=cfg.to_dict()))
+    rng = dict(checkpoint.capture_rng(mesh.device), tp=model.rng.state,
+               device=mesh.device.type)
+    checkpoint.save(path, model, opt, step=step, mesh=mesh,
+                    extra=dict(loader=loader.state_dict(), step=step, rng=rng,
+                               layout=[mesh.tp_size, mesh.pp_size, mesh.dp_size],
+                               config=cfg.to_dict()))
     return str(path)
 
 
 def resume(cfg: TrainConfig, mesh: ParallelMesh, model, opt, loader: TokenLoader) -> int:
-    """Load weights, AdamW state and loader position from `cfg.resume`; the next step."""
+    """Load weights, optimizer state, loader position and generators from `cfg.resume`;
+    returns the next step (the learning rate follows from it: `lr_at(step)`).
+
+    At another layout `load` returns rank 0's extra: its default generator goes to every
+    rank (tp ranks must draw alike), the per-tp-rank dropout generator keeps its seed;
+    on another kind of device (a GPU checkpoint on CPU) the generators keep theirs.
+    """
     from tpkit.train import checkpoint
 
     path = Path(cfg.resume)
     if not (path / "manifest.json").is_file():
         path = checkpoint.latest(path) or checkpoint.latest(path / "checkpoints") or path
-    optimizer = opt if isinstance(opt, torch.optim.Optimizer) else None
-    extra = checkpoint.load(path, model, optimizer, mesh=mesh)
-    loader.load_state_dict(extra["loader"])
+    extra = checkpoint.load(path, model, opt, mesh=mesh)
     if int(extra["step"]) >= cfg.steps:
         raise ValueError(f"{path} is at step {extra['step']}: nothing left to do for "
                          f"steps={cfg.steps}")
+    loader.load_state_dict(extra["loader"])
+    if extra.get("rng", {}).get("device") == mesh.device.type:
+        checkpoint.restore_rng(extra["rng"], mesh.device)
+        if extra.get("layout") == [mesh.tp_size, mesh.pp_size, mesh.dp_size]:
+            model.rng.state = extra["rng"]["tp"]
     return int(extra["step"])
 
 

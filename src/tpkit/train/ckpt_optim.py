@@ -1,0 +1,103 @@
+"""Optimizer state in checkpoints: per parameter, tagged like the parameter, any layout.
+
+On disk the state of AdamW is what `torch.optim.AdamW.state` holds, per parameter:
+
+    "{param}::exp_avg", "{param}::exp_avg_sq"   same shape and split tag as the parameter
+    "{param}::step"                             a scalar, replicated
+
+ZeRO-1 (`ZeroAdamW`) keeps the moments as flat per-dp slices instead. They are
+gathered over dp and cut back into parameters before a save, and re-sliced after a
+load, so the file is the same with or without ZeRO and at any dp:
+
+    save:  slice r [n/dp] --all_gather(dp)--> flat [n] --cut--> exp_avg of each param
+    load:  exp_avg of each param (resharded over tp by its tag) --flatten--> keep slice r
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import torch
+from torch import nn
+
+from tpkit.mesh import ParallelMesh
+from tpkit.parallel.zero import ZeroAdamW
+from tpkit.sharding import split_of
+from tpkit.train.ckpt_io import MANIFEST, CheckpointError, ShardedSource, local_slice
+
+State = dict[nn.Parameter, dict[str, torch.Tensor]]
+
+
+def gather_state(optimizer) -> State:
+    """Per-parameter state of a torch optimizer or a `ZeroAdamW` (then a collective over
+    its dp group: call on every rank)."""
+    if isinstance(optimizer, ZeroAdamW):
+        return optimizer.full_state()
+    return {p: {k: v if torch.is_tensor(v) else torch.tensor(v) for k, v in s.items()}
+            for p, s in optimizer.state.items()}
+
+
+def state_tensors(own: dict[str, nn.Parameter], state: State) -> dict:
+    """"{param}::{key}" -> (tensor, split: the parameter's, or None for scalars), for the
+    parameters this stage owns (`own`: name -> parameter)."""
+    names = {id(p): n for n, p in own.items()}
+    return {f"{names[id(p)]}::{key}": (value, split_of(p) if value.shape == p.shape else None)
+            for p, entry in state.items() if id(p) in names for key, value in entry.items()}
+
+
+def group_settings(optimizer) -> list[dict]:
+    """Hyper-parameters of each param group (lr, betas, weight decay...), no parameters."""
+    return [{k: v for k, v in g.items() if k != "params"} for g in optimizer.param_groups]
+
+
+def model_groups(optimizer) -> list[list[nn.Parameter]]:
+    """The model parameters of each group (ZeRO-1: not its flat slices)."""
+    if isinstance(optimizer, ZeroAdamW):
+        return optimizer.params
+    return [list(g["params"]) for g in optimizer.param_groups]
+
+
+def stage_state(root: Path, manifest: dict, model: nn.Module, optimizer,
+                mesh: ParallelMesh) -> State:
+    """Read this rank's slices of the saved state of every parameter of `optimizer`."""
+    if manifest.get("optimizer") is None:
+        raise CheckpointError(f"{root / MANIFEST}: the checkpoint holds no optimizer state")
+    source, saved = ShardedSource(root, manifest, "optim"), manifest["optim_tensors"]
+    keys: dict[str, list[str]] = {}
+    for full in saved:
+        name, key = full.split("::", 1)
+        keys.setdefault(name, []).append(key)
+    names = {id(p): n for n, p in model.named_parameters()}
+    state: State = {}
+    for p in (p for params in model_groups(optimizer) for p in params):
+        src = getattr(p, "tied_to", None) or names[id(p)]
+        entry = {}
+        for key in keys.get(src, []):
+            full = f"{src}::{key}"
+            like = tuple(p.shape) if saved[full]["logical"] != [] else ()
+            entry[key] = local_slice(source, full, split_of(p) if like else None,
+                                     mesh.tp_rank, mesh.tp_size, like, str(root))
+        if entry:
+            state[p] = entry
+    groups = manifest["optimizer"]["groups"]
+    if len(groups) != len(optimizer.param_groups):
+        raise CheckpointError(f"{root / MANIFEST}: {len(groups)} optimizer parameter groups "
+                              f"saved, the optimizer has {len(optimizer.param_groups)}")
+    return state
+
+
+def apply_state(optimizer, state: State, groups: list[dict]) -> None:
+    """Put staged per-parameter `state` and the saved group settings into `optimizer`."""
+    if isinstance(optimizer, ZeroAdamW):
+        for mine, old in zip(optimizer.param_groups, groups):
+            mine.update({k: tuple(v) if isinstance(mine.get(k), tuple) else v
+                         for k, v in old.items()})
+        optimizer.load_full_state(state)
+        return
+    state_dict = optimizer.state_dict()
+    order = [p for g in optimizer.param_groups for p in g["params"]]
+    for mine, old in zip(state_dict["param_groups"], groups):
+        mine.update({k: tuple(v) if isinstance(mine.get(k), tuple) else v
+                     for k, v in old.items()})
+    state_dict["state"] = {i: state[p] for i, p in enumerate(order) if p in state}
+    optimizer.load_state_dict(state_dict)
