@@ -85,13 +85,13 @@ def train(cfg: TrainConfig, mesh: ParallelMesh, model: torch.nn.Module | None = 
     link = StageLink(mesh.pp_group, device=mesh.device)
     opt = build_optimizer(model, cfg, mesh)
     out, lead = Path(cfg.out), mesh.rank == 0
-    log = metrics.MetricsLog(out / "metrics.jsonl" if lead else None)
+    start = resume(cfg, mesh, model, opt, loader) if cfg.resume else 0
+    log = metrics.MetricsLog(out / "metrics.jsonl" if lead else None, resume_step=start)
     bar = metrics.Progress(cfg.steps, lead and cfg.progress)
     autocast = (torch.autocast(mesh.device.type, dtype=torch.bfloat16)
                 if cfg.dtype == "bfloat16" else None)
     rows, ckpt, tokens_per_step = [], None, cfg.global_batch * cfg.seq
     train_s = idle = busy = 0.0
-    start = resume(cfg, mesh, model, opt, loader) if cfg.resume else 0
     try:
         for step in range(start, cfg.steps):
             mesh.ledger.clear()
@@ -214,6 +214,7 @@ def _summary(cfg, mesh, model, rows, train_s, idle, busy, ckpt, lead) -> dict:
     where = f"rank {mesh.rank} (stage {mesh.pp_rank}, tp rank {mesh.tp_rank})"
     val = [r["val_loss"] for r in rows if "val_loss" in r]
     result = dict(cfg.to_dict(), rank=mesh.rank, hidden=c.hidden, micro_batch=b, first_loss=rows[0]["loss"],
+                  first_step=rows[0]["step"],
                   last_loss=rows[-1]["loss"], tail=min(10, len(rows)),
                   tail_loss=sum(r["loss"] for r in rows[-10:]) / min(10, len(rows)), val_loss=val[-1] if val else None,
                   losses=[r["loss"] for r in rows], grad_norms=[r["grad_norm"] for r in rows],

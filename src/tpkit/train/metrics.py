@@ -31,13 +31,16 @@ def comm_line(by_group: dict[str, dict]) -> str:
 
 
 class MetricsLog:
-    """Appends one JSON line per step to `path` (rank 0 only writes)."""
+    """Appends one JSON line per step to `path` (rank 0 only writes). A resumed run keeps
+    the rows of the steps before `resume_step` and drops the later ones it will redo."""
 
-    def __init__(self, path: Path | None) -> None:
+    def __init__(self, path: Path | None, resume_step: int = 0) -> None:
         self.path = path
         if path is not None:
             path.parent.mkdir(parents=True, exist_ok=True)
-            path.write_text("")
+            old = path.read_text().splitlines() if resume_step and path.is_file() else []
+            kept = [r for r in old if r.strip() and json.loads(r).get("step", 0) <= resume_step]
+            path.write_text("".join(r + "\n" for r in kept))
 
     def write(self, row: dict) -> None:
         """Append a row."""
@@ -100,7 +103,7 @@ def report(result: dict, tables: list[str]) -> str:
     lines = [f"trained {result['preset']} at tp={result['tp']} x pp={result['pp']} x "
              f"dp={result['dp']} ({result['schedule']}, {result['micro_batches']} micro-batches) "
              f"for {result['steps']} steps",
-             f"loss {result['first_loss']:.4f} (step 1) -> {result['tail_loss']:.4f} (mean of the "
+             f"loss {result['first_loss']:.4f} (step {result.get('first_step', 1)}) -> {result['tail_loss']:.4f} (mean of the "
              f"last {result['tail']} steps)"
              + (f", held-out validation {result['val_loss']:.4f}" if result.get("val_loss") else ""),
              f"throughput {result['tokens_per_s']:,.0f} tokens/s "
