@@ -7,7 +7,12 @@
     zero.py           ZeRO-1: AdamW state sharded over dp
 """
 
-from tpkit.parallel.data_parallel import allreduce_grads, sync_tied_grads, tied_embedding_group
+from tpkit.parallel.data_parallel import (
+    OverlappedGradSync,
+    allreduce_grads,
+    sync_tied_grads,
+    tied_embedding_group,
+)
 from tpkit.parallel.grad_norm import clip_grads, global_grad_norm
 from tpkit.parallel.p2p import StageLink
 from tpkit.parallel.schedules import (
@@ -23,6 +28,7 @@ from tpkit.parallel.zero import ZeroAdamW
 __all__ = [
     "SCHEDULES",
     "MicroBatch",
+    "OverlappedGradSync",
     "StageLink",
     "StepStats",
     "ZeroAdamW",

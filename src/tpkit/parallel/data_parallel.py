@@ -7,6 +7,11 @@ costs a few all-reduces, not one per parameter:
 
     grads [g0 g1 g2 | g3 g4 | ...]  --flatten-->  bucket --all_reduce(dp)/dp--> unflatten
 
+`OverlappedGradSync` does the same while backward is still running (as PyTorch's
+DDP does): buckets are filled in the order backward finishes parameters (last layer
+first), and a bucket's all-reduce starts as soon as each of its parameters has
+received its gradient from the last micro-batch.
+
 Tied embeddings with pp > 1: the first stage owns `embed.word.weight`, the last
 stage owns `head.weight` (attribute `tied_to`), the same matrix. Each gets only its
 own use's gradient, so the two are summed over a group of {first, last} stage with
@@ -20,6 +25,7 @@ import torch.distributed as dist
 from torch import nn
 
 from tpkit.comm import all_reduce
+from tpkit.comm.collectives import Pending, all_reduce_async
 from tpkit.comm.group import CommGroup
 from tpkit.mesh import Coord, ParallelMesh, rank_of
 
@@ -41,6 +47,62 @@ def allreduce_grads(params: list[nn.Parameter], group: CommGroup, *, average: bo
         for g in bucket:
             g.copy_(flat[offset:offset + g.numel()].view_as(g))
             offset += g.numel()
+
+
+class OverlappedGradSync:
+    """Average gradients over `group` in buckets started during the last backward."""
+
+    def __init__(self, params: list[nn.Parameter], group: CommGroup, micro_batches: int,
+                 bucket_mb: float = 25.0) -> None:
+        self.group, self.micro_batches = group, micro_batches
+        order = list(reversed([p for p in params if p.requires_grad]))  # backward order
+        self.buckets = _buckets(order, int(bucket_mb * 2**20))
+        self._bucket_of = {id(p): i for i, b in enumerate(self.buckets) for p in b}
+        self._count: dict[int, int] = {}
+        self._pending: dict[int, tuple[Pending, torch.Tensor]] = {}
+        self._armed = False
+        if group.size > 1:
+            for p in order:
+                p.register_post_accumulate_grad_hook(self._on_grad)
+
+    def arm(self) -> None:
+        """Call before the step's first backward."""
+        self._count.clear()
+        self._pending.clear()
+        self._armed = self.group.size > 1
+
+    def _on_grad(self, p: nn.Parameter) -> None:
+        if not self._armed:
+            return
+        self._count[id(p)] = self._count.get(id(p), 0) + 1
+        i = self._bucket_of[id(p)]
+        if i not in self._pending and all(self._count.get(id(q), 0) >= self.micro_batches
+                                          for q in self.buckets[i]):
+            self._start(i)
+
+    def _start(self, i: int) -> None:
+        grads = [q.grad if q.grad is not None else torch.zeros_like(q) for q in self.buckets[i]]
+        flat = torch.cat([g.reshape(-1) for g in grads])  # [sum numel]
+        self._pending[i] = (all_reduce_async(flat, self.group, phase="grads",
+                                             scope="data_parallel"), flat)
+
+    def finish(self) -> None:
+        """Start what has not started, wait for everything, write the averages back."""
+        if not self._armed:
+            return
+        for i in range(len(self.buckets)):
+            if i not in self._pending:
+                self._start(i)
+        for i, (pending, flat) in sorted(self._pending.items()):
+            pending.wait()
+            flat /= self.group.size
+            offset = 0
+            for q in self.buckets[i]:
+                if q.grad is None:
+                    q.grad = torch.zeros_like(q)
+                q.grad.copy_(flat[offset:offset + q.numel()].view_as(q))
+                offset += q.numel()
+        self._armed = False
 
 
 def _buckets(grads: list[torch.Tensor], limit: int) -> list[list[torch.Tensor]]:

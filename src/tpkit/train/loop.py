@@ -2,9 +2,11 @@
 
     for each step:
       batch of this dp replica -> m micro-batches -> GPipe / 1F1B over the pp stages
+                                      dp: buckets all-reduced over replicas as the last
+                                          backward finishes them (OverlappedGradSync)
       model.finalize_grads()          tp: sequence-parallel norms, shared kv heads
       sync_tied_grads                 pp: embedding (first stage) + head (last stage)
-      allreduce_grads(dp)             dp: average over replicas (bucketed)
+      (all of these are sums, so their order does not change the result)
       global_grad_norm -> clip        every parameter counted once (tp, pp; not dp)
       optimizer.step()                AdamW, or ZeRO-1 (slice update + all-gather over dp)
 
@@ -22,8 +24,8 @@ import torch
 from tpkit.comm import all_reduce
 from tpkit.mesh import ParallelMesh
 from tpkit.parallel import (
+    OverlappedGradSync,
     StageLink,
-    allreduce_grads,
     bubble_theory,
     clip_grads,
     forward_only,
@@ -82,6 +84,7 @@ def train(cfg: TrainConfig, mesh: ParallelMesh, model: torch.nn.Module | None = 
     model = model or build_model(cfg, mesh)
     model.train()
     tied = tied_embedding_group(mesh, model.config.tie_embeddings)
+    dp_sync = OverlappedGradSync(list(model.parameters()), mesh.dp_group, cfg.micro_batches)
     link = StageLink(mesh.pp_group, device=mesh.device)
     opt = build_optimizer(model, cfg, mesh)
     out, lead = Path(cfg.out), mesh.rank == 0
@@ -95,7 +98,7 @@ def train(cfg: TrainConfig, mesh: ParallelMesh, model: torch.nn.Module | None = 
     try:
         for step in range(start, cfg.steps):
             mesh.ledger.clear()
-            row = _step(cfg, mesh, model, link, tied, opt, loader, autocast, step)
+            row = _step(cfg, mesh, model, link, (tied, dp_sync), opt, loader, autocast, step)
             train_s += row["step_s"]
             if step > start or cfg.steps == start + 1:
                 idle, busy = idle + row["idle_s"], busy + row["step_s"] - row["idle_s"]
@@ -122,17 +125,19 @@ def _due(step: int, every: int, steps: int) -> bool:
     return step + 1 == steps or (every > 0 and (step + 1) % every == 0)
 
 
-def _step(cfg, mesh, model, link, tied, opt, loader, autocast, step: int) -> dict:
+def _step(cfg, mesh, model, link, syncs, opt, loader, autocast, step: int) -> dict:
     """One optimizer step; returns its metrics row."""
     t0 = time.perf_counter()
     lr = lr_at(step, cfg)
     set_lr(opt, lr)
     ids, labels = loader.next_batch()  # [G/dp, s] each
     micro = micro_batches(ids.to(mesh.device), labels.to(mesh.device), cfg.micro_batches)
+    tied, dp_sync = syncs
+    dp_sync.arm()
     stats = run_schedule(cfg.schedule, model, link, micro, autocast)
+    dp_sync.finish()  # most buckets were sent during the last backward
     model.finalize_grads()
     sync_tied_grads(model, tied)
-    allreduce_grads([p for p in model.parameters() if p.requires_grad], mesh.dp_group)
     norm = global_grad_norm(model, mesh)
     clip_grads(model, norm, cfg.clip)
     opt.step()
