@@ -58,6 +58,17 @@ class _ColumnLinear(torch.autograd.Function):
         return pending.wait().to(x.dtype), dw.to(w.dtype), db, None, None
 
 
+def _reset_sharded(layer: nn.Module) -> None:
+    """The tp=1 weight [out, in] drawn from the layer's seed; this rank keeps its slice."""
+    if layer.weight.is_meta:
+        return
+    full = master_normal((layer.out_features, layer.in_features), layer.init_std, layer.seed)
+    with torch.no_grad():
+        layer.weight.copy_(shard(full, layer.split, layer.group.rank, layer.group.size))
+        if layer.bias is not None:
+            layer.bias.zero_()
+
+
 def _divisible(n: int, tp: int, what: str) -> None:
     if n % tp:
         raise ValueError(f"{what}={n} is not divisible by tp={tp}")
@@ -103,13 +114,7 @@ class ColumnParallelLinear(nn.Module):
 
     def reset_parameters(self) -> None:
         """Draw the full weight from `seed` and keep this rank's slice; zero bias."""
-        if self.weight.is_meta:
-            return
-        full = master_normal((self.out_features, self.in_features), self.init_std, self.seed)
-        with torch.no_grad():
-            self.weight.copy_(shard(full, self.split, self.group.rank, self.group.size))
-            if self.bias is not None:
-                self.bias.zero_()
+        _reset_sharded(self)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         """x [b, s, in] (or [b, s/tp, in] with sequence parallelism) -> [b, s, out/tp]."""
@@ -157,13 +162,7 @@ class RowParallelLinear(nn.Module):
 
     def reset_parameters(self) -> None:
         """Draw the full weight from `seed` and keep this rank's slice; zero bias."""
-        if self.weight.is_meta:
-            return
-        full = master_normal((self.out_features, self.in_features), self.init_std, self.seed)
-        with torch.no_grad():
-            self.weight.copy_(shard(full, self.split, self.group.rank, self.group.size))
-            if self.bias is not None:
-                self.bias.zero_()
+        _reset_sharded(self)
 
     def partial(self, x: torch.Tensor) -> torch.Tensor:
         """This rank's partial product x_r A_r^T [b, s, out] (no reduce, no bias)."""
