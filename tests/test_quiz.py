@@ -3,7 +3,8 @@
 Content: 8 questions per language, 4 distinct options each, exactly one correct, the
 same in both languages. Tutor: a scripted run shows the verdict, the correct option
 and the explanation right after each answer, and ends with `Score: N/8`. Live: each
-demonstration computes its figures on local gloo processes, and they change with tp.
+demonstration computes its figures on local gloo processes, and they change with tp;
+it is told in the quiz's language from `live_text.json` (same templates, same fields).
 """
 
 from __future__ import annotations
@@ -17,6 +18,8 @@ from importlib import resources
 import pytest
 
 from tpkit.quiz.content import load_quiz, problems
+from tpkit.quiz.live_text import Say, templates
+from tpkit.quiz.live_text import problems as text_problems
 from tpkit.quiz.tutor import (
     AnswerError,
     from_lines,
@@ -218,6 +221,36 @@ def test_live_6_rank_grid(live):
     assert [r["tp"] for r in a["ranks"]] == [[0, 1], [0, 1], [2, 3], [2, 3]]
     assert [r["pp"] for r in a["ranks"]] == [[0, 2], [1, 3], [0, 2], [1, 3]]
     assert a["text"] != b["text"]
+
+
+def test_live_text_has_the_same_templates_and_fields_in_each_language():
+    data = json.loads(json.dumps(templates()))  # a copy to break
+    assert list(data) == ["en", "fr"] and text_problems(data) == []
+    data["fr"]["split"]["rank"] = "  rang {rang} : fc1 {fc1}"
+    del data["fr"]["grid"]["row"]
+    found = text_problems(data)
+    assert any("split.rank has fields ['fc1', 'rang']" in p for p in found)
+    assert "fr: grid.row missing" in found
+    assert Say("fr", "split").records([("all_reduce", "backward", 128, 512)]) == \
+        "all-reduce en passe arrière de 128 valeurs"
+    with pytest.raises(ValueError, match="no live text in language 'de'"):
+        Say("de", "split")
+
+
+@pytest.mark.timeout(120)
+def test_live_text_in_the_quiz_language_same_figures(live):
+    fr, en = live.run(1, tp=2, lang="fr"), live.run(1, tp=2, lang="en")
+    assert "rang 1 : fc1 [32, 16] (colonnes de A)  fc2 [16, 32] (lignes de B)" in fr["text"]
+    assert "rank 1: fc1 [32, 16] (columns of A)  fc2 [16, 32] (rows of B)" in en["text"]
+    assert "rank" not in fr["text"] and "rang" not in en["text"]
+    assert fr["per_rank"] == en["per_rank"]  # the same computed figures, told twice
+    fr, en = live.run(2, tp=4, lang="fr"), live.run(2, tp=4, lang="en")
+    assert "par colonnes -> par lignes" in fr["text"] and "octets envoyés" in fr["text"]
+    assert "all-reduce en passe avant de 128 valeurs" in fr["text"]
+    assert "all_reduce forward of 128 floats" in en["text"] and "passe" not in en["text"]
+    assert fr["column_row"]["wire_bytes"] == en["column_row"]["wire_bytes"]
+    fr = live.run(6, tp=2, lang="fr")["text"]
+    assert "4 rangs : tp=2 × pp=2 × dp=1" in fr and "groupe tp [0, 1]" in fr
 
 
 @pytest.mark.timeout(120)

@@ -32,9 +32,9 @@ def _serve(live=None):
 def server():
     calls = []
 
-    def fake_live(number: int, tp: int) -> dict:  # the web layer only; live.py has its own tests
-        calls.append((number, tp))
-        return {"text": f"demo {number} at tp={tp}", "tp": tp}
+    def fake_live(number: int, tp: int, lang: str) -> dict:  # the web layer only
+        calls.append((number, tp, lang))
+        return {"text": f"demo {number} at tp={tp} ({lang})", "tp": tp}
 
     srv = _serve(fake_live)
     srv.calls = calls
@@ -86,11 +86,31 @@ def test_quiz_endpoint_has_both_languages(server):
 
 def test_live_endpoint_is_bounded(server):
     status, _, body = get(server, "/api/live/3?tp=4")
-    assert status == 200 and json.loads(body)["text"] == "demo 3 at tp=4"
-    assert get(server, "/api/live/3?tp=4")[0] == 200 and server.calls == [(3, 4)]  # cached
+    assert status == 200 and json.loads(body)["text"] == "demo 3 at tp=4 (fr)"  # server's lang
+    assert get(server, "/api/live/3?tp=4&lang=fr")[0] == 200
+    assert server.calls == [(3, 4, "fr")]  # cached
+    assert json.loads(get(server, "/api/live/3?tp=4&lang=en")[2])["text"] == "demo 3 at tp=4 (en)"
+    assert server.calls == [(3, 4, "fr"), (3, 4, "en")]
     assert get(server, "/api/live/9")[0] == 404
     assert get(server, "/api/live/1?tp=3")[0] == 400
     assert get(server, "/api/live/1?tp=2x")[0] == 400
+    assert get(server, "/api/live/1?lang=de")[0] == 400
+
+
+@pytest.mark.timeout(120)
+def test_live_endpoint_tells_real_demonstrations_in_the_language_asked(pools):
+    from tpkit.quiz.live import LiveSession
+
+    srv = _serve(LiveSession(runner=pools.run).run)
+    try:
+        fr = json.loads(get(srv, "/api/live/7?tp=2&lang=fr")[2])
+        en = json.loads(get(srv, "/api/live/7?tp=2&lang=en")[2])
+        assert "découpée par lignes sur tp=2 rangs" in fr["text"] and "écart max" in fr["text"]
+        assert "split by rows over tp=2" in en["text"] and "max |diff|" in en["text"]
+        assert fr["weight_per_rank"] == en["weight_per_rank"] == [[16, 32], [16, 32]]
+    finally:
+        srv.shutdown()
+        srv.server_close()
 
 
 def test_live_endpoint_absent_without_live():
@@ -133,6 +153,8 @@ def test_browser_answers_all_questions_switches_language_and_scores(server):
         page.goto(url)
         expect(page.locator("#title")).to_have_text(quiz.title("fr"))
         expect(page.locator(".question")).to_have_count(8)
+        expect(page.locator("#q2 svg")).to_contain_text("A : par colonnes")
+        expect(page.locator("#q6 svg")).to_contain_text("rang 7")
         for i, k in enumerate(choices):
             items = fr if i < 4 else en
             section = page.locator(f"#q{i + 1}")
@@ -144,6 +166,9 @@ def test_browser_answers_all_questions_switches_language_and_scores(server):
             expect(section.locator(f".verdict.{verdict}")).to_have_count(1)
             expect(section.locator(".option.right")).to_have_text(
                 f"{items[i].correct + 1}.{items[i].options[items[i].correct]}")
+            if i == 0:  # the live panel asks for the page's language
+                section.locator(".live button").click()
+                expect(section.locator(".live pre")).to_have_text("demo 1 at tp=2 (fr)")
             if i == 3:  # halfway: switch to English, answers and explanations stay
                 expect(page.locator("#score")).to_contain_text("Score : 3/8")
                 page.click("#lang-en")
@@ -151,6 +176,8 @@ def test_browser_answers_all_questions_switches_language_and_scores(server):
                 expect(page.locator("#title")).to_have_text(quiz.title("en"))
                 expect(page.locator("#q1 .explanation")).to_contain_text(en[0].explanation)
                 expect(page.locator(".explanation")).to_have_count(4)
+                expect(page.locator("#q2 svg")).to_contain_text("B: rows")
+                expect(page.locator("#q4 svg")).to_contain_text("Q,K,V: columns · out: rows")
         expect(page.locator("#final")).to_be_visible()
         expect(page.locator("#final")).to_contain_text("Score: 5/8")
         expect(page.locator("#score")).to_contain_text("Score: 5/8")

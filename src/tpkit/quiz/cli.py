@@ -67,7 +67,7 @@ def run(args: argparse.Namespace) -> int:
 
             with LiveSession() as session:
                 run_tutor(items, quiz.ui(args.lang), answer, sys.stdout, echo=echo,
-                          live=lambda n: session.text(n, tp=args.tp))
+                          live=lambda n: session.text(n, tp=args.tp, lang=args.lang))
         else:
             run_tutor(items, quiz.ui(args.lang), answer, sys.stdout, echo=echo)
     except AnswerError as e:

@@ -67,7 +67,7 @@ def mesh_coords(mesh) -> dict:
     c = mesh.coord
     return dict(rank=mesh.rank, coord=(c.dp, c.pp, c.tp), tp=list(mesh.tp_group.ranks),
                 pp=list(mesh.pp_group.ranks), dp=list(mesh.dp_group.ranks),
-                describe=mesh.describe())
+                per_node=mesh.ranks_per_node)
 
 
 def all_reduce_times(mesh, numel: int, counts: tuple[int, ...]) -> dict[int, float]:

@@ -6,7 +6,8 @@ Answers come from one of three sources, all numbered 1..4 as the options are sho
 `interactive` (asks again on a bad answer), `from_lines` (one per line, for piped
 stdin) and `scripted` (from `--answers 1,3,2,...`); the last two raise `AnswerError`
 on a bad or missing answer, which the CLI turns into exit code 2. The last line
-printed is exactly `Score: N/8`. Pure Python, no torch (live text comes from a callback).
+printed is exactly `Score: N/8`. Pure Python, no torch (live text comes from a callback,
+which the CLI binds to the sitting's language: `session.text(n, tp, lang)`).
 """
 
 from __future__ import annotations
@@ -18,7 +19,7 @@ from typing import TextIO
 from tpkit.quiz.content import NUM_OPTIONS, Item
 
 AnswerFn = Callable[[Item, dict], int]  # returns the chosen option's index (0-based)
-LiveFn = Callable[[int], str]  # question number (seed order) -> demonstration text
+LiveFn = Callable[[int], str]  # question number (seed order) -> text, in the sitting's language
 WIDTH = 88
 
 

@@ -2,12 +2,13 @@
 
     GET /  /index.html  /app.js  /style.css   the page (these files and nothing else)
     GET /api/quiz                             questions, options, answers, explanations (fr, en)
-    GET /api/live/<n>?tp=2                    live demonstration n (only with --live)
+    GET /api/live/<n>?tp=2&lang=fr            live demonstration n, told in lang (with --live)
 
 Requests are answered from a fixed table of files, so no path from the URL ever reaches
 the file system (no traversal). A Host header other than 127.0.0.1/localhost is
-refused (DNS rebinding). Live demonstrations run one at a time, tp in {2, 4}, and are
-cached; without `--live` their endpoint answers 404. Pure Python unless `--live`.
+refused (DNS rebinding). Live demonstrations run one at a time, tp in {2, 4}, in the
+language asked (the server's by default), and are cached; without `--live` their
+endpoint answers 404. Pure Python unless `--live`.
 """
 
 from __future__ import annotations
@@ -37,7 +38,7 @@ HEADERS = {
     "Cache-Control": "no-store",
 }
 LIVE_TP = (2, 4)
-LiveRunner = Callable[[int, int], dict]  # (question number, tp) -> figures + "text"
+LiveRunner = Callable[[int, int, str], dict]  # (question number, tp, lang) -> figures + "text"
 
 
 def quiz_payload(quiz: Quiz, lang: str, live: bool) -> dict:
@@ -51,14 +52,14 @@ class _Live:
     def __init__(self, runner: LiveRunner) -> None:
         self.runner, self.lock, self.cache = runner, threading.Lock(), {}
 
-    def get(self, number: int, tp: int) -> tuple[HTTPStatus, dict]:
-        key = (number, tp)
+    def get(self, number: int, tp: int, lang: str) -> tuple[HTTPStatus, dict]:
+        key = (number, tp, lang)
         if key in self.cache:
             return HTTPStatus.OK, self.cache[key]
         if not self.lock.acquire(blocking=False):
             return HTTPStatus.TOO_MANY_REQUESTS, {"error": "a demonstration is already running"}
         try:
-            result = self.runner(number, tp)
+            result = self.runner(number, tp, lang)
         except Exception as e:  # noqa: BLE001 - reported to the page, the server lives on
             return HTTPStatus.INTERNAL_SERVER_ERROR, {"error": f"{type(e).__name__}: {e}"}
         finally:
@@ -96,7 +97,8 @@ def make_handler(quiz: Quiz, lang: str, live: LiveRunner | None) -> type[BaseHTT
             if url.path == "/api/quiz":
                 return self._send(HTTPStatus.OK, payload, "application/json", send_body)
             if url.path.startswith("/api/live/") and runner is not None:
-                status, body = _live_request(runner, url.path, parse_qs(url.query))
+                status, body = _live_request(runner, url.path, parse_qs(url.query),
+                                             lang, quiz.languages)
                 data = json.dumps(body, ensure_ascii=False).encode()
                 return self._send(status, data, "application/json", send_body)
             self._send(HTTPStatus.NOT_FOUND, b"not found\n", "text/plain", send_body)
@@ -117,13 +119,17 @@ def make_handler(quiz: Quiz, lang: str, live: LiveRunner | None) -> type[BaseHTT
     return Handler
 
 
-def _live_request(runner: _Live, path: str, query: dict) -> tuple[HTTPStatus, dict]:
+def _live_request(runner: _Live, path: str, query: dict, default_lang: str,
+                  languages: list[str]) -> tuple[HTTPStatus, dict]:
     number, tp = path.removeprefix("/api/live/"), (query.get("tp") or ["2"])[0]
+    lang = (query.get("lang") or [default_lang])[0]
     if not number.isdigit() or not 1 <= int(number) <= 8:
         return HTTPStatus.NOT_FOUND, {"error": "demonstrations are numbered 1 to 8"}
     if not tp.isdigit() or int(tp) not in LIVE_TP:
         return HTTPStatus.BAD_REQUEST, {"error": f"tp must be one of {list(LIVE_TP)}"}
-    return runner.get(int(number), int(tp))
+    if lang not in languages:
+        return HTTPStatus.BAD_REQUEST, {"error": f"lang must be one of {languages}"}
+    return runner.get(int(number), int(tp), lang)
 
 
 def make_server(quiz: Quiz, port: int = 0, lang: str = "en",

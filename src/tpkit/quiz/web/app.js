@@ -30,12 +30,12 @@ const DIAGRAMS = {
     rect(10, 40, 140, 50, "g0"), rect(150, 40, 140, 50, "g1"),
     txt(80, 70, "W[:, :h/2] → GPU 0"), txt(220, 70, "W[:, h/2:] → GPU 1"),
     rect(10, 98, 280, 22, "muted"), txt(150, 113, `${ui.layer} n+1`)],
-  mlp: () => [  // X -> [A1 | A2] -> GeLU -> [B1 ; B2] -> all-reduce -> Y
+  mlp: (ui) => [  // X -> [A1 | A2] -> GeLU -> [B1 ; B2] -> all-reduce -> Y
     rect(5, 45, 30, 40, "box"), txt(20, 70, "X"), line(35, 65, 50, 65),
     rect(50, 35, 30, 60, "g0"), rect(80, 35, 30, 60, "g1"), txt(65, 70, "A₁"), txt(95, 70, "A₂"),
-    txt(80, 28, "A: columns", "small"), line(110, 65, 125, 65), txt(145, 69, "GeLU"),
+    txt(80, 28, ui.a_columns, "small"), line(110, 65, 125, 65), txt(145, 69, "GeLU"),
     line(165, 65, 180, 65), rect(180, 35, 60, 30, "g0"), rect(180, 65, 60, 30, "g1"),
-    txt(210, 54, "B₁"), txt(210, 84, "B₂"), txt(210, 28, "B: rows", "small"),
+    txt(210, 54, "B₁"), txt(210, 84, "B₂"), txt(210, 28, ui.b_rows, "small"),
     line(240, 65, 255, 65), rect(255, 50, 40, 30, "comm"), txt(275, 69, "Σ"),
     txt(275, 110, "1 all-reduce", "small")],
   node: (ui) => [  // tp group on NVLink inside node 0; the network between nodes
@@ -50,17 +50,17 @@ const DIAGRAMS = {
       txt(34 + 55 * h, 44, `${ui.head} ${h}`)]),
     txt(62, 14, "GPU 0", "small"), txt(172, 14, "GPU 1", "small"),
     line(62, 60, 240, 103), line(172, 60, 240, 103), rect(240, 90, 55, 26, "comm"),
-    txt(267, 107, "Σ"), txt(150, 125, "Q,K,V: columns · out: rows", "small")],
+    txt(267, 107, "Σ"), txt(150, 125, ui.qkv_split, "small")],
   allreduce: () => [  // partial sums in, the same full sum out on every rank
     rect(10, 15, 70, 30, "g0"), txt(45, 35, "GPU 0: Y₁"), rect(10, 75, 70, 30, "g1"),
     txt(45, 95, "GPU 1: Y₂"), line(80, 30, 130, 60), line(80, 90, 130, 60),
     sv("circle", { cx: 145, cy: 60, r: 15, class: "comm" }), txt(145, 64, "Σ"),
     line(160, 60, 210, 30), line(160, 60, 210, 90), rect(210, 15, 85, 30, "g0"),
     txt(252, 35, "Y = Y₁ + Y₂"), rect(210, 75, 85, 30, "g1"), txt(252, 95, "Y = Y₁ + Y₂")],
-  grid: () => [  // 8 ranks as dp x pp x tp, tp innermost
+  grid: (ui) => [  // 8 ranks as dp x pp x tp, tp innermost
     ...[0, 1].flatMap((d) => [0, 1].flatMap((p) => [0, 1].flatMap((t) => {
       const r = (d * 2 + p) * 2 + t, x = 40 + p * 120 + t * 50, y = 20 + d * 50;
-      return [rect(x, y, 44, 36, `g${p * 2 + t}`), txt(x + 22, y + 22, `rank ${r}`)];
+      return [rect(x, y, 44, 36, `g${p * 2 + t}`), txt(x + 22, y + 22, `${ui.rank} ${r}`)];
     }))),
     txt(20, 42, "dp0", "small"), txt(20, 92, "dp1", "small"),
     txt(87, 15, "pp0  (tp →)", "small"), txt(207, 15, "pp1  (tp →)", "small")],
@@ -122,7 +122,7 @@ function feedback(q, i, ok, t, ui) {
 }
 
 function liveBox(i, ui) {
-  const key = `${i + 1}:${state.tp}`, box = el("div", { class: "live" });
+  const key = `${i + 1}:${state.tp}:${state.lang}`, box = el("div", { class: "live" });
   const out = state.live[key];
   if (out) {
     box.append(el("pre", {}, out));
@@ -133,7 +133,7 @@ function liveBox(i, ui) {
     b.disabled = true;
     b.textContent = ui.running;
     try {
-      const r = await fetch(`/api/live/${i + 1}?tp=${state.tp}`);
+      const r = await fetch(`/api/live/${i + 1}?tp=${state.tp}&lang=${state.lang}`);
       const body = await r.json();
       state.live[key] = r.ok ? body.text : `error: ${body.error}`;
     } catch (e) {
