@@ -228,3 +228,42 @@ def test_calibrate_fits_recover_known_alpha_beta_and_gemm_curve():
     assert fit_alpha_beta(samples) == pytest.approx((alpha, bw))
     peak, d_half = fit_gemm([(d, 1e11 * d / (d + 100)) for d in (16, 64, 256, 1024)])
     assert (peak, d_half) == pytest.approx((1e11, 100))
+
+
+# -- the local CPU profile: dispatch overhead and processes sharing cores ------------------------
+def _cpu(op_overhead: float = 0.0, cores: int = 0, shared: float = 0.0):
+    from dataclasses import replace
+
+    hw = get_hardware("cpu")
+    return replace(hw, accelerator=replace(hw.accelerator, op_overhead=op_overhead),
+                   cores_per_node=cores, shared_latency=shared)
+
+
+def test_dispatch_overhead_is_ops_per_layer_micro_batch_and_parameter_tensor():
+    # gpt2-tiny, tp=pp=dp=1, m=4: 4 (85 + 102*4) + 18 (12*4 + 4) ops of 1 us each
+    c, lay = get_preset("gpt2-tiny"), Layout(1, 1, 1, 2, recompute="none")
+    assert cost.param_tensors_per_layer(c) == 12  # 2 layer norms + 4 linears, with biases
+    slow = evaluate(c, 128, 8, lay, Cluster(_cpu(1e-6), 1, 1)).step_time_s
+    fast = evaluate(c, 128, 8, lay, Cluster(_cpu(0.0), 1, 1)).step_time_s
+    assert slow - fast == pytest.approx((4 * (85 + 102 * 4) + 18 * (12 * 4 + 4)) * 1e-6)
+
+
+def test_more_processes_than_cores_share_them_and_wait_longer_for_peers():
+    hw = _cpu(3e-6, cores=2, shared=1e-3)
+    own, shared = Cluster(hw, 1, 2).profile, Cluster(hw, 1, 4).profile
+    assert own.accelerator == hw.accelerator and own.intra == hw.intra
+    assert shared.accelerator.peak_flops == hw.accelerator.peak_flops / 2
+    assert shared.accelerator.op_overhead == pytest.approx(6e-6)
+    assert shared.intra.latency == 1e-3
+    text = profile_to_toml(hw)
+    assert "cores_per_node = 2" in text and "shared_latency_us = 1000" in text
+
+
+def test_local_plan_prefers_data_parallel_when_collectives_cost_a_millisecond(tmp_path):
+    path = tmp_path / "local.toml"
+    hw = _cpu(3.5e-6, cores=2, shared=1e-3)
+    path.write_text(profile_to_toml(hw).replace("[cpu]", "[local]").replace(
+        "intra_latency_us = 50", "intra_latency_us = 900"))
+    best = plan(Request(get_preset("gpt2-tiny"), 128, 8,
+                        Cluster(get_hardware("local", path), 1, 4)))[0]
+    assert (best.layout.tp, best.layout.pp, best.layout.dp) == (1, 1, 4)

@@ -3,9 +3,13 @@
     matmul      float32, the 3 GEMMs of a linear layer of smallest side d = 16..1024, one
                 thread, then all threads;
                 fit  1/rate = 1/peak + (d_half/peak) (1/d)   (the planner's GEMM model)
-    elementwise tanh-GELU over 64 MiB: the bytes/s elementwise kernels get
-    all-reduce  gloo, p = 2 and 4 local processes, 4 KiB .. 16 MiB; least squares fit of
-                t = 2(p-1) alpha + 2(p-1)/p n / B   (the planner's ring model)
+    elementwise a layer's mix at activation size (layer norm, tanh-GELU on the 4h MLP
+                activation, residual add): the bytes/s elementwise kernels get
+    dispatch    a chain of tiny multiplies, forward + backward: seconds per dispatched op
+    all-reduce  gloo, p = 2 and 4 local processes (at most one per core), 4 KiB .. 16 MiB;
+                least squares fit of t = 2(p-1) alpha + 2(p-1)/p n / B (the ring model);
+                then 2 x cores processes in pairs: the latency of a step when processes
+                outnumber cores and a peer must first be scheduled
 
 A "device" of the local profile is one process with one thread (how `tpkit.launch` runs
 tests with `threads=1`). The profile goes to ~/.cache/tpkit/local.toml (or --out) and
@@ -93,10 +97,11 @@ def measure_matmul(threads: int, dims: tuple[int, ...] = DIMS, m: int = 1024) ->
         torch.set_num_threads(old)
 
 
-def measure_memory_bandwidth(nbytes: int = 64 << 20) -> float:
-    """Bytes/s (read + write) of an elementwise kernel: tanh-GELU on one thread.
+def measure_memory_bandwidth(tokens: int = 512, h: int = 256) -> float:
+    """Bytes/s (reads + writes) of a layer's elementwise kernels, on one thread.
 
-    On a CPU an activation is not a pure copy; its rate is what elementwise kernels get.
+    layer_norm(x) 2nh, tanh-GELU(u) 2 n 4h, x + y 3nh: 13 nh floats for x [n, h], u [n, 4h].
+    On a CPU the GELU's tanh, not the memory, sets most of the time.
     """
     import torch
     import torch.nn.functional as F
@@ -104,50 +109,99 @@ def measure_memory_bandwidth(nbytes: int = 64 << 20) -> float:
     old = torch.get_num_threads()
     torch.set_num_threads(1)
     try:
-        src = torch.randn(nbytes // 4)
-        return 2 * nbytes / _best_time(lambda: F.gelu(src, approximate="tanh"), reps=3)
+        x, u = torch.randn(tokens, h), torch.randn(tokens, 4 * h)
+
+        def layer_mix():
+            F.layer_norm(x, (h,))
+            F.gelu(u, approximate="tanh")
+            return x + x
+
+        return 13 * tokens * h * 4 / _best_time(layer_mix, reps=20)
     finally:
         torch.set_num_threads(old)
 
 
-def _all_reduce_worker(mesh, sizes: tuple[int, ...], reps: int) -> list[tuple[int, float]]:
+def measure_op_overhead(links: int = 200) -> float:
+    """Seconds per dispatched op: `links` tiny multiplies, forward + backward, one thread."""
     import torch
-    import torch.distributed as dist
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    class Count(TorchDispatchMode):
+        n = 0
+
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            Count.n += 1
+            return func(*args, **(kwargs or {}))
+
+    x = torch.randn(4, requires_grad=True)
+
+    def chain():
+        y = x
+        for _ in range(links):
+            y = y * 1.0001
+        y.sum().backward()
+
+    with Count():
+        chain()
+    return _best_time(chain, reps=20) / Count.n
+
+
+def _all_reduce_worker(mesh, sizes: tuple[int, ...], reps: int) -> list[tuple[int, float]]:
+    """Each all-reduce follows the same ~0.3 ms matmul on every rank, as in training: the
+    ranks arrive from compute (not from a barrier, where gloo is still polling), so the
+    time includes waking the waiting peer. The mean, not the median: a step pays the sum
+    of its collectives, the occasional descheduled peer included."""
+    import torch
 
     from tpkit.comm import all_reduce
 
     mesh.ledger.enabled = False
+    a = torch.randn(192, 192)
     out = []
     for n in sizes:
         x = torch.ones(n // 4)
         times = []
         for i in range(reps + 2):
-            dist.barrier(group=mesh.tp_group.pg)
+            a @ a @ a @ a  # [192, 192]: ~0.3 ms of work between collectives
             t0 = time.perf_counter()
             all_reduce(x, mesh.tp_group)
             if i >= 2:
                 times.append(time.perf_counter() - t0)
-        out.append((n, statistics.median(times)))
+        out.append((n, statistics.mean(times)))
     return out
 
 
-def measure_all_reduce(nprocs: int, sizes: tuple[int, ...] = SIZES, reps: int = 10) -> list:
-    """[(p, bytes, seconds)] of gloo all-reduces on `nprocs` local processes (rank 0's view)."""
+def measure_all_reduce(nprocs: int, sizes: tuple[int, ...] = SIZES, reps: int = 10,
+                       groups: int = 1) -> list:
+    """[(p, bytes, seconds)] of gloo all-reduces in groups of `nprocs` local processes,
+    `groups` groups at once (rank 0's view)."""
     from tpkit.launch import spawn
 
-    results = spawn(_all_reduce_worker, nprocs, sizes, reps, mesh=dict(tp=nprocs), threads=1)
+    results = spawn(_all_reduce_worker, nprocs * groups, sizes, reps,
+                    mesh=dict(tp=nprocs, dp=groups), threads=1)
     return [(nprocs, n, t) for n, t in results[0]]
+
+
+def measure_shared_latency(cores: int, reps: int) -> float:
+    """Seconds per ring step of a 4 KiB all-reduce in pairs, with 2 x cores processes.
+
+    0.0 (not measured) above 4 cores: such a host plans one process per core."""
+    if cores > 4:
+        return 0.0
+    (_, _, t), = measure_all_reduce(2, (4 << 10,), reps, groups=cores)
+    return t / 2
 
 
 # -- profile ----------------------------------------------------------------------------------
 def build_profile(gemm1: list, mem_bw: float, alpha: float, bandwidth: float,
-                  ram_bytes: float, cores: int) -> Hardware:
-    """The `local` profile: one device = one process with one thread."""
+                  ram_bytes: float, cores: int, op_overhead: float = 0.0,
+                  shared_latency: float = 0.0) -> Hardware:
+    """The `local` profile: one device = one process with one thread, one per core."""
     peak, d_half = fit_gemm(gemm1)
     acc = Accelerator("local CPU core (measured)", peak, ram_bytes / cores, mem_bw, dtype="fp32",
-                      gemm_efficiency=1.0, gemm_half_dim=d_half)
+                      gemm_efficiency=1.0, gemm_half_dim=d_half, op_overhead=op_overhead)
     link = Link("gloo (measured)", bandwidth, alpha)
-    return Hardware("local", acc, link, link, cores)
+    return Hardware("local", acc, link, link, cores, cores, shared_latency)
 
 
 def _ram_bytes() -> float:
@@ -161,8 +215,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     """Options of `tpkit calibrate`."""
     p.add_argument("--out", help=f"profile file (default {default_local_path()})")
     p.add_argument("--nproc", type=int, default=2,
-                   help="processes for the all-reduce fit (4 is measured as well)")
-    p.add_argument("--reps", type=int, default=10, help="timed all-reduces per size")
+                   help="processes for the all-reduce fit (4 as well, up to the cores)")
+    p.add_argument("--reps", type=int, default=30, help="timed all-reduces per size")
 
 
 def run(args: argparse.Namespace) -> int:
@@ -170,14 +224,17 @@ def run(args: argparse.Namespace) -> int:
     cores = os.cpu_count() or 1
     print(f"matmul, float32, 1 thread and {cores} threads ...", flush=True)
     one, allt = measure_matmul(1), measure_matmul(cores)
-    mem_bw = measure_memory_bandwidth()
+    mem_bw, op_s = measure_memory_bandwidth(), measure_op_overhead()
     samples = []
-    for p in sorted({args.nproc, 4}):
+    for p in sorted({p for p in (args.nproc, 4) if p <= max(cores, 2)}):
         print(f"all-reduce on {p} gloo processes ...", flush=True)
         samples += measure_all_reduce(p, reps=args.reps)
     alpha, bw = fit_alpha_beta(samples)
-    hw = build_profile(one, mem_bw, alpha, bw, _ram_bytes(), cores)
-    notes = _notes(one, allt, samples, alpha, bw)
+    shared = measure_shared_latency(cores, args.reps)
+    hw = build_profile(one, mem_bw, alpha, bw, _ram_bytes(), cores, op_s, shared)
+    notes = _notes(one, allt, samples, alpha, bw) + [
+        f"elementwise {mem_bw / GB:.2f} GB/s, dispatch {op_s * 1e6:.2f} us per op, "
+        f"all-reduce step with {2 * cores} processes on {cores} cores {shared * 1e6:.0f} us"]
     out = Path(args.out) if args.out else default_local_path()
     out.parent.mkdir(parents=True, exist_ok=True)
     out.write_text(f"# tpkit calibrate, {time.strftime('%Y-%m-%d %H:%M')}, {cores} cores\n"

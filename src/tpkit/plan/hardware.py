@@ -3,9 +3,10 @@
 A profile is what the cost model needs to turn FLOPs and bytes into seconds:
 
     accelerator  peak dense FLOP/s (training dtype), memory, memory bandwidth,
-                 the fraction of peak a large GEMM reaches
+                 the fraction of peak a large GEMM reaches, dispatch time per op
     intra link   bus bandwidth and per-step latency of collectives inside a node
     inter link   the same between nodes (per device: each GPU has its own NIC on DGX/HGX)
+    cores        CPU processes share the host's cores: more devices than cores time-share
 
 Every figure carries its public source. "Achievable" bandwidths are the bus bandwidths
 that NCCL's `all_reduce_perf` reports for large messages (nccl-tests README defines
@@ -40,6 +41,7 @@ class Accelerator:
     dtype: str = "bf16"
     gemm_efficiency: float = 0.8  # fraction of peak that a large GEMM reaches
     gemm_half_dim: float = 64.0  # a GEMM whose smallest side is d reaches d/(d+this) of that
+    op_overhead: float = 0.0  # seconds of framework dispatch per op (eager CPU: a few us)
 
 
 @dataclass(frozen=True)
@@ -60,6 +62,8 @@ class Hardware:
     intra: Link
     inter: Link
     devices_per_node: int = 8
+    cores_per_node: int = 0  # compute units the devices share (CPU cores); 0: one per device
+    shared_latency: float = 0.0  # collective latency per step when devices > cores (0: alpha)
 
 
 # -- accelerators ------------------------------------------------------------------------
@@ -198,7 +202,8 @@ def profile_from_dict(name: str, d: dict) -> Hardware:
                                 "memory_gb": ("memory_bytes", GB),
                                 "mem_bandwidth_gbs": ("mem_bandwidth", GB),
                                 "gemm_efficiency": ("gemm_efficiency", 1.0),
-                                "gemm_half_dim": ("gemm_half_dim", 1.0)}))
+                                "gemm_half_dim": ("gemm_half_dim", 1.0),
+                                "op_overhead_us": ("op_overhead", 1e-6)}))
     if "dtype" in d:
         acc = replace(acc, dtype=str(d["dtype"]))
     intra = _link(d, "intra", intra)
@@ -206,7 +211,8 @@ def profile_from_dict(name: str, d: dict) -> Hardware:
     per_node = int(d.get("devices_per_node", base.devices_per_node))
     if per_node < 1 or acc.peak_flops <= 0 or intra.bandwidth <= 0 or inter.bandwidth <= 0:
         raise HardwareError(f"[{name}] devices_per_node, peak_tflops and bandwidths must be > 0")
-    return Hardware(name, acc, intra, inter, per_node)
+    return Hardware(name, acc, intra, inter, per_node, int(d.get("cores_per_node", base.cores_per_node)),
+                    float(d.get("shared_latency_us", base.shared_latency / 1e-6)) * 1e-6)
 
 
 def _scaled(d: dict, keys: dict[str, tuple[str, float]]) -> dict:
@@ -230,7 +236,9 @@ def profile_to_toml(hw: Hardware, comments: dict[str, str] | None = None) -> str
     fields = {"accelerator": a.name, "dtype": a.dtype, "devices_per_node": hw.devices_per_node,
               "peak_tflops": a.peak_flops / TFLOPS, "memory_gb": a.memory_bytes / GB,
               "mem_bandwidth_gbs": a.mem_bandwidth / GB, "gemm_efficiency": a.gemm_efficiency,
-              "gemm_half_dim": a.gemm_half_dim,
+              "gemm_half_dim": a.gemm_half_dim, "op_overhead_us": a.op_overhead / 1e-6,
+              "cores_per_node": hw.cores_per_node,
+              "shared_latency_us": hw.shared_latency / 1e-6,
               "intra_bandwidth_gbs": hw.intra.bandwidth / GB,
               "intra_latency_us": hw.intra.latency / 1e-6,
               "inter_bandwidth_gbs": hw.inter.bandwidth / GB,

@@ -4,10 +4,13 @@
          + (p-1)/v t_stage                  pipeline bubble (1F1B, v interleaved chunks)
          + m v 2 t_p2p                      activations forward, gradients backward
          + exposed dp sync + optimizer      after overlap with the last backward
+         + step sync                        loss, gradient norm, tied embedding all-reduces
 
 where t_stage is one micro-batch through one stage, forward and backward, and m the
 micro-batches per replica. Elementwise kernels (norms, activation, dropout, softmax,
 residuals) are memory bound: they stream about twice the bytes they keep for backward.
+Every op also costs the framework's dispatch time (`op_overhead`, counted per layer,
+micro-batch and parameter tensor in `cost`): microseconds that matter on a CPU core.
 """
 
 from __future__ import annotations
@@ -63,8 +66,21 @@ class Cluster:
 
     @property
     def profile(self) -> Hardware:
-        """The hardware profile with this cluster's devices per node."""
-        return replace(self.hardware, devices_per_node=self.per_node)
+        """The hardware profile with this cluster's devices per node.
+
+        More devices than cores (CPU processes) time-share them: each gets cores/devices
+        of a core (FLOP/s and bytes/s divided, dispatch time multiplied), and a collective
+        step waits `shared_latency` for a peer that is not running.
+        """
+        hw = replace(self.hardware, devices_per_node=self.per_node)
+        share = self.per_node / hw.cores_per_node if hw.cores_per_node else 1.0
+        if share <= 1:
+            return hw
+        a = hw.accelerator
+        acc = replace(a, peak_flops=a.peak_flops / share, mem_bandwidth=a.mem_bandwidth / share,
+                      op_overhead=a.op_overhead * share)
+        intra = replace(hw.intra, latency=hw.shared_latency or hw.intra.latency)
+        return replace(hw, accelerator=acc, intra=intra)
 
 
 @dataclass
@@ -98,7 +114,8 @@ def layer_times(c: ModelConfig, seq: int, lay: Layout, hw: Hardware, prec: Preci
         seq, b, c.hidden, c.num_heads, t, lay.sp, kept, prec.activation), acc)
     out = {"gemm_fwd": gemm, "attention_fwd": attn, "elementwise_fwd": elem,
            "gemm_bwd": 2 * gemm, "attention_bwd": 2 * attn, "elementwise_bwd": 2 * elem,
-           "recompute": {"none": 0.0, "selective": attn, "full": gemm + attn + elem}[lay.recompute]}
+           "recompute": {"none": 0.0, "selective": attn, "full": gemm + attn + elem}[lay.recompute],
+           "overhead": cost.overhead_time(cost.OPS_PER_LAYER, acc)}
     out.update(tp_collectives(c, seq, lay, hw, prec))
     return out
 
@@ -127,6 +144,7 @@ def _stage_extras(c: ModelConfig, seq: int, lay: Layout, hw: Hardware, prec: Pre
     logits = cost.gemm_time(3 * cost.logits_forward_flops(c, b, seq) / t, acc,
                             min(b * seq, c.hidden))
     ce = 3 * cost.all_reduce_time(4 * b * seq, t, link)  # max, target logit, sum of exp
+    logits += cost.overhead_time(cost.OPS_PER_MICRO_BATCH, acc)
     return logits, ce + cost.all_reduce_time(n, t, link)  # + the input-grad all-reduce
 
 
@@ -152,6 +170,7 @@ def evaluate(c: ModelConfig, seq: int, global_batch: int, lay: Layout, cluster: 
              "p2p": _p2p_per_step(c, seq, lay, hw, prec, m)}
     terms.update(_dp_and_optimizer(c, lay, cluster, hw, prec, layers[0] * (
         lt["gemm_bwd"] + lt["attention_bwd"] + lt["elementwise_bwd"])))
+    terms["step_sync"] = _step_sync(c, lay, hw, prec)
     step = sum(terms.values())
     mem = memory_per_device(c, seq, lay.micro_batch, lay.tp, lay.pp, lay.dp, m, lay.sp,
                             lay.recompute, lay.zero1, prec, lay.interleave)
@@ -176,8 +195,22 @@ def _dp_and_optimizer(c: ModelConfig, lay: Layout, cluster: Cluster, hw: Hardwar
     link = cost.link_for(lay.tp * lay.pp * lay.dp, hw, stride=lay.tp * lay.pp)
     sync = cost.dp_sync_time(params * prec.grad, lay.dp, link, lay.zero1)
     exposed = cost.exposed_dp_time(sync, backward_window, cluster.overlap_dp, lay.zero1)
+    tensors = cost.param_tensors_per_layer(c) * max(stage_layers(c.num_layers, lay.pp)) + 4
+    dispatch = cost.overhead_time(cost.OPS_PER_PARAM_TENSOR * tensors, hw.accelerator)
     return {"dp": exposed,
-            "optimizer": cost.optimizer_time(params, lay.dp, lay.zero1, hw.accelerator)}
+            "optimizer": cost.optimizer_time(params, lay.dp, lay.zero1, hw.accelerator) + dispatch}
+
+
+def _step_sync(c: ModelConfig, lay: Layout, hw: Hardware, prec: Precision) -> float:
+    """Once per step: the loss and the gradient norm (one float each over tp x pp, the loss
+    again over dp) and, with pp > 1, the tied embedding's gradient between the end stages."""
+    mp = lay.tp * lay.pp
+    small = 2 * cost.all_reduce_time(8, mp, cost.link_for(mp, hw))
+    small += cost.all_reduce_time(8, lay.dp, cost.link_for(mp * lay.dp, hw, stride=mp))
+    if lay.pp > 1 and c.tie_embeddings:
+        small += cost.all_reduce_time(c.vocab_size * c.hidden / lay.tp * prec.grad, 2,
+                                      cost.p2p_link(mp, hw))
+    return small
 
 
 def _estimate(c: ModelConfig, seq: int, global_batch: int, lay: Layout, cluster: Cluster,
