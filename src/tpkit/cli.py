@@ -15,7 +15,7 @@ COMMANDS: dict[str, tuple[str, str]] = {
     "train": ("tpkit.train.cli", "train a model with tensor x pipeline x data parallelism"),
     "bench": ("tpkit.bench", "run the benchmarks against peers"),
     "plan": ("tpkit.plan.cli", "plan tp/pp/dp for a model on a cluster (no torch needed)"),
-    "calibrate": ("tpkit.plan.calibrate", "measure this machine into a hardware profile"),
+    "calibrate": ("tpkit.calibrate", "measure this machine into a hardware profile"),
     "convert": ("tpkit.train.convert", "convert / reshard checkpoints, to and from safetensors"),
     "generate": ("tpkit.generate", "tensor-parallel text generation with a KV cache"),
     "quiz": ("tpkit.quiz.cli", "the tensor-parallelism quiz, as a live tutor (fr/en)"),

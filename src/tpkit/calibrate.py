@@ -13,8 +13,8 @@
 
 A "device" of the local profile is one process with one thread (how `tpkit.launch` runs
 tests with `threads=1`). The profile goes to ~/.cache/tpkit/local.toml (or --out) and
-`tpkit plan --hardware local` reads it. Importing this module does not import torch:
-the measuring functions import it when they run.
+`tpkit plan --hardware local` reads it. The fits are pure Python (`tpkit.plan.fit`);
+the measuring, here, runs torch on local processes.
 """
 
 from __future__ import annotations
@@ -25,44 +25,13 @@ import statistics
 import time
 from pathlib import Path
 
-from tpkit.plan.hardware import GB, Accelerator, Hardware, Link, default_local_path, profile_to_toml
+import torch
+
+from tpkit.plan.fit import build_profile, fit_alpha_beta, notes, ram_bytes
+from tpkit.plan.hardware import GB, default_local_path, profile_to_toml
 
 SIZES = (4 << 10, 64 << 10, 1 << 20, 4 << 20, 16 << 20)
 DIMS = (16, 32, 64, 128, 256, 512, 1024)
-
-
-# -- fits (pure Python) -----------------------------------------------------------------------
-def linear_fit(xs: list[float], ys: list[float]) -> tuple[float, float]:
-    """Least squares y = a + b x; returns (a, b)."""
-    n, mx, my = len(xs), sum(xs) / len(xs), sum(ys) / len(ys)
-    sxx = sum((x - mx) ** 2 for x in xs)
-    b = sum((x - mx) * (y - my) for x, y in zip(xs, ys)) / sxx if n > 1 and sxx else 0.0
-    return my - b * mx, b
-
-
-def fit_gemm(samples: list[tuple[float, float]]) -> tuple[float, float]:
-    """(peak FLOP/s, d_half) from (smallest side d, FLOP/s) pairs: rate = peak d / (d + d_half)."""
-    a, b = linear_fit([1 / d for d, _ in samples], [1 / r for _, r in samples])
-    peak = 1 / a if a > 0 else max(r for _, r in samples)
-    return peak, max(b * peak, 0.0)
-
-
-def fit_alpha_beta(samples: list[tuple[int, float, float]]) -> tuple[float, float]:
-    """(alpha s, bandwidth B/s) from (p, bytes, seconds): t = 2(p-1) alpha + 2(p-1)/p n/B.
-
-    Least squares on relative errors (each row divided by its t), so that the small
-    messages that set alpha count as much as the large ones that set B.
-    """
-    rows = [(2 * (p - 1) / t, 2 * (p - 1) / p * n / t, 1.0) for p, n, t in samples]
-    s11 = sum(u * u for u, _, _ in rows)
-    s12 = sum(u * v for u, v, _ in rows)
-    s22 = sum(v * v for _, v, _ in rows)
-    y1 = sum(u * t for u, _, t in rows)
-    y2 = sum(v * t for _, v, t in rows)
-    det = s11 * s22 - s12 * s12
-    alpha = (y1 * s22 - y2 * s12) / det
-    inv_bw = (s11 * y2 - s12 * y1) / det
-    return max(alpha, 0.0), 1 / inv_bw if inv_bw > 0 else float("inf")
 
 
 # -- measurements (torch, imported when they run) -----------------------------------------------
@@ -82,7 +51,6 @@ def measure_matmul(threads: int, dims: tuple[int, ...] = DIMS, m: int = 1024) ->
     x [m, d] @ w [d, m] (forward), g [m, m] @ w^T (input gradient), x^T @ g (weight
     gradient): float32, on `threads` threads, the FLOPs of all three over their time.
     """
-    import torch
 
     old = torch.get_num_threads()
     torch.set_num_threads(threads)
@@ -103,7 +71,6 @@ def measure_memory_bandwidth(tokens: int = 512, h: int = 256) -> float:
     layer_norm(x) 2nh, tanh-GELU(u) 2 n 4h, x + y 3nh: 13 nh floats for x [n, h], u [n, 4h].
     On a CPU the GELU's tanh, not the memory, sets most of the time.
     """
-    import torch
     import torch.nn.functional as F
 
     old = torch.get_num_threads()
@@ -123,7 +90,6 @@ def measure_memory_bandwidth(tokens: int = 512, h: int = 256) -> float:
 
 def measure_op_overhead(links: int = 200) -> float:
     """Seconds per dispatched op: `links` tiny multiplies, forward + backward, one thread."""
-    import torch
     from torch.utils._python_dispatch import TorchDispatchMode
 
     class Count(TorchDispatchMode):
@@ -151,7 +117,6 @@ def _all_reduce_worker(mesh, sizes: tuple[int, ...], reps: int) -> list[tuple[in
     ranks arrive from compute (not from a barrier, where gloo is still polling), so the
     time includes waking the waiting peer. The mean, not the median: a step pays the sum
     of its collectives, the occasional descheduled peer included."""
-    import torch
 
     from tpkit.comm import all_reduce
 
@@ -192,25 +157,6 @@ def measure_shared_latency(cores: int, reps: int) -> float:
     return t / 2
 
 
-# -- profile ----------------------------------------------------------------------------------
-def build_profile(gemm1: list, mem_bw: float, alpha: float, bandwidth: float,
-                  ram_bytes: float, cores: int, op_overhead: float = 0.0,
-                  shared_latency: float = 0.0) -> Hardware:
-    """The `local` profile: one device = one process with one thread, one per core."""
-    peak, d_half = fit_gemm(gemm1)
-    acc = Accelerator("local CPU core (measured)", peak, ram_bytes / cores, mem_bw, dtype="fp32",
-                      gemm_efficiency=1.0, gemm_half_dim=d_half, op_overhead=op_overhead)
-    link = Link("gloo (measured)", bandwidth, alpha)
-    return Hardware("local", acc, link, link, cores, cores, shared_latency)
-
-
-def _ram_bytes() -> float:
-    try:
-        return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
-    except (ValueError, OSError, AttributeError):
-        return 8 * GB
-
-
 def add_arguments(p: argparse.ArgumentParser) -> None:
     """Options of `tpkit calibrate`."""
     p.add_argument("--out", help=f"profile file (default {default_local_path()})")
@@ -231,27 +177,14 @@ def run(args: argparse.Namespace) -> int:
         samples += measure_all_reduce(p, reps=args.reps)
     alpha, bw = fit_alpha_beta(samples)
     shared = measure_shared_latency(cores, args.reps)
-    hw = build_profile(one, mem_bw, alpha, bw, _ram_bytes(), cores, op_s, shared)
-    notes = _notes(one, allt, samples, alpha, bw) + [
+    hw = build_profile(one, mem_bw, alpha, bw, ram_bytes(), cores, op_s, shared)
+    lines = notes(one, allt, samples, alpha, bw) + [
         f"elementwise {mem_bw / GB:.2f} GB/s, dispatch {op_s * 1e6:.2f} us per op, "
         f"all-reduce step with {2 * cores} processes on {cores} cores {shared * 1e6:.0f} us"]
     out = Path(args.out) if args.out else default_local_path()
     out.parent.mkdir(parents=True, exist_ok=True)
     out.write_text(f"# tpkit calibrate, {time.strftime('%Y-%m-%d %H:%M')}, {cores} cores\n"
-                   + "".join(f"# {line}\n" for line in notes) + profile_to_toml(hw))
-    print("\n".join(notes) + f"\nwrote {out}; use `tpkit plan --hardware local"
+                   + "".join(f"# {line}\n" for line in lines) + profile_to_toml(hw))
+    print("\n".join(lines) + f"\nwrote {out}; use `tpkit plan --hardware local"
           + ("" if out == default_local_path() else f" --hardware-file {out}") + "`")
     return 0
-
-
-def _notes(one: list, allt: list, samples: list, alpha: float, bw: float) -> list[str]:
-    peak1, dh1 = fit_gemm(one)
-    lines = [f"matmul 1 thread: fit peak {peak1 / 1e9:.1f} GFLOP/s, d_half {dh1:.0f}; best "
-             f"measured {max(r for _, r in one) / 1e9:.1f} GFLOP/s, all threads "
-             f"{max(r for _, r in allt) / 1e9:.1f} GFLOP/s",
-             f"all-reduce fit: alpha {alpha * 1e6:.1f} us, bandwidth {bw / GB:.2f} GB/s"]
-    for p, n, t in samples:
-        model = 2 * (p - 1) * alpha + 2 * (p - 1) / p * n / bw
-        lines.append(f"  p={p} {n >> 10:>6} KiB: measured {t * 1e3:8.3f} ms, fit "
-                     f"{model * 1e3:8.3f} ms ({model / t - 1:+.0%})")
-    return lines

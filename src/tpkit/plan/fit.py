@@ -1,0 +1,82 @@
+"""Fitting what `tpkit calibrate` measured into a `local` hardware profile. Pure Python.
+
+    matmul      1/rate = 1/peak + (d_half/peak) (1/d)          (the planner's GEMM model)
+    all-reduce  t = 2(p-1) alpha + 2(p-1)/p n / B               (the ring model)
+
+The measuring itself needs torch and processes, so it lives in the `tpkit.calibrate`
+command, above this package: `tpkit.plan` imports no torch.
+"""
+
+from __future__ import annotations
+
+import os
+
+from tpkit.plan.hardware import GB, Accelerator, Hardware, Link
+
+
+# -- fits (pure Python) -----------------------------------------------------------------------
+def linear_fit(xs: list[float], ys: list[float]) -> tuple[float, float]:
+    """Least squares y = a + b x; returns (a, b)."""
+    n, mx, my = len(xs), sum(xs) / len(xs), sum(ys) / len(ys)
+    sxx = sum((x - mx) ** 2 for x in xs)
+    b = sum((x - mx) * (y - my) for x, y in zip(xs, ys)) / sxx if n > 1 and sxx else 0.0
+    return my - b * mx, b
+
+
+def fit_gemm(samples: list[tuple[float, float]]) -> tuple[float, float]:
+    """(peak FLOP/s, d_half) from (smallest side d, FLOP/s) pairs: rate = peak d / (d + d_half)."""
+    a, b = linear_fit([1 / d for d, _ in samples], [1 / r for _, r in samples])
+    peak = 1 / a if a > 0 else max(r for _, r in samples)
+    return peak, max(b * peak, 0.0)
+
+
+def fit_alpha_beta(samples: list[tuple[int, float, float]]) -> tuple[float, float]:
+    """(alpha s, bandwidth B/s) from (p, bytes, seconds): t = 2(p-1) alpha + 2(p-1)/p n/B.
+
+    Least squares on relative errors (each row divided by its t), so that the small
+    messages that set alpha count as much as the large ones that set B.
+    """
+    rows = [(2 * (p - 1) / t, 2 * (p - 1) / p * n / t, 1.0) for p, n, t in samples]
+    s11 = sum(u * u for u, _, _ in rows)
+    s12 = sum(u * v for u, v, _ in rows)
+    s22 = sum(v * v for _, v, _ in rows)
+    y1 = sum(u * t for u, _, t in rows)
+    y2 = sum(v * t for _, v, t in rows)
+    det = s11 * s22 - s12 * s12
+    alpha = (y1 * s22 - y2 * s12) / det
+    inv_bw = (s11 * y2 - s12 * y1) / det
+    return max(alpha, 0.0), 1 / inv_bw if inv_bw > 0 else float("inf")
+
+
+# -- profile ----------------------------------------------------------------------------------
+def build_profile(gemm1: list, mem_bw: float, alpha: float, bandwidth: float,
+                  ram_bytes: float, cores: int, op_overhead: float = 0.0,
+                  shared_latency: float = 0.0) -> Hardware:
+    """The `local` profile: one device = one process with one thread, one per core."""
+    peak, d_half = fit_gemm(gemm1)
+    acc = Accelerator("local CPU core (measured)", peak, ram_bytes / cores, mem_bw, dtype="fp32",
+                      gemm_efficiency=1.0, gemm_half_dim=d_half, op_overhead=op_overhead)
+    link = Link("gloo (measured)", bandwidth, alpha)
+    return Hardware("local", acc, link, link, cores, cores, shared_latency)
+
+
+def ram_bytes() -> float:
+    try:
+        return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+    except (ValueError, OSError, AttributeError):
+        return 8 * GB
+
+
+
+
+def notes(one: list, allt: list, samples: list, alpha: float, bw: float) -> list[str]:
+    peak1, dh1 = fit_gemm(one)
+    lines = [f"matmul 1 thread: fit peak {peak1 / 1e9:.1f} GFLOP/s, d_half {dh1:.0f}; best "
+             f"measured {max(r for _, r in one) / 1e9:.1f} GFLOP/s, all threads "
+             f"{max(r for _, r in allt) / 1e9:.1f} GFLOP/s",
+             f"all-reduce fit: alpha {alpha * 1e6:.1f} us, bandwidth {bw / GB:.2f} GB/s"]
+    for p, n, t in samples:
+        model = 2 * (p - 1) * alpha + 2 * (p - 1) / p * n / bw
+        lines.append(f"  p={p} {n >> 10:>6} KiB: measured {t * 1e3:8.3f} ms, fit "
+                     f"{model * 1e3:8.3f} ms ({model / t - 1:+.0%})")
+    return lines
