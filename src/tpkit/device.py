@@ -27,6 +27,11 @@ def device_for(backend: str, local_rank: int = 0) -> torch.device:
     return torch.device("cpu")
 
 
+def best_device() -> torch.device:
+    """cuda:0 when a GPU is visible, else the CPU (single-process runs)."""
+    return device_for(default_backend(), 0)
+
+
 def synchronize(device: torch.device) -> None:
     """Wait for queued kernels on `device` (a no-op on the CPU), for honest timings."""
     if device.type == "cuda":

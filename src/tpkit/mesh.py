@@ -131,9 +131,12 @@ class ParallelMesh:
 
     # -- construction ------------------------------------------------------------------
     @classmethod
-    def single(cls, ledger: Ledger | None = None) -> ParallelMesh:
-        """A one-process mesh (tp = pp = dp = 1): the single-device reference."""
-        return cls(1, 1, 1, rank=0, world_size=1, ledger=ledger)
+    def single(cls, ledger: Ledger | None = None, device: torch.device | str | None = None
+               ) -> ParallelMesh:
+        """A one-process mesh (tp = pp = dp = 1): the single-device reference, on the CPU
+        unless `device` says otherwise (e.g. `tpkit.device.best_device()`)."""
+        return cls(1, 1, 1, rank=0, world_size=1, ledger=ledger,
+                   device=torch.device(device) if device is not None else None)
 
     @classmethod
     def virtual(cls, tp: int = 1, pp: int = 1, dp: int = 1, rank: int = 0,

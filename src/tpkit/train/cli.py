@@ -124,12 +124,13 @@ def run(args: argparse.Namespace) -> int:
 
 
 def _run_local(cfg: TrainConfig) -> int:
+    from tpkit.device import best_device
     from tpkit.launch import spawn
     from tpkit.mesh import ParallelMesh
 
     n = cfg.world_size
-    if n == 1:
-        results = [_worker(ParallelMesh.single(), cfg)]
+    if n == 1:  # one process: on the GPU when there is one
+        results = [_worker(ParallelMesh.single(device=best_device()), cfg)]
     else:
         threads = max(1, (os.cpu_count() or 1) // n)
         results = spawn(_worker, n, cfg, mesh=dict(tp=cfg.tp, pp=cfg.pp, dp=cfg.dp),
