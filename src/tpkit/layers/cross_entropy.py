@@ -73,13 +73,14 @@ def vocab_parallel_cross_entropy(logits: torch.Tensor, target: torch.Tensor, gro
 
     `vocab_size` is the real (unpadded) global vocabulary. Ignored tokens get loss 0.
     """
-    tp = group.size
-    padded = -(-vocab_size // tp) * tp
-    if logits.shape[-1] != padded // tp:
-        hint = " (they look already gathered)" if logits.shape[-1] >= vocab_size and tp > 1 else ""
-        raise ValueError(f"logits have {logits.shape[-1]} vocabulary columns but each of tp={tp} "
-                         f"ranks owns {padded // tp} of the padded vocabulary {padded}{hint}; "
-                         f"pass this rank's vocab-parallel slice")
+    tp, per_rank = group.size, logits.shape[-1]
+    if tp > 1 and per_rank >= vocab_size:
+        raise ValueError(f"logits have {per_rank} vocabulary columns, the whole vocabulary of "
+                         f"{vocab_size}: they look already gathered; pass this rank's "
+                         f"vocab-parallel slice (about {vocab_size}/{tp} columns)")
+    if per_rank * tp < vocab_size:
+        raise ValueError(f"logits have {per_rank} vocabulary columns: {tp} ranks x {per_rank} "
+                         f"do not cover the vocabulary of {vocab_size}")
     if not 0.0 <= label_smoothing < 1.0:
         raise ValueError(f"label_smoothing={label_smoothing} must be in [0, 1)")
     return _VocabParallelCE.apply(logits, target, group, vocab_size, ignore_index,

@@ -5,8 +5,9 @@
     one all-reduce sums the partial lookups: every id was found on exactly one rank.
     (With sequence parallelism: one reduce-scatter, leaving [b, s/tp, h].)
 
-The vocabulary is padded to a multiple of tp with zero rows; padded ids never occur
-and padded logits are kept out of the softmax by the loss.
+The vocabulary is padded with zero rows so that each rank holds a multiple of 8 rows
+(aligned GEMMs); padded ids never occur and padded logits are kept out of the softmax
+by the loss.
 """
 
 from __future__ import annotations
@@ -35,7 +36,7 @@ class VocabParallelEmbedding(nn.Module):
         super().__init__()
         tp = group.size
         self.vocab_size, self.hidden, self.group = vocab_size, hidden, group
-        self.padded_vocab = -(-vocab_size // tp) * tp
+        self.padded_vocab = -(-vocab_size // (8 * tp)) * 8 * tp  # = ModelConfig.padded_vocab
         self.per_rank = self.padded_vocab // tp
         self.vocab_start = group.rank * self.per_rank
         self.sequence_parallel, self.init_std, self.seed = sequence_parallel, init_std, seed

@@ -39,6 +39,11 @@ class _ColumnLinear(torch.autograd.Function):
     @staticmethod
     def forward(ctx, x, weight, bias, group, sp):
         x_full = C.all_gather(x, group, ops.SEQ_DIM) if sp else x  # [b, s, in]
+        ctx.dtypes = (x.dtype, weight.dtype)
+        if torch.is_autocast_enabled(x.device.type):  # cast once, save the cast copies
+            dt = torch.get_autocast_dtype(x.device.type)
+            x_full, weight = x_full.to(dt), weight.to(dt)
+            bias = bias.to(dt) if bias is not None else None
         ctx.save_for_backward(x_full, weight)
         ctx.group, ctx.sp, ctx.has_bias = group, sp, bias is not None
         ctx.scope = group.ledger.current_scope()
@@ -47,15 +52,17 @@ class _ColumnLinear(torch.autograd.Function):
     @staticmethod
     def backward(ctx, dy):
         x, w = ctx.saved_tensors
-        dx = dy.matmul(w.to(dy.dtype))  # [b, s, in], this rank's partial sum
+        dy = dy.to(w.dtype)
+        dx = dy.matmul(w)  # [b, s, in], this rank's partial sum
         if ctx.sp:
             pending = C.reduce_scatter_async(dx, ctx.group, ops.SEQ_DIM, scope=ctx.scope)
         else:
             pending = C.all_reduce_async(dx, ctx.group, scope=ctx.scope)
         dy2 = dy.reshape(-1, dy.shape[-1])  # [b*s, out/tp]
-        dw = dy2.t().matmul(x.reshape(-1, x.shape[-1]).to(dy.dtype))  # [out/tp, in]
+        dw = dy2.t().matmul(x.reshape(-1, x.shape[-1]))  # [out/tp, in]
         db = dy2.sum(0) if ctx.has_bias else None
-        return pending.wait().to(x.dtype), dw.to(w.dtype), db, None, None
+        x_dtype, w_dtype = ctx.dtypes
+        return pending.wait().to(x_dtype), dw.to(w_dtype), db, None, None
 
 
 def _reset_sharded(layer: nn.Module) -> None:

@@ -53,8 +53,10 @@ class ModelConfig:
         return self.hidden // self.num_heads
 
     def padded_vocab(self, tp: int) -> int:
-        """Vocabulary rounded up to a multiple of tp (the padded rows never win a softmax)."""
-        return -(-self.vocab_size // tp) * tp
+        """Vocabulary rounded up so that each of tp ranks holds a multiple of 8 rows (GEMMs
+        on odd widths such as GPT-2's 50257 fall back to slow kernels on GPUs). The padded
+        rows never win a softmax. The same rule as `VocabParallelEmbedding`."""
+        return -(-self.vocab_size // (8 * tp)) * 8 * tp
 
     def with_(self, **changes) -> ModelConfig:
         """A copy with some fields changed."""
