@@ -8,6 +8,13 @@
 With pipeline parallelism each stage builds only its layers (embedding on the
 first, final norm and head on the last); parameter names keep global layer
 indices so checkpoints do not depend on the layout.
+
+Interleaved 1F1B (Narayanan et al. 2021, section 2.2): with `virtual_stages=v` stage
+s holds v chunks, chunk c being virtual stage c*pp + s of pp*v; all their layers sit
+in the one `layers` dict, run one chunk at a time by `forward_chunk(c, x)`:
+
+    pp=2, v=2, 8 layers:   stage 0: layers 0 1 | 4 5     stage 1: layers 2 3 | 6 7
+                                   chunk 0  chunk 1              chunk 0  chunk 1
 """
 
 from __future__ import annotations
@@ -85,14 +92,21 @@ class Transformer(nn.Module):
 
     def __init__(self, config: ModelConfig, mesh, *, seed: int = 0,
                  sequence_parallel: bool = False, recompute: bool = False,
-                 device: torch.device | str | None = None, dtype: torch.dtype | None = None
-                 ) -> None:
+                 device: torch.device | str | None = None, dtype: torch.dtype | None = None,
+                 virtual_stages: int = 1) -> None:
         super().__init__()
-        tp, pp = mesh.tp_size, mesh.pp_size
+        tp, pp, v = mesh.tp_size, mesh.pp_size, virtual_stages
         config.check(tp=tp, pp=pp)  # every rank, before any collective
+        if v < 1 or pp * v > config.num_layers:
+            raise ValueError(f"{config.name}: pp*virtual_stages = {pp}*{v} = {pp * v} chunks "
+                             f"do not fit num_layers={config.num_layers}")
         self.config, self.mesh, self.group = config, mesh, mesh.tp_group
         self.sequence_parallel, self.recompute, self.seed = sequence_parallel, recompute, seed
-        self.layer_range = stage_layers(config.num_layers, pp, mesh.pp_rank)
+        self.virtual_stages = v
+        self.chunk_layers = [stage_layers(config.num_layers, pp * v, c * pp + mesh.pp_rank)
+                             for c in range(v)]  # chunk c = virtual stage c*pp + pp_rank
+        self.layer_range = self.chunk_layers[0] if v == 1 else \
+            [i for r in self.chunk_layers for i in r]
         self.is_first_stage, self.is_last_stage = mesh.pp_rank == 0, mesh.pp_rank == pp - 1
         device = device if device is not None else mesh.device
         kw = dict(device=device, dtype=dtype)
@@ -102,7 +116,7 @@ class Transformer(nn.Module):
             self.embed = Embeddings(config, self.group, sequence_parallel, seed, **kw)
         self.layers = nn.ModuleDict({
             str(i): Block(config, self.group, layer_index=i, sequence_parallel=sequence_parallel,
-                          seed=seed, **kw) for i in self.layer_range})
+                          seed=seed, **kw) for i in self.layer_range})  # chunk by chunk
         if self.is_last_stage:  # post-norm stacks end normalized: no final norm
             self.final_norm = Norm(config.hidden, config.norm, config.norm_eps,
                                    sequence_parallel=sequence_parallel, **kw) \
@@ -138,30 +152,59 @@ class Transformer(nn.Module):
         """Shape of the hidden states passed between pipeline stages on this rank."""
         return (b, s // self.group.size if self.sequence_parallel else s, self.config.hidden)
 
+    def chunk_is_first(self, c: int) -> bool:
+        """Does chunk `c` take token ids (virtual stage 0, with the embedding)?"""
+        return self.is_first_stage and c == 0
+
+    def chunk_is_last(self, c: int) -> bool:
+        """Does chunk `c` end the model (last virtual stage, with norm and head)?"""
+        return self.is_last_stage and c == self.virtual_stages - 1
+
     def forward(self, x: torch.Tensor, attention_mask: torch.Tensor | None = None,
                 token_types: torch.Tensor | None = None,
                 kv_caches: list[KVCache] | None = None, position_offset: int = 0
                 ) -> torch.Tensor:
         """First stage: ids [b, s]; others: hidden. Last stage returns logits [b, s, V_pad/tp]."""
+        if self.virtual_stages > 1 and self.mesh.pp_size > 1:
+            raise RuntimeError("an interleaved stage holds several chunks: use forward_chunk")
         h = self.body(x, attention_mask, token_types, kv_caches, position_offset)
         return self.logits(h) if self.is_last_stage else h
+
+    def forward_chunk(self, c: int, x: torch.Tensor,
+                      attention_mask: torch.Tensor | None = None,
+                      token_types: torch.Tensor | None = None) -> torch.Tensor:
+        """Chunk `c` only: ids [b, s] or hidden in; hidden, or logits after the last chunk."""
+        if self.chunk_is_first(c):
+            x = self._embed(x, token_types, 0)
+        x = self._run_layers(self.chunk_layers[c], x, attention_mask, None)
+        if not self.chunk_is_last(c):
+            return x
+        return self.logits(self.final_norm(x) if self.final_norm is not None else x)
 
     def body(self, x, attention_mask=None, token_types=None, kv_caches=None, position_offset=0):
         """Embedding (first stage) and this stage's layers; final norm on the last stage."""
         if self.is_first_stage:
-            if self.sequence_parallel and x.shape[1] % self.group.size:
-                raise ValueError(f"sequence length {x.shape[1]} is not divisible by "
-                                 f"tp={self.group.size} (sequence parallelism)")
-            x = self.embed(x, token_types, position_offset, self.rng)
-        for j, (i, layer) in enumerate(self.layers.items()):
-            cache = kv_caches[j] if kv_caches is not None else None
+            x = self._embed(x, token_types, position_offset)
+        x = self._run_layers(list(self.layers), x, attention_mask, kv_caches)
+        return self.final_norm(x) if self.is_last_stage and self.final_norm is not None else x
+
+    def _embed(self, ids, token_types, position_offset: int) -> torch.Tensor:
+        if self.sequence_parallel and ids.shape[1] % self.group.size:
+            raise ValueError(f"sequence length {ids.shape[1]} is not divisible by "
+                             f"tp={self.group.size} (sequence parallelism)")
+        return self.embed(ids, token_types, position_offset, self.rng)
+
+    def _run_layers(self, indices, x, attention_mask, kv_caches) -> torch.Tensor:
+        """Layers `indices` (global) in order; kv_caches[j] goes to the j-th of them."""
+        for j, i in enumerate(indices):
+            layer, cache = self.layers[str(i)], kv_caches[j] if kv_caches is not None else None
             with self.mesh.ledger.scope(f"layers.{i}"):
                 if self.recompute and self.training and cache is None:
                     x = checkpointed(lambda t, lay=layer: lay(t, attention_mask, self.rng),
                                      self.rng, x)
                 else:
                     x = layer(x, attention_mask, self.rng, cache)
-        return self.final_norm(x) if self.is_last_stage and self.final_norm is not None else x
+        return x
 
     def logits(self, h: torch.Tensor) -> torch.Tensor:
         """Final hidden [b, s, h] ([b, s/tp, h] with SP) -> vocab-parallel logits."""

@@ -1,7 +1,7 @@
 """Pipeline and data parallelism around the tensor-parallel model (quiz answer 6).
 
     p2p.py            StageLink: activations / gradients between neighbouring stages
-    schedules.py      GPipe, 1F1B, forward-only; bubble theory (p-1)/m
+    schedules.py      GPipe, 1F1B, interleaved 1F1B, forward-only; bubble (p-1)/m, (p-1)/(v m)
     data_parallel.py  bucketed dp gradient all-reduce; tied-embedding group first<->last stage
     grad_norm.py      global gradient norm counting every parameter once; clipping
     zero.py           ZeRO-1: AdamW state sharded over dp
@@ -14,13 +14,14 @@ from tpkit.parallel.data_parallel import (
     tied_embedding_group,
 )
 from tpkit.parallel.grad_norm import clip_grads, global_grad_norm
-from tpkit.parallel.p2p import StageLink
+from tpkit.parallel.p2p import StageLink, ring_backward_group
 from tpkit.parallel.schedules import (
     SCHEDULES,
     MicroBatch,
     StepStats,
     bubble_theory,
     forward_only,
+    interleaved_order,
     run_schedule,
 )
 from tpkit.parallel.zero import ZeroAdamW
@@ -37,6 +38,8 @@ __all__ = [
     "clip_grads",
     "forward_only",
     "global_grad_norm",
+    "interleaved_order",
+    "ring_backward_group",
     "run_schedule",
     "sync_tied_grads",
     "tied_embedding_group",

@@ -1,4 +1,4 @@
-"""Pipeline schedules over a `StageLink`: GPipe, 1F1B (PipeDream-flush), forward-only.
+"""Pipeline schedules over a `StageLink`: GPipe, 1F1B, interleaved 1F1B, forward-only.
 
 Each stage runs the same program on its own layers; `F i` / `B i` is the forward /
 backward of micro-batch i. With p stages and m micro-batches (p=4, m=4):
@@ -12,6 +12,19 @@ backward of micro-batch i. With p stages and m micro-batches (p=4, m=4):
 
 Both leave the same bubble, (p-1) forward+backward slots per stage, so idle/busy
 = (p-1)/m (Narayanan et al. 2021, section 2.2); 1F1B only bounds the memory.
+
+Interleaved 1F1B (section 2.2): each stage holds v chunks (virtual stage c*p + s),
+each 1/v of its layers, and runs them in the order of Megatron-LM: forward k of the
+stage is chunk (k // p) % v of micro-batch (k // (p v)) p + k % p (groups of p
+micro-batches go through chunk 0, then chunk 1, ...), backward k the same with the
+chunks reversed; (p-s-1)*2 + (v-1)*p warm-up forwards, then 1F1B, then cool-down.
+p=2, v=2, m=4 (Fc.i: chunk c, micro-batch i):
+
+      s0  F0.0 F0.1 F1.0 F1.1 F0.2 B1.0 F0.3 B1.1 F1.2 B0.0 ...
+      s1       F0.0 F0.1 F1.0 F1.1 B1.0 F0.2 B1.1 F0.3 ...
+
+The fill and drain still take (p-1) slots, but of chunks 1/v as long: the bubble is
+(p-1)/(v m), for v times more point-to-point messages. It needs m % p == 0.
 The loss of each micro-batch is divided by m so the accumulated gradients are the
 gradients of the mean loss over the whole batch.
 """
@@ -22,12 +35,13 @@ import time
 from collections import deque
 from contextlib import AbstractContextManager, nullcontext
 from dataclasses import dataclass, field
+from functools import partial
 
 import torch
 
 from tpkit.parallel.p2p import StageLink
 
-SCHEDULES = ("gpipe", "1f1b")
+SCHEDULES = ("gpipe", "1f1b", "interleaved")
 
 
 @dataclass
@@ -53,19 +67,20 @@ class StepStats:
         return sum(self.losses) / len(self.losses) if self.losses else None
 
 
-def bubble_theory(stages: int, micro_batches: int) -> float:
-    """Idle over busy time of a flushed pipeline: (p-1)/m."""
-    return (stages - 1) / micro_batches
+def bubble_theory(stages: int, micro_batches: int, virtual_stages: int = 1) -> float:
+    """Idle over busy time of a flushed pipeline: (p-1)/m, interleaved (p-1)/(v m)."""
+    return (stages - 1) / (virtual_stages * micro_batches)
 
 
 def _forward(model, link: StageLink, mb: MicroBatch, scale: float, stats: StepStats,
-             autocast: AbstractContextManager | None):
-    """One micro-batch forward; returns (input, output-or-scaled-loss)."""
+             autocast: AbstractContextManager | None, chunk: int = 0):
+    """One micro-batch forward of one chunk; returns (input, output-or-scaled-loss)."""
     b, s = mb.labels.shape
-    x = mb.ids if model.is_first_stage else link.recv_forward(model.activation_shape(b, s))
+    x = mb.ids if model.chunk_is_first(chunk) else \
+        link.recv_forward(model.activation_shape(b, s))
     with autocast or nullcontext():
-        out = model(x)  # [b, s, h] hidden, or [b, s, V/tp] logits on the last stage
-    if model.is_last_stage:
+        out = model.forward_chunk(chunk, x)  # [b, s, h] hidden, or [b, s, V/tp] logits
+    if model.chunk_is_last(chunk):
         loss = model.loss(out.float(), mb.labels)  # scalar, same on every tp rank
         stats.losses.append(loss.item())
         return x, loss * scale
@@ -73,13 +88,14 @@ def _forward(model, link: StageLink, mb: MicroBatch, scale: float, stats: StepSt
     return x, out
 
 
-def _backward(model, link: StageLink, x: torch.Tensor, out: torch.Tensor) -> None:
-    """Backward of one micro-batch; sends d loss / d input upstream."""
-    if model.is_last_stage:
+def _backward(model, link: StageLink, x: torch.Tensor, out: torch.Tensor,
+              chunk: int = 0) -> None:
+    """Backward of one micro-batch through one chunk; sends d loss / d input upstream."""
+    if model.chunk_is_last(chunk):
         out.backward()
     else:
         torch.autograd.backward(out, link.recv_backward(tuple(out.shape)).to(out.dtype))
-    if not model.is_first_stage:
+    if not model.chunk_is_first(chunk):
         link.send_backward(x.grad)
 
 
@@ -113,13 +129,51 @@ def one_f_one_b(model, link: StageLink, micro: list[MicroBatch],
     return _finish(link, stats, t0, idle0)
 
 
+def _slot(p: int, v: int, k: int, backward: bool) -> tuple[int, int]:
+    """(chunk, micro-batch) of a stage's k-th forward (or backward), interleaved."""
+    c = (k // p) % v
+    return (v - 1 - c if backward else c), (k // (p * v)) * p + k % p
+
+
+def interleaved_order(stage: int, stages: int, chunks: int, m: int
+                      ) -> list[tuple[str, int, int]]:
+    """The program of one stage under interleaved 1F1B: ("F" | "B", chunk, micro-batch)."""
+    p, v, total = stages, chunks, m * chunks
+    at = partial(_slot, p, v)
+    warmup = min((p - stage - 1) * 2 + (v - 1) * p if v > 1 else p - stage - 1, total)
+    ops = [("F", *at(k, False)) for k in range(warmup)]
+    for k in range(total - warmup):
+        ops += [("F", *at(k + warmup, False)), ("B", *at(k, True))]
+    return ops + [("B", *at(k, True)) for k in range(total - warmup, total)]
+
+
+def interleaved(model, link: StageLink, micro: list[MicroBatch],
+                autocast: AbstractContextManager | None = None) -> StepStats:
+    """Interleaved 1F1B over the model's `virtual_stages` chunks (needs m % p == 0)."""
+    stats, t0, idle0 = StepStats(), time.perf_counter(), link.idle_s
+    m, v, scale = len(micro), model.virtual_stages, 1.0 / len(micro)
+    if m % link.stages:
+        raise ValueError(f"interleaved 1F1B needs micro_batches={m} to be a multiple of "
+                         f"pp={link.stages}")
+    inflight: list[deque] = [deque() for _ in range(v)]  # per chunk, in micro-batch order
+    for kind, c, i in interleaved_order(link.stage, link.stages, v, m):
+        if kind == "F":
+            inflight[c].append(_forward(model, link, micro[i], scale, stats, autocast, c))
+            stats.max_inflight = max(stats.max_inflight, sum(map(len, inflight)))
+        else:
+            _backward(model, link, *inflight[c].popleft(), chunk=c)
+    return _finish(link, stats, t0, idle0)
+
+
 def forward_only(model, link: StageLink, micro: list[MicroBatch],
                  autocast: AbstractContextManager | None = None) -> StepStats:
-    """Evaluation: forwards only, no graph kept (validation loss)."""
+    """Evaluation: forwards only, no graph kept (validation loss); chunk by chunk in the
+    interleaved order when the stage holds several."""
     stats, t0, idle0 = StepStats(), time.perf_counter(), link.idle_s
+    v = getattr(model, "virtual_stages", 1)
     with torch.no_grad():
-        for mb in micro:
-            _forward(model, link, mb, 1.0, stats, autocast)
+        for c, i in (_slot(link.stages, v, k, False) for k in range(v * len(micro))):
+            _forward(model, link, micro[i], 1.0, stats, autocast, c)
     return _finish(link, stats, t0, idle0)
 
 
@@ -132,7 +186,11 @@ def _finish(link: StageLink, stats: StepStats, t0: float, idle0: float) -> StepS
 
 def run_schedule(name: str, model, link: StageLink, micro: list[MicroBatch],
                  autocast: AbstractContextManager | None = None) -> StepStats:
-    """Run the schedule called `name` ('gpipe' or '1f1b') for one step."""
+    """Run the schedule called `name` ('gpipe', '1f1b' or 'interleaved') for one step."""
     if name not in SCHEDULES:
         raise ValueError(f"schedule={name!r} is not one of {SCHEDULES}")
-    return (gpipe if name == "gpipe" else one_f_one_b)(model, link, micro, autocast)
+    if name != "interleaved" and getattr(model, "virtual_stages", 1) > 1:
+        raise ValueError(f"a model of virtual_stages={model.virtual_stages} chunks needs "
+                         f"schedule='interleaved', not {name!r}")
+    fn = {"gpipe": gpipe, "1f1b": one_f_one_b, "interleaved": interleaved}[name]
+    return fn(model, link, micro, autocast)

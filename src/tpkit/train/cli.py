@@ -32,7 +32,8 @@ _FLAGS = {  # field -> (type or action, help)
     "clip": (float, "clip the global gradient norm to this (0: off)"),
     "sp": ("store_true", "sequence parallelism"),
     "zero1": ("store_true", "shard the optimizer state over dp (ZeRO-1)"),
-    "schedule": (str, "pipeline schedule: gpipe or 1f1b"),
+    "schedule": (str, "pipeline schedule: gpipe, 1f1b or interleaved"),
+    "virtual_stages": (int, "model chunks per stage, for --schedule interleaved"),
     "dtype": (str, f"one of {DTYPES} (bfloat16: autocast)"),
     "recompute": ("store_true", "recompute activations in backward"),
     "data": (str, "text file, directory of .txt, or .bin of uint16 tokens "

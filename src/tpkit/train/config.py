@@ -19,6 +19,7 @@ else:  # pragma: no cover
     import tomli as tomllib
 
 DTYPES = ("float32", "bfloat16")
+SCHEDULES = ("gpipe", "1f1b", "interleaved")
 
 
 @dataclass(frozen=True)
@@ -41,7 +42,8 @@ class TrainConfig:
     clip: float = 1.0  # 0: no clipping
     sp: bool = False  # sequence parallelism
     zero1: bool = False
-    schedule: str = "1f1b"  # gpipe | 1f1b
+    schedule: str = "1f1b"  # gpipe | 1f1b | interleaved
+    virtual_stages: int = 1  # model chunks per stage (interleaved 1F1B)
     dtype: str = "float32"  # bfloat16: autocast of the forward
     recompute: bool = False
     data: str | None = None  # None: the embedded corpus (Python's own documentation)
@@ -93,15 +95,15 @@ class TrainConfig:
         from tpkit.model.config import get_preset
 
         out = [f"{k}={getattr(self, k)} must be a positive integer"
-               for k in ("tp", "pp", "dp", "steps", "micro_batches", "global_batch", "seq")
+               for k in ("tp", "pp", "dp", "steps", "micro_batches", "global_batch", "seq",
+                         "virtual_stages")
                if not isinstance(getattr(self, k), int) or getattr(self, k) < 1]
         if out:
             return out
         if self.global_batch % (self.dp * self.micro_batches):
             out.append(f"global_batch={self.global_batch} is not divisible by dp*micro_batches "
                        f"= {self.dp}*{self.micro_batches} = {self.dp * self.micro_batches}")
-        if self.schedule not in ("gpipe", "1f1b"):
-            out.append(f"schedule={self.schedule!r} is not one of ('gpipe', '1f1b')")
+        out += self._schedule_problems()
         if self.dtype not in DTYPES:
             out.append(f"dtype={self.dtype!r} is not one of {DTYPES}")
         if not 0.0 <= self.val_fraction < 1.0:
@@ -114,7 +116,22 @@ class TrainConfig:
             return out + [str(e)]
         out += [f"{model.name}: {p}" for p in
                 model.problems(tp=self.tp, pp=self.pp, sp=self.sp, seq=self.seq)]
+        chunks = self.pp * self.virtual_stages
+        if self.virtual_stages > 1 and chunks > model.num_layers:
+            out.append(f"{model.name}: pp*virtual_stages = {self.pp}*{self.virtual_stages} = "
+                       f"{chunks} chunks is more than num_layers={model.num_layers}")
         return out
+
+    def _schedule_problems(self) -> list[str]:
+        if self.schedule not in SCHEDULES:
+            return [f"schedule={self.schedule!r} is not one of {SCHEDULES}"]
+        if self.schedule != "interleaved":
+            return [f"virtual_stages={self.virtual_stages} needs schedule='interleaved', not "
+                    f"{self.schedule!r}"] if self.virtual_stages > 1 else []
+        if self.micro_batches % self.pp:
+            return [f"micro_batches={self.micro_batches} is not a multiple of pp={self.pp} "
+                    f"(interleaved 1F1B)"]
+        return []
 
     def check(self, world_size: int | None = None) -> None:
         """Raise ValueError listing every problem (and a world-size mismatch)."""

@@ -1,7 +1,7 @@
 """The training loop: one step = pipeline schedule, gradient sums, clip, AdamW.
 
     for each step:
-      batch of this dp replica -> m micro-batches -> GPipe / 1F1B over the pp stages
+      batch of this dp replica -> m micro-batches -> GPipe / 1F1B / interleaved 1F1B
                                       dp: buckets all-reduced over replicas as the last
                                           backward finishes them (OverlappedGradSync)
       model.finalize_grads()          tp: sequence-parallel norms, shared kv heads
@@ -30,6 +30,7 @@ from tpkit.parallel import (
     clip_grads,
     forward_only,
     global_grad_norm,
+    ring_backward_group,
     run_schedule,
     sync_tied_grads,
     tied_embedding_group,
@@ -64,7 +65,7 @@ def build_model(cfg: TrainConfig, mesh: ParallelMesh) -> torch.nn.Module:
     from tpkit.model import Transformer, get_preset
 
     return Transformer(get_preset(cfg.preset), mesh, seed=cfg.seed, sequence_parallel=cfg.sp,
-                       recompute=cfg.recompute)
+                       recompute=cfg.recompute, virtual_stages=cfg.virtual_stages)
 
 
 def replica_mean(value: float | None, mesh: ParallelMesh) -> float:
@@ -85,7 +86,9 @@ def train(cfg: TrainConfig, mesh: ParallelMesh, model: torch.nn.Module | None = 
     model.train()
     tied = tied_embedding_group(mesh, model.config.tie_embeddings)
     dp_sync = OverlappedGradSync(list(model.parameters()), mesh.dp_group, cfg.micro_batches)
-    link = StageLink(mesh.pp_group, device=mesh.device)
+    ring = cfg.virtual_stages > 1 and mesh.pp_size > 1  # interleaved: gradients' own group
+    link = StageLink(mesh.pp_group, device=mesh.device,
+                     backward_group=ring_backward_group(mesh) if ring else None)
     opt = build_optimizer(model, cfg, mesh)
     out, lead = Path(cfg.out), mesh.rank == 0
     start = resume(cfg, mesh, model, opt, loader) if cfg.resume else 0
@@ -214,7 +217,7 @@ def _summary(cfg, mesh, model, rows, train_s, idle, busy, ckpt, lead) -> dict:
     c, b = model.config, cfg.micro_batch_size
     expects = metrics.stage_theory(c.hidden, b, cfg.seq, mesh.tp_size, mesh.pp_size, cfg.sp,
                                    cfg.micro_batches, model.is_first_stage, model.is_last_stage,
-                                   len(model.layer_range))
+                                   len(model.layer_range), model.virtual_stages)
     rows_t = metrics.theory_rows(mesh.ledger, expects)
     where = f"rank {mesh.rank} (stage {mesh.pp_rank}, tp rank {mesh.tp_rank})"
     val = [r["val_loss"] for r in rows if "val_loss" in r]
@@ -225,7 +228,8 @@ def _summary(cfg, mesh, model, rows, train_s, idle, busy, ckpt, lead) -> dict:
                   losses=[r["loss"] for r in rows], grad_norms=[r["grad_norm"] for r in rows],
                   tokens_per_s=len(rows) * cfg.global_batch * cfg.seq / train_s,
                   seconds=train_s, bubble=ratio.item() / mesh.pp_size,
-                  bubble_theory=bubble_theory(mesh.pp_size, cfg.micro_batches),
+                  bubble_theory=bubble_theory(mesh.pp_size, cfg.micro_batches,
+                                              model.virtual_stages),
                   max_inflight=max(r["max_inflight"] for r in rows),
                   stage=mesh.pp_rank, tp_rank=mesh.tp_rank,
                   table=mesh.ledger.table(f"{where}: everything sent in one step",

@@ -110,7 +110,9 @@ def report(result: dict, tables: list[str]) -> str:
              f"({result['seconds']:.1f} s in all)"]
     if result["pp"] > 1:
         lines.append(f"pipeline bubble: idle/busy measured {result['bubble']:.3f} "
-                     f"(mean over stages), theory (p-1)/m = {result['bubble_theory']:.3f}")
+                     f"(mean over stages), theory "
+                     f"{'(p-1)/(v m)' if result.get('virtual_stages', 1) > 1 else '(p-1)/m'} "
+                     f"= {result['bubble_theory']:.3f}")
     b, sq, h, tp = result["micro_batch"], result["seq"], result["hidden"], result["tp"]
     if tp > 1 and not result["sp"]:
         lines.append(f"theory per micro-batch (Megatron): each layer 2 all-reduces of b*s*h = "
@@ -130,21 +132,26 @@ def report(result: dict, tables: list[str]) -> str:
 
 
 def stage_theory(hidden: int, b: int, s: int, tp: int, pp: int, sp: bool, m: int,
-                 first: bool, last: bool, num_layers: int) -> list:
+                 first: bool, last: bool, num_layers: int, chunks: int = 1) -> list:
     """What one step must send on this rank's tp and pp groups (tpkit.comm.theory).
 
     Per micro-batch: `theory.stage` (embedding on the first stage, 2+2 per layer,
     head and the three cross-entropy all-reduces on the last); and between stages
-    one activation forward and its gradient backward, [b, s, h] ([b, s/tp, h] with SP).
+    one activation forward and its gradient backward, [b, s, h] ([b, s/tp, h] with SP),
+    per chunk of the stage (interleaved), except out of the very last chunk and into
+    the very first one.
     """
     from tpkit.comm import theory
 
     one = theory.stage(b, s, hidden, tp, sp, num_layers, first=first, last=last)
     act = b * (s // tp if sp else s) * hidden
-    if pp > 1 and not last:
-        one += [theory.Expect("send", "forward", act), theory.Expect("recv", "backward", act)]
-    if pp > 1 and not first:
-        one += [theory.Expect("recv", "forward", act), theory.Expect("send", "backward", act)]
+    out, into = chunks - last, chunks - first  # activations leaving / entering the stage
+    if pp > 1 and out:
+        one += [theory.Expect("send", "forward", act, out),
+                theory.Expect("recv", "backward", act, out)]
+    if pp > 1 and into:
+        one += [theory.Expect("recv", "forward", act, into),
+                theory.Expect("send", "backward", act, into)]
     return [theory.Expect(e.op, e.phase, e.numel, e.count * m) for e in one]
 
 
