@@ -128,6 +128,7 @@ class ParallelMesh:
             raise RuntimeError("ParallelMesh with world_size > 1 needs torch.distributed to be "
                                "initialized first (use ParallelMesh.from_env or tpkit.launch)")
         self.groups = {k: self._make_group(k) for k in ("tp", "pp", "dp", "mp")}
+        self._extra: dict[str, CommGroup | None] = {}
 
     # -- construction ------------------------------------------------------------------
     @classmethod
@@ -151,7 +152,7 @@ class ParallelMesh:
         m.ranks_per_node = ranks_per_node or m.world_size
         m.ledger, m.backend, m.device = Ledger(), "none", torch.device("meta")
         m.coord = coord_of(rank, tp, pp)
-        m.groups = {}
+        m.groups, m._extra = {}, {}
         for kind in ("tp", "pp", "dp", "mp"):
             ranks = next(g for g in group_ranks(kind, tp, pp, dp) if rank in g)
             m.groups[kind] = CommGroup(kind, ranks, ranks.index(rank), None, m.ledger)
@@ -180,6 +181,25 @@ class ParallelMesh:
         if strict:
             raise ValueError(problem)
         warnings.warn(problem, TopologyWarning, stacklevel=3)
+
+    def extra_group(self, key: str, name: str, all_ranks: list[tuple[int, ...]]
+                    ) -> CommGroup | None:
+        """This rank's group among `all_ranks` (every group of one kind, the same list on
+        every rank), created once per mesh and cached under `key`; None if this rank is in
+        none. Collective the first time: every rank must call it, in the same order."""
+        if key not in self._extra:
+            self._extra[key] = self._group_among(name, all_ranks)
+        return self._extra[key]
+
+    def _group_among(self, name: str, all_ranks: list[tuple[int, ...]]) -> CommGroup | None:
+        mine = None
+        for ranks in all_ranks:
+            pg = None
+            if len(ranks) > 1:
+                pg = dist.new_group(list(ranks))
+            if self.rank in ranks:
+                mine = CommGroup(name, ranks, ranks.index(self.rank), pg, self.ledger)
+        return mine
 
     def _make_group(self, kind: str) -> CommGroup:
         mine = None

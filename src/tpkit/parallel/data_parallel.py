@@ -21,7 +21,6 @@ the same tp and dp index (Megatron's "embedding group"), which keeps them equal.
 from __future__ import annotations
 
 import torch
-import torch.distributed as dist
 from torch import nn
 
 from tpkit.comm import all_reduce
@@ -128,15 +127,10 @@ def tied_embedding_group(mesh: ParallelMesh, tied: bool) -> CommGroup | None:
     """
     if mesh.pp_size == 1 or not tied:
         return None
-    mine = None
-    for d in range(mesh.dp_size):
-        for t in range(mesh.tp_size):
-            ranks = (rank_of(Coord(d, 0, t), mesh.tp_size, mesh.pp_size),
-                     rank_of(Coord(d, mesh.pp_size - 1, t), mesh.tp_size, mesh.pp_size))
-            pg = dist.new_group(list(ranks))
-            if mesh.rank in ranks:
-                mine = CommGroup("tied", ranks, ranks.index(mesh.rank), pg, mesh.ledger)
-    return mine
+    tp, pp = mesh.tp_size, mesh.pp_size
+    pairs = [(rank_of(Coord(d, 0, t), tp, pp), rank_of(Coord(d, pp - 1, t), tp, pp))
+             for d in range(mesh.dp_size) for t in range(tp)]
+    return mesh.extra_group("tied-embedding", "tied", pairs)
 
 
 def tied_params(model: nn.Module) -> list[nn.Parameter]:

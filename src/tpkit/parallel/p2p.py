@@ -28,7 +28,6 @@ import time
 from collections import deque
 
 import torch
-import torch.distributed as dist
 
 from tpkit.comm import isend, recv
 from tpkit.comm.group import CommGroup
@@ -111,9 +110,5 @@ def ring_backward_group(mesh: ParallelMesh) -> CommGroup:
     pp = mesh.pp_group
     if pp.size == 1:
         return pp
-    mine = pp
-    for ranks in group_ranks("pp", mesh.tp_size, mesh.pp_size, mesh.dp_size):
-        pg = dist.new_group(list(ranks))
-        if mesh.rank in ranks:
-            mine = CommGroup("pp", ranks, ranks.index(mesh.rank), pg, mesh.ledger)
-    return mine
+    return mesh.extra_group("pp-backward", "pp",
+                            group_ranks("pp", mesh.tp_size, mesh.pp_size, mesh.dp_size))
