@@ -16,7 +16,8 @@ import subprocess
 import sys
 from pathlib import Path
 
-SCRIPTS = {"mlp": "mlp_vs_peers.py", "block": "block_vs_peers.py"}
+SCRIPTS = {"mlp": "mlp_vs_peers.py", "block": "block_vs_peers.py",
+           "bubble": "pipeline_bubble.py"}
 
 
 def benchmarks_dir() -> Path:
