@@ -12,14 +12,19 @@ posted the matching receive, so two neighbours that both send first would deadlo
 receives block in the main thread. The time spent blocked in receives (and in the
 final flush of sends) is the stage's idle time: the measured pipeline bubble.
 
-Interleaved 1F1B makes the pipeline a ring: the last stage's chunk c feeds the first
-stage's chunk c+1 (and gets its gradient back), so neighbours are taken modulo pp.
-With pp=2 both directions of a pair would then carry activations AND gradients of the
-same shape, and a receive could match the wrong kind. Gradients therefore travel on
-`backward_group`, a second process group over the same ranks (`ring_backward_group`);
-on each (group, src, dst) channel one kind flows, and every stage sends and receives
-it in the same (chunk, micro-batch) order, so receives match sends one for one. With
-pp=1 the ring closes on the stage itself: transfers go through a local queue.
+Gradients travel on `backward_group`, a second process group over the same ranks
+(`ring_backward_group`), for two reasons:
+- on NCCL, operations of one communicator run in order on one stream, and a large
+  send waits for its receive: stage s sending an activation forward while stage s+1
+  sends a gradient back, each before its receive, would block both streams. With one
+  communicator per direction, each carries messages one way only and cannot cycle;
+- interleaved 1F1B makes the pipeline a ring (the last stage's chunk c feeds the
+  first stage's chunk c+1), so with pp=2 both directions of a pair would carry
+  activations AND gradients of the same shape, and a receive could match the wrong
+  kind. On each (group, src, dst) channel one kind flows, in the same (chunk,
+  micro-batch) order on both ends, so receives match sends one for one.
+With pp=1 the ring closes on the stage itself: transfers go through a local queue.
+(The NCCL reasoning is argued, not yet run: no multi-GPU machine was available.)
 """
 
 from __future__ import annotations

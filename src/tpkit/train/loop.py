@@ -86,9 +86,9 @@ def train(cfg: TrainConfig, mesh: ParallelMesh, model: torch.nn.Module | None = 
     model.train()
     tied = tied_embedding_group(mesh, model.config.tie_embeddings)
     dp_sync = OverlappedGradSync(list(model.parameters()), mesh.dp_group, cfg.micro_batches)
-    ring = cfg.virtual_stages > 1 and mesh.pp_size > 1  # interleaved: gradients' own group
+    # gradients travel on their own communicator (see tpkit.parallel.p2p)
     link = StageLink(mesh.pp_group, device=mesh.device,
-                     backward_group=ring_backward_group(mesh) if ring else None)
+                     backward_group=ring_backward_group(mesh))
     opt = build_optimizer(model, cfg, mesh)
     out, lead = Path(cfg.out), mesh.rank == 0
     start = resume(cfg, mesh, model, opt, loader) if cfg.resume else 0
