@@ -40,8 +40,11 @@ from torch import nn
 from common import (
     Contender,
     CpuWatch,
+    agree,
+    check_agree,
     clean_rounds,
     environment,
+    fwd_bwd,
     median_ms,
     parser,
     print_table,
@@ -49,6 +52,7 @@ from common import (
     spread_ms,
     time_once,
     write_json,
+    zero,
 )
 from tpkit.comm.group import CommGroup
 from tpkit.launch import spawn
@@ -225,30 +229,6 @@ def megatron_ready() -> str | None:
 
 
 # -- timing --------------------------------------------------------------------------------
-def fwd_bwd(model: nn.Module, x: torch.Tensor, g: torch.Tensor, keep: dict, name: str,
-            cpu: dict):
-    """One forward + backward with upstream gradient `g`; keeps (y, dx) for the check and
-    this thread's CPU seconds (work done, time spent waiting on the other rank excluded)."""
-    def step() -> None:
-        t0 = time.thread_time()
-        y = model(x)  # [b, s, h]
-        y.backward(g)
-        cpu.setdefault(name, []).append(time.thread_time() - t0)
-        keep[name] = (y.detach(), x.grad)
-    return step
-
-
-def zero(model: nn.Module, x: torch.Tensor, ledger=None, record: bool = True):
-    """Untimed reset before a run: gradients to None; the ledger cleared, on or off."""
-    def before() -> None:
-        model.zero_grad(set_to_none=True)
-        x.grad = None
-        if ledger is not None:
-            ledger.clear()
-            ledger.enabled = record
-    return before
-
-
 def contenders(mesh, shape: Shape, device_mesh, keep: dict, cpu: dict, with_megatron: bool
                ) -> tuple[list[Contender], Block, torch.Tensor, torch.Tensor]:
     """The ways of running this shape (identical weights and inputs); tp=1, x and dL/dy."""
@@ -270,24 +250,13 @@ def contenders(mesh, shape: Shape, device_mesh, keep: dict, cpu: dict, with_mega
     return cs, single, x, g
 
 
-def check_agree(keep: dict, single: Block, x: torch.Tensor, g: torch.Tensor, shape: Shape,
-                tol: float = 1e-4) -> None:
+def check_block(keep: dict, single: Block, x: torch.Tensor, g: torch.Tensor, shape: Shape
+                ) -> None:
     """Every contender gave tp=1's output and input gradient (checked on rank 0)."""
     x1 = x.detach().clone().requires_grad_()
     y1 = single(x1)
     y1.backward(g)
-    for name, (y, dx) in keep.items():
-        dy, ddx = (y - y1).abs().max().item(), (dx - x1.grad).abs().max().item()
-        if max(dy, ddx) > tol:
-            raise AssertionError(f"{name} disagrees with tp=1 at {shape}: max |dy|={dy:.2e}, "
-                                 f"max |dx|={ddx:.2e} (tol {tol:.0e})")
-
-
-def agree(x):
-    """Rank 0's `x` on every rank."""
-    box = [x]
-    dist.broadcast_object_list(box, src=0)
-    return box[0]
+    check_agree(keep, y1, x1.grad, shape)
 
 
 def bench_shape(mesh, shape: Shape, device_mesh, budget_s: float, with_megatron: bool,
@@ -299,7 +268,7 @@ def bench_shape(mesh, shape: Shape, device_mesh, budget_s: float, with_megatron:
     for _ in range(2):  # the second warm-up round sizes the run
         warm = [time_once(c, dist.barrier) for c in cs]
     if mesh.rank == 0:
-        check_agree(keep, single, x, g, shape)
+        check_block(keep, single, x, g, shape)
     cpu.clear()
     round_s = agree(sum(warm))
     reps = reps_for(round_s, budget_s, lo=5)

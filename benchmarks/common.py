@@ -175,6 +175,55 @@ def clean_rounds(contenders: list[Contender], reps: int, round_s: float,
     return (kept if enough else every), facts
 
 
+# -- one forward + backward, its reset, and the agreement check -------------------------------
+def fwd_bwd(model, x, g, keep: dict, name: str, cpu: dict | None = None) -> Callable[[], None]:
+    """A step: forward + backward of `model` on x [b, s, h] with upstream gradient `g`;
+    keeps (y, dx) for `check_agree`, and this thread's CPU seconds in `cpu` if given
+    (work done; time spent waiting on the other rank excluded)."""
+    def step() -> None:
+        t0 = time.thread_time()
+        y = model(x)  # [b, s, h]
+        y.backward(g)
+        if cpu is not None:
+            cpu.setdefault(name, []).append(time.thread_time() - t0)
+        keep[name] = (y.detach(), x.grad)
+    return step
+
+
+def zero(model, x, ledger=None, record: bool = True, comm_s: list | None = None
+         ) -> Callable[[], None]:
+    """The untimed reset before a step: gradients to None; the ledger (if given) switched
+    on or off and cleared, the collective seconds of the run before first appended to
+    `comm_s` (if given)."""
+    def before() -> None:
+        model.zero_grad(set_to_none=True)
+        x.grad = None
+        if ledger is not None:
+            if comm_s is not None and ledger.records:
+                comm_s.append(ledger.total()["seconds"])
+            ledger.clear()
+            ledger.enabled = record
+    return before
+
+
+def check_agree(keep: dict, y1, dx1, where: object, tol: float = 1e-4) -> None:
+    """Every contender's (y, dx) in `keep` equals the tp=1 reference (y1, dx1)."""
+    for name, (y, dx) in keep.items():
+        dy, ddx = (y - y1).abs().max().item(), (dx - dx1).abs().max().item()
+        if max(dy, ddx) > tol:
+            raise AssertionError(f"{name} disagrees with tp=1 at {where}: max |dy|={dy:.2e}, "
+                                 f"max |dx|={ddx:.2e} (tol {tol:.0e})")
+
+
+def agree(value: object) -> object:
+    """Rank 0's `value`, on every rank."""
+    import torch.distributed as dist
+
+    box = [value]
+    dist.broadcast_object_list(box, src=0)
+    return box[0]
+
+
 def environment() -> dict:
     """What the numbers were measured on."""
     import torch

@@ -31,8 +31,11 @@ from torch import nn
 from common import (
     Contender,
     CpuWatch,
+    agree,
+    check_agree,
     clean_rounds,
     environment,
+    fwd_bwd,
     median_ms,
     parser,
     print_table,
@@ -40,6 +43,7 @@ from common import (
     spread_ms,
     time_once,
     write_json,
+    zero,
 )
 from tpkit.comm.group import CommGroup
 from tpkit.launch import spawn
@@ -95,30 +99,6 @@ def dtensor_mlp(ref: ParallelMLP, device_mesh) -> nn.Module:
     return parallelize_module(m, device_mesh, {"fc1": ColwiseParallel(), "fc2": RowwiseParallel()})
 
 
-def fwd_bwd(model: nn.Module, x: torch.Tensor, g: torch.Tensor, keep: dict, name: str):
-    """One forward + backward with upstream gradient `g`; keeps (y, dx) for the check."""
-    def step() -> None:
-        y = model(x)  # [b, s, h]
-        y.backward(g)
-        keep[name] = (y.detach(), x.grad)
-    return step
-
-
-def zero(model: nn.Module, x: torch.Tensor, ledger=None, record: bool = True,
-         comm_s: list | None = None):
-    """Untimed reset before a run: gradients to None; the ledger switched on or off,
-    cleared, the seconds of the run before (if recorded) first appended to `comm_s`."""
-    def before() -> None:
-        model.zero_grad(set_to_none=True)
-        x.grad = None
-        if ledger is not None:
-            if comm_s is not None and ledger.records:
-                comm_s.append(ledger.total()["seconds"])
-            ledger.clear()
-            ledger.enabled = record
-    return before
-
-
 def contenders(mesh, shape: Shape, device_mesh, keep: dict, comm_s: list) -> list[Contender]:
     """The four ways of running this shape, with identical weights and inputs; the
     seconds tpkit spent inside collectives (ledger) go to `comm_s`."""
@@ -138,23 +118,6 @@ def contenders(mesh, shape: Shape, device_mesh, keep: dict, comm_s: list) -> lis
     ]
 
 
-def check_agree(keep: dict, shape: Shape, tol: float = 1e-4) -> None:
-    """Every contender gave tp=1's output and input gradient (rank 0 holds all four)."""
-    y1, dx1 = keep[SINGLE]
-    for name, (y, dx) in keep.items():
-        dy, ddx = (y - y1).abs().max().item(), (dx - dx1).abs().max().item()
-        if max(dy, ddx) > tol:
-            raise AssertionError(f"{name} disagrees with tp=1 at {shape}: max |dy|={dy:.2e}, "
-                                 f"max |dx|={ddx:.2e} (tol {tol:.0e})")
-
-
-def agree(value: object) -> object:
-    """Rank 0's `value`, on every rank."""
-    box = [value]
-    dist.broadcast_object_list(box, src=0)
-    return box[0]
-
-
 def bench_shape(mesh, shape: Shape, device_mesh, budget_s: float, watch) -> dict | None:
     """Warm up, check, size the run, then time all contenders round-robin in blocks,
     keeping the blocks during which no other program used the CPU."""
@@ -165,7 +128,7 @@ def bench_shape(mesh, shape: Shape, device_mesh, budget_s: float, watch) -> dict
     if agree(sum(warm)) < 1.0:  # short rounds: a second warm-up round sizes the run
         warm = [time_once(c, dist.barrier) for c in cs]
     if mesh.rank == 0:
-        check_agree(keep, shape)
+        check_agree(keep, *keep[SINGLE], shape)
     keep.clear()
     comm_s.clear()
     round_s = agree(sum(warm))
