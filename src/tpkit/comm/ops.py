@@ -46,8 +46,8 @@ class _CopyToTP(torch.autograd.Function):
 class _ReduceFromTP(torch.autograd.Function):
     @staticmethod
     def forward(ctx, x, group):
-        if not x.is_contiguous():
-            return C.all_reduce(x.contiguous(), group)
+        if not x.is_contiguous() or (x.is_leaf and x.requires_grad):  # a leaf stays intact
+            return C.all_reduce(x.clone(memory_format=torch.contiguous_format), group)
         ctx.mark_dirty(x)  # in place: autograd errors out if anything saved x for backward
         return C.all_reduce(x, group)
 

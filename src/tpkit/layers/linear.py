@@ -65,6 +65,18 @@ class _ColumnLinear(torch.autograd.Function):
         return pending.wait().to(x_dtype), dw.to(w_dtype), db, None, None
 
 
+def column_parallel_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None,
+                           group: CommGroup, sequence_parallel: bool = False) -> torch.Tensor:
+    """x [b, s, in] ([b, s/tp, in] with SP) times this rank's rows of A: [b, s, out/tp].
+
+    f (or SP's all-gather) fused with the matmul; backward all-reduces (or
+    reduce-scatters) dx behind the dW matmul. At tp=1 it is a plain `F.linear`.
+    """
+    if group.size == 1:
+        return F.linear(x, weight, bias)
+    return _ColumnLinear.apply(x, weight, bias, group, sequence_parallel)
+
+
 def _reset_sharded(layer: nn.Module) -> None:
     """The tp=1 weight [out, in] drawn from the layer's seed; this rank keeps its slice."""
     if layer.weight.is_meta:
@@ -125,11 +137,8 @@ class ColumnParallelLinear(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         """x [b, s, in] (or [b, s/tp, in] with sequence parallelism) -> [b, s, out/tp]."""
-        if self.group.size == 1:
-            y = F.linear(x, self.weight, self.bias)  # [b, s, out]: the tp=1 reference
-        else:  # f (or SP all-gather) + matmul; backward all-reduces dx behind the dW matmul
-            y = _ColumnLinear.apply(x, self.weight, self.bias, self.group,
-                                    self.sequence_parallel)  # [b, s, out/tp]
+        y = column_parallel_linear(x, self.weight, self.bias, self.group,
+                                   self.sequence_parallel)  # [b, s, out/tp]
         return ops.gather_from_tp(y, self.group) if self.gather_output else y
 
     def extra_repr(self) -> str:

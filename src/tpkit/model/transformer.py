@@ -27,6 +27,7 @@ from tpkit.layers.attention import KVCache
 from tpkit.layers.cross_entropy import vocab_parallel_cross_entropy
 from tpkit.layers.embedding import VocabParallelEmbedding, padded_master
 from tpkit.layers.grads import finalize_tp_grads
+from tpkit.layers.linear import column_parallel_linear
 from tpkit.layers.norm import Norm
 from tpkit.layers.random import TPRandom, checkpointed, dropout
 from tpkit.model.block import Block
@@ -208,12 +209,9 @@ class Transformer(nn.Module):
 
     def logits(self, h: torch.Tensor) -> torch.Tensor:
         """Final hidden [b, s, h] ([b, s/tp, h] with SP) -> vocab-parallel logits."""
-        with self.mesh.ledger.scope("head"):
-            if self.sequence_parallel:
-                h = ops.gather_from_sp(h, self.group)  # [b, s, h]
-            else:
-                h = ops.copy_to_tp(h, self.group)  # backward: all-reduce
-            return torch.nn.functional.linear(h, self.head_weight)  # [b, s, V_pad/tp]
+        with self.mesh.ledger.scope("head"):  # a column-parallel layer over the vocabulary
+            return column_parallel_linear(h, self.head_weight, None, self.group,
+                                          self.sequence_parallel)  # [b, s, V_pad/tp]
 
     def hidden_states(self, ids, attention_mask=None, token_types=None) -> torch.Tensor:
         """Final hidden states [b, s, h] (gathered over the sequence with SP)."""
