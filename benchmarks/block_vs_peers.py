@@ -57,7 +57,7 @@ from common import (
 from tpkit.comm.group import CommGroup
 from tpkit.launch import spawn
 from tpkit.model.block import Block
-from tpkit.model.config import ModelConfig
+from tpkit.spec.config import ModelConfig
 
 TP = 2
 OURS, BARE, DTENSOR, MEGATRON = "tpkit", "tpkit no ledger", "DTensor", "Megatron-Core"

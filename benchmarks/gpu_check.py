@@ -22,7 +22,8 @@ import torch
 
 from tpkit.device import best_device
 from tpkit.mesh import ParallelMesh
-from tpkit.model import Transformer, get_preset
+from tpkit.model import Transformer
+from tpkit.spec import get_preset
 
 BF16_PEAK = {"H200": 989e12, "H100": 989e12, "A100": 312e12, "B200": 2250e12}
 

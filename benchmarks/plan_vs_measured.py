@@ -23,9 +23,9 @@ import tempfile
 import time
 from pathlib import Path
 
-from tpkit.model.config import ModelConfig, get_preset
 from tpkit.plan.hardware import Hardware, get_hardware
 from tpkit.plan.simulate import Cluster, Estimate, Layout, evaluate
+from tpkit.spec.config import ModelConfig, get_preset
 
 LAYOUTS = [(1, 1, 1), (2, 1, 1), (1, 2, 1), (1, 1, 2), (2, 2, 1), (2, 1, 2)]
 MODELS = {

@@ -7,12 +7,12 @@ import torch
 import torch.nn.functional as F
 
 from helpers import gather_grads, max_diff, splits_of
-from tpkit.comm import theory
 from tpkit.layers import finalize_tp_grads
 from tpkit.layers.attention import ParallelAttention
 from tpkit.layers.cross_entropy import vocab_parallel_cross_entropy
 from tpkit.layers.random import TPRandom, dropout
 from tpkit.mesh import ParallelMesh
+from tpkit.spec import theory
 
 B, S, H = 2, 6, 32
 

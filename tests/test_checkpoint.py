@@ -20,8 +20,8 @@ from test_checkpoint_helpers import (
     random_full,
     set_grads,
 )
+from tpkit.checkpoint import store as ckpt
 from tpkit.model.transformer import Transformer
-from tpkit.train import checkpoint as ckpt
 
 IDS = torch.randint(0, 257, (2, 9), generator=torch.Generator().manual_seed(0))
 

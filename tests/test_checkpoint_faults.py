@@ -20,10 +20,10 @@ import pytest
 import torch
 
 from test_checkpoint_helpers import LLAMA, fill, gather, local_state, random_full, set_grads
+from tpkit.checkpoint import convert
+from tpkit.checkpoint import store as ckpt
 from tpkit.mesh import ParallelMesh
 from tpkit.model.transformer import Transformer
-from tpkit.train import checkpoint as ckpt
-from tpkit.train import convert
 
 
 def saved(path: Path, seed: int = 1) -> tuple[Transformer, dict]:
@@ -101,7 +101,7 @@ KILLED_SAVE = """
 import sys, torch
 from tpkit.mesh import ParallelMesh
 from tpkit.model.transformer import Transformer
-from tpkit.train import checkpoint as ckpt
+from tpkit.checkpoint import store as ckpt
 sys.path.insert(0, sys.argv[2])
 from test_checkpoint_helpers import LLAMA
 model = Transformer(LLAMA, ParallelMesh.single(), seed=3)

@@ -9,12 +9,12 @@ from __future__ import annotations
 
 import torch
 
+from tpkit.checkpoint.files import local_slice
 from tpkit.comm import all_gather, recv, send
 from tpkit.mesh import ParallelMesh
-from tpkit.model.config import ModelConfig
 from tpkit.model.transformer import Transformer
 from tpkit.sharding import full_state_dict, split_of
-from tpkit.train.ckpt_io import local_slice
+from tpkit.spec.config import ModelConfig
 
 LLAMA = ModelConfig(name="llama-t", vocab_size=257, hidden=64, num_layers=4, num_heads=8,
                     num_kv_heads=2, ffn_hidden=160, max_seq_len=64, norm="rmsnorm",

@@ -14,12 +14,12 @@ import pytest
 import torch
 
 from test_checkpoint_helpers import GPT2, LLAMA, fill, random_full
+from tpkit.checkpoint import store as ckpt
 from tpkit.comm import all_gather
-from tpkit.generate import load_model, run
+from tpkit.commands.generate import load_model, run
 from tpkit.mesh import ParallelMesh
 from tpkit.model.generate import decode, encode, generate
 from tpkit.model.transformer import Transformer
-from tpkit.train import checkpoint as ckpt
 
 PROMPT = torch.tensor([[5, 17, 200, 3, 99]])
 

@@ -12,11 +12,11 @@ import pytest
 import torch
 import transformers  # the `hf` extra, installed by `make test`: never skipped
 
+from tpkit.checkpoint import store as ckpt
+from tpkit.checkpoint.convert import to_hf  # checkpoints too
 from tpkit.comm import all_gather
 from tpkit.mesh import ParallelMesh
 from tpkit.model.hf import from_pretrained, pooled
-from tpkit.train import checkpoint as ckpt
-from tpkit.train.convert import to_hf  # checkpoints too
 
 V = 101
 IDS = torch.randint(0, V, (2, 7), generator=torch.Generator().manual_seed(0))

@@ -20,10 +20,10 @@ from helpers import (
     random_full_state,
     splits_of,
 )
-from tpkit.comm import theory
 from tpkit.layers import ColumnColumnMLP, ColumnParallelLinear, ParallelMLP, RowParallelLinear
 from tpkit.mesh import ParallelMesh
 from tpkit.sharding import shard, unshard
+from tpkit.spec import theory
 
 B, S, H, FFN = 2, 4, 16, 32
 TPS = [1, 2, 4]

@@ -11,7 +11,6 @@ import sys
 import pytest
 
 from tpkit.cli import main as tpkit_main
-from tpkit.model.config import get_preset
 from tpkit.plan import PlanError, Request, cost, get_hardware, papers, plan
 from tpkit.plan.hardware import HardwareError, Link, load_profiles, profile_to_toml
 from tpkit.plan.memory import (
@@ -23,6 +22,7 @@ from tpkit.plan.memory import (
 )
 from tpkit.plan.simulate import Cluster, Layout, evaluate
 from tpkit.plan.topology import cross_node_penalty
+from tpkit.spec.config import get_preset
 
 LINK = Link("test", bandwidth=100e9, latency=1e-5)
 

@@ -6,8 +6,9 @@ from __future__ import annotations
 import pytest
 
 from tpkit.mesh import ParallelMesh
-from tpkit.model import Transformer, get_preset
+from tpkit.model import Transformer
 from tpkit.plan import params_per_rank
+from tpkit.spec import get_preset
 
 
 @pytest.mark.parametrize("preset,tp,pp", [("gpt2-124m", 4, 2), ("llama2-7b", 8, 4),

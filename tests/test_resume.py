@@ -21,9 +21,10 @@ from pathlib import Path
 import pytest
 import torch
 
+from tpkit.checkpoint import store as ckpt
 from tpkit.mesh import ParallelMesh
-from tpkit.model import Transformer, get_preset
-from tpkit.train import checkpoint as ckpt
+from tpkit.model import Transformer
+from tpkit.spec import get_preset
 from tpkit.train.config import TrainConfig
 from tpkit.train.loop import train
 

@@ -80,7 +80,7 @@ def test_cli_reports_errors_before_spawning(capsys, tmp_path):
 
 
 def test_toml_config_mirrors_flags(tmp_path):
-    from tpkit.train.cli import add_arguments, config_from_args
+    from tpkit.commands.train import add_arguments, config_from_args
 
     toml = tmp_path / "run.toml"
     toml.write_text('preset = "llama-tiny"\ntp = 2\npp = 2\nmicro-batches = 4\nzero1 = true\n'

@@ -10,10 +10,10 @@ import pytest
 import torch
 
 from helpers import gather_grads, max_diff
-from tpkit.comm import theory
 from tpkit.mesh import ParallelMesh
-from tpkit.model import ModelConfig, Transformer, get_preset
+from tpkit.model import Transformer
 from tpkit.sharding import TPSplit, splits_of
+from tpkit.spec import ModelConfig, get_preset, theory
 
 B, S = 2, 12
 # 6 heads, 3 kv heads, a vocabulary no tp divides: runs at tp = 1, 2 (kv split 3:... no), 3

@@ -5,7 +5,7 @@ combines the partial results with collectives that a ledger counts, composes tha
 with pipeline and data parallelism, and explains all of it (`tpkit quiz`).
 
 `import tpkit` is light: torch is imported only by the modules that need it, so
-`tpkit.plan` and `tpkit.model.config` run anywhere in milliseconds.
+`tpkit.plan` and `tpkit.spec.config` run anywhere in milliseconds.
 """
 
 __all__ = ["ParallelMesh", "spawn"]

@@ -11,14 +11,14 @@ import importlib
 import sys
 
 COMMANDS: dict[str, tuple[str, str]] = {
-    "verify": ("tpkit.verify", "check sharded layers/models against tp=1 (outputs, grads, ledger)"),
-    "train": ("tpkit.train.cli", "train a model with tensor x pipeline x data parallelism"),
-    "bench": ("tpkit.bench", "run the benchmarks against peers"),
-    "plan": ("tpkit.plan.cli", "plan tp/pp/dp for a model on a cluster (no torch needed)"),
-    "calibrate": ("tpkit.calibrate", "measure this machine into a hardware profile"),
-    "convert": ("tpkit.train.convert", "convert / reshard checkpoints, to and from safetensors"),
-    "generate": ("tpkit.generate", "tensor-parallel text generation with a KV cache"),
-    "quiz": ("tpkit.quiz.cli", "the tensor-parallelism quiz, as a live tutor (fr/en)"),
+    "verify": ("tpkit.commands.verify", "check sharded layers/models against tp=1 (outputs, grads, ledger)"),
+    "train": ("tpkit.commands.train", "train a model with tensor x pipeline x data parallelism"),
+    "bench": ("tpkit.commands.bench", "run the benchmarks against peers"),
+    "plan": ("tpkit.commands.plan", "plan tp/pp/dp for a model on a cluster (no torch needed)"),
+    "calibrate": ("tpkit.commands.calibrate", "measure this machine into a hardware profile"),
+    "convert": ("tpkit.checkpoint.convert", "convert / reshard checkpoints, to and from safetensors"),
+    "generate": ("tpkit.commands.generate", "tensor-parallel text generation with a KV cache"),
+    "quiz": ("tpkit.commands.quiz", "the tensor-parallelism quiz, as a live tutor (fr/en)"),
 }
 
 

@@ -2,7 +2,7 @@
 
 A `Source` serves rows [start, stop) of a *logical* global tensor (vocabulary
 padding excluded) along one dimension: a sharded tpkit checkpoint
-(`tpkit.train.ckpt_io.ShardedSource`), one full safetensors file, a dict in memory,
+(`tpkit.checkpoint.files.ShardedSource`), one full safetensors file, a dict in memory,
 or a Hugging Face model (`tpkit.model.hf.HFSource`). `local_slice` reads, part by
 part, exactly the chunk that a rank of a given layout holds, driven by the
 parameter's split tag, so no process reads a whole model.

@@ -140,7 +140,7 @@ class Ledger:
         Returns an empty list when every expected collective happened exactly the
         expected number of times, with the expected size, and nothing else did.
         """
-        from tpkit.comm.theory import as_counter
+        from tpkit.spec.theory import as_counter
 
         want, got = as_counter(theory), self.counts(**select)
         problems = []

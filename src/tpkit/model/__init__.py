@@ -1,16 +1,8 @@
-"""Models: `ModelConfig` and presets (pure Python), the `Transformer`, Hugging Face I/O.
+"""Models: the `Transformer` (one definition; tp=1 is the reference) and Hugging Face I/O.
 
-Light on import: `tpkit.model.config` needs no torch (the planner uses it).
+The configuration and presets live in `tpkit.spec` (pure Python).
 """
 
-from tpkit.model.config import PRESETS, ModelConfig, get_preset
+from tpkit.model.transformer import Transformer
 
-__all__ = ["PRESETS", "ModelConfig", "get_preset"]
-
-
-def __getattr__(name: str):
-    if name == "Transformer":
-        from tpkit.model.transformer import Transformer
-
-        return Transformer
-    raise AttributeError(f"module 'tpkit.model' has no attribute {name!r}")
+__all__ = ["Transformer"]

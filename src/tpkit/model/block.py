@@ -17,8 +17,8 @@ from tpkit.layers.attention import KVCache, ParallelAttention
 from tpkit.layers.mlp import ParallelMLP
 from tpkit.layers.norm import Norm
 from tpkit.layers.random import TPRandom, dropout
-from tpkit.model.config import ModelConfig
 from tpkit.sharding import seed_for
+from tpkit.spec.config import ModelConfig
 
 
 class Block(nn.Module):

@@ -2,7 +2,7 @@
 
     model = from_pretrained("path/to/hf-dir", mesh)   # each rank reads only its slices
     to_hf(model, "out-dir")                           # a directory `transformers` loads
-    tpkit.train.convert.to_hf(checkpoint_dir, "out-dir")   # the same from a checkpoint
+    tpkit.checkpoint.convert.to_hf(checkpoint_dir, "out-dir")   # the same from a checkpoint
 
 The name table and the configs live in `hf_map` (pure Python). Every tpkit parameter is
 made of Hugging Face tensors, in tpkit's [out, in] layout:
@@ -31,7 +31,6 @@ from safetensors.torch import save_file
 from torch import nn
 
 from tpkit.mesh import ParallelMesh
-from tpkit.model.config import ModelConfig
 from tpkit.model.hf_map import (  # noqa: F401 - part of this module's interface
     Recipe,
     bert_style,
@@ -42,6 +41,7 @@ from tpkit.model.hf_map import (  # noqa: F401 - part of this module's interface
 )
 from tpkit.shard_io import CheckpointError, DictSource, local_slice
 from tpkit.sharding import split_of
+from tpkit.spec.config import ModelConfig
 
 
 # -- reading ----------------------------------------------------------------------------
@@ -210,7 +210,7 @@ def memory_source(source: Any, config: ModelConfig | None = None
 
 def to_hf(source: Any, out_dir: str | Path, config: ModelConfig | None = None) -> Path:
     """Write a Hugging Face directory (config.json + model.safetensors) from a tp=1 model
-    or a dict of full tensors. (`tpkit.train.convert.to_hf` also takes checkpoints.)"""
+    or a dict of full tensors. (`tpkit.checkpoint.convert.to_hf` also takes checkpoints.)"""
     return write_hf(*memory_source(source, config), out_dir)
 
 

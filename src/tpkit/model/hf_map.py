@@ -10,7 +10,7 @@ tpkit's [out, in] layout (GPT-2's Conv1D stores [in, out]: transposed):
 
 from __future__ import annotations
 
-from tpkit.model.config import ModelConfig
+from tpkit.spec.config import ModelConfig
 
 Recipe = tuple[tuple[str, ...], bool]  # Hugging Face keys concatenated on dim 0, transposed?
 

@@ -31,8 +31,8 @@ from tpkit.layers.linear import column_parallel_linear
 from tpkit.layers.norm import Norm
 from tpkit.layers.random import TPRandom, checkpointed, dropout
 from tpkit.model.block import Block
-from tpkit.model.config import ModelConfig
 from tpkit.sharding import SP_TAG, TPSplit, seed_for, shard, tag
+from tpkit.spec.config import ModelConfig
 
 
 def stage_layers(num_layers: int, pp: int, stage: int) -> range:

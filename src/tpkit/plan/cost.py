@@ -21,8 +21,8 @@ device: (p-1)/(v m) (Narayanan et al. 2021, sections 2.2.1-2.2.2).
 
 from __future__ import annotations
 
-from tpkit.model.config import ModelConfig
 from tpkit.plan.hardware import Accelerator, Hardware, Link
+from tpkit.spec.config import ModelConfig
 
 
 # -- collectives -----------------------------------------------------------------------------

@@ -29,7 +29,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from tpkit.model.config import ModelConfig
+from tpkit.spec.config import ModelConfig
 
 RECOMPUTE = ("none", "selective", "full")
 

@@ -18,7 +18,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from tpkit.model.config import ModelConfig
+from tpkit.spec.config import ModelConfig
 
 
 def gpt(name: str, hidden: int, layers: int, heads: int, seq: int) -> ModelConfig:

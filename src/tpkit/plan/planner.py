@@ -15,10 +15,10 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from tpkit.model.config import ModelConfig
 from tpkit.plan.memory import RECOMPUTE, Precision
 from tpkit.plan.reasons import explain
 from tpkit.plan.simulate import Cluster, Estimate, Layout, evaluate
+from tpkit.spec.config import ModelConfig
 
 MICRO_BATCHES = (1, 2, 4, 8, 16, 32)
 CHOICES = ("tp", "pp", "dp", "micro_batch", "sp", "recompute", "zero1", "interleave")

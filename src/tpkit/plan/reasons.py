@@ -13,8 +13,8 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING
 
-from tpkit.model.config import ModelConfig
 from tpkit.plan import cost
+from tpkit.spec.config import ModelConfig
 
 if TYPE_CHECKING:
     from tpkit.plan.simulate import Cluster, Estimate, Layout

@@ -17,7 +17,6 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field, replace
 
-from tpkit.model.config import ModelConfig
 from tpkit.plan import cost
 from tpkit.plan.hardware import Hardware
 from tpkit.plan.memory import (
@@ -27,6 +26,7 @@ from tpkit.plan.memory import (
     params_per_rank,
     stage_layers,
 )
+from tpkit.spec.config import ModelConfig
 
 
 @dataclass(frozen=True)

@@ -9,11 +9,11 @@ from __future__ import annotations
 
 from dataclasses import replace
 
-from tpkit.model.config import ModelConfig, get_preset
 from tpkit.plan import cost
 from tpkit.plan.hardware import Hardware, get_hardware
 from tpkit.plan.memory import Precision
 from tpkit.plan.simulate import Layout, tp_collectives
+from tpkit.spec.config import ModelConfig, get_preset
 
 DEFAULT_MODEL = "llama3-8b"
 

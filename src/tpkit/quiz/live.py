@@ -138,9 +138,9 @@ def _planner_layer(tp: int, model: str, hardware: str, seq: int, b: int) -> dict
     try:
         from dataclasses import replace
 
-        from tpkit.model.config import PRESETS
         from tpkit.plan import cost
         from tpkit.plan.hardware import PROFILES
+        from tpkit.spec.config import PRESETS
     except ImportError:
         return None
     c, hw = PRESETS[model], PROFILES[hardware]

@@ -92,7 +92,7 @@ class TrainConfig:
 
     def problems(self) -> list[str]:
         """Every reason this run cannot start; empty when it can."""
-        from tpkit.model.config import get_preset
+        from tpkit.spec.config import get_preset
 
         out = [f"{k}={getattr(self, k)} must be a positive integer"
                for k in ("tp", "pp", "dp", "steps", "micro_batches", "global_batch", "seq",

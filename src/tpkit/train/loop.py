@@ -11,7 +11,7 @@
       optimizer.step()                AdamW, or ZeRO-1 (slice update + all-gather over dp)
 
 Every rank runs this same function; rank 0 writes the metrics, the plot and the
-report. Checkpoints use `tpkit.train.checkpoint.save` (sharded, reshardable).
+report. Checkpoints use `tpkit.checkpoint.store.save` (sharded, reshardable).
 """
 
 from __future__ import annotations
@@ -43,7 +43,7 @@ from tpkit.train.optim import build_optimizer, lr_at, set_lr
 
 def prepare(cfg: TrainConfig, mesh: ParallelMesh) -> tuple[TokenLoader, TokenLoader | None]:
     """Every check that can fail, before any collective: config, layout, data."""
-    from tpkit.model import get_preset
+    from tpkit.spec import get_preset
 
     cfg.check(mesh.world_size)
     got = (mesh.tp_size, mesh.pp_size, mesh.dp_size)
@@ -62,7 +62,8 @@ def prepare(cfg: TrainConfig, mesh: ParallelMesh) -> tuple[TokenLoader, TokenLoa
 
 def build_model(cfg: TrainConfig, mesh: ParallelMesh) -> torch.nn.Module:
     """The preset's Transformer, this rank's stage and shard of it."""
-    from tpkit.model import Transformer, get_preset
+    from tpkit.model import Transformer
+    from tpkit.spec import get_preset
 
     return Transformer(get_preset(cfg.preset), mesh, seed=cfg.seed, sequence_parallel=cfg.sp,
                        recompute=cfg.recompute, virtual_stages=cfg.virtual_stages)
@@ -171,7 +172,7 @@ def save_checkpoint(cfg: TrainConfig, mesh: ParallelMesh, model, opt, loader: To
                     step: int) -> str:
     """Sharded checkpoint at out/checkpoints/step_N: weights, AdamW (or ZeRO-1) state,
     and in `extra` the loader position, the step and this rank's generator states."""
-    from tpkit.train import checkpoint
+    from tpkit.checkpoint import store as checkpoint
 
     path = Path(cfg.out) / "checkpoints" / f"step_{step:06d}"
     rng = dict(checkpoint.capture_rng(mesh.device), tp=model.rng.state,
@@ -191,7 +192,7 @@ def resume(cfg: TrainConfig, mesh: ParallelMesh, model, opt, loader: TokenLoader
     rank (tp ranks must draw alike), the per-tp-rank dropout generator keeps its seed;
     on another kind of device (a GPU checkpoint on CPU) the generators keep theirs.
     """
-    from tpkit.train import checkpoint
+    from tpkit.checkpoint import store as checkpoint
 
     path = Path(cfg.resume)
     if not (path / "manifest.json").is_file():

@@ -133,7 +133,7 @@ def report(result: dict, tables: list[str]) -> str:
 
 def stage_theory(hidden: int, b: int, s: int, tp: int, pp: int, sp: bool, m: int,
                  first: bool, last: bool, num_layers: int, chunks: int = 1) -> list:
-    """What one step must send on this rank's tp and pp groups (tpkit.comm.theory).
+    """What one step must send on this rank's tp and pp groups (tpkit.spec.theory).
 
     Per micro-batch: `theory.stage` (embedding on the first stage, 2+2 per layer,
     head and the three cross-entropy all-reduces on the last); and between stages
@@ -141,7 +141,7 @@ def stage_theory(hidden: int, b: int, s: int, tp: int, pp: int, sp: bool, m: int
     per chunk of the stage (interleaved), except out of the very last chunk and into
     the very first one.
     """
-    from tpkit.comm import theory
+    from tpkit.spec import theory
 
     one = theory.stage(b, s, hidden, tp, sp, num_layers, first=first, last=last)
     act = b * (s // tp if sp else s) * hidden

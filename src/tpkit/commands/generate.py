@@ -21,9 +21,9 @@ from tpkit.model.generate import decode, encode, generate
 def load_model(path: str | Path, mesh: ParallelMesh, dtype: torch.dtype | None = None
                ) -> nn.Module:
     """A model at `mesh`'s layout from a tpkit checkpoint dir, full file or HF directory."""
+    from tpkit.checkpoint import store as ckpt
+    from tpkit.checkpoint.convert import open_source
     from tpkit.model.hf import build_model, from_pretrained, load_from, materialize
-    from tpkit.train import checkpoint as ckpt
-    from tpkit.train.convert import open_source
 
     path = Path(path)
     if (path / "config.json").is_file() and not (path / "manifest.json").is_file():

@@ -11,10 +11,10 @@ import argparse
 import json
 import sys
 
-from tpkit.model.config import ModelConfig, get_preset
 from tpkit.plan.hardware import PROFILES, HardwareError, get_hardware
 from tpkit.plan.planner import PlanError, Request, plan
 from tpkit.plan.simulate import Cluster, Estimate
+from tpkit.spec.config import ModelConfig, get_preset
 
 GB = 1e9
 

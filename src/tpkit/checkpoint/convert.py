@@ -24,11 +24,7 @@ import torch
 from safetensors.torch import save_file
 from torch import nn
 
-from tpkit.comm.group import CommGroup
-from tpkit.comm.ledger import Ledger
-from tpkit.model.config import ModelConfig
-from tpkit.sharding import split_of
-from tpkit.train.ckpt_io import (
+from tpkit.checkpoint.files import (
     MANIFEST,
     CheckpointError,
     FullSource,
@@ -37,6 +33,10 @@ from tpkit.train.ckpt_io import (
     read_manifest,
     verify_file,
 )
+from tpkit.comm.group import CommGroup
+from tpkit.comm.ledger import Ledger
+from tpkit.sharding import split_of
+from tpkit.spec.config import ModelConfig
 
 FULL_FORMAT = "tpkit-full"
 
@@ -116,7 +116,7 @@ def to_full(source: Any, out: str | Path) -> Path:
 def reshard(source: Any, out: str | Path, tp: int, pp: int = 1) -> Path:
     """Write a sharded checkpoint at (tp, pp) from any source; optimizer state follows
     when the source is a sharded checkpoint that has it. Atomic like `checkpoint.save`."""
-    from tpkit.train.checkpoint import write_manifest, write_record
+    from tpkit.checkpoint.store import write_manifest, write_record
 
     src, config, names = open_source(source)
     config.check(tp=tp, pp=pp)

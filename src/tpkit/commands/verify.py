@@ -16,10 +16,10 @@ from dataclasses import replace
 
 import torch
 
-from tpkit.comm import theory
 from tpkit.comm.report import human_bytes
 from tpkit.mesh import ParallelMesh
 from tpkit.sharding import full_state_dict, splits_of, unshard
+from tpkit.spec import theory
 
 TOL = {"float32": 1e-5, "bfloat16": 5e-2}
 
@@ -61,7 +61,8 @@ def _mlp_case(mesh, a) -> dict:
 
 
 def _model_case(mesh, a) -> dict:
-    from tpkit.model import Transformer, get_preset
+    from tpkit.model import Transformer
+    from tpkit.spec import get_preset
 
     cfg = get_preset(a["preset"])
     if a["layers"]:

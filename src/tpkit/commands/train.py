@@ -109,7 +109,7 @@ def run(args: argparse.Namespace) -> int:
         cfg.check(world or cfg.world_size)
         if torchrun:
             return _run_torchrun(cfg)
-        from tpkit.model import get_preset
+        from tpkit.spec import get_preset
         from tpkit.train.data import load_tokens
 
         load_tokens(cfg.data, get_preset(cfg.preset).vocab_size)  # data errors before spawning

@@ -33,13 +33,8 @@ import torch
 from safetensors.torch import save_file
 from torch import nn
 
-from tpkit.comm import all_reduce
-from tpkit.device import rng_state, set_rng_state
-from tpkit.mesh import ParallelMesh
-from tpkit.parallel.zero import ZeroAdamW
-from tpkit.sharding import split_of
-from tpkit.train import ckpt_optim
-from tpkit.train.ckpt_io import (
+from tpkit.checkpoint import optim_state as ckpt_optim
+from tpkit.checkpoint.files import (
     FORMAT,
     MANIFEST,
     VERSION,
@@ -56,6 +51,11 @@ from tpkit.train.ckpt_io import (
     verify_file,
     write_json,
 )
+from tpkit.comm import all_reduce
+from tpkit.device import rng_state, set_rng_state
+from tpkit.mesh import ParallelMesh
+from tpkit.parallel.zero import ZeroAdamW
+from tpkit.sharding import split_of
 
 __all__ = ["CheckpointError", "capture_rng", "latest", "load", "read_manifest",
            "restore_rng", "save"]

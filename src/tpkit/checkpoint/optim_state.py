@@ -20,10 +20,10 @@ from pathlib import Path
 import torch
 from torch import nn
 
+from tpkit.checkpoint.files import MANIFEST, CheckpointError, ShardedSource, local_slice
 from tpkit.mesh import ParallelMesh
 from tpkit.parallel.zero import ZeroAdamW
 from tpkit.sharding import split_of
-from tpkit.train.ckpt_io import MANIFEST, CheckpointError, ShardedSource, local_slice
 
 State = dict[nn.Parameter, dict[str, torch.Tensor]]
 
