@@ -18,11 +18,11 @@ from tpkit.plan.memory import (
     activation_bytes_per_layer,
     model_state_bytes,
     params_per_rank,
-    stage_layers,
 )
 from tpkit.plan.simulate import Cluster, Layout, evaluate
 from tpkit.plan.topology import cross_node_penalty
 from tpkit.spec.config import get_preset
+from tpkit.spec.shapes import layers_per_stage, stage_layer_range
 
 LINK = Link("test", bandwidth=100e9, latency=1e-5)
 
@@ -90,7 +90,8 @@ def test_zero1_divides_only_the_optimizer_state_by_dp():
 
 
 def test_stage_layers_even_with_extra_on_the_first_stages():
-    assert stage_layers(10, 4) == [3, 3, 2, 2]
+    assert layers_per_stage(10, 4) == [3, 3, 2, 2]
+    assert [list(stage_layer_range(10, 4, s)) for s in (0, 3)] == [[0, 1, 2], [8, 9]]
 
 
 def test_params_per_rank_gpt2_tiny_by_hand():

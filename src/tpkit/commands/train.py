@@ -140,6 +140,17 @@ def _run_local(cfg: TrainConfig) -> int:
     return 0
 
 
+def cross_node_price(tp: int, pp: int, dp: int, ranks_per_node: int) -> str | None:
+    """The planner's price of tp groups that span nodes (`TopologyWarning` says why), or None."""
+    from tpkit.plan.topology import cross_node_penalty
+    from tpkit.spec.grid import locality_problem
+
+    if locality_problem(tp, pp, dp, ranks_per_node) is None:
+        return None
+    said = cross_node_penalty(None, tp, ranks_per_node, hardware="h100")
+    return f"Predicted on H100 nodes with InfiniBand: {said}" if said else None
+
+
 def _run_torchrun(cfg: TrainConfig) -> int:
     import torch.distributed as dist
 
@@ -148,6 +159,9 @@ def _run_torchrun(cfg: TrainConfig) -> int:
 
     mesh = ParallelMesh.from_env(tp=cfg.tp, pp=cfg.pp, dp=cfg.dp)
     print(f"rank {mesh.rank}: {mesh!r}, tp group {list(mesh.tp_group.ranks)}", flush=True)
+    price = cross_node_price(mesh.tp_size, mesh.pp_size, mesh.dp_size, mesh.ranks_per_node)
+    if price and mesh.rank == 0:  # the mesh warned of the problem; the planner prices it
+        print(price, file=sys.stderr, flush=True)
     result = train(cfg, mesh)
     if mesh.rank == 0:
         print(mesh.describe())

@@ -33,13 +33,7 @@ from tpkit.layers.random import TPRandom, checkpointed, dropout
 from tpkit.model.block import Block
 from tpkit.sharding import SP_TAG, TPSplit, seed_for, shard, tag
 from tpkit.spec.config import ModelConfig
-
-
-def stage_layers(num_layers: int, pp: int, stage: int) -> range:
-    """Global layer indices of a pipeline stage (earlier stages take the remainder)."""
-    base, extra = divmod(num_layers, pp)
-    start = stage * base + min(stage, extra)
-    return range(start, start + base + (1 if stage < extra else 0))
+from tpkit.spec.shapes import stage_layer_range
 
 
 class Embeddings(nn.Module):
@@ -104,7 +98,7 @@ class Transformer(nn.Module):
         self.config, self.mesh, self.group = config, mesh, mesh.tp_group
         self.sequence_parallel, self.recompute, self.seed = sequence_parallel, recompute, seed
         self.virtual_stages = v
-        self.chunk_layers = [stage_layers(config.num_layers, pp * v, c * pp + mesh.pp_rank)
+        self.chunk_layers = [stage_layer_range(config.num_layers, pp * v, c * pp + mesh.pp_rank)
                              for c in range(v)]  # chunk c = virtual stage c*pp + pp_rank
         self.layer_range = self.chunk_layers[0] if v == 1 else \
             [i for r in self.chunk_layers for i in r]

@@ -26,7 +26,8 @@ from torch import nn
 from tpkit.comm import all_reduce
 from tpkit.comm.collectives import Pending, all_reduce_async
 from tpkit.comm.group import CommGroup
-from tpkit.mesh import Coord, ParallelMesh, rank_of
+from tpkit.mesh import ParallelMesh
+from tpkit.spec.grid import Coord, rank_of
 
 TIED_ATTR = "tied_to"
 

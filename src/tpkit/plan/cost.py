@@ -23,21 +23,25 @@ from __future__ import annotations
 
 from tpkit.plan.hardware import Accelerator, Hardware, Link
 from tpkit.spec.config import ModelConfig
+from tpkit.spec.grid import group_fits_node
+from tpkit.spec.theory import ring_factor, ring_steps
 
 
 # -- collectives -----------------------------------------------------------------------------
+def collective_time(op: str, nbytes: float, p: int, link: Link) -> float:
+    """Ring `op` of `nbytes` per rank over p ranks: steps a + factor n/B, with the steps
+    and wire factor of `spec.theory` (2(p-1) and 2(p-1)/p for an all-reduce)."""
+    return ring_steps(op, p) * link.latency + ring_factor(op, p) * nbytes / link.bandwidth
+
+
 def all_reduce_time(nbytes: float, p: int, link: Link) -> float:
     """Ring all-reduce of `nbytes` per rank over p ranks: 2(p-1)a + 2(p-1)/p n/B."""
-    if p <= 1:
-        return 0.0
-    return 2 * (p - 1) * link.latency + 2 * (p - 1) / p * nbytes / link.bandwidth
+    return collective_time("all_reduce", nbytes, p, link)
 
 
 def all_gather_time(nbytes: float, p: int, link: Link) -> float:
     """Ring all-gather producing `nbytes` per rank: (p-1)a + (p-1)/p n/B."""
-    if p <= 1:
-        return 0.0
-    return (p - 1) * link.latency + (p - 1) / p * nbytes / link.bandwidth
+    return collective_time("all_gather", nbytes, p, link)
 
 
 def reduce_scatter_time(nbytes: float, p: int, link: Link) -> float:
@@ -48,11 +52,6 @@ def reduce_scatter_time(nbytes: float, p: int, link: Link) -> float:
 def p2p_time(nbytes: float, link: Link) -> float:
     """One send/recv of `nbytes`: a + n/B."""
     return link.latency + nbytes / link.bandwidth
-
-
-def group_fits_node(span: int, per_node: int) -> bool:
-    """A group of `span` consecutive ranks, aligned on multiples of span, stays in one node."""
-    return span <= per_node and per_node % span == 0
 
 
 def link_for(span: int, hw: Hardware, stride: int = 1) -> Link:

@@ -7,8 +7,8 @@ Parameters per rank (how tpkit splits a model, Megatron style):
     vocab-parallel   embedding (+ untied head): [V_pad/tp, h]              sharded
     norms, position / token-type embeddings                                replicated
 
-Pipeline stages get `stage_layers` consecutive layers; stage 0 holds the embeddings,
-the last stage the final norm and the output head (a copy of the tied embedding when
+Pipeline stages get consecutive layers (`spec.shapes.layers_per_stage`); stage 0 holds
+the embeddings, the last stage the final norm and the output head (a copy of the tied embedding when
 pp > 1, as Megatron keeps one for the logits).
 
 Model state (ZeRO paper, Rajbhandari et al. 2020, section 3.1): mixed-precision Adam
@@ -30,6 +30,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from tpkit.spec.config import ModelConfig
+from tpkit.spec.shapes import layers_per_stage
 
 RECOMPUTE = ("none", "selective", "full")
 
@@ -49,46 +50,18 @@ class Precision:
         return cls(4, 4, 8, 4) if dtype == "fp32" else cls()
 
 
-def norm_params(c: ModelConfig) -> int:
-    """Parameters of one norm: weight and bias for LayerNorm, weight only for RMSNorm."""
-    return 2 * c.hidden if c.norm == "layernorm" else c.hidden
-
-
-def stage_layers(num_layers: int, pp: int) -> list[int]:
-    """Layers per pipeline stage: as even as possible, the first stages take the extra ones."""
-    return [num_layers // pp + (1 if i < num_layers % pp else 0) for i in range(pp)]
-
-
-def _kv_heads_per_rank(c: ModelConfig, tp: int) -> int:
-    """kv heads are split when tp divides them, else each rank keeps one (replicated)."""
-    return c.kv_heads // tp if c.kv_heads % tp == 0 else 1
-
-
-def layer_params_per_rank(c: ModelConfig, tp: int) -> int:
-    """Parameters of one transformer layer held by one tensor-parallel rank."""
-    h, hd, f = c.hidden, c.head_dim, c.ffn
-    b = 1 if c.bias else 0
-    qkv_out = (c.num_heads // tp + 2 * _kv_heads_per_rank(c, tp)) * hd  # local qkv columns
-    attn = h * qkv_out + b * qkv_out + (c.num_heads // tp) * hd * h + b * h
-    if c.activation == "swiglu":
-        mlp = 3 * h * (f // tp)  # gate, up: column; down: row (no bias, as ModelConfig counts)
-    else:
-        mlp = 2 * h * (f // tp) + b * (f // tp + h)
-    return attn + mlp + 2 * norm_params(c)
-
-
 def params_per_rank(config: ModelConfig, tp: int, pp: int, stage: int) -> int:
     """Parameters held by one rank of pipeline stage `stage` at (tp, pp)."""
     c = config
     if not 0 <= stage < pp:
         raise ValueError(f"stage={stage} is outside 0..{pp - 1} for pp={pp}")
-    n = stage_layers(c.num_layers, pp)[stage] * layer_params_per_rank(c, tp)
+    n = layers_per_stage(c.num_layers, pp)[stage] * c.layer_params(tp)
     vocab_shard = c.padded_vocab(tp) // tp * c.hidden
     if stage == 0:
-        n += vocab_shard + c.type_vocab_size * c.hidden + (norm_params(c) if c.embed_norm else 0)
+        n += vocab_shard + c.type_vocab_size * c.hidden + (c.norm_params() if c.embed_norm else 0)
         n += c.max_seq_len * c.hidden if c.position == "learned" else 0
     if stage == pp - 1:
-        n += norm_params(c) if c.pre_norm else 0
+        n += c.norm_params() if c.pre_norm else 0
         if not c.tie_embeddings or pp > 1:
             n += vocab_shard
     return n
@@ -131,7 +104,7 @@ def stage_activation_bytes(c: ModelConfig, seq: int, micro_batch: int, tp: int, 
     """Activation bytes of one rank of `stage` at the schedule's peak (+ logits on the last)."""
     per_layer = activation_bytes_per_layer(seq, micro_batch, c.hidden, c.num_heads, tp, sp,
                                            recompute, act_bytes)
-    layers = stage_layers(c.num_layers, pp)[stage]
+    layers = layers_per_stage(c.num_layers, pp)[stage]
     total = per_layer * layers * in_flight_micro_batches(pp, stage, m, interleave)
     if stage == pp - 1:  # fp32 logits of one micro-batch, vocab-parallel (Korthikanti eq. 3)
         total += 4 * seq * micro_batch * c.padded_vocab(tp) / tp

@@ -15,6 +15,7 @@ from typing import TYPE_CHECKING
 
 from tpkit.plan import cost
 from tpkit.spec.config import ModelConfig
+from tpkit.spec.grid import group_fits_node
 
 if TYPE_CHECKING:
     from tpkit.plan.simulate import Cluster, Estimate, Layout
@@ -35,7 +36,7 @@ def collectives_phrase(lay: Layout) -> str:
 
 
 def _crosses(lay: Layout, cluster: Cluster) -> bool:
-    return not cost.group_fits_node(lay.tp, cluster.per_node)
+    return not group_fits_node(lay.tp, cluster.per_node)
 
 
 def explain(e: Estimate, best: Estimate, c: ModelConfig, seq: int, cluster: Cluster) -> str:

@@ -24,9 +24,10 @@ from tpkit.plan.memory import (
     activation_bytes_per_layer,
     memory_per_device,
     params_per_rank,
-    stage_layers,
 )
+from tpkit.spec import theory
 from tpkit.spec.config import ModelConfig
+from tpkit.spec.shapes import layers_per_stage
 
 
 @dataclass(frozen=True)
@@ -120,17 +121,29 @@ def layer_times(c: ModelConfig, seq: int, lay: Layout, hw: Hardware, prec: Preci
     return out
 
 
+def layer_collectives(c: ModelConfig, seq: int, lay: Layout) -> list[theory.Expect]:
+    """The tensor-parallel collectives of one layer and micro-batch, as the ledger records
+    them: `spec.theory.layer` (2 all-reduces of b*s*h each way, or with SP 2 all-gathers
+    + 2 reduce-scatters each way; a full recompute repeats the forward ones)."""
+    return theory.layer(lay.micro_batch, seq, c.hidden, lay.tp, lay.sp, lay.recompute)
+
+
+def collectives_time(expects: list[theory.Expect], elem_bytes: int, p: int, link) -> float:
+    """Seconds of a list of collectives of `elem_bytes`-byte elements over p ranks."""
+    return sum(e.count * cost.collective_time(e.op, e.numel * elem_bytes, p, link)
+               for e in expects)
+
+
 def tp_collectives(c: ModelConfig, seq: int, lay: Layout, hw: Hardware,
                    prec: Precision) -> dict[str, float]:
-    """Tensor-parallel traffic of one layer: 2 all-reduces of b*s*h each way (or 2 AG + 2 RS)."""
-    n = lay.micro_batch * seq * c.hidden * prec.activation
+    """Seconds of one layer's tensor-parallel collectives: the forward's, and the backward's
+    (with a full recompute, the recomputed forward's collectives run during the backward)."""
     link = cost.link_for(lay.tp, hw)
-    if lay.sp:
-        one = cost.all_gather_time(n, lay.tp, link) + cost.reduce_scatter_time(n, lay.tp, link)
-    else:
-        one = 2 * cost.all_reduce_time(n, lay.tp, link)
-    again = one if lay.recompute == "full" else 0.0  # recomputed forward repeats its collectives
-    return {"tp_comm_fwd": one, "tp_comm_bwd": one + again}
+    once = [e for e in layer_collectives(c, seq, replace(lay, recompute="none"))
+            if e.phase == "forward"]
+    fwd = collectives_time(once, prec.activation, lay.tp, link)
+    total = collectives_time(layer_collectives(c, seq, lay), prec.activation, lay.tp, link)
+    return {"tp_comm_fwd": fwd, "tp_comm_bwd": total - fwd}
 
 
 def _stage_extras(c: ModelConfig, seq: int, lay: Layout, hw: Hardware, prec: Precision,
@@ -138,14 +151,15 @@ def _stage_extras(c: ModelConfig, seq: int, lay: Layout, hw: Hardware, prec: Pre
     """(compute, comm) seconds of the embedding (first stage) or logits (last stage)."""
     acc, b, t = hw.accelerator, lay.micro_batch, lay.tp
     link = cost.link_for(t, hw)
-    n = b * seq * c.hidden * prec.activation
-    if not last:  # vocab-parallel embedding: one all-reduce forward (the backward is local)
-        return 0.0, cost.all_reduce_time(n, t, link)
+    if not last:  # vocab-parallel embedding: one all-reduce (SP: reduce-scatter + all-gather)
+        return 0.0, collectives_time(theory.embedding(b, seq, c.hidden, t, lay.sp),
+                                     prec.activation, t, link)
     logits = cost.gemm_time(3 * cost.logits_forward_flops(c, b, seq) / t, acc,
                             min(b * seq, c.hidden))
-    ce = 3 * cost.all_reduce_time(4 * b * seq, t, link)  # max, target logit, sum of exp
+    ce = collectives_time(theory.cross_entropy(b, seq, t), 4, t, link)  # fp32 max, target, sum
     logits += cost.overhead_time(cost.OPS_PER_MICRO_BATCH, acc)
-    return logits, ce + cost.all_reduce_time(n, t, link)  # + the input-grad all-reduce
+    return logits, ce + collectives_time(theory.head(b, seq, c.hidden, t, lay.sp),
+                                         prec.activation, t, link)
 
 
 def evaluate(c: ModelConfig, seq: int, global_batch: int, lay: Layout, cluster: Cluster,
@@ -157,7 +171,7 @@ def evaluate(c: ModelConfig, seq: int, global_batch: int, lay: Layout, cluster: 
     lt = layer_times(c, seq, lay, hw, prec, cluster.flash_attention)
     layer_compute = sum(v for k, v in lt.items() if not k.startswith("tp_comm"))
     layer_comm = lt["tp_comm_fwd"] + lt["tp_comm_bwd"]
-    layers = stage_layers(c.num_layers, lay.pp)
+    layers = layers_per_stage(c.num_layers, lay.pp)
     _, embed_comm = _stage_extras(c, seq, lay, hw, prec, last=False)
     head_compute, head_comm = _stage_extras(c, seq, lay, hw, prec, last=True)
     first = (layers[0] * layer_compute, layers[0] * layer_comm + embed_comm)
@@ -195,7 +209,7 @@ def _dp_and_optimizer(c: ModelConfig, lay: Layout, cluster: Cluster, hw: Hardwar
     link = cost.link_for(lay.tp * lay.pp * lay.dp, hw, stride=lay.tp * lay.pp)
     sync = cost.dp_sync_time(params * prec.grad, lay.dp, link, lay.zero1)
     exposed = cost.exposed_dp_time(sync, backward_window, cluster.overlap_dp, lay.zero1)
-    tensors = cost.param_tensors_per_layer(c) * max(stage_layers(c.num_layers, lay.pp)) + 4
+    tensors = cost.param_tensors_per_layer(c) * max(layers_per_stage(c.num_layers, lay.pp)) + 4
     dispatch = cost.overhead_time(cost.OPS_PER_PARAM_TENSOR * tensors, hw.accelerator)
     return {"dp": exposed,
             "optimizer": cost.optimizer_time(params, lay.dp, lay.zero1, hw.accelerator) + dispatch}

@@ -19,9 +19,9 @@ import torch
 
 from tpkit.comm.group import CommGroup
 from tpkit.layers import ColumnColumnMLP, ParallelMLP, RowParallelLinear
-from tpkit.mesh import rank_grid
 from tpkit.quiz import live_ranks as R
 from tpkit.quiz.live_text import Say
+from tpkit.spec.grid import rank_grid
 
 Runner = Callable[..., list]  # runner(fn, world, *args, mesh=dict(tp=, pp=, dp=)) -> per rank
 SHAPE = dict(b=2, s=4, hidden=16, ffn=64)

@@ -35,6 +35,7 @@ from tpkit.parallel import (
     sync_tied_grads,
     tied_embedding_group,
 )
+from tpkit.spec import theory
 from tpkit.train import metrics
 from tpkit.train.config import TrainConfig
 from tpkit.train.data import TokenLoader, load_tokens, micro_batches, split_tokens
@@ -216,9 +217,9 @@ def _summary(cfg, mesh, model, rows, train_s, idle, busy, ckpt, lead) -> dict:
     with mesh.ledger.paused():
         all_reduce(ratio, mesh.pp_group, phase="metrics", scope="metrics")
     c, b = model.config, cfg.micro_batch_size
-    expects = metrics.stage_theory(c.hidden, b, cfg.seq, mesh.tp_size, mesh.pp_size, cfg.sp,
-                                   cfg.micro_batches, model.is_first_stage, model.is_last_stage,
-                                   len(model.layer_range), model.virtual_stages)
+    expects = theory.stage_step(c.hidden, b, cfg.seq, mesh.tp_size, mesh.pp_size, cfg.sp,
+                                cfg.micro_batches, model.is_first_stage, model.is_last_stage,
+                                len(model.layer_range), model.virtual_stages)
     rows_t = metrics.theory_rows(mesh.ledger, expects)
     where = f"rank {mesh.rank} (stage {mesh.pp_rank}, tp rank {mesh.tp_rank})"
     val = [r["val_loss"] for r in rows if "val_loss" in r]
