@@ -125,25 +125,21 @@ class ParallelMesh:
             self._extra[key] = self._group_among(name, all_ranks)
         return self._extra[key]
 
-    def _group_among(self, name: str, all_ranks: list[tuple[int, ...]]) -> CommGroup | None:
+    def _group_among(self, name: str, all_ranks: list[tuple[int, ...]],
+                     reuse_world: bool = False) -> CommGroup | None:
         mine = None
         for ranks in all_ranks:
             pg = None
-            if len(ranks) > 1:
-                pg = dist.new_group(list(ranks))
+            if len(ranks) > 1:  # every rank must create every group, in the same order
+                pg = dist.GroupMember.WORLD if reuse_world and len(ranks) == self.world_size \
+                    else dist.new_group(list(ranks))
             if self.rank in ranks:
                 mine = CommGroup(name, ranks, ranks.index(self.rank), pg, self.ledger)
         return mine
 
     def _make_group(self, kind: str) -> CommGroup:
-        mine = None
-        for ranks in group_ranks(kind, self.tp_size, self.pp_size, self.dp_size):
-            pg = None
-            if len(ranks) > 1:  # every rank must create every group, in the same order
-                pg = dist.GroupMember.WORLD if len(ranks) == self.world_size else \
-                    dist.new_group(list(ranks))
-            if self.rank in ranks:
-                mine = CommGroup(kind, ranks, ranks.index(self.rank), pg, self.ledger)
+        mine = self._group_among(kind, group_ranks(kind, self.tp_size, self.pp_size, self.dp_size),
+                                 reuse_world=True)
         assert mine is not None
         return mine
 
