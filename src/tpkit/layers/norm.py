@@ -13,6 +13,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from tpkit.sharding import SP_TAG, tag
+from tpkit.spec.config import NORMS
 
 
 class Norm(nn.Module):
@@ -21,8 +22,8 @@ class Norm(nn.Module):
     def __init__(self, hidden: int, kind: str = "layernorm", eps: float = 1e-5, *,
                  sequence_parallel: bool = False, device=None, dtype=None) -> None:
         super().__init__()
-        if kind not in ("layernorm", "rmsnorm"):
-            raise ValueError(f"norm={kind!r} is not one of ('layernorm', 'rmsnorm')")
+        if kind not in NORMS:
+            raise ValueError(f"norm={kind!r} is not one of {NORMS}")
         self.kind, self.eps, self.hidden = kind, eps, hidden
         self.weight = tag(nn.Parameter(torch.ones(hidden, device=device, dtype=dtype)), None)
         self.bias = tag(nn.Parameter(torch.zeros(hidden, device=device, dtype=dtype)), None) \

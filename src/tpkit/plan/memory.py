@@ -31,8 +31,7 @@ from dataclasses import dataclass
 
 from tpkit.spec.config import ModelConfig
 from tpkit.spec.shapes import layers_per_stage
-
-RECOMPUTE = ("none", "selective", "full")
+from tpkit.spec.theory import RECOMPUTE
 
 
 @dataclass(frozen=True)

@@ -11,6 +11,10 @@ from dataclasses import asdict, dataclass, replace
 
 from tpkit.spec import shapes
 
+NORMS = ("layernorm", "rmsnorm")
+ACTIVATIONS = ("gelu", "gelu_exact", "swiglu", "relu")  # gelu: tanh (GPT-2); exact: erf (BERT)
+POSITIONS = ("learned", "rope")
+
 
 @dataclass(frozen=True)
 class ModelConfig:
@@ -174,9 +178,8 @@ def _check_sequence(c: ModelConfig, tp: int, sp: bool, seq: int | None, **_) -> 
 
 def _check_choices(c: ModelConfig, **_) -> list[str]:
     out = []
-    for field_name, allowed in (("norm", ("layernorm", "rmsnorm")),
-                                ("activation", ("gelu", "gelu_exact", "swiglu", "relu")),
-                                ("position", ("learned", "rope"))):
+    for field_name, allowed in (("norm", NORMS), ("activation", ACTIVATIONS),
+                                ("position", POSITIONS)):
         if getattr(c, field_name) not in allowed:
             out.append(f"{field_name}={getattr(c, field_name)!r} is not one of {allowed}")
     return out
