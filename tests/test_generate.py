@@ -13,7 +13,7 @@ import argparse
 import pytest
 import torch
 
-from test_checkpoint_helpers import GPT2, LLAMA, fill, random_full
+from checkpoint_helpers import GPT2, LLAMA, fill, random_full
 from tpkit.checkpoint import store as ckpt
 from tpkit.comm import all_gather
 from tpkit.commands.generate import load_model, run

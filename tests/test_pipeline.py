@@ -13,6 +13,7 @@ import torch
 
 from tpkit.parallel import bubble_theory
 from tpkit.parallel.data_parallel import tied_params
+from tpkit.sharding import meta_of
 from tpkit.train.config import TrainConfig
 from tpkit.train.loop import build_model, train
 
@@ -57,7 +58,7 @@ def _tied_after_training(mesh, out: str) -> dict:
     train(cfg, mesh, model=model)
     (p,) = tied_params(model)
     return dict(stage=mesh.pp_rank, tp=mesh.tp_rank, before=before, after=p.detach().clone(),
-                is_head=bool(getattr(p, "tied_to", None)))
+                is_head=bool(meta_of(p).tied_to))
 
 
 @pytest.mark.timeout(60)
