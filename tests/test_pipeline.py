@@ -28,7 +28,7 @@ def _both_schedules(mesh, out: str) -> dict:
     runs = {}
     for schedule, m in (("gpipe", 4), ("1f1b", 4), ("1f1b", 2)):  # m=2 < p: warm-up capped
         r = train(_cfg(out, pp=mesh.pp_size, schedule=schedule, micro_batches=m), mesh)
-        runs[(schedule, m)] = {k: r[k] for k in ("losses", "grad_norms", "bubble",
+        runs[(schedule, m)] = {k: getattr(r, k) for k in ("losses", "grad_norms", "bubble",
                                                  "bubble_theory", "theory_ok", "max_inflight")}
     return runs
 

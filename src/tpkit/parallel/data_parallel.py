@@ -13,9 +13,10 @@ first), and a bucket's all-reduce starts as soon as each of its parameters has
 received its gradient from the last micro-batch.
 
 Tied embeddings with pp > 1: the first stage owns `embed.word.weight`, the last
-stage owns `head.weight` (its `ParamMeta.tied_to` names the table), the same matrix. Each gets only its
-own use's gradient, so the two are summed over a group of {first, last} stage with
-the same tp and dp index (Megatron's "embedding group"), which keeps them equal.
+stage owns `head.weight` (its `ParamMeta.tied_to` names the table), the same
+matrix. Each gets only its own use's gradient, so the two are summed over a group
+of {first, last} stage with the same tp and dp index (Megatron's "embedding
+group"), which keeps them equal.
 """
 
 from __future__ import annotations
