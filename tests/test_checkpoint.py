@@ -59,6 +59,7 @@ def reference_logits(config, full):
     return pipeline_logits(model, mesh, IDS)
 
 
+@pytest.mark.slow
 @pytest.mark.timeout(120)
 @pytest.mark.parametrize("config", [LLAMA, GPT2], ids=["llama-gqa", "gpt2-tied"])
 @pytest.mark.parametrize("src,dsts", [((2, 2), [(1, 1), (2, 1), (1, 2), (4, 1)]),

@@ -110,6 +110,7 @@ ckpt.save(sys.argv[1], model, opt, step=99)
 """
 
 
+@pytest.mark.slow
 @pytest.mark.timeout(60)
 def test_killed_save_keeps_previous(tmp_path):
     root = tmp_path / "ckpt"

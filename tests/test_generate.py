@@ -54,6 +54,7 @@ def recompute_worker(mesh, path, n):
     return ids
 
 
+@pytest.mark.slow
 @pytest.mark.timeout(90)
 @pytest.mark.parametrize("name", ["llama-t", "gpt2-t"])
 def test_greedy_same_tokens_at_any_tp(run_tp, checkpoints, name):

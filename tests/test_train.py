@@ -27,6 +27,7 @@ def _short_run(mesh, out: str) -> dict:
                               "tokens_per_s")}
 
 
+@pytest.mark.slow
 @pytest.mark.timeout(90)
 def test_short_run_lowers_loss_and_leaves_outputs(run_tp, tmp_path):
     r = run_tp(_short_run, 2, str(tmp_path), pp=2)[0]
