@@ -12,6 +12,7 @@ import pytest
 import torch
 
 from tpkit.comm.flat import pack, unpack, unpack_into
+from tpkit.model.names import EMBED_WEIGHT
 from tpkit.sharding import ParamMeta, TPSplit, meta_of, set_meta, shard, unshard
 
 QKV = TPSplit(0, (8, 2, 2), (2, 1, 1))
@@ -43,8 +44,8 @@ def test_parameter_record_defaults_and_updates():
     p = torch.nn.Parameter(torch.zeros(4))
     assert meta_of(p) == ParamMeta()  # replicated, not sequence-parallel, untied
     set_meta(p, split=TPSplit.even(0, 8, 2), logical_size=7)
-    set_meta(p, tied_to="embed.word.weight")
-    assert meta_of(p) == ParamMeta(TPSplit.even(0, 8, 2), False, "embed.word.weight", 7)
+    set_meta(p, tied_to=EMBED_WEIGHT)
+    assert meta_of(p) == ParamMeta(TPSplit.even(0, 8, 2), False, EMBED_WEIGHT, 7)
 
 
 def test_pack_unpack_round_trip():
