@@ -19,7 +19,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from test_checkpoint_helpers import LLAMA, fill, gather, local_state, random_full, set_grads
+from checkpoint_helpers import LLAMA, fill, gather, local_state, random_full, set_grads
 from tpkit.checkpoint import convert
 from tpkit.checkpoint import store as ckpt
 from tpkit.mesh import ParallelMesh
@@ -103,13 +103,14 @@ from tpkit.mesh import ParallelMesh
 from tpkit.model.transformer import Transformer
 from tpkit.checkpoint import store as ckpt
 sys.path.insert(0, sys.argv[2])
-from test_checkpoint_helpers import LLAMA
+from checkpoint_helpers import LLAMA
 model = Transformer(LLAMA, ParallelMesh.single(), seed=3)
 opt = torch.optim.AdamW(model.parameters())
 ckpt.save(sys.argv[1], model, opt, step=99)
 """
 
 
+@pytest.mark.slow
 @pytest.mark.timeout(60)
 def test_killed_save_keeps_previous(tmp_path):
     root = tmp_path / "ckpt"

@@ -13,7 +13,7 @@ import argparse
 import pytest
 import torch
 
-from test_checkpoint_helpers import GPT2, LLAMA, fill, random_full
+from checkpoint_helpers import GPT2, LLAMA, fill, random_full
 from tpkit.checkpoint import store as ckpt
 from tpkit.comm import all_gather
 from tpkit.commands.generate import load_model, run
@@ -54,6 +54,7 @@ def recompute_worker(mesh, path, n):
     return ids
 
 
+@pytest.mark.slow
 @pytest.mark.timeout(90)
 @pytest.mark.parametrize("name", ["llama-t", "gpt2-t"])
 def test_greedy_same_tokens_at_any_tp(run_tp, checkpoints, name):

@@ -54,6 +54,7 @@ def _tp_groups(procs) -> dict[int, list[int]]:
             for r, g in re.findall(r"rank (\d+): ParallelMesh.*tp group \[([\d, ]+)\]", text)}
 
 
+@pytest.mark.slow
 @pytest.mark.timeout(200)
 def test_tp_stays_inside_a_node_and_tp_across_nodes_warns(tmp_path):
     procs = _two_agents(tmp_path / "tp2", "--tp", "2")

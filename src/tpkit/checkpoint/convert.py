@@ -35,7 +35,8 @@ from tpkit.checkpoint.files import (
 )
 from tpkit.comm.group import CommGroup
 from tpkit.comm.ledger import Ledger
-from tpkit.sharding import split_of
+from tpkit.model.names import POOLER_WEIGHT
+from tpkit.sharding import meta_of, split_of
 from tpkit.spec.config import ModelConfig
 
 FULL_FORMAT = "tpkit-full"
@@ -59,7 +60,7 @@ def meta_model(config: ModelConfig, tp: int, pp: int, tp_rank: int, pp_rank: int
 
     mesh = offline_mesh(tp, pp, tp_rank, pp_rank)
     return build_model(config, mesh, device="meta",
-                       pooler=names is not None and "pooler.weight" in names)
+                       pooler=names is not None and POOLER_WEIGHT in names)
 
 
 def to_hf(source: Any, out_dir: str | Path, config: ModelConfig | None = None) -> Path:
@@ -142,7 +143,7 @@ def reshard(source: Any, out: str | Path, tp: int, pp: int = 1) -> Path:
 def _slices(src, model, t: int, tp: int, config, where: str) -> dict:
     out = {}
     for n, p in model.named_parameters():
-        if getattr(p, "tied_to", None):
+        if meta_of(p).tied_to:
             continue
         x = local_slice(src, n, split_of(p), t, tp, tuple(p.shape), where)
         out[n] = (x.to(p.dtype), split_of(p))

@@ -178,15 +178,8 @@ class ShardedSource:
         return torch.cat(list(self._pieces(split, stage, name, start, stop)), dim)
 
     def _pieces(self, split: TPSplit, stage: int, name: str, start: int, stop: int):
-        part_start, local_off = 0, 0
-        for i, (size, n) in enumerate(zip(split.parts, split.chunks)):
-            c = size // n
-            lo, hi = max(start, part_start), min(stop, part_start + size)
-            while lo < hi:
-                j = (lo - part_start) // c  # chunk j of part i holds row lo
-                owner = next(r for r in range(self.tp) if split.chunk_index(i, r, self.tp) == j)
-                end = min(hi, part_start + (j + 1) * c)
-                a = local_off + lo - part_start - j * c
-                yield self._local(owner, stage, name, split.dim, a, a + end - lo)
-                lo = end
-            part_start, local_off = part_start + size, local_off + c
+        for owner, pc in split.owned_pieces(self.tp):  # every chunk once, in global order
+            lo, hi = max(start, pc.start), min(stop, pc.start + pc.size)
+            if lo < hi:
+                a = pc.local_start + lo - pc.start
+                yield self._local(owner, stage, name, split.dim, a, a + hi - lo)

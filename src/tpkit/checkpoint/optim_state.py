@@ -23,7 +23,7 @@ from torch import nn
 from tpkit.checkpoint.files import MANIFEST, CheckpointError, ShardedSource, local_slice
 from tpkit.mesh import ParallelMesh
 from tpkit.parallel.zero import ZeroAdamW
-from tpkit.sharding import split_of
+from tpkit.sharding import meta_of, split_of
 
 State = dict[nn.Parameter, dict[str, torch.Tensor]]
 
@@ -70,7 +70,7 @@ def stage_state(root: Path, manifest: dict, model: nn.Module, optimizer,
     names = {id(p): n for n, p in model.named_parameters()}
     state: State = {}
     for p in (p for params in model_groups(optimizer) for p in params):
-        src = getattr(p, "tied_to", None) or names[id(p)]
+        src = meta_of(p).tied_to or names[id(p)]
         entry = {}
         for key in keys.get(src, []):
             full = f"{src}::{key}"

@@ -55,7 +55,7 @@ from tpkit.comm import all_reduce
 from tpkit.device import rng_state, set_rng_state
 from tpkit.mesh import ParallelMesh
 from tpkit.parallel.zero import ZeroAdamW
-from tpkit.sharding import split_of
+from tpkit.sharding import meta_of, split_of
 
 __all__ = ["CheckpointError", "capture_rng", "latest", "load", "read_manifest",
            "restore_rng", "save"]
@@ -194,7 +194,7 @@ def _meta(split, local_shape, dtype: torch.dtype, tp: int, stage: int, config) -
 
 def _own_params(model: nn.Module) -> dict[str, torch.Tensor]:
     """Parameters this stage owns (a pipeline copy of a tied embedding is saved once)."""
-    return {n: p for n, p in model.named_parameters() if not getattr(p, "tied_to", None)}
+    return {n: p for n, p in model.named_parameters() if not meta_of(p).tied_to}
 
 
 def _finish(tmp: Path, root: Path, model: nn.Module, optimizer, step: int,
@@ -259,7 +259,7 @@ def _stage(root: Path, manifest: dict, model: nn.Module, optimizer, mesh: Parall
     source, where = ShardedSource(root, manifest), str(root)
     params = {}
     for name, p in model.named_parameters():
-        src = getattr(p, "tied_to", None) or name
+        src = meta_of(p).tied_to or name
         params[name] = local_slice(source, src, split_of(p), mesh.tp_rank, mesh.tp_size,
                                    tuple(p.shape), where).to(p.dtype)
     optim_state = None

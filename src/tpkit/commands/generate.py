@@ -16,6 +16,7 @@ from torch import nn
 
 from tpkit.mesh import ParallelMesh
 from tpkit.model.generate import decode, encode, generate
+from tpkit.model.names import POOLER_WEIGHT
 
 
 def load_model(path: str | Path, mesh: ParallelMesh, dtype: torch.dtype | None = None
@@ -30,7 +31,7 @@ def load_model(path: str | Path, mesh: ParallelMesh, dtype: torch.dtype | None =
         return from_pretrained(path, mesh, dtype=dtype)
     source, config, names = open_source(path)
     model = build_model(config, mesh, device="meta", dtype=dtype,
-                        pooler="pooler.weight" in names)
+                        pooler=POOLER_WEIGHT in names)
     materialize(model, mesh.device)
     if (path / "manifest.json").is_file():
         ckpt.load(path, model, mesh=mesh)

@@ -16,8 +16,13 @@ import argparse
 import os
 import sys
 from dataclasses import fields
+from typing import TYPE_CHECKING
 
+from tpkit.parallel.schedules import SCHEDULES
 from tpkit.train.config import DTYPES, TrainConfig
+
+if TYPE_CHECKING:
+    from tpkit.train.report import RunSummary
 
 _FLAGS = {  # field -> (type or action, help)
     "preset": (str, "model preset (gpt2-tiny, llama-tiny, ...)"),
@@ -32,7 +37,7 @@ _FLAGS = {  # field -> (type or action, help)
     "clip": (float, "clip the global gradient norm to this (0: off)"),
     "sp": ("store_true", "sequence parallelism"),
     "zero1": ("store_true", "shard the optimizer state over dp (ZeRO-1)"),
-    "schedule": (str, "pipeline schedule: gpipe, 1f1b or interleaved"),
+    "schedule": (str, f"pipeline schedule: one of {tuple(SCHEDULES)}"),
     "virtual_stages": (int, "model chunks per stage, for --schedule interleaved"),
     "dtype": (str, f"one of {DTYPES} (bfloat16: autocast)"),
     "recompute": ("store_true", "recompute activations in backward"),
@@ -80,21 +85,21 @@ def _toml_keys(path: str) -> set[str]:
         return {k.replace("-", "_") for k in tomllib.load(f)}
 
 
-def _worker(mesh, cfg: TrainConfig) -> dict:
+def _worker(mesh, cfg: TrainConfig) -> RunSummary:
     from tpkit.train.loop import train
 
     return train(cfg, mesh)
 
 
-def _print_report(results: list[dict]) -> None:
-    from tpkit.train.metrics import report
+def _print_report(results: list[RunSummary]) -> None:
+    from tpkit.train.report import report
 
     first = results[0]
-    last = next((r for r in results if r["stage"] == first["pp"] - 1 and r["tp_rank"] == 0),
+    last = next((r for r in results if r.stage == first.config.pp - 1 and r.tp_rank == 0),
                 None)
-    tables = [first["table"], first["theory"]]
+    tables = [first.table, first.theory]
     if last is not None and last is not first:
-        tables.append(last["theory"])
+        tables.append(last.theory)
     print(report(first, tables))
 
 

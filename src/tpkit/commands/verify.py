@@ -18,6 +18,7 @@ import torch
 
 from tpkit.comm.report import human_bytes
 from tpkit.mesh import ParallelMesh
+from tpkit.model.names import VOCAB_PADDED
 from tpkit.sharding import full_state_dict, splits_of, unshard
 from tpkit.spec import theory
 
@@ -102,7 +103,7 @@ def _gather(results: list[dict]) -> dict:
     vocab = r0.get("vocab")
     if vocab:
         out = out[..., :vocab]
-        grads = {n: (g[:vocab] if n in ("embed.word.weight", "head.weight") else g)
+        grads = {n: (g[:vocab] if n in VOCAB_PADDED else g)
                  for n, g in grads.items()}
     return dict(out=out, loss=r0["loss"], gx=r0["gx"], grads=grads)
 

@@ -39,8 +39,9 @@ from tpkit.model.hf_map import (  # noqa: F401 - part of this module's interface
     family_of,
     table,
 )
+from tpkit.model.names import EMBED_WEIGHT, POOLER_WEIGHT
 from tpkit.shard_io import CheckpointError, DictSource, local_slice
-from tpkit.sharding import split_of
+from tpkit.sharding import meta_of, split_of
 from tpkit.spec.config import ModelConfig
 
 
@@ -51,7 +52,7 @@ class HFSource:
     def __init__(self, tensors: Any, recipes: dict[str, Recipe], where: str) -> None:
         self.tensors, self.recipes, self.where = tensors, recipes, where
         keys = set(tensors.keys())
-        base = recipes["embed.word.weight"][0][0]
+        base = recipes[EMBED_WEIGHT][0][0]
         self.prefix = next((p for p in ("", "transformer.", "model.", "bert.")
                             if p + base in keys), None)
         if self.prefix is None:
@@ -147,7 +148,7 @@ def from_pretrained(path_or_model: Any, mesh: ParallelMesh | None = None, *,
     source = HFSource(tensors, table(fam, config), where)
     model = build_model(config, mesh, device="meta", dtype=dtype,
                         sequence_parallel=sequence_parallel,
-                        pooler=source.logical_shape("pooler.weight") is not None)
+                        pooler=source.logical_shape(POOLER_WEIGHT) is not None)
     materialize(model, mesh.device)
     load_from(model, source, mesh, where)
     return model
@@ -157,7 +158,7 @@ def load_from(model: nn.Module, source: Any, mesh: ParallelMesh, where: str) -> 
     """Copy this rank's slice of every parameter out of `source` (staged, then copied)."""
     staged = {}
     for name, p in model.named_parameters():
-        src = getattr(p, "tied_to", None) or name
+        src = meta_of(p).tied_to or name
         staged[name] = local_slice(source, src, split_of(p), mesh.tp_rank, mesh.tp_size,
                                    tuple(p.shape), where).to(p.dtype)
     with torch.no_grad():
@@ -203,8 +204,8 @@ def memory_source(source: Any, config: ModelConfig | None = None
     if source.mesh.tp_size * source.mesh.pp_size != 1:
         raise ValueError("to_hf(model) needs a tp=1, pp=1 model; save a checkpoint and "
                          "export that with `tpkit convert --to hf` instead")
-    full = {n: p.detach()[:getattr(p, "logical_size", p.shape[0])]
-            for n, p in source.named_parameters() if not getattr(p, "tied_to", None)}
+    full = {n: p.detach()[:meta_of(p).logical_size or p.shape[0]]
+            for n, p in source.named_parameters() if not meta_of(p).tied_to}
     return DictSource(full), source.config, set(full)
 
 

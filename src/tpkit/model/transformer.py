@@ -31,7 +31,8 @@ from tpkit.layers.linear import column_parallel_linear
 from tpkit.layers.norm import Norm
 from tpkit.layers.random import TPRandom, checkpointed, dropout
 from tpkit.model.block import Block
-from tpkit.sharding import SP_TAG, TPSplit, seed_for, shard, tag
+from tpkit.model.names import EMBED_WEIGHT
+from tpkit.sharding import TPSplit, seed_for, set_meta, shard
 from tpkit.spec.config import ModelConfig
 from tpkit.spec.shapes import stage_layer_range
 
@@ -60,8 +61,7 @@ class Embeddings(nn.Module):
             from tpkit.sharding import master_normal
             with torch.no_grad():
                 e.weight.copy_(master_normal((n, c.hidden), c.init_std, seed_for(seed, name)))
-        tag(e.weight, None)
-        setattr(e.weight, SP_TAG, sp)  # with SP each rank adds its sequence slice only
+        set_meta(e.weight, sequence_parallel=sp)  # with SP each rank adds its slice only
         return e
 
     def forward(self, ids, token_types=None, position_offset: int = 0, rng=None):
@@ -133,10 +133,10 @@ class Transformer(nn.Module):
             with torch.no_grad():
                 w.copy_(shard(full, split, self.group.rank, tp))
         self.head = nn.Module()
-        self.head.weight = tag(w, split)
-        w.logical_size = c.vocab_size  # rows past it are vocabulary padding
-        if c.tie_embeddings:
-            w.tied_to = "embed.word.weight"  # the first stage's table: grads summed over pp
+        # rows past vocab_size are padding; tied: a copy of the first stage's table whose
+        # gradients are summed over pp
+        self.head.weight = set_meta(w, split=split, logical_size=c.vocab_size,
+                                    tied_to=EMBED_WEIGHT if c.tie_embeddings else None)
 
     @property
     def head_weight(self) -> torch.Tensor:

@@ -24,6 +24,7 @@ import torch
 from torch import nn
 
 from tpkit.comm import all_gather
+from tpkit.comm.flat import pack, unpack, unpack_into
 from tpkit.comm.group import CommGroup
 
 
@@ -36,7 +37,7 @@ class ZeroAdamW:
         shards = []
         for g, params in zip(param_groups, self.params):
             lo, hi, _ = self._bounds(params)
-            flat = torch.cat([p.detach().reshape(-1) for p in params])
+            flat = pack([p.detach() for p in params])
             master = nn.Parameter(_padded(flat, self._padded_len(params))[lo:hi].clone())
             shards.append({**{k: v for k, v in g.items() if k != "params"}, "params": [master]})
         self.inner = torch.optim.AdamW(shards, **adamw)
@@ -57,7 +58,7 @@ class ZeroAdamW:
     def _flat(self, tensors: list[torch.Tensor], params: list[nn.Parameter]) -> torch.Tensor:
         """This rank's slice [n/dp] of the padded concatenation of `tensors`."""
         lo, hi, _ = self._bounds(params)
-        flat = torch.cat([t.reshape(-1) for t in tensors])  # [n]
+        flat = pack(tensors)  # [n]
         return _padded(flat, self._padded_len(params))[lo:hi]
 
     @torch.no_grad()
@@ -75,10 +76,7 @@ class ZeroAdamW:
         for params, shard_group in zip(self.params, self.inner.param_groups):
             mine = shard_group["params"][0].detach()  # [n/dp]
             flat = all_gather(mine, self.group, dim=0, phase="grads", scope="zero1")  # [n]
-            offset = 0
-            for p in params:
-                p.copy_(flat[offset:offset + p.numel()].view_as(p))
-                offset += p.numel()
+            unpack_into(flat, params)
 
     def zero_grad(self, set_to_none: bool = True) -> None:
         """Forget the gradients of the model parameters."""
@@ -104,12 +102,10 @@ class ZeroAdamW:
             moments = {k: v for k, v in state.items() if torch.is_tensor(v) and v.dim() == 1}
             full = {k: all_gather(v, self.group, dim=0, phase="checkpoint", scope="zero1")
                     for k, v in moments.items()}  # [n padded]
-            offset = 0
-            for p in params:
+            pieces = {k: unpack(v, params) for k, v in full.items()}
+            for i, p in enumerate(params):
                 entry = {k: v.clone() for k, v in state.items() if k not in moments}  # step
-                entry.update({k: v[offset:offset + p.numel()].view_as(p).clone()
-                              for k, v in full.items()})
-                offset += p.numel()
+                entry.update({k: v[i].clone() for k, v in pieces.items()})
                 if entry:
                     out[p] = entry
         return out

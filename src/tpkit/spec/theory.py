@@ -141,7 +141,8 @@ def cross_entropy(b: int, s: int, tp: int) -> list[Expect]:
 
 
 def stage_step(hidden: int, b: int, s: int, tp: int, pp: int, sp: bool, m: int, first: bool,
-               last: bool, num_layers: int, chunks: int = 1) -> list[Expect]:
+               last: bool, num_layers: int, chunks: int = 1,
+               recompute: str = "none") -> list[Expect]:
     """What one training step of m micro-batches must send on a rank's tp and pp groups.
 
     Per micro-batch: `stage` (embedding on the first stage, 2+2 per layer, head and the
@@ -149,7 +150,7 @@ def stage_step(hidden: int, b: int, s: int, tp: int, pp: int, sp: bool, m: int, 
     forward and its gradient backward, [b, s, h] ([b, s/tp, h] with SP), per chunk of
     the stage (interleaved), except out of the very last chunk and into the very first.
     """
-    one = stage(b, s, hidden, tp, sp, num_layers, first=first, last=last)
+    one = stage(b, s, hidden, tp, sp, num_layers, first=first, last=last, recompute=recompute)
     act = b * (s // tp if sp else s) * hidden
     out, into = chunks - last, chunks - first  # activations leaving / entering the stage
     if pp > 1 and out:

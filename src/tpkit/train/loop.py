@@ -36,10 +36,11 @@ from tpkit.parallel import (
     tied_embedding_group,
 )
 from tpkit.spec import theory
-from tpkit.train import metrics
+from tpkit.train import run_log
 from tpkit.train.config import TrainConfig
 from tpkit.train.data import TokenLoader, load_tokens, micro_batches, split_tokens
 from tpkit.train.optim import build_optimizer, lr_at, set_lr
+from tpkit.train.report import RunSummary, theory_rows, theory_table
 
 
 def prepare(cfg: TrainConfig, mesh: ParallelMesh) -> tuple[TokenLoader, TokenLoader | None]:
@@ -81,7 +82,8 @@ def replica_mean(value: float | None, mesh: ParallelMesh) -> float:
     return t.item() / mesh.dp_size
 
 
-def train(cfg: TrainConfig, mesh: ParallelMesh, model: torch.nn.Module | None = None) -> dict:
+def train(cfg: TrainConfig, mesh: ParallelMesh, model: torch.nn.Module | None = None
+          ) -> RunSummary:
     """Run `cfg.steps` steps on this rank; returns the run's summary (same on all ranks)."""
     loader, val_loader = prepare(cfg, mesh)
     model = model or build_model(cfg, mesh)
@@ -94,8 +96,8 @@ def train(cfg: TrainConfig, mesh: ParallelMesh, model: torch.nn.Module | None = 
     opt = build_optimizer(model, cfg, mesh)
     out, lead = Path(cfg.out), mesh.rank == 0
     start = resume(cfg, mesh, model, opt, loader) if cfg.resume else 0
-    log = metrics.MetricsLog(out / "metrics.jsonl" if lead else None, resume_step=start)
-    bar = metrics.Progress(cfg.steps, lead and cfg.progress)
+    log = run_log.MetricsLog(out / "metrics.jsonl" if lead else None, resume_step=start)
+    bar = run_log.Progress(cfg.steps, lead and cfg.progress)
     autocast = (torch.autocast(mesh.device.type, dtype=torch.bfloat16)
                 if cfg.dtype == "bfloat16" else None)
     rows, ckpt, tokens_per_step = [], None, cfg.global_batch * cfg.seq
@@ -109,7 +111,7 @@ def train(cfg: TrainConfig, mesh: ParallelMesh, model: torch.nn.Module | None = 
                 idle, busy = idle + row["idle_s"], busy + row["step_s"] - row["idle_s"]
             last_records = list(mesh.ledger.records)
             row["tokens_per_s"] = tokens_per_step / row["step_s"]
-            row["comm_line"] = metrics.comm_line(row["comm"])
+            row["comm_line"] = run_log.comm_line(row["comm"])
             if val_loader is not None and _due(step, cfg.eval_every, cfg.steps):
                 row["val_loss"] = evaluate(cfg, mesh, model, link, val_loader, autocast)
             if cfg.ckpt_every and (step + 1) % cfg.ckpt_every == 0 and step + 1 < cfg.steps:
@@ -147,10 +149,11 @@ def _step(cfg, mesh, model, link, syncs, opt, loader, autocast, step: int) -> di
     clip_grads(model, norm, cfg.clip)
     opt.step()
     opt.zero_grad(set_to_none=True)
-    comm = metrics.comm_by_group(mesh.ledger.records)
+    comm = run_log.comm_by_group(mesh.ledger.records)
     loss = replica_mean(stats.loss, mesh)
     return dict(step=step + 1, loss=loss, lr=lr, grad_norm=norm, idle_s=stats.idle_s,
-                schedule_s=stats.total_s, max_inflight=stats.max_inflight, step_s=time.perf_counter() - t0, comm=comm,
+                schedule_s=stats.total_s, max_inflight=stats.max_inflight,
+                step_s=time.perf_counter() - t0, comm=comm,
                 tokens=(step + 1) * cfg.global_batch * cfg.seq)
 
 
@@ -210,7 +213,7 @@ def resume(cfg: TrainConfig, mesh: ParallelMesh, model, opt, loader: TokenLoader
     return int(extra["step"])
 
 
-def _summary(cfg, mesh, model, rows, train_s, idle, busy, ckpt, lead) -> dict:
+def _summary(cfg, mesh, model, rows, train_s, idle, busy, ckpt, lead) -> RunSummary:
     """Per-rank result: losses, throughput, bubble, this rank's comm table vs theory."""
     ratio = torch.tensor([idle / busy if busy > 0 else 0.0], dtype=torch.float64,
                          device=mesh.device)
@@ -219,29 +222,26 @@ def _summary(cfg, mesh, model, rows, train_s, idle, busy, ckpt, lead) -> dict:
     c, b = model.config, cfg.micro_batch_size
     expects = theory.stage_step(c.hidden, b, cfg.seq, mesh.tp_size, mesh.pp_size, cfg.sp,
                                 cfg.micro_batches, model.is_first_stage, model.is_last_stage,
-                                len(model.layer_range), model.virtual_stages)
-    rows_t = metrics.theory_rows(mesh.ledger, expects)
+                                len(model.layer_range), model.virtual_stages,
+                                recompute="full" if cfg.recompute else "none")
+    rows_t = theory_rows(mesh.ledger, expects)
     where = f"rank {mesh.rank} (stage {mesh.pp_rank}, tp rank {mesh.tp_rank})"
     val = [r["val_loss"] for r in rows if "val_loss" in r]
-    result = dict(cfg.to_dict(), rank=mesh.rank, hidden=c.hidden, micro_batch=b, first_loss=rows[0]["loss"],
-                  first_step=rows[0]["step"],
-                  last_loss=rows[-1]["loss"], tail=min(10, len(rows)),
-                  tail_loss=sum(r["loss"] for r in rows[-10:]) / min(10, len(rows)), val_loss=val[-1] if val else None,
-                  losses=[r["loss"] for r in rows], grad_norms=[r["grad_norm"] for r in rows],
-                  tokens_per_s=len(rows) * cfg.global_batch * cfg.seq / train_s,
-                  seconds=train_s, bubble=ratio.item() / mesh.pp_size,
-                  bubble_theory=bubble_theory(mesh.pp_size, cfg.micro_batches,
-                                              model.virtual_stages),
-                  max_inflight=max(r["max_inflight"] for r in rows),
-                  stage=mesh.pp_rank, tp_rank=mesh.tp_rank,
-                  table=mesh.ledger.table(f"{where}: everything sent in one step",
-                                          by_scope=False),
-                  theory=metrics.theory_table(rows_t, f"{where}: tp/pp traffic of one step "
-                                                      f"vs theory"),
-                  theory_ok=all(r["recorded"] == r["theory"] for r in rows_t), checkpoint=ckpt,
-                  metrics=str(Path(cfg.out) / "metrics.jsonl"), plot=None)
+    plot = None
     if lead and cfg.plot:
-        result["plot"] = str(metrics.plot_losses(rows, Path(cfg.out) / "loss.png",
-                                                 f"{cfg.preset} tp={cfg.tp} pp={cfg.pp} "
-                                                 f"dp={cfg.dp}"))
-    return result
+        plot = str(run_log.plot_losses(rows, Path(cfg.out) / "loss.png",
+                                       f"{cfg.preset} tp={cfg.tp} pp={cfg.pp} dp={cfg.dp}"))
+    tail = min(10, len(rows))
+    return RunSummary(
+        config=cfg, rank=mesh.rank, stage=mesh.pp_rank, tp_rank=mesh.tp_rank, hidden=c.hidden,
+        micro_batch=b, losses=[r["loss"] for r in rows], grad_norms=[r["grad_norm"] for r in rows],
+        first_step=rows[0]["step"], tail=tail,
+        tail_loss=sum(r["loss"] for r in rows[-tail:]) / tail, val_loss=val[-1] if val else None,
+        tokens_per_s=len(rows) * cfg.global_batch * cfg.seq / train_s, seconds=train_s,
+        bubble=ratio.item() / mesh.pp_size,
+        bubble_theory=bubble_theory(mesh.pp_size, cfg.micro_batches, model.virtual_stages),
+        max_inflight=max(r["max_inflight"] for r in rows),
+        table=mesh.ledger.table(f"{where}: everything sent in one step", by_scope=False),
+        theory=theory_table(rows_t, f"{where}: tp/pp traffic of one step vs theory"),
+        theory_ok=all(r["recorded"] == r["theory"] for r in rows_t), checkpoint=ckpt,
+        metrics=str(Path(cfg.out) / "metrics.jsonl"), plot=plot)

@@ -1,4 +1,4 @@
-"""What a run shows and leaves behind: progress bar, metrics JSONL, loss curve, report.
+"""What a run leaves behind while it trains: progress bar, metrics JSONL, loss curve.
 
     out/metrics.jsonl   one JSON object per step (loss, lr, grad_norm, tokens/s, comm, bubble)
     out/loss.png        training (and validation) loss against the step
@@ -96,66 +96,3 @@ def plot_losses(rows: list[dict], path: Path, title: str) -> Path:
     fig.savefig(path, dpi=110)
     plt.close(fig)
     return path
-
-
-def report(result: dict, tables: list[str]) -> str:
-    """The end-of-run summary: loss X -> Y, tokens/s, bubble, comm vs theory, files."""
-    lines = [f"trained {result['preset']} at tp={result['tp']} x pp={result['pp']} x "
-             f"dp={result['dp']} ({result['schedule']}, {result['micro_batches']} micro-batches) "
-             f"for {result['steps']} steps",
-             f"loss {result['first_loss']:.4f} (step {result.get('first_step', 1)}) -> {result['tail_loss']:.4f} (mean of the "
-             f"last {result['tail']} steps)"
-             + (f", held-out validation {result['val_loss']:.4f}" if result.get("val_loss") else ""),
-             f"throughput {result['tokens_per_s']:,.0f} tokens/s "
-             f"({result['seconds']:.1f} s in all)"]
-    if result["pp"] > 1:
-        lines.append(f"pipeline bubble: idle/busy measured {result['bubble']:.3f} "
-                     f"(mean over stages), theory "
-                     f"{'(p-1)/(v m)' if result.get('virtual_stages', 1) > 1 else '(p-1)/m'} "
-                     f"= {result['bubble_theory']:.3f}")
-    b, sq, h, tp = result["micro_batch"], result["seq"], result["hidden"], result["tp"]
-    if tp > 1 and not result["sp"]:
-        lines.append(f"theory per micro-batch (Megatron): each layer 2 all-reduces of b*s*h = "
-                     f"{b}*{sq}*{h} = {b * sq * h:,} forward and 2 backward; the embedding 1 "
-                     f"forward; the head's input 1 backward; cross-entropy 3 of b*s = "
-                     f"{b * sq:,} forward" + ("; between stages one activation forward and "
-                                              "its gradient back" if result["pp"] > 1 else ""))
-    lines += tables
-    lines.append(f"metrics {result['metrics']}")
-    if result.get("plot"):
-        lines.append(f"loss curve {result['plot']}")
-    if result.get("checkpoint"):
-        lines.append(f"checkpoint {result['checkpoint']}")
-        lines.append(f"sample it:  tpkit generate --checkpoint {result['checkpoint']} --tp 2 "
-                     f"--prompt 'The return statement' --temperature 0.8 --top-k 40")
-    return "\n".join(lines)
-
-
-def theory_rows(ledger, expects: list) -> list[dict]:
-    """One row per (group, op, phase, elements) of tp/pp traffic: recorded vs theory count."""
-    from collections import Counter
-
-    want: Counter = Counter()
-    for e in expects:
-        group = "pp" if e.op in ("send", "recv") else "tp"
-        want[(group, e.op, e.phase, e.numel)] += e.count
-    got = Counter((r.group, r.op, r.phase, r.numel) for r in ledger.records
-                  if r.group in ("tp", "pp") and r.phase in ("forward", "backward"))
-    return [dict(group=k[0], op=k[1], phase=k[2], numel=k[3], recorded=got[k], theory=want[k])
-            for k in sorted(set(want) | set(got))]
-
-
-def theory_table(rows: list[dict], title: str) -> str:
-    """`theory_rows` as a text table, with a verdict column."""
-    from rich.table import Table
-
-    from tpkit.comm.report import render
-
-    t = Table(title=title)
-    for col in ("group", "op", "phase", "elements each", "recorded", "theory", ""):
-        t.add_column(col, justify="right" if col in ("elements each", "recorded", "theory")
-                     else "left")
-    for r in rows:
-        t.add_row(r["group"], r["op"], r["phase"], f"{r['numel']:,}", str(r["recorded"]),
-                  str(r["theory"]), "ok" if r["recorded"] == r["theory"] else "MISMATCH")
-    return render(t)
