@@ -16,7 +16,7 @@ COMMANDS: dict[str, tuple[str, str]] = {
     "bench": ("tpkit.commands.bench", "run the benchmarks against peers"),
     "plan": ("tpkit.commands.plan", "plan tp/pp/dp for a model on a cluster (no torch needed)"),
     "calibrate": ("tpkit.commands.calibrate", "measure this machine into a hardware profile"),
-    "convert": ("tpkit.checkpoint.convert", "convert / reshard checkpoints, to and from safetensors"),
+    "convert": ("tpkit.commands.convert", "convert / reshard checkpoints, to and from safetensors"),
     "generate": ("tpkit.commands.generate", "tensor-parallel text generation with a KV cache"),
     "quiz": ("tpkit.commands.quiz", "the tensor-parallelism quiz, as a live tutor (fr/en)"),
 }

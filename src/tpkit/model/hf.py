@@ -43,10 +43,11 @@ from tpkit.shard_io import CheckpointError, DictSource, local_slice
 from tpkit.sharding import split_of
 from tpkit.spec.config import ModelConfig
 
+CONFIG_FILE = "config.json"  # what makes a directory a Hugging Face model
 
 # -- reading ----------------------------------------------------------------------------
 class HFSource:
-    """A `ckpt_io.Source` over Hugging Face tensors (safetensors files or a state dict)."""
+    """A `shard_io.Source` over Hugging Face tensors (safetensors files or a state dict)."""
 
     def __init__(self, tensors: Any, recipes: dict[str, Recipe], where: str) -> None:
         self.tensors, self.recipes, self.where = tensors, recipes, where
@@ -125,10 +126,10 @@ def open_hf(path_or_model: Any) -> tuple[dict, Any, str]:
     """(config dict, tensors, description) of a Hugging Face directory or live model."""
     if isinstance(path_or_model, (str, Path)):
         root = Path(path_or_model)
-        if not (root / "config.json").is_file():
-            raise CheckpointError(f"{root / 'config.json'}: missing: not a Hugging Face model "
+        if not (root / CONFIG_FILE).is_file():
+            raise CheckpointError(f"{root / CONFIG_FILE}: missing: not a Hugging Face model "
                                   f"directory")
-        return json.loads((root / "config.json").read_text()), _SafetensorsDir(root), str(root)
+        return json.loads((root / CONFIG_FILE).read_text()), _SafetensorsDir(root), str(root)
     sd = {k: v.detach() for k, v in path_or_model.state_dict().items()}
     return path_or_model.config.to_dict(), sd, type(path_or_model).__name__
 
@@ -232,7 +233,7 @@ def write_hf(src: Any, config: ModelConfig, names: set[str], out_dir: str | Path
                 (part.T if tr else part).contiguous().clone()
     out.mkdir(parents=True, exist_ok=True)
     save_file(tensors, str(out / "model.safetensors"), metadata={"format": "pt"})
-    (out / "config.json").write_text(json.dumps(config_to_hf(config), indent=1))
+    (out / CONFIG_FILE).write_text(json.dumps(config_to_hf(config), indent=1))
     return out
 
 
