@@ -3,6 +3,7 @@ forward + backward on the same batch, and compare everything with tp=1.
 
     tpkit verify --component mlp --tp 1,2,4 [--hidden H --batch B --seq S]
     tpkit verify --preset llama-tiny --tp 1,2,4 [--sp] [--dtype float32|bfloat16]
+    tpkit verify --checkpoint runs/demo --tp 1,2    # weights and config from any path
 
 Prints per tp the max abs difference of outputs (logits), loss and gathered
 gradients against tp=1, the ledger per layer next to the theory, and the parameter
@@ -29,6 +30,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--component", choices=["mlp", "model"], default=None,
                    help="mlp: the Megatron MLP alone; model: a whole preset (default with --preset)")
     p.add_argument("--preset", default=None, help="model preset, e.g. gpt2-tiny, llama-tiny")
+    p.add_argument("--checkpoint", default=None,
+                   help="a model from a checkpoint dir, run folder (its latest valid "
+                        "checkpoint), full .safetensors or Hugging Face dir, instead of a preset")
     p.add_argument("--tp", default="1,2,4", help="comma-separated tp sizes (1 is the reference)")
     p.add_argument("--sp", action="store_true", help="sequence parallelism")
     p.add_argument("--activation", default="gelu", choices=["gelu", "swiglu", "relu"])
@@ -60,17 +64,29 @@ def _mlp_case(mesh, a) -> dict:
                 table=mesh.ledger.table(f"ledger at tp={mesh.tp_size} (rank {mesh.rank})"))
 
 
-def _model_case(mesh, a) -> dict:
+def _build(mesh, a, dtype: torch.dtype):
+    """The model of this rank: from `--checkpoint` (dropout off), else the preset's, seed 1."""
+    if a["checkpoint"]:
+        from tpkit.checkpoint import load_model
+
+        m = load_model(a["checkpoint"], mesh, dtype=dtype, sequence_parallel=a["sp"]).eval()
+        mesh.ledger.clear()  # the load's own agreement, not the model's traffic
+        return m
     from tpkit.model import Transformer
     from tpkit.spec import get_preset
 
     cfg = get_preset(a["preset"])
     if a["layers"]:
         cfg = replace(cfg, num_layers=a["layers"])
+    return Transformer(cfg, mesh, seed=1, sequence_parallel=a["sp"], dtype=dtype)
+
+
+def _model_case(mesh, a) -> dict:
     dtype = getattr(torch, a["dtype"])
+    m = _build(mesh, a, dtype)
+    cfg = m.config
     g = torch.Generator().manual_seed(0)
     ids = torch.randint(0, cfg.vocab_size, (a["batch"], a["seq"]), generator=g)
-    m = Transformer(cfg, mesh, seed=1, sequence_parallel=a["sp"], dtype=dtype)
     types = torch.zeros_like(ids) if cfg.type_vocab_size else None
     logits = m(ids, token_types=types)
     loss = m.loss(logits, torch.roll(ids, -1, 1))
@@ -88,7 +104,8 @@ def _model_case(mesh, a) -> dict:
     if got != theory.as_counter(step):
         problems.append(f"whole step: recorded {dict(got)} != theory {dict(theory.as_counter(step))}")
     return dict(out=logits.detach().float(), loss=loss.item(), gx=None, splits=splits_of(m),
-                grads={n: p.grad.float() for n, p in m.named_parameters()},
+                grads={n: p.grad.float() if p.grad is not None else torch.zeros_like(p).float()
+                       for n, p in m.named_parameters()},  # BERT's pooler: unused here
                 vocab=cfg.vocab_size, problems=problems, param_bytes=m.param_bytes(),
                 table=mesh.ledger.table(f"ledger at tp={tp} (rank {mesh.rank})"))
 
@@ -122,15 +139,23 @@ def run(args: argparse.Namespace) -> int:
     """Run the comparison; 0 when every tp matches tp=1 and the ledger matches theory."""
     from tpkit.launch import spawn
 
-    component = args.component or ("model" if args.preset else "mlp")
-    if component == "model" and not args.preset:
-        print("tpkit verify: --component model needs --preset")
+    component = args.component or ("model" if args.preset or args.checkpoint else "mlp")
+    if component == "model" and not (args.preset or args.checkpoint):
+        print("tpkit verify: --component model needs --preset or --checkpoint")
         return 2
+    if args.checkpoint:
+        from tpkit.checkpoint import CheckpointError, locate
+
+        try:  # once, before any process: every tp reads the same checkpoint
+            args.checkpoint = str(locate(args.checkpoint).path)
+        except CheckpointError as e:
+            print(f"tpkit verify: {e}")
+            return 2
     tps = sorted({int(t) for t in args.tp.split(",")} | {1})
     a = dict(vars(args), ffn=args.ffn or 4 * args.hidden)
     case = _mlp_case if component == "mlp" else _model_case
     what = f"MLP {args.activation} h={args.hidden} ffn={a['ffn']}" if component == "mlp" \
-        else f"{args.preset}{' +SP' if args.sp else ''}"
+        else f"{args.checkpoint or args.preset}{' +SP' if args.sp else ''}"
     print(f"tpkit verify: {what}, batch={args.batch} seq={args.seq} {args.dtype}, tp={tps}")
     ref = _gather([case(ParallelMesh.single(), a)])
     tol, ok = TOL[args.dtype], True
