@@ -24,7 +24,7 @@ GPT2 = ModelConfig(name="gpt2-t", vocab_size=257, hidden=64, num_layers=4, num_h
 
 
 class DictSource:
-    """A `ckpt_io.Source` over a dict of full logical tensors."""
+    """A `shard_io.Source` over a dict of full logical tensors."""
 
     def __init__(self, full: dict[str, torch.Tensor]) -> None:
         self.full = full
