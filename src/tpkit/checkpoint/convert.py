@@ -23,8 +23,10 @@ from safetensors.torch import save_file
 from torch import nn
 
 from tpkit.checkpoint.files import ShardedSource, local_slice, rank_file, verify_file
-from tpkit.checkpoint.sources import FULL_FORMAT, build_empty, open_source
+from tpkit.checkpoint.sources import FULL_FORMAT, open_source
+from tpkit.checkpoint.store import write_manifest, write_record
 from tpkit.mesh import ParallelMesh
+from tpkit.model.hf import empty_model, write_hf
 from tpkit.sharding import split_of
 from tpkit.spec.config import ModelConfig
 
@@ -33,13 +35,11 @@ def meta_model(config: ModelConfig, tp: int, pp: int, rank: int, names: set[str]
                ) -> nn.Module:
     """The model of one rank of a (tp, pp) layout on the meta device (names, shapes,
     split tags only)."""
-    return build_empty(config, ParallelMesh.virtual(tp, pp, rank=rank), names)
+    return empty_model(config, ParallelMesh.virtual(tp, pp, rank=rank), names)
 
 
 def to_hf(source: Any, out_dir: str | Path, config: ModelConfig | None = None) -> Path:
     """A Hugging Face directory from any path `open_source` takes, a tp=1 model or a dict."""
-    from tpkit.model.hf import write_hf
-
     return write_hf(*open_source(source, config), out_dir)
 
 
@@ -62,8 +62,6 @@ def to_full(source: Any, out: str | Path) -> Path:
 def reshard(source: Any, out: str | Path, tp: int, pp: int = 1) -> Path:
     """Write a sharded checkpoint at (tp, pp) from any source; optimizer state follows
     when the source is a sharded checkpoint that has it. Atomic like `checkpoint.save`."""
-    from tpkit.checkpoint.store import write_manifest, write_record
-
     src, config, names = open_source(source)
     config.check(tp=tp, pp=pp)
     m = src.manifest if isinstance(src, ShardedSource) else None

@@ -20,13 +20,14 @@ import torch
 from safetensors import SafetensorError
 from torch import nn
 
+from tpkit.checkpoint import store
 from tpkit.checkpoint.files import CheckpointError, FullSource, ShardedSource, read_manifest
 from tpkit.checkpoint.locate import FULL, HF, SHARDED, locate
 from tpkit.mesh import ParallelMesh
+from tpkit.model.hf import empty_model, load_from, materialize, memory_source, open_hf_source
 from tpkit.spec.config import ModelConfig
 
 FULL_FORMAT = "tpkit-full"  # the "format" in a full file's metadata (`convert.to_full`)
-POOLER = "pooler.weight"  # BERT's optional pooler: present in the file or not
 
 
 def open_source(source: Any, config: ModelConfig | None = None
@@ -34,8 +35,6 @@ def open_source(source: Any, config: ModelConfig | None = None
     """(Source, config, tensor names) of any path `locate` accepts, or of a tp=1 model or
     a dict of full tensors (with `config`)."""
     if isinstance(source, nn.Module | dict):
-        from tpkit.model.hf import memory_source
-
         return memory_source(source, config)
     found = locate(source)
     if found.kind == SHARDED:
@@ -44,12 +43,7 @@ def open_source(source: Any, config: ModelConfig | None = None
     if found.kind == FULL:
         return _open_full(found.path, config)
     assert found.kind == HF
-    from tpkit.model.hf import HFSource, config_from_hf, open_hf, table
-
-    hf, tensors, where = open_hf(found.path)
-    fam, cfg = config_from_hf(hf)
-    src = HFSource(tensors, table(fam, cfg), where)
-    return src, cfg, {n for n in src.recipes if src.logical_shape(n) is not None}
+    return open_hf_source(found.path)
 
 
 def _open_full(path: Path, config: ModelConfig | None) -> tuple[Any, ModelConfig, set[str]]:
@@ -63,24 +57,13 @@ def _open_full(path: Path, config: ModelConfig | None) -> tuple[Any, ModelConfig
     return src, config or ModelConfig.from_dict(meta["config"]), src.names
 
 
-def build_empty(config: ModelConfig, mesh: Any, names: set[str], **kw) -> nn.Module:
-    """The model of `mesh`'s coordinate on the meta device (names, shapes, split tags),
-    with the pooler when `names` has one."""
-    from tpkit.model.hf import build_model
-
-    return build_model(config, mesh, device="meta", pooler=POOLER in names, **kw)
-
-
 def load_model(path: str | Path, mesh: ParallelMesh, *, dtype: torch.dtype | None = None,
                sequence_parallel: bool = False) -> nn.Module:
     """A model at `mesh`'s layout holding the weights at `path` (any kind `locate`
     accepts), each rank reading only its slices. Call on every rank of the mesh."""
-    from tpkit.checkpoint import store
-    from tpkit.model.hf import load_from, materialize
-
     found = locate(path)
     source, config, names = open_source(found.path)
-    model = build_empty(config, mesh, names, dtype=dtype, sequence_parallel=sequence_parallel)
+    model = empty_model(config, mesh, names, dtype=dtype, sequence_parallel=sequence_parallel)
     materialize(model, mesh.device)
     if found.kind == SHARDED:  # every rank stages first: nothing is half-loaded
         store.load(found.path, model, mesh=mesh)

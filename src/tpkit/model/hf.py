@@ -44,6 +44,7 @@ from tpkit.sharding import split_of
 from tpkit.spec.config import ModelConfig
 
 CONFIG_FILE = "config.json"  # what makes a directory a Hugging Face model
+POOLER_WEIGHT = "pooler.weight"  # BERT's optional pooler (`build_model(pooler=True)`)
 
 # -- reading ----------------------------------------------------------------------------
 class HFSource:
@@ -143,15 +144,19 @@ def from_pretrained(path_or_model: Any, mesh: ParallelMesh | None = None, *,
     `transformers` model. BERT models keep their pooler as `model.pooler` if present.
     """
     mesh = mesh or ParallelMesh.single()
+    source, config, names = open_hf_source(path_or_model)
+    model = empty_model(config, mesh, names, dtype=dtype, sequence_parallel=sequence_parallel)
+    materialize(model, mesh.device)
+    load_from(model, source, mesh, source.where)
+    return model
+
+
+def open_hf_source(path_or_model: Any) -> tuple[HFSource, ModelConfig, set[str]]:
+    """(Source, config, tpkit tensor names present) of a Hugging Face directory or model."""
     hf, tensors, where = open_hf(path_or_model)
     fam, config = config_from_hf(hf)
     source = HFSource(tensors, table(fam, config), where)
-    model = build_model(config, mesh, device="meta", dtype=dtype,
-                        sequence_parallel=sequence_parallel,
-                        pooler=source.logical_shape("pooler.weight") is not None)
-    materialize(model, mesh.device)
-    load_from(model, source, mesh, where)
-    return model
+    return source, config, {n for n in source.recipes if source.logical_shape(n) is not None}
 
 
 def load_from(model: nn.Module, source: Any, mesh: ParallelMesh, where: str) -> None:
@@ -187,6 +192,12 @@ def build_model(config: ModelConfig, mesh: ParallelMesh, *, pooler: bool = False
         dev.setdefault("device", mesh.device)
         model.pooler = nn.Linear(config.hidden, config.hidden, **dev)
     return model
+
+
+def empty_model(config: ModelConfig, mesh: Any, names: set[str], **kw) -> nn.Module:
+    """The model whose tensors are `names` (BERT's pooler if among them) on the meta
+    device, at `mesh`'s coordinate: names, shapes and split tags, no memory."""
+    return build_model(config, mesh, device="meta", pooler=POOLER_WEIGHT in names, **kw)
 
 
 def pooled(model: nn.Module, hidden: torch.Tensor) -> torch.Tensor:
