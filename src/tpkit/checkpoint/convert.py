@@ -23,6 +23,7 @@ from safetensors.torch import save_file
 from torch import nn
 
 from tpkit.checkpoint.files import ShardedSource, local_slice, rank_file, verify_file
+from tpkit.checkpoint.optim_state import keys_by_param, state_name
 from tpkit.checkpoint.sources import FULL_FORMAT, open_source
 from tpkit.checkpoint.store import write_manifest, write_record
 from tpkit.mesh import ParallelMesh
@@ -95,9 +96,9 @@ def _slices(src, model, t: int, tp: int, where: str) -> dict:
 
 
 def _optim_slices(src: ShardedSource, m: dict, model, t: int, tp: int, where: str) -> dict:
-    out = {}
+    out, keys = {}, keys_by_param(m["optim_tensors"])
     for n, p in model.named_parameters():
-        for full in (k for k in m["optim_tensors"] if k.split("::")[0] == n):
+        for full in (state_name(n, key) for key in keys.get(n, [])):
             scalar = m["optim_tensors"][full]["logical"] == []
             shape, split = ((), None) if scalar else (tuple(p.shape), split_of(p))
             out[full] = (local_slice(src, full, split, t, tp, shape, where), split)
