@@ -1,17 +1,17 @@
 """What a path names, for every command alike: a sharded checkpoint, a run folder, one
 full safetensors file, or a Hugging Face directory.
 
-    locate("runs/demo")                   sharded  runs/demo/checkpoints/step_000400
-    locate("runs/demo/checkpoints")       sharded  the same (a folder of checkpoints)
-    locate("runs/demo/checkpoints/step_000400")    sharded  itself (manifest.json)
-    locate("model.safetensors")           full
-    locate("hf-dir")                      hf       (config.json)
+    locate("runs/demo")              -> sharded, runs/demo/checkpoints/step_000400
+    locate("runs/demo/checkpoints")  -> the same (a folder of checkpoints)
+    locate("ckpt-dir")               -> sharded, itself (it has manifest.json)
+    locate("model.safetensors")      -> full
+    locate("hf-dir")                 -> hf (it has config.json)
 
 A run folder (the `--out` of `tpkit train`) holds `checkpoints/step_*`. The newest
 VALID checkpoint in it is used: its manifest reads and every file it lists is there
-with its recorded size. A newer one that is not valid (a save killed before its
-manifest, a truncated or missing shard) is skipped with a `CheckpointWarning` naming it
-and why. Checksums are checked when the files are read (`files.verify_file`), not here:
+with its recorded size. A newer one that is not valid (manifest gone or unreadable, a
+truncated or missing shard) is skipped with a `CheckpointWarning` naming it and why (a
+save in progress, or killed, is a hidden `.step_*.tmp` and never a candidate). Checksums are checked when the files are read (`files.verify_file`), not here:
 hashing a whole checkpoint to choose it would read it twice.
 """
 
