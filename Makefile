@@ -41,9 +41,7 @@ test-fast: $(STAMP)   # the suite without the tests marked slow (multi-process, 
 
 bench: $(STAMP)
 	$(BIN)/pip install -q --no-deps megatron-core   # a peer of the block benchmark; keeps torch
-	$(BIN)/python benchmarks/mlp_vs_peers.py
-	$(BIN)/python benchmarks/block_vs_peers.py
-	$(BIN)/python benchmarks/pipeline_bubble.py
+	$(BIN)/python benchmarks/run_all.py
 
 lint: $(STAMP)
 	$(BIN)/ruff check src tests benchmarks

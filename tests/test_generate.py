@@ -14,9 +14,10 @@ import pytest
 import torch
 
 from checkpoint_helpers import GPT2, LLAMA, fill, random_full
+from tpkit.checkpoint import load_model
 from tpkit.checkpoint import store as ckpt
 from tpkit.comm import all_gather
-from tpkit.commands.generate import load_model, run
+from tpkit.commands.generate import run
 from tpkit.mesh import ParallelMesh
 from tpkit.model.generate import decode, encode, generate
 from tpkit.model.transformer import Transformer

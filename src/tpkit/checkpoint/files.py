@@ -98,17 +98,27 @@ def file_entry(path: Path) -> dict:
     return dict(sha256=h.hexdigest(), bytes=path.stat().st_size)
 
 
+def size_problem(root: Path, name: str, entry: dict | None) -> str | None:
+    """Why `name` cannot be the file the manifest lists (absent, or another size), or None.
+    Cheap: no checksum (`verify_file` adds it)."""
+    path = root / name
+    if entry is None:
+        return f"{path}: not listed in {root / MANIFEST}"
+    if not path.is_file():
+        return f"{path}: missing shard (listed in {MANIFEST})"
+    size = path.stat().st_size
+    if size != entry["bytes"]:
+        return (f"{path}: truncated or resized: {size} bytes on disk, "
+                f"{entry['bytes']} in {MANIFEST}")
+    return None
+
+
 def verify_file(root: Path, name: str, entry: dict | None) -> Path:
     """The path of `name` after checking it exists, has its size and its sha256."""
     path = root / name
-    if entry is None:
-        raise CheckpointError(f"{path}: not listed in {root / MANIFEST}")
-    if not path.is_file():
-        raise CheckpointError(f"{path}: missing shard (listed in {MANIFEST})")
-    size = path.stat().st_size
-    if size != entry["bytes"]:
-        raise CheckpointError(f"{path}: truncated or resized: {size} bytes on disk, "
-                              f"{entry['bytes']} in {MANIFEST}")
+    problem = size_problem(root, name, entry)
+    if problem:
+        raise CheckpointError(problem)
     if file_entry(path)["sha256"] != entry["sha256"]:
         raise CheckpointError(f"{path}: checksum mismatch (sha256 differs from {MANIFEST}): "
                               f"the file is corrupted")

@@ -1,43 +1,20 @@
-"""`tpkit generate`: load a model at a tensor-parallel layout (tpkit checkpoint, full
-file or Hugging Face directory) and sample from it (`tpkit.model.generate`).
-
-A command sits on top of the stack: it may use training's checkpoints, while
-`tpkit.model` knows nothing of training.
+"""`tpkit generate`: load a model at a tensor-parallel layout (tpkit checkpoint, run
+folder, full file or Hugging Face directory: `tpkit.checkpoint.load_model`) and sample
+from it (`tpkit.model.generate`).
 """
 
 from __future__ import annotations
 
 import argparse
 import os
-from pathlib import Path
 
 import torch
-from torch import nn
 
+from tpkit.checkpoint.files import CheckpointError
+from tpkit.checkpoint.locate import locate
+from tpkit.checkpoint.sources import load_model
 from tpkit.mesh import ParallelMesh
 from tpkit.model.generate import decode, encode, generate
-from tpkit.model.names import POOLER_WEIGHT
-
-
-def load_model(path: str | Path, mesh: ParallelMesh, dtype: torch.dtype | None = None
-               ) -> nn.Module:
-    """A model at `mesh`'s layout from a tpkit checkpoint dir, full file or HF directory."""
-    from tpkit.checkpoint import store as ckpt
-    from tpkit.checkpoint.convert import open_source
-    from tpkit.model.hf import build_model, from_pretrained, load_from, materialize
-
-    path = Path(path)
-    if (path / "config.json").is_file() and not (path / "manifest.json").is_file():
-        return from_pretrained(path, mesh, dtype=dtype)
-    source, config, names = open_source(path)
-    model = build_model(config, mesh, device="meta", dtype=dtype,
-                        pooler=POOLER_WEIGHT in names)
-    materialize(model, mesh.device)
-    if (path / "manifest.json").is_file():
-        ckpt.load(path, model, mesh=mesh)
-    else:
-        load_from(model, source, mesh, str(path))
-    return model
 
 
 def _worker(mesh: ParallelMesh, args: argparse.Namespace) -> str:
@@ -59,7 +36,8 @@ def _worker(mesh: ParallelMesh, args: argparse.Namespace) -> str:
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     """Options of `tpkit generate`."""
     parser.add_argument("--checkpoint", required=True,
-                        help="tpkit checkpoint dir, full .safetensors, or Hugging Face dir")
+                        help="tpkit checkpoint dir, run folder (its latest valid "
+                             "checkpoint), full .safetensors, or Hugging Face dir")
     parser.add_argument("--tp", type=int, default=1, help="tensor-parallel processes")
     parser.add_argument("--prompt", default="", help="text (byte-level tokenizer)")
     parser.add_argument("--prompt-ids", default="", help="comma-separated token ids instead")
@@ -75,6 +53,7 @@ def run(args: argparse.Namespace) -> int:
         print("tpkit generate: give --prompt or --prompt-ids")
         return 2
     try:
+        args.checkpoint = str(locate(args.checkpoint).path)  # once, before any process
         if "WORLD_SIZE" in os.environ:
             text = _worker(ParallelMesh.from_env(tp=args.tp, pp=1), args)
         elif args.tp == 1:
@@ -83,7 +62,7 @@ def run(args: argparse.Namespace) -> int:
             from tpkit.launch import spawn
 
             text = spawn(_worker, args.tp, args, mesh=dict(tp=args.tp))[0]
-    except ValueError as e:  # CheckpointError is a RuntimeError: let it name its file
+    except (ValueError, CheckpointError) as e:
         print(f"tpkit generate: {e}")
         return 1
     print(text)

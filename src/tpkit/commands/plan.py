@@ -13,10 +13,8 @@ import sys
 
 from tpkit.plan.hardware import PROFILES, HardwareError, get_hardware
 from tpkit.plan.planner import PlanError, Request, plan
-from tpkit.plan.simulate import Cluster, Estimate
+from tpkit.plan.simulate import Cluster
 from tpkit.spec.config import ModelConfig, get_preset
-
-GB = 1e9
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
@@ -83,19 +81,6 @@ def request_from_args(a: argparse.Namespace) -> Request:
     return Request(cfg, seq, gbs, cluster, {k: v for k, v in fixed.items() if v is not None})
 
 
-def plan_dict(e: Estimate) -> dict:
-    """One plan as JSON-able dict (the keys scripts rely on, then the breakdown)."""
-    lay = e.layout
-    return {"tp": lay.tp, "pp": lay.pp, "dp": lay.dp, "micro_batch": lay.micro_batch,
-            "sp": lay.sp, "recompute": lay.recompute, "zero1": lay.zero1,
-            "interleave": lay.interleave, "micro_batches": e.micro_batches,
-            "step_time_s": e.step_time_s, "tokens_per_s": e.tokens_per_s,
-            "tflops_per_device": e.tflops_per_device, "mfu": e.mfu,
-            "memory_gb": e.memory["total"] / GB, "reason": e.reason,
-            "terms_s": e.terms, "memory_breakdown_gb": {k: v / GB for k, v in e.memory.items()},
-            "per_layer_s": e.per_layer}
-
-
 def run(args: argparse.Namespace) -> int:
     """Print the plans; exit 1 with the reason when there is none."""
     try:
@@ -104,10 +89,11 @@ def run(args: argparse.Namespace) -> int:
     except (PlanError, HardwareError, ValueError) as e:
         print(f"tpkit plan: {e}", file=sys.stderr)
         return 1
+    from tpkit.plan.report import plan_dict, print_explain, print_table
+
     if args.json:
         print(json.dumps([plan_dict(e) for e in plans], indent=1))
         return 0
-    from tpkit.plan.report import print_explain, print_table
 
     print_table(req, plans)
     if args.explain:

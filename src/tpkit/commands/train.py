@@ -48,7 +48,7 @@ _FLAGS = {  # field -> (type or action, help)
     "ckpt_every": (int, "checkpoint every N steps (and always at the end)"),
     "out": (str, "output directory (metrics.jsonl, loss.png, checkpoints/)"),
     "seed": (int, "seed of weights and data order"),
-    "resume": (str, "continue from a checkpoint (or the latest one in a folder)"),
+    "resume": (str, "continue from a checkpoint, or a run folder (its latest valid one)"),
 }
 
 
@@ -104,7 +104,10 @@ def _print_report(results: list[RunSummary]) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
-    """Train; 0 on success, 2 on a configuration or data error (named on stderr)."""
+    """Train; 0 on success, 2 on a configuration, data or checkpoint error (named on
+    stderr)."""
+    from tpkit.checkpoint.files import CheckpointError
+    from tpkit.checkpoint.locate import sharded_dir
     from tpkit.launch import SpawnError
 
     torchrun = "RANK" in os.environ and "WORLD_SIZE" in os.environ
@@ -112,6 +115,8 @@ def run(args: argparse.Namespace) -> int:
     try:
         cfg = config_from_args(args, world)
         cfg.check(world or cfg.world_size)
+        if cfg.resume:  # a run folder: its latest valid checkpoint, chosen once, here
+            cfg = cfg.with_(resume=str(sharded_dir(cfg.resume)))
         if torchrun:
             return _run_torchrun(cfg)
         from tpkit.spec import get_preset
@@ -119,7 +124,7 @@ def run(args: argparse.Namespace) -> int:
 
         load_tokens(cfg.data, get_preset(cfg.preset).vocab_size)  # data errors before spawning
         return _run_local(cfg)
-    except (ValueError, FileNotFoundError) as e:
+    except (ValueError, FileNotFoundError, CheckpointError) as e:
         print(f"tpkit train: error: {e}", file=sys.stderr)
         return 2
     except SpawnError as e:

@@ -44,10 +44,11 @@ from tpkit.shard_io import CheckpointError, DictSource, local_slice
 from tpkit.sharding import meta_of, split_of
 from tpkit.spec.config import ModelConfig
 
+CONFIG_FILE = "config.json"  # what makes a directory a Hugging Face model
 
 # -- reading ----------------------------------------------------------------------------
 class HFSource:
-    """A `ckpt_io.Source` over Hugging Face tensors (safetensors files or a state dict)."""
+    """A `shard_io.Source` over Hugging Face tensors (safetensors files or a state dict)."""
 
     def __init__(self, tensors: Any, recipes: dict[str, Recipe], where: str) -> None:
         self.tensors, self.recipes, self.where = tensors, recipes, where
@@ -126,10 +127,10 @@ def open_hf(path_or_model: Any) -> tuple[dict, Any, str]:
     """(config dict, tensors, description) of a Hugging Face directory or live model."""
     if isinstance(path_or_model, (str, Path)):
         root = Path(path_or_model)
-        if not (root / "config.json").is_file():
-            raise CheckpointError(f"{root / 'config.json'}: missing: not a Hugging Face model "
+        if not (root / CONFIG_FILE).is_file():
+            raise CheckpointError(f"{root / CONFIG_FILE}: missing: not a Hugging Face model "
                                   f"directory")
-        return json.loads((root / "config.json").read_text()), _SafetensorsDir(root), str(root)
+        return json.loads((root / CONFIG_FILE).read_text()), _SafetensorsDir(root), str(root)
     sd = {k: v.detach() for k, v in path_or_model.state_dict().items()}
     return path_or_model.config.to_dict(), sd, type(path_or_model).__name__
 
@@ -143,15 +144,19 @@ def from_pretrained(path_or_model: Any, mesh: ParallelMesh | None = None, *,
     `transformers` model. BERT models keep their pooler as `model.pooler` if present.
     """
     mesh = mesh or ParallelMesh.single()
+    source, config, names = open_hf_source(path_or_model)
+    model = empty_model(config, mesh, names, dtype=dtype, sequence_parallel=sequence_parallel)
+    materialize(model, mesh.device)
+    load_from(model, source, mesh, source.where)
+    return model
+
+
+def open_hf_source(path_or_model: Any) -> tuple[HFSource, ModelConfig, set[str]]:
+    """(Source, config, tpkit tensor names present) of a Hugging Face directory or model."""
     hf, tensors, where = open_hf(path_or_model)
     fam, config = config_from_hf(hf)
     source = HFSource(tensors, table(fam, config), where)
-    model = build_model(config, mesh, device="meta", dtype=dtype,
-                        sequence_parallel=sequence_parallel,
-                        pooler=source.logical_shape(POOLER_WEIGHT) is not None)
-    materialize(model, mesh.device)
-    load_from(model, source, mesh, where)
-    return model
+    return source, config, {n for n in source.recipes if source.logical_shape(n) is not None}
 
 
 def load_from(model: nn.Module, source: Any, mesh: ParallelMesh, where: str) -> None:
@@ -187,6 +192,12 @@ def build_model(config: ModelConfig, mesh: ParallelMesh, *, pooler: bool = False
         dev.setdefault("device", mesh.device)
         model.pooler = nn.Linear(config.hidden, config.hidden, **dev)
     return model
+
+
+def empty_model(config: ModelConfig, mesh: Any, names: set[str], **kw) -> nn.Module:
+    """The model whose tensors are `names` (BERT's pooler if among them) on the meta
+    device, at `mesh`'s coordinate: names, shapes and split tags, no memory."""
+    return build_model(config, mesh, device="meta", pooler=POOLER_WEIGHT in names, **kw)
 
 
 def pooled(model: nn.Module, hidden: torch.Tensor) -> torch.Tensor:
@@ -233,7 +244,7 @@ def write_hf(src: Any, config: ModelConfig, names: set[str], out_dir: str | Path
                 (part.T if tr else part).contiguous().clone()
     out.mkdir(parents=True, exist_ok=True)
     save_file(tensors, str(out / "model.safetensors"), metadata={"format": "pt"})
-    (out / "config.json").write_text(json.dumps(config_to_hf(config), indent=1))
+    (out / CONFIG_FILE).write_text(json.dumps(config_to_hf(config), indent=1))
     return out
 
 

@@ -68,3 +68,16 @@ def print_explain(req: Request, e: Estimate, console: Console | None = None) -> 
     for k, v in e.memory.items():
         mem.add_row(k, f"{v / GB:.2f}")
     console.print(t, steps, mem)
+
+
+def plan_dict(e: Estimate) -> dict:
+    """One plan as JSON-able dict (the keys scripts rely on, then the breakdown)."""
+    lay = e.layout
+    return {"tp": lay.tp, "pp": lay.pp, "dp": lay.dp, "micro_batch": lay.micro_batch,
+            "sp": lay.sp, "recompute": lay.recompute, "zero1": lay.zero1,
+            "interleave": lay.interleave, "micro_batches": e.micro_batches,
+            "step_time_s": e.step_time_s, "tokens_per_s": e.tokens_per_s,
+            "tflops_per_device": e.tflops_per_device, "mfu": e.mfu,
+            "memory_gb": e.memory["total"] / GB, "reason": e.reason,
+            "terms_s": e.terms, "memory_breakdown_gb": {k: v / GB for k, v in e.memory.items()},
+            "per_layer_s": e.per_layer}

@@ -177,8 +177,9 @@ def save_checkpoint(cfg: TrainConfig, mesh: ParallelMesh, model, opt, loader: To
     """Sharded checkpoint at out/checkpoints/step_N: weights, AdamW (or ZeRO-1) state,
     and in `extra` the loader position, the step and this rank's generator states."""
     from tpkit.checkpoint import store as checkpoint
+    from tpkit.checkpoint.locate import step_dir
 
-    path = Path(cfg.out) / "checkpoints" / f"step_{step:06d}"
+    path = step_dir(cfg.out, step)
     rng = dict(checkpoint.capture_rng(mesh.device), tp=model.rng.state,
                device=mesh.device.type)
     checkpoint.save(path, model, opt, step=step, mesh=mesh,
@@ -197,10 +198,9 @@ def resume(cfg: TrainConfig, mesh: ParallelMesh, model, opt, loader: TokenLoader
     on another kind of device (a GPU checkpoint on CPU) the generators keep theirs.
     """
     from tpkit.checkpoint import store as checkpoint
+    from tpkit.checkpoint.locate import sharded_dir
 
-    path = Path(cfg.resume)
-    if not (path / "manifest.json").is_file():
-        path = checkpoint.latest(path) or checkpoint.latest(path / "checkpoints") or path
+    path = sharded_dir(cfg.resume)  # a run folder: its latest valid checkpoint
     extra = checkpoint.load(path, model, opt, mesh=mesh)
     if int(extra["step"]) >= cfg.steps:
         raise ValueError(f"{path} is at step {extra['step']}: nothing left to do for "
