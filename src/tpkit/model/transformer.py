@@ -24,6 +24,7 @@ from torch import nn
 
 from tpkit.comm import ops
 from tpkit.layers.attention import KVCache
+from tpkit.layers.chunked_loss import chunked_head_cross_entropy
 from tpkit.layers.cross_entropy import vocab_parallel_cross_entropy
 from tpkit.layers.embedding import VocabParallelEmbedding, padded_master
 from tpkit.layers.grads import finalize_tp_grads
@@ -88,7 +89,7 @@ class Transformer(nn.Module):
     def __init__(self, config: ModelConfig, mesh, *, seed: int = 0,
                  sequence_parallel: bool = False, recompute: bool = False,
                  device: torch.device | str | None = None, dtype: torch.dtype | None = None,
-                 virtual_stages: int = 1) -> None:
+                 virtual_stages: int = 1, loss_chunk: int = 0) -> None:
         super().__init__()
         tp, pp, v = mesh.tp_size, mesh.pp_size, virtual_stages
         config.check(tp=tp, pp=pp)  # every rank, before any collective
@@ -98,6 +99,9 @@ class Transformer(nn.Module):
         self.config, self.mesh, self.group = config, mesh, mesh.tp_group
         self.sequence_parallel, self.recompute, self.seed = sequence_parallel, recompute, seed
         self.virtual_stages = v
+        # > 0: the last stage returns its final hidden states and `loss` runs the head and
+        # the cross-entropy `loss_chunk` tokens at a time (tpkit.layers.chunked_loss)
+        self.loss_chunk = loss_chunk
         self.chunk_layers = [stage_layer_range(config.num_layers, pp * v, c * pp + mesh.pp_rank)
                              for c in range(v)]  # chunk c = virtual stage c*pp + pp_rank
         self.layer_range = self.chunk_layers[0] if v == 1 else \
@@ -163,7 +167,7 @@ class Transformer(nn.Module):
         if self.virtual_stages > 1 and self.mesh.pp_size > 1:
             raise RuntimeError("an interleaved stage holds several chunks: use forward_chunk")
         h = self.body(x, attention_mask, token_types, kv_caches, position_offset)
-        return self.logits(h) if self.is_last_stage else h
+        return self.logits(h) if self.is_last_stage and not self.loss_chunk else h
 
     def forward_chunk(self, c: int, x: torch.Tensor,
                       attention_mask: torch.Tensor | None = None,
@@ -174,7 +178,8 @@ class Transformer(nn.Module):
         x = self._run_layers(self.chunk_layers[c], x, attention_mask, None)
         if not self.chunk_is_last(c):
             return x
-        return self.logits(self.final_norm(x) if self.final_norm is not None else x)
+        x = self.final_norm(x) if self.final_norm is not None else x
+        return x if self.loss_chunk else self.logits(x)
 
     def body(self, x, attention_mask=None, token_types=None, kv_caches=None, position_offset=0):
         """Embedding (first stage) and this stage's layers; final norm on the last stage."""
@@ -214,13 +219,21 @@ class Transformer(nn.Module):
 
     def loss(self, logits: torch.Tensor, labels: torch.Tensor, ignore_index: int = -100,
              label_smoothing: float = 0.0) -> torch.Tensor:
-        """Mean cross-entropy over non-ignored tokens; identical on every tp rank."""
-        with self.mesh.ledger.scope("loss"):
-            per_token = vocab_parallel_cross_entropy(
-                logits, labels, self.group, self.config.vocab_size, ignore_index=ignore_index,
-                label_smoothing=label_smoothing)
-        n = (labels != ignore_index).sum().clamp(min=1)
-        return per_token.sum() / n
+        """Mean cross-entropy over non-ignored tokens; identical on every tp rank.
+
+        With `loss_chunk` the first argument is the final hidden states (what the last
+        stage returned) and the head runs inside the chunked loss."""
+        if self.loss_chunk:
+            per_token = chunked_head_cross_entropy(
+                logits, self.head_weight, labels, self.group, self.config.vocab_size,
+                chunk=self.loss_chunk, sequence_parallel=self.sequence_parallel,
+                ignore_index=ignore_index, label_smoothing=label_smoothing)  # [b, s]
+        else:
+            with self.mesh.ledger.scope("loss"):
+                per_token = vocab_parallel_cross_entropy(
+                    logits, labels, self.group, self.config.vocab_size,
+                    ignore_index=ignore_index, label_smoothing=label_smoothing)  # [b, s]
+        return per_token.sum() / (labels != ignore_index).sum().clamp(min=1)
 
     def finalize_grads(self) -> None:
         """The tensor-parallel gradient sums (SP norms, shared kv heads); once per step."""

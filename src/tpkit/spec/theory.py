@@ -8,7 +8,8 @@ Per transformer layer and micro-batch, with activations [b, s, h] and tp > 1
     with sequence parallelism, each all-reduce becomes 1 reduce-scatter + 1 all-gather
     of the same b*s*h elements (the same bytes on the wire).
     vocab-parallel embedding: 1 all-reduce of b*s*h forward (or a reduce-scatter with SP)
-    vocab-parallel cross-entropy: 3 all-reduces of b*s forward (max, target, sum-exp)
+    vocab-parallel cross-entropy: 3 all-reduces of b*s forward (max, target, sum-exp);
+    chunked over tokens (c per chunk): 3 all-reduces of c per chunk, the same b*s numbers
     full recompute: the recomputed forward repeats the layer's forward collectives
     (recorded as forward, while the backward runs)
 
@@ -123,26 +124,35 @@ def head(b: int, s: int, h: int, tp: int, sp: bool = False) -> list[Expect]:
 
 
 def stage(b: int, s: int, h: int, tp: int, sp: bool, num_layers: int, *, first: bool = True,
-          last: bool = True, recompute: str = "none") -> list[Expect]:
+          last: bool = True, recompute: str = "none", loss_chunk: int = 0) -> list[Expect]:
     """Tensor-parallel traffic of one micro-batch through a pipeline stage holding
     `num_layers` layers (the whole model when first and last)."""
     out = embedding(b, s, h, tp, sp) if first else []
     out += layer(b, s, h, tp, sp, recompute) * num_layers
     if last:
-        out += head(b, s, h, tp, sp) + cross_entropy(b, s, tp)
+        out += head(b, s, h, tp, sp) + cross_entropy(b, s, tp, loss_chunk)
     return out
 
 
-def cross_entropy(b: int, s: int, tp: int) -> list[Expect]:
-    """Vocab-parallel cross-entropy: max, target logit and sum of exp, b*s each."""
+def loss_chunks(tokens: int, chunk: int) -> list[int]:
+    """Tokens per chunk of the chunked loss (`chunk` each, the rest last; 0: one chunk)."""
+    if chunk <= 0 or chunk >= tokens:
+        return [tokens]
+    return [chunk] * (tokens // chunk) + ([tokens % chunk] if tokens % chunk else [])
+
+
+def cross_entropy(b: int, s: int, tp: int, chunk: int = 0) -> list[Expect]:
+    """Vocab-parallel cross-entropy: max, target logit and sum of exp, b*s each; chunked
+    over tokens (`chunk` > 0), the same three per chunk of c tokens (backward recomputes
+    the chunk's logits from the saved max and sum, sending nothing)."""
     if tp == 1:
         return []
-    return [Expect("all_reduce", "forward", b * s, count=3)]
+    return [Expect("all_reduce", "forward", c, count=3) for c in loss_chunks(b * s, chunk)]
 
 
 def stage_step(hidden: int, b: int, s: int, tp: int, pp: int, sp: bool, m: int, first: bool,
                last: bool, num_layers: int, chunks: int = 1,
-               recompute: str = "none") -> list[Expect]:
+               recompute: str = "none", loss_chunk: int = 0) -> list[Expect]:
     """What one training step of m micro-batches must send on a rank's tp and pp groups.
 
     Per micro-batch: `stage` (embedding on the first stage, 2+2 per layer, head and the
@@ -150,7 +160,8 @@ def stage_step(hidden: int, b: int, s: int, tp: int, pp: int, sp: bool, m: int, 
     forward and its gradient backward, [b, s, h] ([b, s/tp, h] with SP), per chunk of
     the stage (interleaved), except out of the very last chunk and into the very first.
     """
-    one = stage(b, s, hidden, tp, sp, num_layers, first=first, last=last, recompute=recompute)
+    one = stage(b, s, hidden, tp, sp, num_layers, first=first, last=last, recompute=recompute,
+                loss_chunk=loss_chunk)
     act = b * (s // tp if sp else s) * hidden
     out, into = chunks - last, chunks - first  # activations leaving / entering the stage
     if pp > 1 and out:

@@ -45,6 +45,7 @@ class TrainConfig:
     virtual_stages: int = 1  # model chunks per stage (interleaved 1F1B)
     dtype: str = "float32"  # bfloat16: autocast of the forward
     recompute: bool = False
+    loss_chunk: int = 0  # > 0: head + cross-entropy this many tokens at a time (chunked loss)
     data: str | None = None  # None: the embedded corpus (Python's own documentation)
     val_fraction: float = 0.05
     eval_every: int = 50
@@ -102,6 +103,9 @@ class TrainConfig:
             out.append(f"global_batch={self.global_batch} is not divisible by dp*micro_batches "
                        f"= {self.dp}*{self.micro_batches} = {self.dp * self.micro_batches}")
         out += self._schedule_problems()
+        if not isinstance(self.loss_chunk, int) or self.loss_chunk < 0:
+            out.append(f"loss_chunk={self.loss_chunk} must be 0 (off) or a positive number "
+                       f"of tokens")
         if self.dtype not in DTYPES:
             out.append(f"dtype={self.dtype!r} is not one of {DTYPES}")
         if not 0.0 <= self.val_fraction < 1.0:

@@ -68,7 +68,8 @@ def build_model(cfg: TrainConfig, mesh: ParallelMesh) -> torch.nn.Module:
     from tpkit.spec import get_preset
 
     return Transformer(get_preset(cfg.preset), mesh, seed=cfg.seed, sequence_parallel=cfg.sp,
-                       recompute=cfg.recompute, virtual_stages=cfg.virtual_stages)
+                       recompute=cfg.recompute, virtual_stages=cfg.virtual_stages,
+                       loss_chunk=cfg.loss_chunk)
 
 
 def replica_mean(value: float | None, mesh: ParallelMesh) -> float:
@@ -223,7 +224,8 @@ def _summary(cfg, mesh, model, rows, train_s, idle, busy, ckpt, lead) -> RunSumm
     expects = theory.stage_step(c.hidden, b, cfg.seq, mesh.tp_size, mesh.pp_size, cfg.sp,
                                 cfg.micro_batches, model.is_first_stage, model.is_last_stage,
                                 len(model.layer_range), model.virtual_stages,
-                                recompute="full" if cfg.recompute else "none")
+                                recompute="full" if cfg.recompute else "none",
+                                loss_chunk=model.loss_chunk)
     rows_t = theory_rows(mesh.ledger, expects)
     where = f"rank {mesh.rank} (stage {mesh.pp_rank}, tp rank {mesh.tp_rank})"
     val = [r["val_loss"] for r in rows if "val_loss" in r]
