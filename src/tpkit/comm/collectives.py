@@ -19,6 +19,10 @@ from tpkit.comm.group import CommGroup
 _all_gather_single = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
 _reduce_scatter_single = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
 
+# Under torch.compile (`tpkit train --compile`) every collective is a clean graph break:
+# it runs eagerly, between compiled regions, and is recorded in the ledger as always.
+_graph_break = torch.compiler.disable
+
 _REDUCE_OPS = {"sum": dist.ReduceOp.SUM, "max": dist.ReduceOp.MAX, "min": dist.ReduceOp.MIN}
 
 
@@ -32,6 +36,7 @@ def _nbytes(x: torch.Tensor) -> int:
     return x.numel() * x.element_size()
 
 
+@_graph_break
 def all_reduce(x: torch.Tensor, group: CommGroup, op: str = "sum", *, phase: str = "forward",
                scope: str | None = None) -> torch.Tensor:
     """Reduce `x` over the group, in place; returns `x`."""
@@ -62,6 +67,7 @@ class Pending:
         return self._finish()
 
 
+@_graph_break
 def all_reduce_async(x: torch.Tensor, group: CommGroup, *, phase: str = "backward",
                      scope: str | None = None) -> Pending:
     """Start summing `x` over the group in place; `.wait()` returns `x`."""
@@ -73,6 +79,7 @@ def all_reduce_async(x: torch.Tensor, group: CommGroup, *, phase: str = "backwar
     return p
 
 
+@_graph_break
 def reduce_scatter_async(x: torch.Tensor, group: CommGroup, dim: int, *,
                          phase: str = "backward", scope: str | None = None) -> Pending:
     """Start summing `x` and scattering `dim`; `.wait()` returns this rank's chunk."""
@@ -88,6 +95,7 @@ def reduce_scatter_async(x: torch.Tensor, group: CommGroup, dim: int, *,
     return p
 
 
+@_graph_break
 def all_gather(x: torch.Tensor, group: CommGroup, dim: int = -1, *, phase: str = "forward",
                scope: str | None = None) -> torch.Tensor:
     """Concatenate every rank's `x` along `dim` (rank order)."""
@@ -105,6 +113,7 @@ def all_gather(x: torch.Tensor, group: CommGroup, dim: int = -1, *, phase: str =
     return out.reshape(*x.shape[:dim], p * x.shape[dim], *x.shape[dim + 1:])
 
 
+@_graph_break
 def reduce_scatter(x: torch.Tensor, group: CommGroup, dim: int = -1, *, phase: str = "forward",
                    scope: str | None = None) -> torch.Tensor:
     """Sum `x` over the group and keep this rank's chunk of `dim`."""
@@ -122,6 +131,7 @@ def reduce_scatter(x: torch.Tensor, group: CommGroup, dim: int = -1, *, phase: s
     return out.movedim(0, dim)
 
 
+@_graph_break
 def broadcast(x: torch.Tensor, group: CommGroup, src: int = 0, *, phase: str = "forward",
               scope: str | None = None) -> torch.Tensor:
     """Copy group rank `src`'s `x` to every rank, in place."""
@@ -132,6 +142,7 @@ def broadcast(x: torch.Tensor, group: CommGroup, src: int = 0, *, phase: str = "
     return x
 
 
+@_graph_break
 def send(x: torch.Tensor, group: CommGroup, dst: int, *, phase: str = "forward",
          scope: str | None = None) -> None:
     """Point-to-point send to group rank `dst` (pipeline activations and gradients)."""
@@ -139,6 +150,7 @@ def send(x: torch.Tensor, group: CommGroup, dst: int, *, phase: str = "forward",
         dist.send(x.contiguous(), dst=group.ranks[dst], group=group.pg)
 
 
+@_graph_break
 def isend(x: torch.Tensor, group: CommGroup, dst: int, *, phase: str = "forward",
           scope: str | None = None):
     """Post a point-to-point send to group rank `dst` and return at once; `.wait()` the
@@ -151,6 +163,7 @@ def isend(x: torch.Tensor, group: CommGroup, dst: int, *, phase: str = "forward"
         return dist.isend(x, dst=group.ranks[dst], group=group.pg)
 
 
+@_graph_break
 def recv(x: torch.Tensor, group: CommGroup, src: int, *, phase: str = "forward",
          scope: str | None = None) -> torch.Tensor:
     """Point-to-point receive into `x` from group rank `src`; returns `x`."""

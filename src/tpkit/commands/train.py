@@ -41,6 +41,9 @@ _FLAGS = {  # field -> (type or action, help)
     "virtual_stages": (int, "model chunks per stage, for --schedule interleaved"),
     "dtype": (str, f"one of {DTYPES} (bfloat16: autocast)"),
     "recompute": ("store_true", "recompute activations in backward"),
+    "compile": ("store_true", "torch.compile each transformer block (collectives stay eager, "
+                              "as graph breaks); prints the compile time"),
+    "compile_backend": (str, "torch.compile backend for --compile (default inductor)"),
     "loss_chunk": (int, "head + cross-entropy this many tokens at a time: the logits of the "
                         "whole micro-batch never exist (0: off)"),
     "data": (str, "text file, directory of .txt, or .bin of uint16 tokens "

@@ -34,6 +34,14 @@ def _spans(n: int, chunk: int) -> list[tuple[int, int]]:
     return [(a, min(a + chunk, n)) for a in range(0, n, chunk)]
 
 
+def _accumulate(dw: torch.Tensor, gt: torch.Tensor, h: torch.Tensor) -> None:
+    """dw (fp32) += gt @ h, in place when the product is fp32 (no [V/tp, hid] temporary)."""
+    if gt.dtype == dw.dtype:
+        dw.addmm_(gt, h)
+    else:  # bf16 product, summed in fp32 (a temporary of half the size)
+        dw += gt.matmul(h)
+
+
 class _ChunkedHeadCE(torch.autograd.Function):
     @staticmethod
     def forward(ctx, h, weight, target, group, vocab_size, ignore_index, smoothing, chunk):
@@ -64,7 +72,7 @@ class _ChunkedHeadCE(torch.autograd.Function):
             g = logits_grad(p, target[a:b], group, vocab_size, ignore_index, ctx.smoothing,
                             grad_loss[a:b]).to(w.dtype)  # [c, V/tp]
             dh[a:b] = g.matmul(w)  # [c, hid]
-            dw += g.t().matmul(h[a:b])  # [V/tp, hid]
+            _accumulate(dw, g.t(), h[a:b])  # [V/tp, hid]
         h_dtype, w_dtype = ctx.dtypes
         return dh.to(h_dtype), dw.to(w_dtype), None, None, None, None, None, None
 

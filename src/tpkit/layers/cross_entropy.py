@@ -48,7 +48,7 @@ def shifted_exp(logits: torch.Tensor, group: CommGroup, vocab_size: int,
                 m: torch.Tensor) -> torch.Tensor:
     """exp(logit - global max) in fp32 [.., V/tp]; padded columns 0."""
     _, valid = _columns(logits, group, vocab_size)
-    return (_masked(logits, valid) - m.unsqueeze(-1)).exp()  # padded columns: exp(-inf) = 0
+    return _masked(logits, valid).sub_(m.unsqueeze(-1)).exp_()  # padded: exp(-inf) = 0
 
 
 def softmax_stats(logits, target, group: CommGroup, vocab_size: int, ignore_index: int,

@@ -45,6 +45,8 @@ class TrainConfig:
     virtual_stages: int = 1  # model chunks per stage (interleaved 1F1B)
     dtype: str = "float32"  # bfloat16: autocast of the forward
     recompute: bool = False
+    compile: bool = False  # torch.compile each transformer block (collectives: graph breaks)
+    compile_backend: str = "inductor"
     loss_chunk: int = 0  # > 0: head + cross-entropy this many tokens at a time (chunked loss)
     data: str | None = None  # None: the embedded corpus (Python's own documentation)
     val_fraction: float = 0.05

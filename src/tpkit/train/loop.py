@@ -16,6 +16,7 @@ report. Checkpoints use `tpkit.checkpoint.store.save` (sharded, reshardable).
 
 from __future__ import annotations
 
+import statistics
 import time
 from pathlib import Path
 
@@ -67,9 +68,14 @@ def build_model(cfg: TrainConfig, mesh: ParallelMesh) -> torch.nn.Module:
     from tpkit.model import Transformer
     from tpkit.spec import get_preset
 
-    return Transformer(get_preset(cfg.preset), mesh, seed=cfg.seed, sequence_parallel=cfg.sp,
-                       recompute=cfg.recompute, virtual_stages=cfg.virtual_stages,
-                       loss_chunk=cfg.loss_chunk)
+    model = Transformer(get_preset(cfg.preset), mesh, seed=cfg.seed, sequence_parallel=cfg.sp,
+                        recompute=cfg.recompute, virtual_stages=cfg.virtual_stages,
+                        loss_chunk=cfg.loss_chunk)
+    if cfg.compile:
+        from tpkit.model.compile import compile_blocks
+
+        compile_blocks(model, cfg.compile_backend)
+    return model
 
 
 def replica_mean(value: float | None, mesh: ParallelMesh) -> float:
@@ -246,4 +252,5 @@ def _summary(cfg, mesh, model, rows, train_s, idle, busy, ckpt, lead) -> RunSumm
         table=mesh.ledger.table(f"{where}: everything sent in one step", by_scope=False),
         theory=theory_table(rows_t, f"{where}: tp/pp traffic of one step vs theory"),
         theory_ok=all(r["recorded"] == r["theory"] for r in rows_t), checkpoint=ckpt,
-        metrics=str(Path(cfg.out) / "metrics.jsonl"), plot=plot)
+        metrics=str(Path(cfg.out) / "metrics.jsonl"), plot=plot, first_step_s=rows[0]["step_s"],
+        later_step_s=statistics.median(r["step_s"] for r in rows[1:]) if len(rows) > 1 else 0.0)

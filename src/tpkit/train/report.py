@@ -42,6 +42,8 @@ class RunSummary:
     checkpoint: str | None  # the last checkpoint written
     metrics: str  # the metrics.jsonl path
     plot: str | None  # the loss curve (rank 0 with plotting on)
+    first_step_s: float = 0.0  # the first step run (with --compile: tracing and compiling)
+    later_step_s: float = 0.0  # median of the others (0.0 with one step)
 
     @property
     def first_loss(self) -> float:
@@ -63,6 +65,10 @@ def report(result: RunSummary, tables: list[str]) -> str:
              f"{result.tail_loss:.4f} (mean of the last {result.tail} steps)"
              + (f", held-out validation {result.val_loss:.4f}" if result.val_loss else ""),
              f"throughput {result.tokens_per_s:,.0f} tokens/s ({result.seconds:.1f} s in all)"]
+    if c.compile:
+        lines.append(f"--compile ({c.compile_backend}): first step {result.first_step_s:.1f} s, "
+                     f"later steps {result.later_step_s:.2f} s (median): about "
+                     f"{result.first_step_s - result.later_step_s:.1f} s of tracing and compiling")
     if c.pp > 1:
         lines.append(f"pipeline bubble: idle/busy measured {result.bubble:.3f} "
                      f"(mean over stages), theory "

@@ -1,0 +1,36 @@
+"""`tpkit train --compile`: torch.compile of each transformer block, in place.
+
+    Block: norm -> [qkv: f] -> attention core -> [out: g] -> residual -> norm -> [fc1: f]
+           -> act -> [fc2: g] -> residual
+           ^^^^^^^^ compiled regions between the collectives in brackets ^^^^^^^^
+
+Every collective of `tpkit.comm` is a graph break (`torch.compiler.disable`), so the
+compiled regions are the local math between them (norms, attention, activation,
+residuals, dropout), and the collectives run eagerly and are recorded in the ledger
+as always: the step's traffic is the theory's, compiled or not. The blocks of a stage
+share their compiled code (their parameters are graph inputs), so a model compiles
+once however many layers it has; training shapes are fixed, so nothing recompiles
+after the first steps (`compiled_graphs` counts what Dynamo built).
+
+The loss is not compiled: its work is the head matmul and three reductions split by
+all-reduces, inside an autograd.Function that Dynamo cannot trace past a collective.
+"""
+
+from __future__ import annotations
+
+import torch
+
+
+def compile_blocks(model: torch.nn.Module, backend: str = "inductor") -> int:
+    """Compile each block of `model.layers` in place (names and state dicts unchanged);
+    returns how many. Compilation itself happens at the first forward."""
+    for block in model.layers.values():
+        block.compile(backend=backend)
+    return len(model.layers)
+
+
+def compiled_graphs() -> int:
+    """Graphs Dynamo has built in this process so far (grows on every recompile)."""
+    from torch._dynamo.utils import counters
+
+    return int(counters["stats"]["unique_graphs"])

@@ -1,0 +1,82 @@
+"""`--compile`: compiled blocks against eager ones at tp=1 and tp=2 (loss and every
+gradient <= 1e-5 in float32), the collectives still recorded as the theory says, and
+no recompilation after the first steps (Dynamo's own graph counter).
+
+The tests compile with the "aot_eager" backend (Dynamo + AOTAutograd, the graphs and
+graph breaks of --compile without Inductor's C++ code generation, which takes minutes
+on a loaded 2-core machine); `benchmarks/compile_speedup.py` checks Inductor's result
+against eager before it times a step."""
+
+from __future__ import annotations
+
+from dataclasses import replace
+
+import pytest
+import torch
+
+from helpers import max_diff
+from tpkit.model import Transformer
+from tpkit.model.compile import compile_blocks, compiled_graphs
+from tpkit.spec import get_preset, theory
+
+B, S = 2, 16
+
+
+def steps(mesh, compiled: bool, n: int) -> dict:
+    torch._dynamo.reset()
+    cfg = replace(get_preset("gpt2-tiny"), num_layers=3)
+    model = Transformer(cfg, mesh, seed=5)
+    if compiled:
+        assert compile_blocks(model, backend="aot_eager") == 3
+    gen = torch.Generator().manual_seed(0)
+    graphs, losses = [], []
+    for _ in range(n):
+        ids = torch.randint(0, cfg.vocab_size, (B, S), generator=gen)
+        mesh.ledger.clear()
+        model.zero_grad()
+        loss = model.loss(model(ids), ids.roll(-1, 1))
+        loss.backward()
+        losses.append(loss.item())
+        graphs.append(compiled_graphs())
+    counts = mesh.ledger.counts(phase="forward") + mesh.ledger.counts(phase="backward")
+    return dict(losses=losses, graphs=graphs, counts=counts, names=list(model.state_dict()),
+                grads={k: p.grad.clone() for k, p in model.named_parameters()})
+
+
+@pytest.mark.parametrize("tp", [1, 2])
+def test_compiled_blocks_equal_eager_and_do_not_recompile(run_tp, tp):
+    eager = run_tp(steps, tp, False, 4)
+    comp = run_tp(steps, tp, True, 4)
+    h = get_preset("gpt2-tiny").hidden
+    for e, c in zip(eager, comp):
+        assert max(abs(a - b) for a, b in zip(e["losses"], c["losses"])) <= 1e-5
+        for k, g in e["grads"].items():
+            assert max_diff(c["grads"][k], g) <= 1e-5, k
+        assert c["names"] == e["names"]  # compiled in place: checkpoints see the same names
+        assert c["counts"] == theory.as_counter(theory.stage(B, S, h, tp, False, 3))
+        assert c["graphs"][0] > 0 and e["graphs"] == [0] * 4
+        assert c["graphs"][1] == c["graphs"][3], c["graphs"]  # nothing built after step 2
+
+
+def train_run(mesh, out: str, compiled: bool) -> dict:
+    from tpkit.train.config import TrainConfig
+    from tpkit.train.loop import train
+    from tpkit.train.report import report
+
+    torch._dynamo.reset()
+    cfg = TrainConfig(preset="gpt2-tiny", tp=mesh.tp_size, steps=4, global_batch=4, seq=32,
+                      compile=compiled, compile_backend="aot_eager", val_fraction=0.0, out=out,
+                      progress=False, plot=False, checkpoint=False)
+    r = train(cfg, mesh)
+    return dict(losses=r.losses, theory_ok=r.theory_ok, text=report(r, []))
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(120)
+def test_train_compile_matches_eager_and_prints_compile_time(run_tp, tmp_path):
+    eager = run_tp(train_run, 2, str(tmp_path / "e"), False)
+    comp = run_tp(train_run, 2, str(tmp_path / "c"), True)
+    for e, c in zip(eager, comp):
+        assert c["theory_ok"] and max(abs(a - b) for a, b in zip(e["losses"], c["losses"])) <= 1e-5
+    assert "--compile (aot_eager): first step" in comp[0]["text"]
+    assert "--compile" not in eager[0]["text"]
