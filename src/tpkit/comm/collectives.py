@@ -55,15 +55,16 @@ class Pending:
 
     def __init__(self, work, finish, record: tuple) -> None:
         self._work, self._finish, self._record = work, finish, record
-        self._posted_s = 0.0
+        self._posted_s = self._posted_at = 0.0
 
     def wait(self) -> torch.Tensor:
         """Block until done; the result."""
         t0 = time.perf_counter()
         self._work.wait()
         op, group, numel, nbytes, phase, scope = self._record
-        group.ledger.add(op, group, numel, nbytes, self._posted_s + time.perf_counter() - t0,
-                         phase, scope)
+        t1 = time.perf_counter()
+        group.ledger.add(op, group, numel, nbytes, self._posted_s + t1 - t0, phase, scope,
+                         span=(self._posted_at, t1))
         return self._finish()
 
 
@@ -75,7 +76,7 @@ def all_reduce_async(x: torch.Tensor, group: CommGroup, *, phase: str = "backwar
     t0 = time.perf_counter()
     work = dist.all_reduce(x, group=group.pg, async_op=True)
     p = Pending(work, lambda: x, ("all_reduce", group, x.numel(), _nbytes(x), phase, scope))
-    p._posted_s = time.perf_counter() - t0
+    p._posted_s, p._posted_at = time.perf_counter() - t0, t0
     return p
 
 
@@ -91,7 +92,7 @@ def reduce_scatter_async(x: torch.Tensor, group: CommGroup, dim: int, *,
     work = _reduce_scatter_single(out, inp, group=group.pg, async_op=True)
     p = Pending(work, lambda: (inp, out.movedim(0, dim))[1],  # inp kept alive until done
                 ("reduce_scatter", group, x.numel(), _nbytes(x), phase, scope))
-    p._posted_s = time.perf_counter() - t0
+    p._posted_s, p._posted_at = time.perf_counter() - t0, t0
     return p
 
 

@@ -36,6 +36,8 @@ class Record:
     seconds: float
     scope: str  # e.g. "layers.3.mlp"
     phase: str  # forward, backward, or a label such as "grads"
+    start: float = 0.0  # time.perf_counter() when it was called (posted, if asynchronous)
+    end: float = 0.0  # ... when it returned (its wait returned); end - start >= seconds
 
     @property
     def wire_bytes(self) -> float:
@@ -72,14 +74,18 @@ class Ledger:
         """Time the block and record it as one collective."""
         t0 = time.perf_counter()
         yield
-        self.add(op, group, numel, nbytes, time.perf_counter() - t0, phase, scope)
+        t1 = time.perf_counter()
+        self.add(op, group, numel, nbytes, t1 - t0, phase, scope, span=(t0, t1))
 
     def add(self, op: str, group, numel: int, nbytes: int, seconds: float, phase: str,
-            scope: str | None) -> None:
-        """Record one collective that took `seconds` of this rank's time."""
+            scope: str | None, span: tuple[float, float] | None = None) -> None:
+        """Record one collective that took `seconds` of this rank's time, between the
+        `span` (start, end) of `time.perf_counter()` (in flight longer, if asynchronous)."""
         if self.enabled:
+            start, end = span or (0.0, 0.0)
             self.records.append(Record(op, group.name, group.size, numel, nbytes, seconds,
-                                       self.current_scope() if scope is None else scope, phase))
+                                       self.current_scope() if scope is None else scope, phase,
+                                       start, end))
 
     @contextmanager
     def paused(self) -> Iterator[None]:

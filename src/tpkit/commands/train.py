@@ -53,6 +53,8 @@ _FLAGS = {  # field -> (type or action, help)
     "ckpt_every": (int, "checkpoint every N steps (and always at the end)"),
     "out": (str, "output directory (metrics.jsonl, loss.png, checkpoints/)"),
     "seed": (int, "seed of weights and data order"),
+    "trace": (str, "write the last step's per-rank timeline here: trace.json (Perfetto / "
+                   "chrome://tracing) and step.png (also copied into the run folder)"),
     "resume": (str, "continue from a checkpoint, or a run folder (its latest valid one)"),
 }
 
@@ -152,7 +154,22 @@ def _run_local(cfg: TrainConfig) -> int:
         results = spawn(_worker, n, cfg, mesh=dict(tp=cfg.tp, pp=cfg.pp, dp=cfg.dp),
                         threads=threads, timeout=7 * 24 * 3600.0)
     _print_report(results)
+    _merge_trace(cfg)
     return 0
+
+
+def _merge_trace(cfg: TrainConfig) -> None:
+    """Every rank's part of the timeline -> one trace and its PNG (after all ranks wrote)."""
+    if not cfg.trace:
+        return
+    from pathlib import Path
+
+    from tpkit.train.trace import merge
+
+    title = (f"{cfg.preset} tp={cfg.tp} pp={cfg.pp} dp={cfg.dp}, {cfg.schedule}, "
+             f"{cfg.micro_batches} micro-batches: the last step")
+    path = merge(cfg.trace, title, png_copy=Path(cfg.out) / "trace.png")
+    print(f"timeline {path} (open in ui.perfetto.dev), {path.parent / 'step.png'}")
 
 
 def cross_node_price(tp: int, pp: int, dp: int, ranks_per_node: int) -> str | None:
@@ -182,5 +199,7 @@ def _run_torchrun(cfg: TrainConfig) -> int:
         print(mesh.describe())
         _print_report([result])
     dist.barrier()
+    if mesh.rank == 0:
+        _merge_trace(cfg)
     dist.destroy_process_group()
     return 0

@@ -55,6 +55,7 @@ class TrainConfig:
     ckpt_every: int = 0  # 0: only at the end
     out: str = "runs/train"
     seed: int = 0
+    trace: str | None = None  # a folder: the last step's per-rank timeline (tpkit.train.trace)
     resume: str | None = None  # a checkpoint directory, or a folder of them (the latest)
     progress: bool = True
     plot: bool = True

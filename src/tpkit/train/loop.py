@@ -112,7 +112,9 @@ def train(cfg: TrainConfig, mesh: ParallelMesh, model: torch.nn.Module | None = 
     try:
         for step in range(start, cfg.steps):
             mesh.ledger.clear()
+            t_step = time.perf_counter()
             row = _step(cfg, mesh, model, link, (tied, dp_sync), opt, loader, autocast, step)
+            span = (t_step, time.perf_counter())
             train_s += row["step_s"]
             if step > start or cfg.steps == start + 1:
                 idle, busy = idle + row["idle_s"], busy + row["step_s"] - row["idle_s"]
@@ -132,7 +134,17 @@ def train(cfg: TrainConfig, mesh: ParallelMesh, model: torch.nn.Module | None = 
     if cfg.checkpoint:
         ckpt = save_checkpoint(cfg, mesh, model, opt, loader, cfg.steps)
     mesh.ledger.records[:] = last_records
+    if cfg.trace:
+        _write_trace(cfg, mesh, last_records, span)
     return _summary(cfg, mesh, model, rows, train_s, idle, busy, ckpt, lead)
+
+
+def _write_trace(cfg: TrainConfig, mesh: ParallelMesh, records, span) -> None:
+    """This rank's timeline of the last step (`tpkit.train.trace`; merged by the command)."""
+    from tpkit.train import trace
+
+    title = f"rank {mesh.rank} (pp {mesh.pp_rank}, tp {mesh.tp_rank}, dp {mesh.dp_rank})"
+    trace.write_rank(cfg.trace, mesh.rank, title, trace.step_events(records, *span, mesh.rank))
 
 
 def _due(step: int, every: int, steps: int) -> bool:
