@@ -41,6 +41,8 @@ _FLAGS = {  # field -> (type or action, help)
     "virtual_stages": (int, "model chunks per stage, for --schedule interleaved"),
     "dtype": (str, f"one of {DTYPES} (bfloat16: autocast)"),
     "recompute": ("store_true", "recompute activations in backward"),
+    "master_weights": ("store_true", "with --dtype bfloat16: bf16 weights and activations, fp32 "
+                                     "master weights and gradient sums (Megatron's recipe)"),
     "compile": ("store_true", "torch.compile each transformer block (collectives stay eager, "
                               "as graph breaks); prints the compile time"),
     "compile_backend": (str, "torch.compile backend for --compile (default inductor)"),

@@ -50,6 +50,7 @@ class _ChunkedHeadCE(torch.autograd.Function):
         if torch.is_autocast_enabled(h.device.type):  # cast once, save the cast copies
             dt = torch.get_autocast_dtype(h.device.type)
             h, weight = h.to(dt), weight.to(dt)
+        h = h.to(weight.dtype)  # a bf16 head (master weights) takes the fp32 hidden states
         loss, m, sum_exp = (torch.empty(h.shape[0], device=h.device) for _ in range(3))  # [N]
         args = (group, vocab_size, ignore_index)
         for a, b in _spans(h.shape[0], chunk):

@@ -45,6 +45,7 @@ class TrainConfig:
     virtual_stages: int = 1  # model chunks per stage (interleaved 1F1B)
     dtype: str = "float32"  # bfloat16: autocast of the forward
     recompute: bool = False
+    master_weights: bool = False  # with dtype bfloat16: bf16 model, fp32 masters (train/master)
     compile: bool = False  # torch.compile each transformer block (collectives: graph breaks)
     compile_backend: str = "inductor"
     loss_chunk: int = 0  # > 0: head + cross-entropy this many tokens at a time (chunked loss)
@@ -109,6 +110,9 @@ class TrainConfig:
         if not isinstance(self.loss_chunk, int) or self.loss_chunk < 0:
             out.append(f"loss_chunk={self.loss_chunk} must be 0 (off) or a positive number "
                        f"of tokens")
+        if self.master_weights and self.dtype != "bfloat16":
+            out.append(f"master_weights needs dtype='bfloat16' (bf16 weights with fp32 "
+                       f"masters), not {self.dtype!r}")
         if self.dtype not in DTYPES:
             out.append(f"dtype={self.dtype!r} is not one of {DTYPES}")
         if not 0.0 <= self.val_fraction < 1.0:

@@ -40,6 +40,7 @@ from tpkit.spec import theory
 from tpkit.train import run_log
 from tpkit.train.config import TrainConfig
 from tpkit.train.data import TokenLoader, load_tokens, micro_batches, split_tokens
+from tpkit.train.master import MasterWeights
 from tpkit.train.optim import build_optimizer, lr_at, set_lr
 from tpkit.train.report import RunSummary, theory_rows, theory_table
 
@@ -63,14 +64,15 @@ def prepare(cfg: TrainConfig, mesh: ParallelMesh) -> tuple[TokenLoader, TokenLoa
     return loader, val
 
 
-def build_model(cfg: TrainConfig, mesh: ParallelMesh) -> torch.nn.Module:
+def build_model(cfg: TrainConfig, mesh: ParallelMesh,
+                dtype: torch.dtype | None = None) -> torch.nn.Module:
     """The preset's Transformer, this rank's stage and shard of it."""
     from tpkit.model import Transformer
     from tpkit.spec import get_preset
 
     model = Transformer(get_preset(cfg.preset), mesh, seed=cfg.seed, sequence_parallel=cfg.sp,
                         recompute=cfg.recompute, virtual_stages=cfg.virtual_stages,
-                        loss_chunk=cfg.loss_chunk)
+                        loss_chunk=cfg.loss_chunk, dtype=dtype)
     if cfg.compile:
         from tpkit.model.compile import compile_blocks
 
@@ -98,22 +100,26 @@ def train(cfg: TrainConfig, mesh: ParallelMesh, model: torch.nn.Module | None = 
     tied = tied_embedding_group(mesh, model.config.tie_embeddings)
     dp_sync = OverlappedGradSync(list(model.parameters()), mesh.dp_group, cfg.micro_batches)
     # gradients travel on their own communicator (see tpkit.parallel.p2p)
-    link = StageLink(mesh.pp_group, device=mesh.device,
+    half = torch.bfloat16 if cfg.master_weights else torch.float32  # between stages
+    link = StageLink(mesh.pp_group, device=mesh.device, dtype=half,
                      backward_group=ring_backward_group(mesh))
     opt = build_optimizer(model, cfg, mesh)
     out, lead = Path(cfg.out), mesh.rank == 0
     start = resume(cfg, mesh, model, opt, loader) if cfg.resume else 0
+    mixed = MasterWeights(model, build_model(cfg, mesh, half).train()) \
+        if cfg.master_weights else None  # forward/backward in bf16, the rest on fp32 masters
     log = run_log.MetricsLog(out / "metrics.jsonl" if lead else None, resume_step=start)
     bar = run_log.Progress(cfg.steps, lead and cfg.progress)
     autocast = (torch.autocast(mesh.device.type, dtype=torch.bfloat16)
-                if cfg.dtype == "bfloat16" else None)
+                if cfg.dtype == "bfloat16" and not mixed else None)
     rows, ckpt, tokens_per_step = [], None, cfg.global_batch * cfg.seq
     train_s = idle = busy = 0.0
     try:
         for step in range(start, cfg.steps):
             mesh.ledger.clear()
             t_step = time.perf_counter()
-            row = _step(cfg, mesh, model, link, (tied, dp_sync), opt, loader, autocast, step)
+            row = _step(cfg, mesh, model, link, (tied, dp_sync, mixed), opt, loader, autocast,
+                        step)
             span = (t_step, time.perf_counter())
             train_s += row["step_s"]
             if step > start or cfg.steps == start + 1:
@@ -122,7 +128,8 @@ def train(cfg: TrainConfig, mesh: ParallelMesh, model: torch.nn.Module | None = 
             row["tokens_per_s"] = tokens_per_step / row["step_s"]
             row["comm_line"] = run_log.comm_line(row["comm"])
             if val_loader is not None and _due(step, cfg.eval_every, cfg.steps):
-                row["val_loss"] = evaluate(cfg, mesh, model, link, val_loader, autocast)
+                row["val_loss"] = evaluate(cfg, mesh, mixed.compute if mixed else model, link,
+                                           val_loader, autocast)
             if cfg.ckpt_every and (step + 1) % cfg.ckpt_every == 0 and step + 1 < cfg.steps:
                 ckpt = save_checkpoint(cfg, mesh, model, opt, loader, step + 1)
             rows.append(row)
@@ -158,9 +165,9 @@ def _step(cfg, mesh, model, link, syncs, opt, loader, autocast, step: int) -> di
     set_lr(opt, lr)
     ids, labels = loader.next_batch()  # [G/dp, s] each
     micro = micro_batches(ids.to(mesh.device), labels.to(mesh.device), cfg.micro_batches)
-    tied, dp_sync = syncs
+    tied, dp_sync, mixed = syncs
     dp_sync.arm()
-    stats = run_schedule(cfg.schedule, model, link, micro, autocast)
+    stats = run_schedule(cfg.schedule, mixed.compute if mixed else model, link, micro, autocast)
     dp_sync.finish()  # most buckets were sent during the last backward
     model.finalize_grads()
     sync_tied_grads(model, tied)
@@ -168,6 +175,8 @@ def _step(cfg, mesh, model, link, syncs, opt, loader, autocast, step: int) -> di
     clip_grads(model, norm, cfg.clip)
     opt.step()
     opt.zero_grad(set_to_none=True)
+    if mixed:
+        mixed.copy_to_compute()
     comm = run_log.comm_by_group(mesh.ledger.records)
     loss = replica_mean(stats.loss, mesh)
     return dict(step=step + 1, loss=loss, lr=lr, grad_norm=norm, idle_s=stats.idle_s,
