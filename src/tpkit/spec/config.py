@@ -213,6 +213,8 @@ PRESETS: dict[str, ModelConfig] = {
     "gpt2-774m": _gpt2("gpt2-774m", 1280, 36, 20),
     "gpt2-1.5b": _gpt2("gpt2-1.5b", 1600, 48, 25),
     "gpt3-175b": _gpt2("gpt3-175b", 12288, 96, 96, max_seq_len=2048),
+    "llama3.2-1b": replace(_llama("llama3.2-1b", 2048, 16, 32, 8, 8192, vocab_size=128256,
+                                  max_seq_len=8192, rope_theta=500000.0), tie_embeddings=True),
     "llama2-7b": _llama("llama2-7b", 4096, 32, 32, 32, 11008, norm_eps=1e-5),
     "llama2-13b": _llama("llama2-13b", 5120, 40, 40, 40, 13824),
     "llama2-70b": _llama("llama2-70b", 8192, 80, 64, 8, 28672),
