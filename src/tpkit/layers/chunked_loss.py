@@ -4,7 +4,7 @@ The plain path builds the logits of every token of the micro-batch at once:
 
     h [N, hid] --head--> logits [N, V/tp] --fp32--> softmax [N, V/tp]  (saved for backward)
 
-For gpt2-124m at b*s = 2048 tokens that is 2048 x 50304 fp32 = 412 MB per copy, and
+For gpt2-124m at b*s = 2048 tokens that is 2048 x 50264 fp32 = 412 MB per copy, and
 the loss holds several. Here only one chunk of `chunk` tokens exists at a time:
 
     forward,  per chunk c:  logits_c = h_c W^T          [c, V/tp]
