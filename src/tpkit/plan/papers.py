@@ -22,9 +22,10 @@ from tpkit.spec.config import ModelConfig
 
 
 def gpt(name: str, hidden: int, layers: int, heads: int, seq: int) -> ModelConfig:
-    """A Megatron GPT: learned positions, LayerNorm, GeLU, biases, tied embeddings."""
+    """A Megatron GPT: learned positions, LayerNorm, GeLU, biases, tied embeddings, and
+    Megatron-LM's default dropout of 0.1 (hidden and attention), which these runs kept."""
     return ModelConfig(name=name, vocab_size=51200, hidden=hidden, num_layers=layers,
-                       num_heads=heads, max_seq_len=seq)
+                       num_heads=heads, max_seq_len=seq, dropout=0.1)
 
 
 @dataclass(frozen=True)
