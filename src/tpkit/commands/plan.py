@@ -116,6 +116,7 @@ def plan_dict(e: Estimate) -> dict:
     return {"tp": lay.tp, "cp": lay.cp, "pp": lay.pp, "dp": lay.dp,
             "micro_batch": lay.micro_batch, "sp": lay.sp, "recompute": lay.recompute,
             "zero": lay.zero, "dp_sharding": ZERO_NAMES[lay.zero], "zero1": lay.zero1,
+            "lighter_ends": lay.lighter_ends,
             "interleave": lay.interleave, "micro_batches": e.micro_batches,
             "step_time_s": e.step_time_s, "tokens_per_s": e.tokens_per_s,
             "tflops_per_device": e.tflops_per_device, "mfu": e.mfu,

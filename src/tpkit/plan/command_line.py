@@ -13,6 +13,7 @@ flags (its `arguments.py` names) are given for every plan.
 from __future__ import annotations
 
 from tpkit.plan.layout import Layout
+from tpkit.plan.memory import lighter_end_layers
 
 MEGATRON_SHARDING = {2: "optim_grads", 3: "optim_grads_params"}
 
@@ -24,6 +25,8 @@ def tpkit_gaps(lay: Layout, preset: str | None) -> list[str]:
         gaps.append(f"context parallelism (cp={lay.cp})")
     if lay.zero >= 2:
         gaps.append("ZeRO-2" if lay.zero == 2 else "FSDP")
+    if lay.lighter_ends:
+        gaps.append("one layer fewer on the first and last stages")
     if preset is None:
         gaps.append("a custom model shape (tpkit train takes a --preset)")
     return gaps
@@ -61,6 +64,10 @@ def megatron_flags(lay: Layout, seq: int, global_batch: int, num_layers: int,
     if lay.interleave > 1:
         f.append(f"--num-layers-per-virtual-pipeline-stage "
                  f"{num_layers // (lay.pp * lay.interleave)}")
+    ends = lighter_end_layers(num_layers, lay.pp) if lay.lighter_ends else None
+    if ends:
+        f.append(f"--decoder-first-pipeline-num-layers {ends} "
+                 f"--decoder-last-pipeline-num-layers {ends}")
     if lay.recompute == "selective":
         f.append("--recompute-granularity selective")
     elif lay.recompute == "full":

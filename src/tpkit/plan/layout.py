@@ -13,6 +13,11 @@ and as the two common implementations call them:
     3  FSDP       + weights sharded and all-gathered layer by layer, forward and backward
                   (FSDP2 fully_shard(); Megatron-FSDP optim_grads_params; ZeRO-3)
 
+Pipeline stages get the same number of layers (the first ones one more when they do
+not divide), or with `lighter_ends` one layer fewer on the first and the last stage,
+which also hold the embedding and the output layer (Llama 3 paper, section 3.3.2;
+Megatron-LM --decoder-first-pipeline-num-layers / --decoder-last-pipeline-num-layers).
+
 Context parallelism (cp) splits the sequence: each rank keeps s/cp tokens and passes
 its keys and values around a ring of cp ranks (ring attention, Liu et al. 2023;
 Megatron-LM --context-parallel-size). Weights are replicated over cp, so gradients
@@ -40,6 +45,7 @@ class Layout:
     zero: int = 0  # data-parallel sharding stage, see ZERO_NAMES
     interleave: int = 1  # virtual pipeline chunks per device (v)
     cp: int = 1  # context-parallel ranks (ring attention)
+    lighter_ends: bool = False  # one layer fewer on the first and last stage (Llama 3)
 
     @property
     def devices(self) -> int:

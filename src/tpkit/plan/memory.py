@@ -76,6 +76,28 @@ def _kv_heads_per_rank(c: ModelConfig, tp: int) -> int:
     return c.kv_heads // tp if c.kv_heads % tp == 0 else 1
 
 
+def layout_stage_layers(num_layers: int, lay: Layout) -> list[int]:
+    """Layers per stage of a plan: `stage_layers`, or with `lighter_ends` one fewer than the
+    middle stages on the first and last (which must then split the rest evenly)."""
+    if not lay.lighter_ends:
+        return stage_layers(num_layers, lay.pp)
+    ends = lighter_end_layers(num_layers, lay.pp)
+    if ends is None:
+        raise ValueError(f"num_layers={num_layers} over pp={lay.pp}: no split with one layer "
+                         f"fewer on the first and last stages")
+    middle = (num_layers - 2 * ends) // (lay.pp - 2)
+    return [ends] + [middle] * (lay.pp - 2) + [ends]
+
+
+def lighter_end_layers(num_layers: int, pp: int) -> int | None:
+    """Layers of the first and last stage when they take one fewer than the even middle
+    stages (126 over 16: 7, 8 x 14, 7), or None when no such split exists."""
+    if pp <= 2:
+        return None
+    middle, rest = divmod(num_layers + 2, pp)
+    return middle - 1 if rest == 0 and middle > 1 else None
+
+
 def layer_params_per_rank(c: ModelConfig, tp: int) -> int:
     """Parameters of one transformer layer held by one tensor-parallel rank."""
     h, hd, f = c.hidden, c.head_dim, c.ffn
@@ -138,7 +160,7 @@ def stage_activation_bytes(c: ModelConfig, seq: int, lay: Layout, stage: int, m:
     tp, pp = lay.tp, lay.pp
     per_layer = layer_activation_bytes(c, seq, lay.micro_batch, tp, lay.sp, lay.recompute,
                                        act_bytes, flash, cp=lay.cp)
-    layers = stage_layers(c.num_layers, pp)[stage]
+    layers = layout_stage_layers(c.num_layers, lay)[stage]
     total = per_layer * layers * in_flight_micro_batches(pp, stage, m, lay.interleave)
     if stage == pp - 1:  # fp32 logits of one micro-batch, vocab-parallel (Korthikanti eq. 3)
         total += 4 * seq / lay.cp * lay.micro_batch * c.padded_vocab(tp) / tp
@@ -149,8 +171,8 @@ def memory_per_device(c: ModelConfig, seq: int, lay: Layout, m: int, prec: Preci
                       flash: bool = True) -> dict[str, float]:
     """Peak bytes of the fullest rank, as {weights, grads, optimizer, activations, total}."""
     worst: dict[str, float] = {}
-    for stage in sorted({0, lay.pp - 1}):  # the first stage holds most; the last, the logits
-        parts = model_state_bytes(params_per_rank(c, lay.tp, lay.pp, stage), lay.replicas,
+    for stage in range(lay.pp):  # 1F1B: stage i holds p - i micro-batches of its layers
+        parts = model_state_bytes(stage_params(c, lay, stage), lay.replicas,
                                   lay.zero, prec, layer_params_per_rank(c, lay.tp))
         parts["activations"] = stage_activation_bytes(c, seq, lay, stage, m, prec.activation,
                                                       flash)
@@ -158,3 +180,10 @@ def memory_per_device(c: ModelConfig, seq: int, lay: Layout, m: int, prec: Preci
         if parts["total"] > worst.get("total", -1.0):
             worst = parts
     return worst
+
+
+def stage_params(c: ModelConfig, lay: Layout, stage: int) -> int:
+    """`params_per_rank` of `stage` with the plan's layers per stage."""
+    even = stage_layers(c.num_layers, lay.pp)[stage]
+    moved = layout_stage_layers(c.num_layers, lay)[stage] - even
+    return params_per_rank(c, lay.tp, lay.pp, stage) + moved * layer_params_per_rank(c, lay.tp)

@@ -5,7 +5,7 @@
         for pp in divisors(devices / (tp cp))   (at most one layer per stage)
           dp = devices / (tp cp pp)    (the global batch must split over dp)
           for micro-batch, sequence parallelism, recomputation, data-parallel sharding
-          (none, ZeRO-1, ZeRO-2, FSDP), interleaving:
+          (none, ZeRO-1, ZeRO-2, FSDP), interleaving, lighter first/last stages:
               simulate; keep it if its fullest device fits in memory
 
 Plans are ranked by step time (the global batch is fixed, so by tokens/s), the best
@@ -18,13 +18,15 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 from tpkit.plan.layout import ZERO_NAMES
-from tpkit.plan.memory import RECOMPUTE, Precision
+from tpkit.plan.activations import RECOMPUTE
+from tpkit.plan.memory import Precision, lighter_end_layers
 from tpkit.plan.reasons import explain
 from tpkit.plan.simulate import Cluster, Estimate, Layout, evaluate
 from tpkit.spec.config import ModelConfig
 
 MICRO_BATCHES = (1, 2, 4, 8, 16, 32)
-CHOICES = ("tp", "cp", "pp", "dp", "micro_batch", "sp", "recompute", "zero", "interleave")
+CHOICES = ("tp", "cp", "pp", "dp", "micro_batch", "sp", "recompute", "zero", "interleave",
+           "lighter_ends")
 MIN_TOKENS_PER_CP_RANK = 1024  # smaller chunks leave too little attention to hide the ring
 
 
@@ -126,9 +128,11 @@ def _variants(req: Request, degrees: tuple[int, int, int, int], mb: int,
     zeros = list(ZERO_NAMES) if dp * cp > 1 else [0]
     chunks = [1] + ([2] if pp > 1 and m % pp == 0 and req.config.num_layers % (2 * pp) == 0
                     else [])
-    return [Layout(tp, pp, dp, mb, sp, rc, int(z), v, cp)
+    ends = [False] + ([True] if lighter_end_layers(req.config.num_layers, pp) else [])
+    return [Layout(tp, pp, dp, mb, sp, rc, int(z), v, cp, e)
             for sp in _options(req, "sp", sps) for rc in _options(req, "recompute", list(RECOMPUTE))
-            for z in _options(req, "zero", zeros) for v in _options(req, "interleave", chunks)]
+            for z in _options(req, "zero", zeros) for v in _options(req, "interleave", chunks)
+            for e in _options(req, "lighter_ends", ends) if not (e and v > 1)]
 
 
 def plan(req: Request, top: int | None = None, distinct: bool = True) -> list[Estimate]:

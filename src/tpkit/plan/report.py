@@ -23,7 +23,8 @@ COLUMNS = {
     "dp": "data-parallel replicas, each a slice of the global batch",
     "mb": "micro-batch size (sequences per forward); micro-batches per step = batch/(dp mb)",
     "options": "rc: recompute (- none, sel selective, full); sp: sequence parallel; "
-               "z1/z2/fsdp: ZeRO-1/ZeRO-2/FSDP sharding over dp x cp; vN: N interleaved chunks",
+               "z1/z2/fsdp: ZeRO-1/ZeRO-2/FSDP sharding over dp x cp; vN: N interleaved chunks; "
+               "ends-1: one layer fewer on the first and last pipeline stages",
     "step s": "predicted seconds per optimizer step",
     "tokens/s": "global batch x sequence / step time, whole cluster",
     "TF/dev": "model TFLOP/s per device (6 x params x tokens + attention; no recompute)",
@@ -44,6 +45,7 @@ def _options(e: Estimate) -> str:
     out += ["sp"] if lay.sp else []
     out += [ZERO_SHORT[lay.zero]] if lay.zero else []
     out += [f"v{lay.interleave}"] if lay.interleave > 1 else []
+    out += ["ends-1"] if lay.lighter_ends else []
     return " ".join(out)
 
 

@@ -28,9 +28,9 @@ from tpkit.plan.hardware import Hardware
 from tpkit.plan.layout import Layout
 from tpkit.plan.memory import (
     Precision,
+    layout_stage_layers,
     memory_per_device,
-    params_per_rank,
-    stage_layers,
+    stage_params,
 )
 from tpkit.spec.config import ModelConfig
 
@@ -164,19 +164,20 @@ def evaluate(c: ModelConfig, seq: int, global_batch: int, lay: Layout, cluster: 
     lt = layer_times(c, seq, lay, hw, prec, cluster.flash_attention)
     layer_compute = sum(v for k, v in lt.items() if not k.startswith("tp_comm"))
     layer_comm = lt["tp_comm_fwd"] + lt["tp_comm_bwd"]
-    layers = stage_layers(c.num_layers, lay.pp)
+    layers = layout_stage_layers(c.num_layers, lay)
     local = seq // lay.cp  # tokens per rank
     _, embed_comm = _stage_extras(c, local, lay, hw, prec, last=False)
     head_compute, head_comm = _stage_extras(c, local, lay, hw, prec, last=True)
     first = (layers[0] * layer_compute, layers[0] * layer_comm + embed_comm)
     last = (layers[-1] * layer_compute + head_compute, layers[-1] * layer_comm + head_comm)
-    stages = [first, last] if lay.pp > 1 else [(last[0], last[1] + embed_comm)]
+    middle = [(n * layer_compute, n * layer_comm) for n in set(layers[1:-1])]
+    stages = [first, last, *middle] if lay.pp > 1 else [(last[0], last[1] + embed_comm)]
     compute_mb, comm_mb = max(stages, key=lambda s: s[0] + s[1])
     t_stage = compute_mb + comm_mb
     terms = {"compute": m * compute_mb, "tp_comm": m * comm_mb,
              "bubble": cost.bubble_fraction(lay.pp, m, lay.interleave) * m * t_stage,
              "p2p": _p2p_per_step(c, local, lay, hw, prec, m)}
-    windows = [layers[0] * sum(lt[f"{k}_{d}"] for k in ("gemm", "attention", "elementwise"))
+    windows = [max(layers) * sum(lt[f"{k}_{d}"] for k in ("gemm", "attention", "elementwise"))
                for d in ("fwd", "bwd")]
     terms.update(_dp_and_optimizer(c, lay, cluster, hw, prec, m, *windows))
     terms["step_sync"] = _step_sync(c, lay, hw, prec)
@@ -204,8 +205,8 @@ def replica_link(lay: Layout, hw: Hardware):
 
 def _dp_and_optimizer(c: ModelConfig, lay: Layout, cluster: Cluster, hw: Hardware,
                       prec: Precision, m: int, fwd: float, bwd: float) -> dict[str, float]:
-    params = max(params_per_rank(c, lay.tp, lay.pp, s) for s in {0, lay.pp - 1})
-    layer_count = max(stage_layers(c.num_layers, lay.pp))
+    params = max(stage_params(c, lay, s) for s in range(lay.pp))
+    layer_count = max(layout_stage_layers(c.num_layers, lay))
     exposed = dp_time(params, layer_count, lay, replica_link(lay, hw), prec.grad, prec.weight,
                       m, fwd, bwd, cluster.overlap_dp)
     tensors = cost.param_tensors_per_layer(c) * layer_count + 4
