@@ -17,8 +17,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from tpkit.plan.layout import ZERO_NAMES
 from tpkit.plan.activations import RECOMPUTE
+from tpkit.plan.layout import ZERO_NAMES
 from tpkit.plan.memory import Precision, lighter_end_layers
 from tpkit.plan.reasons import explain
 from tpkit.plan.simulate import Cluster, Estimate, Layout, evaluate
