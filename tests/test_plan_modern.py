@@ -90,7 +90,8 @@ def test_context_parallelism_plans_a_128k_sequence():
 
 
 def test_memory_in_gb_keeps_digits_for_small_models():
-    assert (gb(71.4e9), gb(3.41e9), gb(0.0123e9)) == ("71 GB", "3.4 GB", "0.012 GB")
+    assert (gb(71.4e9), gb(3.41e9), gb(0.0123e9), gb(8.1e6)) == (
+        "71 GB", "3.4 GB", "0.012 GB", "0.0081 GB")
 
 
 def _printed(capsys, argv: list[str]) -> str:

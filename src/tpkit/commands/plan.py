@@ -135,7 +135,7 @@ def commands_dict(req: Request, e: Estimate, preset: str | None) -> dict:
     return {"tpkit": tpkit, "tpkit_missing": gaps,
             "megatron": megatron_flags(lay, req.seq, req.global_batch, req.config.num_layers,
                                        req.precision.grad if req.precision else 4,
-                                       cl.flash_attention)}
+                                       cl.flash_attention, cl.hardware.accelerator.dtype != "fp32")}
 
 
 def run(args: argparse.Namespace) -> int:

@@ -54,13 +54,13 @@ def tpkit_command(preset: str, lay: Layout, seq: int, global_batch: int, nodes: 
 
 
 def megatron_flags(lay: Layout, seq: int, global_batch: int, num_layers: int,
-                   grad_bytes: int = 4, flash: bool = True) -> str:
+                   grad_bytes: int = 4, flash: bool = True, bf16: bool = True) -> str:
     """The same plan as Megatron-LM (pretrain_gpt.py) flags."""
     f = [f"--tensor-model-parallel-size {lay.tp}", f"--pipeline-model-parallel-size {lay.pp}"]
     f += [f"--context-parallel-size {lay.cp}"] if lay.cp > 1 else []
     f += ["--sequence-parallel"] if lay.sp else []
     f += [f"--micro-batch-size {lay.micro_batch}", f"--global-batch-size {global_batch}",
-          f"--seq-length {seq}", "--bf16"]
+          f"--seq-length {seq}"] + (["--bf16"] if bf16 else [])
     if lay.interleave > 1:
         f.append(f"--num-layers-per-virtual-pipeline-stage "
                  f"{num_layers // (lay.pp * lay.interleave)}")

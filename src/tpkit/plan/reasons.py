@@ -11,6 +11,7 @@ optimizer) and the choice that made it grow.
 
 from __future__ import annotations
 
+import math
 from typing import TYPE_CHECKING
 
 from tpkit.plan import cost
@@ -22,9 +23,11 @@ if TYPE_CHECKING:
 
 
 def gb(nbytes: float) -> str:
-    """Bytes as GB with sensible precision: 71 GB, 3.4 GB, 0.012 GB."""
+    """Bytes as GB with two significant digits below 10: 71 GB, 3.4 GB, 0.0081 GB."""
     v = nbytes / 1e9
-    return f"{v:.0f} GB" if v >= 10 else f"{v:.2g} GB" if v >= 0.01 else f"{v:.1e} GB"
+    if v >= 10 or v <= 0:
+        return f"{v:.0f} GB"
+    return f"{v:.{max(1, 1 - math.floor(math.log10(v)))}f} GB"
 
 
 def _ms(seconds: float) -> str:
@@ -49,6 +52,11 @@ def explain(e: Estimate, best: Estimate, c: ModelConfig, seq: int, cluster: Clus
     """The one-line reason for plan `e`, given the best plan."""
     if e is best:
         return _why_best(e, c, cluster)
+    if e.step_time_s - best.step_time_s <= 0.005 * best.step_time_s:
+        lay = e.layout
+        return (f"as fast as the best plan (within 0.5%): the same work per rank, split as "
+                f"tp={lay.tp} cp={lay.cp} pp={lay.pp} dp={lay.dp} micro-batch "
+                f"{lay.micro_batch}")
     deltas = {k: e.terms[k] - best.terms[k] for k in e.terms}
     term = max(deltas, key=deltas.get)
     extra = max(deltas[term], 0.0)

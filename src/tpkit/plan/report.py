@@ -64,7 +64,9 @@ def print_table(req: Request, plans: list[Estimate], console: Console | None = N
     console = console or Console(width=max(Console().width, 120))
     c, cl = req.config, req.cluster
     acc = cl.hardware.accelerator
-    title = (f"{c.name} ({c.num_params() / 1e9:.1f}B) on {cl.nodes} x {cl.per_node} {acc.name} "
+    n = c.num_params()
+    size = f"{n / 1e9:.1f}B" if n >= 1e9 else f"{n / 1e6:.1f}M"
+    title = (f"{c.name} ({size}) on {cl.nodes} x {cl.per_node} {acc.name} "
              f"({cl.hardware.name}); seq {req.seq}, global batch {req.global_batch}")
     t = Table(title=title, show_lines=False)
     for col in COLUMNS:
@@ -91,7 +93,8 @@ def print_commands(req: Request, shown: list[Estimate], runnable: Estimate | Non
     say = console.print
     say("Run plan #1 with Megatron-LM (pretrain_gpt.py):", highlight=False)
     say("  " + megatron_flags(best.layout, req.seq, req.global_batch, req.config.num_layers,
-                              grad, cl.flash_attention), highlight=False, soft_wrap=True)
+                              grad, cl.flash_attention, cl.hardware.accelerator.dtype != "fp32"),
+        highlight=False, soft_wrap=True)
     gaps = tpkit_gaps(best.layout, preset)
     if not gaps:
         say("Run plan #1 with tpkit:", highlight=False)
