@@ -239,13 +239,15 @@ def demo_latency(live: LiveSession, tp: int = 2, counts: tuple[int, ...] = (1, 2
                  lang: str = "en") -> dict:
     """Answer 8: k small all-reduces in sequence cost about k times one (medians over warm
     repeats), and the planner's latency per step inside a node vs across nodes."""
-    measured = median_of_slowest(live.spawn(R.all_reduce_times, numel, counts, tp=tp))
+    ranks = live.spawn(R.all_reduce_times, numel, counts, tp=tp)
+    measured = median_of_slowest(ranks)
     one = measured[counts[0]] / counts[0]
     plan = planner_layer(tp, model, hardware, 2048, 1)
     n_coll = 4 * plan["layers"]
     alpha = [n_coll * 2 * (tp - 1) * a for a in (plan["intra_alpha"], plan["inter_alpha"])]
     out = dict(tp=tp, counts=list(counts), measured_s=[measured[n] for n in counts],
                ratio_to_one=[measured[n] / one for n in counts], planner=plan,
+               ledger_all_reduces=[r["ledger"] for r in ranks],
                collectives_per_step=n_coll, latency_intra_s=alpha[0], latency_inter_s=alpha[1])
     say = Say(lang, "latency")
     lines = [say("head", numel=numel, tp=tp)]
