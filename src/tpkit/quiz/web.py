@@ -176,6 +176,7 @@ class QuizServer(ThreadingHTTPServer):
     """A threading server whose clients may vanish: no traceback for a broken pipe."""
 
     daemon_threads = True
+    request_queue_size = 128  # a burst of connections waits to be accepted, not refused
 
     def handle_error(self, request, client_address) -> None:
         if isinstance(sys.exc_info()[1], (ConnectionError, TimeoutError)):
@@ -218,11 +219,11 @@ def serve(quiz: Quiz, port: int = 8765, lang: str = "en", live: bool = False,
         server.RequestHandlerClass = make_handler(quiz, lang, runner, allowed_hosts(host), 15.0)
     shown = "127.0.0.1" if host in ("0.0.0.0", "") else host
     shown = f"[{shown}]" if ":" in shown else shown
-    print(f"tpkit quiz: http://{shown}:{server.server_address[1]}/?lang={lang} "
-          f"(Ctrl-C to stop)", flush=True)
     stops = (signal.SIGINT, signal.SIGTERM, signal.SIGHUP)
-    previous = {s: signal.signal(s, _interrupt) for s in stops}
+    previous = {s: signal.signal(s, _interrupt) for s in stops}  # before the URL is shown
     try:
+        print(f"tpkit quiz: http://{shown}:{server.server_address[1]}/?lang={lang} "
+              f"(Ctrl-C to stop)", flush=True)
         server.serve_forever()
     except KeyboardInterrupt:
         pass
