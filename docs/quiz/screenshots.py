@@ -24,6 +24,8 @@ ARGS = ["--headless", "--no-sandbox", "--disable-gpu", "--no-first-run"]
 
 
 def shoot(page, url: str, out: Path, tag: str) -> None:
+    """Question 2 before/after, its live charts, then the review (two questions missed)."""
+    quiz = load_quiz()
     page.goto(url)
     q = page.locator("#q2")
     q.screenshot(path=out / f"{tag}-1-before.png")
@@ -33,11 +35,23 @@ def shoot(page, url: str, out: Path, tag: str) -> None:
     q.locator(".live button").click()
     q.locator(".live figure").first.wait_for(timeout=120_000)
     q.locator(".live").screenshot(path=out / f"{tag}-3-chart.png")
-    for n in (1, 3, 4, 5, 6, 7, 8):  # question 2 is answered above
-        page.locator(f"#q{n} .option").nth(n % 4).click()
+    for n in (1, 3, 4, 5, 6, 7, 8):  # question 2 is answered above; 7 is missed too
+        right = quiz.questions(1)[n - 1]["answer"]
+        pick = f"[data-index='{right}']" if n != 7 else f":not([data-index='{right}'])"
+        page.locator(f"#q{n} .option{pick}").first.click()
         page.locator(f"#q{n} .feedback").wait_for()
     page.locator("#review").wait_for()
     page.locator("#review").screenshot(path=out / f"{tag}-4-review.png")
+
+
+def shrink(folder: Path) -> None:
+    """Re-encode the PNGs with a 64-colour palette (a third of the size), if Pillow is here."""
+    try:
+        from PIL import Image
+    except ImportError:
+        return
+    for png in folder.glob("*.png"):
+        Image.open(png).convert("RGB").quantize(64).save(png, optimize=True)
 
 
 def main(out: Path) -> None:
@@ -58,6 +72,7 @@ def main(out: Path) -> None:
     finally:
         server.shutdown()
         session.close()
+    shrink(out)
 
 
 if __name__ == "__main__":

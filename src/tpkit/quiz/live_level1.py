@@ -202,9 +202,8 @@ def demo_grid(live: LiveSession, tp: int = 2, pp: int = 2, dp: int = 1, lang: st
               for d, stages in enumerate(out["grid"])]
     lines += [say("rank", rank=r["rank"], dp=r["coord"][0], pp=r["coord"][1], tp=r["coord"][2],
                   tp_group=r["tp"], pp_group=r["pp"], dp_group=r["dp"]) for r in ranks]
-    rows = [C.row(f"dp{d}", [C.cell(f"{r['rank']}: pp{r['coord'][1]} tp{r['coord'][2]}",
-                                    r["coord"][1]) for r in ranks if r["coord"][0] == d])
-            for d in range(dp)]
+    rows = [C.row(f"dp{d}", [C.cell(str(r["rank"]), r["coord"][1])
+                             for r in ranks if r["coord"][0] == d]) for d in range(dp)]
     chart = C.grid(say("chart", tp=tp, pp=pp, dp=dp), rows, per_node=tp, node=say("node"))
     return dict(out, text="\n".join(lines), charts=[chart])
 

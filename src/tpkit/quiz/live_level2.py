@@ -91,7 +91,7 @@ def demo_gqa(live: LiveSession, tp: int = 2, hidden: int = 64, num_heads: int = 
     return dict(out, text="\n".join(lines), charts=[heads_chart(Say(lang, "heads"), per_rank, tp)])
 
 
-def demo_bubble(live: LiveSession, tp: int = 2, micro: tuple[int, ...] = (1, 4, 8, 16),
+def demo_bubble(live: LiveSession, tp: int = 2, micro: tuple[int, ...] = (4, 8, 16, 32),
                 lang: str = "en") -> dict:
     """The planner's pipeline bubble (p-1)/(v m) for p = tp stages, with and without
     interleaving (v = 2)."""

@@ -5,7 +5,13 @@
 "use strict";
 
 const SVGNS = "http://www.w3.org/2000/svg";
-const W = 420;  // every drawing's viewBox width
+const DW = 420;  // the diagrams' viewBox width
+let W = 420;  // a chart's viewBox width: the width it gets on screen, so text keeps its size
+
+function chartWidth() {
+  const main = document.querySelector("main");
+  return Math.round(Math.max(280, Math.min(560, (main ? main.clientWidth : 420) - 80)));
+}
 
 function sv(tag, attrs = {}, text) {
   const e = document.createElementNS(SVGNS, tag);
@@ -35,12 +41,10 @@ function barsChart(c) {
   const span = W - 120, parts = [];
   c.bars.forEach((b, i) => {
     const y = 4 + i * 34, len = Math.max(1, (b.value / max) * span);
+    const ref = b.ref === undefined ? 0 : 2 + (b.ref / max) * span;
     parts.push(label(2, y + 10, b.label, "small", "start"), box(2, y + 14, len, 14, b.color),
-               label(len + 6, y + 25, b.text, "value", "start"));
-    if (b.ref !== undefined) {
-      const x = 2 + (b.ref / max) * span;
-      parts.push(line(x, y + 11, x, y + 31, "ref"));
-    }
+               label(Math.max(len, ref) + 6, y + 25, b.text, "value", "start"));
+    if (ref) parts.push(line(ref, y + 11, ref, y + 31, "ref"));
   });
   const cap = c.ref_label ? `${c.title} (| = ${c.ref_label})` : c.title;
   return figure("bars", cap, 8 + c.bars.length * 34, parts);
@@ -92,7 +96,8 @@ function sumsChart(c) {
     parts.push(label(10, y + 15, op, "op"), label(24, y + 15, t.label, "small", "start"));
     t.values.forEach((v, k) => {
       const x = 108 + k * cw;
-      parts.push(box(x, y + 2, cw - 4, 20, t.color), label(x + cw / 2 - 2, y + 16, v.toFixed(4), "cell"));
+      parts.push(box(x, y + 2, cw - 4, 20, t.color),
+                 label(x + cw / 2 - 2, y + 16, v.toFixed(4), cw < 64 ? "tiny" : "cell"));
     });
   });
   return figure("sums", c.title, 30 + rows.length * 26, parts);
@@ -101,6 +106,7 @@ function sumsChart(c) {
 const CHARTS = { bars: barsChart, grid: gridChart, matrices: matricesChart, sums: sumsChart };
 
 function chart(spec) {
+  W = chartWidth();
   return (CHARTS[spec.kind] || (() => document.createElement("span")))(spec);
 }
 
@@ -126,7 +132,7 @@ const DIAGRAMS = {
     line(304, 70, 330, 70), label(318, 62, "g", "op"), sv("circle", { cx: 346, cy: 70, r: 14, class: "comm" }),
     label(346, 75, "Σ"), line(360, 70, 380, 70), box(380, 55, 34, 30, "box"), label(397, 75, "Z"),
     label(210, 124, "Y = GeLU(XA) = [Y1 | …],  Z = YB = Y1B1 + …", "small"),
-    label(210, 138, "f: identity → / all-reduce ←   g: all-reduce → / identity ←", "small")],
+    label(210, 138, ui.fg_legend, "small")],
   node: (ui, tp) => [box(4, 10, 200, 92, "box"), box(216, 10, 200, 92, "box"),
     label(104, 96, `${ui.node} 0`, "small"), label(316, 96, `${ui.node} 1`, "small"),
     ...[...Array(8).keys()].flatMap((g) => [box(12 + 24 * g, 30, 20, 20, g < tp ? "g0" : "muted"),
@@ -144,7 +150,7 @@ const DIAGRAMS = {
   grid: (ui, tp) => [...[0, 1].flatMap((p) => [box(8 + p * 206, 20, 200, 50, "node"),
       label(108 + p * 206, 86, `${ui.node} ${p}: pp${p}`, "small"),
       ...[...Array(tp).keys()].map((t) => box(16 + p * 206 + t * (184 / tp), 30, 184 / tp - 6, 30, `g${t}`))]),
-    label(210, 12, "tp →  (dp: copies of the whole grid)", "small")],
+    label(210, 12, ui.grid_legend, "small")],
   rows: (ui, tp) => [...[...Array(tp).keys()].flatMap((p) => [
       box(6 + p * (300 / tp), 30, 300 / tp - 22, 40, `g${p}`),
       label(6 + p * (300 / tp) + (300 / tp - 22) / 2, 55, `Y${p + 1}B${p + 1}`),
@@ -160,7 +166,7 @@ const DIAGRAMS = {
 function diagram(key, ui, tp) {
   const make = DIAGRAMS[key];
   if (!make) return null;
-  const svg = sv("svg", { viewBox: `0 0 ${W} 145`, role: "img", "aria-label": key,
+  const svg = sv("svg", { viewBox: `0 0 ${DW} 145`, role: "img", "aria-label": key,
                           class: `diagram diagram-${key}` });
   svg.append(...make(ui, tp));
   const fig = document.createElement("figure");
