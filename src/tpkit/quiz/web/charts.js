@@ -123,16 +123,14 @@ function slices(x, y, w, h, tp, name, byCols) {
 
 const DIAGRAMS = {
   split: (ui, tp) => [box(10, 8, 400, 22, "muted"), label(210, 23, `${ui.layer} n−1`),
-    ...slices(10, 38, 400, 46, tp, "W", true), label(210, 100, "XW = [XW1 | … ] (GPU i: Wi)", "small"),
-    box(10, 110, 400, 22, "muted"), label(210, 125, `${ui.layer} n+1`)],
+    ...slices(10, 38, 400, 46, tp, "W", true),
+    box(10, 92, 400, 22, "muted"), label(210, 107, `${ui.layer} n+1`)],
   mlp: (ui, tp) => [box(4, 50, 30, 40, "box"), label(19, 74, "X"), label(48, 44, "f", "op"),
     line(34, 70, 60, 70), ...slices(60, 40, 90, 60, tp, "A", true), label(105, 34, "A = [A1 | …]", "small"),
     line(150, 70, 166, 70), label(188, 74, "GeLU", "small"), line(210, 70, 224, 70),
     ...slices(224, 40, 80, 60, tp, "B", false), label(264, 34, "B = [B1 ; …]", "small"),
     line(304, 70, 330, 70), label(318, 62, "g", "op"), sv("circle", { cx: 346, cy: 70, r: 14, class: "comm" }),
-    label(346, 75, "Σ"), line(360, 70, 380, 70), box(380, 55, 34, 30, "box"), label(397, 75, "Z"),
-    label(210, 124, "Y = GeLU(XA) = [Y1 | …],  Z = YB = Y1B1 + …", "small"),
-    label(210, 138, ui.fg_legend, "small")],
+    label(346, 75, "Σ"), line(360, 70, 380, 70), box(380, 55, 34, 30, "box"), label(397, 75, "Z")],
   node: (ui, tp) => [box(4, 10, 200, 92, "box"), box(216, 10, 200, 92, "box"),
     label(104, 96, `${ui.node} 0`, "small"), label(316, 96, `${ui.node} 1`, "small"),
     ...[...Array(8).keys()].flatMap((g) => [box(12 + 24 * g, 30, 20, 20, g < tp ? "g0" : "muted"),
@@ -140,8 +138,7 @@ const DIAGRAMS = {
     line(12, 62, 8 + 24 * tp, 62, "fast"), label(104, 80, `NVLink: tp = ${tp}`, "small"),
     line(204, 40, 216, 40, "slow"), label(210, 124, ui.network, "small")],
   heads: (ui, tp) => [...[...Array(8).keys()].flatMap((h) => [
-      box(8 + 51 * h, 20, 46, 36, `g${Math.floor(h / (8 / tp))}`), label(31 + 51 * h, 42, `${ui.head} ${h}`, "tiny")]),
-    label(210, 76, "Q, K, V: [W1 | …] → softmax(QKᵀ)V → out: [O1 ; …] → g (Σ)", "small")],
+      box(8 + 51 * h, 20, 46, 36, `g${Math.floor(h / (8 / tp))}`), label(31 + 51 * h, 42, `${ui.head} ${h}`, "tiny")])],
   allreduce: (ui, tp) => [...[...Array(tp).keys()].flatMap((p) => [
       box(8, 8 + p * 30, 100, 24, `g${p}`), label(58, 24 + p * 30, `GPU ${p}: Y${p + 1}B${p + 1}`, "tiny"),
       line(108, 20 + p * 30, 180, 70)]), sv("circle", { cx: 196, cy: 70, r: 16, class: "comm" }),
@@ -149,18 +146,25 @@ const DIAGRAMS = {
     label(335, 75, "Z = Y1B1 + …  (×tp)", "tiny")],
   grid: (ui, tp) => [...[0, 1].flatMap((p) => [box(8 + p * 206, 20, 200, 50, "node"),
       label(108 + p * 206, 86, `${ui.node} ${p}: pp${p}`, "small"),
-      ...[...Array(tp).keys()].map((t) => box(16 + p * 206 + t * (184 / tp), 30, 184 / tp - 6, 30, `g${t}`))]),
-    label(210, 12, ui.grid_legend, "small")],
+      ...[...Array(tp).keys()].map((t) => box(16 + p * 206 + t * (184 / tp), 30, 184 / tp - 6, 30, `g${t}`))])],
   rows: (ui, tp) => [...[...Array(tp).keys()].flatMap((p) => [
       box(6 + p * (300 / tp), 30, 300 / tp - 22, 40, `g${p}`),
       label(6 + p * (300 / tp) + (300 / tp - 22) / 2, 55, `Y${p + 1}B${p + 1}`),
       label(6 + (p + 1) * (300 / tp) - 11, 55, p < tp - 1 ? "+" : "=", "op")]),
-    box(312, 30, 100, 40, "box"), label(362, 55, "Z"), label(210, 100, "g: all-reduce (Σ)", "small")],
+    box(312, 30, 100, 40, "box"), label(362, 55, "Z")],
   latency: (ui) => [label(36, 35, "NVLink", "small"), label(36, 85, ui.network, "small"),
     ...[0, 1, 2, 3].flatMap((k) => [box(76 + 52 * k, 22, 40, 20, "g0"), box(116 + 52 * k, 22, 8, 20, "comm"),
       box(76 + 80 * k, 72, 40, 20, "g0"), box(116 + 80 * k, 72, 36, 20, "comm")]),
     box(76, 108, 10, 10, "g0"), label(90, 117, ui.compute, "small", "start"),
     box(200, 108, 10, 10, "comm"), label(214, 117, `all-reduce ×4 / ${ui.layer}`, "small", "start")],
+};
+
+const CAPTIONS = {  // under the drawing, in HTML so that it wraps on a phone
+  split: () => "XW = [XW1 | XW2 | …]: GPU i holds Wi",
+  mlp: (ui) => `Y = GeLU(XA) = [Y1 | Y2 | …], Z = YB = Y1B1 + Y2B2 + … · ${ui.fg_legend}`,
+  heads: () => "Q, K, V: [W1 | W2 | …] → softmax(QKᵀ)V → out: [O1 ; O2 ; …] → g (Σ)",
+  grid: (ui) => ui.grid_legend,
+  rows: () => "Z = YB = Y1B1 + Y2B2 + … — g: all-reduce (Σ)",
 };
 
 function diagram(key, ui, tp) {
@@ -171,6 +175,11 @@ function diagram(key, ui, tp) {
   svg.append(...make(ui, tp));
   const fig = document.createElement("figure");
   fig.append(svg);
+  if (CAPTIONS[key]) {
+    const cap = document.createElement("figcaption");
+    cap.textContent = CAPTIONS[key](ui);
+    fig.append(cap);
+  }
   return fig;
 }
 
