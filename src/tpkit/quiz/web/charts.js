@@ -167,10 +167,13 @@ const CAPTIONS = {  // under the drawing, in HTML so that it wraps on a phone
   rows: () => "Z = YB = Y1B1 + Y2B2 + … — g: all-reduce (Σ)",
 };
 
+const HEIGHTS = { split: 120, mlp: 108, node: 130, heads: 62, allreduce: 128, grid: 96, rows: 80,
+                  latency: 124 };
+
 function diagram(key, ui, tp) {
   const make = DIAGRAMS[key];
   if (!make) return null;
-  const svg = sv("svg", { viewBox: `0 0 ${DW} 145`, role: "img", "aria-label": key,
+  const svg = sv("svg", { viewBox: `0 0 ${DW} ${HEIGHTS[key]}`, role: "img", "aria-label": key,
                           class: `diagram diagram-${key}` });
   svg.append(...make(ui, tp));
   const fig = document.createElement("figure");
