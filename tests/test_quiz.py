@@ -311,6 +311,7 @@ def test_live_3_and_8_planner_and_counted_all_reduces(live):
         bars = d["charts"][0]["bars"]
         assert [x["ref"] for x in bars] == pytest.approx([k * bars[0]["value"] for k in counts])
         assert d["latency_inter_s"] > d["latency_intra_s"] > 0
+        assert d["charts"][2]["kind"] == "grid" and d["charts"][2]["per_node"] == 8
     assert b["latency_intra_s"] == pytest.approx(3 * a["latency_intra_s"])  # 2(p-1) alpha
 
 

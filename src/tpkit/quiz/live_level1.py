@@ -89,11 +89,15 @@ def demo_node(live: LiveSession, tp: int = 2, model: str = "gpt3-175b", hardware
     bars = C.bars(say("chart_times", model=model, tp=tp), "ms", [
         C.bar(say(k, link=plan["intra_link" if k == "intra_bar" else "inter_link"]), v * 1e3,
               f"{v * 1e3:.2f} ms", c) for k, v, c in ms])
-    place = C.grid(say("chart_grid", tp=tp), [
+    return dict(out, text="\n".join(lines), charts=[bars, placement_grid(say, tp)])
+
+
+def placement_grid(say: Say, tp: int) -> dict:
+    """2 nodes of 8 GPUs: one tp group (blue) inside node 0, or spread over both nodes."""
+    return C.grid(say("chart_grid", tp=tp), [
         C.row(say("inside"), [C.cell(str(r), 0 if r < tp else "muted") for r in range(16)]),
         C.row(say("across"), [C.cell(str(r), 0 if r % (16 // tp) == 0 else "muted")
                               for r in range(16)])], per_node=8, node=say("node"))
-    return dict(out, text="\n".join(lines), charts=[bars, place])
 
 
 def planner_layer(tp: int, model: str, hardware: str, seq: int, b: int) -> dict:
@@ -262,7 +266,8 @@ def demo_latency(live: LiveSession, tp: int = 2, counts: tuple[int, ...] = (1, 2
     step = C.bars(say("chart_planner", model=model, tp=tp, n_coll=n_coll), "ms", [
         C.bar(say("intra"), alpha[0] * 1e3, f"{alpha[0] * 1e3:.2f} ms", 2),
         C.bar(say("inter"), alpha[1] * 1e3, f"{alpha[1] * 1e3:.2f} ms", "comm")])
-    return dict(out, text="\n".join(lines), charts=[seq, step])
+    return dict(out, text="\n".join(lines),
+                charts=[seq, step, placement_grid(Say(lang, "node"), tp)])
 
 
 DEMOS = {1: demo_split, 2: demo_mlp_traffic, 3: demo_node, 4: demo_heads,
