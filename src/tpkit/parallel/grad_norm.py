@@ -4,7 +4,8 @@
               + sum over tp-replicated params, from tp rank 0 only  (same on every rank)
               , summed over pp stages                                (disjoint layers)
               - the tied head on the last stage                      (= the embedding)
-    and NOT summed over dp: after averaging, every replica holds the same gradients.
+    and NOT summed over dp: after averaging, every replica holds the same gradients
+    (with ZeRO-1 each holds its slice and zeros elsewhere: then summed over dp too).
 
 A part of a split held by several ranks (grouped-query kv heads with
 num_kv_heads < tp: `chunks` < tp) appears tp/chunks times in the tp sum, so it is
@@ -43,10 +44,12 @@ def local_sq_norm(model: nn.Module, tp_size: int, tp_rank: int, pp_size: int) ->
     return total
 
 
-def global_grad_norm(model: nn.Module, mesh: ParallelMesh) -> float:
+def global_grad_norm(model: nn.Module, mesh: ParallelMesh, dp_sharded: bool = False) -> float:
     """||g||_2 over the whole model (one replica), identical on every rank."""
     sq = local_sq_norm(model, mesh.tp_size, mesh.tp_rank, mesh.pp_size).to(mesh.device)
     all_reduce(sq, mesh.mp_group, phase="grads", scope="grad_norm")
+    if dp_sharded:
+        all_reduce(sq, mesh.dp_group, phase="grads", scope="grad_norm")
     return math.sqrt(sq.item())
 
 

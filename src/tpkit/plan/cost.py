@@ -146,37 +146,14 @@ def overhead_time(ops: float, acc: Accelerator) -> float:
     return ops * acc.op_overhead
 
 
-# -- pipeline and data parallel ------------------------------------------------------------
+# -- pipeline and optimizer (data parallel: data_parallel.py) ------------------------------------------------------------
 def bubble_fraction(pp: int, m: int, interleave: int = 1) -> float:
     """Idle fraction of the ideal time, (p-1)/(v m)."""
     return (pp - 1) / (interleave * m)
 
 
-def dp_sync_time(grad_bytes: float, dp: int, link: Link, zero1: bool) -> float:
-    """Gradient all-reduce over dp (ZeRO-1: reduce-scatter grads + all-gather weights).
-
-    ZeRO-1 sends the same bytes in two halves; `grad_bytes` stands for the weights too
-    (equal sizes in bf16 mixed precision).
-    """
-    if zero1:
-        return (reduce_scatter_time(grad_bytes, dp, link)
-                + all_gather_time(grad_bytes, dp, link))
-    return all_reduce_time(grad_bytes, dp, link)
-
-
-def exposed_dp_time(sync: float, backward_window: float, overlap: bool, zero1: bool) -> float:
-    """What the dp sync adds to the step once it overlaps the last backward pass.
-
-    Gradient buckets go out while the last micro-batch's backward runs; the ZeRO-1
-    all-gather of the updated weights (half the sync) comes after the optimizer step.
-    """
-    if not overlap:
-        return sync
-    hideable = sync / 2 if zero1 else sync
-    return sync - min(hideable, backward_window)
-
-
-def optimizer_time(params: int, dp: int, zero1: bool, acc: Accelerator,
+def optimizer_time(params: int, shards: int, sharded: bool, acc: Accelerator,
                    bytes_per_param: int = 28) -> float:
-    """Adam step, memory bound: reads grad, master, m, v and writes them and the weights."""
-    return memory_time(params / (dp if zero1 else 1) * bytes_per_param, acc)
+    """Adam step, memory bound: reads grad, master, m, v and writes them and the weights;
+    with a sharded optimizer each of `shards` ranks updates 1/shards of them."""
+    return memory_time(params / (shards if sharded else 1) * bytes_per_param, acc)

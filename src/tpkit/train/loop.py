@@ -3,9 +3,11 @@
     for each step:
       batch of this dp replica -> m micro-batches -> GPipe / 1F1B / interleaved 1F1B
                                       dp: buckets all-reduced over replicas as the last
-                                          backward finishes them (OverlappedGradSync)
+                                          backward finishes them (OverlappedGradSync);
+                                          ZeRO-1: none here, see reduce_gradients below
       model.finalize_grads()          tp: sequence-parallel norms, shared kv heads
       sync_tied_grads                 pp: embedding (first stage) + head (last stage)
+      optimizer.reduce_gradients()    ZeRO-1: reduce-scatter over dp (each rank its slice)
       (all of these are sums, so their order does not change the result)
       global_grad_norm -> clip        every parameter counted once (tp, pp; not dp)
       optimizer.step()                AdamW, or ZeRO-1 (slice update + all-gather over dp)
@@ -27,6 +29,7 @@ from tpkit.mesh import ParallelMesh
 from tpkit.parallel import (
     OverlappedGradSync,
     StageLink,
+    ZeroAdamW,
     bubble_theory,
     clip_grads,
     forward_only,
@@ -98,12 +101,14 @@ def train(cfg: TrainConfig, mesh: ParallelMesh, model: torch.nn.Module | None = 
     model = model or build_model(cfg, mesh)
     model.train()
     tied = tied_embedding_group(mesh, model.config.tie_embeddings)
-    dp_sync = OverlappedGradSync(list(model.parameters()), mesh.dp_group, cfg.micro_batches)
+    opt = build_optimizer(model, cfg, mesh)
+    sharded = isinstance(opt, ZeroAdamW)  # ZeRO-1 reduce-scatters instead of all-reducing
+    dp_sync = OverlappedGradSync([] if sharded else list(model.parameters()), mesh.dp_group,
+                                 cfg.micro_batches)
     # gradients travel on their own communicator (see tpkit.parallel.p2p)
     half = torch.bfloat16 if cfg.master_weights else torch.float32  # between stages
     link = StageLink(mesh.pp_group, device=mesh.device, dtype=half,
                      backward_group=ring_backward_group(mesh))
-    opt = build_optimizer(model, cfg, mesh)
     out, lead = Path(cfg.out), mesh.rank == 0
     start = resume(cfg, mesh, model, opt, loader) if cfg.resume else 0
     mixed = MasterWeights(model, build_model(cfg, mesh, half).train()) \
@@ -171,7 +176,10 @@ def _step(cfg, mesh, model, link, syncs, opt, loader, autocast, step: int) -> di
     dp_sync.finish()  # most buckets were sent during the last backward
     model.finalize_grads()
     sync_tied_grads(model, tied)
-    norm = global_grad_norm(model, mesh)
+    sharded = isinstance(opt, ZeroAdamW)
+    if sharded:
+        opt.reduce_gradients()
+    norm = global_grad_norm(model, mesh, dp_sharded=sharded)
     clip_grads(model, norm, cfg.clip)
     opt.step()
     opt.zero_grad(set_to_none=True)
