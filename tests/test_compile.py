@@ -80,3 +80,12 @@ def test_train_compile_matches_eager_and_prints_compile_time(run_tp, tmp_path):
         assert c["theory_ok"] and max(abs(a - b) for a, b in zip(e["losses"], c["losses"])) <= 1e-5
     assert "--compile (aot_eager): first step" in comp[0]["text"]
     assert "--compile" not in eager[0]["text"]
+
+
+def test_unknown_backend_is_named_before_training():
+    from tpkit.train.config import TrainConfig
+
+    problems = TrainConfig(compile=True, compile_backend="nope").problems()
+    assert any("compile_backend='nope' is not one of" in p and "inductor" in p
+               for p in problems)
+    assert TrainConfig(compile_backend="nope").problems() == []  # only read with --compile

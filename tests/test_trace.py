@@ -30,7 +30,8 @@ def traced(mesh, folder: str) -> bool:
     (1, 2, {"compute", "tp", "tp async", "overlap", "dp"})])
 def test_trace_shows_each_kind_of_work_on_every_rank(run_tp, tmp_path, pp, dp, kinds):
     assert all(run_tp(traced, 2, str(tmp_path), pp=pp, dp=dp))
-    path = merge(tmp_path / "trace", "test", png_copy=tmp_path / "trace.png")
+    (tmp_path / "trace" / "rank7.json").write_text("{}")  # a stale part of a bigger run
+    path = merge(tmp_path / "trace", 4, "test", png_copy=tmp_path / "trace.png")
     events = json.loads(path.read_text())["traceEvents"]  # valid JSON
     spans = [e for e in events if e["ph"] == "X"]
     assert all(e["dur"] >= 0 and e["ts"] >= 0 for e in spans)
@@ -46,6 +47,7 @@ def test_trace_shows_each_kind_of_work_on_every_rank(run_tp, tmp_path, pp, dp, k
         assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n" and png.stat().st_size > 10_000
 
 
-def test_merge_without_parts_is_one_clear_error(tmp_path):
-    with pytest.raises(FileNotFoundError, match="no rank"):
-        merge(tmp_path)
+def test_merge_with_missing_parts_is_one_clear_error(tmp_path):
+    (tmp_path / "rank0.json").write_text("{}")
+    with pytest.raises(FileNotFoundError, match=r"lacks the trace parts \['rank1.json'\] of 2"):
+        merge(tmp_path, 2)

@@ -170,7 +170,7 @@ def _merge_trace(cfg: TrainConfig) -> None:
 
     title = (f"{cfg.preset} tp={cfg.tp} pp={cfg.pp} dp={cfg.dp}, {cfg.schedule}, "
              f"{cfg.micro_batches} micro-batches: the last step")
-    path = merge(cfg.trace, title, png_copy=Path(cfg.out) / "trace.png")
+    path = merge(cfg.trace, cfg.world_size, title, png_copy=Path(cfg.out) / "trace.png")
     print(f"timeline {path} (open in ui.perfetto.dev), {path.parent / 'step.png'}")
 
 

@@ -113,6 +113,8 @@ class TrainConfig:
         if self.master_weights and self.dtype != "bfloat16":
             out.append(f"master_weights needs dtype='bfloat16' (bf16 weights with fp32 "
                        f"masters), not {self.dtype!r}")
+        if self.compile:
+            out += _backend_problems(self.compile_backend)
         if self.dtype not in DTYPES:
             out.append(f"dtype={self.dtype!r} is not one of {DTYPES}")
         if not 0.0 <= self.val_fraction < 1.0:
@@ -150,3 +152,11 @@ class TrainConfig:
                             f"does not equal the number of processes {world_size}")
         if problems:
             raise ValueError("; ".join(problems))
+
+
+def _backend_problems(backend: str) -> list[str]:
+    """torch.compile's backends, checked before any process starts."""
+    from torch._dynamo import list_backends
+
+    known = list_backends(exclude_tags=())
+    return [] if backend in known else [f"compile_backend={backend!r} is not one of {known}"]

@@ -86,13 +86,15 @@ def write_rank(folder: str | Path, rank: int, title: str, events: list[dict]) ->
     return path
 
 
-def merge(folder: str | Path, title: str = "", png_copy: str | Path | None = None) -> Path:
-    """Every rank's part -> `folder/trace.json` (times from the first event) and
+def merge(folder: str | Path, ranks: int, title: str = "",
+          png_copy: str | Path | None = None) -> Path:
+    """Ranks 0..ranks-1's parts -> `folder/trace.json` (times from the first event) and
     `folder/step.png` (also copied to `png_copy`); returns the trace's path."""
     folder = Path(folder)
-    parts = sorted(folder.glob("rank*.json"), key=lambda p: int(p.stem[4:]))
-    if not parts:
-        raise FileNotFoundError(f"{folder} holds no rank*.json trace parts")
+    parts = [folder / f"rank{r}.json" for r in range(ranks)]
+    missing = [p.name for p in parts if not p.is_file()]
+    if missing:
+        raise FileNotFoundError(f"{folder} lacks the trace parts {missing} of {ranks} ranks")
     events = [e for p in parts for e in json.loads(p.read_text())["traceEvents"]]
     timed = [e for e in events if e["ph"] == "X"]
     origin = min(e["ts"] for e in timed)  # perf_counter is one clock for a node's processes
