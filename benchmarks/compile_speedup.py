@@ -43,7 +43,8 @@ def worker(mesh, a) -> dict:
     cfg = model_config(a)
     ids = torch.randint(0, cfg.vocab_size, (a.batch, a.seq),
                         generator=torch.Generator().manual_seed(0))
-    models = {"eager": Transformer(cfg, mesh, seed=1), "compiled": Transformer(cfg, mesh, seed=1)}
+    models = {n: Transformer(cfg, mesh, seed=1, loss_chunk=a.loss_chunk)
+              for n in ("eager", "compiled")}
     compile_blocks(models["compiled"], a.backend)
     first = {}
     for name, m in models.items():  # the check (and, compiled, the compilation)
@@ -79,6 +80,7 @@ def main() -> None:
     p.add_argument("--vocab", type=int, default=8192)
     p.add_argument("--reps", type=int, default=15)
     p.add_argument("--backend", default="inductor")
+    p.add_argument("--loss-chunk", type=int, default=0, help="chunked loss (compiled too)")
     p.add_argument("--tol", type=float, default=1e-5)
     a = p.parse_args()
     if a.quick:
@@ -94,7 +96,8 @@ def main() -> None:
 
     med = {n: statistics.median(ts) for n, ts in r["times"].items()}
     print_table(f"one training step at tp={a.tp}: h={a.hidden}, {a.layers} layers, b={a.batch}, "
-                f"s={a.seq}, vocab {a.vocab}, fp32, {a.reps} alternated rounds",
+                f"s={a.seq}, vocab {a.vocab}, loss chunk {a.loss_chunk or 'off'}, fp32, "
+                f"{a.reps} alternated rounds",
                 ["blocks", "median ms", "speed-up"],
                 [[n, f"{1e3 * m:.1f}", f"{med['eager'] / m:.2f}x"] for n, m in med.items()])
     print(f"compile ({a.backend}): {r['compile_s']:.1f} s; {r['graphs']} graphs, "

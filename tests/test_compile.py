@@ -22,10 +22,13 @@ from tpkit.spec import get_preset, theory
 B, S = 2, 16
 
 
-def steps(mesh, compiled: bool, n: int) -> dict:
+def steps(mesh, compiled: bool, n: int, chunk: int = 0) -> dict:
+    from torch._dynamo.utils import counters
+
     torch._dynamo.reset()
+    counters.clear()  # a pool process keeps them from earlier tests
     cfg = replace(get_preset("gpt2-tiny"), num_layers=3)
-    model = Transformer(cfg, mesh, seed=5)
+    model = Transformer(cfg, mesh, seed=5, loss_chunk=chunk)
     if compiled:
         assert compile_blocks(model, backend="aot_eager") == 3
     gen = torch.Generator().manual_seed(0)
@@ -43,17 +46,19 @@ def steps(mesh, compiled: bool, n: int) -> dict:
                 grads={k: p.grad.clone() for k, p in model.named_parameters()})
 
 
-@pytest.mark.parametrize("tp", [1, 2])
-def test_compiled_blocks_equal_eager_and_do_not_recompile(run_tp, tp):
-    eager = run_tp(steps, tp, False, 4)
-    comp = run_tp(steps, tp, True, 4)
+@pytest.mark.parametrize("tp,chunk", [(1, 0), (2, 0), (2, 12)])
+def test_compiled_blocks_equal_eager_and_do_not_recompile(run_tp, tp, chunk):
+    """chunk=12: the chunked loss (chunks of 12, 12, 8 tokens) compiled as well."""
+    eager = run_tp(steps, tp, False, 4, chunk)
+    comp = run_tp(steps, tp, True, 4, chunk)
     h = get_preset("gpt2-tiny").hidden
     for e, c in zip(eager, comp):
         assert max(abs(a - b) for a, b in zip(e["losses"], c["losses"])) <= 1e-5
         for k, g in e["grads"].items():
             assert max_diff(c["grads"][k], g) <= 1e-5, k
         assert c["names"] == e["names"]  # compiled in place: checkpoints see the same names
-        assert c["counts"] == theory.as_counter(theory.stage(B, S, h, tp, False, 3))
+        assert c["counts"] == theory.as_counter(theory.stage(B, S, h, tp, False, 3,
+                                                             loss_chunk=chunk))
         assert c["graphs"][0] > 0 and e["graphs"] == [0] * 4
         assert c["graphs"][1] == c["graphs"][3], c["graphs"]  # nothing built after step 2
 

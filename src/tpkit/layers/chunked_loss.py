@@ -34,6 +34,18 @@ def _spans(n: int, chunk: int) -> list[tuple[int, int]]:
     return [(a, min(a + chunk, n)) for a in range(0, n, chunk)]
 
 
+def _chunk_grad(logits, target, group, vocab_size, ignore_index, eps, m, sum_exp, grad_loss):
+    """d loss / d logits of one chunk [c, V/tp] (fp32) from its saved max and sum of exp."""
+    p = shifted_exp(logits, group, vocab_size, m).div_(sum_exp.unsqueeze(-1))  # softmax
+    return logits_grad(p, target, group, vocab_size, ignore_index, eps, grad_loss)
+
+
+def _compiled(fn, backend: str | None):
+    """`fn` itself, or under --compile its torch.compile'd form (the element-wise work
+    over [c, V/tp] fused; the all-reduces inside stay graph breaks)."""
+    return torch.compile(fn, backend=backend) if backend else fn
+
+
 def _accumulate(dw: torch.Tensor, gt: torch.Tensor, h: torch.Tensor) -> None:
     """dw (fp32) += gt @ h, in place when the product is fp32 (no [V/tp, hid] temporary)."""
     if gt.dtype == dw.dtype:
@@ -44,7 +56,8 @@ def _accumulate(dw: torch.Tensor, gt: torch.Tensor, h: torch.Tensor) -> None:
 
 class _ChunkedHeadCE(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, h, weight, target, group, vocab_size, ignore_index, smoothing, chunk):
+    def forward(ctx, h, weight, target, group, vocab_size, ignore_index, smoothing, chunk,
+                backend):
         # h [N, hid] every token (after f or the SP gather); weight [V/tp, hid]; target [N]
         ctx.dtypes = (h.dtype, weight.dtype)
         if torch.is_autocast_enabled(h.device.type):  # cast once, save the cast copies
@@ -52,13 +65,12 @@ class _ChunkedHeadCE(torch.autograd.Function):
             h, weight = h.to(dt), weight.to(dt)
         h = h.to(weight.dtype)  # a bf16 head (master weights) takes the fp32 hidden states
         loss, m, sum_exp = (torch.empty(h.shape[0], device=h.device) for _ in range(3))  # [N]
-        args = (group, vocab_size, ignore_index)
+        args, stats = (group, vocab_size, ignore_index), _compiled(softmax_stats, backend)
         for a, b in _spans(h.shape[0], chunk):
             logits = F.linear(h[a:b], weight)  # [c, V/tp], the only one alive
-            loss[a:b], _, m[a:b], sum_exp[a:b] = softmax_stats(logits, target[a:b], *args,
-                                                               smoothing)
+            loss[a:b], _, m[a:b], sum_exp[a:b] = stats(logits, target[a:b], *args, smoothing)
         ctx.save_for_backward(h, weight, target, m, sum_exp)
-        ctx.args, ctx.smoothing, ctx.chunk = args, smoothing, chunk
+        ctx.args, ctx.smoothing, ctx.chunk, ctx.backend = args, smoothing, chunk, backend
         return loss
 
     @staticmethod
@@ -67,26 +79,28 @@ class _ChunkedHeadCE(torch.autograd.Function):
         group, vocab_size, ignore_index = ctx.args
         dh = torch.empty_like(h)  # [N, hid]
         dw = torch.zeros(w.shape, dtype=torch.float32, device=w.device)  # [V/tp, hid], fp32 sum
+        chunk_grad = _compiled(_chunk_grad, ctx.backend)
         for a, b in _spans(h.shape[0], ctx.chunk):
             logits = F.linear(h[a:b], w)  # [c, V/tp], recomputed
-            p = shifted_exp(logits, group, vocab_size, m[a:b]).div_(sum_exp[a:b].unsqueeze(-1))
-            g = logits_grad(p, target[a:b], group, vocab_size, ignore_index, ctx.smoothing,
-                            grad_loss[a:b]).to(w.dtype)  # [c, V/tp]
+            g = chunk_grad(logits, target[a:b], group, vocab_size, ignore_index, ctx.smoothing,
+                           m[a:b], sum_exp[a:b], grad_loss[a:b]).to(w.dtype)  # [c, V/tp]
             dh[a:b] = g.matmul(w)  # [c, hid]
             _accumulate(dw, g.t(), h[a:b])  # [V/tp, hid]
         h_dtype, w_dtype = ctx.dtypes
-        return dh.to(h_dtype), dw.to(w_dtype), None, None, None, None, None, None
+        return dh.to(h_dtype), dw.to(w_dtype), None, None, None, None, None, None, None
 
 
 def chunked_head_cross_entropy(h: torch.Tensor, weight: torch.Tensor, target: torch.Tensor,
                                group: CommGroup, vocab_size: int, *, chunk: int,
                                sequence_parallel: bool = False, ignore_index: int = -100,
-                               label_smoothing: float = 0.0) -> torch.Tensor:
+                               label_smoothing: float = 0.0,
+                               compile_backend: str | None = None) -> torch.Tensor:
     """Per-token losses [b, s] of the vocab-parallel head `weight` [V_pad/tp, hid] applied to
     the final hidden states h [b, s, hid] ([b, s/tp, hid] with SP), `chunk` tokens at a time.
 
     Equal to `vocab_parallel_cross_entropy(column_parallel_linear(h, weight), ...)` to
-    float round-off; its peak memory is that of one chunk's logits.
+    float round-off; its peak memory is that of one chunk's logits. `compile_backend`
+    compiles the per-chunk element-wise work (`tpkit train --compile`).
     """
     if chunk < 1:
         raise ValueError(f"chunk={chunk} tokens: the chunked loss needs at least 1")
@@ -99,5 +113,6 @@ def chunked_head_cross_entropy(h: torch.Tensor, weight: torch.Tensor, target: to
                          f"states' {b} x {s} tokens")
     with group.ledger.scope("loss"):
         loss = _ChunkedHeadCE.apply(x.reshape(b * s, hid), weight, target.reshape(b * s), group,
-                                    vocab_size, ignore_index, float(label_smoothing), chunk)
+                                    vocab_size, ignore_index, float(label_smoothing), chunk,
+                                    compile_backend)
     return loss.view(b, s)  # [b, s]

@@ -12,8 +12,10 @@ share their compiled code (their parameters are graph inputs), so a model compil
 once however many layers it has; training shapes are fixed, so nothing recompiles
 after the first steps (`compiled_graphs` counts what Dynamo built).
 
-The loss is not compiled: its work is the head matmul and three reductions split by
-all-reduces, inside an autograd.Function that Dynamo cannot trace past a collective.
+With the chunked loss (`loss_chunk`), its per-chunk element-wise work over the
+[c, V/tp] logits (mask, shift, exp, sums; in backward the softmax minus the target)
+is compiled too, the three all-reduces between as graph breaks. The plain loss is not:
+it is one autograd.Function that Dynamo cannot trace past a collective.
 """
 
 from __future__ import annotations
@@ -22,10 +24,12 @@ import torch
 
 
 def compile_blocks(model: torch.nn.Module, backend: str = "inductor") -> int:
-    """Compile each block of `model.layers` in place (names and state dicts unchanged);
-    returns how many. Compilation itself happens at the first forward."""
+    """Compile each block of `model.layers` in place (names and state dicts unchanged),
+    and the chunked loss's element-wise work; returns how many blocks. Compilation
+    itself happens at the first forward."""
     for block in model.layers.values():
         block.compile(backend=backend)
+    model.loss_compile = backend
     return len(model.layers)
 
 

@@ -102,6 +102,7 @@ class Transformer(nn.Module):
         # > 0: the last stage returns its final hidden states and `loss` runs the head and
         # the cross-entropy `loss_chunk` tokens at a time (tpkit.layers.chunked_loss)
         self.loss_chunk = loss_chunk
+        self.loss_compile: str | None = None  # a backend: set by tpkit.model.compile
         self.chunk_layers = [stage_layer_range(config.num_layers, pp * v, c * pp + mesh.pp_rank)
                              for c in range(v)]  # chunk c = virtual stage c*pp + pp_rank
         self.layer_range = self.chunk_layers[0] if v == 1 else \
@@ -227,7 +228,8 @@ class Transformer(nn.Module):
             per_token = chunked_head_cross_entropy(
                 logits, self.head_weight, labels, self.group, self.config.vocab_size,
                 chunk=self.loss_chunk, sequence_parallel=self.sequence_parallel,
-                ignore_index=ignore_index, label_smoothing=label_smoothing)  # [b, s]
+                ignore_index=ignore_index, label_smoothing=label_smoothing,
+                compile_backend=self.loss_compile)  # [b, s]
         else:
             with self.mesh.ledger.scope("loss"):
                 per_token = vocab_parallel_cross_entropy(
