@@ -90,6 +90,8 @@ def test_theory_counts_three_all_reduces_per_chunk():
 
 
 def test_chunk_must_be_positive():
+    with pytest.raises(ValueError, match="loss_chunk=-3 must be 0"):
+        Transformer(get_preset("gpt2-tiny"), ParallelMesh.single(), loss_chunk=-3)
     g = ParallelMesh.single().tp_group
     with pytest.raises(ValueError, match="chunk=0 tokens"):
         chunked_head_cross_entropy(torch.randn(1, 2, 4), torch.randn(8, 4),

@@ -93,6 +93,8 @@ class Transformer(nn.Module):
         super().__init__()
         tp, pp, v = mesh.tp_size, mesh.pp_size, virtual_stages
         config.check(tp=tp, pp=pp)  # every rank, before any collective
+        if loss_chunk < 0:
+            raise ValueError(f"loss_chunk={loss_chunk} must be 0 (off) or a number of tokens")
         if v < 1 or pp * v > config.num_layers:
             raise ValueError(f"{config.name}: pp*virtual_stages = {pp}*{v} = {pp * v} chunks "
                              f"do not fit num_layers={config.num_layers}")
