@@ -58,8 +58,7 @@ def meta_model(config: ModelConfig, tp: int, pp: int, tp_rank: int, pp_rank: int
     from tpkit.model.hf import build_model
 
     mesh = offline_mesh(tp, pp, tp_rank, pp_rank)
-    return build_model(config, mesh, device="meta",
-                       pooler=names is not None and "pooler.weight" in names)
+    return build_model(config, mesh, device="meta")
 
 
 def to_hf(source: Any, out_dir: str | Path, config: ModelConfig | None = None) -> Path:
@@ -87,11 +86,9 @@ def open_source(source: Any, config: ModelConfig | None = None
             raise CheckpointError(f"{path}: not a tpkit full safetensors file (no metadata)")
         return src, config or ModelConfig.from_dict(meta["config"]), src.names
     if (path / "config.json").is_file():
-        from tpkit.model.hf import HFSource, config_from_hf, open_hf, table
+        from tpkit.model.hf import hf_source
 
-        hf, tensors, where = open_hf(path)
-        fam, cfg = config_from_hf(hf)
-        src = HFSource(tensors, table(fam, cfg), where)
+        src, cfg = hf_source(path)
         return src, cfg, {n for n in src.recipes if src.logical_shape(n) is not None}
     raise CheckpointError(f"{path}: neither a tpkit checkpoint (manifest.json), a full "
                           f"safetensors file, nor a Hugging Face directory (config.json)")

@@ -36,5 +36,9 @@ def _rotate_half(x: torch.Tensor) -> torch.Tensor:
 
 
 def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-    """x [b, heads, s, hd] rotated by position."""
+    """x [b, heads, s, hd] rotated by position; with cos/sin narrower than hd (partial
+    rotary, GPT-NeoX) only the first dims rotate and the rest pass through."""
+    rd = cos.shape[-1]
+    if rd < x.shape[-1]:
+        return torch.cat([apply_rope(x[..., :rd], cos, sin), x[..., rd:]], dim=-1)
     return (x.float() * cos + _rotate_half(x.float()) * sin).to(x.dtype)

@@ -1,0 +1,26 @@
+"""Llama and Mistral (grouped-query attention; Mistral's sliding window)."""
+
+from __future__ import annotations
+
+from tpkit.model.families.base import Family, refuse
+from tpkit.model.families.decoder import decoder_config, decoder_hf, decoder_problems, decoder_table
+from tpkit.spec.config import ModelConfig
+
+ARCH = {"llama": "LlamaForCausalLM", "mistral": "MistralForCausalLM"}
+
+
+def from_hf(hf: dict, keys: set[str]) -> ModelConfig:
+    """Llama / Mistral config.json -> ModelConfig."""
+    refuse(hf["model_type"], decoder_problems(hf) | {"attention bias": hf.get("attention_bias")})
+    return decoder_config(hf, sliding_window=hf.get("sliding_window"))
+
+
+def to_hf(c: ModelConfig) -> dict:
+    """ModelConfig -> config.json."""
+    extra = dict(sliding_window=c.sliding_window) if c.family == "mistral" else {}
+    return decoder_hf(c, c.family, ARCH[c.family], **extra)
+
+
+FAMILY = Family("llama", tuple(ARCH), from_hf, to_hf, decoder_table,
+                presets=("llama-tiny", "llama2-7b", "llama2-13b", "llama2-70b", "llama3-8b",
+                         "llama3-70b", "llama3-405b"))
