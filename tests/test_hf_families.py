@@ -15,6 +15,8 @@ import torch
 import transformers as T
 from safetensors.torch import load_file
 
+from tpkit.checkpoint import convert
+from tpkit.checkpoint import store as ckpt
 from tpkit.model.hf import from_pretrained, to_hf
 from tpkit.model.hf_check import compare, gather, reference, tp_case
 
@@ -39,7 +41,7 @@ def make(kind: str):
 
 
 FAMILIES = ["qwen2", "qwen3", "mistral", "gemma", "phi3", "gpt_neox", "mixtral"]
-IDS = torch.randint(0, 101, (2, 9), generator=torch.Generator().manual_seed(0))
+IDS = torch.randint(0, 101, (2, 8), generator=torch.Generator().manual_seed(0))
 
 
 @pytest.fixture(scope="module")
@@ -73,6 +75,24 @@ def test_logits_and_grads_match_transformers(run_tp, saved, kind):
         print(f"{kind} tp={tp}: " + " ".join(f"{k}={v:.1e}" for k, v in diffs.items()))
         assert max(diffs.values()) <= 1e-4, (kind, tp, diffs)
         assert results[0]["problems"] == [], (kind, tp, results[0]["problems"])
+    sp = compare(ref, gather(run_tp(tp_case, 2, saved[kind], IDS, True)))  # sequence parallel
+    assert sp["grads"] <= 1e-4 and sp["loss"] <= 1e-4, (kind, "sp", sp)
+
+
+def save_worker(mesh, path, dest):
+    ckpt.save(dest, from_pretrained(path, mesh), mesh=mesh)
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(240)
+@pytest.mark.parametrize("kind", ["qwen2", "phi3", "gpt_neox", "mixtral"])
+def test_export_from_a_sharded_checkpoint_is_bit_identical(run_tp, saved, tmp_path, kind):
+    run_tp(save_worker, 2, saved[kind], str(tmp_path / "ckpt"), pp=2)  # (tp=2, pp=2)
+    convert.to_hf(tmp_path / "ckpt", tmp_path / "out")
+    original = load_file(f"{saved[kind]}/model.safetensors")
+    exported = load_file(tmp_path / "out" / "model.safetensors")
+    assert sorted(exported) == sorted(original)
+    assert all(torch.equal(exported[k], original[k]) for k in original), kind
 
 
 @pytest.mark.parametrize("kind", FAMILIES)
@@ -113,6 +133,16 @@ def test_mixtral_routing_matches_transformers(run_tp, saved):
             assert (x - seen["x"]).abs().max() <= 1e-5
             assert torch.equal(e, experts), tp  # the same experts for every token
             assert (w - weights).abs().max() <= 1e-6, tp
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(240)
+def test_verify_hf_prints_the_table(saved, capsys):
+    from tpkit.cli import main
+
+    assert main(["verify", "--hf", saved["qwen3"], "--tp", "1,2", "--seq", "8"]) == 0
+    out = capsys.readouterr().out
+    assert "against transformers" in out and "OK: every tp matches transformers" in out
 
 
 def test_unsupported_family_names_the_supported(tmp_path):

@@ -3,6 +3,7 @@ forward + backward on the same batch, and compare everything with tp=1.
 
     tpkit verify --component mlp --tp 1,2,4 [--hidden H --batch B --seq S]
     tpkit verify --preset llama-tiny --tp 1,2,4 [--sp] [--dtype float32|bfloat16]
+    tpkit verify --hf path/to/hf-model --tp 1,2,4 [--sp]    # against transformers itself
 
 Prints per tp the max abs difference of outputs (logits), loss and gathered
 gradients against tp=1, the ledger per layer next to the theory, and the parameter
@@ -22,6 +23,7 @@ from tpkit.sharding import full_state_dict, splits_of, unshard
 from tpkit.spec import theory
 
 TOL = {"float32": 1e-5, "bfloat16": 5e-2}
+TOL_HF = 1e-4  # against transformers: another implementation, float32
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
@@ -29,6 +31,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--component", choices=["mlp", "model"], default=None,
                    help="mlp: the Megatron MLP alone; model: a whole preset (default with --preset)")
     p.add_argument("--preset", default=None, help="model preset, e.g. gpt2-tiny, llama-tiny")
+    p.add_argument("--hf", default=None, metavar="DIR",
+                   help="a Hugging Face model directory: every tp against transformers")
     p.add_argument("--tp", default="1,2,4", help="comma-separated tp sizes (1 is the reference)")
     p.add_argument("--sp", action="store_true", help="sequence parallelism")
     p.add_argument("--activation", default="gelu", choices=["gelu", "swiglu", "relu"])
@@ -119,9 +123,10 @@ def _diffs(ref: dict, got: dict) -> dict:
 
 
 def run(args: argparse.Namespace) -> int:
-    """Run the comparison; 0 when every tp matches tp=1 and the ledger matches theory."""
-    from tpkit.launch import spawn
-
+    """Run the comparison; 0 when every tp matches tp=1 (or transformers, with --hf) and
+    the ledger matches theory."""
+    if args.hf:
+        return _run_hf(args)
     component = args.component or ("model" if args.preset else "mlp")
     if component == "model" and not args.preset:
         print("tpkit verify: --component model needs --preset")
@@ -133,34 +138,60 @@ def run(args: argparse.Namespace) -> int:
         else f"{args.preset}{' +SP' if args.sp else ''}"
     print(f"tpkit verify: {what}, batch={args.batch} seq={args.seq} {args.dtype}, tp={tps}")
     ref = _gather([case(ParallelMesh.single(), a)])
-    tol, ok = TOL[args.dtype], True
-    rows = []
+    return _sweep(case, (a,), tps, ref, TOL[args.dtype], _gather, _diffs, args.timeout, "tp=1")
+
+
+def _run_hf(args: argparse.Namespace) -> int:
+    """--hf DIR: the model at every tp against transformers (float32), ledger vs theory."""
+    from tpkit.model import hf_check
+    from tpkit.model.hf import hf_source
+
+    if args.dtype != "float32":
+        print("tpkit verify: --hf compares with transformers in float32 only")
+        return 2
+    config = hf_source(args.hf)[1]
+    ids = hf_check.sample_ids(config, args.batch, args.seq)
+    tps = sorted({int(t) for t in args.tp.split(",")})
+    print(f"tpkit verify: {args.hf} ({config.family}){' +SP' if args.sp else ''}, "
+          f"batch={args.batch} seq={args.seq} float32, tp={tps}, reference: transformers")
+    ref = hf_check.reference(args.hf, ids)
+    return _sweep(hf_check.tp_case, (args.hf, ids, args.sp), tps, ref, TOL_HF, hf_check.gather,
+                  hf_check.compare, args.timeout, "transformers")
+
+
+def _sweep(case, case_args: tuple, tps: list[int], ref: dict, tol: float, gather, diff,
+           timeout: float, ref_name: str) -> int:
+    """Run `case` at every tp, compare with `ref`, print the ledger and the table."""
+    from tpkit.launch import spawn
+
+    ok, rows = True, []
     for tp in tps:
         try:
-            results = spawn(case, tp, a, mesh=dict(tp=tp), timeout=args.timeout) if tp > 1 \
-                else [case(ParallelMesh.single(), a)]
+            results = spawn(case, tp, *case_args, mesh=dict(tp=tp), timeout=timeout) \
+                if tp > 1 else [case(ParallelMesh.single(), *case_args)]
         except Exception as e:  # noqa: BLE001 - a bad layout is reported, not a crash
             print(f"tp={tp}: {e}".splitlines()[0])
             ok = False
             continue
-        diffs = _diffs(ref, _gather(results))
+        diffs = diff(ref, gather(results))
         problems = results[0]["problems"]
         good = all(v <= tol for v in diffs.values()) and not problems
         ok &= good
         rows.append((tp, diffs, results[0]["param_bytes"], problems, good))
         if tp == tps[-1] or not good:
             print(results[0]["table"])
-    _print_rows(rows, tol)
-    print("OK: every tp matches tp=1 and the ledger matches the theory" if ok else "MISMATCH")
+    _print_rows(rows, tol, ref_name)
+    print(f"OK: every tp matches {ref_name} and the ledger matches the theory" if ok
+          else "MISMATCH")
     return 0 if ok else 1
 
 
-def _print_rows(rows, tol) -> None:
+def _print_rows(rows, tol, ref_name: str) -> None:
     from rich.table import Table
 
     from tpkit.comm.report import render
 
-    t = Table(title=f"against tp=1 (tolerance {tol:g})")
+    t = Table(title=f"against {ref_name} (tolerance {tol:g})")
     for c in ("tp", "max|Δ out|", "Δ loss", "max|Δ grad|", "max|Δ dx|", "param bytes/rank",
               "ledger vs theory", "ok"):
         t.add_column(c, justify="right")

@@ -59,9 +59,10 @@ def reference(path: str | Path, ids: torch.Tensor) -> dict:
     return dict(out=out.detach(), loss=loss.item(), grads=full)
 
 
-def tp_case(mesh, path: str, ids: torch.Tensor) -> dict:
-    """On each rank: load `path` at the mesh's tp, forward + backward, ledger vs theory."""
-    model = from_pretrained(path, mesh).train()
+def tp_case(mesh, path: str, ids: torch.Tensor, sp: bool = False) -> dict:
+    """On each rank: load `path` at the mesh's tp (with sequence parallelism if `sp`),
+    forward + backward, ledger vs theory."""
+    model = from_pretrained(path, mesh, sequence_parallel=sp).train()
     c, tp = model.config, mesh.tp_size
     mesh.ledger.clear()
     out = model(ids) if c.causal else model.hidden_states(ids)
@@ -70,11 +71,12 @@ def tp_case(mesh, path: str, ids: torch.Tensor) -> dict:
     model.finalize_grads()
     b, s = ids.shape
     problems = [f"layers.{i}: {p}" for i in range(c.num_layers) for p in
-                mesh.ledger.compare(theory.layer(b, s, c.hidden, tp), scope=f"layers.{i}")]
+                mesh.ledger.compare(theory.layer(b, s, c.hidden, tp, sp), scope=f"layers.{i}")]
     if c.causal:
         problems += [f"loss: {p}" for p in
                      mesh.ledger.compare(theory.cross_entropy(b, s, tp), scope="loss")]
-        out = all_gather(out.detach(), mesh.tp_group, dim=-1)[..., :c.vocab_size]
+        with mesh.ledger.paused():  # gathered for the comparison only
+            out = all_gather(out.detach(), mesh.tp_group, dim=-1)[..., :c.vocab_size]
     return dict(out=out.detach(), loss=loss.item(), splits=splits_of(model), problems=problems,
                 grads={n: p.grad if p.grad is not None else torch.zeros_like(p)
                        for n, p in model.named_parameters()},

@@ -2,8 +2,8 @@
 
 Each module of this package (but `base` and `decoder`, the shared parts) defines
 `FAMILY`, a `base.Family`: config.json -> ModelConfig and back, the name table with
-its fused-tensor cuts, its presets; the block features it needs are flags of the
-ModelConfig it returns. Adding a family = one new file here (+ its tests). Pure Python.
+its fused-tensor cuts; the block features it needs are flags of the ModelConfig it
+returns. tpkit's presets name their family (`ModelConfig.family`). Adding a family = one new file here (+ its tests). Pure Python.
 
     family = for_model_type(config_json["model_type"])   # ValueError naming the supported
     config = family.from_hf(config_json, tensor_keys)
@@ -16,7 +16,7 @@ import importlib
 import pkgutil
 
 from tpkit.model.families.base import Cut, Family, Recipe
-from tpkit.spec.config import ModelConfig
+from tpkit.spec.config import PRESETS, ModelConfig
 
 _SHARED = ("base", "decoder")
 
@@ -54,6 +54,11 @@ def of_config(c: ModelConfig) -> Family:
     return for_model_type(c.family)
 
 
+def presets_of(kind: str) -> list[str]:
+    """tpkit's presets that export to this model_type."""
+    return [name for name, c in PRESETS.items() if c.family == kind]
+
+
 def config_from_hf(hf: dict, keys: set[str] | None = None) -> tuple[Family, ModelConfig]:
     """(adapter, ModelConfig) of a config.json dict (and its tensor names, if known)."""
     fam = for_model_type(hf.get("model_type"))
@@ -61,4 +66,4 @@ def config_from_hf(hf: dict, keys: set[str] | None = None) -> tuple[Family, Mode
 
 
 __all__ = ["BY_MODEL_TYPE", "Cut", "Family", "Recipe", "config_from_hf", "for_model_type",
-           "of_config", "supported"]
+           "of_config", "presets_of", "supported"]

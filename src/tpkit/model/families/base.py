@@ -19,7 +19,7 @@ checkpoint tensor is read only where this rank's slices lie.
 from __future__ import annotations
 
 from collections.abc import Callable
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 from tpkit.spec.config import ModelConfig
 
@@ -56,7 +56,7 @@ def stacked(*parts: tuple[str, int]) -> Recipe:
 class Family:
     """One Hugging Face family: configs both ways, the name table, where the keys live.
 
-    `from_hf(config_json, tensor_keys)` -> ModelConfig (ValueError naming what is not
+    `summary`: one line, what its blocks need; `from_hf(config_json, tensor_keys)` -> ModelConfig (ValueError naming what is not
     supported); `to_hf(config)` -> config.json; `table(config)` -> tpkit name -> Recipe
     (keys relative to the base prefix); `prefixes`: the base prefixes a checkpoint may
     use, the first one written on export.
@@ -64,11 +64,11 @@ class Family:
 
     name: str
     model_types: tuple[str, ...]
+    summary: str
     from_hf: Callable[[dict, set[str]], ModelConfig]
     to_hf: Callable[[ModelConfig], dict]
     table: Callable[[ModelConfig], dict[str, Recipe]]
     prefixes: tuple[str, ...] = ("model.", "")
-    presets: tuple[str, ...] = field(default=())  # tpkit presets of this family
 
 
 def refuse(kind: str, problems: dict[str, object]) -> None:

@@ -54,5 +54,5 @@ def table(c: ModelConfig) -> dict[str, Recipe]:
     return out
 
 
-FAMILY = Family("bert", ("bert",), from_hf, to_hf, table, prefixes=("", "bert."),
-                presets=("bert-tiny",))
+FAMILY = Family("bert", ("bert",), "post-norm bidirectional encoder, token types, erf GELU, optional pooler",
+                from_hf, to_hf, table, prefixes=("", "bert."))

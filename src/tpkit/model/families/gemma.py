@@ -26,4 +26,5 @@ def to_hf(c: ModelConfig) -> dict:
     return decoder_hf(c, "gemma", "GemmaForCausalLM", hidden_act=ACT)
 
 
-FAMILY = Family("gemma", ("gemma",), from_hf, to_hf, decoder_table)
+FAMILY = Family("gemma", ("gemma",), "GeGLU (tanh), RMSNorm (1 + w), embeddings * sqrt(hidden), head_dim 256-style",
+                from_hf, to_hf, decoder_table)

@@ -48,6 +48,5 @@ def table(c: ModelConfig) -> dict[str, Recipe]:
     return out | head(c)
 
 
-FAMILY = Family("gpt2", ("gpt2",), from_hf, to_hf, table, prefixes=("transformer.", ""),
-                presets=("gpt2-tiny", "gpt2-124m", "gpt2-355m", "gpt2-774m", "gpt2-1.5b",
-                         "gpt3-175b"))
+FAMILY = Family("gpt2", ("gpt2",), "learned positions, LayerNorm, biases, tanh GELU, Conv1D [in, out] weights",
+                from_hf, to_hf, table, prefixes=("transformer.", ""))

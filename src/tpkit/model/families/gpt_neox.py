@@ -80,4 +80,5 @@ def table(c: ModelConfig) -> dict[str, Recipe]:
     return out | head(c, "@embed_out.weight")
 
 
-FAMILY = Family("gpt_neox", ("gpt_neox",), from_hf, to_hf, table, prefixes=("gpt_neox.", ""))
+FAMILY = Family("gpt_neox", ("gpt_neox",), "parallel residual, partial rotary, per-head interleaved fused qkv",
+                from_hf, to_hf, table, prefixes=("gpt_neox.", ""))

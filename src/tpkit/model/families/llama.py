@@ -21,6 +21,6 @@ def to_hf(c: ModelConfig) -> dict:
     return decoder_hf(c, c.family, ARCH[c.family], **extra)
 
 
-FAMILY = Family("llama", tuple(ARCH), from_hf, to_hf, decoder_table,
-                presets=("llama-tiny", "llama2-7b", "llama2-13b", "llama2-70b", "llama3-8b",
-                         "llama3-70b", "llama3-405b"))
+FAMILY = Family("llama", tuple(ARCH),
+                "RMSNorm, SwiGLU, rotary, grouped-query kv heads; Mistral: sliding window",
+                from_hf, to_hf, decoder_table)

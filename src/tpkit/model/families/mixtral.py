@@ -41,4 +41,5 @@ def experts(c: ModelConfig, h: str) -> dict[str, Recipe]:
     return out
 
 
-FAMILY = Family("mixtral", ("mixtral",), from_hf, to_hf, partial(decoder_table, mlp=experts))
+FAMILY = Family("mixtral", ("mixtral",), "Mistral attention + top-2 mixture of experts, each expert tp-split",
+                from_hf, to_hf, partial(decoder_table, mlp=experts))

@@ -30,5 +30,6 @@ def to_hf(c: ModelConfig) -> dict:
                       pad_token_id=None)  # Phi3Config's default 32000 may lie past the vocab
 
 
-FAMILY = Family("phi3", ("phi3",), from_hf, to_hf,
+FAMILY = Family("phi3", ("phi3",), "Llama-style with fused qkv_proj and gate_up_proj, read slice by slice",
+                from_hf, to_hf,
                 partial(decoder_table, fused_qkv=True, mlp=dense_mlp(fused=True)))

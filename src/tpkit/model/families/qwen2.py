@@ -19,4 +19,5 @@ def to_hf(c: ModelConfig) -> dict:
     return decoder_hf(c, "qwen2", "Qwen2ForCausalLM", use_sliding_window=False)
 
 
-FAMILY = Family("qwen2", ("qwen2",), from_hf, to_hf, decoder_table)
+FAMILY = Family("qwen2", ("qwen2",), "Llama + bias on q, k, v; tied embeddings in the small sizes",
+                from_hf, to_hf, decoder_table)

@@ -19,4 +19,5 @@ def to_hf(c: ModelConfig) -> dict:
     return decoder_hf(c, "qwen3", "Qwen3ForCausalLM", use_sliding_window=False)
 
 
-FAMILY = Family("qwen3", ("qwen3",), from_hf, to_hf, decoder_table)
+FAMILY = Family("qwen3", ("qwen3",), "Llama + RMSNorm on each head's q and k; head_dim decoupled from hidden",
+                from_hf, to_hf, decoder_table)
