@@ -6,7 +6,10 @@ the data flowing through them, so each rank's gradient is a partial sum:
 - with sequence parallelism, norm weights (and row-parallel biases) act on this
   rank's [b, s/tp, h] slice only: their gradients are summed over the tp group;
 - grouped-query kv heads replicated over tp (num_kv_heads < tp): the ranks sharing
-  a kv head each hold the gradient from their own query heads: summed over sharers.
+  a kv head each hold the gradient from their own query heads: summed over sharers;
+- weights replicated but fed by split work: the per-head q/k norms (each rank
+  normalizes its own heads) and a mixture-of-experts router (its gradient comes
+  through each rank's partial expert outputs): summed over tp, like the SP norms.
 
 Call `finalize_tp_grads(model, group)` once after backward (after the last
 micro-batch when accumulating), before clipping and the optimizer step.
@@ -23,13 +26,13 @@ from tpkit.sharding import SP_TAG, split_of
 
 
 def finalize_tp_grads(module: nn.Module, group: CommGroup) -> None:
-    """Sum the partial gradients of sequence-parallel and shared-chunk parameters."""
+    """Sum the partial gradients of replicated-but-partial and shared-chunk parameters."""
     if group.size == 1:
         return
     sp = [p for p in module.parameters() if getattr(p, SP_TAG, False) and p.grad is not None]
     if sp:
         flat = torch.cat([p.grad.reshape(-1) for p in sp])  # one all-reduce for all of them
-        all_reduce(flat, group, phase="grads", scope="sequence_parallel_params")
+        all_reduce(flat, group, phase="grads", scope="partial_grad_params")
         offset = 0
         for p in sp:
             p.grad.copy_(flat[offset:offset + p.numel()].view_as(p.grad))
