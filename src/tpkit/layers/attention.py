@@ -31,7 +31,7 @@ from tpkit.layers.linear import ColumnParallelLinear, RowParallelLinear
 from tpkit.layers.norm import Norm
 from tpkit.layers.random import TPRandom
 from tpkit.layers.rotary import apply_rope, rope_angles
-from tpkit.sharding import seed_for
+from tpkit.sharding import SP_TAG, seed_for
 
 
 @dataclass
@@ -96,9 +96,10 @@ class ParallelAttention(nn.Module):
                                      sequence_parallel=sequence_parallel,
                                      init_std=out_std or init_std, seed=seed_for(seed, "out"), **kw)
         self.q_norm = self.k_norm = None
-        if qk_norm_eps is not None:  # one [hd] weight for all heads: partial grads per rank
-            self.q_norm, self.k_norm = (Norm(hd, "rmsnorm", qk_norm_eps, sequence_parallel=True,
-                                             **kw) for _ in range(2))
+        if qk_norm_eps is not None:
+            self.q_norm, self.k_norm = (Norm(hd, "rmsnorm", qk_norm_eps, **kw) for _ in range(2))
+            for p in (self.q_norm.weight, self.k_norm.weight):  # one [hd] weight for all heads,
+                setattr(p, SP_TAG, True)  # each rank's heads give a partial gradient: tp sum
 
     def owned_heads(self) -> tuple[list[int], list[int]]:
         """(query heads, kv heads) this rank computes."""

@@ -41,6 +41,10 @@ class Recipe:
     cuts: tuple[Cut, ...]
     transposed: bool = False
 
+    def __post_init__(self) -> None:
+        if self.transposed and len(self.cuts) > 1:
+            raise ValueError("a transposed recipe is one whole tensor (GPT-2's Conv1D)")
+
 
 def whole(key: str, transposed: bool = False) -> Recipe:
     """One whole Hugging Face tensor."""
@@ -88,10 +92,10 @@ def rope_of(hf: dict) -> tuple[str, float, float]:
     return rope.get("rope_type", rope.get("type", "default")), float(theta), float(factor)
 
 
-def rope_to_hf(c: ModelConfig) -> dict:
+def rope_to_hf(c: ModelConfig, always_partial: bool = False) -> dict:
     """rope_theta (older readers) and rope_parameters (transformers >= 5)."""
     rope = dict(rope_type="default", rope_theta=c.rope_theta)
-    if c.rope_dim != c.head_dim:
+    if c.rope_dim != c.head_dim or always_partial:
         rope["partial_rotary_factor"] = c.rope_dim / c.head_dim
     return dict(rope_theta=c.rope_theta, rope_parameters=rope)
 

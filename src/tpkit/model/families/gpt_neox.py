@@ -52,9 +52,7 @@ def to_hf(c: ModelConfig) -> dict:
                 hidden_act="gelu", layer_norm_eps=c.norm_eps, attention_bias=True,
                 use_parallel_residual=c.parallel_residual, tie_word_embeddings=c.tie_embeddings,
                 rotary_pct=c.rope_dim / c.head_dim, hidden_dropout=0.0, attention_dropout=0.0,
-                **rope_to_hf(c) | dict(rope_parameters=dict(
-                    rope_type="default", rope_theta=c.rope_theta,
-                    partial_rotary_factor=c.rope_dim / c.head_dim)))
+                **rope_to_hf(c, always_partial=True))  # NeoX's default factor is 0.25
 
 
 def per_head_qkv(c: ModelConfig, key: str) -> Recipe:
