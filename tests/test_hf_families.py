@@ -32,6 +32,9 @@ def make(kind: str):
         "qwen2": lambda: T.Qwen2ForCausalLM(T.Qwen2Config(**SMALL, **kv, tie_word_embeddings=True)),
         "qwen3": lambda: T.Qwen3ForCausalLM(T.Qwen3Config(**SMALL, num_attention_heads=4,
                                                           num_key_value_heads=2, head_dim=32)),
+        "llama": lambda: T.LlamaForCausalLM(T.LlamaConfig(**SMALL, **kv, rope_parameters=dict(
+            rope_type="llama3", rope_theta=500.0, factor=8.0, low_freq_factor=1.0,
+            high_freq_factor=4.0, original_max_position_embeddings=16))),  # Llama 3.1 scaling
         "mistral": lambda: T.MistralForCausalLM(T.MistralConfig(**SMALL, **kv, sliding_window=4)),
         "gemma": lambda: T.GemmaForCausalLM(T.GemmaConfig(**SMALL, num_attention_heads=4,
                                                           num_key_value_heads=1, head_dim=32)),
@@ -41,7 +44,7 @@ def make(kind: str):
     }[kind]()
 
 
-FAMILIES = ["qwen2", "qwen3", "mistral", "gemma", "phi3", "gpt_neox", "mixtral"]
+FAMILIES = ["qwen2", "qwen3", "llama", "mistral", "gemma", "phi3", "gpt_neox", "mixtral"]
 IDS = torch.randint(0, 101, (2, 8), generator=torch.Generator().manual_seed(0))
 
 

@@ -15,7 +15,8 @@ Per-family options, all per head (so they commute with the split): a head width
 decoupled from hidden / heads (`head_dim`, Qwen3, Gemma), a bias on q, k, v only
 (`qkv_bias`, Qwen2), RMSNorm over each head's q and k (`qk_norm_eps`, Qwen3: one
 weight shared by every head, so each rank's gradient is partial and tagged for the
-tp sum), rotary on the first `rotary_dim` dims (GPT-NeoX), a sliding window (Mistral).
+tp sum), rotary on the first `rotary_dim` dims (GPT-NeoX), Llama 3.1's rotary frequency
+scaling (`rope_llama3`), a sliding window (Mistral).
 """
 
 from __future__ import annotations
@@ -68,7 +69,7 @@ class ParallelAttention(nn.Module):
                  out_std: float | None = None, seed: int = 0, head_dim: int | None = None,
                  qkv_bias: bool | None = None, qk_norm_eps: float | None = None,
                  rotary_dim: int | None = None, sliding_window: int | None = None,
-                 device=None, dtype=None) -> None:
+                 rope_llama3: tuple | None = None, device=None, dtype=None) -> None:
         super().__init__()
         tp, kv = group.size, num_kv_heads or num_heads
         if head_dim is None and hidden % num_heads:
@@ -85,6 +86,7 @@ class ParallelAttention(nn.Module):
         self.local_kv = kv // tp if kv >= tp else 1
         self.causal, self.rope_theta, self.dropout = causal, rope_theta, dropout
         self.rotary_dim, self.sliding_window = rotary_dim or hd, sliding_window
+        self.rope_llama3 = rope_llama3
         kv_chunks = tp if kv >= tp else kv
         kw = dict(device=device, dtype=dtype)
         self.qkv = ColumnParallelLinear(
@@ -122,7 +124,8 @@ class ParallelAttention(nn.Module):
             q, k = self.q_norm(q), self.k_norm(k)  # over each head's hd
         offset = kv_cache.length if kv_cache is not None else 0
         if self.rope_theta is not None:
-            cos, sin = rope_angles(s, self.rotary_dim, self.rope_theta, offset, x.device)
+            cos, sin = rope_angles(s, self.rotary_dim, self.rope_theta, offset, x.device,
+                                   self.rope_llama3)
             q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
         if kv_cache is not None:
             k = k if kv_cache.k is None else torch.cat([kv_cache.k, k], dim=2)

@@ -46,7 +46,8 @@ class Block(nn.Module):
             sequence_parallel=sp, init_std=c.init_std, out_std=out_std,
             seed=seed_for(seed, f"layers.{layer_index}.attn"), head_dim=c.head_dim,
             qkv_bias=c.attn_bias, qk_norm_eps=c.norm_eps if c.qk_norm else None,
-            rotary_dim=c.rope_dim, sliding_window=c.sliding_window, **kw)
+            rotary_dim=c.rope_dim, sliding_window=c.sliding_window, rope_llama3=c.rope_llama3,
+            **kw)
         self.mlp_norm = Norm(c.hidden, **norm)
         self.mlp = _mlp(c, group, sp, out_std, seed_for(seed, f"layers.{layer_index}.mlp"), kw)
 

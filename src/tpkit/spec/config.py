@@ -27,6 +27,8 @@ class ModelConfig:
     activation: str = "gelu"  # gelu (tanh, GPT-2) | gelu_exact (erf) | swiglu | geglu | relu
     position: str = "learned"  # learned | rope
     rope_theta: float = 10000.0
+    rope_llama3: tuple[float, float, float, int] | None = None  # Llama 3.1's frequency
+    # scaling: (factor, low_freq_factor, high_freq_factor, original max positions)
     causal: bool = True  # False: bidirectional encoder (BERT)
     pre_norm: bool = True  # False: post-norm layers (BERT) and no final norm
     embed_norm: bool = False  # a norm right after the embeddings (BERT)
@@ -100,6 +102,8 @@ class ModelConfig:
         unknown = set(d) - set(cls.__dataclass_fields__)
         if unknown:
             raise ValueError(f"unknown ModelConfig fields: {sorted(unknown)}")
+        if d.get("rope_llama3") is not None:  # JSON gives a list
+            d = dict(d, rope_llama3=tuple(d["rope_llama3"]))
         return cls(**d)
 
     # -- parameter counts (unpadded vocabulary) ------------------------------------------

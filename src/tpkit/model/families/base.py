@@ -83,6 +83,18 @@ def refuse(kind: str, problems: dict[str, object]) -> None:
                          ", ".join(f"{k} ({v})" for k, v in bad.items()))
 
 
+LLAMA3_KEYS = ("factor", "low_freq_factor", "high_freq_factor",
+               "original_max_position_embeddings")  # Llama 3.1's rope scaling, in order
+
+
+def llama3_of(hf: dict) -> tuple | None:
+    """Llama 3.1's rope scaling parameters (None: no such scaling)."""
+    rope = hf.get("rope_parameters") or hf.get("rope_scaling") or {}
+    if rope.get("rope_type", rope.get("type")) != "llama3":
+        return None
+    return tuple(rope[k] for k in LLAMA3_KEYS)
+
+
 def rope_of(hf: dict) -> tuple[str, float, float]:
     """(rope type, theta, partial rotary factor) from either config.json generation."""
     rope = hf.get("rope_parameters") or hf.get("rope_scaling") or {}
@@ -95,6 +107,8 @@ def rope_of(hf: dict) -> tuple[str, float, float]:
 def rope_to_hf(c: ModelConfig, always_partial: bool = False) -> dict:
     """rope_theta (older readers) and rope_parameters (transformers >= 5)."""
     rope = dict(rope_type="default", rope_theta=c.rope_theta)
+    if c.rope_llama3:
+        rope |= dict(zip(LLAMA3_KEYS, c.rope_llama3), rope_type="llama3")
     if c.rope_dim != c.head_dim or always_partial:
         rope["partial_rotary_factor"] = c.rope_dim / c.head_dim
     return dict(rope_theta=c.rope_theta, rope_parameters=rope)

@@ -32,11 +32,12 @@ def decoder_config(hf: dict, **flags) -> ModelConfig:
     return ModelConfig(**{**fields, **flags})
 
 
-def decoder_problems(hf: dict, act: str = "silu") -> dict[str, object]:
+def decoder_problems(hf: dict, act: str = "silu", ropes: tuple[str, ...] = ("default",)
+                     ) -> dict[str, object]:
     """Options of a Llama-style config that tpkit does not implement (empty values: fine)."""
     rope_type = rope_of(hf)[0]
     layers = set(hf.get("layer_types") or ["full_attention"])
-    return {"rope type": rope_type if rope_type != "default" else None,
+    return {"rope type": rope_type if rope_type not in ropes else None,
             "activation": hf.get("hidden_act") if hf.get("hidden_act", act) != act else None,
             "mlp bias": hf.get("mlp_bias"),
             "sliding-window layers": sorted(layers) if layers != {"full_attention"} or

@@ -1,8 +1,9 @@
-"""Llama and Mistral (grouped-query attention; Mistral's sliding window)."""
+"""Llama (1, 2, 3, and 3.1+ with its rope frequency scaling) and Mistral (grouped-query
+attention; Mistral's sliding window)."""
 
 from __future__ import annotations
 
-from tpkit.model.families.base import Family, refuse
+from tpkit.model.families.base import Family, llama3_of, refuse
 from tpkit.model.families.decoder import decoder_config, decoder_hf, decoder_problems, decoder_table
 from tpkit.spec.config import ModelConfig
 
@@ -11,8 +12,9 @@ ARCH = {"llama": "LlamaForCausalLM", "mistral": "MistralForCausalLM"}
 
 def from_hf(hf: dict, keys: set[str]) -> ModelConfig:
     """Llama / Mistral config.json -> ModelConfig."""
-    refuse(hf["model_type"], decoder_problems(hf) | {"attention bias": hf.get("attention_bias")})
-    return decoder_config(hf, sliding_window=hf.get("sliding_window"))
+    refuse(hf["model_type"], decoder_problems(hf, ropes=("default", "llama3")) |
+           {"attention bias": hf.get("attention_bias")})
+    return decoder_config(hf, sliding_window=hf.get("sliding_window"), rope_llama3=llama3_of(hf))
 
 
 def to_hf(c: ModelConfig) -> dict:
@@ -22,5 +24,5 @@ def to_hf(c: ModelConfig) -> dict:
 
 
 FAMILY = Family("llama", tuple(ARCH),
-                "RMSNorm, SwiGLU, rotary, grouped-query kv heads; Mistral: sliding window",
+                "RMSNorm, SwiGLU, rotary (+ Llama 3.1 scaling), GQA; Mistral: sliding window",
                 from_hf, to_hf, decoder_table)
