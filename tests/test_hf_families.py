@@ -169,6 +169,14 @@ def test_verify_hf_prints_the_table(saved, capsys):
     assert "against transformers" in out and "OK: every tp matches transformers" in out
 
 
+def test_verify_hf_names_what_it_cannot_read(tmp_path, capsys):
+    from tpkit.cli import main
+
+    (tmp_path / "config.json").write_text('{"model_type": "t5"}')
+    assert main(["verify", "--hf", str(tmp_path)]) == 2
+    assert "'t5' is not supported; supported: bert, gemma" in capsys.readouterr().out
+
+
 def test_unsupported_family_names_the_supported(tmp_path):
     from tpkit.model.families import config_from_hf
 

@@ -149,7 +149,13 @@ def _run_hf(args: argparse.Namespace) -> int:
     if args.dtype != "float32":
         print("tpkit verify: --hf compares with transformers in float32 only")
         return 2
-    config = hf_source(args.hf)[1]
+    from tpkit.shard_io import CheckpointError
+
+    try:
+        config = hf_source(args.hf)[1]
+    except (ValueError, CheckpointError) as e:  # unsupported family, not a model folder
+        print(f"tpkit verify: {e}")
+        return 2
     ids = hf_check.sample_ids(config, args.batch, args.seq)
     tps = sorted({int(t) for t in args.tp.split(",")})
     print(f"tpkit verify: {args.hf} ({config.family}){' +SP' if args.sp else ''}, "

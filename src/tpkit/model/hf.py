@@ -24,7 +24,7 @@ from safetensors.torch import save_file
 from torch import nn
 
 from tpkit.mesh import ParallelMesh
-from tpkit.model.families import Cut, Family, Recipe, config_from_hf, of_config
+from tpkit.model.families import Cut, Family, Recipe, config_from_hf, for_model_type, of_config
 from tpkit.shard_io import CheckpointError, DictSource, local_slice
 from tpkit.sharding import split_of
 from tpkit.spec.config import ModelConfig
@@ -125,7 +125,9 @@ def open_hf(path_or_model: Any) -> tuple[dict, Any, str]:
         if not (root / "config.json").is_file():
             raise CheckpointError(f"{root / 'config.json'}: missing: not a Hugging Face model "
                                   f"directory")
-        return json.loads((root / "config.json").read_text()), _SafetensorsDir(root), str(root)
+        hf = json.loads((root / "config.json").read_text())
+        for_model_type(hf.get("model_type"))  # an unsupported family before missing files
+        return hf, _SafetensorsDir(root), str(root)
     sd = {n: p.detach() for n, p in path_or_model.named_parameters()}  # tied: once
     return path_or_model.config.to_dict(), checkpoint_names(path_or_model, sd), \
         type(path_or_model).__name__
