@@ -17,6 +17,7 @@ from safetensors.torch import load_file
 
 from tpkit.checkpoint import convert
 from tpkit.checkpoint import store as ckpt
+from tpkit.comm import all_gather
 from tpkit.layers.attention import KVCache
 from tpkit.model.hf import from_pretrained, to_hf
 from tpkit.model.hf_check import compare, gather, reference, tp_case
@@ -79,15 +80,53 @@ def test_logits_and_grads_match_transformers(run_tp, saved, kind):
     assert sp["grads"] <= 1e-4 and sp["loss"] <= 1e-4, (kind, "sp", sp)
 
 
-def save_worker(mesh, path, dest):
-    ckpt.save(dest, from_pretrained(path, mesh), mesh=mesh)
+@pytest.mark.slow
+@pytest.mark.timeout(240)
+def test_mixtral_expert_parallel_matches_transformers(run_tp, saved):
+    """Whole experts spread over tp (E/tp per rank): the same logits and gradients, the
+    same one all-reduce per MLP."""
+    ref = reference(saved["mixtral"], IDS)
+    for tp in (2, 4):
+        results = run_tp(tp_case, tp, saved["mixtral"], IDS, False, True)
+        diffs = compare(ref, gather(results))
+        print(f"mixtral expert-parallel tp={tp}: " +
+              " ".join(f"{k}={v:.1e}" for k, v in diffs.items()))
+        assert max(diffs.values()) <= 1e-4 and results[0]["problems"] == [], (tp, diffs)
+
+
+def save_worker(mesh, path, dest, ep=False):
+    ckpt.save(dest, from_pretrained(path, mesh, expert_parallel=ep), mesh=mesh)
+
+
+def reload_worker(mesh, path, ckpt_dir, ids):
+    """Logits of a tensor-parallel model loaded from a checkpoint written expert-parallel."""
+    model = from_pretrained(path, mesh)
+    with torch.no_grad():
+        for p in model.parameters():
+            p.zero_()
+    ckpt.load(ckpt_dir, model, mesh=mesh)
+    with torch.no_grad():
+        return all_gather(model(ids), mesh.tp_group, dim=-1)[..., :101]
 
 
 @pytest.mark.slow
 @pytest.mark.timeout(240)
-@pytest.mark.parametrize("kind", ["qwen2", "phi3", "gpt_neox", "mixtral"])
+def test_mixtral_checkpoint_moves_between_expert_and_tensor_parallel(run_tp, saved, tmp_path):
+    """The split tags, not the names, decide: experts saved whole per rank load split."""
+    run_tp(save_worker, 2, saved["mixtral"], str(tmp_path / "ep"), True)
+    hf = T.MixtralForCausalLM.from_pretrained(saved["mixtral"]).eval()
+    with torch.no_grad():
+        want = hf(IDS).logits
+    for got in run_tp(reload_worker, 2, saved["mixtral"], str(tmp_path / "ep"), IDS):
+        assert (got - want).abs().max() <= 1e-4
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(240)
+@pytest.mark.parametrize("kind", ["qwen2", "phi3", "gpt_neox", "mixtral", "mixtral-ep"])
 def test_export_from_a_sharded_checkpoint_is_bit_identical(run_tp, saved, tmp_path, kind):
-    run_tp(save_worker, 2, saved[kind], str(tmp_path / "ckpt"), pp=2)  # (tp=2, pp=2)
+    kind, ep = kind.removesuffix("-ep"), kind.endswith("-ep")  # experts spread whole
+    run_tp(save_worker, 2, saved[kind], str(tmp_path / "ckpt"), ep, pp=2)  # (tp=2, pp=2)
     convert.to_hf(tmp_path / "ckpt", tmp_path / "out")
     original = load_file(f"{saved[kind]}/model.safetensors")
     exported = load_file(tmp_path / "out" / "model.safetensors")
@@ -132,9 +171,9 @@ def test_kv_cache_decoding_equals_the_full_forward(run_tp, saved, kind):
         assert max(run_tp(cached_worker, tp, saved[kind], IDS)) <= 1e-5, (kind, tp)
 
 
-def route_worker(mesh, path, ids):
+def route_worker(mesh, path, ids, ep):
     """tpkit's routing at layer 0 on the hidden states its MoE receives."""
-    model = from_pretrained(path, mesh).eval()
+    model = from_pretrained(path, mesh, expert_parallel=ep).eval()
     seen = {}
     moe = model.layers["0"].mlp
     moe.register_forward_pre_hook(lambda m, a: seen.setdefault("x", a[0].detach()))
@@ -152,8 +191,8 @@ def test_mixtral_routing_matches_transformers(run_tp, saved):
     with torch.no_grad():
         hf(IDS)
         _, weights, experts = hf.model.layers[0].mlp.gate(seen["x"].reshape(-1, 64))
-    for tp in (1, 2):
-        for x, w, e in run_tp(route_worker, tp, saved["mixtral"], IDS):
+    for tp, ep in ((1, False), (2, False), (2, True)):
+        for x, w, e in run_tp(route_worker, tp, saved["mixtral"], IDS, ep):
             assert (x - seen["x"]).abs().max() <= 1e-5
             assert torch.equal(e, experts), tp  # the same experts for every token
             assert (w - weights).abs().max() <= 1e-6, tp

@@ -3,7 +3,8 @@ forward + backward on the same batch, and compare everything with tp=1.
 
     tpkit verify --component mlp --tp 1,2,4 [--hidden H --batch B --seq S]
     tpkit verify --preset llama-tiny --tp 1,2,4 [--sp] [--dtype float32|bfloat16]
-    tpkit verify --hf path/to/hf-model --tp 1,2,4 [--sp]    # against transformers itself
+    tpkit verify --hf path/to/hf-model --tp 1,2,4 [--sp] [--expert-parallel]
+                                                            # against transformers itself
 
 Prints per tp the max abs difference of outputs (logits), loss and gathered
 gradients against tp=1, the ledger per layer next to the theory, and the parameter
@@ -35,6 +36,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    help="a Hugging Face model directory: every tp against transformers")
     p.add_argument("--tp", default="1,2,4", help="comma-separated tp sizes (1 is the reference)")
     p.add_argument("--sp", action="store_true", help="sequence parallelism")
+    p.add_argument("--expert-parallel", action="store_true",
+                   help="with --hf, mixture-of-experts models: whole experts spread over tp")
     p.add_argument("--activation", default="gelu", choices=["gelu", "swiglu", "relu"])
     p.add_argument("--hidden", type=int, default=64)
     p.add_argument("--ffn", type=int, default=None, help="MLP width (default 4*hidden)")
@@ -161,7 +164,7 @@ def _run_hf(args: argparse.Namespace) -> int:
     print(f"tpkit verify: {args.hf} ({config.family}){' +SP' if args.sp else ''}, "
           f"batch={args.batch} seq={args.seq} float32, tp={tps}, reference: transformers")
     ref = hf_check.reference(args.hf, ids)
-    return _sweep(hf_check.tp_case, (args.hf, ids, args.sp), tps, ref, TOL_HF, hf_check.gather,
+    return _sweep(hf_check.tp_case, (args.hf, ids, args.sp, args.expert_parallel), tps, ref, TOL_HF, hf_check.gather,
                   hf_check.compare, args.timeout, "transformers")
 
 

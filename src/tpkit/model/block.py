@@ -30,8 +30,8 @@ class Block(nn.Module):
     """Norm + ParallelAttention + Norm + ParallelMLP with residuals."""
 
     def __init__(self, config: ModelConfig, group: CommGroup, *, layer_index: int,
-                 sequence_parallel: bool = False, seed: int = 0, device=None, dtype=None
-                 ) -> None:
+                 sequence_parallel: bool = False, seed: int = 0, expert_parallel: bool = False,
+                 device=None, dtype=None) -> None:
         super().__init__()
         c, sp = config, sequence_parallel
         out_std = c.init_std / (2 * c.num_layers) ** 0.5  # GPT-2's scaled residual init
@@ -49,7 +49,8 @@ class Block(nn.Module):
             rotary_dim=c.rope_dim, sliding_window=c.sliding_window, rope_llama3=c.rope_llama3,
             **kw)
         self.mlp_norm = Norm(c.hidden, **norm)
-        self.mlp = _mlp(c, group, sp, out_std, seed_for(seed, f"layers.{layer_index}.mlp"), kw)
+        self.mlp = _mlp(c, group, sp, out_std, seed_for(seed, f"layers.{layer_index}.mlp"), kw,
+                        expert_parallel)
 
     def forward(self, x: torch.Tensor, attention_mask: torch.Tensor | None = None,
                 rng: TPRandom | None = None, kv_cache: KVCache | None = None) -> torch.Tensor:
@@ -71,14 +72,14 @@ class Block(nn.Module):
         return self.mlp_norm(x + dropout(m, self.p, self.training, rng, sharded))
 
 
-def _mlp(c: ModelConfig, group: CommGroup, sp: bool, out_std: float, seed: int, kw: dict
-         ) -> nn.Module:
+def _mlp(c: ModelConfig, group: CommGroup, sp: bool, out_std: float, seed: int, kw: dict,
+         expert_parallel: bool) -> nn.Module:
     """The dense Megatron MLP, or top-k routed experts when `num_experts > 0`."""
     if c.num_experts:
         return ParallelMoE(c.hidden, c.ffn, group, num_experts=c.num_experts,
                            top_k=c.experts_per_token, activation=c.activation,
-                           sequence_parallel=sp, init_std=c.init_std, out_std=out_std,
-                           seed=seed, **kw)
+                           sequence_parallel=sp, expert_parallel=expert_parallel,
+                           init_std=c.init_std, out_std=out_std, seed=seed, **kw)
     return ParallelMLP(c.hidden, c.ffn, group, activation=c.activation, bias=c.bias,
                        sequence_parallel=sp, init_std=c.init_std, out_std=out_std, seed=seed,
                        **kw)

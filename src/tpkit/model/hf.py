@@ -152,8 +152,8 @@ def hf_source(path_or_model: Any) -> tuple[HFSource, ModelConfig]:
 
 
 def from_pretrained(path_or_model: Any, mesh: ParallelMesh | None = None, *,
-                    dtype: torch.dtype | None = None, sequence_parallel: bool = False
-                    ) -> nn.Module:
+                    dtype: torch.dtype | None = None, sequence_parallel: bool = False,
+                    expert_parallel: bool = False) -> nn.Module:
     """A tpkit Transformer holding a Hugging Face model's weights, this rank's slices only.
 
     `path_or_model`: a local directory (config.json + safetensors) or a loaded
@@ -162,7 +162,7 @@ def from_pretrained(path_or_model: Any, mesh: ParallelMesh | None = None, *,
     mesh = mesh or ParallelMesh.single()
     source, config = hf_source(path_or_model)
     model = build_model(config, mesh, device="meta", dtype=dtype,
-                        sequence_parallel=sequence_parallel)
+                        sequence_parallel=sequence_parallel, expert_parallel=expert_parallel)
     materialize(model, mesh.device)
     load_from(model, source, mesh, source.where)
     return model

@@ -59,10 +59,10 @@ def reference(path: str | Path, ids: torch.Tensor) -> dict:
     return dict(out=out.detach(), loss=loss.item(), grads=full)
 
 
-def tp_case(mesh, path: str, ids: torch.Tensor, sp: bool = False) -> dict:
-    """On each rank: load `path` at the mesh's tp (with sequence parallelism if `sp`),
-    forward + backward, ledger vs theory."""
-    model = from_pretrained(path, mesh, sequence_parallel=sp).train()
+def tp_case(mesh, path: str, ids: torch.Tensor, sp: bool = False, ep: bool = False) -> dict:
+    """On each rank: load `path` at the mesh's tp (with sequence parallelism if `sp`,
+    experts spread whole over tp if `ep`), forward + backward, ledger vs theory."""
+    model = from_pretrained(path, mesh, sequence_parallel=sp, expert_parallel=ep).train()
     c, tp = model.config, mesh.tp_size
     mesh.ledger.clear()
     out = model(ids) if c.causal else model.hidden_states(ids)

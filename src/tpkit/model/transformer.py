@@ -107,7 +107,7 @@ class Transformer(nn.Module):
     def __init__(self, config: ModelConfig, mesh, *, seed: int = 0,
                  sequence_parallel: bool = False, recompute: bool = False,
                  device: torch.device | str | None = None, dtype: torch.dtype | None = None,
-                 virtual_stages: int = 1) -> None:
+                 virtual_stages: int = 1, expert_parallel: bool = False) -> None:
         super().__init__()
         tp, pp, v = mesh.tp_size, mesh.pp_size, virtual_stages
         config.check(tp=tp, pp=pp)  # every rank, before any collective
@@ -130,7 +130,8 @@ class Transformer(nn.Module):
             self.embed = Embeddings(config, self.group, sequence_parallel, seed, **kw)
         self.layers = nn.ModuleDict({
             str(i): Block(config, self.group, layer_index=i, sequence_parallel=sequence_parallel,
-                          seed=seed, **kw) for i in self.layer_range})  # chunk by chunk
+                          seed=seed, expert_parallel=expert_parallel, **kw)
+            for i in self.layer_range})  # chunk by chunk
         if self.is_last_stage:  # post-norm stacks end normalized: no final norm
             self.final_norm = Norm(config.hidden, config.norm, config.norm_eps,
                                    sequence_parallel=sequence_parallel,

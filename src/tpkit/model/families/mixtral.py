@@ -1,8 +1,8 @@
 """Mixtral: Mistral attention, and a mixture-of-experts MLP with top-2 routing.
 
-    block_sparse_moe.gate.weight          -> mlp.router.weight            (replicated)
-    block_sparse_moe.experts.{e}.w1 / w3  -> mlp.experts.{e}.fc1 = [w1; w3] (gate; up)
-    block_sparse_moe.experts.{e}.w2       -> mlp.experts.{e}.fc2
+    block_sparse_moe.gate.weight     -> mlp.router.weight                    (replicated)
+    block_sparse_moe.experts.{e}.w*  -> mlp.fc1.weight = [w1_0; w3_0; w1_1; w3_1; ...]
+                                        mlp.fc2.weight = [w2_0; w2_1; ...]   (stacked)
 """
 
 from __future__ import annotations
@@ -30,15 +30,13 @@ def to_hf(c: ModelConfig) -> dict:
 
 
 def experts(c: ModelConfig, h: str) -> dict[str, Recipe]:
-    """The router and every expert's fc1 = [w1; w3], fc2 = w2."""
-    m = f"{h}.block_sparse_moe"
-    out = {"mlp.router.weight": whole(f"{m}.gate.weight")}
-    for e in range(c.num_experts):
-        x = f"{m}.experts.{e}"
-        out[f"mlp.experts.{e}.fc1.weight"] = stacked((f"{x}.w1.weight", c.ffn),
-                                                     (f"{x}.w3.weight", c.ffn))
-        out[f"mlp.experts.{e}.fc2.weight"] = whole(f"{x}.w2.weight")
-    return out
+    """The router, and every expert's [w1; w3] (gate; up) and w2 stacked."""
+    x = f"{h}.block_sparse_moe"
+    E = range(c.num_experts)
+    return {"mlp.router.weight": whole(f"{x}.gate.weight"),
+            "mlp.fc1.weight": stacked(*((f"{x}.experts.{e}.w{k}.weight", c.ffn)
+                                        for e in E for k in (1, 3))),
+            "mlp.fc2.weight": stacked(*((f"{x}.experts.{e}.w2.weight", c.hidden) for e in E))}
 
 
 FAMILY = Family("mixtral", ("mixtral",), "Mistral attention + top-2 mixture of experts, each expert tp-split",
