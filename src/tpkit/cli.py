@@ -18,6 +18,7 @@ COMMANDS: dict[str, tuple[str, str]] = {
     "convert": ("tpkit.commands.convert", "convert / reshard checkpoints, to and from safetensors"),
     "generate": ("tpkit.commands.generate", "tensor-parallel text generation with a KV cache"),
     "quiz": ("tpkit.commands.quiz", "the tensor-parallelism quiz, as a live tutor (fr/en)"),
+    "presets": ("tpkit.commands.presets", "list the model presets and the Hugging Face families"),
 }
 
 

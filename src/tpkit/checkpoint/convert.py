@@ -32,11 +32,10 @@ from tpkit.sharding import meta_of, split_of
 from tpkit.spec.config import ModelConfig
 
 
-def meta_model(config: ModelConfig, tp: int, pp: int, rank: int, names: set[str]
-               ) -> nn.Module:
+def meta_model(config: ModelConfig, tp: int, pp: int, rank: int) -> nn.Module:
     """The model of one rank of a (tp, pp) layout on the meta device (names, shapes,
     split tags only)."""
-    return empty_model(config, ParallelMesh.virtual(tp, pp, rank=rank), names)
+    return empty_model(config, ParallelMesh.virtual(tp, pp, rank=rank))
 
 
 def to_hf(source: Any, out_dir: str | Path, config: ModelConfig | None = None) -> Path:
@@ -75,7 +74,7 @@ def reshard(source: Any, out: str | Path, tp: int, pp: int = 1) -> Path:
     for p in range(pp):
         for t in range(tp):
             rank = p * tp + t  # tp innermost, like every mesh
-            model = meta_model(config, tp, pp, rank, names)
+            model = meta_model(config, tp, pp, rank)
             params = _slices(src, model, t, tp, str(source))
             optim = _optim_slices(optim_src, m, model, t, tp, str(source)) if optim_src else {}
             groups = m["optimizer"]["groups"] if optim_src else None
