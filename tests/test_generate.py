@@ -71,14 +71,19 @@ def test_greedy_same_tokens_at_any_tp(run_tp, checkpoints, name):
 
 def test_cli_and_tokenizer(checkpoints, capsys):
     assert decode(encode("tensor é")) == "tensor é"
-    args = argparse.Namespace(checkpoint=checkpoints["gpt2-t"], tp=1, prompt="ab",
-                              prompt_ids="", max_new_tokens=4, temperature=0.0, top_k=None,
-                              seed=0)
+    args = argparse.Namespace(checkpoint=checkpoints["gpt2-t"], tp=1, prompt=["ab"],
+                              prompt_ids=[], max_new_tokens=4, temperature=0.0, top_k=None,
+                              seed=0, ignore_eos=False)
     assert run(args) == 0
-    assert capsys.readouterr().out.startswith("ab")
-    args.prompt, args.prompt_ids = "", "1,2,3"
+    out = capsys.readouterr()
+    assert out.out.startswith("ab") and "tokens/s" in out.err
+    args.prompt, args.prompt_ids = [], ["1,2,3", "4"]
     assert run(args) == 0
-    assert len(capsys.readouterr().out.split()) == 4
+    rows = capsys.readouterr().out.strip().split("\n\n")
+    assert [len(r.split()) for r in rows] == [4, 4]
+    args.prompt_ids = ["1,300"]
+    assert run(args) == 1
+    assert "prompt token id 300 is out of the model's vocab_size=257" in capsys.readouterr().out
 
 
 PROMPTS = [[5, 17, 200, 3, 99, 8, 41], [250, 2], [7, 7, 120, 64]]  # lengths 7, 2, 4
