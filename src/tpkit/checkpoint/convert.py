@@ -65,8 +65,12 @@ def meta_model(config: ModelConfig, tp: int, pp: int, tp_rank: int, pp_rank: int
 def to_hf(source: Any, out_dir: str | Path, config: ModelConfig | None = None) -> Path:
     """A Hugging Face directory from a checkpoint dir, a full file, a tp=1 model or a dict."""
     from tpkit.model.hf import write_hf
+    from tpkit.model.tokenizer import export_tokenizer
 
-    return write_hf(*open_source(source, config), out_dir)
+    src, config, names = open_source(source, config)
+    out = write_hf(src, config, names, out_dir)
+    export_tokenizer(source, out, config.name)  # the source's files, or bytes for a preset
+    return out
 
 
 def open_source(source: Any, config: ModelConfig | None = None
@@ -136,6 +140,11 @@ def reshard(source: Any, out: str | Path, tp: int, pp: int = 1) -> Path:
             write_record(tmp, p * tp + t, t, p, tp, config, params, optim, groups, extra)
     write_manifest(tmp, root, config.to_dict(), m["optimizer"]["type"] if optim_src else None,
                    m["step"] if m else 0, dict(tp=tp, pp=pp, dp=1))
+    if not isinstance(source, nn.Module | dict):  # the tokenizer files travel along
+        from tpkit.model.tokenizer import copy_tokenizer, has_tokenizer
+
+        if has_tokenizer(source):
+            copy_tokenizer(source, root)
     return root
 
 

@@ -61,9 +61,12 @@ def _worker(mesh: ParallelMesh, args: argparse.Namespace) -> dict:
     model = load_model(args.checkpoint, mesh)
     tok = load_tokenizer(args.checkpoint if Path(args.checkpoint).is_dir() else None)
     vocab = model.config.vocab_size
-    if isinstance(tok, ByteTokenizer) and vocab < 256 and not args.prompt_ids:
-        raise ValueError(f"vocab_size={vocab} < 256: not a byte-level model and no "
-                         f"tokenizer files in {args.checkpoint}; pass --prompt-ids")
+    name = model.config.name
+    if isinstance(tok, ByteTokenizer) and not args.prompt_ids and (
+            vocab < 256 or name.startswith("hf-")):  # a Hugging Face model: not bytes
+        raise ValueError(f"no tokenizer files in {args.checkpoint} and {name} (vocab_size="
+                         f"{vocab}) is not a byte-level model; copy its tokenizer files "
+                         f"there or pass --prompt-ids")
     prompts = _prompts(args, tok)
     top = max(max(p) for p in prompts if p) if any(prompts) else 0
     if top >= vocab:

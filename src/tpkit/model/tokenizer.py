@@ -15,7 +15,7 @@ from __future__ import annotations
 
 import shutil
 from pathlib import Path
-from typing import Protocol
+from typing import Any, Protocol
 
 # The files a Hugging Face tokenizer may consist of (copied along with a model).
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json",
@@ -121,6 +121,22 @@ def save_byte_tokenizer(folder: str | Path) -> Path:
     tok.decoder = decoders.ByteLevel()
     PreTrainedTokenizerFast(tokenizer_object=tok).save_pretrained(str(folder))
     return Path(folder)
+
+
+def export_tokenizer(source: Any, out: str | Path, model_name: str) -> str:
+    """Give an exported Hugging Face folder `out` its tokenizer: the files of the source
+    folder if it has them (a Hugging Face folder, or a checkpoint of a `--from-hf` run),
+    else for one of tpkit's presets (trained on bytes) the byte-level tokenizer.
+    Returns what was done: 'copied', 'bytes' or 'none' (a model of unknown tokenizer)."""
+    from tpkit.spec.config import PRESETS
+
+    if isinstance(source, (str, Path)) and has_tokenizer(source):
+        copy_tokenizer(source, out)
+        return "copied"
+    if model_name in PRESETS:
+        save_byte_tokenizer(out)
+        return "bytes"
+    return "none"
 
 
 class TextStream:

@@ -27,6 +27,7 @@ class TrainConfig:
     """A training run: model, layout, batch, optimizer, data, outputs."""
 
     preset: str = "gpt2-tiny"
+    from_hf: str | None = None  # a Hugging Face model folder to fine-tune (instead of preset)
     tp: int = 1
     pp: int = 1
     dp: int = 1
@@ -69,6 +70,22 @@ class TrainConfig:
         """tp * pp * dp."""
         return self.tp * self.pp * self.dp
 
+    def model_config(self):
+        """The model's `ModelConfig`: the preset's, or the Hugging Face folder's."""
+        from tpkit.spec.config import get_preset
+
+        if self.from_hf is None:
+            return get_preset(self.preset)
+        import json
+
+        from tpkit.model.hf import config_from_hf
+
+        path = Path(self.from_hf) / "config.json"
+        if not path.is_file():
+            raise ValueError(f"from_hf={self.from_hf}: no config.json there (not a Hugging "
+                             f"Face model folder)")
+        return config_from_hf(json.loads(path.read_text()))[1]
+
     def with_(self, **changes) -> TrainConfig:
         """A copy with some fields changed."""
         return replace(self, **changes)
@@ -92,8 +109,6 @@ class TrainConfig:
 
     def problems(self) -> list[str]:
         """Every reason this run cannot start; empty when it can."""
-        from tpkit.spec.config import get_preset
-
         out = [f"{k}={getattr(self, k)} must be a positive integer"
                for k in ("tp", "pp", "dp", "steps", "micro_batches", "global_batch", "seq",
                          "virtual_stages")
@@ -111,7 +126,7 @@ class TrainConfig:
         if self.lr <= 0:
             out.append(f"lr={self.lr} must be positive")
         try:
-            model = get_preset(self.preset)
+            model = self.model_config()
         except ValueError as e:
             return out + [str(e)]
         out += [f"{model.name}: {p}" for p in

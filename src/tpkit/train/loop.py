@@ -43,14 +43,12 @@ from tpkit.train.optim import build_optimizer, lr_at, set_lr
 
 def prepare(cfg: TrainConfig, mesh: ParallelMesh) -> tuple[TokenLoader, TokenLoader | None]:
     """Every check that can fail, before any collective: config, layout, data."""
-    from tpkit.spec import get_preset
-
     cfg.check(mesh.world_size)
     got = (mesh.tp_size, mesh.pp_size, mesh.dp_size)
     if got != (cfg.tp, cfg.pp, cfg.dp):
         raise ValueError(f"mesh (tp, pp, dp) = {got} does not match the config "
                          f"{(cfg.tp, cfg.pp, cfg.dp)}")
-    tokens = load_tokens(cfg.data, get_preset(cfg.preset).vocab_size)
+    tokens = load_tokens(cfg.data, cfg.model_config().vocab_size)
     train_tok, val_tok = split_tokens(tokens, cfg.val_fraction)
     kw = dict(seq=cfg.seq, global_batch=cfg.global_batch, dp_rank=mesh.dp_rank,
               dp_size=mesh.dp_size, seed=cfg.seed)
@@ -61,12 +59,23 @@ def prepare(cfg: TrainConfig, mesh: ParallelMesh) -> tuple[TokenLoader, TokenLoa
 
 
 def build_model(cfg: TrainConfig, mesh: ParallelMesh) -> torch.nn.Module:
-    """The preset's Transformer, this rank's stage and shard of it."""
-    from tpkit.model import Transformer
-    from tpkit.spec import get_preset
+    """The model (preset, or Hugging Face folder), this rank's stage and shard of it.
 
-    return Transformer(get_preset(cfg.preset), mesh, seed=cfg.seed, sequence_parallel=cfg.sp,
-                       recompute=cfg.recompute, virtual_stages=cfg.virtual_stages)
+    With `from_hf` each rank reads only its slices of the folder's weights (unless it
+    resumes: the checkpoint's weights replace them anyway)."""
+    from tpkit.model import Transformer
+
+    hf = cfg.from_hf is not None and not cfg.resume
+    model = Transformer(cfg.model_config(), mesh, seed=cfg.seed, sequence_parallel=cfg.sp,
+                        recompute=cfg.recompute, virtual_stages=cfg.virtual_stages,
+                        device="meta" if hf else None)
+    if hf:
+        from tpkit.checkpoint.convert import open_source
+        from tpkit.model.hf import load_from, materialize
+
+        materialize(model, mesh.device)
+        load_from(model, open_source(cfg.from_hf)[0], mesh, cfg.from_hf)
+    return model
 
 
 def replica_mean(value: float | None, mesh: ParallelMesh) -> float:
@@ -181,6 +190,10 @@ def save_checkpoint(cfg: TrainConfig, mesh: ParallelMesh, model, opt, loader: To
                     extra=dict(loader=loader.state_dict(), step=step, rng=rng,
                                layout=[mesh.tp_size, mesh.pp_size, mesh.dp_size],
                                config=cfg.to_dict()))
+    if cfg.from_hf and mesh.rank == 0:  # generate and the export find the tokenizer here
+        from tpkit.model.tokenizer import copy_tokenizer
+
+        copy_tokenizer(cfg.from_hf, path)
     return str(path)
 
 
