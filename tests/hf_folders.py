@@ -48,3 +48,12 @@ def tiny_llama_folder(folder: Path, seed: int = 0, **config) -> Path:
     model = transformers.LlamaForCausalLM(transformers.LlamaConfig(**{**cfg, **config}))
     model.save_pretrained(str(folder))
     return folder
+
+
+if __name__ == "__main__":  # python tests/hf_folders.py DIR: the README's example folder
+    import sys
+
+    out = Path(sys.argv[1] if len(sys.argv) > 1 else "tiny-llama")
+    tiny_llama_folder(out)
+    (out.parent / "corpus.txt").write_text(TEXT)
+    print(f"wrote {out} (model + tokenizer) and {out.parent / 'corpus.txt'}")

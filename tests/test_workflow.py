@@ -46,11 +46,12 @@ def logits_worker(mesh, ckpt, ids):
         return all_gather(model(ids), mesh.tp_group, dim=-1)[..., :model.config.vocab_size]
 
 
-def generate_worker(mesh, ckpt, prompts):
+def generate_worker(mesh, ckpt, prompts, eos=None):
     model = generate_cmd.load_model(ckpt, mesh)
     tok = load_tokenizer(ckpt)
     ids, mask = pad_left([tok.encode(p) for p in prompts], tok.pad_id)
-    out = generate(model, ids, NEW, attention_mask=mask, eos_id=tok.eos_id, pad_id=tok.pad_id)
+    out = generate(model, ids, NEW, attention_mask=mask, eos_id=eos or tok.eos_ids,
+                   pad_id=tok.pad_id)
     return out[:, ids.shape[1]:]
 
 
@@ -86,7 +87,7 @@ def test_finetune_resume_lowers_the_loss(workflow):
     first, second = workflow["first"], workflow["second"]
     assert second["first_step"] == 4  # resumed after step 3, not restarted
     losses = first["losses"] + second["losses"]
-    print(f"fine-tune losses {['%.4f' % x for x in losses]}")
+    print("fine-tune losses", " ".join(f"{x:.4f}" for x in losses))
     assert len(losses) == 6 and losses[-1] < losses[0] - 0.3, losses
 
 
@@ -121,6 +122,12 @@ def test_greedy_generate_equals_transformers(workflow, run_tp, capsys):
             assert torch.equal(got, ref), (src, got, ref)
     tok = load_tokenizer(workflow["ckpt"])
     assert [tok.decode(r) for r in ref.tolist()] == texts
+    eos = int(ref[0, 3])  # an end-of-sequence id that occurs: rows stop, then pad
+    with torch.no_grad():
+        stop = back.generate(**batch, max_new_tokens=NEW, do_sample=False, eos_token_id=eos)
+    stop = stop[:, batch.input_ids.shape[1]:]
+    assert (stop[0, 4:] == tok.pad_id).all() and stop.shape[1] <= NEW
+    assert torch.equal(run_tp(generate_worker, 2, str(export), PROMPTS, [eos])[0], stop)
     assert len(set(texts)) == 3 and all(t.strip() for t in texts), texts
     args = argparse.Namespace(checkpoint=workflow["ckpt"], tp=1, prompt=[PROMPTS[1]],
                               prompt_ids=[], max_new_tokens=NEW, temperature=0.0,
@@ -129,3 +136,35 @@ def test_greedy_generate_equals_transformers(workflow, run_tp, capsys):
     out = capsys.readouterr()
     assert out.out == PROMPTS[1] + texts[1] + "\n" and "tokens/s" in out.err
     print(f"transformers and tpkit: {texts!r}\n{out.err.strip()}")
+
+
+@pytest.mark.timeout(120)
+def test_preset_export_carries_a_byte_tokenizer(tmp_path, capsys):
+    """A tpkit preset (trained on bytes) exports a tokenizer.json that AutoTokenizer loads
+    and that gives the very ids of tpkit's byte tokenizer; transformers then generates
+    the text `tpkit generate` prints."""
+    from test_checkpoint_helpers import fill, random_full
+    from tpkit.checkpoint import store as ckpt
+    from tpkit.model.transformer import Transformer
+    from tpkit.spec import get_preset
+
+    config, mesh = get_preset("gpt2-tiny"), ParallelMesh.single()
+    model = Transformer(config, mesh)
+    fill(model, random_full(config, seed=3, scale=0.5), mesh)
+    ckpt.save(tmp_path / "ckpt", model, mesh=mesh)
+    assert main(["convert", str(tmp_path / "ckpt"), str(tmp_path / "hf"), "--to", "hf"]) == 0
+    capsys.readouterr()
+    hf_tok = transformers.AutoTokenizer.from_pretrained(tmp_path / "hf")
+    text = "Tensor parallélisme ∑ 日本\n  x"
+    assert hf_tok(text)["input_ids"] == list(text.encode()) == load_tokenizer(None).encode(text)
+    back = transformers.AutoModelForCausalLM.from_pretrained(tmp_path / "hf").eval()
+    ids = torch.tensor([list(b"The ")])
+    with torch.no_grad():
+        ref = back.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=16,
+                            do_sample=False, pad_token_id=0)[0, 4:]
+    args = argparse.Namespace(checkpoint=str(tmp_path / "hf"), tp=1, prompt=["The "],
+                              prompt_ids=[], max_new_tokens=16, temperature=0.0, top_k=None,
+                              seed=0, ignore_eos=False)
+    assert generate_cmd.run(args) == 0
+    out = capsys.readouterr().out
+    assert out == "The " + hf_tok.decode(ref) + "\n", (out, hf_tok.decode(ref), ref)

@@ -79,7 +79,7 @@ def _worker(mesh: ParallelMesh, args: argparse.Namespace) -> dict:
     t0 = time.perf_counter()
     out = generate(model, ids, args.max_new_tokens, attention_mask=mask,
                    temperature=args.temperature, top_k=args.top_k, seed=args.seed,
-                   eos_id=None if args.ignore_eos else tok.eos_id, pad_id=tok.pad_id,
+                   eos_id=None if args.ignore_eos else tok.eos_ids, pad_id=tok.pad_id,
                    on_tokens=(lambda t: print(stream.push(t), end="", flush=True))
                    if stream is not None else None)
     seconds = time.perf_counter() - t0

@@ -78,16 +78,17 @@ def prepare(files: list[str], tokenizer: str, out: str, dtype: str = "auto",
     if missing:
         raise FileNotFoundError(f"text files do not exist: {missing}")
     tok = _tokenizer(tokenizer)
+    eos = tok.eos_ids[0] if tok.eos_ids else None  # the end of each file
     writer = ShardWriter(out, tok.vocab_size, dtype, shard_tokens,
-                         meta=dict(tokenizer=tokenizer, eos_id=tok.eos_id,
+                         meta=dict(tokenizer=tokenizer, eos_id=eos,
                                    sources=[str(p) for p in paths]))
     with byte_progress(sum(p.stat().st_size for p in paths), progress) as advance:
         for p in paths:
             for text, n in _blocks(p):
                 writer.write(tok.encode(text, special=False))
                 advance(n)
-            if tok.eos_id is not None:
-                writer.write([tok.eos_id])
+            if eos is not None:
+                writer.write([eos])
     return writer.close()
 
 

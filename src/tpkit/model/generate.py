@@ -55,13 +55,14 @@ def pad_left(prompts: list[list[int]], pad_id: int = 0, device=None
 @torch.no_grad()
 def generate(model: nn.Module, ids: torch.Tensor, max_new_tokens: int, *,
              attention_mask: torch.Tensor | None = None, temperature: float = 0.0,
-             top_k: int | None = None, seed: int = 0, eos_id: int | None = None,
+             top_k: int | None = None, seed: int = 0, eos_id: int | list[int] | None = None,
              pad_id: int = 0, on_tokens: Callable[[list[int]], None] | None = None
              ) -> torch.Tensor:
     """ids [b, s] -> [b, s + n]: greedy when temperature == 0, else sampled (top-k).
 
     `attention_mask` [b, s]: 1 on tokens, 0 on left padding (see `pad_left`). A row that
-    has produced `eos_id` continues with `pad_id` until every row has (then it stops).
+    has produced `eos_id` (or one of a list) continues with `pad_id` until every row has
+    (then it stops), as transformers' generate does.
     `on_tokens` gets each step's new tokens (one per row), as they arrive.
     Call on every tp rank of a pp=1 model; every rank returns the same tokens.
     """
@@ -76,6 +77,7 @@ def generate(model: nn.Module, ids: torch.Tensor, max_new_tokens: int, *,
     mask = attention_mask
     pads = None if mask is None else ids.shape[1] - mask.sum(1)  # [b] left padding per row
     done = torch.zeros(ids.shape[0], 1, dtype=torch.bool, device=ids.device)
+    eos = None if eos_id is None or eos_id == [] else torch.tensor(eos_id, device=ids.device)
     out, x, offset = ids, ids, 0
     for _ in range(max_new_tokens):
         where = offset if pads is None else offset - pads  # [b]: each row's own positions
@@ -90,8 +92,8 @@ def generate(model: nn.Module, ids: torch.Tensor, max_new_tokens: int, *,
             mask = torch.cat([mask, torch.ones_like(x)], dim=1)  # [b, t + 1]
         if on_tokens is not None:
             on_tokens(x[:, 0].tolist())
-        if eos_id is not None:
-            done = done | (x == eos_id)
+        if eos is not None:
+            done = done | torch.isin(x, eos)
             if bool(done.all()):
                 break
     return out

@@ -13,14 +13,16 @@ that `AutoTokenizer` loads and that maps text to exactly the same ids.
 
 from __future__ import annotations
 
+import json
 import shutil
 from pathlib import Path
 from typing import Any, Protocol
 
-# The files a Hugging Face tokenizer may consist of (copied along with a model).
+# The files a Hugging Face tokenizer may consist of, and the generation settings (EOS
+# and pad ids) that transformers' generate reads: copied along with a model.
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json",
                    "tokenizer.model", "vocab.json", "merges.txt", "vocab.txt",
-                   "added_tokens.json", "chat_template.jinja")
+                   "added_tokens.json", "chat_template.jinja", "generation_config.json")
 _VOCAB_FILES = ("tokenizer.json", "tokenizer.model", "vocab.json", "vocab.txt")  # one suffices
 
 
@@ -28,7 +30,7 @@ class Tokenizer(Protocol):
     """What generation and data preparation need of a tokenizer."""
 
     vocab_size: int
-    eos_id: int | None
+    eos_ids: list[int]  # generation stops at any of them
     pad_id: int
 
     def encode(self, text: str, special: bool = True) -> list[int]: ...
@@ -39,7 +41,7 @@ class Tokenizer(Protocol):
 class ByteTokenizer:
     """UTF-8 bytes as token ids 0..255 (ids >= 256 decode to nothing)."""
 
-    vocab_size, eos_id, pad_id = 256, None, 0
+    vocab_size, eos_ids, pad_id = 256, [], 0
 
     def encode(self, text: str, special: bool = True) -> list[int]:
         """The UTF-8 bytes of `text` (`special` has no meaning here)."""
@@ -59,8 +61,12 @@ class HFTokenizer:
         self.folder = str(folder)
         self.hf = AutoTokenizer.from_pretrained(self.folder)
         self.vocab_size = len(self.hf)
-        self.eos_id = self.hf.eos_token_id
-        self.pad_id = next((i for i in (self.hf.pad_token_id, self.eos_id) if i is not None), 0)
+        gen_file = Path(folder) / "generation_config.json"  # what transformers' generate uses
+        gen = json.loads(gen_file.read_text()) if gen_file.is_file() else {}
+        eos = gen.get("eos_token_id", self.hf.eos_token_id)
+        self.eos_ids = [eos] if isinstance(eos, int) else list(eos or [])
+        self.pad_id = next((i for i in (gen.get("pad_token_id"), self.hf.pad_token_id,
+                                        *self.eos_ids) if i is not None), 0)
 
     def encode(self, text: str, special: bool = True) -> list[int]:
         """Token ids of `text`; `special`: with the BOS/EOS the tokenizer adds to a prompt."""

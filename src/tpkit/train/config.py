@@ -70,6 +70,11 @@ class TrainConfig:
         """tp * pp * dp."""
         return self.tp * self.pp * self.dp
 
+    @property
+    def model_name(self) -> str:
+        """What is trained: the preset, or the Hugging Face folder."""
+        return self.from_hf or self.preset
+
     def model_config(self):
         """The model's `ModelConfig`: the preset's, or the Hugging Face folder's."""
         from tpkit.spec.config import get_preset

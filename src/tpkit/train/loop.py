@@ -235,7 +235,7 @@ def _summary(cfg, mesh, model, rows, train_s, idle, busy, ckpt, lead) -> dict:
     rows_t = metrics.theory_rows(mesh.ledger, expects)
     where = f"rank {mesh.rank} (stage {mesh.pp_rank}, tp rank {mesh.tp_rank})"
     val = [r["val_loss"] for r in rows if "val_loss" in r]
-    result = dict(cfg.to_dict(), rank=mesh.rank, hidden=c.hidden, micro_batch=b, first_loss=rows[0]["loss"],
+    result = dict(cfg.to_dict(), model=cfg.model_name, rank=mesh.rank, hidden=c.hidden, micro_batch=b, first_loss=rows[0]["loss"],
                   first_step=rows[0]["step"],
                   last_loss=rows[-1]["loss"], tail=min(10, len(rows)),
                   tail_loss=sum(r["loss"] for r in rows[-10:]) / min(10, len(rows)), val_loss=val[-1] if val else None,
@@ -254,6 +254,6 @@ def _summary(cfg, mesh, model, rows, train_s, idle, busy, ckpt, lead) -> dict:
                   metrics=str(Path(cfg.out) / "metrics.jsonl"), plot=None)
     if lead and cfg.plot:
         result["plot"] = str(metrics.plot_losses(rows, Path(cfg.out) / "loss.png",
-                                                 f"{cfg.preset} tp={cfg.tp} pp={cfg.pp} "
+                                                 f"{cfg.model_name} tp={cfg.tp} pp={cfg.pp} "
                                                  f"dp={cfg.dp}"))
     return result

@@ -100,7 +100,7 @@ def plot_losses(rows: list[dict], path: Path, title: str) -> Path:
 
 def report(result: dict, tables: list[str]) -> str:
     """The end-of-run summary: loss X -> Y, tokens/s, bubble, comm vs theory, files."""
-    lines = [f"trained {result['preset']} at tp={result['tp']} x pp={result['pp']} x "
+    lines = [f"trained {result.get('model', result['preset'])} at tp={result['tp']} x pp={result['pp']} x "
              f"dp={result['dp']} ({result['schedule']}, {result['micro_batches']} micro-batches) "
              f"for {result['steps']} steps",
              f"loss {result['first_loss']:.4f} (step {result.get('first_step', 1)}) -> {result['tail_loss']:.4f} (mean of the "
