@@ -13,11 +13,12 @@ import numpy as np
 import pytest
 import torch
 
-from hf_folders import TEXT, train_tokenizer
+from hf_folders import TEXT, tiny_llama_folder, train_tokenizer
 from tpkit.cli import main
 from tpkit.commands.prepare_data import prepare
 from tpkit.model.tokenizer import load_tokenizer
-from tpkit.train.data import TokenLoader, load_tokens, split_tokens
+from tpkit.train.config import TrainConfig
+from tpkit.train.data import TokenLoader, load_tokens, split_tokens, tokenizer_folder
 from tpkit.train.tokens import ShardWriter, TokenStream, dtype_for, open_shards
 
 
@@ -89,3 +90,15 @@ def test_cli(corpus, tmp_path, capsys):
     assert main(["prepare-data", str(corpus / "b.txt"), "--tokenizer", str(tmp_path),
                  "--out", str(out)]) == 2
     assert "no tokenizer files" in capsys.readouterr().err
+
+
+def test_the_data_names_its_tokenizer_and_from_hf_needs_shards(corpus, tmp_path):
+    prepare([str(corpus / "b.txt")], str(corpus / "tok"), str(tmp_path / "d"), progress=False)
+    prepare([str(corpus / "b.txt")], "bytes", str(tmp_path / "bytes"), progress=False)
+    assert tokenizer_folder(tmp_path / "d") == corpus / "tok"  # copied into checkpoints
+    assert tokenizer_folder(tmp_path / "bytes") is None and tokenizer_folder(None) is None
+    hf = tiny_llama_folder(tmp_path / "hf")
+    cfg = TrainConfig(from_hf=str(hf), data=str(corpus / "b.txt"), seq=16)
+    assert any("would be read as bytes: run `tpkit prepare-data" in p for p in cfg.problems())
+    assert cfg.with_(data=str(tmp_path / "d")).problems() == []
+    assert cfg.model_config().vocab_size == 300 and cfg.model_name == str(hf)

@@ -136,11 +136,21 @@ class TrainConfig:
             return out + [str(e)]
         out += [f"{model.name}: {p}" for p in
                 model.problems(tp=self.tp, pp=self.pp, sp=self.sp, seq=self.seq)]
+        out += self._from_hf_problems()
         chunks = self.pp * self.virtual_stages
         if self.virtual_stages > 1 and chunks > model.num_layers:
             out.append(f"{model.name}: pp*virtual_stages = {self.pp}*{self.virtual_stages} = "
                        f"{chunks} chunks is more than num_layers={model.num_layers}")
         return out
+
+    def _from_hf_problems(self) -> list[str]:
+        from tpkit.train.tokens import INDEX
+
+        if self.from_hf is None or (self.data and (Path(self.data) / INDEX).is_file()):
+            return []
+        return [f"from_hf={self.from_hf} trains on ids of its own tokenizer, but data="
+                f"{self.data} would be read as bytes: run `tpkit prepare-data TEXT_FILES "
+                f"--tokenizer {self.from_hf} --out DIR` and train on data=DIR"]
 
     def _schedule_problems(self) -> list[str]:
         if self.schedule not in SCHEDULES:

@@ -88,6 +88,19 @@ def _checked_shards(folder: Path, vocab_size: int) -> TokenStream:
     return tokens
 
 
+def tokenizer_folder(data: str | Path | None) -> Path | None:
+    """The tokenizer folder a `prepare-data` folder was made with (None: bytes/unknown)."""
+    import json
+
+    from tpkit.model.tokenizer import has_tokenizer
+
+    index = Path(data) / INDEX if data is not None else None
+    if index is None or not index.is_file():
+        return None
+    folder = json.loads(index.read_text()).get("tokenizer")
+    return Path(folder) if folder and has_tokenizer(folder) else None
+
+
 def split_tokens(tokens, val_fraction: float, block: int = 8192
                  ) -> tuple[TokenStream, TokenStream]:
     """(train, held-out): every k-th block of `block` tokens is held out, k = 1/fraction.

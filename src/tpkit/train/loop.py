@@ -37,7 +37,13 @@ from tpkit.parallel import (
 )
 from tpkit.train import metrics
 from tpkit.train.config import TrainConfig
-from tpkit.train.data import TokenLoader, load_tokens, micro_batches, split_tokens
+from tpkit.train.data import (
+    TokenLoader,
+    load_tokens,
+    micro_batches,
+    split_tokens,
+    tokenizer_folder,
+)
 from tpkit.train.optim import build_optimizer, lr_at, set_lr
 
 
@@ -190,10 +196,11 @@ def save_checkpoint(cfg: TrainConfig, mesh: ParallelMesh, model, opt, loader: To
                     extra=dict(loader=loader.state_dict(), step=step, rng=rng,
                                layout=[mesh.tp_size, mesh.pp_size, mesh.dp_size],
                                config=cfg.to_dict()))
-    if cfg.from_hf and mesh.rank == 0:  # generate and the export find the tokenizer here
+    tokenizer = cfg.from_hf or tokenizer_folder(cfg.data)
+    if tokenizer and mesh.rank == 0:  # generate and the export find the tokenizer here
         from tpkit.model.tokenizer import copy_tokenizer
 
-        copy_tokenizer(cfg.from_hf, path)
+        copy_tokenizer(tokenizer, path)
     return str(path)
 
 
