@@ -68,7 +68,7 @@ def _worker(mesh: ParallelMesh, args: argparse.Namespace) -> dict:
                          f"{vocab}) is not a byte-level model; copy its tokenizer files "
                          f"there or pass --prompt-ids")
     prompts = _prompts(args, tok)
-    top = max(max(p) for p in prompts if p) if any(prompts) else 0
+    top = max((max(p) for p in prompts if p), default=0)
     if top >= vocab:
         raise ValueError(f"prompt token id {top} is out of the model's vocab_size={vocab}")
     ids, mask = pad_left(prompts, tok.pad_id, mesh.device)
@@ -125,9 +125,14 @@ def run(args: argparse.Namespace) -> int:
         elif args.tp == 1:
             result = _worker(ParallelMesh.single(), args)
         else:
-            from tpkit.launch import spawn
+            from tpkit.launch import SpawnError, spawn
 
-            result = spawn(_worker, args.tp, args, mesh=dict(tp=args.tp))[0]
+            try:
+                result = spawn(_worker, args.tp, args, mesh=dict(tp=args.tp))[0]
+            except SpawnError as e:  # a rank's ValueError: the same message as at tp=1
+                if isinstance(e.original, ValueError):
+                    raise e.original from e
+                raise
     except ValueError as e:  # CheckpointError is a RuntimeError: let it name its file
         print(f"tpkit generate: {e}")
         return 1
