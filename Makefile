@@ -7,7 +7,7 @@ BIN     := $(VENV)/bin
 STAMP   := $(VENV)/.installed
 export PYTHONUNBUFFERED := 1
 
-.PHONY: demo test bench lint venv browser clean
+.PHONY: demo test test-fast bench lint venv browser clean
 
 $(BIN)/python:
 	$(PY) -m venv $(VENV)
@@ -36,14 +36,16 @@ demo: $(STAMP)
 test: $(STAMP) browser
 	$(BIN)/python -m pytest
 
+test-fast: $(STAMP)   # the suite without the tests marked slow (multi-process, subprocess, HF)
+	$(BIN)/python -m pytest -m "not slow"
+
 bench: $(STAMP)
 	$(BIN)/pip install -q --no-deps megatron-core   # a peer of the block benchmark; keeps torch
-	$(BIN)/python benchmarks/mlp_vs_peers.py
-	$(BIN)/python benchmarks/block_vs_peers.py
-	$(BIN)/python benchmarks/pipeline_bubble.py
+	$(BIN)/python benchmarks/run_all.py
 
 lint: $(STAMP)
 	$(BIN)/ruff check src tests benchmarks
+	$(BIN)/lint-imports
 
 clean:
 	rm -rf $(VENV) runs bench-results .pytest_cache

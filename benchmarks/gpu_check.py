@@ -66,7 +66,7 @@ def throughput(preset: str, out: Path, steps: int, batch: int, seq: int) -> dict
     return dict(preset=preset, params=c.num_params(), batch=batch, seq=seq, step_s=step_s,
                 tokens_per_s=batch * seq / step_s, tflops=achieved / 1e12,
                 mfu=achieved / peak if peak else None, gpu=name,
-                first_loss=result["first_loss"], last_loss=result["last_loss"],
+                first_loss=result.first_loss, last_loss=result.last_loss,
                 wall_s=time.perf_counter() - t0)
 
 

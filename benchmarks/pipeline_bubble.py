@@ -87,7 +87,7 @@ def _measure_bubbles(mesh, tf: float) -> dict:
 def main() -> None:
     p = argparse.ArgumentParser(description="pipeline bubble, 1F1B vs interleaved")
     p.add_argument("--tf", type=float, default=0.02, help="forward seconds per stage")
-    p.add_argument("--quick", action="store_true", help="accepted for `tpkit bench`; already short")
+    p.add_argument("--quick", action="store_true", help="accepted for run_all.py; already short")
     a = p.parse_args()
     per_stage = spawn(_measure_bubbles, 2, a.tf, mesh=dict(tp=1, pp=2, dp=1), threads=1)
     got = {k: max(r[k] for r in per_stage) for k in per_stage[0]}

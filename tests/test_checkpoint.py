@@ -10,7 +10,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from test_checkpoint_helpers import (
+from checkpoint_helpers import (
     GPT2,
     LLAMA,
     fill,
@@ -21,6 +21,7 @@ from test_checkpoint_helpers import (
     set_grads,
 )
 from tpkit.checkpoint import store as ckpt
+from tpkit.model.names import EMBED_WEIGHT
 from tpkit.model.transformer import Transformer
 
 IDS = torch.randint(0, 257, (2, 9), generator=torch.Generator().manual_seed(0))
@@ -58,6 +59,7 @@ def reference_logits(config, full):
     return pipeline_logits(model, mesh, IDS)
 
 
+@pytest.mark.slow
 @pytest.mark.timeout(120)
 @pytest.mark.parametrize("config", [LLAMA, GPT2], ids=["llama-gqa", "gpt2-tied"])
 @pytest.mark.parametrize("src,dsts", [((2, 2), [(1, 1), (2, 1), (1, 2), (4, 1)]),
@@ -99,7 +101,7 @@ def test_manifest_and_files(tmp_path):
     m = ckpt.read_manifest(tmp_path / "a")
     assert m["step"] == 7 and m["layout"] == dict(tp=1, pp=1, dp=1)
     assert m["config"] == LLAMA.to_dict()
-    emb = m["tensors"]["embed.word.weight"]
+    emb = m["tensors"][EMBED_WEIGHT]
     assert emb["logical"] == [257, 64] and emb["split"]["dim"] == 0
     qkv = m["tensors"]["layers.0.attn.qkv.weight"]
     assert qkv["split"]["parts"] == [64, 16, 16]

@@ -19,9 +19,10 @@ from pathlib import Path
 import pytest
 import torch
 
-from test_checkpoint_helpers import LLAMA, fill, gather, local_state, random_full, set_grads
+from checkpoint_helpers import LLAMA, fill, gather, local_state, random_full, set_grads
 from tpkit.checkpoint import convert
 from tpkit.checkpoint import store as ckpt
+from tpkit.commands import convert as convert_cmd
 from tpkit.mesh import ParallelMesh
 from tpkit.model.transformer import Transformer
 
@@ -103,13 +104,14 @@ from tpkit.mesh import ParallelMesh
 from tpkit.model.transformer import Transformer
 from tpkit.checkpoint import store as ckpt
 sys.path.insert(0, sys.argv[2])
-from test_checkpoint_helpers import LLAMA
+from checkpoint_helpers import LLAMA
 model = Transformer(LLAMA, ParallelMesh.single(), seed=3)
 opt = torch.optim.AdamW(model.parameters())
 ckpt.save(sys.argv[1], model, opt, step=99)
 """
 
 
+@pytest.mark.slow
 @pytest.mark.timeout(60)
 def test_killed_save_keeps_previous(tmp_path):
     root = tmp_path / "ckpt"
@@ -157,7 +159,7 @@ def test_convert_full_and_offline_reshard(run_tp, tmp_path):
     full = convert.to_full(tmp_path / "c22", tmp_path / "full.safetensors")
     args = argparse.Namespace(source=str(tmp_path / "c22"), dest=str(tmp_path / "c41"),
                               to="sharded", tp=4, pp=1)
-    assert convert.run(args) == 0  # keeps the optimizer state
+    assert convert_cmd.run(args) == 0  # keeps the optimizer state
     convert.reshard(full, tmp_path / "f12", tp=1, pp=2)  # weights only
     v = LLAMA.vocab_size
     for path, tp, pp in (("c41", 4, 1), ("f12", 1, 2)):
@@ -170,4 +172,4 @@ def test_convert_full_and_offline_reshard(run_tp, tmp_path):
         assert torch.equal(got[n], t), n
     bad = argparse.Namespace(source=str(tmp_path / "nowhere"), dest=str(tmp_path / "x"),
                              to="full", tp=1, pp=1)
-    assert convert.run(bad) == 1
+    assert convert_cmd.run(bad) == 1

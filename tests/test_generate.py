@@ -13,10 +13,11 @@ import argparse
 import pytest
 import torch
 
-from test_checkpoint_helpers import GPT2, LLAMA, fill, random_full
+from checkpoint_helpers import GPT2, LLAMA, fill, random_full
+from tpkit.checkpoint import load_model
 from tpkit.checkpoint import store as ckpt
 from tpkit.comm import all_gather
-from tpkit.commands.generate import load_model, run
+from tpkit.commands.generate import run
 from tpkit.mesh import ParallelMesh
 from tpkit.model.generate import PP_ERROR, decode, encode, generate, pad_left
 from tpkit.model.transformer import Transformer
@@ -54,6 +55,7 @@ def recompute_worker(mesh, path, n):
     return ids
 
 
+@pytest.mark.slow
 @pytest.mark.timeout(90)
 @pytest.mark.parametrize("name", ["llama-t", "gpt2-t"])
 def test_greedy_same_tokens_at_any_tp(run_tp, checkpoints, name):

@@ -76,6 +76,7 @@ def import_worker(mesh, path, kind):
     return tpkit_out(from_pretrained(path, mesh).eval(), mesh, kind)
 
 
+@pytest.mark.slow
 @pytest.mark.timeout(90)
 @pytest.mark.parametrize("kind", ["gpt2", "llama", "bert"])
 def test_import_matches_transformers(run_tp, hf_models, kind):
@@ -91,6 +92,7 @@ def save_worker(mesh, path, dest):
     ckpt.save(dest, from_pretrained(path, mesh), mesh=mesh)
 
 
+@pytest.mark.slow
 @pytest.mark.timeout(90)
 @pytest.mark.parametrize("kind", ["gpt2", "llama", "bert"])
 def test_export_loads_in_transformers(run_tp, hf_models, tmp_path, kind):

@@ -67,8 +67,7 @@ def _cfg(out: str, **kw) -> TrainConfig:
 
 def _train(mesh, cfg: TrainConfig) -> dict:
     r = train(cfg, mesh)
-    return dict(losses=r["losses"], norms=r["grad_norms"], val=r["val_loss"],
-                theory_ok=r["theory_ok"])
+    return dict(losses=r.losses, norms=r.grad_norms, val=r.val_loss, theory_ok=r.theory_ok)
 
 
 @pytest.fixture(scope="module")

@@ -2,20 +2,16 @@
 
 from __future__ import annotations
 
+import re
 import warnings
 
 import pytest
 import torch
 
+from tpkit.commands.train import cross_node_price
 from tpkit.launch import SpawnError, spawn
-from tpkit.mesh import (
-    ParallelMesh,
-    TopologyWarning,
-    check_sizes,
-    coord_of,
-    group_ranks,
-    rank_grid,
-)
+from tpkit.mesh import ParallelMesh, TopologyWarning
+from tpkit.spec.grid import check_sizes, coord_of, group_ranks, rank_grid
 
 
 @pytest.mark.parametrize("tp,pp,dp", [(2, 1, 1), (2, 2, 1), (2, 2, 2), (4, 2, 1), (1, 4, 2)])
@@ -46,13 +42,19 @@ def test_sizes_must_multiply_to_world():
 
 
 def test_tp_group_spanning_nodes_warns_with_reason_or_errors():
-    with pytest.warns(TopologyWarning, match=r"spans 2 nodes of 2 ranks.*Predicted on H100.*ms per layer"):
+    with pytest.warns(TopologyWarning, match=r"spans 2 nodes of 2 ranks.*keep tp <= 2"):
         _mesh_without_groups(4, 2, strict=False)
     with pytest.raises(ValueError, match="all-reduces the activations 4 times per layer"):
         _mesh_without_groups(4, 2, strict=True)
     with warnings.catch_warnings():
         warnings.simplefilter("error")
         _mesh_without_groups(2, 2, strict=False)  # tp=2 inside a node of 2: silent
+
+
+def test_train_command_prices_a_tp_group_spanning_nodes_with_the_planner():
+    assert cross_node_price(2, 1, 2, 2) is None  # tp=2 inside nodes of 2
+    assert re.search(r"Predicted on H100.*tp=4 spans 2 nodes.*ms per layer",
+                     cross_node_price(4, 1, 1, 2))
 
 
 def _mesh_without_groups(tp, per_node, strict):

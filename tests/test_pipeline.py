@@ -13,6 +13,7 @@ import torch
 
 from tpkit.parallel import bubble_theory
 from tpkit.parallel.data_parallel import tied_params
+from tpkit.sharding import meta_of
 from tpkit.train.config import TrainConfig
 from tpkit.train.loop import build_model, train
 
@@ -27,7 +28,7 @@ def _both_schedules(mesh, out: str) -> dict:
     runs = {}
     for schedule, m in (("gpipe", 4), ("1f1b", 4), ("1f1b", 2)):  # m=2 < p: warm-up capped
         r = train(_cfg(out, pp=mesh.pp_size, schedule=schedule, micro_batches=m), mesh)
-        runs[(schedule, m)] = {k: r[k] for k in ("losses", "grad_norms", "bubble",
+        runs[(schedule, m)] = {k: getattr(r, k) for k in ("losses", "grad_norms", "bubble",
                                                  "bubble_theory", "theory_ok", "max_inflight")}
     return runs
 
@@ -57,7 +58,7 @@ def _tied_after_training(mesh, out: str) -> dict:
     train(cfg, mesh, model=model)
     (p,) = tied_params(model)
     return dict(stage=mesh.pp_rank, tp=mesh.tp_rank, before=before, after=p.detach().clone(),
-                is_head=bool(getattr(p, "tied_to", None)))
+                is_head=bool(meta_of(p).tied_to))
 
 
 @pytest.mark.timeout(60)

@@ -12,17 +12,13 @@ import pytest
 
 from tpkit.cli import main as tpkit_main
 from tpkit.plan import PlanError, Request, cost, get_hardware, papers, plan
+from tpkit.plan.activations import layer_activation_bytes
 from tpkit.plan.hardware import HardwareError, Link, load_profiles, profile_to_toml
-from tpkit.plan.memory import (
-    Precision,
-    activation_bytes_per_layer,
-    model_state_bytes,
-    params_per_rank,
-    stage_layers,
-)
+from tpkit.plan.memory import Precision, model_state_bytes, params_per_rank
 from tpkit.plan.simulate import Cluster, Layout, evaluate
 from tpkit.plan.topology import cross_node_penalty
 from tpkit.spec.config import get_preset
+from tpkit.spec.shapes import layers_per_stage, stage_layer_range
 
 LINK = Link("test", bandwidth=100e9, latency=1e-5)
 
@@ -65,32 +61,41 @@ def test_bubble_is_p_minus_1_over_m_and_interleaving_divides_it_by_v():
     assert cost.bubble_fraction(8, 32, interleave=2) == pytest.approx(7 / 64)
 
 
-def test_dp_overlap_hides_at_most_the_backward_window():
-    assert cost.exposed_dp_time(1.0, 0.3, overlap=True, zero1=False) == pytest.approx(0.7)
-    assert cost.exposed_dp_time(1.0, 5.0, overlap=True, zero1=True) == pytest.approx(0.5)
-    assert cost.exposed_dp_time(1.0, 5.0, overlap=False, zero1=False) == 1.0
-
-
 # -- memory: Korthikanti et al. 2022 table 2, ZeRO --------------------------------------------
-def test_activations_follow_korthikanti_table_2():
-    s, b, h, a = 2048, 1, 12288, 96  # GPT-3: 5as/h = 80
-    sbh = s * b * h
-    assert activation_bytes_per_layer(s, b, h, a, 1, False, "none") == pytest.approx(114 * sbh)
-    assert activation_bytes_per_layer(s, b, h, a, 8, False, "none") == pytest.approx(23 * sbh)
-    assert activation_bytes_per_layer(s, b, h, a, 8, True, "none") == pytest.approx(14.25 * sbh)
-    assert activation_bytes_per_layer(s, b, h, a, 8, True, "selective") == pytest.approx(
-        4.25 * sbh)
-    assert activation_bytes_per_layer(s, b, h, a, 8, False, "full") == 2 * sbh
-    assert activation_bytes_per_layer(s, b, h, a, 8, True, "full") == 2 * sbh / 8
+def test_activations_of_gpt3_without_flash_follow_korthikanti_table_2():
+    c = get_preset("gpt3-175b").with_(dropout=0.1)  # s=2048, h=12288, a=96: 5as/h = 80
+    s, b = 2048, 1
+    sbh = s * b * c.hidden
+
+    def act(tp, sp, rc):  # LayerNorm statistics (fp32, 16 bytes a token) are not in the paper
+        return layer_activation_bytes(c, s, b, tp, sp, rc, flash=False)
+
+    assert act(1, False, "none") == pytest.approx(114 * sbh, rel=1e-3)
+    assert act(8, False, "none") == pytest.approx(23 * sbh, rel=1e-3)
+    assert act(8, True, "none") == pytest.approx(14.25 * sbh, rel=1e-3)
+    assert act(8, True, "selective") == pytest.approx(4.25 * sbh, rel=1e-3)
+    assert act(8, False, "full") == 2 * sbh
+    assert act(8, True, "full") == 2 * sbh / 8
 
 
-def test_zero1_divides_only_the_optimizer_state_by_dp():
-    parts = model_state_bytes(10**9, dp=8, zero1=True, prec=Precision())
-    assert parts == {"weights": 2e9, "grads": 2e9, "optimizer": 1.5e9}
+def test_model_state_per_sharding_stage_is_megatrons_bytes_per_parameter():
+    """Megatron's distributed-optimizer guide: bf16 params + fp32 grads = 18 bytes, 6 + 12/d
+    with the distributed optimizer; ZeRO-2 shards the 4 gradient bytes, FSDP the weights."""
+    n, d, layer = 10**9, 8, 10**7
+    prec = Precision()  # Megatron-Core's default: fp32 main gradients
+    assert sum(model_state_bytes(n, d, 0, prec).values()) == 18 * n
+    assert model_state_bytes(n, d, 1, prec) == {"weights": 2e9, "grads": 4e9, "optimizer": 1.5e9}
+    assert model_state_bytes(n, d, 2, prec)["grads"] == 4 * n / d
+    fsdp = model_state_bytes(n, d, 3, prec, layer_params=layer)
+    assert fsdp["weights"] == 2 * (n / d + 2 * layer)  # own shard + 2 gathered layers
+    assert fsdp["grads"] == 4 * (n / d + layer)
+    bf16 = model_state_bytes(n, d, 1, Precision.for_dtype("bf16", grad="bf16"))
+    assert bf16["grads"] == 2e9
 
 
 def test_stage_layers_even_with_extra_on_the_first_stages():
-    assert stage_layers(10, 4) == [3, 3, 2, 2]
+    assert layers_per_stage(10, 4) == [3, 3, 2, 2]
+    assert [list(stage_layer_range(10, 4, s)) for s in (0, 3)] == [[0, 1, 2], [8, 9]]
 
 
 def test_params_per_rank_gpt2_tiny_by_hand():
@@ -116,7 +121,7 @@ def test_params_per_rank_gqa_replicates_kv_heads_when_tp_exceeds_them():
 def _published_request(p: papers.Published) -> Request:
     cluster = Cluster(get_hardware(p.hardware), nodes=p.tp * p.pp * p.dp // p.per_node,
                       flash_attention=False)
-    fixed = dict(micro_batch=p.micro_batch, recompute="full", sp=False, zero1=False,
+    fixed = dict(micro_batch=p.micro_batch, recompute="full", sp=False, zero=0, cp=1,
                  interleave=1)
     return Request(p.config, p.seq, p.global_batch, cluster, fixed)
 
@@ -135,7 +140,7 @@ def test_planner_keeps_tp_in_a_node_and_picks_narayanan_table1_tp(p):
 @pytest.mark.parametrize("batch", [32, 128])
 def test_narayanan_figure_13_peaks_at_tp8_pp8(batch):
     cluster = Cluster(get_hardware("a100-80gb"), nodes=8, flash_attention=False)
-    fixed = dict(micro_batch=1, recompute="full", sp=False, zero1=False, interleave=1, dp=1)
+    fixed = dict(micro_batch=1, recompute="full", sp=False, zero=0, interleave=1, dp=1, cp=1)
     plans = plan(Request(papers.NARAYANAN_162B, 2048, batch, cluster, fixed))
     assert (plans[0].layout.tp, plans[0].layout.pp) == (8, 8)
     by_layout = {(e.layout.tp, e.layout.pp): e.hw_tflops_per_device for e in plans}
@@ -187,7 +192,7 @@ def test_cli_json_has_the_promised_keys_best_first(capsys):
     assert all(keys <= set(r) for r in rows)
     times = [r["step_time_s"] for r in rows]
     assert times == sorted(times)
-    assert all(r["tp"] * r["pp"] * r["dp"] == 16 for r in rows)
+    assert all(r["tp"] * r["cp"] * r["pp"] * r["dp"] == 16 for r in rows)
 
 
 # -- topology, profiles, no torch ---------------------------------------------------------------

@@ -178,6 +178,14 @@ def test_live_2_column_row_one_all_reduce_column_column_all_gathers(live):
     assert a["column_row"]["wire_bytes"] < b["column_row"]["wire_bytes"]  # 2(p-1)/p n
 
 
+def _ledger_of_timed_all_reduces(mesh, numel: int, counts: tuple[int, ...]):
+    from tpkit.quiz import live_ranks
+
+    mesh.ledger.clear()
+    live_ranks.all_reduce_times(mesh, numel, counts)
+    return mesh.ledger.counts(group="tp")
+
+
 @pytest.mark.timeout(120)
 def test_live_3_and_8_planner_and_measured_all_reduces(live):
     a, b = _both(live, 3)
@@ -186,10 +194,14 @@ def test_live_3_and_8_planner_and_measured_all_reduces(live):
     assert a["planner"]["intra_s"] != b["planner"]["intra_s"]
     a, b = _both(live, 8)
     for d in (a, b):
-        t1, t8, t64 = d["measured_s"]
-        assert t64 > t1 and t64 > t8
+        assert d["counts"] == [1, 8, 64] and len(d["measured_s"]) == 3
         assert d["latency_inter_s"] > d["latency_intra_s"] > 0
     assert b["latency_intra_s"] == pytest.approx(3 * a["latency_intra_s"])  # 2(p-1) alpha
+    # what was timed, from the ledger (not the clock): 3 warm-up + 1 + 8 + 64 all-reduces of
+    # the 256 floats, and one 1-float all-reduce lining the ranks up before each count
+    for got in live.spawn(_ledger_of_timed_all_reduces, 256, (1, 8, 64), tp=2):
+        assert got == {("all_reduce", "forward", 256): 3 + 1 + 8 + 64,
+                       ("all_reduce", "forward", 1): 3}
 
 
 @pytest.mark.timeout(120)

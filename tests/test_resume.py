@@ -43,9 +43,9 @@ def _train(mesh, cfg: TrainConfig, dropout: float = 0.0) -> dict:
     """Train a 2-layer gpt2-tiny; the losses, and rank 0's metric rows (step, lr)."""
     model = Transformer(replace(MODEL, dropout=dropout), mesh, seed=cfg.seed)
     r = train(cfg, mesh, model)
-    rows = [json.loads(line) for line in Path(r["metrics"]).read_text().splitlines()] \
+    rows = [json.loads(line) for line in Path(r.metrics).read_text().splitlines()] \
         if mesh.rank == 0 else None
-    return dict(losses=r["losses"], rows=rows)
+    return dict(losses=r.losses, rows=rows)
 
 
 def _single(cfg: TrainConfig, dropout: float = 0.0) -> dict:

@@ -23,10 +23,11 @@ def _short_run(mesh, out: str) -> dict:
                       micro_batches=2, global_batch=8, seq=64, lr=3e-3, warmup=5, eval_every=15,
                       ckpt_every=20, out=out, progress=False)
     r = train(cfg, mesh)
-    return {k: r[k] for k in ("losses", "val_loss", "plot", "checkpoint", "metrics", "theory_ok",
+    return {k: getattr(r, k) for k in ("losses", "val_loss", "plot", "checkpoint", "metrics", "theory_ok",
                               "tokens_per_s")}
 
 
+@pytest.mark.slow
 @pytest.mark.timeout(90)
 def test_short_run_lowers_loss_and_leaves_outputs(run_tp, tmp_path):
     r = run_tp(_short_run, 2, str(tmp_path), pp=2)[0]
@@ -116,7 +117,7 @@ def test_bfloat16_autocast_trains(tmp_path):
         r = train(cfg, ParallelMesh.single())
     finally:
         torch.set_num_threads(threads)
-    assert all(math.isfinite(v) for v in r["losses"]) and r["losses"][-1] < r["losses"][0]
+    assert all(math.isfinite(v) for v in r.losses) and r.losses[-1] < r.losses[0]
 
 
 def _zero1_state(mesh) -> dict:
@@ -157,7 +158,7 @@ def _resumed(mesh, out: str) -> dict:
     straight = train(TrainConfig(**kw, ckpt_every=3, out=out + "/a"), mesh)
     again = train(TrainConfig(**kw, out=out + "/b", resume=out + "/a/checkpoints/step_000003"),
                   mesh)
-    return dict(straight=straight["losses"], resumed=again["losses"])
+    return dict(straight=straight.losses, resumed=again.losses)
 
 
 @pytest.mark.timeout(60)

@@ -30,7 +30,7 @@ def _cfg(out: str, **kw) -> TrainConfig:
 
 def _train(mesh, cfg: TrainConfig) -> dict:
     r = train(cfg, mesh)
-    return dict(losses=r["losses"], norms=r["grad_norms"], theory_ok=r["theory_ok"])
+    return dict(losses=r.losses, norms=r.grad_norms, theory_ok=r.theory_ok)
 
 
 @pytest.fixture(scope="module")

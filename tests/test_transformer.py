@@ -12,7 +12,8 @@ import torch
 from helpers import gather_grads, max_diff
 from tpkit.mesh import ParallelMesh
 from tpkit.model import Transformer
-from tpkit.sharding import TPSplit, splits_of
+from tpkit.model.names import VOCAB_PADDED
+from tpkit.sharding import TPSplit, split_of, splits_of
 from tpkit.spec import ModelConfig, get_preset, theory
 
 B, S = 2, 12
@@ -39,7 +40,7 @@ def run_model(mesh, cfg: ModelConfig, sp: bool, ids, labels, recompute=False):
 
 def unpad(t: torch.Tensor, name: str, vocab: int) -> torch.Tensor:
     """Padded vocabulary rows (embedding, head) differ in count by tp: compare the real ones."""
-    return t[:vocab] if name in ("embed.word.weight", "head.weight") else t
+    return t[:vocab] if name in VOCAB_PADDED else t
 
 
 def compare(cfg, ref, results, tol=1e-5):
@@ -124,7 +125,7 @@ def test_recomputation_gives_the_same_gradients(run_tp):
 
 def param_bytes(mesh, cfg):
     m = Transformer(cfg, mesh, device="meta")
-    sharded = sum(p.numel() for p in m.parameters() if getattr(p, "tp_split", None))
+    sharded = sum(p.numel() for p in m.parameters() if split_of(p))
     return m.param_bytes(), sharded
 
 

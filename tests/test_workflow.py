@@ -21,6 +21,7 @@ import torch
 import transformers
 
 from hf_folders import TEXT, tiny_llama_folder
+from tpkit.checkpoint import load_model
 from tpkit.cli import main
 from tpkit.comm import all_gather
 from tpkit.commands import generate as generate_cmd
@@ -37,17 +38,17 @@ NEW = 12
 
 def train_worker(mesh, cfg):
     r = train(cfg, mesh)
-    return dict(losses=r["losses"], first_step=r["first_step"], checkpoint=r["checkpoint"])
+    return dict(losses=r.losses, first_step=r.first_step, checkpoint=r.checkpoint)
 
 
 def logits_worker(mesh, ckpt, ids):
-    model = generate_cmd.load_model(ckpt, mesh).eval()
+    model = load_model(ckpt, mesh).eval()
     with torch.no_grad():
         return all_gather(model(ids), mesh.tp_group, dim=-1)[..., :model.config.vocab_size]
 
 
 def generate_worker(mesh, ckpt, prompts, eos=None):
-    model = generate_cmd.load_model(ckpt, mesh)
+    model = load_model(ckpt, mesh)
     tok = load_tokenizer(ckpt)
     ids, mask = pad_left([tok.encode(p) for p in prompts], tok.pad_id)
     out = generate(model, ids, NEW, attention_mask=mask, eos_id=eos or tok.eos_ids,
@@ -143,7 +144,7 @@ def test_preset_export_carries_a_byte_tokenizer(tmp_path, capsys):
     """A tpkit preset (trained on bytes) exports a tokenizer.json that AutoTokenizer loads
     and that gives the very ids of tpkit's byte tokenizer; transformers then generates
     the text `tpkit generate` prints."""
-    from test_checkpoint_helpers import fill, random_full
+    from checkpoint_helpers import fill, random_full
     from tpkit.checkpoint import store as ckpt
     from tpkit.model.transformer import Transformer
     from tpkit.spec import get_preset

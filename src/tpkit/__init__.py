@@ -5,10 +5,14 @@ combines the partial results with collectives that a ledger counts, composes tha
 with pipeline and data parallelism, and explains all of it (`tpkit quiz`).
 
 `import tpkit` is light: torch is imported only by the modules that need it, so
-`tpkit.plan` and `tpkit.spec.config` run anywhere in milliseconds.
+`tpkit.spec` and `tpkit.plan` run anywhere in milliseconds. `tpkit.ParallelMesh` is
+the one name offered here (the documented entry point; `tpkit.launch.spawn` and
+everything else live in their modules). It is resolved on first use by the module
+`__getattr__` below, which is kept for that reason only: importing `tpkit.mesh` here
+would import torch, and every `import tpkit.plan` runs this file first.
 """
 
-__all__ = ["ParallelMesh", "spawn"]
+__all__ = ["ParallelMesh"]
 __version__ = "0.1.0"
 
 
@@ -17,8 +21,4 @@ def __getattr__(name: str):
         from tpkit.mesh import ParallelMesh
 
         return ParallelMesh
-    if name == "spawn":
-        from tpkit.launch import spawn
-
-        return spawn
     raise AttributeError(f"module 'tpkit' has no attribute {name!r}")

@@ -13,10 +13,9 @@ import sys
 COMMANDS: dict[str, tuple[str, str]] = {
     "verify": ("tpkit.commands.verify", "check sharded layers/models against tp=1 (outputs, grads, ledger)"),
     "train": ("tpkit.commands.train", "train a model with tensor x pipeline x data parallelism"),
-    "bench": ("tpkit.commands.bench", "run the benchmarks against peers"),
     "plan": ("tpkit.commands.plan", "plan tp/pp/dp for a model on a cluster (no torch needed)"),
     "calibrate": ("tpkit.commands.calibrate", "measure this machine into a hardware profile"),
-    "convert": ("tpkit.checkpoint.convert", "convert / reshard checkpoints, to and from safetensors"),
+    "convert": ("tpkit.commands.convert", "convert / reshard checkpoints, to and from safetensors"),
     "prepare-data": ("tpkit.commands.prepare_data", "tokenize text files into token shards "
                      "for training"),
     "generate": ("tpkit.commands.generate", "tensor-parallel text generation with a KV cache"),

@@ -1,4 +1,4 @@
-"""`ParallelMesh`: the world as a (dp, pp, tp) grid of ranks, tp innermost.
+"""`ParallelMesh`: the process groups over the (dp, pp, tp) rank grid of `tpkit.spec.grid`.
 
     rank = (dp_index * pp + pp_index) * tp + tp_index
 
@@ -11,14 +11,14 @@ numbering (LOCAL_WORLD_SIZE ranks per node) it stays inside one node, on NVLink:
 tensor parallelism sends an all-reduce of the activations 4 times per layer and
 micro-batch, which only the fast intra-node link can carry (quiz answers 3 and 8).
 A tp group that would span nodes is warned about loudly, or refused with
-`strict_locality=True`.
+`strict_locality=True`; `tpkit train` adds the planner's price of it (in ms per layer)
+to the warning, and `tpkit plan` prices any layout.
 """
 
 from __future__ import annotations
 
 import os
 import warnings
-from dataclasses import dataclass
 from datetime import timedelta
 
 import torch
@@ -27,76 +27,11 @@ import torch.distributed as dist
 from tpkit.comm.group import CommGroup
 from tpkit.comm.ledger import Ledger
 from tpkit.device import default_backend, device_for
+from tpkit.spec.grid import check_sizes, coord_of, group_ranks, locality_problem, rank_grid
 
 
 class TopologyWarning(UserWarning):
     """A tensor-parallel group spans more than one node."""
-
-
-@dataclass(frozen=True)
-class Coord:
-    """Where a rank sits in the grid."""
-
-    dp: int
-    pp: int
-    tp: int
-
-
-def check_sizes(world_size: int, tp: int, pp: int, dp: int) -> None:
-    """Raise ValueError naming the numbers unless tp * pp * dp == world_size."""
-    for name, v in (("tp", tp), ("pp", pp), ("dp", dp)):
-        if not isinstance(v, int) or v < 1:
-            raise ValueError(f"{name}={v!r} must be a positive integer")
-    if tp * pp * dp != world_size:
-        raise ValueError(f"tp*pp*dp = {tp}*{pp}*{dp} = {tp * pp * dp} does not equal "
-                         f"world_size={world_size}")
-
-
-def coord_of(rank: int, tp: int, pp: int) -> Coord:
-    """Grid coordinate of a global rank (tp innermost, dp outermost)."""
-    return Coord(dp=rank // (tp * pp), pp=(rank // tp) % pp, tp=rank % tp)
-
-
-def rank_of(c: Coord, tp: int, pp: int) -> int:
-    """Global rank at a grid coordinate."""
-    return (c.dp * pp + c.pp) * tp + c.tp
-
-
-def rank_grid(tp: int, pp: int, dp: int) -> list[list[list[int]]]:
-    """grid[dp][pp][tp] -> global rank."""
-    return [[[rank_of(Coord(d, p, t), tp, pp) for t in range(tp)] for p in range(pp)]
-            for d in range(dp)]
-
-
-def group_ranks(kind: str, tp: int, pp: int, dp: int) -> list[tuple[int, ...]]:
-    """Every group of one kind ('tp', 'pp', 'dp' or 'mp' = tp x pp), as rank tuples."""
-    g = rank_grid(tp, pp, dp)
-    if kind == "tp":
-        return [tuple(g[d][p]) for d in range(dp) for p in range(pp)]
-    if kind == "pp":
-        return [tuple(g[d][p][t] for p in range(pp)) for d in range(dp) for t in range(tp)]
-    if kind == "dp":
-        return [tuple(g[d][p][t] for d in range(dp)) for p in range(pp) for t in range(tp)]
-    if kind == "mp":
-        return [tuple(r for p in range(pp) for r in g[d][p]) for d in range(dp)]
-    raise ValueError(f"unknown group kind {kind!r}; expected tp, pp, dp or mp")
-
-
-def nodes_spanned(ranks: tuple[int, ...], ranks_per_node: int) -> int:
-    """How many nodes a group touches when each node holds `ranks_per_node` ranks."""
-    return len({r // ranks_per_node for r in ranks})
-
-
-def locality_problem(tp: int, pp: int, dp: int, ranks_per_node: int) -> str | None:
-    """A sentence explaining why the tp groups would cross nodes, or None if they don't."""
-    spans = max(nodes_spanned(g, ranks_per_node) for g in group_ranks("tp", tp, pp, dp))
-    if spans == 1:
-        return None
-    return (f"tensor-parallel group of tp={tp} spans {spans} nodes of {ranks_per_node} ranks each: "
-            f"tensor parallelism all-reduces the activations 4 times per layer and micro-batch "
-            f"(2 forward, 2 backward), which the inter-node network carries at a fraction of "
-            f"NVLink's bandwidth and with more latency per message; keep tp <= {ranks_per_node} "
-            f"(ranks per node) and use pipeline or data parallelism across nodes")
 
 
 class ParallelMesh:
@@ -177,7 +112,6 @@ class ParallelMesh:
         problem = locality_problem(self.tp_size, self.pp_size, self.dp_size, self.ranks_per_node)
         if problem is None:
             return
-        problem += _predicted_cost(self.tp_size, self.ranks_per_node)
         if strict:
             raise ValueError(problem)
         warnings.warn(problem, TopologyWarning, stacklevel=3)
@@ -191,25 +125,21 @@ class ParallelMesh:
             self._extra[key] = self._group_among(name, all_ranks)
         return self._extra[key]
 
-    def _group_among(self, name: str, all_ranks: list[tuple[int, ...]]) -> CommGroup | None:
+    def _group_among(self, name: str, all_ranks: list[tuple[int, ...]],
+                     reuse_world: bool = False) -> CommGroup | None:
         mine = None
         for ranks in all_ranks:
             pg = None
-            if len(ranks) > 1:
-                pg = dist.new_group(list(ranks))
+            if len(ranks) > 1:  # every rank must create every group, in the same order
+                pg = dist.GroupMember.WORLD if reuse_world and len(ranks) == self.world_size \
+                    else dist.new_group(list(ranks))
             if self.rank in ranks:
                 mine = CommGroup(name, ranks, ranks.index(self.rank), pg, self.ledger)
         return mine
 
     def _make_group(self, kind: str) -> CommGroup:
-        mine = None
-        for ranks in group_ranks(kind, self.tp_size, self.pp_size, self.dp_size):
-            pg = None
-            if len(ranks) > 1:  # every rank must create every group, in the same order
-                pg = dist.GroupMember.WORLD if len(ranks) == self.world_size else \
-                    dist.new_group(list(ranks))
-            if self.rank in ranks:
-                mine = CommGroup(kind, ranks, ranks.index(self.rank), pg, self.ledger)
+        mine = self._group_among(kind, group_ranks(kind, self.tp_size, self.pp_size, self.dp_size),
+                                 reuse_world=True)
         assert mine is not None
         return mine
 
@@ -261,17 +191,6 @@ class ParallelMesh:
     def __repr__(self) -> str:
         return (f"ParallelMesh(rank={self.rank}, tp={self.tp_size}, pp={self.pp_size}, "
                 f"dp={self.dp_size}, coord={self.coord})")
-
-
-def _predicted_cost(tp: int, ranks_per_node: int) -> str:
-    """The planner's estimate of what crossing nodes costs (same model as `tpkit plan`)."""
-    try:
-        from tpkit.plan.topology import cross_node_penalty
-
-        said = cross_node_penalty(None, tp, ranks_per_node, hardware="h100")
-    except Exception as e:  # noqa: BLE001 - the warning must never fail
-        return f" (no cost estimate: {e})"
-    return f". Predicted on H100 nodes with InfiniBand: {said}" if said else ""
 
 
 def _env_int(name: str) -> int | None:

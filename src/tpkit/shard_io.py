@@ -87,12 +87,8 @@ def local_slice(source: Source, name: str, split: TPSplit | None, rank: int, tp:
     full = list(shape)
     full[split.dim] = sum(split.parts)
     _check_dims(logical, tuple(full), split, name, where)
-    pieces, start = [], 0
-    for i, (size, n) in enumerate(zip(split.parts, split.chunks)):
-        c = size // n
-        a = start + split.chunk_index(i, rank, tp) * c
-        pieces.append(_padded_read(source, name, split.dim, a, a + c, logical[split.dim]))
-        start += size
+    pieces = [_padded_read(source, name, split.dim, pc.start, pc.start + pc.size,
+                           logical[split.dim]) for pc in split.pieces(rank, tp)]
     return torch.cat(pieces, split.dim) if len(pieces) > 1 else pieces[0]
 
 

@@ -1,104 +1,62 @@
-"""`tpkit convert`: checkpoints to and from one full safetensors file, offline resharding,
-Hugging Face export — in one process, without a process per rank.
+"""Checkpoints to and from one full safetensors file, offline resharding, Hugging Face
+export: in one process, without a process per rank (`tpkit convert` is the command).
 
-    tpkit convert runs/ckpt/step-100 model.safetensors --to full      # logical tensors
-    tpkit convert model.safetensors ckpt-tp4 --to sharded --tp 4 --pp 2
-    tpkit convert runs/ckpt/step-100 ckpt-tp1 --to sharded --tp 1     # + optimizer state
-    tpkit convert runs/ckpt/step-100 hf-out --to hf                    # transformers loads it
+    to_full("runs/demo", "model.safetensors")       # logical tensors (a run folder: latest)
+    reshard("model.safetensors", "ckpt-tp4", tp=4, pp=2)
+    reshard("runs/ckpt/step-100", "ckpt-tp1", tp=1)  # + optimizer state
+    to_hf("runs/ckpt/step-100", "hf-out")            # a directory transformers loads
 
-Resharding builds the model of each target coordinate on the meta device (no
-memory, no init), reads its split tags, and asks the source for exactly those
-slices (`ckpt_io.local_slice`): the tags, never the names, decide the layout.
+Resharding builds the model of each target coordinate on the meta device over a
+`ParallelMesh.virtual` (no processes, no memory, no init), reads its split tags, and
+asks the source for exactly those slices (`shard_io.local_slice`): the tags, never
+the names, decide the layout.
 """
 
 from __future__ import annotations
 
-import argparse
 import json
 import shutil
 from pathlib import Path
-from types import SimpleNamespace
 from typing import Any
 
-import torch
 from safetensors.torch import save_file
 from torch import nn
 
-from tpkit.checkpoint.files import (
-    MANIFEST,
-    CheckpointError,
-    FullSource,
-    ShardedSource,
-    local_slice,
-    read_manifest,
-    verify_file,
-)
-from tpkit.comm.group import CommGroup
-from tpkit.comm.ledger import Ledger
-from tpkit.sharding import split_of
+from tpkit.checkpoint.files import ShardedSource, local_slice, rank_file, verify_file
+from tpkit.checkpoint.locate import locate
+from tpkit.checkpoint.optim_state import keys_by_param, state_name
+from tpkit.checkpoint.sources import FULL_FORMAT, open_source
+from tpkit.checkpoint.store import write_manifest, write_record
+from tpkit.mesh import ParallelMesh
+from tpkit.model.hf import empty_model, write_hf
+from tpkit.model.tokenizer import copy_tokenizer, export_tokenizer, has_tokenizer
+from tpkit.sharding import meta_of, split_of
 from tpkit.spec.config import ModelConfig
 
-FULL_FORMAT = "tpkit-full"
 
-
-def offline_mesh(tp: int, pp: int, tp_rank: int, pp_rank: int) -> SimpleNamespace:
-    """What a model constructor reads of a mesh, for one coordinate, with no processes."""
-    ledger = Ledger()
-    return SimpleNamespace(
-        tp_size=tp, pp_size=pp, dp_size=1, tp_rank=tp_rank, pp_rank=pp_rank, dp_rank=0,
-        rank=pp_rank * tp + tp_rank, world_size=tp * pp, ledger=ledger,
-        device=torch.device("cpu"),
-        tp_group=CommGroup("tp", tuple(range(tp)), tp_rank, None, ledger),
-        pp_group=CommGroup("pp", tuple(range(pp)), pp_rank, None, ledger))
-
-
-def meta_model(config: ModelConfig, tp: int, pp: int, tp_rank: int, pp_rank: int,
-               names: set[str] | None = None) -> nn.Module:
-    """The model of one coordinate on the meta device (names, shapes, split tags only)."""
-    from tpkit.model.hf import build_model
-
-    mesh = offline_mesh(tp, pp, tp_rank, pp_rank)
-    return build_model(config, mesh, device="meta",
-                       pooler=names is not None and "pooler.weight" in names)
+def meta_model(config: ModelConfig, tp: int, pp: int, rank: int, names: set[str]
+               ) -> nn.Module:
+    """The model of one rank of a (tp, pp) layout on the meta device (names, shapes,
+    split tags only)."""
+    return empty_model(config, ParallelMesh.virtual(tp, pp, rank=rank), names)
 
 
 def to_hf(source: Any, out_dir: str | Path, config: ModelConfig | None = None) -> Path:
-    """A Hugging Face directory from a checkpoint dir, a full file, a tp=1 model or a dict."""
-    from tpkit.model.hf import write_hf
-    from tpkit.model.tokenizer import export_tokenizer
-
+    """A Hugging Face directory from any path `open_source` takes, a tp=1 model or a dict;
+    with the source's tokenizer files (or, for a tpkit preset, a byte-level tokenizer)."""
     src, config, names = open_source(source, config)
     out = write_hf(src, config, names, out_dir)
-    export_tokenizer(source, out, config.name)  # the source's files, or bytes for a preset
+    export_tokenizer(weights_folder(source), out, config.name)
     return out
 
 
-def open_source(source: Any, config: ModelConfig | None = None
-                ) -> tuple[Any, ModelConfig, set[str]]:
-    """(Source, config, tensor names) of a checkpoint dir, full file, HF dir, model or dict."""
+def weights_folder(source: Any) -> Path | None:
+    """The folder holding `source`'s weights, where its tokenizer files lie (None for a
+    model, a dict or a full file)."""
     if isinstance(source, nn.Module | dict):
-        from tpkit.model.hf import memory_source
-
-        return memory_source(source, config)
-    path = Path(source)
-    if (path / MANIFEST).is_file():
-        m = read_manifest(path)
-        return ShardedSource(path, m), ModelConfig.from_dict(m["config"]), set(m["tensors"])
-    if path.is_file():
-        src = FullSource(path)
-        meta = json.loads((src.f.metadata() or {}).get("tpkit", "{}"))
-        if meta.get("format") != FULL_FORMAT:
-            raise CheckpointError(f"{path}: not a tpkit full safetensors file (no metadata)")
-        return src, config or ModelConfig.from_dict(meta["config"]), src.names
-    if (path / "config.json").is_file():
-        from tpkit.model.hf import HFSource, config_from_hf, open_hf, table
-
-        hf, tensors, where = open_hf(path)
-        fam, cfg = config_from_hf(hf)
-        src = HFSource(tensors, table(fam, cfg), where)
-        return src, cfg, {n for n in src.recipes if src.logical_shape(n) is not None}
-    raise CheckpointError(f"{path}: neither a tpkit checkpoint (manifest.json), a full "
-                          f"safetensors file, nor a Hugging Face directory (config.json)")
+        return None
+    path = locate(source).path
+    return path if path.is_dir() else None
 
 
 def to_full(source: Any, out: str | Path) -> Path:
@@ -109,7 +67,7 @@ def to_full(source: Any, out: str | Path) -> Path:
         shape = src.logical_shape(n)
         tensors[n] = (src.read(n, 0, 0, shape[0]) if shape else src.read(n, 0, 0, 1)
                       ).contiguous().clone()
-    step = read_manifest(source)["step"] if (Path(source) / MANIFEST).is_file() else 0
+    step = src.manifest["step"] if isinstance(src, ShardedSource) else 0
     out = Path(out)
     out.parent.mkdir(parents=True, exist_ok=True)
     meta = dict(format=FULL_FORMAT, config=config.to_dict(), step=step)
@@ -120,38 +78,35 @@ def to_full(source: Any, out: str | Path) -> Path:
 def reshard(source: Any, out: str | Path, tp: int, pp: int = 1) -> Path:
     """Write a sharded checkpoint at (tp, pp) from any source; optimizer state follows
     when the source is a sharded checkpoint that has it. Atomic like `checkpoint.save`."""
-    from tpkit.checkpoint.store import write_manifest, write_record
-
     src, config, names = open_source(source)
     config.check(tp=tp, pp=pp)
-    m = read_manifest(source) if isinstance(src, ShardedSource) else None
-    optim_src = ShardedSource(source, m, "optim") if m and m.get("optimizer") else None
+    m = src.manifest if isinstance(src, ShardedSource) else None
+    optim_src = ShardedSource(src.root, m, "optim") if m and m.get("optimizer") else None
     root = Path(out)
     tmp = root.parent / f".{root.name}.tmp"
     shutil.rmtree(tmp, ignore_errors=True)
     tmp.mkdir(parents=True)
-    extra = _rank0_extra(source, m)
+    extra = _rank0_extra(src.root, m) if m else {}
     for p in range(pp):
         for t in range(tp):
-            model = meta_model(config, tp, pp, t, p, names)
-            params = _slices(src, model, t, tp, config, str(source))
+            rank = p * tp + t  # tp innermost, like every mesh
+            model = meta_model(config, tp, pp, rank, names)
+            params = _slices(src, model, t, tp, str(source))
             optim = _optim_slices(optim_src, m, model, t, tp, str(source)) if optim_src else {}
             groups = m["optimizer"]["groups"] if optim_src else None
-            write_record(tmp, p * tp + t, t, p, tp, config, params, optim, groups, extra)
+            write_record(tmp, rank, t, p, tp, config, params, optim, groups, extra)
     write_manifest(tmp, root, config.to_dict(), m["optimizer"]["type"] if optim_src else None,
                    m["step"] if m else 0, dict(tp=tp, pp=pp, dp=1))
-    if not isinstance(source, nn.Module | dict):  # the tokenizer files travel along
-        from tpkit.model.tokenizer import copy_tokenizer, has_tokenizer
-
-        if has_tokenizer(source):
-            copy_tokenizer(source, root)
+    folder = weights_folder(source)
+    if folder is not None and has_tokenizer(folder):  # the tokenizer travels along
+        copy_tokenizer(folder, root)
     return root
 
 
-def _slices(src, model, t: int, tp: int, config, where: str) -> dict:
+def _slices(src, model, t: int, tp: int, where: str) -> dict:
     out = {}
     for n, p in model.named_parameters():
-        if getattr(p, "tied_to", None):
+        if meta_of(p).tied_to:
             continue
         x = local_slice(src, n, split_of(p), t, tp, tuple(p.shape), where)
         out[n] = (x.to(p.dtype), split_of(p))
@@ -159,43 +114,15 @@ def _slices(src, model, t: int, tp: int, config, where: str) -> dict:
 
 
 def _optim_slices(src: ShardedSource, m: dict, model, t: int, tp: int, where: str) -> dict:
-    out = {}
+    out, keys = {}, keys_by_param(m["optim_tensors"])
     for n, p in model.named_parameters():
-        for full in (k for k in m["optim_tensors"] if k.split("::")[0] == n):
+        for full in (state_name(n, key) for key in keys.get(n, [])):
             scalar = m["optim_tensors"][full]["logical"] == []
             shape, split = ((), None) if scalar else (tuple(p.shape), split_of(p))
             out[full] = (local_slice(src, full, split, t, tp, shape, where), split)
     return out
 
 
-def _rank0_extra(source: Any, m: dict | None) -> dict:
-    if m is None:
-        return {}
-    path = verify_file(Path(source), "rank-00000.json", m["files"].get("rank-00000.json"))
-    return json.loads(path.read_text())["extra"]
-
-
-def add_arguments(parser: argparse.ArgumentParser) -> None:
-    """Options of `tpkit convert`."""
-    parser.add_argument("source", help="tpkit checkpoint dir, full .safetensors, or HF dir")
-    parser.add_argument("dest", help="output path")
-    parser.add_argument("--to", choices=("full", "sharded", "hf"), default="sharded",
-                        help="one full safetensors file, a sharded checkpoint, or Hugging Face")
-    parser.add_argument("--tp", type=int, default=1, help="tensor-parallel size (sharded)")
-    parser.add_argument("--pp", type=int, default=1, help="pipeline stages (sharded)")
-
-
-def run(args: argparse.Namespace) -> int:
-    """Convert; print what was written. Errors name the file and the problem."""
-    try:
-        if args.to == "full":
-            out = to_full(args.source, args.dest)
-        elif args.to == "hf":
-            out = to_hf(args.source, args.dest)
-        else:
-            out = reshard(args.source, args.dest, args.tp, args.pp)
-    except (CheckpointError, ValueError) as e:
-        print(f"tpkit convert: {e}")
-        return 1
-    print(f"wrote {out}")
-    return 0
+def _rank0_extra(root: Path, m: dict) -> dict:
+    name = rank_file(0)
+    return json.loads(verify_file(root, name, m["files"].get(name)).read_text())["extra"]

@@ -98,17 +98,27 @@ def file_entry(path: Path) -> dict:
     return dict(sha256=h.hexdigest(), bytes=path.stat().st_size)
 
 
+def size_problem(root: Path, name: str, entry: dict | None) -> str | None:
+    """Why `name` cannot be the file the manifest lists (absent, or another size), or None.
+    Cheap: no checksum (`verify_file` adds it)."""
+    path = root / name
+    if entry is None:
+        return f"{path}: not listed in {root / MANIFEST}"
+    if not path.is_file():
+        return f"{path}: missing shard (listed in {MANIFEST})"
+    size = path.stat().st_size
+    if size != entry["bytes"]:
+        return (f"{path}: truncated or resized: {size} bytes on disk, "
+                f"{entry['bytes']} in {MANIFEST}")
+    return None
+
+
 def verify_file(root: Path, name: str, entry: dict | None) -> Path:
     """The path of `name` after checking it exists, has its size and its sha256."""
     path = root / name
-    if entry is None:
-        raise CheckpointError(f"{path}: not listed in {root / MANIFEST}")
-    if not path.is_file():
-        raise CheckpointError(f"{path}: missing shard (listed in {MANIFEST})")
-    size = path.stat().st_size
-    if size != entry["bytes"]:
-        raise CheckpointError(f"{path}: truncated or resized: {size} bytes on disk, "
-                              f"{entry['bytes']} in {MANIFEST}")
+    problem = size_problem(root, name, entry)
+    if problem:
+        raise CheckpointError(problem)
     if file_entry(path)["sha256"] != entry["sha256"]:
         raise CheckpointError(f"{path}: checksum mismatch (sha256 differs from {MANIFEST}): "
                               f"the file is corrupted")
@@ -178,15 +188,8 @@ class ShardedSource:
         return torch.cat(list(self._pieces(split, stage, name, start, stop)), dim)
 
     def _pieces(self, split: TPSplit, stage: int, name: str, start: int, stop: int):
-        part_start, local_off = 0, 0
-        for i, (size, n) in enumerate(zip(split.parts, split.chunks)):
-            c = size // n
-            lo, hi = max(start, part_start), min(stop, part_start + size)
-            while lo < hi:
-                j = (lo - part_start) // c  # chunk j of part i holds row lo
-                owner = next(r for r in range(self.tp) if split.chunk_index(i, r, self.tp) == j)
-                end = min(hi, part_start + (j + 1) * c)
-                a = local_off + lo - part_start - j * c
-                yield self._local(owner, stage, name, split.dim, a, a + end - lo)
-                lo = end
-            part_start, local_off = part_start + size, local_off + c
+        for owner, pc in split.owned_pieces(self.tp):  # every chunk once, in global order
+            lo, hi = max(start, pc.start), min(stop, pc.start + pc.size)
+            if lo < hi:
+                a = pc.local_start + lo - pc.start
+                yield self._local(owner, stage, name, split.dim, a, a + hi - lo)

@@ -23,9 +23,24 @@ from torch import nn
 from tpkit.checkpoint.files import MANIFEST, CheckpointError, ShardedSource, local_slice
 from tpkit.mesh import ParallelMesh
 from tpkit.parallel.zero import ZeroAdamW
-from tpkit.sharding import split_of
+from tpkit.sharding import meta_of, split_of
 
 State = dict[nn.Parameter, dict[str, torch.Tensor]]
+
+
+def state_name(param: str, key: str) -> str:
+    """The name on disk of one entry of a parameter's state: "{param}::{key}"."""
+    return f"{param}::{key}"
+
+
+def keys_by_param(saved: dict) -> dict[str, list[str]]:
+    """Parameter name -> the keys of its saved state ("exp_avg", "step"...), from the
+    manifest's optim_tensors."""
+    keys: dict[str, list[str]] = {}
+    for full in saved:
+        name, key = full.split("::", 1)
+        keys.setdefault(name, []).append(key)
+    return keys
 
 
 def gather_state(optimizer) -> State:
@@ -41,7 +56,7 @@ def state_tensors(own: dict[str, nn.Parameter], state: State) -> dict:
     """"{param}::{key}" -> (tensor, split: the parameter's, or None for scalars), for the
     parameters this stage owns (`own`: name -> parameter)."""
     names = {id(p): n for n, p in own.items()}
-    return {f"{names[id(p)]}::{key}": (value, split_of(p) if value.shape == p.shape else None)
+    return {state_name(names[id(p)], key): (value, split_of(p) if value.shape == p.shape else None)
             for p, entry in state.items() if id(p) in names for key, value in entry.items()}
 
 
@@ -63,17 +78,14 @@ def stage_state(root: Path, manifest: dict, model: nn.Module, optimizer,
     if manifest.get("optimizer") is None:
         raise CheckpointError(f"{root / MANIFEST}: the checkpoint holds no optimizer state")
     source, saved = ShardedSource(root, manifest, "optim"), manifest["optim_tensors"]
-    keys: dict[str, list[str]] = {}
-    for full in saved:
-        name, key = full.split("::", 1)
-        keys.setdefault(name, []).append(key)
+    keys = keys_by_param(saved)
     names = {id(p): n for n, p in model.named_parameters()}
     state: State = {}
     for p in (p for params in model_groups(optimizer) for p in params):
-        src = getattr(p, "tied_to", None) or names[id(p)]
+        src = meta_of(p).tied_to or names[id(p)]
         entry = {}
         for key in keys.get(src, []):
-            full = f"{src}::{key}"
+            full = state_name(src, key)
             like = tuple(p.shape) if saved[full]["logical"] != [] else ()
             entry[key] = local_slice(source, full, split_of(p) if like else None,
                                      mesh.tp_rank, mesh.tp_size, like, str(root))

@@ -9,12 +9,12 @@ dp replica 0, a small JSON per rank), fsync, meet; rank 0 then writes the manife
 killed midway leaves the previous checkpoint at `dir` untouched.
 
 A load reads, per parameter, only the chunks this rank holds at *its* layout
-(`ckpt_io.local_slice`, driven by the split tags of the model being loaded), checks
+(`shard_io.local_slice`, driven by the split tags of the model being loaded), checks
 every file it opens against the manifest, stages everything, and copies into the
 model only when every rank has staged without error: nothing is ever half-loaded.
 Optimizer state (AdamW's exp_avg, exp_avg_sq: same shape as the parameter) carries
 the parameter's tag and reshards the same way; ZeRO-1's flat dp slices are gathered
-into that same per-parameter form (`ckpt_optim`), so either optimizer, at any dp,
+into that same per-parameter form (`optim_state`), so either optimizer, at any dp,
 reads a file either one wrote.
 """
 
@@ -33,7 +33,7 @@ import torch
 from safetensors.torch import save_file
 from torch import nn
 
-from tpkit.checkpoint import optim_state as ckpt_optim
+from tpkit.checkpoint import optim_state
 from tpkit.checkpoint.files import (
     FORMAT,
     MANIFEST,
@@ -51,11 +51,12 @@ from tpkit.checkpoint.files import (
     verify_file,
     write_json,
 )
+from tpkit.checkpoint.locate import latest, sharded_dir
 from tpkit.comm import all_reduce
 from tpkit.device import rng_state, set_rng_state
 from tpkit.mesh import ParallelMesh
 from tpkit.parallel.zero import ZeroAdamW
-from tpkit.sharding import split_of
+from tpkit.sharding import meta_of, split_of
 
 __all__ = ["CheckpointError", "capture_rng", "latest", "load", "read_manifest",
            "restore_rng", "save"]
@@ -83,7 +84,7 @@ def save(path: str | Path, model: nn.Module, optimizer: Optimizer | None = None,
         shutil.rmtree(tmp, ignore_errors=True)
         tmp.mkdir(parents=True)
     _agree(mesh, True)
-    state = ckpt_optim.gather_state(optimizer) if optimizer is not None else None  # ZeRO: dp
+    state = optim_state.gather_state(optimizer) if optimizer is not None else None  # ZeRO: dp
     err = _attempt(_write_rank, tmp, model, optimizer, state, extra, mesh)
     _raise_unless_all(mesh, err, f"{root}: another rank failed to write its shards; "
                                  f"the previous checkpoint is untouched")
@@ -97,15 +98,17 @@ def load(path: str | Path, model: nn.Module, optimizer: Optimizer | None = None,
          *, mesh: ParallelMesh | None = None) -> dict:
     """Load a checkpoint written at any layout into `model` (and `optimizer`) at this one.
 
+    `path`: a checkpoint directory or a run folder (its latest valid checkpoint).
     Returns this rank's `extra` when the layout is unchanged, else rank 0's (plus
     `"step"`). Raises CheckpointError naming the file and the problem; on any
     error no rank changes anything.
     """
     mesh = mesh or getattr(model, "mesh", None) or ParallelMesh.single()
-    root = _resolve(Path(path))
+    root = Path(path)
     staged: Any = None
     err: BaseException | None = None
     try:
+        root = sharded_dir(root)  # a run folder: its latest valid checkpoint
         manifest = read_manifest(root)
         _check_config(root, manifest, model)
         staged = _stage(root, manifest, model, optimizer, mesh)
@@ -113,25 +116,13 @@ def load(path: str | Path, model: nn.Module, optimizer: Optimizer | None = None,
         err = e
     _raise_unless_all(mesh, err, f"{root}: another rank failed to load (see its error); "
                                  f"nothing was loaded")
-    params, optim_state, extra = staged
+    params, staged_optim, extra = staged
     with torch.no_grad():
         for name, p in model.named_parameters():
             p.copy_(params[name])
-    if optimizer is not None and optim_state is not None:
-        ckpt_optim.apply_state(optimizer, *optim_state)
+    if optimizer is not None and staged_optim is not None:
+        optim_state.apply_state(optimizer, *staged_optim)
     return extra
-
-
-def latest(root: str | Path) -> Path | None:
-    """The complete checkpoint (manifest present) with the highest step under `root`."""
-    found = []
-    for d in Path(root).iterdir() if Path(root).is_dir() else []:
-        if d.is_dir() and not d.name.startswith(".") and (d / MANIFEST).is_file():
-            try:
-                found.append((read_manifest(d)["step"], d.name, d))
-            except CheckpointError:
-                continue
-    return max(found)[2] if found else None
 
 
 def capture_rng(device: torch.device | None = None) -> dict:
@@ -149,14 +140,14 @@ def restore_rng(state: dict, device: torch.device | None = None) -> None:
 
 
 # -- writing ----------------------------------------------------------------------------
-def _write_rank(tmp: Path, model: nn.Module, optimizer, state: ckpt_optim.State | None,
+def _write_rank(tmp: Path, model: nn.Module, optimizer, state: optim_state.State | None,
                 extra: dict | None, mesh: ParallelMesh) -> None:
     params, optim, groups = {}, {}, None
     if mesh.dp_rank == 0:  # dp replicas hold the same shards: replica 0 writes them
         params = {n: (q.detach(), split_of(q)) for n, q in _own_params(model).items()}
         if optimizer is not None:
-            optim = ckpt_optim.state_tensors(_own_params(model), state)
-            groups = _encode(ckpt_optim.group_settings(optimizer))
+            optim = optim_state.state_tensors(_own_params(model), state)
+            groups = _encode(optim_state.group_settings(optimizer))
     write_record(tmp, mesh.rank, mesh.tp_rank, mesh.pp_rank, mesh.tp_size,
                  getattr(model, "config", None), params, optim, groups, _encode(extra or {}))
 
@@ -194,7 +185,7 @@ def _meta(split, local_shape, dtype: torch.dtype, tp: int, stage: int, config) -
 
 def _own_params(model: nn.Module) -> dict[str, torch.Tensor]:
     """Parameters this stage owns (a pipeline copy of a tied embedding is saved once)."""
-    return {n: p for n, p in model.named_parameters() if not getattr(p, "tied_to", None)}
+    return {n: p for n, p in model.named_parameters() if not meta_of(p).tied_to}
 
 
 def _finish(tmp: Path, root: Path, model: nn.Module, optimizer, step: int,
@@ -234,14 +225,6 @@ def write_manifest(tmp: Path, root: Path, config: dict | None, optimizer: str | 
 
 
 # -- reading ----------------------------------------------------------------------------
-def _resolve(root: Path) -> Path:
-    """`root`, or the previous checkpoint a save moved aside just before it was killed."""
-    aside = root.parent / f".{root.name}.old"
-    if not root.exists() and (aside / MANIFEST).is_file():
-        return aside
-    return root
-
-
 def _check_config(root: Path, manifest: dict, model: nn.Module) -> None:
     config, saved = getattr(model, "config", None), manifest.get("config")
     if config is None or saved is None:
@@ -259,20 +242,20 @@ def _stage(root: Path, manifest: dict, model: nn.Module, optimizer, mesh: Parall
     source, where = ShardedSource(root, manifest), str(root)
     params = {}
     for name, p in model.named_parameters():
-        src = getattr(p, "tied_to", None) or name
+        src = meta_of(p).tied_to or name
         params[name] = local_slice(source, src, split_of(p), mesh.tp_rank, mesh.tp_size,
                                    tuple(p.shape), where).to(p.dtype)
-    optim_state = None
+    staged_optim = None
     if optimizer is not None:
-        optim_state = (ckpt_optim.stage_state(root, manifest, model, optimizer, mesh),
-                       _decode(manifest["optimizer"]["groups"]))
+        staged_optim = (optim_state.stage_state(root, manifest, model, optimizer, mesh),
+                        _decode(manifest["optimizer"]["groups"]))
     layout = dict(tp=mesh.tp_size, pp=mesh.pp_size, dp=mesh.dp_size)
     rank = mesh.rank if layout == manifest["layout"] else 0
     fname = rank_file(rank)
     record = json.loads(verify_file(root, fname, manifest["files"].get(fname)).read_text())
     extra = _decode(record["extra"])
     extra.setdefault("step", manifest["step"])
-    return params, optim_state, extra
+    return params, staged_optim, extra
 
 
 # -- helpers ----------------------------------------------------------------------------

@@ -8,7 +8,8 @@
 Bytes are counted two ways: `nbytes` is the logical tensor (an all-reduce of
 b*s*h floats has nbytes = 4*b*s*h, as has the all-gather that rebuilds [b, s, h]);
 `wire_bytes` is what each rank puts on the link with a ring algorithm
-(all-reduce 2(p-1)/p * n, all-gather and reduce-scatter (p-1)/p * n), so one
+(`spec.theory.ring_factor`: all-reduce 2(p-1)/p * n, all-gather and reduce-scatter
+(p-1)/p * n), so one
 all-reduce costs exactly one reduce-scatter plus one all-gather.
 """
 
@@ -20,7 +21,7 @@ from collections.abc import Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass
 
-_RING_FACTOR = {"all_reduce": 2.0, "all_gather": 1.0, "reduce_scatter": 1.0, "broadcast": 1.0}
+from tpkit.spec.theory import as_counter, ring_factor
 
 
 @dataclass(frozen=True)
@@ -39,10 +40,9 @@ class Record:
     @property
     def wire_bytes(self) -> float:
         """Bytes this rank sends with a ring algorithm."""
-        p = self.group_size
         if self.op in ("send", "recv"):
             return float(self.nbytes)
-        return _RING_FACTOR.get(self.op, 1.0) * (p - 1) / p * self.nbytes
+        return ring_factor(self.op, self.group_size) * self.nbytes
 
 
 class Ledger:
@@ -140,8 +140,6 @@ class Ledger:
         Returns an empty list when every expected collective happened exactly the
         expected number of times, with the expected size, and nothing else did.
         """
-        from tpkit.spec.theory import as_counter
-
         want, got = as_counter(theory), self.counts(**select)
         problems = []
         for key in sorted(set(want) | set(got)):

@@ -1,15 +1,13 @@
-"""`tpkit generate`: load a model at a tensor-parallel layout (tpkit checkpoint, full
-file or Hugging Face directory) and sample from it (`tpkit.model.generate`).
+"""`tpkit generate`: load a model at a tensor-parallel layout (tpkit checkpoint, run
+folder, full file or Hugging Face directory: `tpkit.checkpoint.load_model`) and sample
+from it (`tpkit.model.generate`).
 
     tpkit generate --checkpoint hf-dir --tp 2 --prompt "The capital of France is"
-    tpkit generate --checkpoint runs/x/checkpoints/step_000100 --prompt "a" --prompt "bcd"
+    tpkit generate --checkpoint runs/x --prompt "a" --prompt "bcd"     # a batch of two
 
 Text goes through the model folder's own tokenizer (`tpkit.model.tokenizer`; byte level
 for tpkit's presets); one prompt streams as its tokens arrive, several are generated
 as one left-padded batch. Tokens per second go to stderr at the end.
-
-A command sits on top of the stack: it may use training's checkpoints, while
-`tpkit.model` knows nothing of training.
 """
 
 from __future__ import annotations
@@ -20,33 +18,12 @@ import sys
 import time
 from pathlib import Path
 
-import torch
-from torch import nn
-
+from tpkit.checkpoint.files import CheckpointError
+from tpkit.checkpoint.locate import locate
+from tpkit.checkpoint.sources import load_model
 from tpkit.mesh import ParallelMesh
 from tpkit.model.generate import generate, pad_left
 from tpkit.model.tokenizer import ByteTokenizer, TextStream, load_tokenizer
-
-
-def load_model(path: str | Path, mesh: ParallelMesh, dtype: torch.dtype | None = None
-               ) -> nn.Module:
-    """A model at `mesh`'s layout from a tpkit checkpoint dir, full file or HF directory."""
-    from tpkit.checkpoint import store as ckpt
-    from tpkit.checkpoint.convert import open_source
-    from tpkit.model.hf import build_model, from_pretrained, load_from, materialize
-
-    path = Path(path)
-    if (path / "config.json").is_file() and not (path / "manifest.json").is_file():
-        return from_pretrained(path, mesh, dtype=dtype)
-    source, config, names = open_source(path)
-    model = build_model(config, mesh, device="meta", dtype=dtype,
-                        pooler="pooler.weight" in names)
-    materialize(model, mesh.device)
-    if (path / "manifest.json").is_file():
-        ckpt.load(path, model, mesh=mesh)
-    else:
-        load_from(model, source, mesh, str(path))
-    return model
 
 
 def _prompts(args: argparse.Namespace, tok) -> list[list[int]]:
@@ -99,7 +76,8 @@ def _show(args: argparse.Namespace, tok, i: int, new: list[int]) -> str:
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     """Options of `tpkit generate`."""
     parser.add_argument("--checkpoint", required=True,
-                        help="tpkit checkpoint dir, full .safetensors, or Hugging Face dir")
+                        help="tpkit checkpoint dir, run folder (its latest valid "
+                             "checkpoint), full .safetensors, or Hugging Face dir")
     parser.add_argument("--tp", type=int, default=1, help="tensor-parallel processes")
     parser.add_argument("--prompt", action="append", default=[],
                         help="text, tokenized with the model folder's tokenizer (byte level "
@@ -120,6 +98,7 @@ def run(args: argparse.Namespace) -> int:
         print("tpkit generate: give --prompt or --prompt-ids")
         return 2
     try:
+        args.checkpoint = str(locate(args.checkpoint).path)  # once, before any process
         if "WORLD_SIZE" in os.environ:
             result = _worker(ParallelMesh.from_env(tp=args.tp, pp=1), args)
         elif args.tp == 1:
@@ -130,10 +109,10 @@ def run(args: argparse.Namespace) -> int:
             try:
                 result = spawn(_worker, args.tp, args, mesh=dict(tp=args.tp))[0]
             except SpawnError as e:  # a rank's ValueError: the same message as at tp=1
-                if isinstance(e.original, ValueError):
+                if isinstance(e.original, ValueError | CheckpointError):
                     raise e.original from e
                 raise
-    except ValueError as e:  # CheckpointError is a RuntimeError: let it name its file
+    except (ValueError, CheckpointError) as e:
         print(f"tpkit generate: {e}")
         return 1
     if not result["streamed"]:

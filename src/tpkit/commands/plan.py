@@ -3,6 +3,11 @@
     tpkit plan --preset llama3-70b --nodes 8 --gpus-per-node 8 --hardware h100
     tpkit plan --heads 32 --hidden 4096 --layers 32 --vocab 32000 --seq 4096 --json
     tpkit plan --preset gpt3-175b --nodes 16 --hardware a100-80gb --explain --top 3
+    tpkit plan --preset llama3-8b --nodes 16 --seq 131072 --global-batch 16 --cp 16
+
+Below the table: what each column means, then plan #1 as Megatron-LM flags and as a
+`tpkit train` command line (or the best plan tpkit itself can run, when plan #1 needs
+context parallelism, ZeRO-2 or FSDP).
 """
 
 from __future__ import annotations
@@ -11,12 +16,14 @@ import argparse
 import json
 import sys
 
+from tpkit.plan.command_line import tpkit_gaps
 from tpkit.plan.hardware import PROFILES, HardwareError, get_hardware
-from tpkit.plan.planner import PlanError, Request, plan
-from tpkit.plan.simulate import Cluster, Estimate
+from tpkit.plan.layout import ZERO_NAMES
+from tpkit.plan.memory import GRAD_DTYPES, Precision
+from tpkit.plan.planner import PlanError, Request, best_per_degrees, plan
+from tpkit.plan.report import commands_dict, legend, plan_dict
+from tpkit.plan.simulate import Cluster
 from tpkit.spec.config import ModelConfig, get_preset
-
-GB = 1e9
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
@@ -37,17 +44,31 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     c.add_argument("--hardware-file", help="TOML file with more profiles")
     c.add_argument("--seq", type=int, help="sequence length (default: the model's, max 4096)")
     c.add_argument("--global-batch", type=int, help="sequences per step (default 8 x devices)")
+    c.add_argument("--grad-dtype", choices=tuple(GRAD_DTYPES), default="fp32",
+                   help="gradient precision (default fp32: Megatron-Core's main gradients "
+                        "with bf16 training; bf16 = --grad-reduce-in-bf16)")
+    c.add_argument("--no-flash", action="store_true",
+                   help="attention without a fused kernel (scores kept in memory)")
     f = p.add_argument_group("pin choices (default: search them)")
-    for flag in ("--tp", "--pp", "--dp", "--micro-batch", "--interleave"):
-        f.add_argument(flag, type=int)
+    for flag, help_ in (("--tp", "tensor-parallel size"), ("--cp", "context-parallel size"),
+                        ("--pp", "pipeline stages"), ("--dp", "data-parallel replicas"),
+                        ("--micro-batch", "sequences per micro-batch"),
+                        ("--interleave", "virtual pipeline chunks per device")):
+        f.add_argument(flag, type=int, help=help_)
     f.add_argument("--recompute", choices=("none", "selective", "full"))
-    f.add_argument("--sp", choices=("on", "off"))
-    f.add_argument("--zero1", choices=("on", "off"))
+    f.add_argument("--sp", choices=("on", "off"), help="sequence parallelism")
+    f.add_argument("--zero", type=int, choices=tuple(ZERO_NAMES),
+                   help="data-parallel sharding: " + ", ".join(
+                       f"{k} {v}" for k, v in ZERO_NAMES.items()))
+    f.add_argument("--zero1", choices=("on", "off"), help="same as --zero 1 / --zero 0")
     o = p.add_argument_group("output")
     o.add_argument("--top", type=int, default=8, help="how many plans to show")
     o.add_argument("--json", action="store_true", help="JSON list of plans, best first")
     o.add_argument("--explain", action="store_true", help="per-layer breakdown of each plan")
-    o.add_argument("--all", action="store_true", help="every variant, not the best per (tp, pp)")
+    o.add_argument("--all", action="store_true",
+                   help="every variant, not the best per (tp, cp, pp)")
+    p.epilog = "table columns:\n" + legend()
+    p.formatter_class = argparse.RawDescriptionHelpFormatter
 
 
 def model_from_args(a: argparse.Namespace) -> ModelConfig:
@@ -74,43 +95,44 @@ def request_from_args(a: argparse.Namespace) -> Request:
     if seq > cfg.max_seq_len:
         cfg = cfg.with_(max_seq_len=seq)
     hw = get_hardware(a.hardware, a.hardware_file)
-    cluster = Cluster(hw, nodes=a.nodes, devices_per_node=a.gpus_per_node)
+    cluster = Cluster(hw, nodes=a.nodes, devices_per_node=a.gpus_per_node,
+                      flash_attention=not a.no_flash)
     onoff = {"on": True, "off": False, None: None}
-    fixed = {"tp": a.tp, "pp": a.pp, "dp": a.dp, "micro_batch": a.micro_batch,
+    zero = a.zero if a.zero is not None else {"on": 1, "off": 0, None: None}[a.zero1]
+    fixed = {"tp": a.tp, "cp": a.cp, "pp": a.pp, "dp": a.dp, "micro_batch": a.micro_batch,
              "interleave": a.interleave, "recompute": a.recompute, "sp": onoff[a.sp],
-             "zero1": onoff[a.zero1]}
+             "zero": zero}
     gbs = a.global_batch or 8 * cluster.devices
-    return Request(cfg, seq, gbs, cluster, {k: v for k, v in fixed.items() if v is not None})
-
-
-def plan_dict(e: Estimate) -> dict:
-    """One plan as JSON-able dict (the keys scripts rely on, then the breakdown)."""
-    lay = e.layout
-    return {"tp": lay.tp, "pp": lay.pp, "dp": lay.dp, "micro_batch": lay.micro_batch,
-            "sp": lay.sp, "recompute": lay.recompute, "zero1": lay.zero1,
-            "interleave": lay.interleave, "micro_batches": e.micro_batches,
-            "step_time_s": e.step_time_s, "tokens_per_s": e.tokens_per_s,
-            "tflops_per_device": e.tflops_per_device, "mfu": e.mfu,
-            "memory_gb": e.memory["total"] / GB, "reason": e.reason,
-            "terms_s": e.terms, "memory_breakdown_gb": {k: v / GB for k, v in e.memory.items()},
-            "per_layer_s": e.per_layer}
+    prec = Precision.for_dtype(hw.accelerator.dtype, a.grad_dtype)
+    return Request(cfg, seq, gbs, cluster, {k: v for k, v in fixed.items() if v is not None},
+                   prec)
 
 
 def run(args: argparse.Namespace) -> int:
-    """Print the plans; exit 1 with the reason when there is none."""
+    """Print the plans and how to run the best; exit 1 with the reason when there is none."""
     try:
         req = request_from_args(args)
-        plans = plan(req, top=args.top, distinct=not args.all)
+        everything = plan(req, distinct=False)
     except (PlanError, HardwareError, ValueError) as e:
         print(f"tpkit plan: {e}", file=sys.stderr)
         return 1
+    plans = (everything if args.all else best_per_degrees(everything))[:args.top]
+    preset = args.preset if args.preset and not _customised(args) else None
+    runnable = next((e for e in everything if not tpkit_gaps(e.layout, preset)), None)
     if args.json:
-        print(json.dumps([plan_dict(e) for e in plans], indent=1))
+        print(json.dumps([{**plan_dict(e), "commands": commands_dict(req, e, preset)}
+                          for e in plans], indent=1))
         return 0
-    from tpkit.plan.report import print_explain, print_table
+    from tpkit.plan.report import print_commands, print_explain, print_table
 
     print_table(req, plans)
+    print_commands(req, plans, runnable, preset)
     if args.explain:
         for e in plans:
             print_explain(req, e)
     return 0
+
+
+def _customised(a: argparse.Namespace) -> bool:
+    """A preset changed by shape flags is no longer what `tpkit train --preset` builds."""
+    return any(v is not None for v in (a.heads, a.hidden, a.layers, a.vocab, a.kv_heads, a.ffn))

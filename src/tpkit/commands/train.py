@@ -16,8 +16,13 @@ import argparse
 import os
 import sys
 from dataclasses import fields
+from typing import TYPE_CHECKING
 
+from tpkit.parallel.schedules import SCHEDULES
 from tpkit.train.config import DTYPES, TrainConfig
+
+if TYPE_CHECKING:
+    from tpkit.train.report import RunSummary
 
 _FLAGS = {  # field -> (type or action, help)
     "preset": (str, "model preset (gpt2-tiny, llama-tiny, ...)"),
@@ -34,7 +39,7 @@ _FLAGS = {  # field -> (type or action, help)
     "clip": (float, "clip the global gradient norm to this (0: off)"),
     "sp": ("store_true", "sequence parallelism"),
     "zero1": ("store_true", "shard the optimizer state over dp (ZeRO-1)"),
-    "schedule": (str, "pipeline schedule: gpipe, 1f1b or interleaved"),
+    "schedule": (str, f"pipeline schedule: one of {tuple(SCHEDULES)}"),
     "virtual_stages": (int, "model chunks per stage, for --schedule interleaved"),
     "dtype": (str, f"one of {DTYPES} (bfloat16: autocast)"),
     "recompute": ("store_true", "recompute activations in backward"),
@@ -45,7 +50,7 @@ _FLAGS = {  # field -> (type or action, help)
     "ckpt_every": (int, "checkpoint every N steps (and always at the end)"),
     "out": (str, "output directory (metrics.jsonl, loss.png, checkpoints/)"),
     "seed": (int, "seed of weights and data order"),
-    "resume": (str, "continue from a checkpoint (or the latest one in a folder)"),
+    "resume": (str, "continue from a checkpoint, or a run folder (its latest valid one)"),
 }
 
 
@@ -82,26 +87,29 @@ def _toml_keys(path: str) -> set[str]:
         return {k.replace("-", "_") for k in tomllib.load(f)}
 
 
-def _worker(mesh, cfg: TrainConfig) -> dict:
+def _worker(mesh, cfg: TrainConfig) -> RunSummary:
     from tpkit.train.loop import train
 
     return train(cfg, mesh)
 
 
-def _print_report(results: list[dict]) -> None:
-    from tpkit.train.metrics import report
+def _print_report(results: list[RunSummary]) -> None:
+    from tpkit.train.report import report
 
     first = results[0]
-    last = next((r for r in results if r["stage"] == first["pp"] - 1 and r["tp_rank"] == 0),
+    last = next((r for r in results if r.stage == first.config.pp - 1 and r.tp_rank == 0),
                 None)
-    tables = [first["table"], first["theory"]]
+    tables = [first.table, first.theory]
     if last is not None and last is not first:
-        tables.append(last["theory"])
+        tables.append(last.theory)
     print(report(first, tables))
 
 
 def run(args: argparse.Namespace) -> int:
-    """Train; 0 on success, 2 on a configuration or data error (named on stderr)."""
+    """Train; 0 on success, 2 on a configuration, data or checkpoint error (named on
+    stderr)."""
+    from tpkit.checkpoint.files import CheckpointError
+    from tpkit.checkpoint.locate import sharded_dir
     from tpkit.launch import SpawnError
 
     torchrun = "RANK" in os.environ and "WORLD_SIZE" in os.environ
@@ -109,13 +117,15 @@ def run(args: argparse.Namespace) -> int:
     try:
         cfg = config_from_args(args, world)
         cfg.check(world or cfg.world_size)
+        if cfg.resume:  # a run folder: its latest valid checkpoint, chosen once, here
+            cfg = cfg.with_(resume=str(sharded_dir(cfg.resume)))
         if torchrun:
             return _run_torchrun(cfg)
         from tpkit.train.data import load_tokens
 
         load_tokens(cfg.data, cfg.model_config().vocab_size)  # data errors before spawning
         return _run_local(cfg)
-    except (ValueError, FileNotFoundError) as e:
+    except (ValueError, FileNotFoundError, CheckpointError) as e:
         print(f"tpkit train: error: {e}", file=sys.stderr)
         return 2
     except SpawnError as e:
@@ -141,6 +151,17 @@ def _run_local(cfg: TrainConfig) -> int:
     return 0
 
 
+def cross_node_price(tp: int, pp: int, dp: int, ranks_per_node: int) -> str | None:
+    """The planner's price of tp groups that span nodes (`TopologyWarning` says why), or None."""
+    from tpkit.plan.topology import cross_node_penalty
+    from tpkit.spec.grid import locality_problem
+
+    if locality_problem(tp, pp, dp, ranks_per_node) is None:
+        return None
+    said = cross_node_penalty(None, tp, ranks_per_node, hardware="h100")
+    return f"Predicted on H100 nodes with InfiniBand: {said}" if said else None
+
+
 def _run_torchrun(cfg: TrainConfig) -> int:
     import torch.distributed as dist
 
@@ -149,6 +170,9 @@ def _run_torchrun(cfg: TrainConfig) -> int:
 
     mesh = ParallelMesh.from_env(tp=cfg.tp, pp=cfg.pp, dp=cfg.dp)
     print(f"rank {mesh.rank}: {mesh!r}, tp group {list(mesh.tp_group.ranks)}", flush=True)
+    price = cross_node_price(mesh.tp_size, mesh.pp_size, mesh.dp_size, mesh.ranks_per_node)
+    if price and mesh.rank == 0:  # the mesh warned of the problem; the planner prices it
+        print(price, file=sys.stderr, flush=True)
     result = train(cfg, mesh)
     if mesh.rank == 0:
         print(mesh.describe())

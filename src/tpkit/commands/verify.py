@@ -3,25 +3,23 @@ forward + backward on the same batch, and compare everything with tp=1.
 
     tpkit verify --component mlp --tp 1,2,4 [--hidden H --batch B --seq S]
     tpkit verify --preset llama-tiny --tp 1,2,4 [--sp] [--dtype float32|bfloat16]
+    tpkit verify --checkpoint runs/demo --tp 1,2    # weights and config from any path
 
 Prints per tp the max abs difference of outputs (logits), loss and gathered
 gradients against tp=1, the ledger per layer next to the theory, and the parameter
-bytes per rank; exits non-zero on any mismatch.
+bytes per rank; exits non-zero on any mismatch. The work is `tpkit.model.exactness`.
 """
 
 from __future__ import annotations
 
 import argparse
 from dataclasses import replace
+from functools import partial
 
 import torch
 
 from tpkit.comm.report import human_bytes
-from tpkit.mesh import ParallelMesh
-from tpkit.sharding import full_state_dict, splits_of, unshard
-from tpkit.spec import theory
-
-TOL = {"float32": 1e-5, "bfloat16": 5e-2}
+from tpkit.model.exactness import TOL, TPResult, compare_tps, mlp_case, model_case
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
@@ -29,6 +27,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--component", choices=["mlp", "model"], default=None,
                    help="mlp: the Megatron MLP alone; model: a whole preset (default with --preset)")
     p.add_argument("--preset", default=None, help="model preset, e.g. gpt2-tiny, llama-tiny")
+    p.add_argument("--checkpoint", default=None,
+                   help="a model from a checkpoint dir, run folder (its latest valid "
+                        "checkpoint), full .safetensors or Hugging Face dir, instead of a preset")
     p.add_argument("--tp", default="1,2,4", help="comma-separated tp sizes (1 is the reference)")
     p.add_argument("--sp", action="store_true", help="sequence parallelism")
     p.add_argument("--activation", default="gelu", choices=["gelu", "swiglu", "relu"])
@@ -41,121 +42,55 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--timeout", type=float, default=300.0)
 
 
-def _mlp_case(mesh, a) -> dict:
-    from tpkit.layers import ParallelMLP
+def _builder(args: argparse.Namespace):
+    """A picklable `build(mesh)` of the model to verify: from `--checkpoint`, else the
+    preset's (seed 1, `--layers` if given)."""
+    dtype = getattr(torch, args.dtype)
+    if args.checkpoint:
+        from tpkit.checkpoint import load_model
 
-    dtype = getattr(torch, a["dtype"])
-    g = torch.Generator().manual_seed(0)
-    x = torch.randn(a["batch"], a["seq"], a["hidden"], generator=g).to(dtype).requires_grad_(True)
-    m = ParallelMLP(a["hidden"], a["ffn"], mesh.tp_group, activation=a["activation"], seed=1,
-                    sequence_parallel=False, dtype=dtype)
-    with mesh.ledger.scope("mlp"):
-        y = m(x)
-    y.float().pow(2).mean().backward()
-    return dict(out=y.detach().float(), loss=None, gx=x.grad.float(), splits=splits_of(m),
-                grads={n: p.grad.float() for n, p in m.named_parameters()},
-                summary=mesh.ledger.summary(), problems=mesh.ledger.compare(
-                    theory.mlp(a["batch"], a["seq"], a["hidden"], mesh.tp_size)),
-                param_bytes=sum(p.numel() * p.element_size() for p in m.parameters()),
-                table=mesh.ledger.table(f"ledger at tp={mesh.tp_size} (rank {mesh.rank})"))
-
-
-def _model_case(mesh, a) -> dict:
+        return partial(load_model, args.checkpoint, dtype=dtype, sequence_parallel=args.sp)
     from tpkit.model import Transformer
     from tpkit.spec import get_preset
 
-    cfg = get_preset(a["preset"])
-    if a["layers"]:
-        cfg = replace(cfg, num_layers=a["layers"])
-    dtype = getattr(torch, a["dtype"])
-    g = torch.Generator().manual_seed(0)
-    ids = torch.randint(0, cfg.vocab_size, (a["batch"], a["seq"]), generator=g)
-    m = Transformer(cfg, mesh, seed=1, sequence_parallel=a["sp"], dtype=dtype)
-    types = torch.zeros_like(ids) if cfg.type_vocab_size else None
-    logits = m(ids, token_types=types)
-    loss = m.loss(logits, torch.roll(ids, -1, 1))
-    loss.backward()
-    m.finalize_grads()
-    b, s, h, tp = a["batch"], a["seq"], cfg.hidden, mesh.tp_size
-    problems = []
-    for i in range(cfg.num_layers):
-        problems += [f"layers.{i}: {p}" for p in mesh.ledger.compare(
-            theory.layer(b, s, h, tp, a["sp"]), scope=f"layers.{i}")]
-    problems += [f"loss: {p}" for p in mesh.ledger.compare(theory.cross_entropy(b, s, tp),
-                                                          scope="loss")]
-    step = theory.stage(b, s, h, tp, a["sp"], cfg.num_layers)  # the whole model, no extras
-    got = mesh.ledger.counts(phase="forward") + mesh.ledger.counts(phase="backward")
-    if got != theory.as_counter(step):
-        problems.append(f"whole step: recorded {dict(got)} != theory {dict(theory.as_counter(step))}")
-    return dict(out=logits.detach().float(), loss=loss.item(), gx=None, splits=splits_of(m),
-                grads={n: p.grad.float() for n, p in m.named_parameters()},
-                vocab=cfg.vocab_size, problems=problems, param_bytes=m.param_bytes(),
-                table=mesh.ledger.table(f"ledger at tp={tp} (rank {mesh.rank})"))
-
-
-def _gather(results: list[dict]) -> dict:
-    r0 = results[0]
-    out = r0["out"]
-    if len(results) > 1 and r0.get("vocab"):  # vocab-parallel logits: concatenate columns
-        out = torch.cat([r["out"] for r in results], -1)
-    grads = full_state_dict([r["grads"] for r in results], r0["splits"])
-    vocab = r0.get("vocab")
-    if vocab:
-        out = out[..., :vocab]
-        grads = {n: (g[:vocab] if n in ("embed.word.weight", "head.weight") else g)
-                 for n, g in grads.items()}
-    return dict(out=out, loss=r0["loss"], gx=r0["gx"], grads=grads)
-
-
-def _diffs(ref: dict, got: dict) -> dict:
-    d = lambda a, b: (a - b).abs().max().item()  # noqa: E731
-    out = dict(out=d(ref["out"], got["out"]),
-               grads=max(d(ref["grads"][n], got["grads"][n]) for n in ref["grads"]))
-    if ref["loss"] is not None:
-        out["loss"] = abs(ref["loss"] - got["loss"])
-    if ref["gx"] is not None:
-        out["gx"] = d(ref["gx"], got["gx"])
-    return out
+    cfg = get_preset(args.preset)
+    if args.layers:
+        cfg = replace(cfg, num_layers=args.layers)
+    return partial(Transformer, cfg, seed=1, sequence_parallel=args.sp, dtype=dtype)
 
 
 def run(args: argparse.Namespace) -> int:
     """Run the comparison; 0 when every tp matches tp=1 and the ledger matches theory."""
-    from tpkit.launch import spawn
+    from tpkit.checkpoint import CheckpointError, locate
 
-    component = args.component or ("model" if args.preset else "mlp")
-    if component == "model" and not args.preset:
-        print("tpkit verify: --component model needs --preset")
+    component = args.component or ("model" if args.preset or args.checkpoint else "mlp")
+    if component == "model" and not (args.preset or args.checkpoint):
+        print("tpkit verify: --component model needs --preset or --checkpoint")
+        return 2
+    try:  # once, before any process: every tp reads the same checkpoint
+        args.checkpoint = args.checkpoint and str(locate(args.checkpoint).path)
+    except CheckpointError as e:
+        print(f"tpkit verify: {e}")
         return 2
     tps = sorted({int(t) for t in args.tp.split(",")} | {1})
-    a = dict(vars(args), ffn=args.ffn or 4 * args.hidden)
-    case = _mlp_case if component == "mlp" else _model_case
-    what = f"MLP {args.activation} h={args.hidden} ffn={a['ffn']}" if component == "mlp" \
-        else f"{args.preset}{' +SP' if args.sp else ''}"
+    opts = dict(vars(args), ffn=args.ffn or 4 * args.hidden)
+    what = f"MLP {args.activation} h={args.hidden} ffn={opts['ffn']}" if component == "mlp" \
+        else f"{args.checkpoint or args.preset}{' +SP' if args.sp else ''}"
     print(f"tpkit verify: {what}, batch={args.batch} seq={args.seq} {args.dtype}, tp={tps}")
-    ref = _gather([case(ParallelMesh.single(), a)])
-    tol, ok = TOL[args.dtype], True
-    rows = []
-    for tp in tps:
-        try:
-            results = spawn(case, tp, a, mesh=dict(tp=tp), timeout=args.timeout) if tp > 1 \
-                else [case(ParallelMesh.single(), a)]
-        except Exception as e:  # noqa: BLE001 - a bad layout is reported, not a crash
-            print(f"tp={tp}: {e}".splitlines()[0])
-            ok = False
-            continue
-        diffs = _diffs(ref, _gather(results))
-        problems = results[0]["problems"]
-        good = all(v <= tol for v in diffs.values()) and not problems
-        ok &= good
-        rows.append((tp, diffs, results[0]["param_bytes"], problems, good))
-        if tp == tps[-1] or not good:
-            print(results[0]["table"])
-    _print_rows(rows, tol)
+    case, build = (mlp_case, None) if component == "mlp" else (model_case, _builder(args))
+    rows, tol = compare_tps(case, opts, tps, build, args.timeout), TOL[args.dtype]
+    for r in rows:
+        if r.error:
+            print(r.error)
+        elif r.tp == tps[-1] or not r.good(tol):
+            print(r.table)
+    _print_rows([r for r in rows if r.error is None], tol)
+    ok = all(r.good(tol) for r in rows)
     print("OK: every tp matches tp=1 and the ledger matches the theory" if ok else "MISMATCH")
     return 0 if ok else 1
 
 
-def _print_rows(rows, tol) -> None:
+def _print_rows(rows: list[TPResult], tol: float) -> None:
     from rich.table import Table
 
     from tpkit.comm.report import render
@@ -164,11 +99,11 @@ def _print_rows(rows, tol) -> None:
     for c in ("tp", "max|Δ out|", "Δ loss", "max|Δ grad|", "max|Δ dx|", "param bytes/rank",
               "ledger vs theory", "ok"):
         t.add_column(c, justify="right")
-    for tp, d, pb, problems, good in rows:
-        cells = [f"{d[k]:.2e}" if k in d else "-" for k in ("out", "loss", "grads", "gx")]
-        t.add_row(str(tp), *cells, human_bytes(pb),
-                  "matches" if not problems else "; ".join(problems)[:60], "yes" if good else "NO")
+    for r in rows:
+        cells = [f"{r.diffs[k]:.2e}" if k in r.diffs else "-"
+                 for k in ("out", "loss", "grads", "gx")]
+        t.add_row(str(r.tp), *cells, human_bytes(r.param_bytes),
+                  "matches" if not r.problems else "; ".join(r.problems)[:60],
+                  "yes" if r.good(tol) else "NO")
     print(render(t))
 
-
-__all__ = ["add_arguments", "run", "unshard"]

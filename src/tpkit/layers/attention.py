@@ -25,6 +25,7 @@ from tpkit.layers.linear import ColumnParallelLinear, RowParallelLinear
 from tpkit.layers.random import TPRandom
 from tpkit.layers.rotary import apply_rope, rope_angles
 from tpkit.sharding import seed_for
+from tpkit.spec.shapes import kv_heads_per_rank
 
 
 @dataclass
@@ -72,7 +73,7 @@ class ParallelAttention(nn.Module):
         self.hidden, self.num_heads, self.num_kv_heads, self.group = hidden, num_heads, kv, group
         self.head_dim = hd = hidden // num_heads
         self.local_heads = num_heads // tp
-        self.local_kv = kv // tp if kv >= tp else 1
+        self.local_kv = kv_heads_per_rank(kv, tp)
         self.causal, self.rope_theta, self.dropout = causal, rope_theta, dropout
         kv_chunks = tp if kv >= tp else kv
         kw = dict(device=device, dtype=dtype)

@@ -18,7 +18,8 @@ from torch import nn
 
 from tpkit.comm import ops
 from tpkit.comm.group import CommGroup
-from tpkit.sharding import TPSplit, master_normal, shard, tag
+from tpkit.sharding import TPSplit, master_normal, set_meta, shard
+from tpkit.spec.shapes import padded_vocab
 
 
 def padded_master(vocab: int, padded: int, hidden: int, std: float, seed: int) -> torch.Tensor:
@@ -36,14 +37,15 @@ class VocabParallelEmbedding(nn.Module):
         super().__init__()
         tp = group.size
         self.vocab_size, self.hidden, self.group = vocab_size, hidden, group
-        self.padded_vocab = -(-vocab_size // (8 * tp)) * 8 * tp  # = ModelConfig.padded_vocab
+        self.padded_vocab = padded_vocab(vocab_size, tp)
         self.per_rank = self.padded_vocab // tp
         self.vocab_start = group.rank * self.per_rank
         self.sequence_parallel, self.init_std, self.seed = sequence_parallel, init_std, seed
         self.split = TPSplit.even(0, self.padded_vocab, tp)
-        self.weight = tag(nn.Parameter(torch.empty(self.per_rank, hidden, device=device,
-                                                   dtype=dtype)), self.split)
-        self.weight.logical_size = vocab_size  # rows past it are padding (checkpoints drop them)
+        # rows past vocab_size are padding (checkpoints drop them)
+        self.weight = set_meta(nn.Parameter(torch.empty(self.per_rank, hidden, device=device,
+                                                        dtype=dtype)),
+                               split=self.split, logical_size=vocab_size)
         self.reset_parameters()
 
     def reset_parameters(self) -> None:

@@ -18,24 +18,21 @@ import torch
 from torch import nn
 
 from tpkit.comm import all_reduce
+from tpkit.comm.flat import all_reduce_flat
 from tpkit.comm.group import CommGroup
-from tpkit.sharding import SP_TAG, split_of
+from tpkit.sharding import meta_of
 
 
 def finalize_tp_grads(module: nn.Module, group: CommGroup) -> None:
     """Sum the partial gradients of sequence-parallel and shared-chunk parameters."""
     if group.size == 1:
         return
-    sp = [p for p in module.parameters() if getattr(p, SP_TAG, False) and p.grad is not None]
-    if sp:
-        flat = torch.cat([p.grad.reshape(-1) for p in sp])  # one all-reduce for all of them
-        all_reduce(flat, group, phase="grads", scope="sequence_parallel_params")
-        offset = 0
-        for p in sp:
-            p.grad.copy_(flat[offset:offset + p.numel()].view_as(p.grad))
-            offset += p.numel()
+    sp = [p.grad for p in module.parameters()
+          if meta_of(p).sequence_parallel and p.grad is not None]
+    if sp:  # one all-reduce for all of them
+        all_reduce_flat(sp, group, phase="grads", scope="sequence_parallel_params")
     for p in module.parameters():
-        split = split_of(p)
+        split = meta_of(p).split
         if p.grad is not None and split is not None and split.shared(group.size):
             _sum_shared_chunks(p, group)
 
@@ -43,18 +40,15 @@ def finalize_tp_grads(module: nn.Module, group: CommGroup) -> None:
 def _sum_shared_chunks(p: nn.Parameter, group: CommGroup) -> None:
     """Each part with chunks < tp: place this rank's chunk grad at its global position,
     all-reduce over tp, read the chunk back: the sum over the ranks that share it."""
-    split, tp, rank = split_of(p), group.size, group.rank
-    offset = 0
-    for i, (size, n) in enumerate(zip(split.parts, split.chunks)):
-        c = size // n
-        if n < tp:
-            local = p.grad.narrow(split.dim, offset, c)  # this rank's chunk of part i
+    split, tp = meta_of(p).split, group.size
+    for pc in split.pieces(group.rank, tp):
+        if pc.chunks < tp:
+            local = p.grad.narrow(split.dim, pc.local_start, pc.size)  # this rank's chunk
             shape = list(p.grad.shape)
-            shape[split.dim] = size
-            buf = torch.zeros(shape, dtype=p.grad.dtype, device=p.grad.device)  # [part i, ...]
-            j = split.chunk_index(i, rank, tp)
-            buf.narrow(split.dim, j * c, c).copy_(local)
+            shape[split.dim] = split.parts[pc.part]
+            buf = torch.zeros(shape, dtype=p.grad.dtype, device=p.grad.device)  # [part, ...]
+            at = pc.start - pc.part_start  # where the chunk sits in its part
+            buf.narrow(split.dim, at, pc.size).copy_(local)
             all_reduce(buf, group, phase="grads", scope="shared_kv_params")
-            # every sharer added its own chunk j: the sum holds tp/n contributions of chunk j
-            local.copy_(buf.narrow(split.dim, j * c, c))
-        offset += c
+            # every sharer added its own chunk: the sum holds tp/chunks contributions of it
+            local.copy_(buf.narrow(split.dim, at, pc.size))

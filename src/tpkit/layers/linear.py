@@ -23,7 +23,7 @@ from torch import nn
 from tpkit.comm import collectives as C
 from tpkit.comm import ops
 from tpkit.comm.group import CommGroup
-from tpkit.sharding import SP_TAG, TPSplit, master_normal, shard, tag
+from tpkit.sharding import TPSplit, master_normal, set_meta, shard
 
 
 class _ColumnLinear(torch.autograd.Function):
@@ -126,9 +126,10 @@ class ColumnParallelLinear(nn.Module):
         self.init_std, self.seed = init_std, seed
         local = self.split.local_size()
         kw = dict(device=device, dtype=dtype)
-        self.weight = tag(nn.Parameter(torch.empty(local, in_features, **kw)), self.split)
-        self.bias = tag(nn.Parameter(torch.empty(local, **kw)), TPSplit(0, parts, self.split.chunks)
-                        ) if bias else None
+        self.weight = set_meta(nn.Parameter(torch.empty(local, in_features, **kw)),
+                               split=self.split)
+        self.bias = set_meta(nn.Parameter(torch.empty(local, **kw)),
+                             split=TPSplit(0, parts, self.split.chunks)) if bias else None
         self.reset_parameters()
 
     def reset_parameters(self) -> None:
@@ -169,11 +170,11 @@ class RowParallelLinear(nn.Module):
         self.init_std, self.seed = init_std, seed
         self.split = TPSplit.even(1, in_features, tp)
         kw = dict(device=device, dtype=dtype)
-        self.weight = tag(nn.Parameter(torch.empty(out_features, in_features // tp, **kw)),
-                          self.split)
-        self.bias = tag(nn.Parameter(torch.empty(out_features, **kw)), None) if bias else None
-        if self.bias is not None and sequence_parallel:
-            setattr(self.bias, SP_TAG, True)  # added on [b, s/tp, h]: its grad is partial
+        self.weight = set_meta(nn.Parameter(torch.empty(out_features, in_features // tp, **kw)),
+                               split=self.split)
+        # with SP the bias is added on [b, s/tp, h]: its grad is partial per tp rank
+        self.bias = set_meta(nn.Parameter(torch.empty(out_features, **kw)),
+                             sequence_parallel=sequence_parallel) if bias else None
         self.reset_parameters()
 
     def reset_parameters(self) -> None:

@@ -21,8 +21,7 @@ from torch import nn
 from tpkit.comm.group import CommGroup
 from tpkit.layers.linear import ColumnParallelLinear, RowParallelLinear
 from tpkit.sharding import seed_for
-
-ACTIVATIONS = ("gelu", "gelu_exact", "swiglu", "relu")
+from tpkit.spec.config import ACTIVATIONS
 
 
 def _check_activation(activation: str) -> None:

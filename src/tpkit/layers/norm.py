@@ -12,7 +12,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from tpkit.sharding import SP_TAG, tag
+from tpkit.sharding import set_meta
+from tpkit.spec.config import NORMS
 
 
 class Norm(nn.Module):
@@ -21,14 +22,14 @@ class Norm(nn.Module):
     def __init__(self, hidden: int, kind: str = "layernorm", eps: float = 1e-5, *,
                  sequence_parallel: bool = False, device=None, dtype=None) -> None:
         super().__init__()
-        if kind not in ("layernorm", "rmsnorm"):
-            raise ValueError(f"norm={kind!r} is not one of ('layernorm', 'rmsnorm')")
+        if kind not in NORMS:
+            raise ValueError(f"norm={kind!r} is not one of {NORMS}")
         self.kind, self.eps, self.hidden = kind, eps, hidden
-        self.weight = tag(nn.Parameter(torch.ones(hidden, device=device, dtype=dtype)), None)
-        self.bias = tag(nn.Parameter(torch.zeros(hidden, device=device, dtype=dtype)), None) \
+        self.weight = nn.Parameter(torch.ones(hidden, device=device, dtype=dtype))
+        self.bias = nn.Parameter(torch.zeros(hidden, device=device, dtype=dtype)) \
             if kind == "layernorm" else None
         for p in self.parameters():
-            setattr(p, SP_TAG, sequence_parallel)
+            set_meta(p, sequence_parallel=sequence_parallel)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         """x [..., h] -> [..., h]."""

@@ -39,19 +39,21 @@ from tpkit.model.hf_map import (  # noqa: F401 - part of this module's interface
     family_of,
     table,
 )
+from tpkit.model.names import EMBED_WEIGHT, POOLER_WEIGHT
 from tpkit.shard_io import CheckpointError, DictSource, local_slice
-from tpkit.sharding import split_of
+from tpkit.sharding import meta_of, split_of
 from tpkit.spec.config import ModelConfig
 
+CONFIG_FILE = "config.json"  # what makes a directory a Hugging Face model
 
 # -- reading ----------------------------------------------------------------------------
 class HFSource:
-    """A `ckpt_io.Source` over Hugging Face tensors (safetensors files or a state dict)."""
+    """A `shard_io.Source` over Hugging Face tensors (safetensors files or a state dict)."""
 
     def __init__(self, tensors: Any, recipes: dict[str, Recipe], where: str) -> None:
         self.tensors, self.recipes, self.where = tensors, recipes, where
         keys = set(tensors.keys())
-        base = recipes["embed.word.weight"][0][0]
+        base = recipes[EMBED_WEIGHT][0][0]
         self.prefix = next((p for p in ("", "transformer.", "model.", "bert.")
                             if p + base in keys), None)
         if self.prefix is None:
@@ -125,10 +127,10 @@ def open_hf(path_or_model: Any) -> tuple[dict, Any, str]:
     """(config dict, tensors, description) of a Hugging Face directory or live model."""
     if isinstance(path_or_model, (str, Path)):
         root = Path(path_or_model)
-        if not (root / "config.json").is_file():
-            raise CheckpointError(f"{root / 'config.json'}: missing: not a Hugging Face model "
+        if not (root / CONFIG_FILE).is_file():
+            raise CheckpointError(f"{root / CONFIG_FILE}: missing: not a Hugging Face model "
                                   f"directory")
-        return json.loads((root / "config.json").read_text()), _SafetensorsDir(root), str(root)
+        return json.loads((root / CONFIG_FILE).read_text()), _SafetensorsDir(root), str(root)
     sd = {k: v.detach() for k, v in path_or_model.state_dict().items()}
     return path_or_model.config.to_dict(), sd, type(path_or_model).__name__
 
@@ -142,22 +144,26 @@ def from_pretrained(path_or_model: Any, mesh: ParallelMesh | None = None, *,
     `transformers` model. BERT models keep their pooler as `model.pooler` if present.
     """
     mesh = mesh or ParallelMesh.single()
+    source, config, names = open_hf_source(path_or_model)
+    model = empty_model(config, mesh, names, dtype=dtype, sequence_parallel=sequence_parallel)
+    materialize(model, mesh.device)
+    load_from(model, source, mesh, source.where)
+    return model
+
+
+def open_hf_source(path_or_model: Any) -> tuple[HFSource, ModelConfig, set[str]]:
+    """(Source, config, tpkit tensor names present) of a Hugging Face directory or model."""
     hf, tensors, where = open_hf(path_or_model)
     fam, config = config_from_hf(hf)
     source = HFSource(tensors, table(fam, config), where)
-    model = build_model(config, mesh, device="meta", dtype=dtype,
-                        sequence_parallel=sequence_parallel,
-                        pooler=source.logical_shape("pooler.weight") is not None)
-    materialize(model, mesh.device)
-    load_from(model, source, mesh, where)
-    return model
+    return source, config, {n for n in source.recipes if source.logical_shape(n) is not None}
 
 
 def load_from(model: nn.Module, source: Any, mesh: ParallelMesh, where: str) -> None:
     """Copy this rank's slice of every parameter out of `source` (staged, then copied)."""
     staged = {}
     for name, p in model.named_parameters():
-        src = getattr(p, "tied_to", None) or name
+        src = meta_of(p).tied_to or name
         staged[name] = local_slice(source, src, split_of(p), mesh.tp_rank, mesh.tp_size,
                                    tuple(p.shape), where).to(p.dtype)
     with torch.no_grad():
@@ -188,6 +194,12 @@ def build_model(config: ModelConfig, mesh: ParallelMesh, *, pooler: bool = False
     return model
 
 
+def empty_model(config: ModelConfig, mesh: Any, names: set[str], **kw) -> nn.Module:
+    """The model whose tensors are `names` (BERT's pooler if among them) on the meta
+    device, at `mesh`'s coordinate: names, shapes and split tags, no memory."""
+    return build_model(config, mesh, device="meta", pooler=POOLER_WEIGHT in names, **kw)
+
+
 def pooled(model: nn.Module, hidden: torch.Tensor) -> torch.Tensor:
     """BERT's pooler output tanh(W h[:, 0] + b) [b, h] from final hidden states."""
     return torch.tanh(model.pooler(hidden[:, 0]))
@@ -203,8 +215,8 @@ def memory_source(source: Any, config: ModelConfig | None = None
     if source.mesh.tp_size * source.mesh.pp_size != 1:
         raise ValueError("to_hf(model) needs a tp=1, pp=1 model; save a checkpoint and "
                          "export that with `tpkit convert --to hf` instead")
-    full = {n: p.detach()[:getattr(p, "logical_size", p.shape[0])]
-            for n, p in source.named_parameters() if not getattr(p, "tied_to", None)}
+    full = {n: p.detach()[:meta_of(p).logical_size or p.shape[0]]
+            for n, p in source.named_parameters() if not meta_of(p).tied_to}
     return DictSource(full), source.config, set(full)
 
 
@@ -232,7 +244,7 @@ def write_hf(src: Any, config: ModelConfig, names: set[str], out_dir: str | Path
                 (part.T if tr else part).contiguous().clone()
     out.mkdir(parents=True, exist_ok=True)
     save_file(tensors, str(out / "model.safetensors"), metadata={"format": "pt"})
-    (out / "config.json").write_text(json.dumps(config_to_hf(config), indent=1))
+    (out / CONFIG_FILE).write_text(json.dumps(config_to_hf(config), indent=1))
     return out
 
 

@@ -10,6 +10,7 @@ tpkit's [out, in] layout (GPT-2's Conv1D stores [in, out]: transposed):
 
 from __future__ import annotations
 
+from tpkit.model.names import EMBED_WEIGHT, HEAD_WEIGHT, POOLER_WEIGHT
 from tpkit.spec.config import ModelConfig
 
 Recipe = tuple[tuple[str, ...], bool]  # Hugging Face keys concatenated on dim 0, transposed?
@@ -143,24 +144,24 @@ def table(fam: str, c: ModelConfig) -> dict[str, Recipe]:
 
 def _outer(fam: str, c: ModelConfig) -> dict[str, Recipe]:
     if fam == "gpt2":
-        out = {"embed.word.weight": (("wte.weight",), False),
+        out = {EMBED_WEIGHT: (("wte.weight",), False),
                "embed.position.weight": (("wpe.weight",), False),
                "final_norm.weight": (("ln_f.weight",), False),
                "final_norm.bias": (("ln_f.bias",), False)}
     elif fam == "llama":
-        out = {"embed.word.weight": (("embed_tokens.weight",), False),
+        out = {EMBED_WEIGHT: (("embed_tokens.weight",), False),
                "final_norm.weight": (("norm.weight",), False)}
     else:
         e = "embeddings"
-        out = {"embed.word.weight": ((f"{e}.word_embeddings.weight",), False),
+        out = {EMBED_WEIGHT: ((f"{e}.word_embeddings.weight",), False),
                "embed.position.weight": ((f"{e}.position_embeddings.weight",), False),
                "embed.token_type.weight": ((f"{e}.token_type_embeddings.weight",), False),
                "embed.norm.weight": ((f"{e}.LayerNorm.weight",), False),
                "embed.norm.bias": ((f"{e}.LayerNorm.bias",), False),
-               "pooler.weight": (("pooler.dense.weight",), False),
+               POOLER_WEIGHT: (("pooler.dense.weight",), False),
                "pooler.bias": (("pooler.dense.bias",), False)}
     if not c.tie_embeddings and fam != "bert":
-        out["head.weight"] = (("@lm_head.weight",), False)  # '@': outside the base prefix
+        out[HEAD_WEIGHT] = (("@lm_head.weight",), False)  # '@': outside the base prefix
     return out
 
 

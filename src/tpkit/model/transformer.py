@@ -31,15 +31,10 @@ from tpkit.layers.linear import column_parallel_linear
 from tpkit.layers.norm import Norm
 from tpkit.layers.random import TPRandom, checkpointed, dropout
 from tpkit.model.block import Block
-from tpkit.sharding import SP_TAG, TPSplit, seed_for, shard, tag
+from tpkit.model.names import EMBED_WEIGHT
+from tpkit.sharding import TPSplit, seed_for, set_meta, shard
 from tpkit.spec.config import ModelConfig
-
-
-def stage_layers(num_layers: int, pp: int, stage: int) -> range:
-    """Global layer indices of a pipeline stage (earlier stages take the remainder)."""
-    base, extra = divmod(num_layers, pp)
-    start = stage * base + min(stage, extra)
-    return range(start, start + base + (1 if stage < extra else 0))
+from tpkit.spec.shapes import stage_layer_range
 
 
 class Embeddings(nn.Module):
@@ -66,8 +61,7 @@ class Embeddings(nn.Module):
             from tpkit.sharding import master_normal
             with torch.no_grad():
                 e.weight.copy_(master_normal((n, c.hidden), c.init_std, seed_for(seed, name)))
-        tag(e.weight, None)
-        setattr(e.weight, SP_TAG, sp)  # with SP each rank adds its sequence slice only
+        set_meta(e.weight, sequence_parallel=sp)  # with SP each rank adds its slice only
         return e
 
     def forward(self, ids, token_types=None, position_offset: int = 0, rng=None):
@@ -104,7 +98,7 @@ class Transformer(nn.Module):
         self.config, self.mesh, self.group = config, mesh, mesh.tp_group
         self.sequence_parallel, self.recompute, self.seed = sequence_parallel, recompute, seed
         self.virtual_stages = v
-        self.chunk_layers = [stage_layers(config.num_layers, pp * v, c * pp + mesh.pp_rank)
+        self.chunk_layers = [stage_layer_range(config.num_layers, pp * v, c * pp + mesh.pp_rank)
                              for c in range(v)]  # chunk c = virtual stage c*pp + pp_rank
         self.layer_range = self.chunk_layers[0] if v == 1 else \
             [i for r in self.chunk_layers for i in r]
@@ -139,10 +133,10 @@ class Transformer(nn.Module):
             with torch.no_grad():
                 w.copy_(shard(full, split, self.group.rank, tp))
         self.head = nn.Module()
-        self.head.weight = tag(w, split)
-        w.logical_size = c.vocab_size  # rows past it are vocabulary padding
-        if c.tie_embeddings:
-            w.tied_to = "embed.word.weight"  # the first stage's table: grads summed over pp
+        # rows past vocab_size are padding; tied: a copy of the first stage's table whose
+        # gradients are summed over pp
+        self.head.weight = set_meta(w, split=split, logical_size=c.vocab_size,
+                                    tied_to=EMBED_WEIGHT if c.tie_embeddings else None)
 
     @property
     def head_weight(self) -> torch.Tensor:

@@ -13,9 +13,10 @@ first), and a bucket's all-reduce starts as soon as each of its parameters has
 received its gradient from the last micro-batch.
 
 Tied embeddings with pp > 1: the first stage owns `embed.word.weight`, the last
-stage owns `head.weight` (attribute `tied_to`), the same matrix. Each gets only its
-own use's gradient, so the two are summed over a group of {first, last} stage with
-the same tp and dp index (Megatron's "embedding group"), which keeps them equal.
+stage owns `head.weight` (its `ParamMeta.tied_to` names the table), the same
+matrix. Each gets only its own use's gradient, so the two are summed over a group
+of {first, last} stage with the same tp and dp index (Megatron's "embedding
+group"), which keeps them equal.
 """
 
 from __future__ import annotations
@@ -25,10 +26,12 @@ from torch import nn
 
 from tpkit.comm import all_reduce
 from tpkit.comm.collectives import Pending, all_reduce_async
+from tpkit.comm.flat import all_reduce_flat, pack, unpack_into
 from tpkit.comm.group import CommGroup
-from tpkit.mesh import Coord, ParallelMesh, rank_of
-
-TIED_ATTR = "tied_to"
+from tpkit.mesh import ParallelMesh
+from tpkit.model.names import EMBED_WEIGHT
+from tpkit.sharding import meta_of
+from tpkit.spec.grid import Coord, rank_of
 
 
 def allreduce_grads(params: list[nn.Parameter], group: CommGroup, *, average: bool = True,
@@ -38,14 +41,7 @@ def allreduce_grads(params: list[nn.Parameter], group: CommGroup, *, average: bo
         return
     grads = [p.grad for p in params if p.grad is not None]
     for bucket in _buckets(grads, int(bucket_mb * 2**20)):
-        flat = torch.cat([g.reshape(-1) for g in bucket])  # [sum numel]
-        all_reduce(flat, group, phase="grads", scope="data_parallel")
-        if average:
-            flat /= group.size
-        offset = 0
-        for g in bucket:
-            g.copy_(flat[offset:offset + g.numel()].view_as(g))
-            offset += g.numel()
+        all_reduce_flat(bucket, group, average=average, phase="grads", scope="data_parallel")
 
 
 class OverlappedGradSync:
@@ -81,7 +77,7 @@ class OverlappedGradSync:
 
     def _start(self, i: int) -> None:
         grads = [q.grad if q.grad is not None else torch.zeros_like(q) for q in self.buckets[i]]
-        flat = torch.cat([g.reshape(-1) for g in grads])  # [sum numel]
+        flat = pack(grads)  # [sum numel]
         self._pending[i] = (all_reduce_async(flat, self.group, phase="grads",
                                              scope="data_parallel"), flat)
 
@@ -95,12 +91,10 @@ class OverlappedGradSync:
         for i, (pending, flat) in sorted(self._pending.items()):
             pending.wait()
             flat /= self.group.size
-            offset = 0
             for q in self.buckets[i]:
                 if q.grad is None:
                     q.grad = torch.zeros_like(q)
-                q.grad.copy_(flat[offset:offset + q.numel()].view_as(q))
-                offset += q.numel()
+            unpack_into(flat, [q.grad for q in self.buckets[i]])
         self._armed = False
 
 
@@ -137,8 +131,8 @@ def tied_params(model: nn.Module) -> list[nn.Parameter]:
     """This stage's halves of the tied pairs: the last stage's head (`tied_to` set),
     the first stage's word embedding."""
     named = sorted(model.named_parameters())
-    out = [p for _, p in named if getattr(p, TIED_ATTR, None)]
-    targets = {getattr(p, TIED_ATTR) for p in out} or {"embed.word.weight"}
+    out = [p for _, p in named if meta_of(p).tied_to]
+    targets = {meta_of(p).tied_to for p in out} or {EMBED_WEIGHT}
     return out + [p for n, p in named if n in targets]
 
 

@@ -4,7 +4,8 @@
               + sum over tp-replicated params, from tp rank 0 only  (same on every rank)
               , summed over pp stages                                (disjoint layers)
               - the tied head on the last stage                      (= the embedding)
-    and NOT summed over dp: after averaging, every replica holds the same gradients.
+    and NOT summed over dp: after averaging, every replica holds the same gradients
+    (with ZeRO-1 each holds its slice and zeros elsewhere: then summed over dp too).
 
 A part of a split held by several ranks (grouped-query kv heads with
 num_kv_heads < tp: `chunks` < tp) appears tp/chunks times in the tp sum, so it is
@@ -20,36 +21,35 @@ from torch import nn
 
 from tpkit.comm import all_reduce
 from tpkit.mesh import ParallelMesh
-from tpkit.parallel.data_parallel import TIED_ATTR
-from tpkit.sharding import split_of
+from tpkit.sharding import meta_of
 
 
 def local_sq_norm(model: nn.Module, tp_size: int, tp_rank: int, pp_size: int) -> torch.Tensor:
     """This rank's share of ||g||^2 (float64 scalar), as described in the module doc."""
     total = torch.zeros((), dtype=torch.float64)
     for p in model.parameters():
-        if p.grad is None or (pp_size > 1 and getattr(p, TIED_ATTR, None)):
+        if p.grad is None or (pp_size > 1 and meta_of(p).tied_to):
             continue
         g = p.grad.detach().double()
-        split = split_of(p)
+        split = meta_of(p).split
         if split is None or tp_size == 1:
             if tp_rank == 0:
                 total += g.square().sum().cpu()
         elif not split.shared(tp_size):
             total += g.square().sum().cpu()
         else:
-            offset = 0
-            for size, chunks in zip(split.parts, split.chunks):
-                piece = g.narrow(split.dim, offset, size // chunks)
-                total += piece.square().sum().cpu() * chunks / tp_size
-                offset += size // chunks
+            for pc in split.pieces(tp_rank, tp_size):
+                piece = g.narrow(split.dim, pc.local_start, pc.size)
+                total += piece.square().sum().cpu() * pc.chunks / tp_size
     return total
 
 
-def global_grad_norm(model: nn.Module, mesh: ParallelMesh) -> float:
+def global_grad_norm(model: nn.Module, mesh: ParallelMesh, dp_sharded: bool = False) -> float:
     """||g||_2 over the whole model (one replica), identical on every rank."""
     sq = local_sq_norm(model, mesh.tp_size, mesh.tp_rank, mesh.pp_size).to(mesh.device)
     all_reduce(sq, mesh.mp_group, phase="grads", scope="grad_norm")
+    if dp_sharded:
+        all_reduce(sq, mesh.dp_group, phase="grads", scope="grad_norm")
     return math.sqrt(sq.item())
 
 

@@ -36,7 +36,8 @@ import torch
 
 from tpkit.comm import isend, recv
 from tpkit.comm.group import CommGroup
-from tpkit.mesh import ParallelMesh, group_ranks
+from tpkit.mesh import ParallelMesh
+from tpkit.spec.grid import group_ranks
 
 
 class StageLink:

@@ -33,15 +33,41 @@ from __future__ import annotations
 
 import time
 from collections import deque
+from collections.abc import Callable
 from contextlib import AbstractContextManager, nullcontext
 from dataclasses import dataclass, field
 from functools import partial
+from typing import Protocol
 
 import torch
 
 from tpkit.parallel.p2p import StageLink
 
-SCHEDULES = ("gpipe", "1f1b", "interleaved")
+
+class StageModel(Protocol):
+    """What the schedules call on this stage's part of the model (`tpkit.model.Transformer`).
+
+    A stage holds `virtual_stages` chunks (1 except for interleaved 1F1B); chunk c
+    takes token ids [b, s] when it is the very first, else the previous chunk's
+    activations of `activation_shape(b, s)`, and returns logits when it is the last.
+    """
+
+    virtual_stages: int
+
+    def chunk_is_first(self, chunk: int) -> bool:
+        """True for the first chunk of the whole pipeline (it reads token ids)."""
+
+    def chunk_is_last(self, chunk: int) -> bool:
+        """True for the last chunk of the whole pipeline (it returns logits)."""
+
+    def activation_shape(self, b: int, s: int) -> tuple[int, ...]:
+        """Shape of the activations that chunks pass on, for b sequences of s tokens."""
+
+    def forward_chunk(self, chunk: int, x: torch.Tensor) -> torch.Tensor:
+        """ids [b, s] or activations -> activations, or logits [b, s, V/tp] when last."""
+
+    def loss(self, logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
+        """Mean cross-entropy (a scalar, the same on every tp rank)."""
 
 
 @dataclass
@@ -72,7 +98,7 @@ def bubble_theory(stages: int, micro_batches: int, virtual_stages: int = 1) -> f
     return (stages - 1) / (virtual_stages * micro_batches)
 
 
-def _forward(model, link: StageLink, mb: MicroBatch, scale: float, stats: StepStats,
+def _forward(model: StageModel, link: StageLink, mb: MicroBatch, scale: float, stats: StepStats,
              autocast: AbstractContextManager | None, chunk: int = 0):
     """One micro-batch forward of one chunk; returns (input, output-or-scaled-loss)."""
     b, s = mb.labels.shape
@@ -88,7 +114,7 @@ def _forward(model, link: StageLink, mb: MicroBatch, scale: float, stats: StepSt
     return x, out
 
 
-def _backward(model, link: StageLink, x: torch.Tensor, out: torch.Tensor,
+def _backward(model: StageModel, link: StageLink, x: torch.Tensor, out: torch.Tensor,
               chunk: int = 0) -> None:
     """Backward of one micro-batch through one chunk; sends d loss / d input upstream."""
     if model.chunk_is_last(chunk):
@@ -99,7 +125,7 @@ def _backward(model, link: StageLink, x: torch.Tensor, out: torch.Tensor,
         link.send_backward(x.grad)
 
 
-def gpipe(model, link: StageLink, micro: list[MicroBatch],
+def gpipe(model: StageModel, link: StageLink, micro: list[MicroBatch],
           autocast: AbstractContextManager | None = None) -> StepStats:
     """All forwards, then all backwards in reverse order (Huang et al. 2019)."""
     stats, t0, idle0 = StepStats(), time.perf_counter(), link.idle_s
@@ -110,7 +136,7 @@ def gpipe(model, link: StageLink, micro: list[MicroBatch],
     return _finish(link, stats, t0, idle0)
 
 
-def one_f_one_b(model, link: StageLink, micro: list[MicroBatch],
+def one_f_one_b(model: StageModel, link: StageLink, micro: list[MicroBatch],
                 autocast: AbstractContextManager | None = None) -> StepStats:
     """1F1B: p-s-1 warm-up forwards, steady one-forward-one-backward, cool-down."""
     stats, t0, idle0 = StepStats(), time.perf_counter(), link.idle_s
@@ -147,7 +173,7 @@ def interleaved_order(stage: int, stages: int, chunks: int, m: int
     return ops + [("B", *at(k, True)) for k in range(total - warmup, total)]
 
 
-def interleaved(model, link: StageLink, micro: list[MicroBatch],
+def interleaved(model: StageModel, link: StageLink, micro: list[MicroBatch],
                 autocast: AbstractContextManager | None = None) -> StepStats:
     """Interleaved 1F1B over the model's `virtual_stages` chunks (needs m % p == 0)."""
     stats, t0, idle0 = StepStats(), time.perf_counter(), link.idle_s
@@ -165,12 +191,12 @@ def interleaved(model, link: StageLink, micro: list[MicroBatch],
     return _finish(link, stats, t0, idle0)
 
 
-def forward_only(model, link: StageLink, micro: list[MicroBatch],
+def forward_only(model: StageModel, link: StageLink, micro: list[MicroBatch],
                  autocast: AbstractContextManager | None = None) -> StepStats:
     """Evaluation: forwards only, no graph kept (validation loss); chunk by chunk in the
     interleaved order when the stage holds several."""
     stats, t0, idle0 = StepStats(), time.perf_counter(), link.idle_s
-    v = getattr(model, "virtual_stages", 1)
+    v = model.virtual_stages
     with torch.no_grad():
         for c, i in (_slot(link.stages, v, k, False) for k in range(v * len(micro))):
             _forward(model, link, micro[i], 1.0, stats, autocast, c)
@@ -184,13 +210,27 @@ def _finish(link: StageLink, stats: StepStats, t0: float, idle0: float) -> StepS
     return stats
 
 
-def run_schedule(name: str, model, link: StageLink, micro: list[MicroBatch],
-                 autocast: AbstractContextManager | None = None) -> StepStats:
-    """Run the schedule called `name` ('gpipe', '1f1b' or 'interleaved') for one step."""
+Schedule = Callable[[StageModel, StageLink, list[MicroBatch], AbstractContextManager | None],
+                    StepStats]
+
+SCHEDULES: dict[str, Schedule] = {"gpipe": gpipe, "1f1b": one_f_one_b,
+                                  "interleaved": interleaved}  # the one list of schedules
+CHUNKED = "interleaved"  # the schedule that runs a stage of several chunks
+
+
+def schedule_problems(name: str, virtual_stages: int) -> list[str]:
+    """Why schedule `name` cannot run a stage of `virtual_stages` chunks (empty: it can)."""
     if name not in SCHEDULES:
-        raise ValueError(f"schedule={name!r} is not one of {SCHEDULES}")
-    if name != "interleaved" and getattr(model, "virtual_stages", 1) > 1:
-        raise ValueError(f"a model of virtual_stages={model.virtual_stages} chunks needs "
-                         f"schedule='interleaved', not {name!r}")
-    fn = {"gpipe": gpipe, "1f1b": one_f_one_b, "interleaved": interleaved}[name]
-    return fn(model, link, micro, autocast)
+        return [f"schedule={name!r} is not one of {tuple(SCHEDULES)}"]
+    if name != CHUNKED and virtual_stages > 1:
+        return [f"virtual_stages={virtual_stages} needs schedule={CHUNKED!r}, not {name!r}"]
+    return []
+
+
+def run_schedule(name: str, model: StageModel, link: StageLink, micro: list[MicroBatch],
+                 autocast: AbstractContextManager | None = None) -> StepStats:
+    """Run the schedule called `name` (a key of `SCHEDULES`) for one step."""
+    problems = schedule_problems(name, model.virtual_stages)
+    if problems:
+        raise ValueError(problems[0])
+    return SCHEDULES[name](model, link, micro, autocast)

@@ -1,16 +1,26 @@
 """ZeRO stage 1: AdamW whose state (exp_avg, exp_avg_sq) is sharded over dp.
 
-Rajbhandari et al. 2020, "P_os". Every dp replica holds the full parameters and,
-after the dp all-reduce, the full averaged gradients; each one updates only its
-1/dp slice of the flattened parameters, then the slices are all-gathered:
+Rajbhandari et al. 2020, "P_os"; Megatron-LM's distributed optimizer. Every dp
+replica holds the full parameters; each one updates only its 1/dp slice of the
+flattened parameters, so it needs only that slice of the averaged gradients:
 
-    flat params [ r0 | r1 | ... | r(dp-1) ]      (padded to a multiple of dp)
+    flat grads  [ r0 | r1 | ... | r(dp-1) ]      (padded to a multiple of dp)
+    reduce_scatter(dp) / dp -> rank r has the averaged slice r       (n (p-1)/p out)
     rank r:  AdamW on slice r (state for slice r only: 2/dp of the fp32 moments)
-    all_gather(dp) -> every replica has the whole updated flat vector -> params
+    all_gather(dp) -> every replica has the whole updated flat vector  (n (p-1)/p out)
 
-The moments take 1/dp of the memory. The update is element-wise, so the result is
-AdamW's, exactly. (With a reduce-scatter of the gradients instead of the all-reduce
-it would be ZeRO-2; the bytes on the wire are the same.)
+A ring all-reduce is exactly a reduce-scatter followed by an all-gather, so the
+step moves the bytes of the plain data-parallel all-reduce, 2 n (p-1)/p per rank
+(`tpkit.spec.theory.data_parallel`), not 1.5x that as an all-reduce of the
+gradients followed by the all-gather would. The moments take 1/dp of the memory;
+the update is element-wise, so the result is AdamW's, exactly.
+
+In the training loop the gradients are reduce-scattered (`reduce_gradients`) after
+the tensor- and pipeline-parallel gradient sums and before the gradient norm: each
+rank's `.grad` then holds its averaged slice and zeros elsewhere, so the norm is
+the sum of the ranks' shares over dp (`global_grad_norm(..., dp_sharded=True)`).
+Called alone, `step` reduce-scatters first (averaging gradients that are already
+averaged changes nothing).
 
 Checkpoints see the state per parameter, as plain AdamW keeps it (`full_state`:
 all-gather the slices over dp, cut the flat vector back into parameters;
@@ -23,7 +33,8 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from tpkit.comm import all_gather
+from tpkit.comm import all_gather, reduce_scatter
+from tpkit.comm.flat import pack, unpack, unpack_into
 from tpkit.comm.group import CommGroup
 
 
@@ -36,10 +47,11 @@ class ZeroAdamW:
         shards = []
         for g, params in zip(param_groups, self.params):
             lo, hi, _ = self._bounds(params)
-            flat = torch.cat([p.detach().reshape(-1) for p in params])
+            flat = pack([p.detach() for p in params])
             master = nn.Parameter(_padded(flat, self._padded_len(params))[lo:hi].clone())
             shards.append({**{k: v for k, v in g.items() if k != "params"}, "params": [master]})
         self.inner = torch.optim.AdamW(shards, **adamw)
+        self._reduced = False
 
     @property
     def param_groups(self) -> list[dict]:
@@ -57,8 +69,25 @@ class ZeroAdamW:
     def _flat(self, tensors: list[torch.Tensor], params: list[nn.Parameter]) -> torch.Tensor:
         """This rank's slice [n/dp] of the padded concatenation of `tensors`."""
         lo, hi, _ = self._bounds(params)
-        flat = torch.cat([t.reshape(-1) for t in tensors])  # [n]
+        flat = pack(tensors)  # [n]
         return _padded(flat, self._padded_len(params))[lo:hi]
+
+    @torch.no_grad()
+    def reduce_gradients(self) -> None:
+        """Reduce-scatter the gradients over dp: each `.grad` keeps this rank's averaged
+        slice and is zero outside it (one reduce-scatter of n padded elements per group)."""
+        for params in self.params:
+            grads = [p.grad if p.grad is not None else torch.zeros_like(p) for p in params]
+            flat = _padded(torch.cat([g.reshape(-1) for g in grads]),
+                           self._padded_len(params))  # [n]
+            mine = reduce_scatter(flat, self.group, dim=0, phase="grads", scope="zero1")
+            lo, hi, _ = self._bounds(params)
+            flat.zero_()[lo:hi] = mine / self.group.size  # [n], averaged slice r only
+            offset = 0
+            for p in params:
+                p.grad = flat[offset:offset + p.numel()].view_as(p).clone()
+                offset += p.numel()
+        self._reduced = True
 
     @torch.no_grad()
     def step(self) -> None:
@@ -67,18 +96,18 @@ class ZeroAdamW:
         The slice is re-read from the parameters first, so weights loaded (or changed)
         since the last step are the ones updated.
         """
+        if not self._reduced:
+            self.reduce_gradients()
         for params, shard_group in zip(self.params, self.inner.param_groups):
             shard_group["params"][0].copy_(self._flat([p.detach() for p in params], params))
             grads = [p.grad if p.grad is not None else torch.zeros_like(p) for p in params]
             shard_group["params"][0].grad = self._flat(grads, params).clone()  # [n/dp]
         self.inner.step()
+        self._reduced = False
         for params, shard_group in zip(self.params, self.inner.param_groups):
             mine = shard_group["params"][0].detach()  # [n/dp]
             flat = all_gather(mine, self.group, dim=0, phase="grads", scope="zero1")  # [n]
-            offset = 0
-            for p in params:
-                p.copy_(flat[offset:offset + p.numel()].view_as(p))
-                offset += p.numel()
+            unpack_into(flat, params)
 
     def zero_grad(self, set_to_none: bool = True) -> None:
         """Forget the gradients of the model parameters."""
@@ -104,12 +133,10 @@ class ZeroAdamW:
             moments = {k: v for k, v in state.items() if torch.is_tensor(v) and v.dim() == 1}
             full = {k: all_gather(v, self.group, dim=0, phase="checkpoint", scope="zero1")
                     for k, v in moments.items()}  # [n padded]
-            offset = 0
-            for p in params:
+            pieces = {k: unpack(v, params) for k, v in full.items()}
+            for i, p in enumerate(params):
                 entry = {k: v.clone() for k, v in state.items() if k not in moments}  # step
-                entry.update({k: v[offset:offset + p.numel()].view_as(p).clone()
-                              for k, v in full.items()})
-                offset += p.numel()
+                entry.update({k: v[i].clone() for k, v in pieces.items()})
                 if entry:
                     out[p] = entry
         return out

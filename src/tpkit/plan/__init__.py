@@ -6,6 +6,13 @@
 
 `tpkit plan` prints the same as a table; `tpkit calibrate` measures this machine into a
 profile called `local`; `topology.cross_node_penalty` prices a tp group that spans nodes.
+
+    layout.py        a plan's choices (tp, cp, pp, dp, sharding stage, ...) and their names
+    activations.py   the bytes one layer keeps for backward, tensor by tensor
+    memory.py        weights, gradients, optimizer state and activations per device
+    cost.py          FLOPs and bytes to seconds;  data_parallel.py: dp traffic per stage
+    simulate.py      one plan's step time;  planner.py: search and rank;  reasons.py
+    command_line.py  the chosen plan as `tpkit train` and Megatron-LM command lines
 """
 
 from tpkit.plan.hardware import Hardware, HardwareError, get_hardware, load_profiles

@@ -23,21 +23,25 @@ from __future__ import annotations
 
 from tpkit.plan.hardware import Accelerator, Hardware, Link
 from tpkit.spec.config import ModelConfig
+from tpkit.spec.grid import group_fits_node
+from tpkit.spec.theory import ring_factor, ring_steps
 
 
 # -- collectives -----------------------------------------------------------------------------
+def collective_time(op: str, nbytes: float, p: int, link: Link) -> float:
+    """Ring `op` of `nbytes` per rank over p ranks: steps a + factor n/B, with the steps
+    and wire factor of `spec.theory` (2(p-1) and 2(p-1)/p for an all-reduce)."""
+    return ring_steps(op, p) * link.latency + ring_factor(op, p) * nbytes / link.bandwidth
+
+
 def all_reduce_time(nbytes: float, p: int, link: Link) -> float:
     """Ring all-reduce of `nbytes` per rank over p ranks: 2(p-1)a + 2(p-1)/p n/B."""
-    if p <= 1:
-        return 0.0
-    return 2 * (p - 1) * link.latency + 2 * (p - 1) / p * nbytes / link.bandwidth
+    return collective_time("all_reduce", nbytes, p, link)
 
 
 def all_gather_time(nbytes: float, p: int, link: Link) -> float:
     """Ring all-gather producing `nbytes` per rank: (p-1)a + (p-1)/p n/B."""
-    if p <= 1:
-        return 0.0
-    return (p - 1) * link.latency + (p - 1) / p * nbytes / link.bandwidth
+    return collective_time("all_gather", nbytes, p, link)
 
 
 def reduce_scatter_time(nbytes: float, p: int, link: Link) -> float:
@@ -48,11 +52,6 @@ def reduce_scatter_time(nbytes: float, p: int, link: Link) -> float:
 def p2p_time(nbytes: float, link: Link) -> float:
     """One send/recv of `nbytes`: a + n/B."""
     return link.latency + nbytes / link.bandwidth
-
-
-def group_fits_node(span: int, per_node: int) -> bool:
-    """A group of `span` consecutive ranks, aligned on multiples of span, stays in one node."""
-    return span <= per_node and per_node % span == 0
 
 
 def link_for(span: int, hw: Hardware, stride: int = 1) -> Link:
@@ -147,37 +146,14 @@ def overhead_time(ops: float, acc: Accelerator) -> float:
     return ops * acc.op_overhead
 
 
-# -- pipeline and data parallel ------------------------------------------------------------
+# -- pipeline and optimizer (data parallel: data_parallel.py) ------------------------------------------------------------
 def bubble_fraction(pp: int, m: int, interleave: int = 1) -> float:
     """Idle fraction of the ideal time, (p-1)/(v m)."""
     return (pp - 1) / (interleave * m)
 
 
-def dp_sync_time(grad_bytes: float, dp: int, link: Link, zero1: bool) -> float:
-    """Gradient all-reduce over dp (ZeRO-1: reduce-scatter grads + all-gather weights).
-
-    ZeRO-1 sends the same bytes in two halves; `grad_bytes` stands for the weights too
-    (equal sizes in bf16 mixed precision).
-    """
-    if zero1:
-        return (reduce_scatter_time(grad_bytes, dp, link)
-                + all_gather_time(grad_bytes, dp, link))
-    return all_reduce_time(grad_bytes, dp, link)
-
-
-def exposed_dp_time(sync: float, backward_window: float, overlap: bool, zero1: bool) -> float:
-    """What the dp sync adds to the step once it overlaps the last backward pass.
-
-    Gradient buckets go out while the last micro-batch's backward runs; the ZeRO-1
-    all-gather of the updated weights (half the sync) comes after the optimizer step.
-    """
-    if not overlap:
-        return sync
-    hideable = sync / 2 if zero1 else sync
-    return sync - min(hideable, backward_window)
-
-
-def optimizer_time(params: int, dp: int, zero1: bool, acc: Accelerator,
+def optimizer_time(params: int, shards: int, sharded: bool, acc: Accelerator,
                    bytes_per_param: int = 28) -> float:
-    """Adam step, memory bound: reads grad, master, m, v and writes them and the weights."""
-    return memory_time(params / (dp if zero1 else 1) * bytes_per_param, acc)
+    """Adam step, memory bound: reads grad, master, m, v and writes them and the weights;
+    with a sharded optimizer each of `shards` ranks updates 1/shards of them."""
+    return memory_time(params / (shards if sharded else 1) * bytes_per_param, acc)

@@ -7,74 +7,81 @@ Parameters per rank (how tpkit splits a model, Megatron style):
     vocab-parallel   embedding (+ untied head): [V_pad/tp, h]              sharded
     norms, position / token-type embeddings                                replicated
 
-Pipeline stages get `stage_layers` consecutive layers; stage 0 holds the embeddings,
-the last stage the final norm and the output head (a copy of the tied embedding when
+Pipeline stages get consecutive layers (`spec.shapes.layers_per_stage`); stage 0 holds
+the embeddings, the last stage the final norm and the output head (a copy of the tied embedding when
 pp > 1, as Megatron keeps one for the logits).
 
-Model state (ZeRO paper, Rajbhandari et al. 2020, section 3.1): mixed-precision Adam
-keeps 2 + 2 + 12 bytes per parameter (bf16 weights and grads; fp32 master, m, v);
-ZeRO-1 divides the 12 optimizer bytes by dp. Activations per layer and micro-batch,
-Korthikanti et al. 2022 ("Reducing Activation Recomputation", table 2), in bytes with
-16-bit activations (s sequence, b micro-batch, h hidden, a heads, t tensor-parallel):
+Model state per parameter (Megatron-LM's distributed-optimizer guide; ZeRO paper,
+Rajbhandari et al. 2020, section 3.1), with N = dp x cp ranks sharing the weights:
 
-    no parallelism           sbh (34 + 5as/h)
-    tensor parallel          sbh (10 + 24/t + 5as/(ht))
-    + sequence parallel      sbh (34/t + 5as/(ht))
-    selective recompute      the 5as/(ht) term goes (attention scores recomputed /
-                             flash attention)
-    full recompute           2sbh (the layer input only; /t with sequence parallelism)
+                        weights       gradients          optimizer (fp32 master, m, v)
+    plain data parallel   2           4 (fp32 main)      12
+    ZeRO-1                2           4                  12/N       (Megatron: 6 + 12/N)
+    ZeRO-2                2           4/N                12/N
+    FSDP (ZeRO-3)         2/N         4/N                12/N       + the full weights of
+                                                         the layers being computed (2 layers:
+                                                         the current one and the prefetched
+                                                         next) and one layer's full gradients
+
+Gradients are fp32 by default, as Megatron-Core keeps them with bf16 training (main
+gradients accumulated and reduced in fp32); `Precision(grad=2)` is bf16 gradients.
+
+Activations: `activations.py`, tensor by tensor, times the micro-batches in flight.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
 
+from tpkit.plan.activations import layer_activation_bytes
+from tpkit.plan.layout import Layout
 from tpkit.spec.config import ModelConfig
+from tpkit.spec.shapes import layers_per_stage
 
-RECOMPUTE = ("none", "selective", "full")
+GRAD_DTYPES = {"fp32": 4, "bf16": 2}
 
 
 @dataclass(frozen=True)
 class Precision:
-    """Bytes per parameter of each kind of model state, and per activation element."""
+    """Bytes per parameter of each kind of model state, and per activation element.
+
+    The default is Megatron-Core's bf16 training: bf16 weights, fp32 main gradients,
+    fp32 master weights + Adam m + v.
+    """
 
     weight: int = 2
-    grad: int = 2
+    grad: int = 4
     optimizer: int = 12  # fp32 master + Adam m + v
     activation: int = 2
 
     @classmethod
-    def for_dtype(cls, dtype: str) -> Precision:
-        """bf16/fp16 mixed precision (2, 2, 12), or plain fp32 training (4, 4, 8)."""
-        return cls(4, 4, 8, 4) if dtype == "fp32" else cls()
+    def for_dtype(cls, dtype: str, grad: str = "fp32") -> Precision:
+        """Mixed precision (2, 4 or 2 by `grad`, 12), or plain fp32 training (4, 4, 8)."""
+        if grad not in GRAD_DTYPES:
+            raise ValueError(f"gradient dtype {grad!r} is not one of {tuple(GRAD_DTYPES)}")
+        return cls(4, 4, 8, 4) if dtype == "fp32" else cls(grad=GRAD_DTYPES[grad])
 
 
-def norm_params(c: ModelConfig) -> int:
-    """Parameters of one norm: weight and bias for LayerNorm, weight only for RMSNorm."""
-    return 2 * c.hidden if c.norm == "layernorm" else c.hidden
+def layout_stage_layers(num_layers: int, lay: Layout) -> list[int]:
+    """Layers per stage of a plan: `spec.shapes.layers_per_stage`, or with `lighter_ends` one fewer than the
+    middle stages on the first and last (which must then split the rest evenly)."""
+    if not lay.lighter_ends:
+        return layers_per_stage(num_layers, lay.pp)
+    ends = lighter_end_layers(num_layers, lay.pp)
+    if ends is None:
+        raise ValueError(f"num_layers={num_layers} over pp={lay.pp}: no split with one layer "
+                         f"fewer on the first and last stages")
+    middle = (num_layers - 2 * ends) // (lay.pp - 2)
+    return [ends] + [middle] * (lay.pp - 2) + [ends]
 
 
-def stage_layers(num_layers: int, pp: int) -> list[int]:
-    """Layers per pipeline stage: as even as possible, the first stages take the extra ones."""
-    return [num_layers // pp + (1 if i < num_layers % pp else 0) for i in range(pp)]
-
-
-def _kv_heads_per_rank(c: ModelConfig, tp: int) -> int:
-    """kv heads are split when tp divides them, else each rank keeps one (replicated)."""
-    return c.kv_heads // tp if c.kv_heads % tp == 0 else 1
-
-
-def layer_params_per_rank(c: ModelConfig, tp: int) -> int:
-    """Parameters of one transformer layer held by one tensor-parallel rank."""
-    h, hd, f = c.hidden, c.head_dim, c.ffn
-    b = 1 if c.bias else 0
-    qkv_out = (c.num_heads // tp + 2 * _kv_heads_per_rank(c, tp)) * hd  # local qkv columns
-    attn = h * qkv_out + b * qkv_out + (c.num_heads // tp) * hd * h + b * h
-    if c.activation == "swiglu":
-        mlp = 3 * h * (f // tp)  # gate, up: column; down: row (no bias, as ModelConfig counts)
-    else:
-        mlp = 2 * h * (f // tp) + b * (f // tp + h)
-    return attn + mlp + 2 * norm_params(c)
+def lighter_end_layers(num_layers: int, pp: int) -> int | None:
+    """Layers of the first and last stage when they take one fewer than the even middle
+    stages (126 over 16: 7, 8 x 14, 7), or None when no such split exists."""
+    if pp <= 2:
+        return None
+    middle, rest = divmod(num_layers + 2, pp)
+    return middle - 1 if rest == 0 and middle > 1 else None
 
 
 def params_per_rank(config: ModelConfig, tp: int, pp: int, stage: int) -> int:
@@ -82,35 +89,30 @@ def params_per_rank(config: ModelConfig, tp: int, pp: int, stage: int) -> int:
     c = config
     if not 0 <= stage < pp:
         raise ValueError(f"stage={stage} is outside 0..{pp - 1} for pp={pp}")
-    n = stage_layers(c.num_layers, pp)[stage] * layer_params_per_rank(c, tp)
+    n = layers_per_stage(c.num_layers, pp)[stage] * c.layer_params(tp)
     vocab_shard = c.padded_vocab(tp) // tp * c.hidden
     if stage == 0:
-        n += vocab_shard + c.type_vocab_size * c.hidden + (norm_params(c) if c.embed_norm else 0)
+        n += vocab_shard + c.type_vocab_size * c.hidden + (c.norm_params() if c.embed_norm else 0)
         n += c.max_seq_len * c.hidden if c.position == "learned" else 0
     if stage == pp - 1:
-        n += norm_params(c) if c.pre_norm else 0
+        n += c.norm_params() if c.pre_norm else 0
         if not c.tie_embeddings or pp > 1:
             n += vocab_shard
     return n
 
 
-def model_state_bytes(params: int, dp: int, zero1: bool, prec: Precision) -> dict[str, float]:
-    """Weights, gradients and optimizer state of `params` parameters on one rank."""
-    opt = prec.optimizer * params / (dp if zero1 else 1)
-    return {"weights": prec.weight * params, "grads": prec.grad * params, "optimizer": opt}
+def model_state_bytes(params: int, replicas: int, zero: int, prec: Precision,
+                      layer_params: int = 0) -> dict[str, float]:
+    """Weights, gradients and optimizer state of `params` parameters on one rank.
 
-
-def activation_bytes_per_layer(s: int, b: int, h: int, a: int, tp: int, sp: bool,
-                               recompute: str, act_bytes: int = 2) -> float:
-    """Korthikanti et al. 2022 activations of one layer and one micro-batch, in bytes."""
-    if recompute not in RECOMPUTE:
-        raise ValueError(f"recompute={recompute!r} is not one of {RECOMPUTE}")
-    sbh = s * b * h * act_bytes / 2  # the paper's constants assume 2-byte activations
-    if recompute == "full":
-        return 2 * sbh / (tp if sp else 1)
-    attn = 0.0 if recompute == "selective" else 5 * a * s / (h * tp)
-    base = 34 / tp if sp else 10 + 24 / tp
-    return sbh * (base + attn)
+    `replicas` ranks (dp x cp) share the state as `zero` says (0, 1, 2 or 3 = FSDP);
+    FSDP also holds `layer_params` gathered weights for 2 layers and gradients for one.
+    """
+    n = replicas
+    weights = prec.weight * (params / n + 2 * layer_params if zero >= 3 else params)
+    grads = prec.grad * (params / n + layer_params if zero >= 2 else params)
+    return {"weights": weights, "grads": grads,
+            "optimizer": prec.optimizer * params / (n if zero >= 1 else 1)}
 
 
 def in_flight_micro_batches(pp: int, stage: int, m: int, interleave: int = 1) -> float:
@@ -125,29 +127,36 @@ def in_flight_micro_batches(pp: int, stage: int, m: int, interleave: int = 1) ->
     return held
 
 
-def stage_activation_bytes(c: ModelConfig, seq: int, micro_batch: int, tp: int, pp: int,
-                           stage: int, m: int, sp: bool, recompute: str, interleave: int = 1,
-                           act_bytes: int = 2) -> float:
+def stage_activation_bytes(c: ModelConfig, seq: int, lay: Layout, stage: int, m: int,
+                           act_bytes: int = 2, flash: bool = True) -> float:
     """Activation bytes of one rank of `stage` at the schedule's peak (+ logits on the last)."""
-    per_layer = activation_bytes_per_layer(seq, micro_batch, c.hidden, c.num_heads, tp, sp,
-                                           recompute, act_bytes)
-    layers = stage_layers(c.num_layers, pp)[stage]
-    total = per_layer * layers * in_flight_micro_batches(pp, stage, m, interleave)
+    tp, pp = lay.tp, lay.pp
+    per_layer = layer_activation_bytes(c, seq, lay.micro_batch, tp, lay.sp, lay.recompute,
+                                       act_bytes, flash, cp=lay.cp)
+    layers = layout_stage_layers(c.num_layers, lay)[stage]
+    total = per_layer * layers * in_flight_micro_batches(pp, stage, m, lay.interleave)
     if stage == pp - 1:  # fp32 logits of one micro-batch, vocab-parallel (Korthikanti eq. 3)
-        total += 4 * seq * micro_batch * c.padded_vocab(tp) / tp
+        total += 4 * seq / lay.cp * lay.micro_batch * c.padded_vocab(tp) / tp
     return total
 
 
-def memory_per_device(c: ModelConfig, seq: int, micro_batch: int, tp: int, pp: int, dp: int,
-                      m: int, sp: bool, recompute: str, zero1: bool, prec: Precision,
-                      interleave: int = 1) -> dict[str, float]:
+def memory_per_device(c: ModelConfig, seq: int, lay: Layout, m: int, prec: Precision,
+                      flash: bool = True) -> dict[str, float]:
     """Peak bytes of the fullest rank, as {weights, grads, optimizer, activations, total}."""
     worst: dict[str, float] = {}
-    for stage in sorted({0, pp - 1}):  # the first stage holds most; the last, the logits
-        parts = model_state_bytes(params_per_rank(c, tp, pp, stage), dp, zero1, prec)
-        parts["activations"] = stage_activation_bytes(c, seq, micro_batch, tp, pp, stage, m, sp,
-                                                      recompute, interleave, prec.activation)
+    for stage in range(lay.pp):  # 1F1B: stage i holds p - i micro-batches of its layers
+        parts = model_state_bytes(stage_params(c, lay, stage), lay.replicas,
+                                  lay.zero, prec, c.layer_params(lay.tp))
+        parts["activations"] = stage_activation_bytes(c, seq, lay, stage, m, prec.activation,
+                                                      flash)
         parts["total"] = sum(parts.values())
         if parts["total"] > worst.get("total", -1.0):
             worst = parts
     return worst
+
+
+def stage_params(c: ModelConfig, lay: Layout, stage: int) -> int:
+    """`params_per_rank` of `stage` with the plan's layers per stage."""
+    even = layers_per_stage(c.num_layers, lay.pp)[stage]
+    moved = layout_stage_layers(c.num_layers, lay)[stage] - even
+    return params_per_rank(c, lay.tp, lay.pp, stage) + moved * c.layer_params(lay.tp)

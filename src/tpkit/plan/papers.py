@@ -22,9 +22,10 @@ from tpkit.spec.config import ModelConfig
 
 
 def gpt(name: str, hidden: int, layers: int, heads: int, seq: int) -> ModelConfig:
-    """A Megatron GPT: learned positions, LayerNorm, GeLU, biases, tied embeddings."""
+    """A Megatron GPT: learned positions, LayerNorm, GeLU, biases, tied embeddings, and
+    Megatron-LM's default dropout of 0.1 (hidden and attention), which these runs kept."""
     return ModelConfig(name=name, vocab_size=51200, hidden=hidden, num_layers=layers,
-                       num_heads=heads, max_seq_len=seq)
+                       num_heads=heads, max_seq_len=seq, dropout=0.1)
 
 
 @dataclass(frozen=True)
@@ -84,3 +85,28 @@ NARAYANAN_162B = gpt("megatron-162b", 20480, 32, 128, 2048)
 # TFLOP/s per GPU, batch 128 and 32 (read to about +-10 TFLOP/s).
 NARAYANAN_FIG13_PEAK = {128: 165.0, 32: 142.0}
 FIG13_LAYOUTS = [(32, 2), (16, 4), (8, 8), (4, 16), (2, 32)]  # (tp, pp) on 64 GPUs
+
+
+# Korthikanti et al. 2022, "Reducing Activation Recomputation in Large Transformer Models"
+# (arXiv:2205.05198): table 3 (models and layouts; A100 80 GB, sequence 2048, vocab
+# 51,200, dp = 1, 3 interleaved stages for 175B and 530B) and table 5 (seconds per
+# iteration with full recomputation, and with sequence parallelism + selective
+# recomputation, whose model FLOPs utilisation it reports; the Megatron-LM README
+# prints the same MFU). Rows: (name, heads, hidden, layers, tp, pp, GPUs, batch,
+# micro-batch, interleave, full-recompute s, SP + selective s, MFU).
+KORTHIKANTI_TABLE5 = [
+    ("22B", 64, 6144, 48, 8, 1, 8, 4, 4, 1, 1.42, 1.10, 0.415),
+    ("175B", 96, 12288, 96, 8, 8, 64, 64, 1, 3, 18.13, 13.75, 0.514),
+    ("530B", 128, 20480, 105, 8, 35, 280, 280, 1, 3, 49.05, 37.83, 0.560),
+    ("1T", 160, 25600, 128, 8, 64, 512, 512, 1, 1, 94.42, 71.49, 0.563),
+]
+
+# Dubey et al. 2024, "The Llama 3 Herd of Models" (arXiv:2407.21783), table 4: Llama 3
+# 405B (GQA, SwiGLU) on H100 80 GB, 16M tokens per batch, BF16, no activation
+# checkpointing at 8K; 8 GPUs per server on a RoCE fabric (400 Gb/s per GPU). Rows:
+# (GPUs, tp, cp, pp, dp, sequence, sequences per batch, TFLOP/s per GPU, BF16 MFU).
+LLAMA3_TABLE4 = [
+    (8192, 8, 1, 16, 64, 8192, 2048, 430, 0.43),
+    (16384, 8, 1, 16, 128, 8192, 2048, 400, 0.41),
+    (16384, 8, 16, 16, 8, 131072, 128, 380, 0.38),
+]

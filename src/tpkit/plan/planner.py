@@ -1,10 +1,12 @@
 """The planner: enumerate layouts, drop what does not fit, rank by predicted step time.
 
     for tp in divisors(devices)        (heads, kv heads and ffn must split over tp)
-      for pp in divisors(devices / tp) (at most one layer per stage)
-        dp = devices / (tp pp)         (the global batch must split over dp)
-        for micro-batch, sequence parallelism, recomputation, ZeRO-1, interleaving:
-            simulate; keep it if its fullest device fits in memory
+      for cp in 1, 2, 4, ...           (each rank keeps >= 1024 tokens; 2 cp chunks divide s)
+        for pp in divisors(devices / (tp cp))   (at most one layer per stage)
+          dp = devices / (tp cp pp)    (the global batch must split over dp)
+          for micro-batch, sequence parallelism, recomputation, data-parallel sharding
+          (none, ZeRO-1, ZeRO-2, FSDP), interleaving, lighter first/last stages:
+              simulate; keep it if its fullest device fits in memory
 
 Plans are ranked by step time (the global batch is fixed, so by tokens/s), the best
 of each (tp, pp) kept, and each gets a one-line reason (see `reasons.py`). A request
@@ -15,13 +17,17 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from tpkit.plan.memory import RECOMPUTE, Precision
+from tpkit.plan.activations import RECOMPUTE
+from tpkit.plan.layout import ZERO_NAMES
+from tpkit.plan.memory import Precision, lighter_end_layers
 from tpkit.plan.reasons import explain
 from tpkit.plan.simulate import Cluster, Estimate, Layout, evaluate
 from tpkit.spec.config import ModelConfig
 
 MICRO_BATCHES = (1, 2, 4, 8, 16, 32)
-CHOICES = ("tp", "pp", "dp", "micro_batch", "sp", "recompute", "zero1", "interleave")
+CHOICES = ("tp", "cp", "pp", "dp", "micro_batch", "sp", "recompute", "zero", "interleave",
+           "lighter_ends")
+MIN_TOKENS_PER_CP_RANK = 1024  # smaller chunks leave too little attention to hide the ring
 
 
 class PlanError(ValueError):
@@ -37,7 +43,7 @@ class Request:
     global_batch: int
     cluster: Cluster
     fixed: dict = field(default_factory=dict)  # pin any of CHOICES, e.g. {"tp": 8}
-    precision: Precision | None = None
+    precision: Precision | None = None  # None: the hardware's dtype, fp32 main gradients
 
 
 def divisors(n: int) -> list[int]:
@@ -51,8 +57,8 @@ def _options(req: Request, name: str, default: list) -> list:
     return default
 
 
-def _degrees(req: Request, rejected: dict[str, str]) -> list[tuple[int, int, int]]:
-    """(tp, pp, dp) triples the model and the batch admit; others go to `rejected`."""
+def _degrees(req: Request, rejected: dict[str, str]) -> list[tuple[int, int, int, int]]:
+    """(tp, cp, pp, dp) the model and the batch admit; others go to `rejected`."""
     c, n = req.config, req.cluster.devices
     out = []
     for tp in _options(req, "tp", divisors(n)):
@@ -61,20 +67,36 @@ def _degrees(req: Request, rejected: dict[str, str]) -> list[tuple[int, int, int
         if problems:
             rejected.setdefault(f"tp={tp}", "; ".join(problems))
             continue
-        for pp in _options(req, "pp", divisors(n // tp)):
-            dp = n // (tp * pp)
-            why = _degree_problem(req, tp, pp, dp)
-            if why:
-                rejected.setdefault(f"tp={tp} pp={pp}", why)
-                continue
-            out.append((tp, pp, dp))
+        for cp in _options(req, "cp", _cp_sizes(req.seq, n // tp)):
+            for pp in _options(req, "pp", divisors(n // tp // cp) if n % (tp * cp) == 0 else [1]):
+                dp = n // (tp * cp * pp)
+                why = _cp_problem(req.seq, cp) or _degree_problem(req, tp, cp, pp, dp)
+                if why:
+                    rejected.setdefault(f"tp={tp} cp={cp} pp={pp}", why)
+                    continue
+                out.append((tp, cp, pp, dp))
     return out
 
 
-def _degree_problem(req: Request, tp: int, pp: int, dp: int) -> str | None:
+def _cp_sizes(seq: int, devices: int) -> list[int]:
+    """Context-parallel sizes worth trying: powers of 2 leaving each rank >= 1024 tokens."""
+    out, cp = [], 1
+    while cp <= devices and devices % cp == 0 and (cp == 1 or seq // cp >= MIN_TOKENS_PER_CP_RANK):
+        out.append(cp)
+        cp *= 2
+    return out
+
+
+def _cp_problem(seq: int, cp: int) -> str | None:
+    if cp > 1 and seq % (2 * cp):  # causal load balance: 2 chunks per rank (Megatron)
+        return f"sequence {seq} is not divisible by 2*cp = {2 * cp}"
+    return None
+
+
+def _degree_problem(req: Request, tp: int, cp: int, pp: int, dp: int) -> str | None:
     n, layers = req.cluster.devices, req.config.num_layers
-    if tp * pp * dp != n:
-        return f"tp*pp = {tp}*{pp} does not divide {n} devices"
+    if tp * cp * pp * dp != n:
+        return f"tp*cp*pp = {tp}*{cp}*{pp} does not divide {n} devices"
     if pp > layers:
         return f"pp={pp} stages is more than num_layers={layers}"
     if "dp" in req.fixed and req.fixed["dp"] not in (None, dp):
@@ -88,25 +110,29 @@ def candidates(req: Request) -> tuple[list[Layout], dict[str, str]]:
     """Every layout to simulate, and why the (tp, pp) pairs left out were left out."""
     rejected: dict[str, str] = {}
     out = []
-    for tp, pp, dp in _degrees(req, rejected):
+    for tp, cp, pp, dp in _degrees(req, rejected):
         per_replica = req.global_batch // dp
         mbs = [b for b in _options(req, "micro_batch", list(MICRO_BATCHES)) if per_replica % b == 0]
         if not mbs:
             rejected.setdefault(f"tp={tp} pp={pp}", f"micro-batch does not divide the "
                                 f"{per_replica} sequences per replica")
         for mb in mbs:
-            out += _variants(req, tp, pp, dp, mb, per_replica // mb)
+            out += _variants(req, (tp, cp, pp, dp), mb, per_replica // mb)
     return out, rejected
 
 
-def _variants(req: Request, tp: int, pp: int, dp: int, mb: int, m: int) -> list[Layout]:
-    sps = [False, True] if tp > 1 and req.seq % tp == 0 else [False]
-    zeros = [False, True] if dp > 1 else [False]
+def _variants(req: Request, degrees: tuple[int, int, int, int], mb: int,
+              m: int) -> list[Layout]:
+    tp, cp, pp, dp = degrees
+    sps = [False, True] if tp > 1 and (req.seq // cp) % tp == 0 else [False]
+    zeros = list(ZERO_NAMES) if dp * cp > 1 else [0]
     chunks = [1] + ([2] if pp > 1 and m % pp == 0 and req.config.num_layers % (2 * pp) == 0
                     else [])
-    return [Layout(tp, pp, dp, mb, sp, rc, z, v)
+    ends = [False] + ([True] if lighter_end_layers(req.config.num_layers, pp) else [])
+    return [Layout(tp, pp, dp, mb, sp, rc, int(z), v, cp, e)
             for sp in _options(req, "sp", sps) for rc in _options(req, "recompute", list(RECOMPUTE))
-            for z in _options(req, "zero1", zeros) for v in _options(req, "interleave", chunks)]
+            for z in _options(req, "zero", zeros) for v in _options(req, "interleave", chunks)
+            for e in _options(req, "lighter_ends", ends) if not (e and v > 1)]
 
 
 def plan(req: Request, top: int | None = None, distinct: bool = True) -> list[Estimate]:
@@ -125,17 +151,18 @@ def plan(req: Request, top: int | None = None, distinct: bool = True) -> list[Es
     if not fitting:
         raise PlanError(_no_fit_message(req, estimates))
     if distinct:
-        fitting = _best_per_degrees(fitting)
+        fitting = best_per_degrees(fitting)
     best = fitting[0]
     for e in fitting:
         e.reason = explain(e, best, c, req.seq, req.cluster)
     return fitting[:top] if top else fitting
 
 
-def _best_per_degrees(ranked: list[Estimate]) -> list[Estimate]:
+def best_per_degrees(ranked: list[Estimate]) -> list[Estimate]:
+    """The first (best) plan of each (tp, cp, pp), in order."""
     seen, out = set(), []
     for e in ranked:
-        key = (e.layout.tp, e.layout.pp)
+        key = (e.layout.tp, e.layout.cp, e.layout.pp)
         if key not in seen:
             seen.add(key)
             out.append(e)
@@ -154,7 +181,7 @@ def _no_layout_message(req: Request, rejected: dict[str, str]) -> str:
     c, n = req.config, req.cluster.devices
     why = "; ".join(f"{k}: {v}" for k, v in list(rejected.items())[:6])
     more = f" (and {len(rejected) - 6} more)" if len(rejected) > 6 else ""
-    return (f"no (tp, pp, dp) layout of {n} devices works for {c.name} with global batch "
+    return (f"no (tp, cp, pp, dp) layout of {n} devices works for {c.name} with global batch "
             f"{req.global_batch} and sequence {req.seq}: {why}{more}")
 
 
@@ -165,7 +192,7 @@ def _no_fit_message(req: Request, estimates: list[Estimate]) -> str:
     usable = req.cluster.usable_memory * acc.memory_bytes
     return (f"{req.config.name} ({req.config.num_params() / 1e9:.1f}B parameters) does not fit "
             f"on {req.cluster.devices} x {acc.name}: the smallest plan (tp={lay.tp}, "
-            f"pp={lay.pp}, dp={lay.dp}, micro-batch {lay.micro_batch}, recompute="
-            f"{lay.recompute}, zero1={lay.zero1}) needs {smallest.memory['total'] / gb:.1f} GB "
+            f"cp={lay.cp}, pp={lay.pp}, dp={lay.dp}, micro-batch {lay.micro_batch}, recompute="
+            f"{lay.recompute}, dp sharding {ZERO_NAMES[lay.zero]}) needs {smallest.memory['total'] / gb:.1f} GB "
             f"per device, {usable / gb:.1f} GB usable of {acc.memory_bytes / gb:.0f} GB; "
             f"add devices or shorten the sequence")

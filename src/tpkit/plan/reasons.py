@@ -11,13 +11,24 @@ optimizer) and the choice that made it grow.
 
 from __future__ import annotations
 
+import math
 from typing import TYPE_CHECKING
 
 from tpkit.plan import cost
+from tpkit.plan.layout import ZERO_NAMES
 from tpkit.spec.config import ModelConfig
+from tpkit.spec.grid import group_fits_node
 
 if TYPE_CHECKING:
     from tpkit.plan.simulate import Cluster, Estimate, Layout
+
+
+def gb(nbytes: float) -> str:
+    """Bytes as GB with two significant digits below 10: 71 GB, 3.4 GB, 0.0081 GB."""
+    v = nbytes / 1e9
+    if v >= 10 or v <= 0:
+        return f"{v:.0f} GB"
+    return f"{v:.{max(1, 1 - math.floor(math.log10(v)))}f} GB"
 
 
 def _ms(seconds: float) -> str:
@@ -29,19 +40,24 @@ def collectives_phrase(lay: Layout) -> str:
     if lay.tp == 1:
         return "no tensor-parallel collectives"
     k = 6 if lay.recompute == "full" else 4
-    if lay.sp:
-        return f"{k // 2} all-gathers + {k // 2} reduce-scatters per layer"
+    if lay.sp:  # each all-reduce becomes an all-gather + a reduce-scatter of the same bytes
+        return f"{k} all-gathers + {k} reduce-scatters per layer"
     return f"{k} all-reduces per layer"
 
 
 def _crosses(lay: Layout, cluster: Cluster) -> bool:
-    return not cost.group_fits_node(lay.tp, cluster.per_node)
+    return not group_fits_node(lay.tp, cluster.per_node)
 
 
 def explain(e: Estimate, best: Estimate, c: ModelConfig, seq: int, cluster: Cluster) -> str:
     """The one-line reason for plan `e`, given the best plan."""
     if e is best:
         return _why_best(e, c, cluster)
+    if e.step_time_s - best.step_time_s <= 0.005 * best.step_time_s:
+        lay = e.layout
+        return (f"as fast as the best plan (within 0.5%): the same work per rank, split as "
+                f"tp={lay.tp} cp={lay.cp} pp={lay.pp} dp={lay.dp} micro-batch "
+                f"{lay.micro_batch}")
     deltas = {k: e.terms[k] - best.terms[k] for k in e.terms}
     term = max(deltas, key=deltas.get)
     extra = max(deltas[term], 0.0)
@@ -61,12 +77,16 @@ def _why_best(e: Estimate, c: ModelConfig, cluster: Cluster) -> str:
     if lay.pp > 1:
         parts.append(f"pp={lay.pp} idles {e.terms['bubble'] / e.step_time_s:.0%} in the bubble "
                      f"with {e.micro_batches} micro-batches")
-    savers = [s for s, on in (("sequence parallel", lay.sp), ("ZeRO-1", lay.zero1),
+    if lay.cp > 1:
+        hidden = e.per_layer["cp_ring_exposed"] == 0
+        parts.append(f"cp={lay.cp} splits each sequence over a ring of {lay.cp} ranks, its "
+                     f"key/value sends {'hidden behind' if hidden else 'longer than'} attention")
+    savers = [s for s, on in (("sequence parallel", lay.sp), (ZERO_NAMES[lay.zero], lay.zero),
                               (f"{lay.recompute} recompute", lay.recompute != "none"),
                               (f"{lay.interleave} chunks/device", lay.interleave > 1)) if on]
-    mem = e.memory["total"] / 1e9
     cap = hw.accelerator.memory_bytes / 1e9
-    parts.append(f"{mem:.0f} of {cap:.0f} GB" + (f" with {', '.join(savers)}" if savers else ""))
+    parts.append(f"{gb(e.memory['total'])} of {cap:.0f} GB"
+                 + (f" with {', '.join(savers)}" if savers else ""))
     return "; ".join(parts)
 
 
@@ -112,12 +132,14 @@ def _p2p(e, best, c, cluster, extra) -> str:
 
 def _dp(e, best, c, cluster, extra) -> str:
     lay = e.layout
-    what = "reduce-scatter + all-gather (ZeRO-1)" if lay.zero1 else "all-reduce"
-    return (f"dp={lay.dp}: the gradient {what} that backward cannot hide adds "
-            f"{_ms(extra)} per step")
+    what = {0: "gradient all-reduce", 1: "gradient reduce-scatter + weight all-gather (ZeRO-1)",
+            2: "per-micro-batch gradient reduce-scatters (ZeRO-2)",
+            3: "per-layer weight all-gathers and gradient reduce-scatters (FSDP)"}[lay.zero]
+    return (f"dp={lay.dp}{f' x cp={lay.cp}' if lay.cp > 1 else ''}: the {what} that compute "
+            f"cannot hide adds {_ms(extra)} per step")
 
 
 def _optimizer(e, best, c, cluster, extra) -> str:
     lay = e.layout
-    return (f"optimizer step over {'1/dp of ' if lay.zero1 else 'all '}the local parameters "
+    return (f"optimizer step over {'1/dp of ' if lay.zero else 'all '}the local parameters "
             f"adds {_ms(extra)} per step")

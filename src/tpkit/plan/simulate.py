@@ -7,7 +7,11 @@
          + step sync                        loss, gradient norm, tied embedding all-reduces
 
 where t_stage is one micro-batch through one stage, forward and backward, and m the
-micro-batches per replica. Elementwise kernels (norms, activation, dropout, softmax,
+micro-batches per replica. With context parallelism each rank computes s/cp tokens:
+its GEMMs and collectives shrink by cp, its attention core does 1/cp of 4 b s^2 h,
+and per layer it passes the keys and values of its chunk around the ring of cp ranks
+(cp - 1 sends forward, twice that backward with dK, dV), hidden behind the attention
+core except for what the core cannot cover. Elementwise kernels (norms, activation, dropout, softmax,
 residuals) are memory bound: they stream about twice the bytes they keep for backward.
 Every op also costs the framework's dispatch time (`op_overhead`, counted per layer,
 micro-batch and parameter tensor in `cost`): microseconds that matter on a CPU core.
@@ -18,29 +22,20 @@ from __future__ import annotations
 from dataclasses import dataclass, field, replace
 
 from tpkit.plan import cost
+from tpkit.plan.activations import kv_heads_per_rank, layer_activation_bytes
+from tpkit.plan.data_parallel import dp_time, optimizer_shards
 from tpkit.plan.hardware import Hardware
+from tpkit.plan.layout import Layout
 from tpkit.plan.memory import (
     Precision,
-    activation_bytes_per_layer,
+    layout_stage_layers,
     memory_per_device,
-    params_per_rank,
-    stage_layers,
+    stage_params,
 )
+from tpkit.spec import theory
 from tpkit.spec.config import ModelConfig
 
-
-@dataclass(frozen=True)
-class Layout:
-    """How a run is split: the three degrees, micro-batch, and the memory savers."""
-
-    tp: int
-    pp: int
-    dp: int
-    micro_batch: int
-    sp: bool = False
-    recompute: str = "selective"  # none | selective | full
-    zero1: bool = False
-    interleave: int = 1  # virtual pipeline chunks per device (v)
+__all__ = ["Cluster", "Estimate", "Layout", "evaluate", "layer_times", "tp_collectives"]
 
 
 @dataclass(frozen=True)
@@ -105,32 +100,57 @@ class Estimate:
 def layer_times(c: ModelConfig, seq: int, lay: Layout, hw: Hardware, prec: Precision,
                 flash: bool = True) -> dict[str, float]:
     """Seconds for one layer and one micro-batch on one rank, by kind (forward and backward)."""
-    acc, b, t = hw.accelerator, lay.micro_batch, lay.tp
-    flops = cost.layer_forward_flops(c, b, seq)
-    gemm = cost.gemm_time(flops["gemm"] / t, acc, min(b * seq, c.hidden / t))
-    attn = cost.gemm_time(flops["attention"] / t, acc, c.head_dim)
-    kept = "selective" if flash else "none"  # fused attention never writes the scores
-    elem = cost.memory_time(2 * activation_bytes_per_layer(
-        seq, b, c.hidden, c.num_heads, t, lay.sp, kept, prec.activation), acc)
+    acc, b, t, local = hw.accelerator, lay.micro_batch, lay.tp, seq // lay.cp
+    gemm = cost.gemm_time(cost.layer_forward_flops(c, b, local)["gemm"] / t, acc,
+                          min(b * local, c.hidden / t))
+    attn = cost.gemm_time(cost.layer_forward_flops(c, b, seq)["attention"] / (t * lay.cp), acc,
+                          c.head_dim)
+    kept = layer_activation_bytes(c, seq, b, t, lay.sp, "none", prec.activation, flash,
+                                  cp=lay.cp)  # what the elementwise kernels write and re-read
+    elem = cost.memory_time(2 * kept, acc)
+    ring = ring_attention_time(c, seq, lay, hw, prec)
     out = {"gemm_fwd": gemm, "attention_fwd": attn, "elementwise_fwd": elem,
            "gemm_bwd": 2 * gemm, "attention_bwd": 2 * attn, "elementwise_bwd": 2 * elem,
            "recompute": {"none": 0.0, "selective": attn, "full": gemm + attn + elem}[lay.recompute],
+           "cp_ring_exposed": max(ring - attn, 0.0) + max(2 * ring - 2 * attn, 0.0),
            "overhead": cost.overhead_time(cost.OPS_PER_LAYER, acc)}
-    out.update(tp_collectives(c, seq, lay, hw, prec))
+    out.update(tp_collectives(c, local, lay, hw, prec))
     return out
+
+
+def layer_collectives(c: ModelConfig, seq: int, lay: Layout) -> list[theory.Expect]:
+    """The tensor-parallel collectives of one layer and micro-batch, as the ledger records
+    them: `spec.theory.layer` (2 all-reduces of b*s*h each way, or with SP 2 all-gathers
+    + 2 reduce-scatters each way; a full recompute repeats the forward ones)."""
+    return theory.layer(lay.micro_batch, seq, c.hidden, lay.tp, lay.sp, lay.recompute)
+
+
+def collectives_time(expects: list[theory.Expect], elem_bytes: int, p: int, link) -> float:
+    """Seconds of a list of collectives of `elem_bytes`-byte elements over p ranks."""
+    return sum(e.count * cost.collective_time(e.op, e.numel * elem_bytes, p, link)
+               for e in expects)
+
+
+def ring_attention_time(c: ModelConfig, seq: int, lay: Layout, hw: Hardware,
+                        prec: Precision) -> float:
+    """Forward K/V ring of one layer: cp - 1 sends of this rank's k and v chunk."""
+    if lay.cp == 1:
+        return 0.0
+    chunk = 2 * lay.micro_batch * seq // lay.cp * kv_heads_per_rank(c, lay.tp) * c.head_dim
+    link = cost.link_for(lay.tp * lay.cp, hw, stride=lay.tp)
+    return (lay.cp - 1) * cost.p2p_time(chunk * prec.activation, link)
 
 
 def tp_collectives(c: ModelConfig, seq: int, lay: Layout, hw: Hardware,
                    prec: Precision) -> dict[str, float]:
-    """Tensor-parallel traffic of one layer: 2 all-reduces of b*s*h each way (or 2 AG + 2 RS)."""
-    n = lay.micro_batch * seq * c.hidden * prec.activation
+    """Seconds of one layer's tensor-parallel collectives: the forward's, and the backward's
+    (with a full recompute, the recomputed forward's collectives run during the backward)."""
     link = cost.link_for(lay.tp, hw)
-    if lay.sp:
-        one = cost.all_gather_time(n, lay.tp, link) + cost.reduce_scatter_time(n, lay.tp, link)
-    else:
-        one = 2 * cost.all_reduce_time(n, lay.tp, link)
-    again = one if lay.recompute == "full" else 0.0  # recomputed forward repeats its collectives
-    return {"tp_comm_fwd": one, "tp_comm_bwd": one + again}
+    once = [e for e in layer_collectives(c, seq, replace(lay, recompute="none"))
+            if e.phase == "forward"]
+    fwd = collectives_time(once, prec.activation, lay.tp, link)
+    total = collectives_time(layer_collectives(c, seq, lay), prec.activation, lay.tp, link)
+    return {"tp_comm_fwd": fwd, "tp_comm_bwd": total - fwd}
 
 
 def _stage_extras(c: ModelConfig, seq: int, lay: Layout, hw: Hardware, prec: Precision,
@@ -138,14 +158,15 @@ def _stage_extras(c: ModelConfig, seq: int, lay: Layout, hw: Hardware, prec: Pre
     """(compute, comm) seconds of the embedding (first stage) or logits (last stage)."""
     acc, b, t = hw.accelerator, lay.micro_batch, lay.tp
     link = cost.link_for(t, hw)
-    n = b * seq * c.hidden * prec.activation
-    if not last:  # vocab-parallel embedding: one all-reduce forward (the backward is local)
-        return 0.0, cost.all_reduce_time(n, t, link)
+    if not last:  # vocab-parallel embedding: one all-reduce (SP: reduce-scatter + all-gather)
+        return 0.0, collectives_time(theory.embedding(b, seq, c.hidden, t, lay.sp),
+                                     prec.activation, t, link)
     logits = cost.gemm_time(3 * cost.logits_forward_flops(c, b, seq) / t, acc,
                             min(b * seq, c.hidden))
-    ce = 3 * cost.all_reduce_time(4 * b * seq, t, link)  # max, target logit, sum of exp
+    ce = collectives_time(theory.cross_entropy(b, seq, t), 4, t, link)  # fp32 max, target, sum
     logits += cost.overhead_time(cost.OPS_PER_MICRO_BATCH, acc)
-    return logits, ce + cost.all_reduce_time(n, t, link)  # + the input-grad all-reduce
+    return logits, ce + collectives_time(theory.head(b, seq, c.hidden, t, lay.sp),
+                                         prec.activation, t, link)
 
 
 def evaluate(c: ModelConfig, seq: int, global_batch: int, lay: Layout, cluster: Cluster,
@@ -157,23 +178,25 @@ def evaluate(c: ModelConfig, seq: int, global_batch: int, lay: Layout, cluster: 
     lt = layer_times(c, seq, lay, hw, prec, cluster.flash_attention)
     layer_compute = sum(v for k, v in lt.items() if not k.startswith("tp_comm"))
     layer_comm = lt["tp_comm_fwd"] + lt["tp_comm_bwd"]
-    layers = stage_layers(c.num_layers, lay.pp)
-    _, embed_comm = _stage_extras(c, seq, lay, hw, prec, last=False)
-    head_compute, head_comm = _stage_extras(c, seq, lay, hw, prec, last=True)
+    layers = layout_stage_layers(c.num_layers, lay)
+    local = seq // lay.cp  # tokens per rank
+    _, embed_comm = _stage_extras(c, local, lay, hw, prec, last=False)
+    head_compute, head_comm = _stage_extras(c, local, lay, hw, prec, last=True)
     first = (layers[0] * layer_compute, layers[0] * layer_comm + embed_comm)
     last = (layers[-1] * layer_compute + head_compute, layers[-1] * layer_comm + head_comm)
-    stages = [first, last] if lay.pp > 1 else [(last[0], last[1] + embed_comm)]
+    middle = [(n * layer_compute, n * layer_comm) for n in set(layers[1:-1])]
+    stages = [first, last, *middle] if lay.pp > 1 else [(last[0], last[1] + embed_comm)]
     compute_mb, comm_mb = max(stages, key=lambda s: s[0] + s[1])
     t_stage = compute_mb + comm_mb
     terms = {"compute": m * compute_mb, "tp_comm": m * comm_mb,
              "bubble": cost.bubble_fraction(lay.pp, m, lay.interleave) * m * t_stage,
-             "p2p": _p2p_per_step(c, seq, lay, hw, prec, m)}
-    terms.update(_dp_and_optimizer(c, lay, cluster, hw, prec, layers[0] * (
-        lt["gemm_bwd"] + lt["attention_bwd"] + lt["elementwise_bwd"])))
+             "p2p": _p2p_per_step(c, local, lay, hw, prec, m)}
+    windows = [max(layers) * sum(lt[f"{k}_{d}"] for k in ("gemm", "attention", "elementwise"))
+               for d in ("fwd", "bwd")]
+    terms.update(_dp_and_optimizer(c, lay, cluster, hw, prec, m, *windows))
     terms["step_sync"] = _step_sync(c, lay, hw, prec)
     step = sum(terms.values())
-    mem = memory_per_device(c, seq, lay.micro_batch, lay.tp, lay.pp, lay.dp, m, lay.sp,
-                            lay.recompute, lay.zero1, prec, lay.interleave)
+    mem = memory_per_device(c, seq, lay, m, prec, cluster.flash_attention)
     e = _estimate(c, seq, global_batch, lay, cluster, step, terms, lt, mem, m)
     e.notes["stage_imbalance"] = max(sum(s) for s in stages) / min(sum(s) for s in stages) - 1
     return e
@@ -189,16 +212,23 @@ def _p2p_per_step(c: ModelConfig, seq: int, lay: Layout, hw: Hardware, prec: Pre
     return m * lay.interleave * 2 * cost.p2p_time(n, link)
 
 
+def replica_link(lay: Layout, hw: Hardware):
+    """The link of the dp x cp group that reduces gradients (tp, cp, pp, dp from inside out)."""
+    return cost.link_for(lay.devices, hw, stride=lay.tp if lay.cp > 1 else lay.tp * lay.pp)
+
+
 def _dp_and_optimizer(c: ModelConfig, lay: Layout, cluster: Cluster, hw: Hardware,
-                      prec: Precision, backward_window: float) -> dict[str, float]:
-    params = max(params_per_rank(c, lay.tp, lay.pp, s) for s in {0, lay.pp - 1})
-    link = cost.link_for(lay.tp * lay.pp * lay.dp, hw, stride=lay.tp * lay.pp)
-    sync = cost.dp_sync_time(params * prec.grad, lay.dp, link, lay.zero1)
-    exposed = cost.exposed_dp_time(sync, backward_window, cluster.overlap_dp, lay.zero1)
-    tensors = cost.param_tensors_per_layer(c) * max(stage_layers(c.num_layers, lay.pp)) + 4
+                      prec: Precision, m: int, fwd: float, bwd: float) -> dict[str, float]:
+    params = max(stage_params(c, lay, s) for s in range(lay.pp))
+    layer_count = max(layout_stage_layers(c.num_layers, lay))
+    exposed = dp_time(params, layer_count, lay, replica_link(lay, hw), prec.grad, prec.weight,
+                      m, fwd, bwd, cluster.overlap_dp)
+    tensors = cost.param_tensors_per_layer(c) * layer_count + 4
     dispatch = cost.overhead_time(cost.OPS_PER_PARAM_TENSOR * tensors, hw.accelerator)
+    shards = optimizer_shards(lay)
     return {"dp": exposed,
-            "optimizer": cost.optimizer_time(params, lay.dp, lay.zero1, hw.accelerator) + dispatch}
+            "optimizer": cost.optimizer_time(params, shards, shards > 1, hw.accelerator)
+            + dispatch}
 
 
 def _step_sync(c: ModelConfig, lay: Layout, hw: Hardware, prec: Precision) -> float:
@@ -206,7 +236,7 @@ def _step_sync(c: ModelConfig, lay: Layout, hw: Hardware, prec: Precision) -> fl
     again over dp) and, with pp > 1, the tied embedding's gradient between the end stages."""
     mp = lay.tp * lay.pp
     small = 2 * cost.all_reduce_time(8, mp, cost.link_for(mp, hw))
-    small += cost.all_reduce_time(8, lay.dp, cost.link_for(mp * lay.dp, hw, stride=mp))
+    small += cost.all_reduce_time(8, lay.replicas, replica_link(lay, hw))
     if lay.pp > 1 and c.tie_embeddings:
         small += cost.all_reduce_time(c.vocab_size * c.hidden / lay.tp * prec.grad, 2,
                                       cost.p2p_link(mp, hw))
@@ -216,7 +246,7 @@ def _step_sync(c: ModelConfig, lay: Layout, hw: Hardware, prec: Precision) -> fl
 def _estimate(c: ModelConfig, seq: int, global_batch: int, lay: Layout, cluster: Cluster,
               step: float, terms: dict, lt: dict, mem: dict, m: int) -> Estimate:
     tokens = global_batch * seq
-    devices = lay.tp * lay.pp * lay.dp
+    devices = lay.devices
     model_flops = cost.model_flops_per_token(c, seq) * tokens
     extra = {"none": 0.0, "selective": 1 / 3 * _attention_share(c, seq), "full": 1 / 3}
     hw_flops = model_flops * (1 + extra[lay.recompute])

@@ -1,7 +1,7 @@
 """What a tensor-parallel group that spans nodes costs, in milliseconds (quiz answers 3 and 8).
 
-`ParallelMesh` asks `cross_node_penalty` when its tp groups would cross a node
-boundary and puts the answer in its warning: the same cost model as `tpkit plan`,
+`tpkit train` asks `cross_node_penalty` when its tp groups would cross a node boundary
+and prints the answer after `ParallelMesh`'s warning: the same cost model as `tpkit plan`,
 for one layer and for one micro-batch through the whole model.
 """
 
@@ -14,13 +14,9 @@ from tpkit.plan.hardware import Hardware, get_hardware
 from tpkit.plan.memory import Precision
 from tpkit.plan.simulate import Layout, tp_collectives
 from tpkit.spec.config import ModelConfig, get_preset
+from tpkit.spec.grid import group_fits_node
 
 DEFAULT_MODEL = "llama3-8b"
-
-
-def tp_spans_nodes(tp: int, ranks_per_node: int) -> bool:
-    """True when some tp group of consecutive ranks touches two nodes."""
-    return not cost.group_fits_node(tp, ranks_per_node)
 
 
 def cross_node_penalty(config: ModelConfig | None, tp: int, ranks_per_node: int, *,
@@ -32,7 +28,7 @@ def cross_node_penalty(config: ModelConfig | None, tp: int, ranks_per_node: int,
     and backward) on the inter-node link with the same on the intra-node link. `config`
     None means a llama3-8b shape; `seq` defaults to min(4096, max_seq_len).
     """
-    if not tp_spans_nodes(tp, ranks_per_node):
+    if group_fits_node(tp, ranks_per_node):
         return None
     hw = get_hardware(hardware) if isinstance(hardware, str) else hardware
     cfg = config or get_preset(DEFAULT_MODEL)

@@ -19,9 +19,11 @@ import torch
 
 from tpkit.comm.group import CommGroup
 from tpkit.layers import ColumnColumnMLP, ParallelMLP, RowParallelLinear
-from tpkit.mesh import rank_grid
 from tpkit.quiz import live_ranks as R
 from tpkit.quiz.live_text import Say
+from tpkit.spec.grid import rank_grid
+from tpkit.spec.shapes import kv_heads_per_rank
+from tpkit.spec.theory import ring_steps
 
 Runner = Callable[..., list]  # runner(fn, world, *args, mesh=dict(tp=, pp=, dp=)) -> per rank
 SHAPE = dict(b=2, s=4, hidden=16, ffn=64)
@@ -140,6 +142,8 @@ def _planner_layer(tp: int, model: str, hardware: str, seq: int, b: int) -> dict
 
         from tpkit.plan import cost
         from tpkit.plan.hardware import PROFILES
+        from tpkit.plan.memory import Precision
+        from tpkit.plan.simulate import Layout, tp_collectives
         from tpkit.spec.config import PRESETS
     except ImportError:
         return None
@@ -149,9 +153,10 @@ def _planner_layer(tp: int, model: str, hardware: str, seq: int, b: int) -> dict
     compute = 3 * (cost.gemm_time(flops["gemm"] / tp, hw.accelerator, min(b * seq, c.hidden / tp))
                    + cost.gemm_time(flops["attention"] / tp, hw.accelerator, c.head_dim))
     one_per_node = replace(hw, devices_per_node=1)  # the same group, one GPU per node
+    lay, prec = Layout(tp, 1, 1, b, recompute="none"), Precision()  # 4 all-reduces a layer
     return dict(compute_s=compute, bytes=n, intra_link=hw.intra.name, inter_link=hw.inter.name,
-                intra_s=4 * cost.all_reduce_time(n, tp, cost.link_for(tp, hw)),
-                inter_s=4 * cost.all_reduce_time(n, tp, cost.link_for(tp, one_per_node)),
+                intra_s=sum(tp_collectives(c, seq, lay, hw, prec).values()),
+                inter_s=sum(tp_collectives(c, seq, lay, one_per_node, prec).values()),
                 layers=c.num_layers, inter_alpha=hw.inter.latency, intra_alpha=hw.intra.latency)
 
 
@@ -166,7 +171,7 @@ def demo_heads(live: LiveSession, tp: int = 2, hidden: int = 64, num_heads: int 
     with torch.no_grad():
         y_ref = ref(x)
     say = Say(lang, "heads")
-    kv_note = (say("kv_split", n=num_kv_heads // tp) if num_kv_heads >= tp
+    kv_note = (say("kv_split", n=kv_heads_per_rank(num_kv_heads, tp)) if num_kv_heads >= tp
                else say("kv_shared", n=tp // num_kv_heads))
     arithmetic = [_heads_arithmetic(num_heads, num_kv_heads, tp, i) for i in range(tp)]
     out = dict(tp=tp, heads_per_rank=num_heads // tp, arithmetic=arithmetic, per_rank=[
@@ -263,7 +268,8 @@ def demo_latency(live: LiveSession, tp: int = 2, counts: tuple[int, ...] = (1, 8
     lines += [say("count", n=n, ms=measured[n] * 1e3, us=measured[n] / n * 1e6) for n in counts]
     if plan:
         n_coll = 4 * plan["layers"]
-        alpha = [n_coll * 2 * (tp - 1) * a for a in (plan["intra_alpha"], plan["inter_alpha"])]
+        steps = ring_steps("all_reduce", tp)
+        alpha = [n_coll * steps * a for a in (plan["intra_alpha"], plan["inter_alpha"])]
         out.update(collectives_per_step=n_coll, latency_intra_s=alpha[0], latency_inter_s=alpha[1])
         lines += [say("planner", model=model, n_coll=n_coll, layers=plan["layers"], tp=tp),
                   say("alpha", intra=alpha[0] * 1e3, inter=alpha[1] * 1e3,

@@ -1,8 +1,12 @@
-"""The rules, once: pure Python, no torch.
+"""The rules, once: pure Python, no torch, nothing else of tpkit.
 
-The model configuration and presets, the per-layer collective theory, the rank grid,
-and the small formulas that both the runtime and the planner need. Everything above
-imports these; nothing here imports torch or any other part of tpkit.
+    config.py   ModelConfig (shape, flavour, validation, parameter counts) and presets
+    grid.py     the (dp, pp, tp) rank grid: coordinates, groups, node locality
+    shapes.py   stage layers, padded vocabulary, kv heads per rank
+    theory.py   the collectives each layer and step must send, and their ring factors
+
+The runtime (comm, layers, mesh, model, train) and the planner both import these;
+an import-linter contract (pyproject.toml) keeps this package free of torch.
 """
 
 from tpkit.spec.config import PRESETS, ModelConfig, get_preset

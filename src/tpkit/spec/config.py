@@ -9,6 +9,12 @@ from __future__ import annotations
 
 from dataclasses import asdict, dataclass, replace
 
+from tpkit.spec import shapes
+
+NORMS = ("layernorm", "rmsnorm")
+ACTIVATIONS = ("gelu", "gelu_exact", "swiglu", "relu")  # gelu: tanh (GPT-2); exact: erf (BERT)
+POSITIONS = ("learned", "rope")
+
 
 @dataclass(frozen=True)
 class ModelConfig:
@@ -55,8 +61,8 @@ class ModelConfig:
     def padded_vocab(self, tp: int) -> int:
         """Vocabulary rounded up so that each of tp ranks holds a multiple of 8 rows (GEMMs
         on odd widths such as GPT-2's 50257 fall back to slow kernels on GPUs). The padded
-        rows never win a softmax. The same rule as `VocabParallelEmbedding`."""
-        return -(-self.vocab_size // (8 * tp)) * 8 * tp
+        rows never win a softmax (`tpkit.spec.shapes.padded_vocab`)."""
+        return shapes.padded_vocab(self.vocab_size, tp)
 
     def with_(self, **changes) -> ModelConfig:
         """A copy with some fields changed."""
@@ -75,17 +81,23 @@ class ModelConfig:
         return cls(**d)
 
     # -- parameter counts (unpadded vocabulary) ------------------------------------------
-    def layer_params(self) -> int:
-        """Parameters of one transformer layer."""
-        h, hd, nh, kv, f = self.hidden, self.head_dim, self.num_heads, self.kv_heads, self.ffn
-        b = 1 if self.bias else 0
-        qkv = h * (nh + 2 * kv) * hd + b * (nh + 2 * kv) * hd
-        out = nh * hd * h + b * h
-        mlp = (3 * h * f) if self.activation == "swiglu" else (2 * h * f + b * (f + h))
-        norms = 2 * self._norm_params()
-        return qkv + out + mlp + norms
+    def layer_params(self, tp: int = 1) -> int:
+        """Parameters of one transformer layer held by one of tp ranks (all of them at tp=1).
 
-    def _norm_params(self) -> int:
+        Column-parallel qkv and fc1 (and gate) keep out/tp columns and bias; row-parallel
+        out and fc2 keep in/tp rows and the whole bias; norms are replicated."""
+        h, hd, f = self.hidden, self.head_dim, self.ffn
+        b = 1 if self.bias else 0
+        qkv = (self.num_heads // tp + 2 * shapes.kv_heads_per_rank(self.kv_heads, tp)) * hd
+        attn = h * qkv + b * qkv + (self.num_heads // tp) * hd * h + b * h
+        if self.activation == "swiglu":
+            mlp = 3 * h * (f // tp)  # gate, up: column; down: row; no biases
+        else:
+            mlp = 2 * h * (f // tp) + b * (f // tp + h)
+        return attn + mlp + 2 * self.norm_params()
+
+    def norm_params(self) -> int:
+        """Parameters of one norm: weight and bias for LayerNorm, weight only for RMSNorm."""
         return 2 * self.hidden if self.norm == "layernorm" else self.hidden
 
     def embedding_params(self) -> int:
@@ -98,7 +110,7 @@ class ModelConfig:
     def num_params(self) -> int:
         """Total parameters (tied output embedding counted once)."""
         head = 0 if self.tie_embeddings else self.vocab_size * self.hidden
-        norms = self._norm_params() * (int(self.pre_norm) + int(self.embed_norm))
+        norms = self.norm_params() * (int(self.pre_norm) + int(self.embed_norm))
         return self.embedding_params() + self.num_layers * self.layer_params() + norms + head
 
     # -- validation ----------------------------------------------------------------------
@@ -166,9 +178,8 @@ def _check_sequence(c: ModelConfig, tp: int, sp: bool, seq: int | None, **_) -> 
 
 def _check_choices(c: ModelConfig, **_) -> list[str]:
     out = []
-    for field_name, allowed in (("norm", ("layernorm", "rmsnorm")),
-                                ("activation", ("gelu", "gelu_exact", "swiglu", "relu")),
-                                ("position", ("learned", "rope"))):
+    for field_name, allowed in (("norm", NORMS), ("activation", ACTIVATIONS),
+                                ("position", POSITIONS)):
         if getattr(c, field_name) not in allowed:
             out.append(f"{field_name}={getattr(c, field_name)!r} is not one of {allowed}")
     return out

@@ -9,14 +9,33 @@ Per transformer layer and micro-batch, with activations [b, s, h] and tp > 1
     of the same b*s*h elements (the same bytes on the wire).
     vocab-parallel embedding: 1 all-reduce of b*s*h forward (or a reduce-scatter with SP)
     vocab-parallel cross-entropy: 3 all-reduces of b*s forward (max, target, sum-exp)
+    full recompute: the recomputed forward repeats the layer's forward collectives
+    (recorded as forward, while the backward runs)
 
-A list of `Expect` is what `Ledger.compare` checks against.
+A list of `Expect` is what `Ledger.compare` checks against, and what the planner prices.
+On the wire, a ring over p ranks sends per rank (Thakur et al. 2005):
+
+    all-reduce  2(p-1)/p n      all-gather, reduce-scatter, broadcast  (p-1)/p n
 """
 
 from __future__ import annotations
 
 from collections import Counter
 from dataclasses import dataclass
+
+RECOMPUTE = ("none", "selective", "full")
+_RING_STEPS = {"all_reduce": 2, "all_gather": 1, "reduce_scatter": 1, "broadcast": 1}
+
+
+def ring_factor(op: str, p: int) -> float:
+    """Share of the tensor's bytes each rank sends for `op` over a ring of p ranks:
+    2(p-1)/p for an all-reduce, (p-1)/p for the others; 0 with one rank."""
+    return _RING_STEPS.get(op, 1) * (p - 1) / p if p > 1 else 0.0
+
+
+def ring_steps(op: str, p: int) -> int:
+    """Latency steps of `op` on a ring of p ranks: 2(p-1) for an all-reduce, else p-1."""
+    return _RING_STEPS.get(op, 1) * (p - 1) if p > 1 else 0
 
 
 @dataclass(frozen=True)
@@ -68,9 +87,17 @@ def attention(b: int, s: int, h: int, tp: int, sp: bool = False) -> list[Expect]
     return parallel_block(b, s, h, tp, sp)
 
 
-def layer(b: int, s: int, h: int, tp: int, sp: bool = False) -> list[Expect]:
-    """One transformer layer: attention + MLP."""
-    return attention(b, s, h, tp, sp) + mlp(b, s, h, tp, sp)
+def layer(b: int, s: int, h: int, tp: int, sp: bool = False,
+          recompute: str = "none") -> list[Expect]:
+    """One transformer layer: attention + MLP; with full recompute, the forward twice.
+
+    `recompute` is none, selective (only the attention core, which sends nothing) or full."""
+    if recompute not in RECOMPUTE:
+        raise ValueError(f"recompute={recompute!r} is not one of {RECOMPUTE}")
+    out = attention(b, s, h, tp, sp) + mlp(b, s, h, tp, sp)
+    if recompute == "full":
+        out += [e for e in out if e.phase == "forward"]
+    return out
 
 
 def embedding(b: int, s: int, h: int, tp: int, sp: bool = False) -> list[Expect]:
@@ -96,11 +123,11 @@ def head(b: int, s: int, h: int, tp: int, sp: bool = False) -> list[Expect]:
 
 
 def stage(b: int, s: int, h: int, tp: int, sp: bool, num_layers: int, *, first: bool = True,
-          last: bool = True) -> list[Expect]:
+          last: bool = True, recompute: str = "none") -> list[Expect]:
     """Tensor-parallel traffic of one micro-batch through a pipeline stage holding
     `num_layers` layers (the whole model when first and last)."""
     out = embedding(b, s, h, tp, sp) if first else []
-    out += layer(b, s, h, tp, sp) * num_layers
+    out += layer(b, s, h, tp, sp, recompute) * num_layers
     if last:
         out += head(b, s, h, tp, sp) + cross_entropy(b, s, tp)
     return out
@@ -111,3 +138,38 @@ def cross_entropy(b: int, s: int, tp: int) -> list[Expect]:
     if tp == 1:
         return []
     return [Expect("all_reduce", "forward", b * s, count=3)]
+
+
+def stage_step(hidden: int, b: int, s: int, tp: int, pp: int, sp: bool, m: int, first: bool,
+               last: bool, num_layers: int, chunks: int = 1,
+               recompute: str = "none") -> list[Expect]:
+    """What one training step of m micro-batches must send on a rank's tp and pp groups.
+
+    Per micro-batch: `stage` (embedding on the first stage, 2+2 per layer, head and the
+    three cross-entropy all-reduces on the last); and between stages one activation
+    forward and its gradient backward, [b, s, h] ([b, s/tp, h] with SP), per chunk of
+    the stage (interleaved), except out of the very last chunk and into the very first.
+    """
+    one = stage(b, s, hidden, tp, sp, num_layers, first=first, last=last, recompute=recompute)
+    act = b * (s // tp if sp else s) * hidden
+    out, into = chunks - last, chunks - first  # activations leaving / entering the stage
+    if pp > 1 and out:
+        one += [Expect("send", "forward", act, out), Expect("recv", "backward", act, out)]
+    if pp > 1 and into:
+        one += [Expect("recv", "forward", act, into), Expect("send", "backward", act, into)]
+    return [Expect(e.op, e.phase, e.numel, e.count * m) for e in one]
+
+
+def data_parallel(numel: int, dp: int, zero1: bool = False) -> list[Expect]:
+    """One step's gradient sync over dp for `numel` parameters (summed over buckets).
+
+    Plain data parallel all-reduces the gradients. ZeRO-1 (Megatron's distributed
+    optimizer) reduce-scatters them instead, since each rank updates only its 1/dp
+    slice, then all-gathers the updated weights: the same ring bytes as one all-reduce,
+    2(p-1)/p n. With ZeRO-1, `numel` is the flat vector padded to a multiple of dp.
+    """
+    if dp == 1:
+        return []
+    if zero1:
+        return [Expect("reduce_scatter", "grads", numel), Expect("all_gather", "grads", numel)]
+    return [Expect("all_reduce", "grads", numel)]

@@ -1,4 +1,5 @@
-"""Training: data (embedded corpus), loop, optimizer, metrics, `tpkit train`, checkpoints.
+"""Training: data (embedded corpus), loop, optimizer, metrics (checkpoints: `tpkit.checkpoint`;
+the `tpkit train` front-end: `tpkit.commands.train`).
 
     from tpkit.train.loop import train
     result = train(TrainConfig(preset="gpt2-tiny", tp=2, pp=2, steps=300), mesh)

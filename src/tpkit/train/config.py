@@ -19,7 +19,6 @@ else:  # pragma: no cover
     import tomli as tomllib
 
 DTYPES = ("float32", "bfloat16")
-SCHEDULES = ("gpipe", "1f1b", "interleaved")
 
 
 @dataclass(frozen=True)
@@ -43,7 +42,7 @@ class TrainConfig:
     clip: float = 1.0  # 0: no clipping
     sp: bool = False  # sequence parallelism
     zero1: bool = False
-    schedule: str = "1f1b"  # gpipe | 1f1b | interleaved
+    schedule: str = "1f1b"  # a key of tpkit.parallel.schedules.SCHEDULES
     virtual_stages: int = 1  # model chunks per stage (interleaved 1F1B)
     dtype: str = "float32"  # bfloat16: autocast of the forward
     recompute: bool = False
@@ -52,7 +51,6 @@ class TrainConfig:
     eval_every: int = 50
     eval_batches: int = 2
     ckpt_every: int = 0  # 0: only at the end
-    log_every: int = 1
     out: str = "runs/train"
     seed: int = 0
     resume: str | None = None  # a checkpoint directory, or a folder of them (the latest)
@@ -153,11 +151,11 @@ class TrainConfig:
                 f"--tokenizer {self.from_hf} --out DIR` and train on data=DIR"]
 
     def _schedule_problems(self) -> list[str]:
-        if self.schedule not in SCHEDULES:
-            return [f"schedule={self.schedule!r} is not one of {SCHEDULES}"]
-        if self.schedule != "interleaved":
-            return [f"virtual_stages={self.virtual_stages} needs schedule='interleaved', not "
-                    f"{self.schedule!r}"] if self.virtual_stages > 1 else []
+        from tpkit.parallel.schedules import CHUNKED, schedule_problems
+
+        problems = schedule_problems(self.schedule, self.virtual_stages)
+        if problems or self.schedule != CHUNKED:
+            return problems
         if self.micro_batches % self.pp:
             return [f"micro_batches={self.micro_batches} is not a multiple of pp={self.pp} "
                     f"(interleaved 1F1B)"]

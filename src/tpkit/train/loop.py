@@ -3,9 +3,11 @@
     for each step:
       batch of this dp replica -> m micro-batches -> GPipe / 1F1B / interleaved 1F1B
                                       dp: buckets all-reduced over replicas as the last
-                                          backward finishes them (OverlappedGradSync)
+                                          backward finishes them (OverlappedGradSync);
+                                          ZeRO-1: none here, see reduce_gradients below
       model.finalize_grads()          tp: sequence-parallel norms, shared kv heads
       sync_tied_grads                 pp: embedding (first stage) + head (last stage)
+      optimizer.reduce_gradients()    ZeRO-1: reduce-scatter over dp (each rank its slice)
       (all of these are sums, so their order does not change the result)
       global_grad_norm -> clip        every parameter counted once (tp, pp; not dp)
       optimizer.step()                AdamW, or ZeRO-1 (slice update + all-gather over dp)
@@ -26,6 +28,7 @@ from tpkit.mesh import ParallelMesh
 from tpkit.parallel import (
     OverlappedGradSync,
     StageLink,
+    ZeroAdamW,
     bubble_theory,
     clip_grads,
     forward_only,
@@ -35,7 +38,8 @@ from tpkit.parallel import (
     sync_tied_grads,
     tied_embedding_group,
 )
-from tpkit.train import metrics
+from tpkit.spec import theory
+from tpkit.train import run_log
 from tpkit.train.config import TrainConfig
 from tpkit.train.data import (
     TokenLoader,
@@ -45,6 +49,7 @@ from tpkit.train.data import (
     tokenizer_folder,
 )
 from tpkit.train.optim import build_optimizer, lr_at, set_lr
+from tpkit.train.report import RunSummary, theory_rows, theory_table
 
 
 def prepare(cfg: TrainConfig, mesh: ParallelMesh) -> tuple[TokenLoader, TokenLoader | None]:
@@ -76,7 +81,7 @@ def build_model(cfg: TrainConfig, mesh: ParallelMesh) -> torch.nn.Module:
                         recompute=cfg.recompute, virtual_stages=cfg.virtual_stages,
                         device="meta" if hf else None)
     if hf:
-        from tpkit.checkpoint.convert import open_source
+        from tpkit.checkpoint.sources import open_source
         from tpkit.model.hf import load_from, materialize
 
         materialize(model, mesh.device)
@@ -95,21 +100,24 @@ def replica_mean(value: float | None, mesh: ParallelMesh) -> float:
     return t.item() / mesh.dp_size
 
 
-def train(cfg: TrainConfig, mesh: ParallelMesh, model: torch.nn.Module | None = None) -> dict:
+def train(cfg: TrainConfig, mesh: ParallelMesh, model: torch.nn.Module | None = None
+          ) -> RunSummary:
     """Run `cfg.steps` steps on this rank; returns the run's summary (same on all ranks)."""
     loader, val_loader = prepare(cfg, mesh)
     model = model or build_model(cfg, mesh)
     model.train()
     tied = tied_embedding_group(mesh, model.config.tie_embeddings)
-    dp_sync = OverlappedGradSync(list(model.parameters()), mesh.dp_group, cfg.micro_batches)
+    opt = build_optimizer(model, cfg, mesh)
+    sharded = isinstance(opt, ZeroAdamW)  # ZeRO-1 reduce-scatters instead of all-reducing
+    dp_sync = OverlappedGradSync([] if sharded else list(model.parameters()), mesh.dp_group,
+                                 cfg.micro_batches)
     # gradients travel on their own communicator (see tpkit.parallel.p2p)
     link = StageLink(mesh.pp_group, device=mesh.device,
                      backward_group=ring_backward_group(mesh))
-    opt = build_optimizer(model, cfg, mesh)
     out, lead = Path(cfg.out), mesh.rank == 0
     start = resume(cfg, mesh, model, opt, loader) if cfg.resume else 0
-    log = metrics.MetricsLog(out / "metrics.jsonl" if lead else None, resume_step=start)
-    bar = metrics.Progress(cfg.steps, lead and cfg.progress)
+    log = run_log.MetricsLog(out / "metrics.jsonl" if lead else None, resume_step=start)
+    bar = run_log.Progress(cfg.steps, lead and cfg.progress)
     autocast = (torch.autocast(mesh.device.type, dtype=torch.bfloat16)
                 if cfg.dtype == "bfloat16" else None)
     rows, ckpt, tokens_per_step = [], None, cfg.global_batch * cfg.seq
@@ -123,7 +131,7 @@ def train(cfg: TrainConfig, mesh: ParallelMesh, model: torch.nn.Module | None = 
                 idle, busy = idle + row["idle_s"], busy + row["step_s"] - row["idle_s"]
             last_records = list(mesh.ledger.records)
             row["tokens_per_s"] = tokens_per_step / row["step_s"]
-            row["comm_line"] = metrics.comm_line(row["comm"])
+            row["comm_line"] = run_log.comm_line(row["comm"])
             if val_loader is not None and _due(step, cfg.eval_every, cfg.steps):
                 row["val_loss"] = evaluate(cfg, mesh, model, link, val_loader, autocast)
             if cfg.ckpt_every and (step + 1) % cfg.ckpt_every == 0 and step + 1 < cfg.steps:
@@ -157,14 +165,18 @@ def _step(cfg, mesh, model, link, syncs, opt, loader, autocast, step: int) -> di
     dp_sync.finish()  # most buckets were sent during the last backward
     model.finalize_grads()
     sync_tied_grads(model, tied)
-    norm = global_grad_norm(model, mesh)
+    sharded = isinstance(opt, ZeroAdamW)
+    if sharded:
+        opt.reduce_gradients()
+    norm = global_grad_norm(model, mesh, dp_sharded=sharded)
     clip_grads(model, norm, cfg.clip)
     opt.step()
     opt.zero_grad(set_to_none=True)
-    comm = metrics.comm_by_group(mesh.ledger.records)
+    comm = run_log.comm_by_group(mesh.ledger.records)
     loss = replica_mean(stats.loss, mesh)
     return dict(step=step + 1, loss=loss, lr=lr, grad_norm=norm, idle_s=stats.idle_s,
-                schedule_s=stats.total_s, max_inflight=stats.max_inflight, step_s=time.perf_counter() - t0, comm=comm,
+                schedule_s=stats.total_s, max_inflight=stats.max_inflight,
+                step_s=time.perf_counter() - t0, comm=comm,
                 tokens=(step + 1) * cfg.global_batch * cfg.seq)
 
 
@@ -188,8 +200,9 @@ def save_checkpoint(cfg: TrainConfig, mesh: ParallelMesh, model, opt, loader: To
     """Sharded checkpoint at out/checkpoints/step_N: weights, AdamW (or ZeRO-1) state,
     and in `extra` the loader position, the step and this rank's generator states."""
     from tpkit.checkpoint import store as checkpoint
+    from tpkit.checkpoint.locate import step_dir
 
-    path = Path(cfg.out) / "checkpoints" / f"step_{step:06d}"
+    path = step_dir(cfg.out, step)
     rng = dict(checkpoint.capture_rng(mesh.device), tp=model.rng.state,
                device=mesh.device.type)
     checkpoint.save(path, model, opt, step=step, mesh=mesh,
@@ -213,10 +226,9 @@ def resume(cfg: TrainConfig, mesh: ParallelMesh, model, opt, loader: TokenLoader
     on another kind of device (a GPU checkpoint on CPU) the generators keep theirs.
     """
     from tpkit.checkpoint import store as checkpoint
+    from tpkit.checkpoint.locate import sharded_dir
 
-    path = Path(cfg.resume)
-    if not (path / "manifest.json").is_file():
-        path = checkpoint.latest(path) or checkpoint.latest(path / "checkpoints") or path
+    path = sharded_dir(cfg.resume)  # a run folder: its latest valid checkpoint
     extra = checkpoint.load(path, model, opt, mesh=mesh)
     if int(extra["step"]) >= cfg.steps:
         raise ValueError(f"{path} is at step {extra['step']}: nothing left to do for "
@@ -229,38 +241,35 @@ def resume(cfg: TrainConfig, mesh: ParallelMesh, model, opt, loader: TokenLoader
     return int(extra["step"])
 
 
-def _summary(cfg, mesh, model, rows, train_s, idle, busy, ckpt, lead) -> dict:
+def _summary(cfg, mesh, model, rows, train_s, idle, busy, ckpt, lead) -> RunSummary:
     """Per-rank result: losses, throughput, bubble, this rank's comm table vs theory."""
     ratio = torch.tensor([idle / busy if busy > 0 else 0.0], dtype=torch.float64,
                          device=mesh.device)
     with mesh.ledger.paused():
         all_reduce(ratio, mesh.pp_group, phase="metrics", scope="metrics")
     c, b = model.config, cfg.micro_batch_size
-    expects = metrics.stage_theory(c.hidden, b, cfg.seq, mesh.tp_size, mesh.pp_size, cfg.sp,
-                                   cfg.micro_batches, model.is_first_stage, model.is_last_stage,
-                                   len(model.layer_range), model.virtual_stages)
-    rows_t = metrics.theory_rows(mesh.ledger, expects)
+    expects = theory.stage_step(c.hidden, b, cfg.seq, mesh.tp_size, mesh.pp_size, cfg.sp,
+                                cfg.micro_batches, model.is_first_stage, model.is_last_stage,
+                                len(model.layer_range), model.virtual_stages,
+                                recompute="full" if cfg.recompute else "none")
+    rows_t = theory_rows(mesh.ledger, expects)
     where = f"rank {mesh.rank} (stage {mesh.pp_rank}, tp rank {mesh.tp_rank})"
     val = [r["val_loss"] for r in rows if "val_loss" in r]
-    result = dict(cfg.to_dict(), model=cfg.model_name, rank=mesh.rank, hidden=c.hidden, micro_batch=b, first_loss=rows[0]["loss"],
-                  first_step=rows[0]["step"],
-                  last_loss=rows[-1]["loss"], tail=min(10, len(rows)),
-                  tail_loss=sum(r["loss"] for r in rows[-10:]) / min(10, len(rows)), val_loss=val[-1] if val else None,
-                  losses=[r["loss"] for r in rows], grad_norms=[r["grad_norm"] for r in rows],
-                  tokens_per_s=len(rows) * cfg.global_batch * cfg.seq / train_s,
-                  seconds=train_s, bubble=ratio.item() / mesh.pp_size,
-                  bubble_theory=bubble_theory(mesh.pp_size, cfg.micro_batches,
-                                              model.virtual_stages),
-                  max_inflight=max(r["max_inflight"] for r in rows),
-                  stage=mesh.pp_rank, tp_rank=mesh.tp_rank,
-                  table=mesh.ledger.table(f"{where}: everything sent in one step",
-                                          by_scope=False),
-                  theory=metrics.theory_table(rows_t, f"{where}: tp/pp traffic of one step "
-                                                      f"vs theory"),
-                  theory_ok=all(r["recorded"] == r["theory"] for r in rows_t), checkpoint=ckpt,
-                  metrics=str(Path(cfg.out) / "metrics.jsonl"), plot=None)
+    plot = None
     if lead and cfg.plot:
-        result["plot"] = str(metrics.plot_losses(rows, Path(cfg.out) / "loss.png",
-                                                 f"{cfg.model_name} tp={cfg.tp} pp={cfg.pp} "
-                                                 f"dp={cfg.dp}"))
-    return result
+        plot = str(run_log.plot_losses(rows, Path(cfg.out) / "loss.png",
+                                       f"{cfg.model_name} tp={cfg.tp} pp={cfg.pp} dp={cfg.dp}"))
+    tail = min(10, len(rows))
+    return RunSummary(
+        config=cfg, rank=mesh.rank, stage=mesh.pp_rank, tp_rank=mesh.tp_rank, hidden=c.hidden,
+        micro_batch=b, losses=[r["loss"] for r in rows], grad_norms=[r["grad_norm"] for r in rows],
+        first_step=rows[0]["step"], tail=tail,
+        tail_loss=sum(r["loss"] for r in rows[-tail:]) / tail, val_loss=val[-1] if val else None,
+        tokens_per_s=len(rows) * cfg.global_batch * cfg.seq / train_s, seconds=train_s,
+        bubble=ratio.item() / mesh.pp_size,
+        bubble_theory=bubble_theory(mesh.pp_size, cfg.micro_batches, model.virtual_stages),
+        max_inflight=max(r["max_inflight"] for r in rows),
+        table=mesh.ledger.table(f"{where}: everything sent in one step", by_scope=False),
+        theory=theory_table(rows_t, f"{where}: tp/pp traffic of one step vs theory"),
+        theory_ok=all(r["recorded"] == r["theory"] for r in rows_t), checkpoint=ckpt,
+        metrics=str(Path(cfg.out) / "metrics.jsonl"), plot=plot)

@@ -12,8 +12,10 @@ import torch
 from tpkit.checkpoint.files import local_slice
 from tpkit.comm import all_gather, recv, send
 from tpkit.mesh import ParallelMesh
+from tpkit.model.names import VOCAB_PADDED
 from tpkit.model.transformer import Transformer
-from tpkit.sharding import full_state_dict, split_of
+from tpkit.shard_io import DictSource
+from tpkit.sharding import full_state_dict, meta_of, split_of
 from tpkit.spec.config import ModelConfig
 
 LLAMA = ModelConfig(name="llama-t", vocab_size=257, hidden=64, num_layers=4, num_heads=8,
@@ -21,19 +23,6 @@ LLAMA = ModelConfig(name="llama-t", vocab_size=257, hidden=64, num_layers=4, num
                     activation="swiglu", position="rope", tie_embeddings=False, bias=False)
 GPT2 = ModelConfig(name="gpt2-t", vocab_size=257, hidden=64, num_layers=4, num_heads=4,
                    max_seq_len=64)
-
-
-class DictSource:
-    """A `ckpt_io.Source` over a dict of full logical tensors."""
-
-    def __init__(self, full: dict[str, torch.Tensor]) -> None:
-        self.full = full
-
-    def logical_shape(self, name):
-        return tuple(self.full[name].shape) if name in self.full else None
-
-    def read(self, name, dim, start, stop):
-        return self.full[name].narrow(dim, start, stop - start)
 
 
 def random_full(config: ModelConfig, seed: int = 1, scale: float = 0.1
@@ -44,7 +33,7 @@ def random_full(config: ModelConfig, seed: int = 1, scale: float = 0.1
     out = {}
     for n, p in ref.named_parameters():
         shape = list(p.shape)
-        if n in ("embed.word.weight", "head.weight"):
+        if n in VOCAB_PADDED:
             shape[0] = config.vocab_size
         out[n] = torch.randn(shape, generator=g) * scale + (1.0 if "norm.weight" in n else 0.0)
     return out
@@ -55,7 +44,7 @@ def fill(model: torch.nn.Module, full: dict[str, torch.Tensor], mesh) -> None:
     src = DictSource(full)
     with torch.no_grad():
         for n, p in model.named_parameters():
-            name = getattr(p, "tied_to", None) or n
+            name = meta_of(p).tied_to or n
             p.copy_(local_slice(src, name, split_of(p), mesh.tp_rank, mesh.tp_size,
                                 tuple(p.shape)))
 
@@ -64,7 +53,7 @@ def set_grads(model, full_grads: dict[str, torch.Tensor], mesh) -> None:
     """Gradients = this rank's slice of a full gradient dict (same at every layout)."""
     src = DictSource(full_grads)
     for n, p in model.named_parameters():
-        name = getattr(p, "tied_to", None) or n
+        name = meta_of(p).tied_to or n
         p.grad = local_slice(src, name, split_of(p), mesh.tp_rank, mesh.tp_size, tuple(p.shape))
 
 
@@ -89,10 +78,10 @@ def local_state(model, mesh, optimizer=None) -> dict:
     opt = {}
     for p, st in (optimizer.state.items() if optimizer is not None else ()):
         for k, v in st.items():
-            if torch.is_tensor(v) and v.shape == p.shape and not getattr(p, "tied_to", None):
+            if torch.is_tensor(v) and v.shape == p.shape and not meta_of(p).tied_to:
                 opt[f"{names[id(p)]}::{k}"] = v.detach().clone()
     params = {n: p.detach().clone() for n, p in model.named_parameters()
-              if not getattr(p, "tied_to", None)}
+              if not meta_of(p).tied_to}
     splits = {n: split_of(p) for n, p in model.named_parameters()}
     return dict(tp=mesh.tp_rank, pp=mesh.pp_rank, dp=mesh.dp_rank, params=params, opt=opt,
                 splits=splits)
@@ -106,6 +95,6 @@ def gather(results: list[dict], vocab: int, key: str = "params") -> dict[str, to
                        key=lambda r: r["tp"])
         splits = {n: ranks[0]["splits"][n.split("::")[0]] for n in ranks[0][key]}
         for n, t in full_state_dict([r[key] for r in ranks], splits).items():
-            padded = n.split("::")[0] in ("embed.word.weight", "head.weight")
+            padded = n.split("::")[0] in VOCAB_PADDED
             out[n] = t[:vocab] if padded else t
     return out

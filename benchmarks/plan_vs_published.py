@@ -1,0 +1,73 @@
+"""The planner against published runs: each run's own layout simulated, error per row.
+
+    python benchmarks/plan_vs_published.py
+
+In-sample: Narayanan et al. 2021 table 1 (the A100 GEMM efficiency was fitted on it).
+Out-of-sample: Korthikanti et al. 2022 table 5 (sequence parallelism + selective
+recomputation, and full recomputation), Narayanan et al. 2021 figure 13 peaks, and the
+Llama 3 paper's table 4 (405B, GQA + SwiGLU, H100, with and without context
+parallelism). Pure Python, a few seconds.
+"""
+
+from __future__ import annotations
+
+from dataclasses import replace
+
+from tpkit.plan import get_hardware, papers
+from tpkit.plan.hardware import LINKS
+from tpkit.plan.simulate import Cluster, Layout, evaluate
+from tpkit.spec.config import get_preset
+
+
+def _err(pred: float, pub: float) -> str:
+    return f"{pred / pub - 1:+.1%}"
+
+
+def narayanan() -> None:
+    print("| model | GPUs | (tp, pp) | published TFLOP/s | predicted | error |")
+    for p in papers.narayanan_table1():
+        lay = Layout(p.tp, p.pp, p.dp, p.micro_batch, recompute="full", interleave=p.interleave)
+        cl = Cluster(get_hardware(p.hardware), nodes=lay.devices // 8, flash_attention=False)
+        e = evaluate(p.config, p.seq, p.global_batch, lay, cl)
+        print(f"| {p.config.name} | {lay.devices} | ({p.tp}, {p.pp}) | {p.tflops_per_gpu} | "
+              f"{e.hw_tflops_per_device:.0f} | {_err(e.hw_tflops_per_device, p.tflops_per_gpu)} |")
+
+
+def korthikanti() -> None:
+    print("| model | (tp, pp, v) | SP+sel s pub / pred | err | MFU pub / pred | "
+          "full-rc s pub / pred | err | memory GB |")
+    for name, a, h, L, tp, pp, gpus, gbs, mb, v, full_s, sel_s, mfu in \
+            papers.KORTHIKANTI_TABLE5:
+        c = papers.gpt(f"megatron-{name}", h, L, a, 2048)
+        cl = Cluster(get_hardware("a100-80gb"), nodes=max(gpus // 8, 1), flash_attention=False)
+        sel = evaluate(c, 2048, gbs, Layout(tp, pp, 1, mb, True, "selective", 0, v), cl)
+        full = evaluate(c, 2048, gbs, Layout(tp, pp, 1, mb, False, "full", 0, v), cl)
+        print(f"| {name} | ({tp}, {pp}, {v}) | {sel_s} / {sel.step_time_s:.2f} | "
+              f"{_err(sel.step_time_s, sel_s)} | {mfu:.1%} / {sel.mfu:.1%} | "
+              f"{full_s} / {full.step_time_s:.2f} | {_err(full.step_time_s, full_s)} | "
+              f"{sel.memory['total'] / 1e9:.0f} |")
+
+
+def llama3() -> None:
+    hw = get_hardware("h100")
+    roce = replace(hw, name="h100-roce", inter=LINKS["roce-400"])
+    c = get_preset("llama3-405b").with_(max_seq_len=131072)
+    print("| GPUs | (tp, cp, pp, dp) | seq | sharding | TFLOP/s pub / pred | error | "
+          "MFU pub / pred | memory GB |")
+    for gpus, tp, cp, pp, dp, seq, gbs, tf, mfu in papers.LLAMA3_TABLE4:
+        for zero in (3, 1):
+            lay = Layout(tp, pp, dp, 1, True, "none", zero, 1, cp, lighter_ends=True)
+            e = evaluate(c, seq, gbs, lay, Cluster(roce, nodes=gpus // 8))
+            print(f"| {gpus} | ({tp}, {cp}, {pp}, {dp}) | {seq} | "
+                  f"{'FSDP' if zero == 3 else 'ZeRO-1'} | {tf} / {e.tflops_per_device:.0f} | "
+                  f"{_err(e.tflops_per_device, tf)} | {mfu:.0%} / {e.mfu:.1%} | "
+                  f"{e.memory['total'] / 1e9:.1f}{'' if e.fits else ' (over)'} |")
+
+
+if __name__ == "__main__":
+    print("## in-sample: Narayanan et al. 2021, table 1")
+    narayanan()
+    print("\n## out-of-sample: Korthikanti et al. 2022, tables 3 and 5")
+    korthikanti()
+    print("\n## out-of-sample: Dubey et al. 2024 (Llama 3), table 4")
+    llama3()

@@ -1,0 +1,42 @@
+"""`tpkit convert`: checkpoints to and from one full safetensors file, offline resharding,
+Hugging Face export (`tpkit.checkpoint.convert`), in one process.
+
+    tpkit convert runs/demo model.safetensors --to full                # a run folder: latest
+    tpkit convert model.safetensors ckpt-tp4 --to sharded --tp 4 --pp 2
+    tpkit convert runs/ckpt/step-100 ckpt-tp1 --to sharded --tp 1     # + optimizer state
+    tpkit convert runs/ckpt/step-100 hf-out --to hf                    # transformers loads it
+"""
+
+from __future__ import annotations
+
+import argparse
+
+from tpkit.checkpoint.convert import reshard, to_full, to_hf
+from tpkit.checkpoint.files import CheckpointError
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    """Options of `tpkit convert`."""
+    parser.add_argument("source", help="tpkit checkpoint dir, run folder (its latest valid "
+                                       "checkpoint), full .safetensors, or HF dir")
+    parser.add_argument("dest", help="output path")
+    parser.add_argument("--to", choices=("full", "sharded", "hf"), default="sharded",
+                        help="one full safetensors file, a sharded checkpoint, or Hugging Face")
+    parser.add_argument("--tp", type=int, default=1, help="tensor-parallel size (sharded)")
+    parser.add_argument("--pp", type=int, default=1, help="pipeline stages (sharded)")
+
+
+def run(args: argparse.Namespace) -> int:
+    """Convert; print what was written. Errors name the file and the problem."""
+    try:
+        if args.to == "full":
+            out = to_full(args.source, args.dest)
+        elif args.to == "hf":
+            out = to_hf(args.source, args.dest)
+        else:
+            out = reshard(args.source, args.dest, args.tp, args.pp)
+    except (CheckpointError, ValueError) as e:
+        print(f"tpkit convert: {e}")
+        return 1
+    print(f"wrote {out}")
+    return 0

@@ -1,0 +1,118 @@
+"""Activation memory of one layer, tensor by tensor: what the block saves for backward.
+
+Instead of one constant for every model (GPT-3's 34 s b h bytes, Korthikanti et al.
+2022, "Reducing Activation Recomputation", table 2), the bytes are summed over the
+tensors a pre-norm block keeps, so SwiGLU's three matrices, GQA's smaller k and v and
+RMSNorm come out of the shapes (s sequence, b micro-batch, h hidden, f MLP width,
+a heads, g kv heads, d head dim, A bytes per activation element, t tensor-parallel):
+
+    kept until backward               elements       sharded over
+    norm inputs (2 norms)             2 s b h        t only with SP (replicated otherwise)
+    norm outputs = qkv / fc1 inputs   2 s b h        t only with SP
+    eager RMSNorm: x * rstd (2 norms) 2 s b h        t only with SP   (fused kernels: none)
+    norm statistics (fp32)            2 or 4 s b     t only with SP   (RMS: rstd; LN: +mean)
+    q                                 s b h          t
+    k, v                              2 s b g d      t (g/t kv heads; a/t if k, v are repeated)
+    attention output = out-proj input s b h          t
+    flash log-sum-exp (fp32)          a s b          t
+    no flash: softmax output          a s^2 b        t    (+ dropout mask, 1 byte, and the
+                                                          dropped probabilities when p > 0)
+    GeLU MLP: fc1 output, fc2 input   2 s b f        t
+    SwiGLU: gate|up, silu(gate), fc2 input    eager 4 s b f, fused (Megatron) 3 s b f, over t
+    dropout masks (p > 0, 1 byte)     2 s b h        t only with SP
+
+For GPT with dropout and no flash this gives back Korthikanti's sbh(34 + 5as/h) bytes
+(2-byte activations): 4 (norm inputs) + 4 (their outputs) + 6 (q, k, v) + 2 (attention
+output) + 16 (MLP) + 2 (masks) = 34. `tests/test_activations.py` measures the saved
+tensors of tpkit's real block (torch's saved-tensor hooks) against `eager=True`.
+
+Flash attention (the default) never stores the a s^2 b scores, whatever the recompute
+mode. Selective recomputation (Megatron's core-attention recompute) drops the scores
+when flash is off; full recomputation keeps only the layer input (s b h, over t with
+SP). Context parallelism over cp ranks divides every s by cp.
+"""
+
+from __future__ import annotations
+
+from tpkit.spec import shapes
+from tpkit.spec.config import ModelConfig
+
+RECOMPUTE = ("none", "selective", "full")
+FP32 = 4
+MASK = 1  # a dropout mask is one byte per element
+
+
+def kv_heads_per_rank(c: ModelConfig, tp: int) -> int:
+    """kv heads a tp rank holds: split when tp divides them, else one (replicated)."""
+    return shapes.kv_heads_per_rank(c.kv_heads, tp)
+
+
+def saved_tensors(c: ModelConfig, s: int, b: int, tp: int = 1, sp: bool = False,
+                  recompute: str = "none", act_bytes: int = 2, flash: bool = True,
+                  eager: bool = False, cp: int = 1) -> dict[str, float]:
+    """Bytes kept for backward by one layer and one micro-batch on one rank, by tensor.
+
+    `eager` describes tpkit's own block in eager PyTorch (unfused RMSNorm and SwiGLU,
+    k and v repeated to every query head); the default describes Megatron-Core with
+    fused kernels (Transformer Engine norms, fused SwiGLU, native GQA in flash attention).
+    """
+    if recompute not in RECOMPUTE:
+        raise ValueError(f"recompute={recompute!r} is not one of {RECOMPUTE}")
+    s = s / cp
+    outer = tp if sp else 1  # the residual stream is split over tp only with SP
+    sbh = s * b * c.hidden
+    if recompute == "full":
+        return {"layer input": sbh * act_bytes / outer}
+    out = _norm_terms(c, s, b, act_bytes, eager, outer)
+    out.update(_attention_terms(c, s, b, tp, act_bytes, flash, eager,
+                                drop_scores=recompute == "selective"))
+    out.update(_mlp_terms(c, s, b, tp, act_bytes, eager))
+    if c.dropout > 0:
+        out["dropout masks"] = 2 * sbh * MASK / outer
+    return out
+
+
+def _norm_terms(c: ModelConfig, s: float, b: int, act: int, eager: bool,
+                outer: int) -> dict[str, float]:
+    sbh = s * b * c.hidden
+    rms = c.norm == "rmsnorm"
+    out = {"norm inputs": 2 * sbh * act / outer,
+           "norm outputs (qkv, fc1 inputs)": 2 * sbh * act / outer,
+           "norm statistics": 2 * (1 if rms else 2) * s * b * FP32 / outer}
+    if rms and eager:  # torch's eager rms_norm keeps x * rstd for the weight's gradient
+        out["rmsnorm x*rstd"] = 2 * sbh * act / outer
+    return out
+
+
+def _attention_terms(c: ModelConfig, s: float, b: int, tp: int, act: int, flash: bool,
+                     eager: bool, drop_scores: bool) -> dict[str, float]:
+    heads, own_kv = c.num_heads // tp, kv_heads_per_rank(c, tp)
+    kv = heads if eager else own_kv  # eager SDPA sees k, v repeated to every query head
+    hd = c.head_dim
+    out = {"q": s * b * heads * hd * act, "k, v": 2 * s * b * kv * hd * act,
+           "attention output": s * b * heads * hd * act}
+    if eager and own_kv < heads and c.position != "rope":  # q is a view of the qkv output,
+        out["k, v before repeat"] = 2 * s * b * own_kv * hd * act  # which keeps them alive
+    if flash:
+        out["flash log-sum-exp"] = heads * s * b * FP32
+    elif not drop_scores:
+        scores = heads * s * s * b
+        out["softmax output"] = scores * act
+        if c.dropout > 0:
+            out["attention dropout"] = scores * (MASK + act)
+    return out
+
+
+def _mlp_terms(c: ModelConfig, s: float, b: int, tp: int, act: int,
+               eager: bool) -> dict[str, float]:
+    sbf = s * b * (c.ffn // tp) * act
+    if c.activation == "swiglu":
+        return {"MLP (gate|up, silu, fc2 input)": (4 if eager else 3) * sbf}
+    return {"MLP (fc1 output, fc2 input)": 2 * sbf}
+
+
+def layer_activation_bytes(c: ModelConfig, s: int, b: int, tp: int = 1, sp: bool = False,
+                           recompute: str = "none", act_bytes: int = 2, flash: bool = True,
+                           eager: bool = False, cp: int = 1) -> float:
+    """The sum of `saved_tensors`: bytes of one layer and one micro-batch on one rank."""
+    return sum(saved_tensors(c, s, b, tp, sp, recompute, act_bytes, flash, eager, cp).values())

@@ -1,0 +1,86 @@
+"""The chosen plan as command lines a user can paste: `tpkit train` and Megatron-LM flags.
+
+    torchrun --nnodes 8 --nproc_per_node 8 --node_rank $NODE_RANK \\
+      --master_addr $MASTER_ADDR --master_port 29500 -m tpkit train --preset llama3-70b \\
+      --tp 8 --pp 4 --dp 2 --sp --zero1 --micro-batches 64 --global-batch 128 --seq 4096 ...
+
+tpkit runs tp, pp, dp, sequence parallelism, ZeRO-1, interleaving and full
+recomputation; `tpkit_gaps` names what a plan needs beyond that (context parallelism,
+ZeRO-2, FSDP), and the command then shows the best plan tpkit can run. Megatron-LM
+flags (its `arguments.py` names) are given for every plan.
+"""
+
+from __future__ import annotations
+
+from tpkit.plan.layout import Layout
+from tpkit.plan.memory import lighter_end_layers
+
+MEGATRON_SHARDING = {2: "optim_grads", 3: "optim_grads_params"}
+
+
+def tpkit_gaps(lay: Layout, preset: str | None) -> list[str]:
+    """What `tpkit train` cannot do of this plan (empty: it runs as planned)."""
+    gaps = []
+    if lay.cp > 1:
+        gaps.append(f"context parallelism (cp={lay.cp})")
+    if lay.zero >= 2:
+        gaps.append("ZeRO-2" if lay.zero == 2 else "FSDP")
+    if lay.lighter_ends:
+        gaps.append("one layer fewer on the first and last stages")
+    if preset is None:
+        gaps.append("a custom model shape (tpkit train takes a --preset)")
+    return gaps
+
+
+def tpkit_command(preset: str, lay: Layout, seq: int, global_batch: int, nodes: int,
+                  per_node: int, bf16: bool = True, local: bool = False) -> str:
+    """`tpkit train ...`, under torchrun unless the plan is local processes on one machine."""
+    m = global_batch // (lay.dp * lay.micro_batch)  # micro-batches per step and replica
+    flags = [f"--preset {preset}", f"--tp {lay.tp}", f"--pp {lay.pp}", f"--dp {lay.dp}"]
+    flags += ["--sp"] if lay.sp else []
+    flags += ["--zero1"] if lay.zero == 1 else []
+    flags += [f"--micro-batches {m}", f"--global-batch {global_batch}", f"--seq {seq}"]
+    if lay.interleave > 1:
+        flags += ["--schedule interleaved", f"--virtual-stages {lay.interleave}"]
+    flags += ["--recompute"] if lay.recompute == "full" else []
+    flags += ["--dtype bfloat16"] if bf16 else []
+    if local and nodes == 1:
+        return "tpkit train " + " ".join(flags)
+    launch = f"torchrun --nproc_per_node {per_node}"
+    if nodes > 1:
+        launch = (f"torchrun --nnodes {nodes} --nproc_per_node {per_node} --node_rank "
+                  f"$NODE_RANK --master_addr $MASTER_ADDR --master_port 29500")
+    return f"{launch} -m tpkit train " + " ".join(flags)
+
+
+def megatron_flags(lay: Layout, seq: int, global_batch: int, num_layers: int,
+                   grad_bytes: int = 4, flash: bool = True, bf16: bool = True) -> str:
+    """The same plan as Megatron-LM (pretrain_gpt.py) flags."""
+    f = [f"--tensor-model-parallel-size {lay.tp}", f"--pipeline-model-parallel-size {lay.pp}"]
+    f += [f"--context-parallel-size {lay.cp}"] if lay.cp > 1 else []
+    f += ["--sequence-parallel"] if lay.sp else []
+    f += [f"--micro-batch-size {lay.micro_batch}", f"--global-batch-size {global_batch}",
+          f"--seq-length {seq}"] + (["--bf16"] if bf16 else [])
+    if lay.interleave > 1:
+        f.append(f"--num-layers-per-virtual-pipeline-stage "
+                 f"{num_layers // (lay.pp * lay.interleave)}")
+    ends = lighter_end_layers(num_layers, lay.pp) if lay.lighter_ends else None
+    if ends:
+        f.append(f"--decoder-first-pipeline-num-layers {ends} "
+                 f"--decoder-last-pipeline-num-layers {ends}")
+    if lay.recompute == "selective":
+        f.append("--recompute-granularity selective")
+    elif lay.recompute == "full":
+        f.append("--recompute-granularity full --recompute-method uniform "
+                 "--recompute-num-layers 1")
+    if lay.zero == 1:
+        f.append("--use-distributed-optimizer --overlap-grad-reduce --overlap-param-gather")
+    elif lay.zero >= 2:
+        f.append(f"--use-megatron-fsdp --data-parallel-sharding-strategy "
+                 f"{MEGATRON_SHARDING[lay.zero]} --use-distributed-optimizer "
+                 f"--no-gradient-accumulation-fusion")
+    elif lay.dp * lay.cp > 1:
+        f.append("--overlap-grad-reduce")
+    f += ["--grad-reduce-in-bf16"] if grad_bytes == 2 else []
+    f += ["--attention-backend flash"] if flash else []
+    return " ".join(f)

@@ -1,0 +1,36 @@
+"""How a model's pieces are divided over ranks: small integer rules, once. Pure Python.
+
+    stage layers     pp stages take consecutive layers, as even as possible, the first
+                     stages one extra each:  10 layers over 4 stages -> 3, 3, 2, 2
+    padded vocab     V rounded up to a multiple of 8 tp, so each rank holds a multiple of
+                     8 rows (GEMMs on odd widths such as GPT-2's 50257 are slow on GPUs)
+    kv heads         split like the query heads when tp divides them; with fewer kv heads
+                     than ranks (GQA, MQA) each rank keeps the one its query heads read
+
+The runtime (layers, model, checkpoints) and the planner both import these.
+"""
+
+from __future__ import annotations
+
+
+def stage_layer_range(num_layers: int, pp: int, stage: int) -> range:
+    """Global layer indices of pipeline stage `stage` (earlier stages take the remainder)."""
+    base, extra = divmod(num_layers, pp)
+    start = stage * base + min(stage, extra)
+    return range(start, start + base + (1 if stage < extra else 0))
+
+
+def layers_per_stage(num_layers: int, pp: int) -> list[int]:
+    """How many layers each of the pp stages holds."""
+    return [len(stage_layer_range(num_layers, pp, s)) for s in range(pp)]
+
+
+def padded_vocab(vocab_size: int, tp: int) -> int:
+    """Vocabulary rows after padding: a multiple of 8 rows on each of tp ranks. The padded
+    rows are zeros that never win a softmax; checkpoints store only `vocab_size` rows."""
+    return -(-vocab_size // (8 * tp)) * 8 * tp
+
+
+def kv_heads_per_rank(num_kv_heads: int, tp: int) -> int:
+    """kv heads one rank holds: kv/tp when tp divides them, else 1 (shared by tp/kv ranks)."""
+    return num_kv_heads // tp if num_kv_heads >= tp else 1

@@ -1,0 +1,114 @@
+"""What a run reports at the end: its `RunSummary`, the text report, the theory tables.
+
+    trained <preset> at tp= x pp= x dp= (<schedule>, m micro-batches) for N steps
+    loss <first> (step 1) -> <mean of the last 10 steps>, held-out validation <loss>
+    throughput <tokens/s> (<seconds> in all)
+    pipeline bubble: idle/busy measured <mean over stages>, theory (p-1)/m = <value>
+    <tables: everything sent in one step; tp/pp traffic vs theory, ok or MISMATCH>
+"""
+
+from __future__ import annotations
+
+from collections import Counter
+from dataclasses import dataclass
+
+from tpkit.train.config import TrainConfig
+
+
+@dataclass(frozen=True)
+class RunSummary:
+    """One rank's result of `tpkit.train.loop.train` (picklable, returned by spawn)."""
+
+    config: TrainConfig
+    rank: int
+    stage: int  # pp rank
+    tp_rank: int
+    hidden: int
+    micro_batch: int  # sequences per micro-batch and replica
+    losses: list[float]  # one per step run (after a resume: from the resumed step on)
+    grad_norms: list[float]
+    first_step: int
+    tail: int  # how many of the last steps `tail_loss` averages
+    tail_loss: float
+    val_loss: float | None  # the last validation loss, None without validation
+    tokens_per_s: float
+    seconds: float  # wall time of the steps
+    bubble: float  # measured idle/busy, mean over stages
+    bubble_theory: float
+    max_inflight: int  # most micro-batches whose activations this stage held at once
+    table: str  # everything this rank sent in the last step
+    theory: str  # its tp/pp traffic against the theory, as a table
+    theory_ok: bool  # every row of that table agrees
+    checkpoint: str | None  # the last checkpoint written
+    metrics: str  # the metrics.jsonl path
+    plot: str | None  # the loss curve (rank 0 with plotting on)
+
+    @property
+    def first_loss(self) -> float:
+        """The loss of the first step run."""
+        return self.losses[0]
+
+    @property
+    def last_loss(self) -> float:
+        """The loss of the last step."""
+        return self.losses[-1]
+
+
+def report(result: RunSummary, tables: list[str]) -> str:
+    """The end-of-run summary: loss X -> Y, tokens/s, bubble, comm vs theory, files."""
+    c = result.config
+    lines = [f"trained {c.model_name} at tp={c.tp} x pp={c.pp} x dp={c.dp} ({c.schedule}, "
+             f"{c.micro_batches} micro-batches) for {c.steps} steps",
+             f"loss {result.first_loss:.4f} (step {result.first_step}) -> "
+             f"{result.tail_loss:.4f} (mean of the last {result.tail} steps)"
+             + (f", held-out validation {result.val_loss:.4f}" if result.val_loss else ""),
+             f"throughput {result.tokens_per_s:,.0f} tokens/s ({result.seconds:.1f} s in all)"]
+    if c.pp > 1:
+        lines.append(f"pipeline bubble: idle/busy measured {result.bubble:.3f} "
+                     f"(mean over stages), theory "
+                     f"{'(p-1)/(v m)' if c.virtual_stages > 1 else '(p-1)/m'} "
+                     f"= {result.bubble_theory:.3f}")
+    b, sq, h = result.micro_batch, c.seq, result.hidden
+    if c.tp > 1 and not c.sp:
+        lines.append(f"theory per micro-batch (Megatron): each layer 2 all-reduces of b*s*h = "
+                     f"{b}*{sq}*{h} = {b * sq * h:,} forward and 2 backward; the embedding 1 "
+                     f"forward; the head's input 1 backward; cross-entropy 3 of b*s = "
+                     f"{b * sq:,} forward" + ("; between stages one activation forward and "
+                                              "its gradient back" if c.pp > 1 else ""))
+    lines += tables
+    lines.append(f"metrics {result.metrics}")
+    if result.plot:
+        lines.append(f"loss curve {result.plot}")
+    if result.checkpoint:
+        lines.append(f"checkpoint {result.checkpoint}")
+        lines.append(f"sample it:  tpkit generate --checkpoint {result.checkpoint} --tp 2 "
+                     f"--prompt 'The return statement' --temperature 0.8 --top-k 40")
+    return "\n".join(lines)
+
+
+def theory_rows(ledger, expects: list) -> list[dict]:
+    """One row per (group, op, phase, elements) of tp/pp traffic: recorded vs theory count."""
+    want: Counter = Counter()
+    for e in expects:
+        group = "pp" if e.op in ("send", "recv") else "tp"
+        want[(group, e.op, e.phase, e.numel)] += e.count
+    got = Counter((r.group, r.op, r.phase, r.numel) for r in ledger.records
+                  if r.group in ("tp", "pp") and r.phase in ("forward", "backward"))
+    return [dict(group=k[0], op=k[1], phase=k[2], numel=k[3], recorded=got[k], theory=want[k])
+            for k in sorted(set(want) | set(got))]
+
+
+def theory_table(rows: list[dict], title: str) -> str:
+    """`theory_rows` as a text table, with a verdict column."""
+    from rich.table import Table
+
+    from tpkit.comm.report import render
+
+    t = Table(title=title)
+    for col in ("group", "op", "phase", "elements each", "recorded", "theory", ""):
+        t.add_column(col, justify="right" if col in ("elements each", "recorded", "theory")
+                     else "left")
+    for r in rows:
+        t.add_row(r["group"], r["op"], r["phase"], f"{r['numel']:,}", str(r["recorded"]),
+                  str(r["theory"]), "ok" if r["recorded"] == r["theory"] else "MISMATCH")
+    return render(t)

@@ -1,0 +1,98 @@
+"""What a run leaves behind while it trains: progress bar, metrics JSONL, loss curve.
+
+    out/metrics.jsonl   one JSON object per step (loss, lr, grad_norm, tokens/s, comm, bubble)
+    out/loss.png        training (and validation) loss against the step
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+from tpkit.comm.ledger import Record
+from tpkit.comm.report import human_bytes
+
+
+def comm_by_group(records: list[Record]) -> dict[str, dict]:
+    """group name -> {count, bytes, seconds} over the records of one step."""
+    out: dict[str, dict] = {}
+    for r in records:
+        row = out.setdefault(r.group, dict(count=0, bytes=0, seconds=0.0))
+        row["count"] += 1
+        row["bytes"] += r.nbytes
+        row["seconds"] += r.seconds
+    return out
+
+
+def comm_line(by_group: dict[str, dict]) -> str:
+    """'tp 48x 3.1 MiB | pp 8x 256.0 KiB' (one step, this rank)."""
+    return " | ".join(f"{g} {v['count']}x {human_bytes(v['bytes'])}"
+                      for g, v in sorted(by_group.items())) or "no communication"
+
+
+class MetricsLog:
+    """Appends one JSON line per step to `path` (rank 0 only writes). A resumed run keeps
+    the rows of the steps before `resume_step` and drops the later ones it will redo."""
+
+    def __init__(self, path: Path | None, resume_step: int = 0) -> None:
+        self.path = path
+        if path is not None:
+            path.parent.mkdir(parents=True, exist_ok=True)
+            old = path.read_text().splitlines() if resume_step and path.is_file() else []
+            kept = [r for r in old if r.strip() and json.loads(r).get("step", 0) <= resume_step]
+            path.write_text("".join(r + "\n" for r in kept))
+
+    def write(self, row: dict) -> None:
+        """Append a row."""
+        if self.path is not None:
+            with self.path.open("a") as f:
+                f.write(json.dumps(row) + "\n")
+
+
+class Progress:
+    """A rich progress bar with loss, tokens/s and the step's communication (or nothing)."""
+
+    def __init__(self, total: int, enabled: bool) -> None:
+        self.bar = None
+        if enabled:
+            from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn
+            from rich.progress import TimeRemainingColumn as Eta
+
+            self.bar = Progress(TextColumn("train"), BarColumn(), MofNCompleteColumn(), Eta(),
+                                TextColumn("{task.fields[info]}"))
+            self.task = self.bar.add_task("train", total=total, info="")
+            self.bar.start()
+
+    def update(self, row: dict) -> None:
+        """Advance one step and show its numbers."""
+        if self.bar is not None:
+            info = (f"loss {row['loss']:.4f}  {row['tokens_per_s']:,.0f} tok/s  "
+                    f"comm {row['comm_line']}")
+            self.bar.update(self.task, advance=1, info=info)
+
+    def close(self) -> None:
+        """Stop the live display."""
+        if self.bar is not None:
+            self.bar.stop()
+
+
+def plot_losses(rows: list[dict], path: Path, title: str) -> Path:
+    """Training loss (and validation loss points) against the step, as a PNG."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, ax = plt.subplots(figsize=(7, 4))
+    ax.plot([r["step"] for r in rows], [r["loss"] for r in rows], label="train", lw=1)
+    val = [r for r in rows if r.get("val_loss") is not None]
+    if val:
+        ax.plot([r["step"] for r in val], [r["val_loss"] for r in val], "o-", label="validation")
+    ax.set(xlabel="step", ylabel="cross-entropy (nats/token)", title=title)
+    ax.grid(alpha=0.3)
+    ax.legend()
+    fig.tight_layout()
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+    return path

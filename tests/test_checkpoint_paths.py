@@ -1,0 +1,183 @@
+"""Every kind of path opens the same way, in the library and in every command.
+
+Checked: `load_model` on a sharded checkpoint, a run folder (its latest valid
+checkpoint), a full .safetensors file and a Hugging Face directory gives, at tp=1 and
+tp=2, exactly the weights that were saved; a run folder whose newest checkpoint is
+damaged (truncated shard, missing manifest) gives the previous one with a warning
+naming the skipped one; a path that is none of these is one CheckpointError line
+naming it. Then the same run folder through `tpkit generate`, `convert`, `verify` and
+`train --resume`.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import shutil
+from pathlib import Path
+
+import pytest
+import torch
+
+from checkpoint_helpers import LLAMA, fill, gather, local_state, random_full
+from tpkit.checkpoint import CheckpointError, CheckpointWarning, load_model, locate, open_source
+from tpkit.checkpoint import store as ckpt
+from tpkit.checkpoint.convert import to_full, to_hf
+from tpkit.checkpoint.locate import FULL, HF, SHARDED, step_dir
+from tpkit.cli import main
+from tpkit.mesh import ParallelMesh
+from tpkit.model.transformer import Transformer
+
+STEPS = (2, 4)  # checkpoints of the run folder; the weights of step s are random_full(seed=s)
+
+
+def _save(path: Path, step: int) -> None:
+    mesh = ParallelMesh.single()
+    model = Transformer(LLAMA, mesh)
+    fill(model, random_full(LLAMA, seed=step), mesh)
+    ckpt.save(path, model, step=step, mesh=mesh)
+
+
+@pytest.fixture(scope="module")
+def paths(tmp_path_factory) -> dict[str, Path]:
+    """kind -> a path of that kind holding the weights of step 4."""
+    root = tmp_path_factory.mktemp("paths")
+    for s in STEPS:
+        _save(step_dir(root / "run", s), s)
+    newest = step_dir(root / "run", 4)
+    return dict(sharded=newest, run=root / "run",
+                full=to_full(newest, root / "model.safetensors"),
+                hf=to_hf(newest, root / "hf"))
+
+
+def _damaged_run(paths, tmp_path: Path, damage) -> Path:
+    run = tmp_path / "run"
+    shutil.copytree(paths["run"], run)
+    damage(step_dir(run, 4))
+    return run
+
+
+def weights_worker(mesh, path):
+    return local_state(load_model(path, mesh), mesh)
+
+
+def _assert_weights_of(results: list[dict], step: int) -> None:
+    got, want = gather(results, LLAMA.vocab_size), random_full(LLAMA, seed=step)
+    assert got.keys() == want.keys()
+    for n, t in want.items():
+        assert torch.equal(got[n], t), n
+
+
+def test_locate_each_kind(paths):
+    newest = paths["sharded"]
+    assert locate(newest) == locate(paths["run"]) == locate(paths["run"] / "checkpoints")
+    assert locate(paths["run"]).kind == SHARDED and locate(paths["run"]).path == newest
+    assert locate(paths["full"]).kind == FULL and locate(paths["hf"]).kind == HF
+    for kind in ("sharded", "run", "full", "hf"):
+        _, config, names = open_source(paths[kind])
+        assert config.hidden == LLAMA.hidden and "layers.3.mlp.fc2.weight" in names, kind
+
+
+@pytest.mark.timeout(120)
+@pytest.mark.parametrize("kind", ["sharded", "run", "full", "hf"])
+def test_load_model_every_kind_at_tp1_and_tp2(run_tp, paths, kind):
+    _assert_weights_of([weights_worker(ParallelMesh.single(), paths[kind])], 4)
+    _assert_weights_of(run_tp(weights_worker, 2, str(paths[kind])), 4)
+
+
+def truncate(d: Path) -> None:
+    f = d / "model-tp00-pp00.safetensors"
+    f.write_bytes(f.read_bytes()[:-64])
+
+
+def no_manifest(d: Path) -> None:
+    (d / "manifest.json").unlink()
+
+
+@pytest.mark.parametrize("damage,why", [(truncate, "truncated"), (no_manifest, "missing")])
+def test_run_folder_with_damaged_newest_loads_the_previous(paths, tmp_path, damage, why):
+    run = _damaged_run(paths, tmp_path, damage)
+    with pytest.warns(CheckpointWarning, match=f"step_000004: skipped, damaged .*{why}"):
+        model = load_model(run, ParallelMesh.single())
+    _assert_weights_of([local_state(model, ParallelMesh.single())], 2)
+    with pytest.warns(CheckpointWarning):
+        assert ckpt.latest(run) == step_dir(run, 2)
+    damage(step_dir(run, 2))
+    with pytest.raises(CheckpointError, match="no valid checkpoint in this run folder"):
+        locate(run)
+
+
+def test_a_path_that_is_none_of_these_is_one_line(tmp_path):
+    (tmp_path / "empty").mkdir()
+    (tmp_path / "notes.txt").write_text("not a model")
+    cases = {tmp_path / "empty": "not a checkpoint: neither a tpkit checkpoint",
+             tmp_path / "nowhere": "no such file or directory",
+             tmp_path / "notes.txt": "not a safetensors file"}
+    for path, message in cases.items():
+        for fn in (open_source, lambda p: load_model(p, ParallelMesh.single())):
+            with pytest.raises(CheckpointError) as e:
+                fn(path)
+            text = str(e.value)
+            assert text.startswith(f"{path}: ") and message in text and "\n" not in text
+
+
+def test_load_refuses_a_full_file_as_a_sharded_checkpoint(paths):
+    model = Transformer(LLAMA, ParallelMesh.single())
+    with pytest.raises(CheckpointError, match="a full safetensors file, not a sharded"):
+        ckpt.load(paths["full"], model)
+
+
+# -- every command takes a run folder ------------------------------------------------------
+def test_generate_takes_a_run_folder(paths, capsys):
+    from tpkit.commands.generate import run
+
+    outs = []
+    for path in (paths["run"], paths["sharded"]):
+        args = argparse.Namespace(checkpoint=str(path), tp=1, prompt="", prompt_ids="1,2,3",
+                                  max_new_tokens=6, temperature=0.0, top_k=None, seed=0)
+        assert run(args) == 0
+        outs.append(capsys.readouterr().out)
+    assert outs[0] == outs[1] and len(outs[0].split()) == 6
+    args.checkpoint = str(paths["run"].parent / "nowhere")
+    assert run(args) == 1
+    assert "nowhere: no such file or directory" in capsys.readouterr().out
+
+
+def test_convert_takes_a_run_folder(paths, tmp_path, capsys):
+    assert main(["convert", str(paths["run"]), str(tmp_path / "f.safetensors"),
+                 "--to", "full"]) == 0
+    from safetensors import safe_open
+
+    meta = json.loads(safe_open(str(tmp_path / "f.safetensors"), "pt").metadata()["tpkit"])
+    assert meta["step"] == 4
+    assert main(["convert", str(paths["run"]), str(tmp_path / "tp2"), "--tp", "2"]) == 0
+    assert ckpt.read_manifest(tmp_path / "tp2")["step"] == 4
+    assert main(["convert", str(tmp_path / "nowhere"), str(tmp_path / "x")]) == 1
+    assert "no such file or directory" in capsys.readouterr().out
+
+
+@pytest.mark.timeout(120)
+def test_verify_takes_a_run_folder(paths, capsys):
+    assert main(["verify", "--checkpoint", str(paths["run"]), "--tp", "2", "--seq", "8"]) == 0
+    out = capsys.readouterr().out
+    assert str(paths["sharded"]) in out and "OK: every tp matches tp=1" in out
+    assert main(["verify", "--checkpoint", str(paths["run"] / "nowhere")]) == 2
+
+
+@pytest.mark.timeout(120)
+def test_train_resumes_from_a_run_folder(tmp_path, capsys):
+    """Checkpoints after steps 1 and 2; the newest damaged: the resumed run redoes step 2."""
+    common = ["train", "--preset", "gpt2-tiny", "--global-batch", "2", "--micro-batches", "1",
+              "--seq", "16", "--val-fraction", "0", "--no-progress"]
+    first = tmp_path / "first"
+    assert main([*common, "--steps", "2", "--ckpt-every", "1", "--out", str(first)]) == 0
+    truncate(step_dir(first, 2))
+    second = tmp_path / "second"
+    with pytest.warns(CheckpointWarning, match="step_000002: skipped"):
+        assert main([*common, "--steps", "3", "--resume", str(first),
+                     "--out", str(second)]) == 0
+    rows = [json.loads(r) for r in (second / "metrics.jsonl").read_text().splitlines()]
+    assert [r["step"] for r in rows] == [2, 3]
+    capsys.readouterr()
+    assert main([*common, "--steps", "3", "--resume", str(tmp_path / "nowhere")]) == 2
+    assert "nowhere: no such file or directory" in capsys.readouterr().err
