@@ -1,16 +1,29 @@
-"""The web tutor: only the page's files on 127.0.0.1, the JSON endpoint, and a real browser.
+"""The web tutor: the page's files only, hardened endpoints, clean shutdown, a real browser.
 
-The browser test drives Debian's chromium with Playwright: it answers all 8 questions,
-sees each explanation appear, switches language mid-quiz, and checks the final score.
-It fails (never skips) when chromium or playwright is missing: `make browser` installs them.
+Server: only the page's files are served (traversal refused, encoded too), the Host
+header must name the address served, POST bodies are bounded (413) and must be JSON
+(400), unknown questions/levels/languages get 404/400 with a message, 200 concurrent
+requests are all answered, idle connections time out, a vanished client is not a
+traceback, and `tpkit quiz --web --live` leaves no process behind on SIGTERM or SIGINT.
+Browser: Debian's chromium via Playwright, at 1280 px and 390x844, in both languages
+and both levels: answers hidden before choosing, a chart for every demonstration,
+nothing wider than the page, no console error. It fails (never skips) when chromium
+or playwright is missing: `make browser` installs them.
 """
 
 from __future__ import annotations
 
 import http.client
 import json
+import os
 import shutil
+import signal
+import socket
+import subprocess
+import sys
 import threading
+import time
+from concurrent.futures import ThreadPoolExecutor
 
 import pytest
 
@@ -20,53 +33,68 @@ from tpkit.quiz.web import make_server
 CHROMIUM = "/usr/bin/chromium"
 CHROMIUM_ARGS = ["--headless", "--no-sandbox", "--disable-gpu", "--disable-background-networking",
                  "--disable-component-update", "--disable-sync", "--no-first-run"]
+CLI = "import sys; from tpkit.cli import main; sys.exit(main(sys.argv[1:]))"
 
 
-def _serve(live=None):
-    server = make_server(load_quiz(), port=0, lang="fr", live=live)
+def _serve(live=None, timeout: float = 15.0, host: str = "127.0.0.1"):
+    server = make_server(load_quiz(), port=0, lang="fr", live=live, timeout=timeout, host=host)
     threading.Thread(target=server.serve_forever, daemon=True).start()
     return server
+
+
+def _stop(server) -> None:
+    server.shutdown()
+    server.server_close()
 
 
 @pytest.fixture(scope="module")
 def server():
     calls = []
 
-    def fake_live(number: int, tp: int, lang: str) -> dict:  # the web layer only
-        calls.append((number, tp, lang))
-        return {"text": f"demo {number} at tp={tp} ({lang})", "tp": tp}
+    def fake_live(level: int, number: int, tp: int, lang: str) -> dict:  # the web layer only
+        calls.append((level, number, tp, lang))
+        return {"text": f"demo {level}.{number} at tp={tp} ({lang})", "tp": tp, "charts": []}
 
     srv = _serve(fake_live)
     srv.calls = calls
     yield srv
-    srv.shutdown()
-    srv.server_close()
+    _stop(srv)
 
 
-def get(server, path: str, host: str | None = None, method: str = "GET"):
+def get(server, path: str, host: str | None = None, method: str = "GET", body: bytes | None = None,
+        headers: dict | None = None):
     port = server.server_address[1]
     conn = http.client.HTTPConnection("127.0.0.1", port, timeout=10)
-    conn.request(method, path, headers={"Host": host or f"127.0.0.1:{port}"})
+    conn.request(method, path, body=body,
+                 headers={"Host": host or f"127.0.0.1:{port}", **(headers or {})})
     resp = conn.getresponse()
-    body = resp.read()
+    data = resp.read()
     conn.close()
-    return resp.status, resp.getheader("Content-Type"), body
+    return resp.status, resp.getheader("Content-Type"), data
 
 
-def test_binds_to_loopback_only(server):
+def post(server, body: bytes, path: str = "/api/answer"):
+    return get(server, path, method="POST", body=body,
+               headers={"Content-Type": "application/json"})
+
+
+def test_binds_to_loopback_by_default(server):
     assert server.server_address[0] == "127.0.0.1"
 
 
-@pytest.mark.parametrize("path", ["/", "/index.html", "/app.js", "/style.css"])
+@pytest.mark.parametrize("path", ["/", "/index.html", "/app.js", "/charts.js", "/style.css",
+                                  "/favicon.ico"])
 def test_page_files_are_served(server, path):
     status, ctype, body = get(server, path)
     assert status == 200 and body
-    assert ctype.split(";")[0] in ("text/html", "text/javascript", "text/css")
+    assert ctype.split(";")[0] in ("text/html", "text/javascript", "text/css", "image/svg+xml")
 
 
 @pytest.mark.parametrize("path", ["/../questions.json", "/questions.json", "/web/app.js",
                                   "/%2e%2e/content.py", "/..%2f..%2fpyproject.toml",
-                                  "/app.js/../../cli.py", "//etc/passwd", "/content.py"])
+                                  "/%2e%2e%2f%2e%2e%2fpyproject.toml", "/%252e%252e/web.py",
+                                  "/..%5c..%5cweb.py", "/app.js/../../cli.py", "//etc/passwd",
+                                  "/content.py", "/%c0%ae%c0%ae/web.py"])
 def test_nothing_else_is_served(server, path):
     status, _, body = get(server, path)
     assert status == 404, (path, body[:80])
@@ -74,43 +102,139 @@ def test_nothing_else_is_served(server, path):
 
 def test_foreign_host_header_is_refused(server):
     assert get(server, "/", host="evil.example:80")[0] == 403
+    assert get(server, "/api/quiz", host="localhost:1")[0] == 200
+    assert post(server, b"{}")[0] != 403
+    port = server.server_address[1]
+    conn = http.client.HTTPConnection("127.0.0.1", port, timeout=10)
+    conn.request("POST", "/api/answer", body=b"{}", headers={"Host": "evil.example"})
+    assert conn.getresponse().status == 403
 
 
-def test_quiz_endpoint_has_both_languages(server):
+def test_host_check_follows_the_chosen_host():
+    from tpkit.quiz.web import allowed_hosts, host_of
+
+    assert allowed_hosts("127.0.0.1") >= {"127.0.0.1", "localhost"}
+    assert allowed_hosts("192.168.1.5") == {"192.168.1.5"}  # no loopback names then
+    assert allowed_hosts("0.0.0.0") is None
+    assert host_of("[::1]:8765") == "::1" and host_of("localhost:80") == "localhost"
+    srv = _serve(host="127.0.0.2")
+    try:
+        port = srv.server_address[1]
+        conn = http.client.HTTPConnection("127.0.0.2", port, timeout=10)
+        for host, status in (("127.0.0.2", 200), (f"127.0.0.2:{port}", 200), ("evil", 403)):
+            conn.request("GET", "/api/quiz", headers={"Host": host})
+            resp = conn.getresponse()
+            resp.read()
+            assert resp.status == status, host
+    finally:
+        _stop(srv)
+
+
+def test_quiz_endpoint_has_both_languages_and_levels_but_no_answers(server):
     status, ctype, body = get(server, "/api/quiz")
     data = json.loads(body)
     assert status == 200 and ctype == "application/json"
     assert data["languages"] == ["fr", "en"] and data["default_lang"] == "fr"
-    assert len(data["questions"]) == 8 and data["live"] is True
+    assert [len(data["levels"][k]) for k in ("1", "2")] == [8, 8] and data["live"] is True
+    for q in data["levels"]["1"] + data["levels"]["2"]:
+        assert set(q) == {"number", "id", "diagram", "fr", "en"}
+        assert set(q["fr"]) == set(q["en"]) == {"question", "options"}
+    assert load_quiz().items("en")[1].explanation[:40] not in body.decode()
+
+
+def test_answer_endpoint_gives_verdict_and_explanations(server):
+    quiz = load_quiz()
+    status, _, body = post(server, json.dumps({"level": 1, "number": 2, "choice": 1}).encode())
+    reply = json.loads(body)
+    assert status == 200 and reply["right"] is True and reply["answer"] == 1
+    assert reply["explanation"]["en"] == quiz.items("en")[1].explanation
+    reply = json.loads(post(server, b'{"level": 2, "number": 8, "choice": 0}')[2])
+    assert reply["right"] is False and reply["answer"] == quiz.questions(2)[7]["answer"]
+
+
+@pytest.mark.parametrize("body, status, message", [
+    (b"{not json", 400, "not JSON"), (b"\xff\xfe", 400, "not JSON"), (b"[1, 2]", 400, "object"),
+    (b'{"level": 1, "number": "2", "choice": 1}', 400, "integers"),
+    (b'{"level": 1, "number": 9, "choice": 1}', 404, "no question 9"),
+    (b'{"level": 3, "number": 1, "choice": 1}', 404, "no level 3"),
+    (b'{"level": 1, "number": 1, "choice": 4}', 400, "choice=4"),
+    (b'{"level": true, "number": 1, "choice": 1}', 400, "integers")])
+def test_bad_answers_are_refused_with_a_message(server, body, status, message):
+    got, _, data = post(server, body)
+    assert got == status and message in json.loads(data)["error"]
+
+
+def test_body_over_the_limit_gets_413(server):
+    from tpkit.quiz.web_api import MAX_BODY
+
+    status, _, data = post(server, b"x" * (MAX_BODY + 1))
+    assert status == 413 and str(MAX_BODY) in json.loads(data)["error"]
+    assert post(server, b"{}", path="/api/quiz")[0] == 404
 
 
 def test_live_endpoint_is_bounded(server):
     status, _, body = get(server, "/api/live/3?tp=4")
-    assert status == 200 and json.loads(body)["text"] == "demo 3 at tp=4 (fr)"  # server's lang
+    assert status == 200 and json.loads(body)["text"] == "demo 1.3 at tp=4 (fr)"  # server's lang
     assert get(server, "/api/live/3?tp=4&lang=fr")[0] == 200
-    assert server.calls == [(3, 4, "fr")]  # cached
-    assert json.loads(get(server, "/api/live/3?tp=4&lang=en")[2])["text"] == "demo 3 at tp=4 (en)"
-    assert server.calls == [(3, 4, "fr"), (3, 4, "en")]
-    assert get(server, "/api/live/9")[0] == 404
-    assert get(server, "/api/live/1?tp=3")[0] == 400
-    assert get(server, "/api/live/1?tp=2x")[0] == 400
-    assert get(server, "/api/live/1?lang=de")[0] == 400
+    assert server.calls == [(1, 3, 4, "fr")]  # cached
+    assert json.loads(get(server, "/api/live/3?tp=4&lang=en&level=2")[2])["text"] == \
+        "demo 2.3 at tp=4 (en)"
+    for path, status, message in (("/api/live/9", 404, "numbered 1 to 8"),
+                                  ("/api/live/%C2%B2", 404, "numbered"),  # '²'.isdigit()
+                                  ("/api/live/1?tp=3", 400, "tp must"),
+                                  ("/api/live/1?tp=%C2%B2", 400, "tp must"),
+                                  ("/api/live/1?tp=2x", 400, "tp must"),
+                                  ("/api/live/1?lang=de", 400, "lang must"),
+                                  ("/api/live/1?level=3", 404, "level must")):
+        got, _, data = get(server, path)
+        assert got == status and message in json.loads(data)["error"], path
 
 
-@pytest.mark.timeout(120)
-def test_live_endpoint_tells_real_demonstrations_in_the_language_asked(pools):
-    from tpkit.quiz.live import LiveSession
+def test_200_concurrent_requests_are_answered(server):
+    paths = ["/", "/api/quiz", "/app.js", "/api/live/2?tp=2"] * 50
+    with ThreadPoolExecutor(max_workers=50) as pool:
+        statuses = list(pool.map(lambda p: get(server, p)[0], paths))
+    assert statuses == [200] * 200
 
-    srv = _serve(LiveSession(runner=pools.run).run)
+
+@pytest.mark.timeout(60)
+def test_idle_connections_time_out_and_give_their_threads_back():
+    srv = _serve(timeout=1.0)
     try:
-        fr = json.loads(get(srv, "/api/live/7?tp=2&lang=fr")[2])
-        en = json.loads(get(srv, "/api/live/7?tp=2&lang=en")[2])
-        assert "découpée par lignes sur tp=2 rangs" in fr["text"] and "écart max" in fr["text"]
-        assert "split by rows over tp=2" in en["text"] and "max |diff|" in en["text"]
-        assert fr["weight_per_rank"] == en["weight_per_rank"] == [[16, 32], [16, 32]]
+        before = threading.active_count()
+        socks = [socket.create_connection(srv.server_address, timeout=5) for _ in range(40)]
+        for s in socks[:20]:
+            s.sendall(b"GET / HTTP/1.1\r\n")  # half a request, then silence
+        deadline = time.monotonic() + 3
+        while threading.active_count() < before + 30 and time.monotonic() < deadline:
+            time.sleep(0.05)
+        assert threading.active_count() >= before + 30  # each connection holds a thread
+        deadline = time.monotonic() + 20
+        while threading.active_count() > before + 2 and time.monotonic() < deadline:
+            time.sleep(0.1)
+        assert threading.active_count() <= before + 2  # ... until its timeout, not forever
+        for s in socks:
+            s.close()
+        assert get(srv, "/api/quiz")[0] == 200
     finally:
-        srv.shutdown()
-        srv.server_close()
+        _stop(srv)
+
+
+def test_a_client_that_goes_away_is_not_a_traceback(server, capfd):
+    for _ in range(20):  # ask for the big payload, then reset the connection at once
+        s = socket.create_connection(server.server_address, timeout=5)
+        s.setsockopt(socket.SOL_SOCKET, socket.SO_LINGER, b"\x01\x00\x00\x00\x00\x00\x00\x00")
+        s.sendall(f"GET /api/quiz HTTP/1.1\r\nHost: 127.0.0.1:{server.server_address[1]}\r\n\r\n"
+                  .encode())
+        s.close()
+    try:
+        raise BrokenPipeError(32, "Broken pipe")
+    except BrokenPipeError:
+        server.handle_error(None, ("127.0.0.1", 1))  # what socketserver calls on it
+    time.sleep(0.5)
+    assert get(server, "/api/quiz")[0] == 200
+    err = capfd.readouterr().err
+    assert "Traceback" not in err and "BrokenPipe" not in err
 
 
 def test_live_endpoint_absent_without_live():
@@ -119,10 +243,89 @@ def test_live_endpoint_absent_without_live():
         assert get(srv, "/api/live/1")[0] == 404
         assert json.loads(get(srv, "/api/quiz")[2])["live"] is False
     finally:
-        srv.shutdown()
-        srv.server_close()
+        _stop(srv)
 
 
+def _start_cli(*args: str) -> tuple[subprocess.Popen, str]:
+    proc = subprocess.Popen([sys.executable, "-c", CLI, "quiz", "--web", *args],
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    line = proc.stdout.readline()
+    assert "http://" in line, (line, proc.stderr.read() if proc.poll() is not None else "")
+    return proc, line.split()[2]
+
+
+def test_port_in_use_is_one_clear_line():
+    with socket.socket() as busy:
+        busy.bind(("127.0.0.1", 0))
+        busy.listen()
+        port = busy.getsockname()[1]
+        r = subprocess.run([sys.executable, "-c", CLI, "quiz", "--web", "--port", str(port)],
+                           capture_output=True, text=True, timeout=60)
+    assert r.returncode == 2 and "Traceback" not in r.stderr
+    assert r.stderr.strip() == (f"tpkit quiz: error: port {port} on 127.0.0.1 is already in "
+                                f"use; choose another with --port (--port 0 picks a free one)")
+
+
+def test_non_loopback_host_warns():
+    proc, url = _start_cli("--host", "0.0.0.0", "--port", "0")
+    try:
+        assert url.startswith("http://127.0.0.1:")
+    finally:
+        proc.send_signal(signal.SIGINT)
+        assert proc.wait(timeout=30) == 0
+    assert "warning: --host 0.0.0.0" in proc.stderr.read()
+
+
+def _descendants(pid: int) -> set[int]:
+    children: dict[int, list[int]] = {}
+    for entry in os.listdir("/proc"):
+        if entry.isdigit():
+            try:
+                with open(f"/proc/{entry}/stat") as f:
+                    ppid = int(f.read().rsplit(")", 1)[1].split()[1])
+            except (OSError, IndexError, ValueError):
+                continue
+            children.setdefault(ppid, []).append(int(entry))
+    out, todo = set(), [pid]
+    while todo:
+        for child in children.get(todo.pop(), []):
+            out.add(child)
+            todo.append(child)
+    return out
+
+
+def _alive(pid: int) -> bool:
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().rsplit(")", 1)[1].split()[0] != "Z"
+    except OSError:
+        return False
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(180)
+@pytest.mark.parametrize("sig", [signal.SIGTERM, signal.SIGINT])
+def test_signal_stops_the_server_and_every_child(sig):
+    proc, url = _start_cli("--live", "--port", "0", "--lang", "en")
+    try:
+        port = int(url.split(":")[2].split("/")[0])
+        conn = http.client.HTTPConnection("127.0.0.1", port, timeout=120)
+        conn.request("GET", "/api/live/1?tp=2")  # starts the worker pool
+        assert conn.getresponse().status == 200
+        family = _descendants(proc.pid)
+        assert len(family) >= 2  # forkserver, workers, resource tracker
+        proc.send_signal(sig)
+        assert proc.wait(timeout=10) == 0
+        deadline = time.monotonic() + 10
+        while any(_alive(p) for p in family) and time.monotonic() < deadline:
+            time.sleep(0.1)
+        assert [p for p in family if _alive(p)] == []
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+
+
+# -- the browser ------------------------------------------------------------------------------
 def _sync_api():
     try:
         from playwright.sync_api import expect, sync_playwright
@@ -138,82 +341,90 @@ def _browser(playwright):
     return playwright.chromium.launch(executable_path=CHROMIUM, args=CHROMIUM_ARGS)
 
 
-@pytest.mark.timeout(90)
-def test_browser_answers_all_questions_switches_language_and_scores(server):
+@pytest.fixture(scope="module")
+def live_server(pools):
+    from tpkit.quiz.live import LiveSession
+
+    session = LiveSession(runner=pools.run)
+    srv = _serve(lambda level, n, tp, lang: session.run(n, tp, lang, level))
+    yield srv
+    _stop(srv)
+
+
+OVERFLOW_JS = """() => [...document.querySelectorAll('.question, .live, figure, svg, pre, #review')]
+  .filter(e => e.getBoundingClientRect().right > document.documentElement.clientWidth + 1
+               || e.scrollWidth > e.clientWidth + 1)
+  .map(e => e.className.baseVal ?? e.className ?? e.tagName)
+  .concat(document.documentElement.scrollWidth > document.documentElement.clientWidth
+          ? ['page'] : [])"""
+
+
+def _answer_all(page, expect, level: str, lang: str, live: bool) -> int:
+    quiz = load_quiz()
+    wrong = 0
+    for n in range(1, 9):
+        section = page.locator(f"#q{n}")
+        expect(section.locator(".explanation")).to_have_count(0)  # hidden before choosing
+        expect(section.locator("svg")).to_have_count(0)
+        expect(section.locator(".option.right")).to_have_count(0)
+        option = section.locator(".option").nth(n % 4)
+        seed_index = int(option.get_attribute("data-index"))
+        option.click()
+        q = quiz.questions(int(level))[n - 1]
+        expect(section.locator(".explanation")).to_contain_text(
+            quiz.items(lang, int(level))[n - 1].explanation[:60])
+        verdict = "right" if seed_index == q["answer"] else "wrong"
+        wrong += verdict == "wrong"
+        expect(section.locator(f".verdict.{verdict}")).to_have_count(1)
+        if level == "1":
+            expect(section.locator("svg.diagram")).to_have_count(1)
+        if live:
+            section.locator(".live button").click()
+            expect(section.locator(".live svg.chart").first).to_be_visible(timeout=60_000)
+            expect(section.locator(".live details pre")).to_have_count(1)
+            expect(section.locator(".live details")).not_to_have_attribute("open", "")
+    return wrong
+
+
+@pytest.mark.timeout(300)
+@pytest.mark.parametrize("viewport", [dict(width=1280, height=900), dict(width=390, height=844)],
+                         ids=["desktop", "phone"])
+def test_browser_both_levels_both_languages_charts_fit(live_server, viewport):
     expect, sync_playwright = _sync_api()
     quiz = load_quiz()
-    fr, en = quiz.items("fr"), quiz.items("en")
-    choices = [0, 0, 2, 3, 1, 1, 2, 0]  # questions 2, 5 and 8 wrong: 5/8
-    url = f"http://127.0.0.1:{server.server_address[1]}/?lang=fr"
+    base = f"http://127.0.0.1:{live_server.server_address[1]}/?seed=5"
+    errors: list[str] = []
     with sync_playwright() as p:
         browser = _browser(p)
-        page = browser.new_page()
-        errors: list[str] = []
+        page = browser.new_page(viewport=viewport)
         page.on("pageerror", lambda e: errors.append(str(e)))
-        page.goto(url)
-        expect(page.locator("#title")).to_have_text(quiz.title("fr"))
-        expect(page.locator(".question")).to_have_count(8)
-        expect(page.locator("#q2 svg")).to_contain_text("A : par colonnes")
-        expect(page.locator("#q6 svg")).to_contain_text("rang 7")
-        for i, k in enumerate(choices):
-            items = fr if i < 4 else en
-            section = page.locator(f"#q{i + 1}")
-            expect(section.locator("svg.diagram")).to_have_count(1)
-            expect(section.locator(".explanation")).to_have_count(0)  # not before answering
-            section.locator(".option").nth(k).click()
-            expect(section.locator(".explanation")).to_contain_text(items[i].explanation)
-            verdict = "right" if k == items[i].correct else "wrong"
-            expect(section.locator(f".verdict.{verdict}")).to_have_count(1)
-            expect(section.locator(".option.right")).to_have_text(
-                f"{items[i].correct + 1}.{items[i].options[items[i].correct]}")
-            if i == 0:  # the live panel asks for the page's language
-                section.locator(".live button").click()
-                expect(section.locator(".live pre")).to_have_text("demo 1 at tp=2 (fr)")
-            if i == 3:  # halfway: switch to English, answers and explanations stay
-                expect(page.locator("#score")).to_contain_text("Score : 3/8")
-                page.click("#lang-en")
-                expect(page.locator("html")).to_have_attribute("lang", "en")
-                expect(page.locator("#title")).to_have_text(quiz.title("en"))
-                expect(page.locator("#q1 .explanation")).to_contain_text(en[0].explanation)
-                expect(page.locator(".explanation")).to_have_count(4)
-                expect(page.locator("#q2 svg")).to_contain_text("B: rows")
-                expect(page.locator("#q4 svg")).to_contain_text("Q,K,V: columns · out: rows")
-        expect(page.locator("#final")).to_be_visible()
-        expect(page.locator("#final")).to_contain_text("Score: 5/8")
-        expect(page.locator("#score")).to_contain_text("Score: 5/8")
-        page.click("#lang-fr")
-        expect(page.locator("#final")).to_contain_text("Score : 5/8")
+        page.on("console", lambda m: errors.append(m.text) if m.type == "error" else None)
+        page.goto(f"{base}&lang=fr&level=1")
+        for level, lang in (("1", "fr"), ("2", "en")):
+            page.click(f"#lang-{lang}")  # level 2: switched to by its tab, in English
+            page.click(f"#level-{level}")
+            expect(page.locator("#title")).to_have_text(quiz.title(lang))
+            expect(page.locator(f"#level-{level}")).to_have_attribute("aria-selected", "true")
+            expect(page.locator(".question")).to_have_count(8)
+            wrong = _answer_all(page, expect, level, lang, live=True)
+            expect(page.locator(".live svg.chart")).not_to_have_count(0)
+            for n in range(1, 9):
+                assert page.locator(f"#q{n} .live svg.chart").count() >= 1, (level, n)
+            assert page.evaluate(OVERFLOW_JS) == [], (level, lang)
+            review = page.locator("#review")
+            expect(review).to_be_visible()
+            expect(review.locator(".missed")).to_have_count(wrong)
+            score = quiz.ui(lang)["final"].format(score=8 - wrong, total=8)
+            expect(page.locator("#final")).to_have_text(score)
+            assert page.locator("body").inner_text().count(score) == 2  # the bar, the end: once
+        page.click("#lang-fr")  # level 2 answered in English, now told in French
+        expect(page.locator("#q1 .explanation")).to_contain_text(
+            quiz.items("fr", 2)[0].explanation[:50])
+        expect(page.locator("#score")).to_contain_text("8/8 répondues")
+        page.click("#level-1")
+        expect(page.locator("#questions .explanation")).to_have_count(8)  # level 1 answers kept
         page.click("#restart")
         expect(page.locator(".explanation")).to_have_count(0)
-        expect(page.locator("#final")).to_be_hidden()
+        expect(page.locator("#review")).to_be_hidden()
         browser.close()
     assert errors == []
-
-
-@pytest.mark.timeout(120)
-def test_cli_web_live_serves_real_demonstrations_to_the_browser():
-    import signal
-    import subprocess
-    import sys
-
-    expect, sync_playwright = _sync_api()
-    code = "import sys; from tpkit.cli import main; sys.exit(main(sys.argv[1:]))"
-    proc = subprocess.Popen([sys.executable, "-c", code, "quiz", "--web", "--live", "--port", "0",
-                             "--lang", "en"], stdout=subprocess.PIPE, text=True)
-    try:
-        line = proc.stdout.readline()
-        assert "http://127.0.0.1:" in line, line
-        url = line.split()[2]
-        with sync_playwright() as p:
-            browser = _browser(p)
-            page = browser.new_page()
-            page.goto(url)
-            page.locator("#q2 .option").nth(1).click()
-            page.locator("#q2 .live button").click()
-            expect(page.locator("#q2 .live pre")).to_contain_text("all_reduce forward",
-                                                                  timeout=60_000)
-            expect(page.locator("#q2 .live pre")).to_contain_text("tp=2")
-            browser.close()
-    finally:
-        proc.send_signal(signal.SIGINT)
-        assert proc.wait(timeout=30) == 0

@@ -51,7 +51,7 @@ def _two_agents(tmp_path, *train_args: str) -> list[subprocess.CompletedProcess]
 def _tp_groups(procs) -> dict[int, list[int]]:
     text = "".join(p.stdout for p in procs)
     return {int(r): [int(x) for x in g.split(",")]
-            for r, g in re.findall(r"rank (\d+): ParallelMesh.*tp group \[([\d, ]+)\]", text)}
+            for r, g in re.findall(r"rank (\d+): ParallelMesh[^\n]*?tp group \[([\d, ]+)\]", text)}
 
 
 @pytest.mark.slow

@@ -1,11 +1,15 @@
 """`tpkit quiz`: the tensor-parallelism quiz in the terminal or the browser.
 
     tpkit quiz --lang fr                      # interactive, in French
-    tpkit quiz --answers 1,2,3,4,1,2,3,4      # scripted; ends with `Score: 8/8`
-    printf '1\\n2\\n...' | tpkit quiz         # answers on stdin (not a TTY)
+    tpkit quiz --level 2                      # 8 questions on what tpkit implements
+    tpkit quiz --answers 4,1,2,2,3,1,4,3      # scripted; ends with exactly `Score: N/8`
+    printf '1\\n2\\n...' | tpkit quiz         # answers on stdin (not a TTY), as shown
     tpkit quiz --live --tp 2                  # each explanation proved by a real run
     tpkit quiz --web --port 8765              # http://127.0.0.1:8765/
 
+The options are shown in a random order (seeded: `--seed N` repeats a sitting). Answers
+typed or piped are numbered as shown; `--answers` numbers the options as the seed quiz
+lists them (the order of `questions.json`), so a script means the same every run.
 Without `--live` nothing here imports torch, so the quiz starts at once.
 """
 
@@ -34,17 +38,25 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     """Options of `tpkit quiz`."""
     parser.add_argument("--lang", choices=("fr", "en"), default=_default_lang(),
                         help="language of the quiz (default: from $LANG, else en)")
+    parser.add_argument("--level", type=int, choices=(1, 2), default=1,
+                        help="1: the seed quiz (default); 2: what tpkit implements")
     parser.add_argument("--shuffle", action="store_true",
-                        help="shuffle the questions and their options")
-    parser.add_argument("--seed", type=int, default=None, help="seed of --shuffle")
+                        help="also shuffle the order of the questions")
+    parser.add_argument("--seed", type=int, default=None,
+                        help="seed of the option order (and of --shuffle); default: random")
     parser.add_argument("--live", action="store_true",
                         help="prove each answer with a real run of the library on CPU processes")
     parser.add_argument("--tp", type=int, default=2, choices=(2, 4),
                         help="tensor-parallel size of the live demonstrations (default 2)")
     parser.add_argument("--answers", default=None,
-                        help="comma-separated answers 1..4, one per question (non-interactive)")
+                        help="comma-separated answers 1..4, one per question, numbered as in "
+                             "the seed quiz whatever the order shown (non-interactive; the "
+                             "last line is then exactly 'Score: N/8')")
     parser.add_argument("--web", action="store_true", help="serve the quiz to a browser")
-    parser.add_argument("--port", type=int, default=8765, help="port of --web (127.0.0.1 only)")
+    parser.add_argument("--host", default="127.0.0.1",
+                        help="address of --web (default 127.0.0.1; others warn: no login)")
+    parser.add_argument("--port", type=int, default=8765,
+                        help="port of --web (default 8765; 0: any free port)")
 
 
 def run(args: argparse.Namespace) -> int:
@@ -53,8 +65,8 @@ def run(args: argparse.Namespace) -> int:
     if args.web:
         from tpkit.quiz.web import serve
 
-        return serve(quiz, port=args.port, lang=args.lang, live=args.live)
-    items = quiz.items(args.lang, shuffle=args.shuffle, seed=args.seed)
+        return serve(quiz, host=args.host, port=args.port, lang=args.lang, live=args.live)
+    items = quiz.items(args.lang, level=args.level, shuffle=args.shuffle, seed=args.seed)
     try:
         if args.answers is not None:
             answer, echo = scripted(parse_answers(args.answers, len(items))), True
@@ -67,11 +79,14 @@ def run(args: argparse.Namespace) -> int:
 
             with LiveSession() as session:
                 run_tutor(items, quiz.ui(args.lang), answer, sys.stdout, echo=echo,
-                          live=lambda n: session.text(n, tp=args.tp, lang=args.lang))
+                          exact_score=args.answers is not None,
+                          live=lambda n: session.text(n, tp=args.tp, lang=args.lang,
+                                                      level=args.level))
         else:
-            run_tutor(items, quiz.ui(args.lang), answer, sys.stdout, echo=echo)
+            run_tutor(items, quiz.ui(args.lang), answer, sys.stdout, echo=echo,
+                      exact_score=args.answers is not None)
     except AnswerError as e:
-        print(f"tpkit quiz: {e}", file=sys.stderr)
+        print(f"tpkit quiz: error: {e}", file=sys.stderr)
         return 2
     except (KeyboardInterrupt, EOFError):
         print(file=sys.stderr)

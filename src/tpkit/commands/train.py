@@ -169,7 +169,10 @@ def _run_torchrun(cfg: TrainConfig) -> int:
     from tpkit.train.loop import train
 
     mesh = ParallelMesh.from_env(tp=cfg.tp, pp=cfg.pp, dp=cfg.dp)
-    print(f"rank {mesh.rank}: {mesh!r}, tp group {list(mesh.tp_group.ranks)}", flush=True)
+    # one write per line: ranks share the agent's stdout, and print() under PYTHONUNBUFFERED
+    # writes the text and its newline separately, so two ranks' lines could run together
+    sys.stdout.write(f"rank {mesh.rank}: {mesh!r}, tp group {list(mesh.tp_group.ranks)}\n")
+    sys.stdout.flush()
     price = cross_node_price(mesh.tp_size, mesh.pp_size, mesh.dp_size, mesh.ranks_per_node)
     if price and mesh.rank == 0:  # the mesh warned of the problem; the planner prices it
         print(price, file=sys.stderr, flush=True)

@@ -1,38 +1,62 @@
 """The quiz's content: load `questions.json`, validate it, and lay it out for one sitting.
 
-    quiz = load_quiz()                       # validated, or ValueError naming the problems
-    items = quiz.items("fr", shuffle=True, seed=3)
-    items[0].options, items[0].correct       # options as shown, index of the right one
+    quiz = load_quiz()                        # validated, or ValueError naming the problems
+    items = quiz.items("fr", level=1, seed=3) # options shuffled (seeded), questions in order
+    items[0].options, items[0].correct        # options as shown, index of the right one
+    items[0].order                            # shown position -> the seed's option index
 
-The file holds 8 questions, each with 4 options in the seed's order, the index of the
-correct option (the same in every language), an explanation, and a diagram key used by
-the web page; plus the interface strings of each language. Pure Python, no torch.
+The file holds two levels of 8 questions. Level 1 is the seed quiz, its questions and
+options word for word in the language the seed wrote them in; level 2 asks about what
+tpkit implements. Each question has 4 options in the seed's order (`answer` is an
+index into them, the same in every language), an explanation and a diagram key; plus
+the interface strings of each language. The options are shown in a seeded random
+order, so the right one is not always in the same place; `order` maps back to the
+seed's numbering, which `--answers` uses. French text gets its non-breaking spaces
+here (`typeset`). Pure Python, no torch.
 """
 
 from __future__ import annotations
 
 import json
 import random
+import re
 from dataclasses import dataclass
 from importlib import resources
 from pathlib import Path
 from typing import Any
 
-NUM_QUESTIONS = 8
+NUM_QUESTIONS = 8  # per level
 NUM_OPTIONS = 4
+LEVELS = (1, 2)
+NBSP, NNBSP = "\u00a0", "\u202f"  # before ':' / before '?', '!', ';' (and inside « »)
+
+
+def typeset(text: str, lang: str) -> str:
+    """French typography: the space before ? ! ; : and inside « » cannot break."""
+    if lang != "fr":
+        return text
+    text = re.sub(r" ([?!;])", NNBSP + r"\1", text)
+    text = re.sub(r" :(?=\s|$)", NBSP + ":", text)
+    return text.replace("« ", "«" + NBSP).replace(" »", NBSP + "»")
 
 
 @dataclass(frozen=True)
 class Item:
     """One question as shown in one sitting: text, options in display order, right index."""
 
-    number: int  # 1..8, position in the seed (the live demonstration's number)
+    level: int
+    number: int  # 1..8 within its level (the live demonstration's number)
     id: str
     question: str
     options: tuple[str, ...]
     correct: int  # index into `options` (display order)
     explanation: str
     diagram: str
+    order: tuple[int, ...]  # order[k]: the seed's index of the option shown at position k
+
+    def shown(self, seed_index: int) -> int:
+        """Display position of the option that the seed numbers `seed_index` (0-based)."""
+        return self.order.index(seed_index)
 
 
 @dataclass(frozen=True)
@@ -47,31 +71,39 @@ class Quiz:
         return list(self.data["languages"])
 
     def ui(self, lang: str) -> dict[str, str]:
-        """Interface strings of one language."""
-        return self.data["ui"][self._check_lang(lang)]
+        """Interface strings of one language, typeset."""
+        return {k: typeset(v, lang) for k, v in self.data["ui"][self._check_lang(lang)].items()}
 
     def title(self, lang: str) -> str:
         """Title of the quiz in one language."""
-        return self.data["title"][self._check_lang(lang)]
+        return typeset(self.data["title"][self._check_lang(lang)], lang)
 
     def intro(self, lang: str) -> str:
         """One-line introduction in one language."""
-        return self.data["intro"][self._check_lang(lang)]
+        return typeset(self.data["intro"][self._check_lang(lang)], lang)
 
-    def items(self, lang: str, shuffle: bool = False, seed: int | None = None) -> list[Item]:
-        """The questions in one language; `shuffle` permutes questions and options."""
+    def questions(self, level: int) -> list[dict[str, Any]]:
+        """The raw questions of one level, in the file's order."""
+        if level not in LEVELS:
+            raise ValueError(f"level {level} does not exist; levels are {list(LEVELS)}")
+        return [q for q in self.data["questions"] if q["level"] == level]
+
+    def items(self, lang: str, level: int = 1, shuffle: bool = False,
+              seed: int | None = None) -> list[Item]:
+        """The questions of one level in one language, options in a seeded random order;
+        `shuffle` also permutes the questions."""
         lang = self._check_lang(lang)
         rng = random.Random(seed)
         out = []
-        for number, q in enumerate(self.data["questions"], start=1):
-            text = q[lang]
-            order = list(range(NUM_OPTIONS))
-            if shuffle:
-                rng.shuffle(order)
-            out.append(Item(number=number, id=q["id"], question=text["question"],
-                            options=tuple(text["options"][i] for i in order),
-                            correct=order.index(q["answer"]), explanation=text["explanation"],
-                            diagram=q.get("diagram", "")))
+        for number, q in enumerate(self.questions(level), start=1):
+            text, order = q[lang], list(range(NUM_OPTIONS))
+            rng.shuffle(order)
+            out.append(Item(level=level, number=number, id=q["id"],
+                            question=typeset(text["question"], lang),
+                            options=tuple(typeset(text["options"][i], lang) for i in order),
+                            correct=order.index(q["answer"]),
+                            explanation=typeset(text["explanation"], lang),
+                            diagram=q.get("diagram", ""), order=tuple(order)))
         if shuffle:
             rng.shuffle(out)
         return out
@@ -96,8 +128,10 @@ def problems(data: dict[str, Any]) -> list[str]:
     if ui_keys and any(k != ui_keys[0] for k in ui_keys):
         out.append("'ui' strings differ in keys between languages")
     questions = data.get("questions", [])
-    if len(questions) != NUM_QUESTIONS:
-        out.append(f"{len(questions)} questions, expected {NUM_QUESTIONS}")
+    for level in LEVELS:
+        count = sum(q.get("level") == level for q in questions)
+        if count != NUM_QUESTIONS:
+            out.append(f"level {level} has {count} questions, expected {NUM_QUESTIONS}")
     ids = [q.get("id") for q in questions]
     if len(set(ids)) != len(ids):
         out.append(f"question ids are not unique: {ids}")

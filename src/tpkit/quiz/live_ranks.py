@@ -70,16 +70,76 @@ def mesh_coords(mesh) -> dict:
                 per_node=mesh.ranks_per_node)
 
 
-def all_reduce_times(mesh, numel: int, counts: tuple[int, ...]) -> dict[int, float]:
-    """Seconds for N back-to-back all-reduces of `numel` floats, for each N in `counts`."""
+def all_reduce_times(mesh, numel: int, counts: tuple[int, ...], repeats: int = 9,
+                     warmup: int = 5) -> dict:
+    """Seconds for N back-to-back all-reduces of `numel` floats, for each N in `counts`,
+    `repeats` times each (after `warmup` unmeasured ones), interleaved so that load on
+    the machine hits every N alike; and how many all-reduces the ledger saw."""
     g, x = mesh.tp_group, torch.ones(numel)
-    for _ in range(3):  # warm-up (connections, buffers)
+    for _ in range(warmup):  # connections, buffers, first-call paths
         all_reduce(x, g)
+    out: dict[int, list[float]] = {n: [] for n in counts}
+    for _ in range(repeats):
+        for n in counts:
+            all_reduce(torch.zeros(1), g)  # line the ranks up
+            t0 = time.perf_counter()
+            for _ in range(n):
+                all_reduce(x, g)
+            out[n].append(time.perf_counter() - t0)
+    return dict(times=out, ledger=sum(r.op == "all_reduce" for r in mesh.ledger.records))
+
+
+# -- level 2 ------------------------------------------------------------------------------
+def _records(mesh) -> list[tuple]:
+    return [(r.op, r.phase, r.numel, r.wire_bytes) for r in mesh.ledger.records]
+
+
+def sp_traffic(mesh, x: torch.Tensor, hidden: int, ffn: int) -> dict:
+    """Ledger of a forward+backward of the MLP without and with sequence parallelism
+    (then the input is this rank's slice of the sequence, [b, s/tp, h])."""
+    from tpkit.comm import ops
+
     out = {}
-    for n in counts:
-        all_reduce(torch.zeros(1), g)  # line the ranks up
-        t0 = time.perf_counter()
-        for _ in range(n):
-            all_reduce(x, g)
-        out[n] = time.perf_counter() - t0
+    for name, sp in (("plain", False), ("sp", True)):
+        mlp = ParallelMLP(hidden, ffn, mesh.tp_group, sequence_parallel=sp)
+        xin = ops.scatter_to_sp(x, mesh.tp_group) if sp else x  # [b, s/tp, h] or [b, s, h]
+        mesh.ledger.clear()
+        y = mlp(xin.detach().clone().requires_grad_(True))  # [b, s(/tp), h]
+        y.sum().backward()
+        out[name] = dict(y=y.detach(), records=_records(mesh))
     return out
+
+
+def vocab_parallel_traffic(mesh, logits: torch.Tensor, target: torch.Tensor,
+                           ids: torch.Tensor, hidden: int) -> dict:
+    """This rank's vocab slice of the logits -> per-token loss (3 small all-reduces), and
+    a vocab-parallel embedding lookup (1 all-reduce), each with its ledger."""
+    from tpkit.layers.cross_entropy import vocab_parallel_cross_entropy
+    from tpkit.layers.embedding import VocabParallelEmbedding
+
+    tp, r, vocab = mesh.tp_size, mesh.tp_rank, logits.shape[-1]
+    local = logits[..., r * vocab // tp:(r + 1) * vocab // tp]  # [b, s, V/tp]
+    with torch.no_grad():
+        mesh.ledger.clear()
+        loss = vocab_parallel_cross_entropy(local, target, mesh.tp_group, vocab)  # [b, s]
+        ce = _records(mesh)
+        mesh.ledger.clear()
+        emb = VocabParallelEmbedding(vocab, hidden, mesh.tp_group)(ids)  # [b, s, h]
+    return dict(loss=loss, ce=ce, emb=emb, emb_records=_records(mesh))
+
+
+def ring_all_reduce(mesh, numel: int) -> dict:
+    """One all-reduce of `numel` floats and its ledger record (wire bytes of a ring)."""
+    x = torch.ones(numel)
+    mesh.ledger.clear()
+    all_reduce(x, mesh.tp_group)
+    return dict(records=_records(mesh), value=float(x[0]))
+
+
+def row_bias(mesh, y: torch.Tensor, ffn: int, hidden: int, bias: float) -> dict:
+    """A row-parallel layer with a non-zero bias: this rank's partial product and the
+    layer's output (bias added once, after the all-reduce)."""
+    layer = RowParallelLinear(ffn, hidden, mesh.tp_group, input_is_parallel=False)
+    with torch.no_grad():
+        layer.bias.fill_(bias)
+        return dict(partial=layer.partial(y), z=layer(y), bias=layer.bias.clone())  # [b, s, h]

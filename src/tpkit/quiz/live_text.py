@@ -19,6 +19,8 @@ import string
 from importlib import resources
 from typing import Any
 
+from tpkit.quiz.content import typeset
+
 Record = tuple  # (op, phase, numel, wire bytes), as the ranks return the ledger
 
 
@@ -39,8 +41,8 @@ class Say:
         self.lang, self.words, self.common = lang, data[lang][demo], data[lang]["common"]
 
     def __call__(self, key: str, **fields: Any) -> str:
-        """Template `key` filled with the computed `fields`."""
-        return self.words[key].format(**fields)
+        """Template `key` filled with the computed `fields` (French typography in fr)."""
+        return typeset(self.words[key].format(**fields), self.lang)
 
     def yes_no(self, flag: bool) -> str:
         """'yes'/'no' in this language."""

@@ -2,12 +2,15 @@
 
     score = run_tutor(items, ui, scripted([1, 2, 3, 4, 1, 2, 3, 4]), out=sys.stdout)
 
-Answers come from one of three sources, all numbered 1..4 as the options are shown:
-`interactive` (asks again on a bad answer), `from_lines` (one per line, for piped
-stdin) and `scripted` (from `--answers 1,3,2,...`); the last two raise `AnswerError`
-on a bad or missing answer, which the CLI turns into exit code 2. The last line
-printed is exactly `Score: N/8`. Pure Python, no torch (live text comes from a callback,
-which the CLI binds to the sitting's language: `session.text(n, tp, lang)`).
+Answers come from one of three sources: `interactive` (asks again on a bad answer) and
+`from_lines` (one per line, for piped stdin), both numbered 1..4 as the options are
+shown; and `scripted` (from `--answers 1,3,2,...`), numbered as in the seed quiz, whatever
+order the options are shown in, so a script's answers mean the same thing every run.
+The last two raise `AnswerError` on a bad or missing answer, which the CLI turns into
+exit code 2. At the end, a review of the missed questions (the right answer and its
+explanation) and the score once, in the sitting's language ("Score : 6/8"), or exactly
+`Score: N/8` with `exact_score` (for scripts). Pure Python, no torch (live text comes
+from a callback, which the CLI binds to the sitting's language: `session.text(...)`).
 """
 
 from __future__ import annotations
@@ -40,7 +43,7 @@ def parse_answers(text: str, count: int, n: int = NUM_OPTIONS) -> list[int]:
     parts = [p for p in text.replace(" ", ",").split(",") if p.strip()]
     if len(parts) != count:
         raise AnswerError(f"--answers has {len(parts)} answers, expected {count} "
-                          f"(one per question, e.g. 1,2,3,4,1,2,3,4)")
+                          f"(one option number 1..{n} per question, comma-separated)")
     out = []
     for i, part in enumerate(parts, start=1):
         try:
@@ -51,12 +54,12 @@ def parse_answers(text: str, count: int, n: int = NUM_OPTIONS) -> list[int]:
 
 
 def scripted(answers: Iterable[int]) -> AnswerFn:
-    """Answer from a list of 0-based indices (already validated)."""
+    """Answer from a list of 0-based indices in the seed's option order (validated)."""
     it: Iterator[int] = iter(answers)
 
     def answer(item: Item, ui: dict) -> int:
         try:
-            return next(it)
+            return item.shown(next(it))
         except StopIteration:
             raise AnswerError(f"no answer given for question {item.number}") from None
 
@@ -105,22 +108,41 @@ def render_verdict(item: Item, choice: int, ui: dict) -> str:
     return "\n".join([_wrap(f"{head} {right}", ""), expl])
 
 
+def render_review(missed: list[tuple[Item, int]], ui: dict) -> str:
+    """The missed questions, each with the answer given, the right one and why."""
+    if not missed:
+        return ui["review_none"]
+    lines = [f"=== {ui['review']} ==="]
+    for item, choice in missed:
+        lines += [_wrap(f"{item.number}. {item.question}", ""),
+                  _wrap(f"{ui['your_answer']} {item.options[choice]}", "   ", "     "),
+                  _wrap(f"{ui['correct_answer']} {item.options[item.correct]}", "   ", "     "),
+                  _wrap(item.explanation, "   "), ""]
+    return "\n".join(lines).rstrip()
+
+
 def run_tutor(items: list[Item], ui: dict, answer: AnswerFn, out: TextIO,
-              live: LiveFn | None = None, echo: bool = False) -> int:
-    """Ask every item in turn, explain after each answer, print `Score: N/8`; return N."""
-    score = 0
+              live: LiveFn | None = None, echo: bool = False, exact_score: bool = False) -> int:
+    """Ask every item in turn, explain after each answer, review the missed ones and
+    print the score once (exactly `Score: N/8` with `exact_score`); return N."""
+    missed: list[tuple[Item, int]] = []
     for index, item in enumerate(items, start=1):
         print(render_question(item, index, len(items), ui), file=out)
         choice = answer(item, ui)
         if echo:
             print(f"> {choice + 1}", file=out)
-        score += choice == item.correct
+        if choice != item.correct:
+            missed.append((item, choice))
         print(render_verdict(item, choice, ui), file=out)
         if live is not None:
             print(f"--- {ui['live']} ---", file=out)
             print(live(item.number), file=out)
         print(file=out, flush=True)
-    print(f"Score: {score}/{len(items)}", file=out, flush=True)
+    print(render_review(missed, ui), file=out)
+    score, total = len(items) - len(missed), len(items)
+    line = f"Score: {score}/{total}" if exact_score else ui["score_line"].format(score=score,
+                                                                                 total=total)
+    print(line, file=out, flush=True)
     return score
 
 

@@ -1,19 +1,28 @@
-"""The web tutor: `tpkit quiz --web` serves the quiz page on 127.0.0.1 only.
+"""The web tutor: `tpkit quiz --web` serves the quiz page (on 127.0.0.1 unless `--host`).
 
-    GET /  /index.html  /app.js  /style.css   the page (these files and nothing else)
-    GET /api/quiz                             questions, options, answers, explanations (fr, en)
-    GET /api/live/<n>?tp=2&lang=fr            live demonstration n, told in lang (with --live)
+    GET  /  /index.html  /app.js  /charts.js  /style.css  /favicon.ico   the page
+    GET  /api/quiz                          questions and options (fr, en; both levels)
+    POST /api/answer  {"level", "number", "choice"}   the verdict and the explanations
+    GET  /api/live/<n>?tp=2&lang=fr&level=1 live demonstration n (with --live)
 
 Requests are answered from a fixed table of files, so no path from the URL ever reaches
-the file system (no traversal). A Host header other than 127.0.0.1/localhost is
-refused (DNS rebinding). Live demonstrations run one at a time, tp in {2, 4}, in the
-language asked (the server's by default), and are cached; without `--live` their
-endpoint answers 404. Pure Python unless `--live`.
+the file system (no traversal). The Host header must name the address served
+(DNS rebinding); a POST body over `MAX_BODY` bytes gets 413, one that is not JSON 400.
+Each connection is dropped after `timeout` idle seconds, so half-open connections do
+not hold threads; a client that goes away mid-answer is not an error. Live
+demonstrations run one at a time, tp in {2, 4}, in the language asked, and are cached;
+without `--live` their endpoint answers 404. SIGTERM, SIGHUP and SIGINT stop the server
+and the worker processes of the demonstrations. Pure Python unless `--live`.
 """
 
 from __future__ import annotations
 
+import errno
+import ipaddress
 import json
+import signal
+import socket
+import sys
 import threading
 from collections.abc import Callable
 from http import HTTPStatus
@@ -21,14 +30,16 @@ from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from importlib import resources
 from urllib.parse import parse_qs, urlsplit
 
+from tpkit.quiz import web_api
 from tpkit.quiz.content import Quiz
 
 HOST = "127.0.0.1"
+HTML, JS = "text/html; charset=utf-8", "text/javascript; charset=utf-8"
 STATIC = {  # URL path -> (file in tpkit/quiz/web, content type)
-    "/": ("index.html", "text/html; charset=utf-8"),
-    "/index.html": ("index.html", "text/html; charset=utf-8"),
-    "/app.js": ("app.js", "text/javascript; charset=utf-8"),
+    "/": ("index.html", HTML), "/index.html": ("index.html", HTML),
+    "/app.js": ("app.js", JS), "/charts.js": ("charts.js", JS),
     "/style.css": ("style.css", "text/css; charset=utf-8"),
+    "/favicon.ico": ("favicon.svg", "image/svg+xml"), "/favicon.svg": ("favicon.svg", "image/svg+xml"),
 }
 HEADERS = {
     "Content-Security-Policy": "default-src 'self'; img-src 'self' data:; object-src 'none'; "
@@ -37,13 +48,29 @@ HEADERS = {
     "Referrer-Policy": "no-referrer",
     "Cache-Control": "no-store",
 }
-LIVE_TP = (2, 4)
-LiveRunner = Callable[[int, int, str], dict]  # (question number, tp, lang) -> figures + "text"
+LiveRunner = Callable[[int, int, int, str], dict]  # (level, number, tp, lang) -> figures
 
 
-def quiz_payload(quiz: Quiz, lang: str, live: bool) -> dict:
-    """What `/api/quiz` returns: the whole content plus the page's settings."""
-    return dict(quiz.data, default_lang=lang, live=live, live_tp=list(LIVE_TP))
+def is_loopback(host: str) -> bool:
+    """True for localhost and loopback addresses (127.0.0.0/8, ::1)."""
+    try:
+        return host == "localhost" or ipaddress.ip_address(host).is_loopback
+    except ValueError:
+        return False
+
+
+def allowed_hosts(host: str) -> set[str] | None:
+    """Host-header names accepted when serving on `host`; None: any (wildcard address)."""
+    if host in ("0.0.0.0", "::", ""):
+        return None
+    return {host, "127.0.0.1", "localhost", "::1"} if is_loopback(host) else {host}
+
+
+def host_of(header: str) -> str:
+    """'127.0.0.1:8765' -> '127.0.0.1'; '[::1]:80' -> '::1'."""
+    if header.startswith("["):
+        return header[1:].split("]", 1)[0]
+    return header.rsplit(":", 1)[0] if header.count(":") == 1 else header
 
 
 class _Live:
@@ -52,14 +79,13 @@ class _Live:
     def __init__(self, runner: LiveRunner) -> None:
         self.runner, self.lock, self.cache = runner, threading.Lock(), {}
 
-    def get(self, number: int, tp: int, lang: str) -> tuple[HTTPStatus, dict]:
-        key = (number, tp, lang)
+    def get(self, key: tuple[int, int, int, str]) -> web_api.Reply:
         if key in self.cache:
             return HTTPStatus.OK, self.cache[key]
         if not self.lock.acquire(blocking=False):
             return HTTPStatus.TOO_MANY_REQUESTS, {"error": "a demonstration is already running"}
         try:
-            result = self.runner(number, tp, lang)
+            result = self.runner(*key)
         except Exception as e:  # noqa: BLE001 - reported to the page, the server lives on
             return HTTPStatus.INTERNAL_SERVER_ERROR, {"error": f"{type(e).__name__}: {e}"}
         finally:
@@ -68,28 +94,46 @@ class _Live:
         return HTTPStatus.OK, result
 
 
-def make_handler(quiz: Quiz, lang: str, live: LiveRunner | None) -> type[BaseHTTPRequestHandler]:
+def make_handler(quiz: Quiz, lang: str, live: LiveRunner | None, hosts: set[str] | None,
+                 timeout: float) -> type[BaseHTTPRequestHandler]:
     """A request handler class bound to one quiz (and optionally a live runner)."""
-    payload = json.dumps(quiz_payload(quiz, lang, live is not None), ensure_ascii=False).encode()
+    payload = json.dumps(web_api.quiz_payload(quiz, lang, live is not None),
+                         ensure_ascii=False).encode()
     files = {name: resources.files("tpkit.quiz").joinpath("web", name).read_bytes()
              for name, _ in STATIC.values()}
     runner = _Live(live) if live is not None else None
 
     class Handler(BaseHTTPRequestHandler):
-        server_version = "tpkit-quiz"
-        sys_version = ""
+        server_version, sys_version = "tpkit-quiz", ""
+
+        def setup(self) -> None:
+            self.timeout = timeout  # socket timeout: an idle connection gives its thread back
+            super().setup()
 
         def do_GET(self) -> None:  # noqa: N802 - http.server's naming
-            self._answer(send_body=True)
+            self._get(send_body=True)
 
         def do_HEAD(self) -> None:  # noqa: N802
-            self._answer(send_body=False)
+            self._get(send_body=False)
 
-        def _answer(self, send_body: bool) -> None:
-            host = (self.headers.get("Host") or "").rsplit(":", 1)[0]
-            if host not in (HOST, "localhost"):
-                return self._send(HTTPStatus.FORBIDDEN, b"forbidden host\n", "text/plain",
-                                  send_body)
+        def do_POST(self) -> None:  # noqa: N802
+            if self._host_refused():
+                return
+            if urlsplit(self.path).path != "/api/answer":
+                return self._json(HTTPStatus.NOT_FOUND, {"error": "POST only to /api/answer"})
+            size = self.headers.get("Content-Length", "")
+            if not size.isascii() or not size.isdigit():
+                return self._json(HTTPStatus.LENGTH_REQUIRED, {"error": "Content-Length needed"})
+            if int(size) > web_api.MAX_BODY:
+                self.close_connection = True  # the body is not read
+                return self._json(HTTPStatus.REQUEST_ENTITY_TOO_LARGE,
+                                  {"error": f"body of {size} bytes; at most {web_api.MAX_BODY}"})
+            body = web_api.parse_body(self.rfile.read(int(size)))
+            self._json(*(body if isinstance(body, tuple) else web_api.check_answer(quiz, body)))
+
+        def _get(self, send_body: bool) -> None:
+            if self._host_refused(send_body):
+                return
             url = urlsplit(self.path)
             if url.path in STATIC:
                 name, ctype = STATIC[url.path]
@@ -97,11 +141,20 @@ def make_handler(quiz: Quiz, lang: str, live: LiveRunner | None) -> type[BaseHTT
             if url.path == "/api/quiz":
                 return self._send(HTTPStatus.OK, payload, "application/json", send_body)
             if url.path.startswith("/api/live/") and runner is not None:
-                status, body = _live_request(runner, url.path, parse_qs(url.query),
-                                             lang, quiz.languages)
-                data = json.dumps(body, ensure_ascii=False).encode()
-                return self._send(status, data, "application/json", send_body)
+                key = web_api.live_request(url.path, parse_qs(url.query), lang, quiz.languages)
+                reply = key if len(key) == 2 else runner.get(key)
+                return self._json(*reply, send_body=send_body)
             self._send(HTTPStatus.NOT_FOUND, b"not found\n", "text/plain", send_body)
+
+        def _host_refused(self, send_body: bool = True) -> bool:
+            if hosts is None or host_of(self.headers.get("Host") or "") in hosts:
+                return False
+            self._send(HTTPStatus.FORBIDDEN, b"forbidden host\n", "text/plain", send_body)
+            return True
+
+        def _json(self, status: HTTPStatus, body: dict, send_body: bool = True) -> None:
+            data = json.dumps(body, ensure_ascii=False).encode()
+            self._send(status, data, "application/json", send_body)
 
         def _send(self, status: HTTPStatus, body: bytes, ctype: str, send_body: bool) -> None:
             self.send_response(status)
@@ -119,45 +172,71 @@ def make_handler(quiz: Quiz, lang: str, live: LiveRunner | None) -> type[BaseHTT
     return Handler
 
 
-def _live_request(runner: _Live, path: str, query: dict, default_lang: str,
-                  languages: list[str]) -> tuple[HTTPStatus, dict]:
-    number, tp = path.removeprefix("/api/live/"), (query.get("tp") or ["2"])[0]
-    lang = (query.get("lang") or [default_lang])[0]
-    if not number.isdigit() or not 1 <= int(number) <= 8:
-        return HTTPStatus.NOT_FOUND, {"error": "demonstrations are numbered 1 to 8"}
-    if not tp.isdigit() or int(tp) not in LIVE_TP:
-        return HTTPStatus.BAD_REQUEST, {"error": f"tp must be one of {list(LIVE_TP)}"}
-    if lang not in languages:
-        return HTTPStatus.BAD_REQUEST, {"error": f"lang must be one of {languages}"}
-    return runner.get(int(number), int(tp), lang)
+class QuizServer(ThreadingHTTPServer):
+    """A threading server whose clients may vanish: no traceback for a broken pipe."""
+
+    daemon_threads = True
+    request_queue_size = 128  # a burst of connections waits to be accepted, not refused
+
+    def handle_error(self, request, client_address) -> None:
+        if isinstance(sys.exc_info()[1], (ConnectionError, TimeoutError)):
+            return  # the client went away (broken pipe, reset): nothing to report
+        super().handle_error(request, client_address)
 
 
-def make_server(quiz: Quiz, port: int = 0, lang: str = "en",
-                live: LiveRunner | None = None) -> ThreadingHTTPServer:
-    """A server bound to 127.0.0.1:`port` (0: any free port); not started."""
-    server = ThreadingHTTPServer((HOST, port), make_handler(quiz, lang, live))
-    server.daemon_threads = True
-    return server
+def make_server(quiz: Quiz, port: int = 0, lang: str = "en", live: LiveRunner | None = None,
+                host: str = HOST, timeout: float = 15.0) -> QuizServer:
+    """A server bound to `host`:`port` (0: any free port); not started."""
+    handler = make_handler(quiz, lang, live, allowed_hosts(host), timeout)
+    cls = QuizServer
+    if ":" in host:
+        cls = type("QuizServer6", (QuizServer,), {"address_family": socket.AF_INET6})
+    return cls((host, port), handler)
 
 
-def serve(quiz: Quiz, port: int = 8765, lang: str = "en", live: bool = False) -> int:
-    """Serve until interrupted; prints the URL. Returns the exit code."""
+def serve(quiz: Quiz, port: int = 8765, lang: str = "en", live: bool = False,
+          host: str = HOST) -> int:
+    """Serve until SIGINT, SIGTERM or SIGHUP; prints the URL. Returns the exit code."""
+    try:
+        server = make_server(quiz, port, lang, None, host)
+    except OSError as e:
+        why = (f"port {port} on {host} is already in use; choose another with --port "
+               f"(--port 0 picks a free one)" if e.errno == errno.EADDRINUSE
+               else f"cannot listen on {host}:{port}: {e.strerror or e}")
+        print(f"tpkit quiz: error: {why}", file=sys.stderr)
+        return 2
+    if not is_loopback(host):
+        print(f"tpkit quiz: warning: --host {host} makes the quiz reachable from other "
+              f"machines (no login, no TLS)", file=sys.stderr)
     session = None
-    runner: LiveRunner | None = None
     if live:
         from tpkit.quiz.live import LiveSession
 
         session = LiveSession()
-        runner = session.run
-    server = make_server(quiz, port, lang, runner)
-    print(f"tpkit quiz: http://{HOST}:{server.server_address[1]}/?lang={lang} "
-          f"(Ctrl-C to stop)", flush=True)
+        def runner(level: int, number: int, tp: int, lang_: str) -> dict:
+            return session.run(number, tp, lang_, level)
+
+        server.RequestHandlerClass = make_handler(quiz, lang, runner, allowed_hosts(host), 15.0)
+    shown = "127.0.0.1" if host in ("0.0.0.0", "") else host
+    shown = f"[{shown}]" if ":" in shown else shown
+    stops = (signal.SIGINT, signal.SIGTERM, signal.SIGHUP)
+    previous = {s: signal.signal(s, _interrupt) for s in stops}  # before the URL is shown
     try:
+        print(f"tpkit quiz: http://{shown}:{server.server_address[1]}/?lang={lang} "
+              f"(Ctrl-C to stop)", flush=True)
         server.serve_forever()
     except KeyboardInterrupt:
         pass
     finally:
+        for s in stops:  # a second signal must not cut the clean-up short
+            signal.signal(s, signal.SIG_IGN)
         server.server_close()
         if session is not None:
             session.close()
+        for s, handler in previous.items():
+            signal.signal(s, handler)
     return 0
+
+
+def _interrupt(signum: int, frame) -> None:
+    raise KeyboardInterrupt(f"signal {signum}")
