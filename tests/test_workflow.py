@@ -169,3 +169,15 @@ def test_preset_export_carries_a_byte_tokenizer(tmp_path, capsys):
     assert generate_cmd.run(args) == 0
     out = capsys.readouterr().out
     assert out == "The " + hf_tok.decode(ref) + "\n", (out, hf_tok.decode(ref), ref)
+
+
+def test_a_hf_folder_without_tokenizer_is_not_read_as_bytes(tmp_path, capsys):
+    hf = tiny_llama_folder(tmp_path / "hf")
+    for name in ("tokenizer.json", "tokenizer_config.json"):
+        (hf / name).unlink()
+    args = argparse.Namespace(checkpoint=str(hf), tp=1, prompt=["Tensor"], prompt_ids=[],
+                              max_new_tokens=2, temperature=0.0, top_k=None, seed=0,
+                              ignore_eos=False)
+    assert generate_cmd.run(args) == 1
+    assert "no tokenizer files in" in (out := capsys.readouterr().out)
+    assert "hf-llama (vocab_size=300) is not a byte-level model" in out
