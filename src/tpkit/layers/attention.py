@@ -153,6 +153,7 @@ class ParallelAttention(nn.Module):
             mask = mask.expand(q.shape[0], 1, s, t)
             if attention_mask is not None:
                 mask = mask & attention_mask[:, None, None, -t:].bool()
+                mask = mask | ~mask.any(-1, keepdim=True)  # no key (a left pad): all, not NaN
         causal = self.causal and mask is None
         if p and rng is not None:  # the heads are split over tp: per-rank dropout masks
             with rng.fork():

@@ -80,10 +80,10 @@ class Embeddings(nn.Module):
             x = x * torch.tensor(self.scale, dtype=x.dtype)  # Gemma: sqrt(hidden), in x's dtype
         s_local, s = x.shape[1], ids.shape[1]
         first = self.group.rank * s_local if self.sp else 0  # this rank's sequence slice
-        if self.position is not None:
-            pos = torch.arange(position_offset + first, position_offset + first + s_local,
-                               device=ids.device)
-            x = x + self.position(pos)
+        if self.position is not None:  # position_offset: an int, or one per row [b]
+            start = torch.as_tensor(position_offset, device=ids.device).reshape(-1, 1)
+            pos = start + torch.arange(first, first + s_local, device=ids.device)  # [b|1, s]
+            x = x + self.position(pos.clamp(min=0))  # left padding: negative, masked anyway
         if self.token_type is not None:
             tt = token_types if token_types is not None else torch.zeros_like(ids)
             x = x + self.token_type(tt[:, first:first + s_local] if self.sp else tt)
