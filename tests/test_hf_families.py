@@ -224,3 +224,18 @@ def test_unsupported_family_names_the_supported(tmp_path):
     with pytest.raises(ValueError, match="qwen2 variant not supported: sliding-window layers"):
         config_from_hf({"model_type": "qwen2", "use_sliding_window": True,
                         "layer_types": ["sliding_attention"]})
+
+
+def test_a_config_without_family_exports_as_its_plain_shape_or_is_refused():
+    """Configs saved before `family` existed keep exporting (GPT-2, Llama, BERT shapes);
+    a config with one family's feature is never guessed."""
+    from dataclasses import replace
+
+    from tpkit.model.families import with_family
+    from tpkit.spec import get_preset
+
+    for preset, kind in (("gpt2-tiny", "gpt2"), ("llama-tiny", "llama")):
+        assert with_family(replace(get_preset(preset), family="")).family == kind
+    qk = replace(get_preset("llama-tiny"), family="", qk_norm=True)
+    with pytest.raises(ValueError, match="no Hugging Face family"):
+        with_family(qk)

@@ -24,7 +24,15 @@ from safetensors.torch import save_file
 from torch import nn
 
 from tpkit.mesh import ParallelMesh
-from tpkit.model.families import Cut, Family, Recipe, config_from_hf, for_model_type, of_config
+from tpkit.model.families import (
+    Cut,
+    Family,
+    Recipe,
+    config_from_hf,
+    for_model_type,
+    of_config,
+    with_family,
+)
 from tpkit.model.names import EMBED_WEIGHT
 from tpkit.shard_io import CheckpointError, DictSource, local_slice
 from tpkit.sharding import meta_of, split_of
@@ -235,6 +243,7 @@ def to_hf(source: Any, out_dir: str | Path, config: ModelConfig | None = None) -
 def write_hf(src: Any, config: ModelConfig, names: set[str], out_dir: str | Path) -> Path:
     """Write a Hugging Face directory from any `Source` of full logical tensors: every
     row goes back where the family's recipe took it from."""
+    config = with_family(config)
     fam, out = of_config(config), Path(out_dir)
     tensors: dict[str, torch.Tensor] = {}
     for name, recipe in fam.table(config).items():

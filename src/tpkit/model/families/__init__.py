@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import importlib
 import pkgutil
+from dataclasses import replace
 
 from tpkit.model.families.base import Cut, Family, Recipe
 from tpkit.spec.config import PRESETS, ModelConfig
@@ -47,12 +48,40 @@ def for_model_type(kind: str | None) -> Family:
 
 
 def of_config(c: ModelConfig) -> Family:
-    """The adapter that exports `c` (its `family`: a Hugging Face model_type)."""
-    if not c.family:
-        raise ValueError(f"{c.name}: no Hugging Face family (config.family is empty); "
-                         f"supported: {', '.join(supported())}")
-    return for_model_type(c.family)
+    """The adapter that exports `c` (by `with_family(c).family`)."""
+    return for_model_type(with_family(c).family)
 
+
+def with_family(c: ModelConfig) -> ModelConfig:
+    """`c` with its `family` (a Hugging Face model_type) filled: for a config without one
+    (built by hand, or saved before configs named their family) the family whose plain
+    shape it has: GPT-2, Llama or BERT."""
+    kind = c.family or _plain_family(c)
+    if not kind:
+        raise ValueError(f"{c.name}: no Hugging Face family (config.family is empty and "
+                         f"position={c.position}, norm={c.norm}, activation={c.activation}, "
+                         f"bias={c.bias} is none of the plain gpt2/llama/bert shapes); "
+                         f"supported: {', '.join(supported())}")
+    for_model_type(kind)  # a family this build supports
+    return replace(c, family=kind)
+
+
+_FAMILY_FEATURES = ("head_size", "qkv_bias", "qk_norm", "norm_offset", "embed_scale",
+                    "parallel_residual", "rotary_dim", "rope_llama3", "sliding_window",
+                    "num_experts")  # set by one family's adapter only: never guessed
+
+
+def _plain_family(c: ModelConfig) -> str:
+    defaults = ModelConfig()
+    if any(getattr(c, f) != getattr(defaults, f) for f in _FAMILY_FEATURES):
+        return ""
+    if not c.causal and c.embed_norm and not c.pre_norm:
+        return "bert"
+    if c.position == "rope" and c.norm == "rmsnorm" and c.activation == "swiglu" and not c.bias:
+        return "llama"
+    if c.position == "learned" and c.norm == "layernorm" and c.causal and c.bias:
+        return "gpt2"
+    return ""
 
 def presets_of(kind: str) -> list[str]:
     """tpkit's presets that export to this model_type."""
