@@ -19,7 +19,7 @@ from tpkit.checkpoint import store as ckpt
 from tpkit.comm import all_gather
 from tpkit.commands.generate import run
 from tpkit.mesh import ParallelMesh
-from tpkit.model.generate import decode, encode, generate
+from tpkit.model.generate import PP_ERROR, decode, encode, generate, pad_left
 from tpkit.model.transformer import Transformer
 
 PROMPT = torch.tensor([[5, 17, 200, 3, 99]])
@@ -73,11 +73,78 @@ def test_greedy_same_tokens_at_any_tp(run_tp, checkpoints, name):
 
 def test_cli_and_tokenizer(checkpoints, capsys):
     assert decode(encode("tensor é")) == "tensor é"
-    args = argparse.Namespace(checkpoint=checkpoints["gpt2-t"], tp=1, prompt="ab",
-                              prompt_ids="", max_new_tokens=4, temperature=0.0, top_k=None,
-                              seed=0)
+    args = argparse.Namespace(checkpoint=checkpoints["gpt2-t"], tp=1, prompt=["ab"],
+                              prompt_ids=[], max_new_tokens=4, temperature=0.0, top_k=None,
+                              seed=0, ignore_eos=False)
     assert run(args) == 0
-    assert capsys.readouterr().out.startswith("ab")
-    args.prompt, args.prompt_ids = "", "1,2,3"
+    out = capsys.readouterr()
+    assert out.out.startswith("ab") and "tokens/s" in out.err
+    args.prompt, args.prompt_ids = [], ["1,2,3", "4"]
     assert run(args) == 0
-    assert len(capsys.readouterr().out.split()) == 4
+    rows = capsys.readouterr().out.strip().split("\n\n")
+    assert [len(r.split()) for r in rows] == [4, 4]
+    args.prompt_ids = ["1,300"]
+    assert run(args) == 1
+    assert "prompt token id 300 is out of the model's vocab_size=257" in capsys.readouterr().out
+
+
+PROMPTS = [[5, 17, 200, 3, 99, 8, 41], [250, 2], [7, 7, 120, 64]]  # lengths 7, 2, 4
+
+
+def batch_worker(mesh, path, n):
+    """(batched tokens per row, each prompt alone, prefill logits batched and alone)."""
+    model = load_model(path, mesh)
+    ids, mask = pad_left(PROMPTS, pad_id=1)
+    batched = generate(model, ids, n, attention_mask=mask)[:, ids.shape[1]:]
+    alone = [generate(model, torch.tensor([p]), n)[0, len(p):] for p in PROMPTS]
+    with torch.no_grad():
+        pads = ids.shape[1] - mask.sum(1)  # [b]: each row starts at position 0
+        full = all_gather(model(ids, attention_mask=mask, position_offset=-pads)[:, -1],
+                          mesh.tp_group, dim=-1)
+        one = [all_gather(model(torch.tensor([p]))[:, -1], mesh.tp_group, dim=-1)[0]
+               for p in PROMPTS]
+    rel = (full - torch.stack(one)).abs().max() / full.abs().max()  # logits are ~1e2 here
+    return batched, torch.stack(alone), rel.item()
+
+
+@pytest.mark.timeout(120)
+@pytest.mark.parametrize("name", ["llama-t", "gpt2-t"])
+def test_batch_of_different_lengths_equals_each_alone(run_tp, checkpoints, name):
+    """Left padding + mask: every row generates what it would alone (learned positions
+    per row for GPT-2, rotary's shift invariance for Llama), at tp=1 and tp=2."""
+    for tp in (1, 2):
+        for batched, alone, diff in run_tp(batch_worker, tp, checkpoints[name], 10):
+            assert torch.equal(batched, alone), (tp, batched, alone)
+            assert diff <= 1e-5, (tp, diff)  # float32 round-off (relative)
+            assert len(set(alone[1].tolist())) > 1
+
+
+def test_eos_stops_rows_then_pads(checkpoints):
+    model = load_model(checkpoints["gpt2-t"], ParallelMesh.single())
+    ids, mask = pad_left(PROMPTS, pad_id=1)
+    free = generate(model, ids, 8, attention_mask=mask)[:, ids.shape[1]:]
+    eos = int(free[1, 2])  # row 1 emits it at step 2 (maybe other rows too)
+    got = generate(model, ids, 8, attention_mask=mask, eos_id=eos, pad_id=1,
+                   on_tokens=(seen := []).append)[:, ids.shape[1]:]
+    for row, want in zip(got, free):
+        hit = (want == eos).nonzero()
+        stop = int(hit[0]) + 1 if len(hit) else len(want)
+        assert torch.equal(row[:stop], want[:stop])
+        assert (row[stop:] == 1).all()
+    assert [list(t) for t in zip(*seen)] == got.tolist()  # streamed = returned
+    with pytest.raises(ValueError, match=r"lengths \[2, 0\]"):
+        pad_left([[1, 2], []])
+
+
+def pp_worker(mesh, path):
+    model = load_model(path, mesh)
+    try:
+        generate(model, PROMPT, 2)
+    except ValueError as e:
+        return str(e)
+    return "no error"
+
+
+def test_pp_is_refused_with_the_reason(run_tp, checkpoints):
+    for msg in run_tp(pp_worker, 1, checkpoints["llama-t"], pp=2):
+        assert msg == PP_ERROR and "pp=1" in msg

@@ -16,7 +16,7 @@ from tpkit.checkpoint import store as ckpt
 from tpkit.checkpoint.convert import to_hf  # checkpoints too
 from tpkit.comm import all_gather
 from tpkit.mesh import ParallelMesh
-from tpkit.model.hf import from_pretrained, pooled
+from tpkit.model.hf import from_pretrained
 
 V = 101
 IDS = torch.randint(0, V, (2, 7), generator=torch.Generator().manual_seed(0))
@@ -68,7 +68,7 @@ def tpkit_out(model, mesh, kind: str) -> dict:
     with torch.no_grad():
         if kind == "bert":
             h = model.hidden_states(IDS, attention_mask=MASK, token_types=TT)
-            return dict(hidden=h, pooled=pooled(model, h))
+            return dict(hidden=h, pooled=model.pooled(h))
         return dict(logits=all_gather(model(IDS), mesh.tp_group, dim=-1)[..., :V])
 
 
@@ -112,7 +112,7 @@ def test_export_loads_in_transformers(run_tp, hf_models, tmp_path, kind):
 def test_unsupported_config_is_named(tmp_path):
     from tpkit.model.hf import config_from_hf
 
-    with pytest.raises(ValueError, match="model_type 't5'"):
+    with pytest.raises(ValueError, match="model_type 't5' is not supported; supported: .*llama"):
         config_from_hf(dict(model_type="t5"))
     with pytest.raises(Exception, match="config.json"):
         from_pretrained(tmp_path, ParallelMesh.single())

@@ -16,14 +16,18 @@ COMMANDS: dict[str, tuple[str, str]] = {
     "plan": ("tpkit.commands.plan", "plan tp/pp/dp for a model on a cluster (no torch needed)"),
     "calibrate": ("tpkit.commands.calibrate", "measure this machine into a hardware profile"),
     "convert": ("tpkit.commands.convert", "convert / reshard checkpoints, to and from safetensors"),
+    "prepare-data": ("tpkit.commands.prepare_data", "tokenize text files into token shards "
+                     "for training"),
     "generate": ("tpkit.commands.generate", "tensor-parallel text generation with a KV cache"),
     "quiz": ("tpkit.commands.quiz", "the tensor-parallelism quiz, as a live tutor (fr/en)"),
+    "presets": ("tpkit.commands.presets", "list the model presets and the Hugging Face families"),
 }
 
 
 def _usage() -> str:
     lines = ["usage: tpkit <command> [options]", "", "commands:"]
-    lines += [f"  {name:<10} {desc}" for name, (_, desc) in COMMANDS.items()]
+    width = max(map(len, COMMANDS))
+    lines += [f"  {name:<{width}} {desc}" for name, (_, desc) in COMMANDS.items()]
     lines.append("\n`tpkit <command> --help` for the options of one command.")
     return "\n".join(lines)
 

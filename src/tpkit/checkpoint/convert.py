@@ -23,25 +23,39 @@ from safetensors.torch import save_file
 from torch import nn
 
 from tpkit.checkpoint.files import ShardedSource, local_slice, rank_file, verify_file
+from tpkit.checkpoint.locate import locate
 from tpkit.checkpoint.optim_state import keys_by_param, state_name
 from tpkit.checkpoint.sources import FULL_FORMAT, open_source
 from tpkit.checkpoint.store import write_manifest, write_record
 from tpkit.mesh import ParallelMesh
 from tpkit.model.hf import empty_model, write_hf
+from tpkit.model.tokenizer import copy_tokenizer, export_tokenizer, has_tokenizer
 from tpkit.sharding import meta_of, split_of
 from tpkit.spec.config import ModelConfig
 
 
-def meta_model(config: ModelConfig, tp: int, pp: int, rank: int, names: set[str]
-               ) -> nn.Module:
+def meta_model(config: ModelConfig, tp: int, pp: int, rank: int) -> nn.Module:
     """The model of one rank of a (tp, pp) layout on the meta device (names, shapes,
     split tags only)."""
-    return empty_model(config, ParallelMesh.virtual(tp, pp, rank=rank), names)
+    return empty_model(config, ParallelMesh.virtual(tp, pp, rank=rank))
 
 
 def to_hf(source: Any, out_dir: str | Path, config: ModelConfig | None = None) -> Path:
-    """A Hugging Face directory from any path `open_source` takes, a tp=1 model or a dict."""
-    return write_hf(*open_source(source, config), out_dir)
+    """A Hugging Face directory from any path `open_source` takes, a tp=1 model or a dict;
+    with the source's tokenizer files (or, for a tpkit preset, a byte-level tokenizer)."""
+    src, config, names = open_source(source, config)
+    out = write_hf(src, config, names, out_dir)
+    export_tokenizer(weights_folder(source), out, config.name)
+    return out
+
+
+def weights_folder(source: Any) -> Path | None:
+    """The folder holding `source`'s weights, where its tokenizer files lie (None for a
+    model, a dict or a full file)."""
+    if isinstance(source, nn.Module | dict):
+        return None
+    path = locate(source).path
+    return path if path.is_dir() else None
 
 
 def to_full(source: Any, out: str | Path) -> Path:
@@ -75,13 +89,16 @@ def reshard(source: Any, out: str | Path, tp: int, pp: int = 1) -> Path:
     for p in range(pp):
         for t in range(tp):
             rank = p * tp + t  # tp innermost, like every mesh
-            model = meta_model(config, tp, pp, rank, names)
+            model = meta_model(config, tp, pp, rank)
             params = _slices(src, model, t, tp, str(source))
             optim = _optim_slices(optim_src, m, model, t, tp, str(source)) if optim_src else {}
             groups = m["optimizer"]["groups"] if optim_src else None
             write_record(tmp, rank, t, p, tp, config, params, optim, groups, extra)
     write_manifest(tmp, root, config.to_dict(), m["optimizer"]["type"] if optim_src else None,
                    m["step"] if m else 0, dict(tp=tp, pp=pp, dp=1))
+    folder = weights_folder(source)
+    if folder is not None and has_tokenizer(folder):  # the tokenizer travels along
+        copy_tokenizer(folder, root)
     return root
 
 

@@ -63,7 +63,7 @@ def load_model(path: str | Path, mesh: ParallelMesh, *, dtype: torch.dtype | Non
     accepts), each rank reading only its slices. Call on every rank of the mesh."""
     found = locate(path)
     source, config, names = open_source(found.path)
-    model = empty_model(config, mesh, names, dtype=dtype, sequence_parallel=sequence_parallel)
+    model = empty_model(config, mesh, dtype=dtype, sequence_parallel=sequence_parallel)
     materialize(model, mesh.device)
     if found.kind == SHARDED:  # every rank stages first: nothing is half-loaded
         store.load(found.path, model, mesh=mesh)

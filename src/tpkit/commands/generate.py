@@ -1,36 +1,76 @@
 """`tpkit generate`: load a model at a tensor-parallel layout (tpkit checkpoint, run
 folder, full file or Hugging Face directory: `tpkit.checkpoint.load_model`) and sample
 from it (`tpkit.model.generate`).
+
+    tpkit generate --checkpoint hf-dir --tp 2 --prompt "The capital of France is"
+    tpkit generate --checkpoint runs/x --prompt "a" --prompt "bcd"     # a batch of two
+
+Text goes through the model folder's own tokenizer (`tpkit.model.tokenizer`; byte level
+for tpkit's presets); one prompt streams as its tokens arrive, several are generated
+as one left-padded batch. Tokens per second go to stderr at the end.
 """
 
 from __future__ import annotations
 
 import argparse
 import os
-
-import torch
+import sys
+import time
+from pathlib import Path
 
 from tpkit.checkpoint.files import CheckpointError
 from tpkit.checkpoint.locate import locate
 from tpkit.checkpoint.sources import load_model
 from tpkit.mesh import ParallelMesh
-from tpkit.model.generate import decode, encode, generate
+from tpkit.model.generate import generate, pad_left
+from tpkit.model.tokenizer import ByteTokenizer, TextStream, load_tokenizer
 
 
-def _worker(mesh: ParallelMesh, args: argparse.Namespace) -> str:
-    model = load_model(args.checkpoint, mesh)
+def _prompts(args: argparse.Namespace, tok) -> list[list[int]]:
+    """Token ids of every --prompt (the model's tokenizer) or --prompt-ids."""
     if args.prompt_ids:
-        prompt = [int(t) for t in args.prompt_ids.split(",")]
-    else:
-        prompt = encode(args.prompt)
-        if model.config.vocab_size < 256:
-            raise ValueError(f"vocab_size={model.config.vocab_size} < 256: not a byte-level "
-                             f"model; pass --prompt-ids")
-    ids = torch.tensor([prompt], device=mesh.device)
-    out = generate(model, ids, args.max_new_tokens, temperature=args.temperature,
-                   top_k=args.top_k, seed=args.seed)[0].tolist()
-    new = out[len(prompt):]
-    return " ".join(map(str, new)) if args.prompt_ids else args.prompt + decode(new)
+        return [[int(t) for t in p.split(",")] for p in args.prompt_ids]
+    return [tok.encode(p) for p in args.prompt]
+
+
+def _worker(mesh: ParallelMesh, args: argparse.Namespace) -> dict:
+    """Generate on this rank; rank 0 streams the text of a single prompt as it comes."""
+    model = load_model(args.checkpoint, mesh)
+    tok = load_tokenizer(args.checkpoint if Path(args.checkpoint).is_dir() else None)
+    vocab = model.config.vocab_size
+    name = model.config.name
+    if isinstance(tok, ByteTokenizer) and not args.prompt_ids and (
+            vocab < 256 or name.startswith("hf-")):  # a Hugging Face model: not bytes
+        raise ValueError(f"no tokenizer files in {args.checkpoint} and {name} (vocab_size="
+                         f"{vocab}) is not a byte-level model; copy its tokenizer files "
+                         f"there or pass --prompt-ids")
+    prompts = _prompts(args, tok)
+    top = max((max(p) for p in prompts if p), default=0)
+    if top >= vocab:
+        raise ValueError(f"prompt token id {top} is out of the model's vocab_size={vocab}")
+    ids, mask = pad_left(prompts, tok.pad_id, mesh.device)
+    stream = TextStream(tok) if len(prompts) == 1 and mesh.rank == 0 and not args.prompt_ids \
+        else None
+    if stream is not None:
+        print(args.prompt[0], end="", flush=True)
+    t0 = time.perf_counter()
+    out = generate(model, ids, args.max_new_tokens, attention_mask=mask,
+                   temperature=args.temperature, top_k=args.top_k, seed=args.seed,
+                   eos_id=None if args.ignore_eos else tok.eos_ids, pad_id=tok.pad_id,
+                   on_tokens=(lambda t: print(stream.push(t), end="", flush=True))
+                   if stream is not None else None)
+    seconds = time.perf_counter() - t0
+    new = [row[ids.shape[1]:] for row in out.tolist()]
+    if stream is not None:
+        print(stream.flush(), flush=True)
+    return dict(new=new, seconds=seconds, streamed=stream is not None,
+                texts=[_show(args, tok, i, row) for i, row in enumerate(new)])
+
+
+def _show(args: argparse.Namespace, tok, i: int, new: list[int]) -> str:
+    if args.prompt_ids:
+        return " ".join(map(str, new))
+    return args.prompt[i] + tok.decode(new)
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -39,31 +79,46 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="tpkit checkpoint dir, run folder (its latest valid "
                              "checkpoint), full .safetensors, or Hugging Face dir")
     parser.add_argument("--tp", type=int, default=1, help="tensor-parallel processes")
-    parser.add_argument("--prompt", default="", help="text (byte-level tokenizer)")
-    parser.add_argument("--prompt-ids", default="", help="comma-separated token ids instead")
+    parser.add_argument("--prompt", action="append", default=[],
+                        help="text, tokenized with the model folder's tokenizer (byte level "
+                             "without one); repeat for a batch of prompts")
+    parser.add_argument("--prompt-ids", action="append", default=[],
+                        help="comma-separated token ids instead (repeatable)")
     parser.add_argument("--max-new-tokens", type=int, default=64)
     parser.add_argument("--temperature", type=float, default=0.0, help="0: greedy")
     parser.add_argument("--top-k", type=int, default=None)
     parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--ignore-eos", action="store_true",
+                        help="do not stop at the tokenizer's end-of-sequence token")
 
 
 def run(args: argparse.Namespace) -> int:
-    """Generate on `--tp` local processes (or torchrun's) and print the text."""
+    """Generate on `--tp` local processes (or torchrun's); print the text and tokens/s."""
     if not args.prompt and not args.prompt_ids:
         print("tpkit generate: give --prompt or --prompt-ids")
         return 2
     try:
         args.checkpoint = str(locate(args.checkpoint).path)  # once, before any process
         if "WORLD_SIZE" in os.environ:
-            text = _worker(ParallelMesh.from_env(tp=args.tp, pp=1), args)
+            result = _worker(ParallelMesh.from_env(tp=args.tp, pp=1), args)
         elif args.tp == 1:
-            text = _worker(ParallelMesh.single(), args)
+            result = _worker(ParallelMesh.single(), args)
         else:
-            from tpkit.launch import spawn
+            from tpkit.launch import SpawnError, spawn
 
-            text = spawn(_worker, args.tp, args, mesh=dict(tp=args.tp))[0]
+            try:
+                result = spawn(_worker, args.tp, args, mesh=dict(tp=args.tp))[0]
+            except SpawnError as e:  # a rank's ValueError: the same message as at tp=1
+                if isinstance(e.original, ValueError | CheckpointError):
+                    raise e.original from e
+                raise
     except (ValueError, CheckpointError) as e:
         print(f"tpkit generate: {e}")
         return 1
-    print(text)
+    if not result["streamed"]:
+        print("\n\n".join(result["texts"]))
+    n = sum(len(r) for r in result["new"])
+    print(f"[{n} tokens ({len(result['new'])} x {len(result['new'][0])}) in "
+          f"{result['seconds']:.2f} s: {n / max(result['seconds'], 1e-9):.1f} tokens/s, "
+          f"tp={args.tp}]", file=sys.stderr)
     return 0

@@ -26,6 +26,8 @@ if TYPE_CHECKING:
 
 _FLAGS = {  # field -> (type or action, help)
     "preset": (str, "model preset (gpt2-tiny, llama-tiny, ...)"),
+    "from_hf": (str, "fine-tune a Hugging Face model folder (its config, weights; its "
+                     "tokenizer goes into the checkpoints)"),
     "tp": (int, "tensor-parallel size"), "pp": (int, "pipeline stages"),
     "dp": (int, "data-parallel replicas (default: what the processes leave over)"),
     "steps": (int, "optimizer steps"),
@@ -48,8 +50,8 @@ _FLAGS = {  # field -> (type or action, help)
     "compile_backend": (str, "torch.compile backend for --compile (default inductor)"),
     "loss_chunk": (int, "head + cross-entropy this many tokens at a time: the logits of the "
                         "whole micro-batch never exist (0: off)"),
-    "data": (str, "text file, directory of .txt, or .bin of uint16 tokens "
-                  "(default: Python's own documentation, embedded)"),
+    "data": (str, "text file, directory of .txt, .bin of uint16 tokens, or a `tpkit "
+                  "prepare-data` folder (default: Python's own documentation, embedded)"),
     "val_fraction": (float, "held-out fraction of the data"),
     "eval_every": (int, "validation every N steps"),
     "ckpt_every": (int, "checkpoint every N steps (and always at the end)"),
@@ -128,10 +130,9 @@ def run(args: argparse.Namespace) -> int:
             cfg = cfg.with_(resume=str(sharded_dir(cfg.resume)))
         if torchrun:
             return _run_torchrun(cfg)
-        from tpkit.spec import get_preset
         from tpkit.train.data import load_tokens
 
-        load_tokens(cfg.data, get_preset(cfg.preset).vocab_size)  # data errors before spawning
+        load_tokens(cfg.data, cfg.model_config().vocab_size)  # data errors before spawning
         return _run_local(cfg)
     except (ValueError, FileNotFoundError, CheckpointError) as e:
         print(f"tpkit train: error: {e}", file=sys.stderr)

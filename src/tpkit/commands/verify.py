@@ -4,6 +4,8 @@ forward + backward on the same batch, and compare everything with tp=1.
     tpkit verify --component mlp --tp 1,2,4 [--hidden H --batch B --seq S]
     tpkit verify --preset llama-tiny --tp 1,2,4 [--sp] [--dtype float32|bfloat16]
     tpkit verify --checkpoint runs/demo --tp 1,2    # weights and config from any path
+    tpkit verify --hf path/to/hf-model --tp 1,2,4 [--sp] [--expert-parallel]
+                                                            # against transformers itself
 
 Prints per tp the max abs difference of outputs (logits), loss and gathered
 gradients against tp=1, the ledger per layer next to the theory, and the parameter
@@ -19,7 +21,9 @@ from functools import partial
 import torch
 
 from tpkit.comm.report import human_bytes
-from tpkit.model.exactness import TOL, TPResult, compare_tps, mlp_case, model_case
+from tpkit.model.exactness import TOL, TPResult, compare_tps, mlp_case, model_case, sweep
+
+TOL_HF = 1e-4  # against transformers: another implementation, float32
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
@@ -30,8 +34,12 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--checkpoint", default=None,
                    help="a model from a checkpoint dir, run folder (its latest valid "
                         "checkpoint), full .safetensors or Hugging Face dir, instead of a preset")
+    p.add_argument("--hf", default=None, metavar="DIR",
+                   help="a Hugging Face model directory: every tp against transformers")
     p.add_argument("--tp", default="1,2,4", help="comma-separated tp sizes (1 is the reference)")
     p.add_argument("--sp", action="store_true", help="sequence parallelism")
+    p.add_argument("--expert-parallel", action="store_true",
+                   help="with --hf, mixture-of-experts models: whole experts spread over tp")
     p.add_argument("--activation", default="gelu", choices=["gelu", "swiglu", "relu"])
     p.add_argument("--hidden", type=int, default=64)
     p.add_argument("--ffn", type=int, default=None, help="MLP width (default 4*hidden)")
@@ -60,9 +68,12 @@ def _builder(args: argparse.Namespace):
 
 
 def run(args: argparse.Namespace) -> int:
-    """Run the comparison; 0 when every tp matches tp=1 and the ledger matches theory."""
+    """Run the comparison; 0 when every tp matches tp=1 (or transformers, with --hf) and
+    the ledger matches theory."""
     from tpkit.checkpoint import CheckpointError, locate
 
+    if args.hf:
+        return _run_hf(args)
     component = args.component or ("model" if args.preset or args.checkpoint else "mlp")
     if component == "model" and not (args.preset or args.checkpoint):
         print("tpkit verify: --component model needs --preset or --checkpoint")
@@ -78,24 +89,54 @@ def run(args: argparse.Namespace) -> int:
         else f"{args.checkpoint or args.preset}{' +SP' if args.sp else ''}"
     print(f"tpkit verify: {what}, batch={args.batch} seq={args.seq} {args.dtype}, tp={tps}")
     case, build = (mlp_case, None) if component == "mlp" else (model_case, _builder(args))
-    rows, tol = compare_tps(case, opts, tps, build, args.timeout), TOL[args.dtype]
+    rows = compare_tps(case, opts, tps, build, args.timeout)
+    return _report(rows, tps, TOL[args.dtype], "tp=1")
+
+
+def _run_hf(args: argparse.Namespace) -> int:
+    """--hf DIR: the model at every tp against transformers (float32), ledger vs theory."""
+    from tpkit.model import hf_check
+    from tpkit.model.hf import hf_source
+    from tpkit.shard_io import CheckpointError
+
+    if args.dtype != "float32":
+        print("tpkit verify: --hf compares with transformers in float32 only")
+        return 2
+    try:
+        config = hf_source(args.hf)[1]
+    except (ValueError, CheckpointError) as e:  # unsupported family, not a model folder
+        print(f"tpkit verify: {e}")
+        return 2
+    ids = hf_check.sample_ids(config, args.batch, args.seq)
+    tps = sorted({int(t) for t in args.tp.split(",")})
+    print(f"tpkit verify: {args.hf} ({config.family}){' +SP' if args.sp else ''}, "
+          f"batch={args.batch} seq={args.seq} float32, tp={tps}, reference: transformers")
+    ref = hf_check.reference(args.hf, ids)
+    rows = sweep(hf_check.tp_case, (args.hf, ids, args.sp, args.expert_parallel), tps, ref,
+                 hf_check.gather, hf_check.compare, args.timeout)
+    return _report(rows, tps, TOL_HF, "transformers")
+
+
+def _report(rows: list[TPResult], tps: list[int], tol: float, ref_name: str) -> int:
+    """Print each failing (and the last) tp's ledger, the table, and the verdict."""
     for r in rows:
         if r.error:
             print(r.error)
         elif r.tp == tps[-1] or not r.good(tol):
             print(r.table)
-    _print_rows([r for r in rows if r.error is None], tol)
+    _print_rows([r for r in rows if r.error is None], tol, ref_name)
     ok = all(r.good(tol) for r in rows)
-    print("OK: every tp matches tp=1 and the ledger matches the theory" if ok else "MISMATCH")
+    print(f"OK: every tp matches {ref_name} and the ledger matches the theory" if ok
+          else "MISMATCH")
     return 0 if ok else 1
 
 
-def _print_rows(rows: list[TPResult], tol: float) -> None:
+def _print_rows(rows: list[TPResult], tol: float, ref_name: str) -> None:
     from rich.table import Table
 
     from tpkit.comm.report import render
 
-    t = Table(title=f"against tp=1 (tolerance {tol:g})")
+    t = Table(title=f"against {ref_name} (tolerance {tol:g})")
     for c in ("tp", "max|Δ out|", "Δ loss", "max|Δ grad|", "max|Δ dx|", "param bytes/rank",
               "ledger vs theory", "ok"):
         t.add_column(c, justify="right")

@@ -10,6 +10,13 @@ Grouped-query attention: with num_kv_heads >= tp the kv heads are split like the
 query heads; with num_kv_heads < tp (tp a multiple of kv) groups of tp/kv ranks hold
 the same kv head — the one their query heads read — and `finalize_tp_grads` sums
 its gradient over them. MQA (1 kv head) is the case kv = 1.
+
+Per-family options, all per head (so they commute with the split): a head width
+decoupled from hidden / heads (`head_dim`, Qwen3, Gemma), a bias on q, k, v only
+(`qkv_bias`, Qwen2), RMSNorm over each head's q and k (`qk_norm_eps`, Qwen3: one
+weight shared by every head, so each rank's gradient is partial and tagged for the
+tp sum), rotary on the first `rotary_dim` dims (GPT-NeoX), Llama 3.1's rotary frequency
+scaling (`rope_llama3`), a sliding window (Mistral).
 """
 
 from __future__ import annotations
@@ -22,9 +29,10 @@ from torch import nn
 
 from tpkit.comm.group import CommGroup
 from tpkit.layers.linear import ColumnParallelLinear, RowParallelLinear
+from tpkit.layers.norm import Norm
 from tpkit.layers.random import TPRandom
 from tpkit.layers.rotary import apply_rope, rope_angles
-from tpkit.sharding import seed_for
+from tpkit.sharding import seed_for, set_meta
 from tpkit.spec.shapes import kv_heads_per_rank
 
 
@@ -59,10 +67,13 @@ class ParallelAttention(nn.Module):
                  num_kv_heads: int | None = None, bias: bool = True, causal: bool = True,
                  rope_theta: float | None = None, dropout: float = 0.0,
                  sequence_parallel: bool = False, init_std: float = 0.02,
-                 out_std: float | None = None, seed: int = 0, device=None, dtype=None) -> None:
+                 out_std: float | None = None, seed: int = 0, head_dim: int | None = None,
+                 qkv_bias: bool | None = None, qk_norm_eps: float | None = None,
+                 rotary_dim: int | None = None, sliding_window: int | None = None,
+                 rope_llama3: tuple | None = None, device=None, dtype=None) -> None:
         super().__init__()
         tp, kv = group.size, num_kv_heads or num_heads
-        if hidden % num_heads:
+        if head_dim is None and hidden % num_heads:
             raise ValueError(f"hidden={hidden} is not divisible by num_heads={num_heads}")
         if num_heads % tp:
             raise ValueError(f"num_heads={num_heads} is not divisible by tp={tp}")
@@ -71,20 +82,27 @@ class ParallelAttention(nn.Module):
         if kv % tp and tp % kv:
             raise ValueError(f"num_kv_heads={kv} is neither a multiple nor a divisor of tp={tp}")
         self.hidden, self.num_heads, self.num_kv_heads, self.group = hidden, num_heads, kv, group
-        self.head_dim = hd = hidden // num_heads
+        self.head_dim = hd = head_dim or hidden // num_heads
         self.local_heads = num_heads // tp
         self.local_kv = kv_heads_per_rank(kv, tp)
         self.causal, self.rope_theta, self.dropout = causal, rope_theta, dropout
+        self.rotary_dim, self.sliding_window = rotary_dim or hd, sliding_window
+        self.rope_llama3 = rope_llama3
         kv_chunks = tp if kv >= tp else kv
         kw = dict(device=device, dtype=dtype)
         self.qkv = ColumnParallelLinear(
-            hidden, (num_heads + 2 * kv) * hd, group, bias=bias,
+            hidden, (num_heads + 2 * kv) * hd, group, bias=bias if qkv_bias is None else qkv_bias,
             partition_sizes=[num_heads * hd, kv * hd, kv * hd],
             partition_chunks=[tp, kv_chunks, kv_chunks], sequence_parallel=sequence_parallel,
             init_std=init_std, seed=seed_for(seed, "qkv"), **kw)
         self.out = RowParallelLinear(num_heads * hd, hidden, group, bias=bias,
                                      sequence_parallel=sequence_parallel,
                                      init_std=out_std or init_std, seed=seed_for(seed, "out"), **kw)
+        self.q_norm = self.k_norm = None
+        if qk_norm_eps is not None:
+            self.q_norm, self.k_norm = (Norm(hd, "rmsnorm", qk_norm_eps, **kw) for _ in range(2))
+            for p in (self.q_norm.weight, self.k_norm.weight):  # one [hd] weight for all heads,
+                set_meta(p, sequence_parallel=True)  # each rank's heads: a partial gradient, tp sum
 
     def owned_heads(self) -> tuple[list[int], list[int]]:
         """(query heads, kv heads) this rank computes."""
@@ -103,9 +121,12 @@ class ParallelAttention(nn.Module):
         q = q.view(b, s, nq, hd).transpose(1, 2)  # [b, nh/tp, s, hd]
         k = k.view(b, s, nkv, hd).transpose(1, 2)  # [b, kv_local, s, hd]
         v = v.view(b, s, nkv, hd).transpose(1, 2)
+        if self.q_norm is not None:
+            q, k = self.q_norm(q), self.k_norm(k)  # over each head's hd
         offset = kv_cache.length if kv_cache is not None else 0
         if self.rope_theta is not None:
-            cos, sin = rope_angles(s, hd, self.rope_theta, offset, x.device)
+            cos, sin = rope_angles(s, self.rotary_dim, self.rope_theta, offset, x.device,
+                                   self.rope_llama3)
             q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
         if kv_cache is not None:
             k = k if kv_cache.k is None else torch.cat([kv_cache.k, k], dim=2)
@@ -122,13 +143,17 @@ class ParallelAttention(nn.Module):
         s, t = q.shape[2], k.shape[2]
         p = self.dropout if self.training else 0.0
         mask = None
-        if attention_mask is not None or (self.causal and offset):
+        window = self.sliding_window if self.sliding_window and self.sliding_window < t else None
+        if attention_mask is not None or (self.causal and offset) or window:
             mask = torch.ones(s, t, dtype=torch.bool, device=q.device)
             if self.causal:
                 mask = torch.tril(mask, diagonal=offset)  # query i sees keys <= offset + i
+            if window:
+                mask = torch.triu(mask, diagonal=offset - window + 1)  # ... and > i - window
             mask = mask.expand(q.shape[0], 1, s, t)
             if attention_mask is not None:
                 mask = mask & attention_mask[:, None, None, -t:].bool()
+                mask = mask | ~mask.any(-1, keepdim=True)  # no key (a left pad): all, not NaN
         causal = self.causal and mask is None
         if p and rng is not None:  # the heads are split over tp: per-rank dropout masks
             with rng.fork():

@@ -6,7 +6,10 @@ the data flowing through them, so each rank's gradient is a partial sum:
 - with sequence parallelism, norm weights (and row-parallel biases) act on this
   rank's [b, s/tp, h] slice only: their gradients are summed over the tp group;
 - grouped-query kv heads replicated over tp (num_kv_heads < tp): the ranks sharing
-  a kv head each hold the gradient from their own query heads: summed over sharers.
+  a kv head each hold the gradient from their own query heads: summed over sharers;
+- weights replicated but fed by split work: the per-head q/k norms (each rank
+  normalizes its own heads) and a mixture-of-experts router (its gradient comes
+  through each rank's partial expert outputs): summed over tp, like the SP norms.
 
 Call `finalize_tp_grads(model, group)` once after backward (after the last
 micro-batch when accumulating), before clipping and the optimizer step.
@@ -24,13 +27,13 @@ from tpkit.sharding import meta_of
 
 
 def finalize_tp_grads(module: nn.Module, group: CommGroup) -> None:
-    """Sum the partial gradients of sequence-parallel and shared-chunk parameters."""
+    """Sum the partial gradients of replicated-but-partial and shared-chunk parameters."""
     if group.size == 1:
         return
     sp = [p.grad for p in module.parameters()
           if meta_of(p).sequence_parallel and p.grad is not None]
     if sp:  # one all-reduce for all of them
-        all_reduce_flat(sp, group, phase="grads", scope="sequence_parallel_params")
+        all_reduce_flat(sp, group, phase="grads", scope="partial_grad_params")
     for p in module.parameters():
         split = meta_of(p).split
         if p.grad is not None and split is not None and split.shared(group.size):

@@ -21,7 +21,7 @@ from torch import nn
 from tpkit.comm.group import CommGroup
 from tpkit.layers.linear import ColumnParallelLinear, RowParallelLinear
 from tpkit.sharding import seed_for
-from tpkit.spec.config import ACTIVATIONS
+from tpkit.spec.config import ACTIVATIONS, GATED
 
 
 def _check_activation(activation: str) -> None:
@@ -30,13 +30,23 @@ def _check_activation(activation: str) -> None:
 
 
 def _elementwise(y: torch.Tensor, activation: str) -> torch.Tensor:
+    if activation == "silu":
+        return F.silu(y)
     if activation == "gelu":
         return F.gelu(y, approximate="tanh")  # GPT-2's "gelu_new"
     return F.gelu(y) if activation == "gelu_exact" else F.relu(y)
 
 
+def activate(y: torch.Tensor, activation: str) -> torch.Tensor:
+    """`activation` on fc1's output [..., ffn/tp] (gated: [..., 2 ffn/tp] = [gate; up])."""
+    if activation in GATED:
+        gate, up = y.chunk(2, dim=-1)  # [..., ffn/tp] each
+        return _elementwise(gate, GATED[activation]) * up
+    return _elementwise(y, activation)
+
+
 class ParallelMLP(nn.Module):
-    """Column-parallel fc1 -> activation -> row-parallel fc2 (GELU, ReLU or SwiGLU)."""
+    """Column-parallel fc1 -> activation -> row-parallel fc2 (GELU, ReLU, SwiGLU, GeGLU)."""
 
     def __init__(self, hidden: int, ffn: int, group: CommGroup, *, activation: str = "gelu",
                  bias: bool = True, sequence_parallel: bool = False, init_std: float = 0.02,
@@ -46,9 +56,9 @@ class ParallelMLP(nn.Module):
         super().__init__()
         _check_activation(activation)
         self.activation = activation
-        gated = activation == "swiglu"
+        gated = activation in GATED
         kw = dict(device=device, dtype=dtype)
-        self.fc1 = ColumnParallelLinear(  # [gate; up] fused for SwiGLU: each part split alone
+        self.fc1 = ColumnParallelLinear(  # [gate; up] fused when gated: each part split alone
             hidden, 2 * ffn if gated else ffn, group, bias=bias,
             partition_sizes=[ffn, ffn] if gated else None, sequence_parallel=sequence_parallel,
             init_std=init_std, seed=seed_for(seed, "fc1"), **kw)
@@ -58,10 +68,7 @@ class ParallelMLP(nn.Module):
 
     def act(self, y: torch.Tensor) -> torch.Tensor:
         """The element-wise activation on this rank's columns [b, s, ffn/tp]."""
-        if self.activation == "swiglu":
-            gate, up = y.chunk(2, dim=-1)  # [b, s, ffn/tp] each
-            return F.silu(gate) * up
-        return _elementwise(y, self.activation)
+        return activate(y, self.activation)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         """x [b, s, h] -> [b, s, h]; one all-reduce forward, one backward."""
@@ -76,7 +83,7 @@ class ColumnColumnMLP(nn.Module):
                  bias: bool = True, seed: int = 0) -> None:
         super().__init__()
         _check_activation(activation)
-        if activation == "swiglu":
+        if activation in GATED:
             raise ValueError("ColumnColumnMLP supports element-wise activations only")
         self.activation = activation
         self.fc1 = ColumnParallelLinear(hidden, ffn, group, bias=bias, gather_output=True,

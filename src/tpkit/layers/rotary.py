@@ -6,16 +6,31 @@ its own heads with the same angles.
 
 from __future__ import annotations
 
+import math
 from functools import lru_cache
 
 import torch
 
 
+def llama3_scaled(inv: torch.Tensor, factor: float, low: float, high: float, context: int
+                  ) -> torch.Tensor:
+    """Llama 3.1's frequencies: wavelengths longer than context/low are slowed down by
+    `factor`, shorter than context/high kept, the band between interpolated."""
+    wavelen = 2 * math.pi / inv  # [hd/2]
+    slowed = torch.where(wavelen > context / low, inv / factor, inv)
+    smooth = (context / wavelen - low) / (high - low)
+    blended = (1 - smooth) * slowed / factor + smooth * slowed
+    medium = (wavelen >= context / high) & (wavelen <= context / low)
+    return torch.where(medium, blended, slowed)
+
+
 @lru_cache(maxsize=32)
-def _table(n: int, head_dim: int, theta: float, device: torch.device | None
-           ) -> tuple[torch.Tensor, torch.Tensor]:
+def _table(n: int, head_dim: int, theta: float, device: torch.device | None,
+           llama3: tuple | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     inv = 1.0 / theta ** (torch.arange(0, head_dim, 2, device=device, dtype=torch.float32)
                           / head_dim)  # [hd/2]
+    if llama3 is not None:
+        inv = llama3_scaled(inv, *llama3)
     pos = torch.arange(n, device=device, dtype=torch.float32)  # [n]
     freqs = torch.outer(pos, inv)  # [n, hd/2]
     emb = torch.cat([freqs, freqs], dim=-1)  # [n, hd]
@@ -23,10 +38,12 @@ def _table(n: int, head_dim: int, theta: float, device: torch.device | None
 
 
 def rope_angles(seq: int, head_dim: int, theta: float, offset: int = 0,
-                device: torch.device | None = None) -> tuple[torch.Tensor, torch.Tensor]:
-    """cos, sin [seq, head_dim] for positions offset .. offset+seq-1 (cached tables)."""
+                device: torch.device | None = None, llama3: tuple | None = None
+                ) -> tuple[torch.Tensor, torch.Tensor]:
+    """cos, sin [seq, head_dim] for positions offset .. offset+seq-1 (cached tables);
+    `llama3`: (factor, low_freq_factor, high_freq_factor, original context) scaling."""
     n = 1 << max(offset + seq - 1, 1).bit_length()  # a power of two >= offset + seq
-    cos, sin = _table(n, head_dim, float(theta), device)
+    cos, sin = _table(n, head_dim, float(theta), device, llama3)
     return cos[offset:offset + seq], sin[offset:offset + seq]
 
 
@@ -36,5 +53,9 @@ def _rotate_half(x: torch.Tensor) -> torch.Tensor:
 
 
 def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-    """x [b, heads, s, hd] rotated by position."""
+    """x [b, heads, s, hd] rotated by position; with cos/sin narrower than hd (partial
+    rotary, GPT-NeoX) only the first dims rotate and the rest pass through."""
+    rd = cos.shape[-1]
+    if rd < x.shape[-1]:
+        return torch.cat([apply_rope(x[..., :rd], cos, sin), x[..., rd:]], dim=-1)
     return (x.float() * cos + _rotate_half(x.float()) * sin).to(x.dtype)

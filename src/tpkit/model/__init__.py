@@ -1,8 +1,16 @@
-"""Models: the `Transformer` (one definition; tp=1 is the reference) and Hugging Face I/O.
+"""Models: the `Transformer` (one definition; tp=1 is the reference), Hugging Face I/O,
+and the Hugging Face family adapters (`tpkit.model.families`, pure Python).
 
-The configuration and presets live in `tpkit.spec` (pure Python).
+The configuration and presets live in `tpkit.spec` (pure Python). `Transformer` is
+imported on first use, so `tpkit.model.families` loads without torch.
 """
 
-from tpkit.model.transformer import Transformer
-
 __all__ = ["Transformer"]
+
+
+def __getattr__(name: str):
+    if name == "Transformer":
+        from tpkit.model.transformer import Transformer
+
+        return Transformer
+    raise AttributeError(f"module 'tpkit.model' has no attribute {name!r}")

@@ -131,18 +131,25 @@ def compare_tps(case: Callable, opts: dict, tps: list[int], build: Callable | No
                 timeout: float = 300.0) -> list[TPResult]:
     """Run `case` at tp=1 in this process and at each tp on local processes; one
     TPResult per tp (a layout that fails to build is reported, not raised)."""
+    ref = gather([case(ParallelMesh.single(), opts, build)])
+    return sweep(case, (opts, build), tps, ref, gather, differences, timeout)
+
+
+def sweep(case: Callable, args: tuple, tps: list[int], ref: dict, gather_fn: Callable,
+          diff_fn: Callable, timeout: float = 300.0) -> list[TPResult]:
+    """`case(mesh, *args)` on tp local processes for each tp; its gathered result against
+    `ref` (the tp=1 model's, or another implementation's) with `diff_fn`."""
     from tpkit.launch import spawn
 
-    ref = gather([case(ParallelMesh.single(), opts, build)])
     rows = []
     for tp in tps:
         try:
-            results = spawn(case, tp, opts, build, mesh=dict(tp=tp), timeout=timeout) \
-                if tp > 1 else [case(ParallelMesh.single(), opts, build)]
+            results = spawn(case, tp, *args, mesh=dict(tp=tp), timeout=timeout) \
+                if tp > 1 else [case(ParallelMesh.single(), *args)]
         except Exception as e:  # noqa: BLE001 - a bad layout is reported, not a crash
             rows.append(TPResult(tp, error=f"tp={tp}: {e}".splitlines()[0]))
             continue
         r0 = results[0]
-        rows.append(TPResult(tp, differences(ref, gather(results)), r0["param_bytes"],
+        rows.append(TPResult(tp, diff_fn(ref, gather_fn(results)), r0["param_bytes"],
                              r0["problems"], r0["table"]))
     return rows

@@ -1,22 +1,15 @@
-"""Hugging Face models in and out: GPT-2, Llama family (GQA, Mistral-style), BERT encoders.
+"""Hugging Face models in and out, for every family of `tpkit.model.families`.
 
     model = from_pretrained("path/to/hf-dir", mesh)   # each rank reads only its slices
     to_hf(model, "out-dir")                           # a directory `transformers` loads
     tpkit.checkpoint.convert.to_hf(checkpoint_dir, "out-dir")   # the same from a checkpoint
 
-The name table and the configs live in `hf_map` (pure Python). Every tpkit parameter is
-made of Hugging Face tensors, in tpkit's [out, in] layout:
-
-    layers.{i}.attn.qkv.weight  = [q_proj; k_proj; v_proj]      (Llama, BERT)
-                                = c_attn.weight^T               (GPT-2, already fused)
-    layers.{i}.mlp.fc1.weight   = [gate_proj; up_proj]          (SwiGLU)
-
-`HFSource` serves the rows a rank needs (`tpkit.shard_io.local_slice`) with safetensors
-`get_slice`, so no process reads the whole model.
-
-BERT is a post-norm encoder (`pre_norm=False`: no final norm) with an embedding
-LayerNorm (`embed_norm=True`) and exact erf GELU (`activation="gelu_exact"`);
-`build_model` adds its optional pooler.
+The family adapters (pure Python) say how a config.json maps to a `ModelConfig` and
+which rows of which Hugging Face tensors make each tpkit parameter (a `Recipe` of
+`Cut`s: whole tensors stacked, a fused tensor read as is, or per-head rows).
+`HFSource` serves the rows a rank needs (`tpkit.shard_io.local_slice`) with
+safetensors `get_slice`, so no process reads the whole model; `write_hf` puts every
+row back where the recipe took it from, so an export is bit-identical.
 """
 
 from __future__ import annotations
@@ -31,15 +24,16 @@ from safetensors.torch import save_file
 from torch import nn
 
 from tpkit.mesh import ParallelMesh
-from tpkit.model.hf_map import (  # noqa: F401 - part of this module's interface
+from tpkit.model.families import (
+    Cut,
+    Family,
     Recipe,
-    bert_style,
     config_from_hf,
-    config_to_hf,
-    family_of,
-    table,
+    for_model_type,
+    of_config,
+    with_family,
 )
-from tpkit.model.names import EMBED_WEIGHT, POOLER_WEIGHT
+from tpkit.model.names import EMBED_WEIGHT
 from tpkit.shard_io import CheckpointError, DictSource, local_slice
 from tpkit.sharding import meta_of, split_of
 from tpkit.spec.config import ModelConfig
@@ -50,54 +44,65 @@ CONFIG_FILE = "config.json"  # what makes a directory a Hugging Face model
 class HFSource:
     """A `shard_io.Source` over Hugging Face tensors (safetensors files or a state dict)."""
 
-    def __init__(self, tensors: Any, recipes: dict[str, Recipe], where: str) -> None:
-        self.tensors, self.recipes, self.where = tensors, recipes, where
-        keys = set(tensors.keys())
-        base = recipes[EMBED_WEIGHT][0][0]
-        self.prefix = next((p for p in ("", "transformer.", "model.", "bert.")
-                            if p + base in keys), None)
+    def __init__(self, tensors: Any, family: Family, recipes: dict[str, Recipe],
+                 where: str) -> None:
+        self.tensors, self.recipes, self.where, self.family = tensors, recipes, where, family
+        self.keys = set(tensors.keys())
+        base = recipes[EMBED_WEIGHT].cuts[0].key
+        self.prefix = next((p for p in family.prefixes if p + base in self.keys), None)
         if self.prefix is None:
-            raise CheckpointError(f"{where}: no {base!r} among its tensors")
-        self.keys = keys
+            raise CheckpointError(f"{where}: no {base!r} among its tensors (prefixes tried: "
+                                  f"{list(family.prefixes)})")
 
     def _key(self, k: str) -> str:
         return k[1:] if k.startswith("@") else self.prefix + k
 
-    def _shape(self, key: str, tr: bool) -> list[int]:
-        t = self.tensors[key]
+    def _rows(self, cut: Cut, tr: bool) -> int:
+        if cut.rows is not None:
+            return cut.rows
+        t = self.tensors[self._key(cut.key)]
         shape = list(t.get_shape() if hasattr(t, "get_shape") else t.shape)
-        return shape[::-1] if tr else shape
+        return shape[-1] if tr else shape[0]
+
+    def _shape(self, cut: Cut, tr: bool) -> list[int]:
+        t = self.tensors[self._key(cut.key)]
+        shape = list(t.get_shape() if hasattr(t, "get_shape") else t.shape)
+        return [self._rows(cut, tr), *(shape[::-1] if tr else shape)[1:]]
 
     def logical_shape(self, name: str) -> tuple[int, ...] | None:
-        """Shape in tpkit's layout (None when the model lacks it, e.g. no pooler)."""
+        """Shape in tpkit's layout (None when the model lacks it)."""
         if name not in self.recipes:
             return None
-        keys, tr = self.recipes[name]
-        if any(self._key(k) not in self.keys for k in keys):
+        r = self.recipes[name]
+        if any(self._key(c.key) not in self.keys for c in r.cuts):
             return None
-        shapes = [self._shape(self._key(k), tr) for k in keys]
+        shapes = [self._shape(c, r.transposed) for c in r.cuts]
         return (sum(s[0] for s in shapes), *shapes[0][1:])
 
     def read(self, name: str, dim: int, start: int, stop: int) -> torch.Tensor:
-        """Rows [start, stop) along `dim` of the tpkit tensor, read piece by piece."""
-        keys, tr = self.recipes[name]
+        """Rows [start, stop) along `dim` of the tpkit tensor, read cut by cut."""
+        r = self.recipes[name]
         pieces, offset = [], 0
-        for k in keys:
-            key = self._key(k)
-            n = self._shape(key, tr)[0]
-            if dim == 0:
-                lo, hi = max(start, offset), min(stop, offset + n)
-                if lo < hi:
-                    pieces.append(self._get(key, tr, 0, lo - offset, hi - offset))
-            else:
-                pieces.append(self._get(key, tr, dim, start, stop))
+        for cut in r.cuts:
+            n = self._rows(cut, r.transposed)
+            if dim != 0:
+                pieces.append(self._get(cut, r.transposed, dim, start, stop, 0, n))
+            elif max(start, offset) < min(stop, offset + n):
+                lo, hi = max(start, offset) - offset, min(stop, offset + n) - offset
+                pieces.append(self._get(cut, r.transposed, 0, lo, hi, lo, hi))
             offset += n
         return torch.cat(pieces, 0) if len(pieces) > 1 else pieces[0]
 
-    def _get(self, key: str, tr: bool, dim: int, a: int, b: int) -> torch.Tensor:
-        t = self.tensors[key]
-        hf_dim = (1 - dim) if tr else dim
-        x = t[(slice(None),) * hf_dim + (slice(a, b),)]
+    def _get(self, cut: Cut, tr: bool, dim: int, a: int, b: int, r0: int, r1: int
+             ) -> torch.Tensor:
+        """[a, b) along tpkit `dim` of the cut's rows [r0, r1) (rows of the HF tensor
+        counted from the cut's start)."""
+        t = self.tensors[self._key(cut.key)]
+        rows = slice(cut.start + r0, cut.start + r1)
+        if dim == 0:
+            x = t[:, rows] if tr else t[rows]
+        else:  # rows of the cut, columns [a, b)
+            x = t[slice(a, b), rows] if tr else t[rows, slice(a, b)]
         return x.T if tr else x
 
 
@@ -130,33 +135,53 @@ def open_hf(path_or_model: Any) -> tuple[dict, Any, str]:
         if not (root / CONFIG_FILE).is_file():
             raise CheckpointError(f"{root / CONFIG_FILE}: missing: not a Hugging Face model "
                                   f"directory")
-        return json.loads((root / CONFIG_FILE).read_text()), _SafetensorsDir(root), str(root)
-    sd = {k: v.detach() for k, v in path_or_model.state_dict().items()}
-    return path_or_model.config.to_dict(), sd, type(path_or_model).__name__
+        hf = json.loads((root / CONFIG_FILE).read_text())
+        for_model_type(hf.get("model_type"))  # an unsupported family before missing files
+        return hf, _SafetensorsDir(root), str(root)
+    sd = {n: p.detach() for n, p in path_or_model.named_parameters()}  # tied: once
+    return path_or_model.config.to_dict(), checkpoint_names(path_or_model, sd), \
+        type(path_or_model).__name__
 
 
-def from_pretrained(path_or_model: Any, mesh: ParallelMesh | None = None, *,
-                    dtype: torch.dtype | None = None, sequence_parallel: bool = False
-                    ) -> nn.Module:
-    """A tpkit Transformer holding a Hugging Face model's weights, this rank's slices only.
+def checkpoint_names(model: nn.Module, tensors: dict[str, torch.Tensor]
+                     ) -> dict[str, torch.Tensor]:
+    """A live `transformers` model's tensors under the names its checkpoints use
+    (transformers >= 5 fuses some in memory, e.g. Mixtral's experts, and unfuses on save)."""
+    try:
+        from transformers.core_model_loading import revert_weight_conversion
+    except ImportError:  # transformers 4: memory and checkpoint names agree
+        return tensors
+    return dict(revert_weight_conversion(model, dict(tensors)))
 
-    `path_or_model`: a local directory (config.json + safetensors) or a loaded
-    `transformers` model. BERT models keep their pooler as `model.pooler` if present.
-    """
-    mesh = mesh or ParallelMesh.single()
-    source, config, names = open_hf_source(path_or_model)
-    model = empty_model(config, mesh, names, dtype=dtype, sequence_parallel=sequence_parallel)
-    materialize(model, mesh.device)
-    load_from(model, source, mesh, source.where)
-    return model
+
+def hf_source(path_or_model: Any) -> tuple[HFSource, ModelConfig]:
+    """(Source of its tensors in tpkit's names, ModelConfig) of a Hugging Face model."""
+    hf, tensors, where = open_hf(path_or_model)
+    fam, config = config_from_hf(hf, set(tensors.keys()))
+    return HFSource(tensors, fam, fam.table(config), where), config
 
 
 def open_hf_source(path_or_model: Any) -> tuple[HFSource, ModelConfig, set[str]]:
     """(Source, config, tpkit tensor names present) of a Hugging Face directory or model."""
-    hf, tensors, where = open_hf(path_or_model)
-    fam, config = config_from_hf(hf)
-    source = HFSource(tensors, table(fam, config), where)
+    source, config = hf_source(path_or_model)
     return source, config, {n for n in source.recipes if source.logical_shape(n) is not None}
+
+
+def from_pretrained(path_or_model: Any, mesh: ParallelMesh | None = None, *,
+                    dtype: torch.dtype | None = None, sequence_parallel: bool = False,
+                    expert_parallel: bool = False) -> nn.Module:
+    """A tpkit Transformer holding a Hugging Face model's weights, this rank's slices only.
+
+    `path_or_model`: a local directory (config.json + safetensors) or a loaded
+    `transformers` model. BERT models keep their pooler (`model.pooled(h)`) if present.
+    """
+    mesh = mesh or ParallelMesh.single()
+    source, config = hf_source(path_or_model)
+    model = build_model(config, mesh, device="meta", dtype=dtype,
+                        sequence_parallel=sequence_parallel, expert_parallel=expert_parallel)
+    materialize(model, mesh.device)
+    load_from(model, source, mesh, source.where)
+    return model
 
 
 def load_from(model: nn.Module, source: Any, mesh: ParallelMesh, where: str) -> None:
@@ -181,28 +206,17 @@ def materialize(model: nn.Module, device: torch.device | str) -> nn.Module:
 
 
 # -- building ---------------------------------------------------------------------------
-def build_model(config: ModelConfig, mesh: ParallelMesh, *, pooler: bool = False,
-                **kw) -> nn.Module:
-    """`Transformer(config, mesh, **kw)`, with BERT's pooler (`model.pooler`) if asked."""
+def build_model(config: ModelConfig, mesh: ParallelMesh, **kw) -> nn.Module:
+    """`Transformer(config, mesh, **kw)` (imported on first use)."""
     from tpkit.model.transformer import Transformer
 
-    model = Transformer(config, mesh, **kw)
-    if pooler and bert_style(config) and model.is_last_stage:
-        dev = {k: v for k, v in kw.items() if k in ("device", "dtype")}
-        dev.setdefault("device", mesh.device)
-        model.pooler = nn.Linear(config.hidden, config.hidden, **dev)
-    return model
+    return Transformer(config, mesh, **kw)
 
 
-def empty_model(config: ModelConfig, mesh: Any, names: set[str], **kw) -> nn.Module:
-    """The model whose tensors are `names` (BERT's pooler if among them) on the meta
-    device, at `mesh`'s coordinate: names, shapes and split tags, no memory."""
-    return build_model(config, mesh, device="meta", pooler=POOLER_WEIGHT in names, **kw)
-
-
-def pooled(model: nn.Module, hidden: torch.Tensor) -> torch.Tensor:
-    """BERT's pooler output tanh(W h[:, 0] + b) [b, h] from final hidden states."""
-    return torch.tanh(model.pooler(hidden[:, 0]))
+def empty_model(config: ModelConfig, mesh: Any, **kw) -> nn.Module:
+    """The model on the meta device at `mesh`'s coordinate: names, shapes and split tags,
+    no memory."""
+    return build_model(config, mesh, device="meta", **kw)
 
 
 def memory_source(source: Any, config: ModelConfig | None = None
@@ -227,31 +241,36 @@ def to_hf(source: Any, out_dir: str | Path, config: ModelConfig | None = None) -
 
 
 def write_hf(src: Any, config: ModelConfig, names: set[str], out_dir: str | Path) -> Path:
-    """Write a Hugging Face directory from any `Source` of full logical tensors."""
-    fam, out = family_of(config), Path(out_dir)
-    prefix = {"gpt2": "transformer.", "llama": "model.", "bert": ""}[fam]
-    tensors = {}
-    for name, (keys, tr) in table(fam, config).items():
-        if name not in names:
-            continue
-        shape = src.logical_shape(name)
-        full = src.read(name, 0, 0, shape[0]) if shape else src.read(name, 0, 0, 1)
-        offset = 0
-        for k in keys:
-            part = full.narrow(0, offset, _piece_rows(fam, config, k, full.shape[0] // len(keys)))
-            offset += part.shape[0]
-            tensors[k[1:] if k.startswith("@") else prefix + k] = \
-                (part.T if tr else part).contiguous().clone()
+    """Write a Hugging Face directory from any `Source` of full logical tensors: every
+    row goes back where the family's recipe took it from."""
+    config = with_family(config)
+    fam, out = of_config(config), Path(out_dir)
+    tensors: dict[str, torch.Tensor] = {}
+    for name, recipe in fam.table(config).items():
+        if name in names:
+            shape = src.logical_shape(name)
+            full = src.read(name, 0, 0, shape[0]) if shape else src.read(name, 0, 0, 1)
+            _put_back(full, recipe, fam.prefixes[0], tensors)
     out.mkdir(parents=True, exist_ok=True)
-    save_file(tensors, str(out / "model.safetensors"), metadata={"format": "pt"})
-    (out / CONFIG_FILE).write_text(json.dumps(config_to_hf(config), indent=1))
+    save_file({k: v.contiguous() for k, v in tensors.items()}, str(out / "model.safetensors"),
+              metadata={"format": "pt"})
+    (out / CONFIG_FILE).write_text(json.dumps(fam.to_hf(config), indent=1))
     return out
 
 
-def _piece_rows(fam: str, c: ModelConfig, key: str, even: int) -> int:
-    """Rows of one Hugging Face piece of a fused tpkit tensor (k/v smaller under GQA)."""
-    if fam == "llama" and (".k_proj" in key or ".v_proj" in key):
-        return c.kv_heads * c.head_dim
-    if fam == "llama" and ".q_proj" in key:
-        return c.num_heads * c.head_dim
-    return even
+def _put_back(full: torch.Tensor, recipe: Recipe, prefix: str,
+              tensors: dict[str, torch.Tensor]) -> None:
+    """Cut `full` (tpkit layout) into its recipe's pieces, into `tensors` (HF layout)."""
+    offset = 0
+    for cut in recipe.cuts:
+        n = full.shape[0] - offset if cut.rows is None else cut.rows
+        part = full.narrow(0, offset, n).clone()
+        part = part.T if recipe.transposed else part
+        key = cut.key[1:] if cut.key.startswith("@") else prefix + cut.key
+        if cut.rows is None:
+            tensors[key] = part
+        else:  # rows [start, start + n) of a tensor the other cuts fill too
+            rows = max(c.start + c.rows for c in recipe.cuts if c.key == cut.key)
+            buf = tensors.setdefault(key, part.new_empty((rows, *part.shape[1:])))
+            buf[cut.start:cut.start + n] = part
+        offset += n

@@ -33,9 +33,19 @@ from tpkit.layers.norm import Norm
 from tpkit.layers.random import TPRandom, checkpointed, dropout
 from tpkit.model.block import Block
 from tpkit.model.names import EMBED_WEIGHT
-from tpkit.sharding import TPSplit, seed_for, set_meta, shard
+from tpkit.sharding import TPSplit, master_normal, seed_for, set_meta, shard
 from tpkit.spec.config import ModelConfig
 from tpkit.spec.shapes import stage_layer_range
+
+
+def replicated_linear(c: ModelConfig, seed: int, name: str, kw: dict) -> nn.Linear:
+    """A replicated [h, h] linear drawn from the seed, zero bias (BERT's pooler)."""
+    lin = nn.Linear(c.hidden, c.hidden, **kw)
+    if not lin.weight.is_meta:
+        with torch.no_grad():
+            lin.weight.copy_(master_normal((c.hidden, c.hidden), c.init_std, seed_for(seed, name)))
+            lin.bias.zero_()
+    return lin
 
 
 class Embeddings(nn.Module):
@@ -47,7 +57,7 @@ class Embeddings(nn.Module):
         self.word = VocabParallelEmbedding(c.vocab_size, c.hidden, group, sequence_parallel=sp,
                                            init_std=c.init_std, seed=seed_for(seed, "embed.word"),
                                            **kw)
-        self.group, self.sp, self.p = group, sp, c.dropout
+        self.group, self.sp, self.p, self.scale = group, sp, c.dropout, c.embed_scale
         self.position = self._table(c.max_seq_len, c, seed, "embed.position", sp, kw) \
             if c.position == "learned" else None
         self.token_type = self._table(c.type_vocab_size, c, seed, "embed.token_type", sp, kw) \
@@ -59,7 +69,6 @@ class Embeddings(nn.Module):
     def _table(n, c, seed, name, sp, kw):
         e = nn.Embedding(n, c.hidden, **kw)
         if not e.weight.is_meta:
-            from tpkit.sharding import master_normal
             with torch.no_grad():
                 e.weight.copy_(master_normal((n, c.hidden), c.init_std, seed_for(seed, name)))
         set_meta(e.weight, sequence_parallel=sp)  # with SP each rank adds its slice only
@@ -68,12 +77,14 @@ class Embeddings(nn.Module):
     def forward(self, ids, token_types=None, position_offset: int = 0, rng=None):
         """ids [b, s] -> [b, s, h] (or [b, s/tp, h] with SP)."""
         x = self.word(ids)  # reduced over tp (all-reduce, or reduce-scatter with SP)
+        if self.scale != 1.0:
+            x = x * torch.tensor(self.scale, dtype=x.dtype)  # Gemma: sqrt(hidden), in x's dtype
         s_local, s = x.shape[1], ids.shape[1]
         first = self.group.rank * s_local if self.sp else 0  # this rank's sequence slice
-        if self.position is not None:
-            pos = torch.arange(position_offset + first, position_offset + first + s_local,
-                               device=ids.device)
-            x = x + self.position(pos)
+        if self.position is not None:  # position_offset: an int, or one per row [b]
+            start = torch.as_tensor(position_offset, device=ids.device).reshape(-1, 1)
+            pos = start + torch.arange(first, first + s_local, device=ids.device)  # [b|1, s]
+            x = x + self.position(pos.clamp(min=0))  # left padding: negative, masked anyway
         if self.token_type is not None:
             tt = token_types if token_types is not None else torch.zeros_like(ids)
             x = x + self.token_type(tt[:, first:first + s_local] if self.sp else tt)
@@ -89,7 +100,8 @@ class Transformer(nn.Module):
     def __init__(self, config: ModelConfig, mesh, *, seed: int = 0,
                  sequence_parallel: bool = False, recompute: bool = False,
                  device: torch.device | str | None = None, dtype: torch.dtype | None = None,
-                 virtual_stages: int = 1, loss_chunk: int = 0) -> None:
+                 virtual_stages: int = 1, expert_parallel: bool = False,
+                 loss_chunk: int = 0) -> None:
         super().__init__()
         tp, pp, v = mesh.tp_size, mesh.pp_size, virtual_stages
         config.check(tp=tp, pp=pp)  # every rank, before any collective
@@ -118,12 +130,16 @@ class Transformer(nn.Module):
             self.embed = Embeddings(config, self.group, sequence_parallel, seed, **kw)
         self.layers = nn.ModuleDict({
             str(i): Block(config, self.group, layer_index=i, sequence_parallel=sequence_parallel,
-                          seed=seed, **kw) for i in self.layer_range})  # chunk by chunk
+                          seed=seed, expert_parallel=expert_parallel, **kw)
+            for i in self.layer_range})  # chunk by chunk
         if self.is_last_stage:  # post-norm stacks end normalized: no final norm
             self.final_norm = Norm(config.hidden, config.norm, config.norm_eps,
-                                   sequence_parallel=sequence_parallel, **kw) \
+                                   sequence_parallel=sequence_parallel,
+                                   offset=config.norm_offset, **kw) \
                 if config.pre_norm else None
             self._make_head(kw)
+            self.pooler = replicated_linear(config, seed, "pooler", kw) if config.pooler \
+                else None
 
     def _make_head(self, kw) -> None:
         c, tp = self.config, self.group.size
@@ -219,6 +235,10 @@ class Transformer(nn.Module):
         """Final hidden states [b, s, h] (gathered over the sequence with SP)."""
         h = self.body(ids, attention_mask, token_types)
         return ops.gather_from_sp(h, self.group) if self.sequence_parallel else h
+
+    def pooled(self, hidden: torch.Tensor) -> torch.Tensor:
+        """BERT's pooler output tanh(W h[:, 0] + b) [b, h] from final hidden states."""
+        return torch.tanh(self.pooler(hidden[:, 0]))
 
     def loss(self, logits: torch.Tensor, labels: torch.Tensor, ignore_index: int = -100,
              label_smoothing: float = 0.0) -> torch.Tensor:

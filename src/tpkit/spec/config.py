@@ -12,13 +12,15 @@ from dataclasses import asdict, dataclass, replace
 from tpkit.spec import shapes
 
 NORMS = ("layernorm", "rmsnorm")
-ACTIVATIONS = ("gelu", "gelu_exact", "swiglu", "relu")  # gelu: tanh (GPT-2); exact: erf (BERT)
+ACTIVATIONS = ("gelu", "gelu_exact", "swiglu", "geglu", "relu")  # gelu: tanh; exact: erf (BERT)
+GATED = {"swiglu": "silu", "geglu": "gelu"}  # act(gate) * up, with act = this element-wise
 POSITIONS = ("learned", "rope")
 
 
 @dataclass(frozen=True)
 class ModelConfig:
-    """Shape and flavour of a transformer (GPT-2, Llama and BERT styles)."""
+    """Shape and flavour of a transformer (GPT-2, Llama, BERT and the Hugging Face
+    families of `tpkit.model.families`: each flag below is one block feature)."""
 
     name: str = "custom"
     vocab_size: int = 256
@@ -29,9 +31,11 @@ class ModelConfig:
     ffn_hidden: int | None = None  # None: 4 * hidden
     max_seq_len: int = 128
     norm: str = "layernorm"  # layernorm | rmsnorm
-    activation: str = "gelu"  # gelu (tanh, GPT-2) | gelu_exact (erf, BERT) | swiglu | relu
+    activation: str = "gelu"  # gelu (tanh, GPT-2) | gelu_exact (erf) | swiglu | geglu | relu
     position: str = "learned"  # learned | rope
     rope_theta: float = 10000.0
+    rope_llama3: tuple[float, float, float, int] | None = None  # Llama 3.1's frequency
+    # scaling: (factor, low_freq_factor, high_freq_factor, original max positions)
     causal: bool = True  # False: bidirectional encoder (BERT)
     pre_norm: bool = True  # False: post-norm layers (BERT) and no final norm
     embed_norm: bool = False  # a norm right after the embeddings (BERT)
@@ -41,6 +45,18 @@ class ModelConfig:
     dropout: float = 0.0
     norm_eps: float = 1e-5
     init_std: float = 0.02
+    family: str = ""  # the Hugging Face model_type it exports to ("": none)
+    head_size: int | None = None  # None: hidden / num_heads (Qwen3, Gemma decouple it)
+    qkv_bias: bool | None = None  # None: = bias (Qwen2: bias on q, k, v only)
+    qk_norm: bool = False  # RMSNorm over each head's q and k before rotary (Qwen3)
+    norm_offset: float = 0.0  # norms scale by (offset + weight): Gemma's (1 + w)
+    embed_scale: float = 1.0  # embeddings times this (Gemma: sqrt(hidden))
+    parallel_residual: bool = False  # x + attn(norm1(x)) + mlp(norm2(x)) (GPT-NeoX)
+    rotary_dim: int | None = None  # rotary on each head's first dims only (GPT-NeoX)
+    sliding_window: int | None = None  # a query sees the last `window` keys (Mistral)
+    num_experts: int = 0  # > 0: a mixture-of-experts MLP, top-k routed (Mixtral)
+    experts_per_token: int = 2
+    pooler: bool = False  # BERT's tanh(W h[:, 0] + b) on the last stage
 
     # -- derived -----------------------------------------------------------------------
     @property
@@ -55,8 +71,23 @@ class ModelConfig:
 
     @property
     def head_dim(self) -> int:
-        """hidden / num_heads."""
-        return self.hidden // self.num_heads
+        """Width of one attention head (hidden / num_heads unless decoupled)."""
+        return self.head_size or self.hidden // self.num_heads
+
+    @property
+    def rope_dim(self) -> int:
+        """Dimensions of each head that rotary embeddings rotate."""
+        return self.rotary_dim or self.head_dim
+
+    @property
+    def attn_bias(self) -> bool:
+        """Bias on the q, k, v projections."""
+        return self.bias if self.qkv_bias is None else self.qkv_bias
+
+    @property
+    def gated(self) -> bool:
+        """A gated MLP (fc1 = [gate; up]): SwiGLU or GeGLU."""
+        return self.activation in GATED
 
     def padded_vocab(self, tp: int) -> int:
         """Vocabulary rounded up so that each of tp ranks holds a multiple of 8 rows (GEMMs
@@ -78,6 +109,8 @@ class ModelConfig:
         unknown = set(d) - set(cls.__dataclass_fields__)
         if unknown:
             raise ValueError(f"unknown ModelConfig fields: {sorted(unknown)}")
+        if d.get("rope_llama3") is not None:  # JSON gives a list
+            d = dict(d, rope_llama3=tuple(d["rope_llama3"]))
         return cls(**d)
 
     # -- parameter counts (unpadded vocabulary) ------------------------------------------
@@ -85,16 +118,18 @@ class ModelConfig:
         """Parameters of one transformer layer held by one of tp ranks (all of them at tp=1).
 
         Column-parallel qkv and fc1 (and gate) keep out/tp columns and bias; row-parallel
-        out and fc2 keep in/tp rows and the whole bias; norms are replicated."""
+        out and fc2 keep in/tp rows and the whole bias; experts are split like the MLP and
+        the router replicated; norms are replicated."""
         h, hd, f = self.hidden, self.head_dim, self.ffn
+        nh, kv = self.num_heads // tp, shapes.kv_heads_per_rank(self.kv_heads, tp)
         b = 1 if self.bias else 0
-        qkv = (self.num_heads // tp + 2 * shapes.kv_heads_per_rank(self.kv_heads, tp)) * hd
-        attn = h * qkv + b * qkv + (self.num_heads // tp) * hd * h + b * h
-        if self.activation == "swiglu":
-            mlp = 3 * h * (f // tp)  # gate, up: column; down: row; no biases
-        else:
-            mlp = 2 * h * (f // tp) + b * (f // tp + h)
-        return attn + mlp + 2 * self.norm_params()
+        qkv = h * (nh + 2 * kv) * hd + int(self.attn_bias) * (nh + 2 * kv) * hd
+        out = nh * hd * h + b * h
+        mlp = (3 * h * (f // tp)) if self.gated else (2 * h * (f // tp) + b * (f // tp + h))
+        if self.num_experts:
+            mlp = self.num_experts * mlp + self.num_experts * h  # + the router
+        norms = 2 * self.norm_params() + (2 * hd if self.qk_norm else 0)
+        return qkv + out + mlp + norms
 
     def norm_params(self) -> int:
         """Parameters of one norm: weight and bias for LayerNorm, weight only for RMSNorm."""
@@ -111,7 +146,9 @@ class ModelConfig:
         """Total parameters (tied output embedding counted once)."""
         head = 0 if self.tie_embeddings else self.vocab_size * self.hidden
         norms = self.norm_params() * (int(self.pre_norm) + int(self.embed_norm))
-        return self.embedding_params() + self.num_layers * self.layer_params() + norms + head
+        pooler = (self.hidden + 1) * self.hidden if self.pooler else 0
+        return (self.embedding_params() + self.num_layers * self.layer_params() + norms + head
+                + pooler)
 
     # -- validation ----------------------------------------------------------------------
     def check(self, tp: int = 1, pp: int = 1, sp: bool = False, seq: int | None = None) -> None:
@@ -125,7 +162,7 @@ class ModelConfig:
         """Every reason this model cannot run at (tp, pp, sp, seq); empty when it can."""
         out: list[str] = []
         for check in (_check_shape, _check_heads, _check_kv_heads, _check_ffn, _check_pipeline,
-                      _check_sequence, _check_choices):
+                      _check_sequence, _check_choices, _check_experts):
             out += check(self, tp=tp, pp=pp, sp=sp, seq=seq)
         return out
 
@@ -134,10 +171,11 @@ def _check_shape(c: ModelConfig, **_) -> list[str]:
     bad = [f"{k}={getattr(c, k)} must be positive" for k in
            ("vocab_size", "hidden", "num_layers", "num_heads", "max_seq_len")
            if getattr(c, k) < 1]
-    if not bad and c.hidden % c.num_heads:
-        bad.append(f"hidden={c.hidden} is not divisible by num_heads={c.num_heads}")
-    if c.position == "rope" and c.num_heads and (c.hidden // c.num_heads) % 2:
-        bad.append(f"head_dim={c.hidden // c.num_heads} must be even for rotary embeddings")
+    if not bad and c.head_size is None and c.hidden % c.num_heads:
+        bad.append(f"hidden={c.hidden} is not divisible by num_heads={c.num_heads} "
+                   f"(and no head_size is given)")
+    if not bad and c.position == "rope" and (c.rope_dim % 2 or c.rope_dim > c.head_dim):
+        bad.append(f"rotary dims={c.rope_dim} must be even and <= head_dim={c.head_dim}")
     return bad
 
 
@@ -185,10 +223,17 @@ def _check_choices(c: ModelConfig, **_) -> list[str]:
     return out
 
 
+def _check_experts(c: ModelConfig, **_) -> list[str]:
+    if c.num_experts and not 1 <= c.experts_per_token <= c.num_experts:
+        return [f"experts_per_token={c.experts_per_token} is not in 1..num_experts="
+                f"{c.num_experts}"]
+    return []
+
+
 def _gpt2(name: str, h: int, layers: int, heads: int, **kw) -> ModelConfig:
     return ModelConfig(name=name, vocab_size=kw.pop("vocab_size", 50257), hidden=h,
                        num_layers=layers, num_heads=heads, max_seq_len=kw.pop("max_seq_len", 1024),
-                       **kw)
+                       family="gpt2", **kw)
 
 
 def _llama(name: str, h: int, layers: int, heads: int, kv: int, ffn: int, **kw) -> ModelConfig:
@@ -196,7 +241,7 @@ def _llama(name: str, h: int, layers: int, heads: int, kv: int, ffn: int, **kw) 
                        num_layers=layers, num_heads=heads, num_kv_heads=kv, ffn_hidden=ffn,
                        max_seq_len=kw.pop("max_seq_len", 4096), norm="rmsnorm",
                        activation="swiglu", position="rope", tie_embeddings=False, bias=False,
-                       **kw)
+                       family="llama", **kw)
 
 
 # Sizes from the published model cards / papers: GPT-2 (Radford et al. 2019), GPT-3
@@ -207,7 +252,7 @@ PRESETS: dict[str, ModelConfig] = {
     "bert-tiny": ModelConfig(name="bert-tiny", vocab_size=512, hidden=64, num_layers=2,
                              num_heads=4, max_seq_len=128, causal=False, type_vocab_size=2,
                              pre_norm=False, embed_norm=True, activation="gelu_exact",
-                             norm_eps=1e-12),
+                             norm_eps=1e-12, family="bert"),
     "gpt2-124m": _gpt2("gpt2-124m", 768, 12, 12),
     "gpt2-355m": _gpt2("gpt2-355m", 1024, 24, 16),
     "gpt2-774m": _gpt2("gpt2-774m", 1280, 36, 20),

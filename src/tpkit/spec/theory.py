@@ -5,6 +5,8 @@ Per transformer layer and micro-batch, with activations [b, s, h] and tp > 1
 
     attention:  1 all-reduce of b*s*h forward (after out-proj), 1 backward (before qkv)
     MLP:        1 all-reduce of b*s*h forward (after fc2),      1 backward (before fc1)
+                (a mixture of experts too: the experts' partial outputs are summed on
+                each rank before that one all-reduce, whatever the number of experts)
     with sequence parallelism, each all-reduce becomes 1 reduce-scatter + 1 all-gather
     of the same b*s*h elements (the same bytes on the wire).
     vocab-parallel embedding: 1 all-reduce of b*s*h forward (or a reduce-scatter with SP)

@@ -26,6 +26,7 @@ class TrainConfig:
     """A training run: model, layout, batch, optimizer, data, outputs."""
 
     preset: str = "gpt2-tiny"
+    from_hf: str | None = None  # a Hugging Face model folder to fine-tune (instead of preset)
     tp: int = 1
     pp: int = 1
     dp: int = 1
@@ -72,6 +73,27 @@ class TrainConfig:
         """tp * pp * dp."""
         return self.tp * self.pp * self.dp
 
+    @property
+    def model_name(self) -> str:
+        """What is trained: the preset, or the Hugging Face folder."""
+        return self.from_hf or self.preset
+
+    def model_config(self):
+        """The model's `ModelConfig`: the preset's, or the Hugging Face folder's."""
+        from tpkit.spec.config import get_preset
+
+        if self.from_hf is None:
+            return get_preset(self.preset)
+        import json
+
+        from tpkit.model.hf import config_from_hf
+
+        path = Path(self.from_hf) / "config.json"
+        if not path.is_file():
+            raise ValueError(f"from_hf={self.from_hf}: no config.json there (not a Hugging "
+                             f"Face model folder)")
+        return config_from_hf(json.loads(path.read_text()))[1]
+
     def with_(self, **changes) -> TrainConfig:
         """A copy with some fields changed."""
         return replace(self, **changes)
@@ -95,8 +117,6 @@ class TrainConfig:
 
     def problems(self) -> list[str]:
         """Every reason this run cannot start; empty when it can."""
-        from tpkit.spec.config import get_preset
-
         out = [f"{k}={getattr(self, k)} must be a positive integer"
                for k in ("tp", "pp", "dp", "steps", "micro_batches", "global_batch", "seq",
                          "virtual_stages")
@@ -122,16 +142,26 @@ class TrainConfig:
         if self.lr <= 0:
             out.append(f"lr={self.lr} must be positive")
         try:
-            model = get_preset(self.preset)
+            model = self.model_config()
         except ValueError as e:
             return out + [str(e)]
         out += [f"{model.name}: {p}" for p in
                 model.problems(tp=self.tp, pp=self.pp, sp=self.sp, seq=self.seq)]
+        out += self._from_hf_problems()
         chunks = self.pp * self.virtual_stages
         if self.virtual_stages > 1 and chunks > model.num_layers:
             out.append(f"{model.name}: pp*virtual_stages = {self.pp}*{self.virtual_stages} = "
                        f"{chunks} chunks is more than num_layers={model.num_layers}")
         return out
+
+    def _from_hf_problems(self) -> list[str]:
+        from tpkit.train.tokens import INDEX
+
+        if self.from_hf is None or (self.data and (Path(self.data) / INDEX).is_file()):
+            return []
+        return [f"from_hf={self.from_hf} trains on ids of its own tokenizer, but data="
+                f"{self.data} would be read as bytes: run `tpkit prepare-data TEXT_FILES "
+                f"--tokenizer {self.from_hf} --out DIR` and train on data=DIR"]
 
     def _schedule_problems(self) -> list[str]:
         from tpkit.parallel.schedules import CHUNKED, schedule_problems

@@ -3,7 +3,9 @@
 The default corpus ships with Python itself: `pydoc_data.topics` (the text of the
 language reference's help topics, ~465 KB), so `tpkit train` needs no download.
 Tokens are bytes (vocab 256, the size of gpt2-tiny and llama-tiny). `--data PATH`
-takes a text file, a directory of .txt files, or a .bin of uint16 token ids.
+takes a text file, a directory of .txt files, a .bin of uint16 token ids, or a folder
+written by `tpkit prepare-data` (any tokenizer; shards read memory-mapped, see
+`tpkit.train.tokens`).
 
 The loader cuts the token stream into windows of seq+1 tokens (inputs and the
 same shifted by one as labels), shuffles them per epoch with a fixed seed, and at
@@ -21,6 +23,8 @@ from pathlib import Path
 
 import numpy as np
 import torch
+
+from tpkit.train.tokens import INDEX, TokenStream, open_shards
 
 
 def embedded_text() -> str:
@@ -40,7 +44,8 @@ def decode_bytes(ids) -> str:
     return bytes(int(i) for i in ids).decode("utf-8", errors="replace")
 
 
-def load_tokens(path: str | Path | None, vocab_size: int = 256) -> np.ndarray:
+def load_tokens(path: str | Path | None, vocab_size: int = 256
+                ) -> np.ndarray | TokenStream:
     """Token ids of the corpus at `path` (None: the embedded one); clear errors."""
     if path is None:
         tokens = encode_bytes(embedded_text())
@@ -48,6 +53,8 @@ def load_tokens(path: str | Path | None, vocab_size: int = 256) -> np.ndarray:
         p = Path(path)
         if not p.exists():
             raise FileNotFoundError(f"data file {p} does not exist")
+        if p.is_dir() and (p / INDEX).is_file():
+            return _checked_shards(p, vocab_size)
         if p.is_dir():
             files = sorted(p.glob("*.txt"))
             if not files:
@@ -69,8 +76,33 @@ def load_tokens(path: str | Path | None, vocab_size: int = 256) -> np.ndarray:
     return tokens
 
 
-def split_tokens(tokens: np.ndarray, val_fraction: float, block: int = 8192
-                 ) -> tuple[np.ndarray, np.ndarray]:
+def _checked_shards(folder: Path, vocab_size: int) -> TokenStream:
+    """A prepare-data folder, memory-mapped; its index's largest id checked (no scan)."""
+    tokens, index = open_shards(folder)
+    if len(tokens) == 0:
+        raise ValueError(f"data folder {folder} is empty (0 tokens)")
+    if index["max_id"] >= vocab_size:
+        raise ValueError(f"token id {index['max_id']} in the data {folder} (tokenizer "
+                         f"vocab_size={index['vocab_size']}) is out of the model's "
+                         f"vocab_size={vocab_size}")
+    return tokens
+
+
+def tokenizer_folder(data: str | Path | None) -> Path | None:
+    """The tokenizer folder a `prepare-data` folder was made with (None: bytes/unknown)."""
+    import json
+
+    from tpkit.model.tokenizer import has_tokenizer
+
+    index = Path(data) / INDEX if data is not None else None
+    if index is None or not index.is_file():
+        return None
+    folder = json.loads(index.read_text()).get("tokenizer")
+    return Path(folder) if folder and has_tokenizer(folder) else None
+
+
+def split_tokens(tokens, val_fraction: float, block: int = 8192
+                 ) -> tuple[TokenStream, TokenStream]:
     """(train, held-out): every k-th block of `block` tokens is held out, k = 1/fraction.
 
     Interleaved, so the held-out text is drawn from the whole corpus (the end of
@@ -78,26 +110,28 @@ def split_tokens(tokens: np.ndarray, val_fraction: float, block: int = 8192
     than 2 blocks holds out its tail instead.
     """
     if val_fraction <= 0:
-        return tokens, tokens[:0]
+        return tokens if isinstance(tokens, TokenStream) else TokenStream([tokens]), \
+            TokenStream([])
     if len(tokens) < 2 * block:
         n_val = int(len(tokens) * val_fraction)
-        return tokens[:len(tokens) - n_val], tokens[len(tokens) - n_val:]
+        return (TokenStream([tokens[:len(tokens) - n_val]]),
+                TokenStream([tokens[len(tokens) - n_val:]]))
     period = max(2, round(1 / val_fraction))
-    blocks = [tokens[i:i + block] for i in range(0, len(tokens), block)]
+    blocks = [tokens[i:i + block] for i in range(0, len(tokens), block)]  # views
     val = [b for i, b in enumerate(blocks) if i % period == period - 1]
     train = [b for i, b in enumerate(blocks) if i % period != period - 1]
-    return np.concatenate(train), np.concatenate(val)
+    return TokenStream(train), TokenStream(val)
 
 
 class TokenLoader:
     """Batches of (ids, labels) [b, s] for one dp replica; resumable by position."""
 
-    def __init__(self, tokens: np.ndarray, seq: int, global_batch: int, dp_rank: int = 0,
+    def __init__(self, tokens: np.ndarray | TokenStream, seq: int, global_batch: int, dp_rank: int = 0,
                  dp_size: int = 1, seed: int = 0, shuffle: bool = True,
                  name: str = "training") -> None:
         if global_batch % dp_size:
             raise ValueError(f"global_batch={global_batch} is not divisible by dp={dp_size}")
-        self.tokens = torch.from_numpy(tokens.astype(np.int64))
+        self.tokens = tokens  # read a window at a time (memory-mapped shards stay on disk)
         self.seq, self.global_batch, self.seed, self.shuffle = seq, global_batch, seed, shuffle
         self.dp_rank, self.dp_size = dp_rank, dp_size
         self.windows = (len(tokens) - 1) // seq
@@ -125,7 +159,8 @@ class TokenLoader:
 
     def next_batch(self) -> tuple[torch.Tensor, torch.Tensor]:
         """(ids, labels), each [global_batch/dp, seq] long; advances the position."""
-        rows = [self.tokens[w * self.seq:w * self.seq + self.seq + 1]
+        rows = [torch.from_numpy(np.asarray(self.tokens[w * self.seq:w * self.seq + self.seq + 1],
+                                            dtype=np.int64))
                 for w in self.window_ids(self.position)]
         self.position += self.global_batch
         batch = torch.stack(rows)  # [b, s+1]

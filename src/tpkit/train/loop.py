@@ -42,7 +42,13 @@ from tpkit.parallel import (
 from tpkit.spec import theory
 from tpkit.train import run_log
 from tpkit.train.config import TrainConfig
-from tpkit.train.data import TokenLoader, load_tokens, micro_batches, split_tokens
+from tpkit.train.data import (
+    TokenLoader,
+    load_tokens,
+    micro_batches,
+    split_tokens,
+    tokenizer_folder,
+)
 from tpkit.train.master import MasterWeights
 from tpkit.train.optim import build_optimizer, lr_at, set_lr
 from tpkit.train.report import RunSummary, theory_rows, theory_table
@@ -50,14 +56,12 @@ from tpkit.train.report import RunSummary, theory_rows, theory_table
 
 def prepare(cfg: TrainConfig, mesh: ParallelMesh) -> tuple[TokenLoader, TokenLoader | None]:
     """Every check that can fail, before any collective: config, layout, data."""
-    from tpkit.spec import get_preset
-
     cfg.check(mesh.world_size)
     got = (mesh.tp_size, mesh.pp_size, mesh.dp_size)
     if got != (cfg.tp, cfg.pp, cfg.dp):
         raise ValueError(f"mesh (tp, pp, dp) = {got} does not match the config "
                          f"{(cfg.tp, cfg.pp, cfg.dp)}")
-    tokens = load_tokens(cfg.data, get_preset(cfg.preset).vocab_size)
+    tokens = load_tokens(cfg.data, cfg.model_config().vocab_size)
     train_tok, val_tok = split_tokens(tokens, cfg.val_fraction)
     kw = dict(seq=cfg.seq, global_batch=cfg.global_batch, dp_rank=mesh.dp_rank,
               dp_size=mesh.dp_size, seed=cfg.seed)
@@ -69,13 +73,23 @@ def prepare(cfg: TrainConfig, mesh: ParallelMesh) -> tuple[TokenLoader, TokenLoa
 
 def build_model(cfg: TrainConfig, mesh: ParallelMesh,
                 dtype: torch.dtype | None = None) -> torch.nn.Module:
-    """The preset's Transformer, this rank's stage and shard of it."""
-    from tpkit.model import Transformer
-    from tpkit.spec import get_preset
+    """The model (preset, or Hugging Face folder), this rank's stage and shard of it.
 
-    model = Transformer(get_preset(cfg.preset), mesh, seed=cfg.seed, sequence_parallel=cfg.sp,
+    With `from_hf` each rank reads only its slices of the folder's weights (unless it
+    resumes: the checkpoint's weights replace them anyway). With `dtype` (the bf16
+    compute copy of master weights) its weights are left to `MasterWeights`."""
+    from tpkit.model import Transformer
+
+    hf = cfg.from_hf is not None and not cfg.resume and dtype is None
+    model = Transformer(cfg.model_config(), mesh, seed=cfg.seed, sequence_parallel=cfg.sp,
                         recompute=cfg.recompute, virtual_stages=cfg.virtual_stages,
-                        loss_chunk=cfg.loss_chunk, dtype=dtype)
+                        loss_chunk=cfg.loss_chunk, device="meta" if hf else None, dtype=dtype)
+    if hf:
+        from tpkit.checkpoint.sources import open_source
+        from tpkit.model.hf import load_from, materialize
+
+        materialize(model, mesh.device)
+        load_from(model, open_source(cfg.from_hf)[0], mesh, cfg.from_hf)
     if cfg.compile:
         from tpkit.model.compile import compile_blocks
 
@@ -222,6 +236,11 @@ def save_checkpoint(cfg: TrainConfig, mesh: ParallelMesh, model, opt, loader: To
                     extra=dict(loader=loader.state_dict(), step=step, rng=rng,
                                layout=[mesh.tp_size, mesh.pp_size, mesh.dp_size],
                                config=cfg.to_dict()))
+    tokenizer = cfg.from_hf or tokenizer_folder(cfg.data)
+    if tokenizer and mesh.rank == 0:  # generate and the export find the tokenizer here
+        from tpkit.model.tokenizer import copy_tokenizer
+
+        copy_tokenizer(tokenizer, path)
     return str(path)
 
 
@@ -267,7 +286,7 @@ def _summary(cfg, mesh, model, rows, train_s, idle, busy, ckpt, lead) -> RunSumm
     plot = None
     if lead and cfg.plot:
         plot = str(run_log.plot_losses(rows, Path(cfg.out) / "loss.png",
-                                       f"{cfg.preset} tp={cfg.tp} pp={cfg.pp} dp={cfg.dp}"))
+                                       f"{cfg.model_name} tp={cfg.tp} pp={cfg.pp} dp={cfg.dp}"))
     tail = min(10, len(rows))
     return RunSummary(
         config=cfg, rank=mesh.rank, stage=mesh.pp_rank, tp_rank=mesh.tp_rank, hidden=c.hidden,

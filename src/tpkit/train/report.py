@@ -59,7 +59,7 @@ class RunSummary:
 def report(result: RunSummary, tables: list[str]) -> str:
     """The end-of-run summary: loss X -> Y, tokens/s, bubble, comm vs theory, files."""
     c = result.config
-    lines = [f"trained {c.preset} at tp={c.tp} x pp={c.pp} x dp={c.dp} ({c.schedule}, "
+    lines = [f"trained {c.model_name} at tp={c.tp} x pp={c.pp} x dp={c.dp} ({c.schedule}, "
              f"{c.micro_batches} micro-batches) for {c.steps} steps",
              f"loss {result.first_loss:.4f} (step {result.first_step}) -> "
              f"{result.tail_loss:.4f} (mean of the last {result.tail} steps)"

@@ -1,0 +1,23 @@
+"""Qwen2 / Qwen2.5: Llama with a bias on q, k, v (not on o) and, in the small ones,
+tied embeddings."""
+
+from __future__ import annotations
+
+from tpkit.model.families.base import Family, refuse
+from tpkit.model.families.decoder import decoder_config, decoder_hf, decoder_problems, decoder_table
+from tpkit.spec.config import ModelConfig
+
+
+def from_hf(hf: dict, keys: set[str]) -> ModelConfig:
+    """Qwen2 config.json -> ModelConfig."""
+    refuse("qwen2", decoder_problems(hf))
+    return decoder_config(hf, qkv_bias=True)
+
+
+def to_hf(c: ModelConfig) -> dict:
+    """ModelConfig -> config.json."""
+    return decoder_hf(c, "qwen2", "Qwen2ForCausalLM", use_sliding_window=False)
+
+
+FAMILY = Family("qwen2", ("qwen2",), "Llama + bias on q, k, v; tied embeddings in the small sizes",
+                from_hf, to_hf, decoder_table)

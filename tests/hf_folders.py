@@ -1,0 +1,59 @@
+"""A Hugging Face model folder as a user has one, built offline (no tests here):
+a tiny random Llama made by transformers and saved with save_pretrained, with a real
+BPE tokenizer trained by the `tokenizers` library on a few KB of text."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+TEXT = "\n".join(
+    f"Tensor parallelism splits the weight matrices of layer {i} across {d} devices; "
+    f"the column-parallel fc1 and the row-parallel fc2 need one all-reduce, and the "
+    f"pipeline sends activations from stage {i % 4} to stage {(i + 1) % 4}."
+    for i, d in zip(range(60), [2, 4, 8] * 20))  # ~12 KB, repetitive enough to learn
+
+
+def train_tokenizer(folder: Path, text: str = TEXT, vocab_size: int = 300):
+    """A byte-level BPE tokenizer trained on `text`, saved into `folder`
+    (tokenizer.json + tokenizer_config.json, with <s> and </s>); returns it."""
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, processors, trainers
+    from transformers import PreTrainedTokenizerFast
+
+    tok = Tokenizer(models.BPE())
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tok.decoder = decoders.ByteLevel()
+    trainer = trainers.BpeTrainer(vocab_size=vocab_size, special_tokens=["<pad>", "<s>", "</s>"],
+                                  initial_alphabet=pre_tokenizers.ByteLevel.alphabet())
+    tok.train_from_iterator(text.split("\n"), trainer)
+    tok.post_processor = processors.TemplateProcessing(single="<s> $A", special_tokens=[
+        ("<s>", tok.token_to_id("<s>"))])
+    fast = PreTrainedTokenizerFast(tokenizer_object=tok, bos_token="<s>", eos_token="</s>",
+                                   pad_token="<pad>")
+    fast.save_pretrained(str(folder))
+    return fast
+
+
+def tiny_llama_folder(folder: Path, seed: int = 0, **config) -> Path:
+    """A random Llama (GQA, 4 layers: pp=2 x tp=2 works) + its tokenizer, saved."""
+    import torch
+    import transformers
+
+    folder.mkdir(parents=True, exist_ok=True)
+    tok = train_tokenizer(folder)
+    torch.manual_seed(seed)
+    cfg = dict(num_hidden_layers=4, hidden_size=64, num_attention_heads=4, num_key_value_heads=2,
+               intermediate_size=128, vocab_size=len(tok), max_position_embeddings=128,
+               bos_token_id=tok.bos_token_id, eos_token_id=tok.eos_token_id,
+               pad_token_id=tok.pad_token_id, rope_theta=10000.0, tie_word_embeddings=False)
+    model = transformers.LlamaForCausalLM(transformers.LlamaConfig(**{**cfg, **config}))
+    model.save_pretrained(str(folder))
+    return folder
+
+
+if __name__ == "__main__":  # python tests/hf_folders.py DIR: the README's example folder
+    import sys
+
+    out = Path(sys.argv[1] if len(sys.argv) > 1 else "tiny-llama")
+    tiny_llama_folder(out)
+    (out.parent / "corpus.txt").write_text(TEXT)
+    print(f"wrote {out} (model + tokenizer) and {out.parent / 'corpus.txt'}")

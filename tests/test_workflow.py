@@ -1,0 +1,183 @@
+"""The user's workflow end to end, as the README shows it:
+
+    Hugging Face folder (tiny random Llama + a BPE tokenizer trained here)
+      -> tpkit prepare-data corpus.txt --tokenizer HF --out data
+      -> tpkit train --from-hf HF --data data --tp 2 --pp 2 --steps 3, then resumed to 6
+      -> tpkit convert CKPT OUT --to hf          (weights + the tokenizer files)
+      -> transformers loads OUT and generates
+
+Checked: the fine-tuned loss goes down across the resume; the exported model's logits
+equal tpkit's from the checkpoint (at tp=1 and tp=2) within 1e-4; tpkit's greedy
+generate equals transformers' greedy generate, token ids and text, for a batch of
+prompts of different lengths (left padding) and for one prompt through the CLI.
+"""
+
+from __future__ import annotations
+
+import argparse
+
+import pytest
+import torch
+import transformers
+
+from hf_folders import TEXT, tiny_llama_folder
+from tpkit.checkpoint import load_model
+from tpkit.cli import main
+from tpkit.comm import all_gather
+from tpkit.commands import generate as generate_cmd
+from tpkit.commands.train import add_arguments, config_from_args
+from tpkit.mesh import ParallelMesh
+from tpkit.model.generate import generate, pad_left
+from tpkit.model.tokenizer import load_tokenizer
+from tpkit.train.loop import train
+
+PROMPTS = ["Tensor parallelism splits", "the pipeline sends activations from stage 2 to",
+           "one all-reduce"]
+NEW = 12
+
+
+def train_worker(mesh, cfg):
+    r = train(cfg, mesh)
+    return dict(losses=r.losses, first_step=r.first_step, checkpoint=r.checkpoint)
+
+
+def logits_worker(mesh, ckpt, ids):
+    model = load_model(ckpt, mesh).eval()
+    with torch.no_grad():
+        return all_gather(model(ids), mesh.tp_group, dim=-1)[..., :model.config.vocab_size]
+
+
+def generate_worker(mesh, ckpt, prompts, eos=None):
+    model = load_model(ckpt, mesh)
+    tok = load_tokenizer(ckpt)
+    ids, mask = pad_left([tok.encode(p) for p in prompts], tok.pad_id)
+    out = generate(model, ids, NEW, attention_mask=mask, eos_id=eos or tok.eos_ids,
+                   pad_id=tok.pad_id)
+    return out[:, ids.shape[1]:]
+
+
+def train_config(argv: list[str]):
+    parser = argparse.ArgumentParser()
+    add_arguments(parser)
+    return config_from_args(parser.parse_args(argv), None)
+
+
+@pytest.fixture(scope="module")
+def workflow(tmp_path_factory, run_tp):
+    root = tmp_path_factory.mktemp("workflow")
+    hf = tiny_llama_folder(root / "hf")
+    (root / "corpus.txt").write_text(TEXT)
+    assert main(["prepare-data", str(root / "corpus.txt"), "--tokenizer", str(hf),
+                 "--out", str(root / "data"), "--no-progress"]) == 0
+    flags = ["--from-hf", str(hf), "--data", str(root / "data"), "--tp", "2", "--pp", "2",
+             "--micro-batches", "2", "--global-batch", "8", "--seq", "32", "--lr", "3e-3",
+             "--warmup", "1", "--eval-every", "0", "--out", str(root / "run"), "--no-progress"]
+    cfg = train_config(flags + ["--steps", "3"]).with_(plot=False)
+    first = run_tp(train_worker, 2, cfg, pp=2)[0]
+    cfg = train_config(flags + ["--steps", "6", "--resume", str(root / "run")]).with_(plot=False)
+    second = run_tp(train_worker, 2, cfg, pp=2)[0]
+    ckpt = second["checkpoint"]
+    assert main(["convert", ckpt, str(root / "export"), "--to", "hf"]) == 0
+    return dict(root=root, hf=hf, ckpt=ckpt, first=first, second=second,
+                export=root / "export")
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(300)
+def test_finetune_resume_lowers_the_loss(workflow):
+    first, second = workflow["first"], workflow["second"]
+    assert second["first_step"] == 4  # resumed after step 3, not restarted
+    losses = first["losses"] + second["losses"]
+    print("fine-tune losses", " ".join(f"{x:.4f}" for x in losses))
+    assert len(losses) == 6 and losses[-1] < losses[0] - 0.3, losses
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(300)
+def test_export_logits_equal_tpkit(workflow, run_tp):
+    back = transformers.AutoModelForCausalLM.from_pretrained(workflow["export"]).eval()
+    ids = torch.tensor([load_tokenizer(workflow["hf"]).encode(TEXT[:400])[:48]] * 2)
+    with torch.no_grad():
+        ref = back(ids).logits
+    for tp in (1, 2):
+        for got in run_tp(logits_worker, tp, workflow["ckpt"], ids):
+            diff = (got - ref).abs().max().item()
+            print(f"tp={tp}: max |exported - tpkit| logits = {diff:.2e}")
+            assert diff <= 1e-4, (tp, diff)
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(300)
+def test_greedy_generate_equals_transformers(workflow, run_tp, capsys):
+    export = workflow["export"]
+    hf_tok = transformers.AutoTokenizer.from_pretrained(export, padding_side="left")
+    back = transformers.AutoModelForCausalLM.from_pretrained(export).eval()
+    batch = hf_tok(PROMPTS, return_tensors="pt", padding=True)
+    assert len({int(m.sum()) for m in batch.attention_mask}) == 3  # three lengths
+    with torch.no_grad():
+        ref = back.generate(**batch, max_new_tokens=NEW, do_sample=False)
+    ref = ref[:, batch.input_ids.shape[1]:]
+    texts = hf_tok.batch_decode(ref, skip_special_tokens=True)
+    for src in (workflow["ckpt"], str(export)):  # the checkpoint and the exported folder
+        for got in run_tp(generate_worker, 2, src, PROMPTS):
+            assert torch.equal(got, ref), (src, got, ref)
+    tok = load_tokenizer(workflow["ckpt"])
+    assert [tok.decode(r) for r in ref.tolist()] == texts
+    eos = int(ref[0, 3])  # an end-of-sequence id that occurs: rows stop, then pad
+    with torch.no_grad():
+        stop = back.generate(**batch, max_new_tokens=NEW, do_sample=False, eos_token_id=eos)
+    stop = stop[:, batch.input_ids.shape[1]:]
+    assert (stop[0, 4:] == tok.pad_id).all() and stop.shape[1] <= NEW
+    assert torch.equal(run_tp(generate_worker, 2, str(export), PROMPTS, [eos])[0], stop)
+    assert len(set(texts)) == 3 and all(t.strip() for t in texts), texts
+    args = argparse.Namespace(checkpoint=workflow["ckpt"], tp=1, prompt=[PROMPTS[1]],
+                              prompt_ids=[], max_new_tokens=NEW, temperature=0.0,
+                              top_k=None, seed=0, ignore_eos=False)
+    assert generate_cmd.run(args) == 0  # streamed, with the model's own tokenizer
+    out = capsys.readouterr()
+    assert out.out == PROMPTS[1] + texts[1] + "\n" and "tokens/s" in out.err
+    print(f"transformers and tpkit: {texts!r}\n{out.err.strip()}")
+
+
+@pytest.mark.timeout(120)
+def test_preset_export_carries_a_byte_tokenizer(tmp_path, capsys):
+    """A tpkit preset (trained on bytes) exports a tokenizer.json that AutoTokenizer loads
+    and that gives the very ids of tpkit's byte tokenizer; transformers then generates
+    the text `tpkit generate` prints."""
+    from checkpoint_helpers import fill, random_full
+    from tpkit.checkpoint import store as ckpt
+    from tpkit.model.transformer import Transformer
+    from tpkit.spec import get_preset
+
+    config, mesh = get_preset("gpt2-tiny"), ParallelMesh.single()
+    model = Transformer(config, mesh)
+    fill(model, random_full(config, seed=3, scale=0.5), mesh)
+    ckpt.save(tmp_path / "ckpt", model, mesh=mesh)
+    assert main(["convert", str(tmp_path / "ckpt"), str(tmp_path / "hf"), "--to", "hf"]) == 0
+    capsys.readouterr()
+    hf_tok = transformers.AutoTokenizer.from_pretrained(tmp_path / "hf")
+    text = "Tensor parallélisme ∑ 日本\n  x"
+    assert hf_tok(text)["input_ids"] == list(text.encode()) == load_tokenizer(None).encode(text)
+    back = transformers.AutoModelForCausalLM.from_pretrained(tmp_path / "hf").eval()
+    ids = torch.tensor([list(b"The ")])
+    with torch.no_grad():
+        ref = back.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=16,
+                            do_sample=False, pad_token_id=0)[0, 4:]
+    args = argparse.Namespace(checkpoint=str(tmp_path / "hf"), tp=1, prompt=["The "],
+                              prompt_ids=[], max_new_tokens=16, temperature=0.0, top_k=None,
+                              seed=0, ignore_eos=False)
+    assert generate_cmd.run(args) == 0
+    out = capsys.readouterr().out
+    assert out == "The " + hf_tok.decode(ref) + "\n", (out, hf_tok.decode(ref), ref)
+
+
+def test_a_hf_folder_without_tokenizer_is_not_read_as_bytes(tmp_path, capsys):
+    hf = tiny_llama_folder(tmp_path / "hf")
+    for name in ("tokenizer.json", "tokenizer_config.json"):
+        (hf / name).unlink()
+    args = argparse.Namespace(checkpoint=str(hf), tp=1, prompt=["Tensor"], prompt_ids=[],
+                              max_new_tokens=2, temperature=0.0, top_k=None, seed=0,
+                              ignore_eos=False)
+    assert generate_cmd.run(args) == 1
+    assert "no tokenizer files in" in (out := capsys.readouterr().out)
+    assert "hf-llama (vocab_size=300) is not a byte-level model" in out
