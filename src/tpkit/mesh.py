@@ -27,6 +27,8 @@ import torch.distributed as dist
 from tpkit.comm.group import CommGroup
 from tpkit.comm.ledger import Ledger
 from tpkit.device import default_backend, device_for
+from tpkit.launch import DEFAULT_COLLECTIVE_TIMEOUT_S
+from tpkit.spec.errors import UserError
 
 
 class TopologyWarning(UserWarning):
@@ -43,12 +45,12 @@ class Coord:
 
 
 def check_sizes(world_size: int, tp: int, pp: int, dp: int) -> None:
-    """Raise ValueError naming the numbers unless tp * pp * dp == world_size."""
+    """Raise UserError naming the numbers unless tp * pp * dp == world_size."""
     for name, v in (("tp", tp), ("pp", pp), ("dp", dp)):
         if not isinstance(v, int) or v < 1:
-            raise ValueError(f"{name}={v!r} must be a positive integer")
+            raise UserError(f"{name}={v!r} must be a positive integer")
     if tp * pp * dp != world_size:
-        raise ValueError(f"tp*pp*dp = {tp}*{pp}*{dp} = {tp * pp * dp} does not equal "
+        raise UserError(f"tp*pp*dp = {tp}*{pp}*{dp} = {tp * pp * dp} does not equal "
                          f"world_size={world_size}")
 
 
@@ -104,14 +106,16 @@ class ParallelMesh:
 
     `mesh.tp_group` (a `CommGroup`), `mesh.tp_rank`, `mesh.tp_size`, and the same for
     pp and dp; `mesh.mp_group` spans one model replica (tp x pp); `mesh.ledger`
-    records every collective of this rank. Construct it on every rank with the same
-    arguments after the default process group exists, or use `from_env` / `single`.
+    records every collective of this rank. A collective on any of its groups that
+    waits longer than `timeout_s` (a dead or stuck peer) raises `CollectiveFailed`.
+    Construct it on every rank with the same arguments after the default process group
+    exists, or use `from_env` / `single`.
     """
 
     def __init__(self, tp: int = 1, pp: int = 1, dp: int = 1, *, rank: int | None = None,
                  world_size: int | None = None, ranks_per_node: int | None = None,
                  strict_locality: bool = False, ledger: Ledger | None = None,
-                 device: torch.device | None = None) -> None:
+                 device: torch.device | None = None, timeout_s: float | None = None) -> None:
         initialized = dist.is_available() and dist.is_initialized()
         self.world_size = world_size if world_size is not None else (
             dist.get_world_size() if initialized else 1)
@@ -124,6 +128,7 @@ class ParallelMesh:
         self.backend = dist.get_backend() if initialized else "gloo"
         self.device = device or device_for(self.backend, _env_int("LOCAL_RANK") or 0)
         self.coord = coord_of(self.rank, tp, pp)
+        self.timeout = timedelta(seconds=timeout_s or DEFAULT_COLLECTIVE_TIMEOUT_S)
         if self.world_size > 1 and not initialized:
             raise RuntimeError("ParallelMesh with world_size > 1 needs torch.distributed to be "
                                "initialized first (use ParallelMesh.from_env or tpkit.launch)")
@@ -160,7 +165,7 @@ class ParallelMesh:
 
     @classmethod
     def from_env(cls, tp: int | None = None, pp: int = 1, dp: int | None = None,
-                 timeout_s: float = 300.0, **kw) -> ParallelMesh:
+                 timeout_s: float = DEFAULT_COLLECTIVE_TIMEOUT_S, **kw) -> ParallelMesh:
         """Build from torchrun's environment (RANK, WORLD_SIZE, LOCAL_WORLD_SIZE, MASTER_*).
 
         Initializes the default process group if needed (nccl with CUDA, else gloo).
@@ -171,7 +176,7 @@ class ParallelMesh:
         check_sizes(world, tp, pp, dp)  # before any collective, on every rank
         if world > 1 and not dist.is_initialized():
             dist.init_process_group(default_backend(), timeout=timedelta(seconds=timeout_s))
-        return cls(tp, pp, dp, **kw)
+        return cls(tp, pp, dp, timeout_s=timeout_s, **kw)
 
     def _check_locality(self, strict: bool) -> None:
         problem = locality_problem(self.tp_size, self.pp_size, self.dp_size, self.ranks_per_node)
@@ -179,7 +184,7 @@ class ParallelMesh:
             return
         problem += _predicted_cost(self.tp_size, self.ranks_per_node)
         if strict:
-            raise ValueError(problem)
+            raise UserError(problem)
         warnings.warn(problem, TopologyWarning, stacklevel=3)
 
     def extra_group(self, key: str, name: str, all_ranks: list[tuple[int, ...]]
@@ -196,7 +201,7 @@ class ParallelMesh:
         for ranks in all_ranks:
             pg = None
             if len(ranks) > 1:
-                pg = dist.new_group(list(ranks))
+                pg = dist.new_group(list(ranks), timeout=self.timeout)
             if self.rank in ranks:
                 mine = CommGroup(name, ranks, ranks.index(self.rank), pg, self.ledger)
         return mine
@@ -207,7 +212,7 @@ class ParallelMesh:
             pg = None
             if len(ranks) > 1:  # every rank must create every group, in the same order
                 pg = dist.GroupMember.WORLD if len(ranks) == self.world_size else \
-                    dist.new_group(list(ranks))
+                    dist.new_group(list(ranks), timeout=self.timeout)
             if self.rank in ranks:
                 mine = CommGroup(kind, ranks, ranks.index(self.rank), pg, self.ledger)
         assert mine is not None

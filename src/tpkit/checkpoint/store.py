@@ -294,7 +294,7 @@ def _agree(mesh: ParallelMesh, ok: bool) -> bool:
 
 def _raise_unless_all(mesh: ParallelMesh, err: BaseException | None, other: str) -> None:
     if not _agree(mesh, err is None):
-        raise err if err is not None else CheckpointError(other)
+        raise err if err is not None else CheckpointError(other, peer_failed=True)
 
 
 def _pause() -> None:

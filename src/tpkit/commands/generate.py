@@ -8,6 +8,7 @@ A command sits on top of the stack: it may use training's checkpoints, while
 from __future__ import annotations
 
 import argparse
+import math
 import os
 from pathlib import Path
 
@@ -16,6 +17,7 @@ from torch import nn
 
 from tpkit.mesh import ParallelMesh
 from tpkit.model.generate import decode, encode, generate
+from tpkit.spec.errors import UserError
 
 
 def load_model(path: str | Path, mesh: ParallelMesh, dtype: torch.dtype | None = None
@@ -41,13 +43,18 @@ def load_model(path: str | Path, mesh: ParallelMesh, dtype: torch.dtype | None =
 
 def _worker(mesh: ParallelMesh, args: argparse.Namespace) -> str:
     model = load_model(args.checkpoint, mesh)
+    vocab = model.config.vocab_size
     if args.prompt_ids:
-        prompt = [int(t) for t in args.prompt_ids.split(",")]
+        prompt = _prompt_ids(args.prompt_ids)
+        bad = [t for t in prompt if not 0 <= t < vocab]
+        if bad:
+            raise UserError(f"--prompt-ids: token ids {bad} are outside the model's "
+                            f"vocabulary [0, {vocab})")
     else:
         prompt = encode(args.prompt)
-        if model.config.vocab_size < 256:
-            raise ValueError(f"vocab_size={model.config.vocab_size} < 256: not a byte-level "
-                             f"model; pass --prompt-ids")
+        if vocab < 256:
+            raise UserError(f"vocab_size={vocab} < 256: not a byte-level model; pass "
+                            f"--prompt-ids")
     ids = torch.tensor([prompt], device=mesh.device)
     out = generate(model, ids, args.max_new_tokens, temperature=args.temperature,
                    top_k=args.top_k, seed=args.seed)[0].tolist()
@@ -68,22 +75,41 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--seed", type=int, default=0)
 
 
+def _prompt_ids(text: str) -> list[int]:
+    try:
+        return [int(t) for t in text.split(",")]
+    except ValueError:
+        raise UserError(f"--prompt-ids={text!r} must be comma-separated integers") from None
+
+
+def _check_args(args: argparse.Namespace) -> None:
+    """UserError for flags no model can accept (before loading anything)."""
+    if not args.prompt and not args.prompt_ids:
+        raise UserError("give --prompt or --prompt-ids")
+    if args.prompt_ids:
+        _prompt_ids(args.prompt_ids)
+    bad = [f"--tp={args.tp} must be a positive integer"] if args.tp < 1 else []
+    if args.max_new_tokens < 0:
+        bad.append(f"--max-new-tokens={args.max_new_tokens} must be >= 0")
+    if not (math.isfinite(args.temperature) and args.temperature >= 0):
+        bad.append(f"--temperature={args.temperature} must be a finite number >= 0 "
+                   f"(0: greedy)")
+    if args.top_k is not None and args.top_k < 0:
+        bad.append(f"--top-k={args.top_k} must be >= 0 (0: off)")
+    if bad:
+        raise UserError("; ".join(bad))
+
+
 def run(args: argparse.Namespace) -> int:
     """Generate on `--tp` local processes (or torchrun's) and print the text."""
-    if not args.prompt and not args.prompt_ids:
-        print("tpkit generate: give --prompt or --prompt-ids")
-        return 2
-    try:
-        if "WORLD_SIZE" in os.environ:
-            text = _worker(ParallelMesh.from_env(tp=args.tp, pp=1), args)
-        elif args.tp == 1:
-            text = _worker(ParallelMesh.single(), args)
-        else:
-            from tpkit.launch import spawn
+    _check_args(args)
+    if "WORLD_SIZE" in os.environ:
+        text = _worker(ParallelMesh.from_env(tp=args.tp, pp=1), args)
+    elif args.tp == 1:
+        text = _worker(ParallelMesh.single(), args)
+    else:
+        from tpkit.launch import spawn
 
-            text = spawn(_worker, args.tp, args, mesh=dict(tp=args.tp))[0]
-    except ValueError as e:  # CheckpointError is a RuntimeError: let it name its file
-        print(f"tpkit generate: {e}")
-        return 1
+        text = spawn(_worker, args.tp, args, mesh=dict(tp=args.tp))[0]
     print(text)
     return 0

@@ -14,9 +14,10 @@ from __future__ import annotations
 
 import argparse
 import os
-import sys
 from dataclasses import fields
+from pathlib import Path
 
+from tpkit.spec.errors import UserError
 from tpkit.train.config import DTYPES, TrainConfig
 
 _FLAGS = {  # field -> (type or action, help)
@@ -44,6 +45,8 @@ _FLAGS = {  # field -> (type or action, help)
     "out": (str, "output directory (metrics.jsonl, loss.png, checkpoints/)"),
     "seed": (int, "seed of weights and data order"),
     "resume": (str, "continue from a checkpoint (or the latest one in a folder)"),
+    "collective_timeout": (float, "seconds a collective may wait for a dead or stuck rank "
+                                  "before the run stops, naming it"),
 }
 
 
@@ -99,29 +102,23 @@ def _print_report(results: list[dict]) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
-    """Train; 0 on success, 2 on a configuration or data error (named on stderr)."""
-    from tpkit.launch import SpawnError
-
+    """Train; 0 on success. A configuration or data error raises UserError (one line on
+    stderr and exit status 2, from `tpkit.cli`), before any process starts."""
     torchrun = "RANK" in os.environ and "WORLD_SIZE" in os.environ
     world = int(os.environ["WORLD_SIZE"]) if torchrun else args.nproc
-    try:
-        cfg = config_from_args(args, world)
-        cfg.check(world or cfg.world_size)
-        if torchrun:
-            return _run_torchrun(cfg)
-        from tpkit.spec import get_preset
-        from tpkit.train.data import load_tokens
+    if world is not None and world < 1:
+        raise UserError(f"--nproc={world} must be a positive number of processes")
+    cfg = config_from_args(args, world)
+    cfg.check(world or cfg.world_size)
+    if cfg.resume and not Path(cfg.resume).exists():
+        raise UserError(f"--resume {cfg.resume}: no such checkpoint or run folder")
+    if torchrun:
+        return _run_torchrun(cfg)
+    from tpkit.spec import get_preset
+    from tpkit.train.data import load_tokens
 
-        load_tokens(cfg.data, get_preset(cfg.preset).vocab_size)  # data errors before spawning
-        return _run_local(cfg)
-    except (ValueError, FileNotFoundError) as e:
-        print(f"tpkit train: error: {e}", file=sys.stderr)
-        return 2
-    except SpawnError as e:
-        if isinstance(e.original, (ValueError, FileNotFoundError)):
-            print(f"tpkit train: error: {e.original}", file=sys.stderr)
-            return 2
-        raise
+    load_tokens(cfg.data, get_preset(cfg.preset).vocab_size)  # data errors before spawning
+    return _run_local(cfg)
 
 
 def _run_local(cfg: TrainConfig) -> int:
@@ -135,7 +132,8 @@ def _run_local(cfg: TrainConfig) -> int:
     else:
         threads = max(1, (os.cpu_count() or 1) // n)
         results = spawn(_worker, n, cfg, mesh=dict(tp=cfg.tp, pp=cfg.pp, dp=cfg.dp),
-                        threads=threads, timeout=7 * 24 * 3600.0)
+                        threads=threads, timeout=7 * 24 * 3600.0,
+                        collective_timeout=cfg.collective_timeout)
     _print_report(results)
     return 0
 
@@ -146,7 +144,8 @@ def _run_torchrun(cfg: TrainConfig) -> int:
     from tpkit.mesh import ParallelMesh
     from tpkit.train.loop import train
 
-    mesh = ParallelMesh.from_env(tp=cfg.tp, pp=cfg.pp, dp=cfg.dp)
+    mesh = ParallelMesh.from_env(tp=cfg.tp, pp=cfg.pp, dp=cfg.dp,
+                                 timeout_s=cfg.collective_timeout)
     print(f"rank {mesh.rank}: {mesh!r}, tp group {list(mesh.tp_group.ranks)}", flush=True)
     result = train(cfg, mesh)
     if mesh.rank == 0:

@@ -20,6 +20,7 @@ from tpkit.comm.report import human_bytes
 from tpkit.mesh import ParallelMesh
 from tpkit.sharding import full_state_dict, splits_of, unshard
 from tpkit.spec import theory
+from tpkit.spec.errors import UserError
 
 TOL = {"float32": 1e-5, "bfloat16": 5e-2}
 
@@ -123,10 +124,7 @@ def run(args: argparse.Namespace) -> int:
     from tpkit.launch import spawn
 
     component = args.component or ("model" if args.preset else "mlp")
-    if component == "model" and not args.preset:
-        print("tpkit verify: --component model needs --preset")
-        return 2
-    tps = sorted({int(t) for t in args.tp.split(",")} | {1})
+    tps = _check_args(args, component)
     a = dict(vars(args), ffn=args.ffn or 4 * args.hidden)
     case = _mlp_case if component == "mlp" else _model_case
     what = f"MLP {args.activation} h={args.hidden} ffn={a['ffn']}" if component == "mlp" \
@@ -153,6 +151,30 @@ def run(args: argparse.Namespace) -> int:
     _print_rows(rows, tol)
     print("OK: every tp matches tp=1 and the ledger matches the theory" if ok else "MISMATCH")
     return 0 if ok else 1
+
+
+def _check_args(args: argparse.Namespace, component: str) -> list[int]:
+    """The tp sizes to compare (1 included); UserError for what cannot run at all."""
+    if component == "model" and not args.preset:
+        raise UserError("--component model needs --preset")
+    try:
+        tps = sorted({int(t) for t in args.tp.split(",")} | {1})
+    except ValueError:
+        raise UserError(f"--tp={args.tp!r} must be comma-separated integers, e.g. 1,2,4") \
+            from None
+    sizes = dict(tp=tps[0], batch=args.batch, seq=args.seq, hidden=args.hidden,
+                 ffn=args.ffn or 1, layers=args.layers or 1)
+    bad = [f"{k}={v} must be a positive integer" for k, v in sizes.items() if v < 1]
+    if bad:
+        raise UserError("; ".join(bad))
+    if component == "model":
+        from tpkit.spec import get_preset
+
+        cfg = get_preset(args.preset)  # UserError naming the known presets
+        problems = cfg.problems(seq=args.seq)
+        if problems:
+            raise UserError(f"{cfg.name}: " + "; ".join(problems))
+    return tps
 
 
 def _print_rows(rows, tol) -> None:

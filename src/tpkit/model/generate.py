@@ -21,6 +21,7 @@ from torch import nn
 
 from tpkit.comm import all_gather
 from tpkit.layers.attention import KVCache
+from tpkit.spec.errors import UserError
 
 
 @torch.no_grad()
@@ -32,9 +33,9 @@ def generate(model: nn.Module, ids: torch.Tensor, max_new_tokens: int, *,
     Call on every tp rank of a pp=1 model; every rank returns the same tokens.
     """
     if not (model.is_first_stage and model.is_last_stage):
-        raise ValueError("generate needs pp=1 (every stage's layers on each rank)")
+        raise UserError("generate needs pp=1 (every stage's layers on each rank)")
     if ids.shape[1] + max_new_tokens > model.config.max_seq_len:
-        raise ValueError(f"prompt {ids.shape[1]} + {max_new_tokens} new tokens exceeds "
+        raise UserError(f"prompt {ids.shape[1]} + {max_new_tokens} new tokens exceeds "
                          f"max_seq_len={model.config.max_seq_len}")
     model.eval()
     caches = [KVCache() for _ in model.layers]

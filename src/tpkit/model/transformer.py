@@ -33,6 +33,7 @@ from tpkit.layers.random import TPRandom, checkpointed, dropout
 from tpkit.model.block import Block
 from tpkit.sharding import SP_TAG, TPSplit, seed_for, shard, tag
 from tpkit.spec.config import ModelConfig
+from tpkit.spec.errors import UserError
 
 
 def stage_layers(num_layers: int, pp: int, stage: int) -> range:
@@ -99,7 +100,7 @@ class Transformer(nn.Module):
         tp, pp, v = mesh.tp_size, mesh.pp_size, virtual_stages
         config.check(tp=tp, pp=pp)  # every rank, before any collective
         if v < 1 or pp * v > config.num_layers:
-            raise ValueError(f"{config.name}: pp*virtual_stages = {pp}*{v} = {pp * v} chunks "
+            raise UserError(f"{config.name}: pp*virtual_stages = {pp}*{v} = {pp * v} chunks "
                              f"do not fit num_layers={config.num_layers}")
         self.config, self.mesh, self.group = config, mesh, mesh.tp_group
         self.sequence_parallel, self.recompute, self.seed = sequence_parallel, recompute, seed

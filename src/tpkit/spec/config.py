@@ -9,6 +9,8 @@ from __future__ import annotations
 
 from dataclasses import asdict, dataclass, replace
 
+from tpkit.spec.errors import UserError
+
 
 @dataclass(frozen=True)
 class ModelConfig:
@@ -71,7 +73,7 @@ class ModelConfig:
         """Inverse of `to_dict`; unknown keys are an error naming them."""
         unknown = set(d) - set(cls.__dataclass_fields__)
         if unknown:
-            raise ValueError(f"unknown ModelConfig fields: {sorted(unknown)}")
+            raise UserError(f"unknown ModelConfig fields: {sorted(unknown)}")
         return cls(**d)
 
     # -- parameter counts (unpadded vocabulary) ------------------------------------------
@@ -103,10 +105,10 @@ class ModelConfig:
 
     # -- validation ----------------------------------------------------------------------
     def check(self, tp: int = 1, pp: int = 1, sp: bool = False, seq: int | None = None) -> None:
-        """Raise ValueError naming the numbers if this model cannot run at (tp, pp, sp)."""
+        """Raise UserError naming the numbers if this model cannot run at (tp, pp, sp)."""
         problems = self.problems(tp=tp, pp=pp, sp=sp, seq=seq)
         if problems:
-            raise ValueError(f"{self.name}: " + "; ".join(problems))
+            raise UserError(f"{self.name}: " + "; ".join(problems))
 
     def problems(self, tp: int = 1, pp: int = 1, sp: bool = False,
                  seq: int | None = None) -> list[str]:
@@ -219,4 +221,4 @@ def get_preset(name: str) -> ModelConfig:
     try:
         return PRESETS[name]
     except KeyError:
-        raise ValueError(f"unknown preset {name!r}; known: {', '.join(PRESETS)}") from None
+        raise UserError(f"unknown preset {name!r}; known: {', '.join(PRESETS)}") from None

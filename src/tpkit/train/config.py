@@ -13,6 +13,9 @@ import sys
 from dataclasses import asdict, dataclass, fields, replace
 from pathlib import Path
 
+from tpkit.launch import DEFAULT_COLLECTIVE_TIMEOUT_S
+from tpkit.spec.errors import UserError
+
 if sys.version_info >= (3, 11):
     import tomllib
 else:  # pragma: no cover
@@ -55,6 +58,7 @@ class TrainConfig:
     out: str = "runs/train"
     seed: int = 0
     resume: str | None = None  # a checkpoint directory, or a folder of them (the latest)
+    collective_timeout: float = DEFAULT_COLLECTIVE_TIMEOUT_S  # s a collective may wait
     progress: bool = True
     plot: bool = True
     checkpoint: bool = True
@@ -82,12 +86,12 @@ class TrainConfig:
         """Read a TOML file whose keys are the field names (dashes allowed), then override."""
         p = Path(path)
         if not p.is_file():
-            raise FileNotFoundError(f"config file {p} does not exist")
+            raise UserError(f"config file {p} does not exist")
         raw = {k.replace("-", "_"): v for k, v in tomllib.loads(p.read_text()).items()}
         known = {f.name for f in fields(cls)}
         unknown = sorted(set(raw) - known)
         if unknown:
-            raise ValueError(f"{p}: unknown keys {unknown}; known: {sorted(known)}")
+            raise UserError(f"{p}: unknown keys {unknown}; known: {sorted(known)}")
         return cls(**{**raw, **overrides})
 
     def problems(self) -> list[str]:
@@ -98,6 +102,15 @@ class TrainConfig:
                for k in ("tp", "pp", "dp", "steps", "micro_batches", "global_batch", "seq",
                          "virtual_stages")
                if not isinstance(getattr(self, k), int) or getattr(self, k) < 1]
+        out += [f"{k}={getattr(self, k)} must be an integer >= 0"
+                for k in ("warmup", "ckpt_every", "eval_every", "eval_batches", "log_every")
+                if not isinstance(getattr(self, k), int) or getattr(self, k) < 0]
+        out += [f"{k}={getattr(self, k)} must be a number >= 0"
+                for k in ("clip", "weight_decay", "min_lr")
+                if getattr(self, k) is not None and not getattr(self, k) >= 0]
+        if not self.collective_timeout > 0:
+            out.append(f"collective_timeout={self.collective_timeout} must be a positive "
+                       f"number of seconds")
         if out:
             return out
         if self.global_batch % (self.dp * self.micro_batches):
@@ -108,7 +121,7 @@ class TrainConfig:
             out.append(f"dtype={self.dtype!r} is not one of {DTYPES}")
         if not 0.0 <= self.val_fraction < 1.0:
             out.append(f"val_fraction={self.val_fraction} must be in [0, 1)")
-        if self.lr <= 0:
+        if not self.lr > 0:
             out.append(f"lr={self.lr} must be positive")
         try:
             model = get_preset(self.preset)
@@ -134,10 +147,10 @@ class TrainConfig:
         return []
 
     def check(self, world_size: int | None = None) -> None:
-        """Raise ValueError listing every problem (and a world-size mismatch)."""
+        """Raise UserError listing every problem (and a world-size mismatch)."""
         problems = self.problems()
         if world_size is not None and world_size != self.world_size:
             problems.append(f"tp*pp*dp = {self.tp}*{self.pp}*{self.dp} = {self.world_size} "
                             f"does not equal the number of processes {world_size}")
         if problems:
-            raise ValueError("; ".join(problems))
+            raise UserError("; ".join(problems))

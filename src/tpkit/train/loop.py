@@ -22,6 +22,7 @@ from pathlib import Path
 import torch
 
 from tpkit.comm import all_reduce
+from tpkit.comm.failure import CollectiveFailed
 from tpkit.mesh import ParallelMesh
 from tpkit.parallel import (
     OverlappedGradSync,
@@ -116,6 +117,8 @@ def train(cfg: TrainConfig, mesh: ParallelMesh, model: torch.nn.Module | None = 
             rows.append(row)
             log.write({k: v for k, v in row.items() if k != "comm_line"})
             bar.update(row)
+    except CollectiveFailed as e:  # a dead or stuck peer: say how far the run got
+        raise e.after_step(start + len(rows)) from e.__cause__
     finally:
         bar.close()
         link.close()
