@@ -11,6 +11,9 @@ preset, port; any `tpkit.spec.errors.UserError`) prints one line,
 and exits with status 2; a failed run (a rank died, a collective timed out) prints
 one line and exits 1; anything else is a bug and keeps its traceback. `--debug` (or
 TPKIT_DEBUG=1) shows the traceback of user mistakes too.
+
+SIGTERM, SIGHUP and SIGINT stop a command cleanly: its worker processes are killed
+and waited for, and it exits with 128 + the signal number.
 """
 
 from __future__ import annotations
@@ -19,7 +22,9 @@ import argparse
 import errno
 import importlib
 import os
+import signal
 import sys
+import threading
 
 from tpkit.spec.errors import UserError
 
@@ -36,6 +41,33 @@ COMMANDS: dict[str, tuple[str, str]] = {
 USER_MISTAKE, RUN_FAILED = 2, 1  # exit statuses
 _USER_OS_ERRORS = (errno.ENOENT, errno.EACCES, errno.EPERM, errno.EISDIR, errno.ENOTDIR,
                    errno.EADDRINUSE, errno.EADDRNOTAVAIL, errno.EEXIST, errno.ENOSPC)
+
+
+class Stopped(KeyboardInterrupt):
+    """SIGTERM, SIGHUP (or SIGINT) reached this process: unwind, stopping every child."""
+
+    def __init__(self, signum: int) -> None:
+        super().__init__(signal.Signals(signum).name)
+        self.signum = signum
+
+
+_STOP_SIGNALS = (signal.SIGTERM, signal.SIGHUP, signal.SIGINT)
+
+
+def _stop_on_signals() -> dict | None:
+    """Turn SIGTERM, SIGHUP and SIGINT into `Stopped`, raised once in the main thread, so
+    that every `with` and `finally` on the way out runs (the launcher kills its workers,
+    a checkpoint being written stays a hidden temporary); later signals are ignored
+    while it unwinds. Returns the previous handlers (None off the main thread)."""
+    if threading.current_thread() is not threading.main_thread():
+        return None
+
+    def stop(signum, _frame):
+        for s in _STOP_SIGNALS:
+            signal.signal(s, signal.SIG_IGN)
+        raise Stopped(signum)
+
+    return {s: signal.signal(s, stop) for s in _STOP_SIGNALS}
 
 
 class _Parser(argparse.ArgumentParser):
@@ -99,17 +131,22 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--debug", action="store_true",
                         help="print the traceback of user mistakes too (or TPKIT_DEBUG=1)")
     args = parser.parse_args(argv[1:])
+    previous = _stop_on_signals()
     try:
         return int(module.run(args) or 0)
-    except KeyboardInterrupt:
-        print(f"tpkit {name}: interrupted", file=sys.stderr)
-        return 130
+    except KeyboardInterrupt as e:
+        signum = getattr(e, "signum", signal.SIGINT)
+        print(f"tpkit {name}: stopped by {signal.Signals(signum).name}", file=sys.stderr)
+        return 128 + signum
     except Exception as e:
         said = explain(e)
         if said is None or args.debug or os.environ.get("TPKIT_DEBUG") == "1":
             raise
         print(f"tpkit {name}: error: {said[0]}", file=sys.stderr)
         return said[1]
+    finally:
+        for s, handler in (previous or {}).items():
+            signal.signal(s, handler)
 
 
 if __name__ == "__main__":
