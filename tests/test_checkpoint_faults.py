@@ -170,4 +170,5 @@ def test_convert_full_and_offline_reshard(run_tp, tmp_path):
         assert torch.equal(got[n], t), n
     bad = argparse.Namespace(source=str(tmp_path / "nowhere"), dest=str(tmp_path / "x"),
                              to="full", tp=1, pp=1)
-    assert convert.run(bad) == 1
+    with pytest.raises(ckpt.CheckpointError, match="nowhere"):  # one line, from tpkit.cli
+        convert.run(bad)

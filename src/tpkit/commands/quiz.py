@@ -12,6 +12,7 @@ Without `--live` nothing here imports torch, so the quiz starts at once.
 from __future__ import annotations
 
 import argparse
+import errno
 import os
 import sys
 
@@ -24,6 +25,7 @@ from tpkit.quiz.tutor import (
     run_tutor,
     scripted,
 )
+from tpkit.spec.errors import UserError
 
 
 def _default_lang() -> str:
@@ -53,7 +55,13 @@ def run(args: argparse.Namespace) -> int:
     if args.web:
         from tpkit.quiz.web import serve
 
-        return serve(quiz, port=args.port, lang=args.lang, live=args.live)
+        try:
+            return serve(quiz, port=args.port, lang=args.lang, live=args.live)
+        except OSError as e:
+            if e.errno != errno.EADDRINUSE:
+                raise
+            raise UserError(f"port {args.port} is already in use on 127.0.0.1; choose "
+                            f"another with --port") from None
     items = quiz.items(args.lang, shuffle=args.shuffle, seed=args.seed)
     try:
         if args.answers is not None:

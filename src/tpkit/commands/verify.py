@@ -12,6 +12,7 @@ bytes per rank; exits non-zero on any mismatch.
 from __future__ import annotations
 
 import argparse
+import math
 from dataclasses import replace
 
 import torch
@@ -22,7 +23,8 @@ from tpkit.sharding import full_state_dict, splits_of, unshard
 from tpkit.spec import theory
 from tpkit.spec.errors import UserError
 
-TOL = {"float32": 1e-5, "bfloat16": 5e-2}
+TOL = {"float32": 1e-5, "bfloat16": 5e-2}  # max abs difference of outputs and gradients
+LOSS_ULPS = 4  # float32 losses: at most this many units in the last place from tp=1
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
@@ -130,8 +132,9 @@ def run(args: argparse.Namespace) -> int:
     what = f"MLP {args.activation} h={args.hidden} ffn={a['ffn']}" if component == "mlp" \
         else f"{args.preset}{' +SP' if args.sp else ''}"
     print(f"tpkit verify: {what}, batch={args.batch} seq={args.seq} {args.dtype}, tp={tps}")
-    ref = _gather([case(ParallelMesh.single(), a)])
+    ref = _reference(case, a)
     tol, ok = TOL[args.dtype], True
+    bounds = dict(tol=tol, loss=_loss_bound(ref["loss"], args.dtype))
     rows = []
     for tp in tps:
         try:
@@ -143,12 +146,12 @@ def run(args: argparse.Namespace) -> int:
             continue
         diffs = _diffs(ref, _gather(results))
         problems = results[0]["problems"]
-        good = all(v <= tol for v in diffs.values()) and not problems
+        good = all(v <= bounds.get(k, tol) for k, v in diffs.items()) and not problems
         ok &= good
         rows.append((tp, diffs, results[0]["param_bytes"], problems, good))
         if tp == tps[-1] or not good:
             print(results[0]["table"])
-    _print_rows(rows, tol)
+    _print_rows(rows, bounds, args.dtype)
     print("OK: every tp matches tp=1 and the ledger matches the theory" if ok else "MISMATCH")
     return 0 if ok else 1
 
@@ -177,12 +180,40 @@ def _check_args(args: argparse.Namespace, component: str) -> list[int]:
     return tps
 
 
-def _print_rows(rows, tol) -> None:
+def _reference(case, a: dict) -> dict:
+    """The tp=1 results, evaluated twice in this process: the same inputs must give the
+    same bits. If they do not, a third evaluation decides and the disagreement is
+    printed (a non-deterministic kernel or a machine fault, not a sharding error)."""
+    runs = [_gather([case(ParallelMesh.single(), a)]) for _ in range(2)]
+    if _same(runs[0], runs[1]):
+        return runs[0]
+    runs.append(_gather([case(ParallelMesh.single(), a)]))
+    pick = runs[2] if _same(runs[1], runs[2]) or not _same(runs[0], runs[2]) else runs[0]
+    print(f"note: the tp=1 reference was not reproducible in this process (losses "
+          f"{', '.join(repr(r['loss']) for r in runs)} from the same inputs); using the "
+          f"value two of three evaluations agree on")
+    return pick
+
+
+def _same(x: dict, y: dict) -> bool:
+    return x["loss"] == y["loss"] and torch.equal(x["out"], y["out"])
+
+
+def _loss_bound(loss: float | None, dtype: str) -> float:
+    """LOSS_ULPS float32 ulps of the reference loss (bfloat16: the output tolerance)."""
+    if loss is None or dtype != "float32":
+        return TOL[dtype]
+    return LOSS_ULPS * 2.0 ** (math.frexp(abs(loss) or 1.0)[1] - 24)  # ulp = 2^(e-24)
+
+
+def _print_rows(rows, bounds: dict, dtype: str) -> None:
     from rich.table import Table
 
     from tpkit.comm.report import render
 
-    t = Table(title=f"against tp=1 (tolerance {tol:g})")
+    loss = (f"loss <= {LOSS_ULPS} float32 ulp = {bounds['loss']:.2g}" if dtype == "float32"
+            else f"loss {bounds['loss']:g}")
+    t = Table(title=f"against tp=1 (max abs: outputs and gradients {bounds['tol']:g}; {loss})")
     for c in ("tp", "max|Δ out|", "Δ loss", "max|Δ grad|", "max|Δ dx|", "param bytes/rank",
               "ledger vs theory", "ok"):
         t.add_column(c, justify="right")
