@@ -49,3 +49,25 @@ def wait_gone(pids: list[int], timeout: float) -> tuple[float, list[int]]:
             return time.monotonic() - t0, []
         time.sleep(0.05)
     return time.monotonic() - t0, [p for p in pids if running(p)]
+
+
+def cmdline(pid: int) -> str:
+    """The command line of `pid` ('' once it is gone)."""
+    try:
+        with open(f"/proc/{pid}/cmdline", "rb") as f:
+            return f.read().replace(b"\0", b" ").decode(errors="replace")
+    except OSError:
+        return ""
+
+
+def workers(launcher: int) -> list[int]:
+    """The spawned ranks of a tpkit launcher, in rank (start) order: the forkserver's
+    children."""
+    servers = [p for p in descendants(launcher) if "forkserver" in cmdline(p)]
+    children = {c for s in servers for c in descendants(s)}
+    return sorted(c for c in children if any(c in descendants(s) for s in servers)
+                  and _parent(c) in servers)
+
+
+def _parent(pid: int) -> int:
+    return _parents().get(pid, -1)

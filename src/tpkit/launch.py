@@ -11,9 +11,9 @@ rank that only stopped because another failed (`peer_failed`, a collective with 
 dead peer) gives way to the rank that failed first, and a rank that stopped making
 progress without an error (SIGSTOP, a deadlock) is named as the stuck one.
 
-No worker outlives its launcher: workers get SIGKILL when their parent (the
-forkserver, which exits with the launcher) dies (Linux `PR_SET_PDEATHSIG`), and a
-launcher interrupted by a signal kills its workers on the way out.
+No worker outlives its launcher: each watches a pipe that only the launcher holds
+open and kills itself when the launcher is gone (even by SIGKILL); a launcher
+interrupted by a signal kills and waits for its workers on the way out.
 """
 
 from __future__ import annotations
@@ -23,7 +23,7 @@ import os
 import pickle
 import queue
 import signal
-import sys
+import threading
 import time
 import traceback
 from collections.abc import Callable
@@ -50,20 +50,20 @@ class SpawnError(RuntimeError):
         self.run_failed = run_failed
 
 
-def die_with_parent() -> None:
-    """Ask Linux to SIGKILL this process when its parent dies (no-op elsewhere); exit at
-    once if the parent is already gone."""
-    if not sys.platform.startswith("linux"):
-        return
-    import ctypes
+def watch_launcher(lifeline) -> None:
+    """Kill this worker as soon as its launcher is gone (even by SIGKILL): a thread waits
+    on `lifeline`, the read end of a pipe whose write end only the launcher holds; the
+    kernel closes that end when the launcher dies, and the wait ends. (The forkserver,
+    the workers' parent, lives as long as they do, so a parent-death signal would not
+    fire.)"""
+    def wait() -> None:
+        try:
+            lifeline.recv()
+        except (EOFError, OSError):
+            pass
+        os.kill(os.getpid(), signal.SIGKILL)
 
-    pr_set_pdeathsig = 1
-    try:
-        ctypes.CDLL(None, use_errno=True).prctl(pr_set_pdeathsig, int(signal.SIGKILL), 0, 0, 0)
-    except (OSError, AttributeError):  # no prctl: the pool's kill on exit still applies
-        return
-    if os.getppid() == 1:
-        os._exit(1)
+    threading.Thread(target=wait, name="tpkit-launcher-watch", daemon=True).start()
 
 
 def _context():
@@ -75,8 +75,8 @@ def _context():
 
 
 def _worker(rank: int, nprocs: int, port: int, tasks, results, threads: int,
-            pg_timeout_s: float, env: dict[str, str]) -> None:
-    die_with_parent()
+            pg_timeout_s: float, env: dict[str, str], lifeline) -> None:
+    watch_launcher(lifeline)
     import torch
     import torch.distributed as dist
 
@@ -143,12 +143,14 @@ class WorkerPool:
         port = self._store.port
         self._results = ctx.Queue()
         self._tasks = [ctx.Queue() for _ in range(self.nprocs)]
+        lifeline, self._lifeline = ctx.Pipe(duplex=False)  # workers read, only we hold w
         self._procs = [ctx.Process(target=_worker, daemon=True,
                                    args=(r, self.nprocs, port, self._tasks[r], self._results,
-                                         self.threads, self.pg_timeout_s, self.env))
+                                         self.threads, self.pg_timeout_s, self.env, lifeline))
                        for r in range(self.nprocs)]
         for p in self._procs:
             p.start()
+        lifeline.close()
 
     def run(self, fn: Callable, *args: Any, mesh: dict | None = None,
             timeout: float | None = None) -> list:
@@ -250,6 +252,7 @@ class WorkerPool:
                 p.join(timeout=5)
         self._procs = []
         self._store = None
+        self._lifeline.close()
 
     def __enter__(self) -> WorkerPool:
         return self
