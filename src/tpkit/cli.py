@@ -39,6 +39,8 @@ COMMANDS: dict[str, tuple[str, str]] = {
     "quiz": ("tpkit.commands.quiz", "the tensor-parallelism quiz, as a live tutor (fr/en)"),
 }
 USER_MISTAKE, RUN_FAILED = 2, 1  # exit statuses
+_USER_OS_TYPES = (FileNotFoundError, PermissionError, IsADirectoryError, NotADirectoryError,
+                  FileExistsError)
 _USER_OS_ERRORS = (errno.ENOENT, errno.EACCES, errno.EPERM, errno.EISDIR, errno.ENOTDIR,
                    errno.EADDRINUSE, errno.EADDRNOTAVAIL, errno.EEXIST, errno.ENOSPC)
 
@@ -94,7 +96,7 @@ def explain(e: BaseException) -> tuple[str, int] | None:
         return f"rank {rank}: {said[0]}", said[1]
     if isinstance(e, UserError):
         return _first_line(e), USER_MISTAKE
-    if isinstance(e, OSError) and e.errno in _USER_OS_ERRORS:
+    if isinstance(e, _USER_OS_TYPES) or isinstance(e, OSError) and e.errno in _USER_OS_ERRORS:
         return _first_line(e), USER_MISTAKE
     if getattr(e, "run_failed", False):  # SpawnError: a rank died or a collective timed out
         return _first_line(e), RUN_FAILED
