@@ -172,3 +172,25 @@ def test_convert_full_and_offline_reshard(run_tp, tmp_path):
                              to="full", tp=1, pp=1)
     with pytest.raises(ckpt.CheckpointError, match="nowhere"):  # one line, from tpkit.cli
         convert.run(bad)
+
+
+def raising_load_worker(mesh, path):
+    ckpt.load(path, Transformer(LLAMA, mesh, seed=9), mesh=mesh)
+
+
+@pytest.mark.timeout(120)
+def test_the_launcher_shows_the_failing_ranks_own_error(run_tp, tmp_path):
+    """Rank 0 fails only because rank 1 did ("another rank failed to load"): the error
+    that reaches the user is rank 1's, naming its file."""
+    from tpkit.cli import explain
+    from tpkit.launch import SpawnError
+
+    saved(tmp_path / "c")
+    convert.reshard(tmp_path / "c", tmp_path / "tp2", tp=2)
+    flip(tmp_path / "tp2" / "model-tp01-pp00.safetensors")  # only rank 1 reads it
+    with pytest.raises(SpawnError) as info:
+        run_tp(raising_load_worker, 2, str(tmp_path / "tp2"))
+    assert info.value.rank == 1
+    line, status = explain(info.value)
+    assert status == 2 and line.startswith("rank 1: ") and \
+        "model-tp01-pp00.safetensors: checksum mismatch" in line, line
