@@ -194,3 +194,20 @@ def test_the_launcher_shows_the_failing_ranks_own_error(run_tp, tmp_path):
     line, status = explain(info.value)
     assert status == 2 and line.startswith("rank 1: ") and \
         "model-tp01-pp00.safetensors: checksum mismatch" in line, line
+
+
+@pytest.mark.timeout(60)
+def test_a_damaged_full_file_is_refused_naming_it(tmp_path):
+    """One flipped bit in a full .safetensors file's tensor data (today: loads and
+    generates, exit 0) fails its sha256; a truncated file is named, not a raw error."""
+    saved(tmp_path / "c")
+    full = convert.to_full(tmp_path / "c", tmp_path / "full.safetensors")
+    assert convert.open_source(full)[1] == LLAMA
+    data = bytearray(full.read_bytes())
+    data[-10] ^= 0x40  # inside the last tensor's bytes
+    (tmp_path / "flipped.safetensors").write_bytes(bytes(data))
+    with pytest.raises(ckpt.CheckpointError, match=r"flipped.safetensors: checksum mismatch"):
+        convert.open_source(tmp_path / "flipped.safetensors")
+    truncate(full)
+    with pytest.raises(ckpt.CheckpointError, match=r"full.safetensors: not a readable"):
+        convert.open_source(full)

@@ -14,7 +14,9 @@ slices (`ckpt_io.local_slice`): the tags, never the names, decide the layout.
 from __future__ import annotations
 
 import argparse
+import hashlib
 import json
+import os
 import shutil
 from pathlib import Path
 from types import SimpleNamespace
@@ -85,6 +87,7 @@ def open_source(source: Any, config: ModelConfig | None = None
         meta = json.loads((src.f.metadata() or {}).get("tpkit", "{}"))
         if meta.get("format") != FULL_FORMAT:
             raise CheckpointError(f"{path}: not a tpkit full safetensors file (no metadata)")
+        _verify_full(path, src, meta)
         return src, config or ModelConfig.from_dict(meta["config"]), src.names
     if (path / "config.json").is_file():
         from tpkit.model.hf import HFSource, config_from_hf, open_hf, table
@@ -108,9 +111,32 @@ def to_full(source: Any, out: str | Path) -> Path:
     step = read_manifest(source)["step"] if (Path(source) / MANIFEST).is_file() else 0
     out = Path(out)
     out.parent.mkdir(parents=True, exist_ok=True)
-    meta = dict(format=FULL_FORMAT, config=config.to_dict(), step=step)
-    save_file(tensors, str(out), metadata={"tpkit": json.dumps(meta)})
+    meta = dict(format=FULL_FORMAT, config=config.to_dict(), step=step,
+                sha256=tensors_digest(tensors))
+    tmp = out.parent / f".{out.name}.tmp"  # never a half-written file under `out`'s name
+    save_file(tensors, str(tmp), metadata={"tpkit": json.dumps(meta)})
+    os.replace(tmp, out)
     return out
+
+
+def tensors_digest(tensors: dict[str, torch.Tensor]) -> str:
+    """sha256 over every tensor's name, dtype, shape and bytes, in name order: the
+    checksum a full file carries in its metadata (a file cannot hold its own hash)."""
+    h = hashlib.sha256()
+    for name in sorted(tensors):
+        t = tensors[name].detach().to("cpu").contiguous()
+        h.update(f"{name}|{t.dtype}|{list(t.shape)}|".encode())
+        h.update(t.reshape(-1).view(torch.uint8).numpy().tobytes())
+    return h.hexdigest()
+
+
+def _verify_full(path: Path, src: FullSource, meta: dict) -> None:
+    """CheckpointError naming the file unless its tensors match the sha256 it carries
+    (files written before the checksum existed carry none and are read as they are)."""
+    if "sha256" in meta and tensors_digest({n: src.f.get_tensor(n) for n in src.names}) \
+            != meta["sha256"]:
+        raise CheckpointError(f"{path}: checksum mismatch: its tensors do not match the "
+                              f"sha256 in its metadata (the file is damaged)")
 
 
 def reshard(source: Any, out: str | Path, tp: int, pp: int = 1) -> Path:
