@@ -211,3 +211,16 @@ def test_a_damaged_full_file_is_refused_naming_it(tmp_path):
     truncate(full)
     with pytest.raises(ckpt.CheckpointError, match=r"full.safetensors: not a readable"):
         convert.open_source(full)
+
+
+@pytest.mark.timeout(60)
+def test_prune_keeps_the_newest_complete_checkpoints(tmp_path):
+    for step in range(1, 6):
+        saved(tmp_path / f"step_{step:06d}", seed=step)
+    (tmp_path / ".step_000009.tmp").mkdir()  # a save killed midway: not a checkpoint
+    gone = ckpt.prune(tmp_path, keep=2)
+    assert [d.name for d in gone] == [f"step_{s:06d}" for s in (1, 2, 3)]
+    assert [read["step"] for read in map(ckpt.read_manifest, ckpt.complete(tmp_path))] == [4, 5]
+    assert sorted(p.name for p in tmp_path.iterdir()) == [".step_000009.tmp", "step_000004",
+                                                          "step_000005"]
+    assert ckpt.prune(tmp_path, keep=0) == [] and len(ckpt.complete(tmp_path)) == 2

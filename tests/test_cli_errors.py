@@ -37,6 +37,8 @@ def files(tmp_path_factory):
         model = Transformer(get_preset(preset), ParallelMesh.single(), seed=0)
         store.save(root / preset, model, step=1)
     (root / "run" / "checkpoints").mkdir(parents=True)
+    model = Transformer(get_preset("gpt2-tiny"), ParallelMesh.single(), seed=0)
+    store.save(root / "done" / "checkpoints" / "step_000001", model, step=1)
     (root / "notes.safetensors").write_text("not a safetensors file")
     return root
 
@@ -55,6 +57,8 @@ def _cases(root: Path, port: int) -> list[tuple[list[str], str]]:
         (train + ["--clip", "-1"], "clip=-1.0 must be a number >= 0"),
         (train + ["--resume", str(root / "missing")], "missing: no such checkpoint"),
         (train + ["--resume", llama], "written for a different model"),
+        (["train", "--steps", "2", "--out", str(root / "done")],
+         "holds an earlier run (checkpoints up to step_000001); continue it with --resume"),
         (["verify", "--preset", "gpt3-huge"], "unknown preset 'gpt3-huge'"),
         (["verify", "--preset", "gpt2-tiny", "--tp", "0,2"], "tp=0 must be a positive"),
         (["verify", "--preset", "gpt2-tiny", "--seq", "4096"],

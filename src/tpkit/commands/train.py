@@ -45,6 +45,7 @@ _FLAGS = {  # field -> (type or action, help)
     "out": (str, "output directory (metrics.jsonl, loss.png, checkpoints/)"),
     "seed": (int, "seed of weights and data order"),
     "resume": (str, "continue from a checkpoint (or the latest one in a folder)"),
+    "keep_checkpoints": (int, "newest complete checkpoints to keep (0: all)"),
     "collective_timeout": (float, "seconds a collective may wait for a dead or stuck rank "
                                   "before the run stops, naming it"),
 }
@@ -61,6 +62,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--config", help="TOML file with the same keys; flags override it")
     parser.add_argument("--nproc", type=int, help="local processes to spawn (default tp*pp*dp)")
     parser.add_argument("--no-progress", action="store_true", help="no progress bar")
+    parser.add_argument("--overwrite", action="store_true",
+                        help="delete the checkpoints of an earlier run in --out first")
 
 
 def config_from_args(args: argparse.Namespace, world: int | None) -> TrainConfig:
@@ -112,6 +115,8 @@ def run(args: argparse.Namespace) -> int:
     cfg.check(world or cfg.world_size)
     if cfg.resume and not Path(cfg.resume).exists():
         raise UserError(f"--resume {cfg.resume}: no such checkpoint or run folder")
+    if not cfg.resume:
+        _never_mix_runs(Path(cfg.out), args.overwrite, torchrun)
     if torchrun:
         return _run_torchrun(cfg)
     from tpkit.spec import get_preset
@@ -119,6 +124,23 @@ def run(args: argparse.Namespace) -> int:
 
     load_tokens(cfg.data, get_preset(cfg.preset).vocab_size)  # data errors before spawning
     return _run_local(cfg)
+
+
+def _never_mix_runs(out: Path, overwrite: bool, torchrun: bool) -> None:
+    """A new run into an --out that holds an earlier run's checkpoints: refuse, naming
+    the flags, or (--overwrite) delete them first (rank 0 only, under torchrun)."""
+    from tpkit.checkpoint import store
+
+    found = store.complete(out / "checkpoints")
+    if not found:
+        return
+    if not overwrite:
+        raise UserError(f"--out {out} holds an earlier run (checkpoints up to "
+                        f"{found[-1].name}); continue it with --resume {out}, start over "
+                        f"with --overwrite, or choose another --out")
+    if not torchrun or os.environ.get("RANK") == "0":
+        for d in found:
+            store.discard(d)
 
 
 def _run_local(cfg: TrainConfig) -> int:

@@ -54,6 +54,7 @@ class TrainConfig:
     eval_every: int = 50
     eval_batches: int = 2
     ckpt_every: int = 0  # 0: only at the end
+    keep_checkpoints: int = 3  # newest complete checkpoints kept in out/checkpoints (0: all)
     log_every: int = 1
     out: str = "runs/train"
     seed: int = 0
@@ -103,7 +104,8 @@ class TrainConfig:
                          "virtual_stages")
                if not isinstance(getattr(self, k), int) or getattr(self, k) < 1]
         out += [f"{k}={getattr(self, k)} must be an integer >= 0"
-                for k in ("warmup", "ckpt_every", "eval_every", "eval_batches", "log_every")
+                for k in ("warmup", "ckpt_every", "keep_checkpoints", "eval_every",
+                          "eval_batches", "log_every")
                 if not isinstance(getattr(self, k), int) or getattr(self, k) < 0]
         out += [f"{k}={getattr(self, k)} must be a number >= 0"
                 for k in ("clip", "weight_decay", "min_lr")

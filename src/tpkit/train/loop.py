@@ -184,6 +184,8 @@ def save_checkpoint(cfg: TrainConfig, mesh: ParallelMesh, model, opt, loader: To
                     extra=dict(loader=loader.state_dict(), step=step, rng=rng,
                                layout=[mesh.tp_size, mesh.pp_size, mesh.dp_size],
                                config=cfg.to_dict()))
+    if mesh.rank == 0:  # the new one is complete: only now may the oldest go
+        checkpoint.prune(path.parent, cfg.keep_checkpoints)
     return str(path)
 
 
