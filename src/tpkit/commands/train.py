@@ -46,6 +46,8 @@ _FLAGS = {  # field -> (type or action, help)
     "seed": (int, "seed of weights and data order"),
     "resume": (str, "continue from a checkpoint (or the latest one in a folder)"),
     "keep_checkpoints": (int, "newest complete checkpoints to keep (0: all)"),
+    "check_replicas": (int, "every N steps, check that replicated parameters are identical "
+                            "on every tp rank (0: off)"),
     "collective_timeout": (float, "seconds a collective may wait for a dead or stuck rank "
                                   "before the run stops, naming it"),
 }

@@ -55,6 +55,7 @@ class TrainConfig:
     eval_batches: int = 2
     ckpt_every: int = 0  # 0: only at the end
     keep_checkpoints: int = 3  # newest complete checkpoints kept in out/checkpoints (0: all)
+    check_replicas: int = 0  # every N steps: replicated parameters equal on every tp rank
     log_every: int = 1
     out: str = "runs/train"
     seed: int = 0
@@ -104,8 +105,8 @@ class TrainConfig:
                          "virtual_stages")
                if not isinstance(getattr(self, k), int) or getattr(self, k) < 1]
         out += [f"{k}={getattr(self, k)} must be an integer >= 0"
-                for k in ("warmup", "ckpt_every", "keep_checkpoints", "eval_every",
-                          "eval_batches", "log_every")
+                for k in ("warmup", "ckpt_every", "keep_checkpoints", "check_replicas",
+                          "eval_every", "eval_batches", "log_every")
                 if not isinstance(getattr(self, k), int) or getattr(self, k) < 0]
         out += [f"{k}={getattr(self, k)} must be a number >= 0"
                 for k in ("clip", "weight_decay", "min_lr")

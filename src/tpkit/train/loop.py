@@ -36,6 +36,7 @@ from tpkit.parallel import (
     sync_tied_grads,
     tied_embedding_group,
 )
+from tpkit.parallel.replicas import check_replicas
 from tpkit.train import metrics
 from tpkit.train.config import TrainConfig
 from tpkit.train.data import TokenLoader, load_tokens, micro_batches, split_tokens
@@ -104,6 +105,9 @@ def train(cfg: TrainConfig, mesh: ParallelMesh, model: torch.nn.Module | None = 
         for step in range(start, cfg.steps):
             mesh.ledger.clear()
             row = _step(cfg, mesh, model, link, (tied, dp_sync), opt, loader, autocast, step)
+            if cfg.check_replicas and (step + 1) % cfg.check_replicas == 0:
+                with mesh.ledger.paused():  # not part of the step's theory
+                    check_replicas(model, mesh.tp_group, step + 1)
             train_s += row["step_s"]
             if step > start or cfg.steps == start + 1:
                 idle, busy = idle + row["idle_s"], busy + row["step_s"] - row["idle_s"]
