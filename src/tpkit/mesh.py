@@ -175,7 +175,7 @@ class ParallelMesh:
         tp, dp = _fill_sizes(world, tp, pp, dp)
         check_sizes(world, tp, pp, dp)  # before any collective, on every rank
         if world > 1 and not dist.is_initialized():
-            dist.init_process_group(default_backend(), timeout=timedelta(seconds=timeout_s))
+            _init_default_group(timedelta(seconds=timeout_s))
         return cls(tp, pp, dp, timeout_s=timeout_s, **kw)
 
     def _check_locality(self, strict: bool) -> None:
@@ -266,6 +266,19 @@ class ParallelMesh:
     def __repr__(self) -> str:
         return (f"ParallelMesh(rank={self.rank}, tp={self.tp_size}, pp={self.pp_size}, "
                 f"dp={self.dp_size}, coord={self.coord})")
+
+
+def _init_default_group(timeout: timedelta) -> None:
+    """The default process group from torchrun's environment, its keys in the store under
+    this incarnation's prefix: after a restart (`--max-restarts`) the store still holds
+    the dead incarnation's addresses under the same group names, and a new rank that
+    read them would connect to a dead peer (or hang)."""
+    store, rank, world = next(dist.rendezvous("env://", timeout=timeout))
+    store.set_timeout(timeout)
+    incarnation = os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")
+    dist.init_process_group(default_backend(), store=dist.PrefixStore(
+        f"tpkit/incarnation-{incarnation}", store), rank=rank, world_size=world,
+        timeout=timeout)
 
 
 def _predicted_cost(tp: int, ranks_per_node: int) -> str:

@@ -26,6 +26,7 @@ import os
 import random
 import shutil
 import time
+import warnings
 from pathlib import Path
 from typing import Any
 
@@ -57,7 +58,7 @@ from tpkit.mesh import ParallelMesh
 from tpkit.parallel.zero import ZeroAdamW
 from tpkit.sharding import split_of
 
-__all__ = ["CheckpointError", "capture_rng", "complete", "discard", "latest", "load", "prune",
+__all__ = ["CheckpointError", "capture_rng", "complete", "discard", "latest", "latest_valid", "load", "prune",
            "read_manifest", "restore_rng", "save"]
 
 Optimizer = torch.optim.Optimizer | ZeroAdamW  # what save / load accept
@@ -126,6 +127,21 @@ def latest(root: str | Path) -> Path | None:
     """The complete checkpoint (manifest present) with the highest step under `root`."""
     found = complete(root)
     return found[-1] if found else None
+
+
+def latest_valid(root: str | Path) -> Path | None:
+    """The newest complete checkpoint under `root` whose every file matches its manifest
+    (size and sha256); a damaged newer one is skipped with a warning. None: none."""
+    for d in reversed(complete(root)):
+        try:
+            for name, entry in read_manifest(d)["files"].items():
+                verify_file(d, name, entry)
+        except CheckpointError as e:
+            warnings.warn(f"{d} is damaged ({e}); trying the previous checkpoint",
+                          stacklevel=2)
+            continue
+        return d
+    return None
 
 
 def complete(root: str | Path) -> list[Path]:

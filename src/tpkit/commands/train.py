@@ -44,7 +44,8 @@ _FLAGS = {  # field -> (type or action, help)
     "ckpt_every": (int, "checkpoint every N steps (and always at the end)"),
     "out": (str, "output directory (metrics.jsonl, loss.png, checkpoints/)"),
     "seed": (int, "seed of weights and data order"),
-    "resume": (str, "continue from a checkpoint (or the latest one in a folder)"),
+    "resume": (str, "continue from a checkpoint (or the latest one in a folder); auto: from "
+                    "the newest valid checkpoint in --out if there is one (restarts)"),
     "keep_checkpoints": (int, "newest complete checkpoints to keep (0: all)"),
     "check_replicas": (int, "every N steps, check that replicated parameters are identical "
                             "on every tp rank (0: off)"),
@@ -115,7 +116,7 @@ def run(args: argparse.Namespace) -> int:
         raise UserError(f"--nproc={world} must be a positive number of processes")
     cfg = config_from_args(args, world)
     cfg.check(world or cfg.world_size)
-    if cfg.resume and not Path(cfg.resume).exists():
+    if cfg.resume and cfg.resume != "auto" and not Path(cfg.resume).exists():
         raise UserError(f"--resume {cfg.resume}: no such checkpoint or run folder")
     if not cfg.resume:
         _never_mix_runs(Path(cfg.out), args.overwrite, torchrun)

@@ -204,7 +204,11 @@ def resume(cfg: TrainConfig, mesh: ParallelMesh, model, opt, loader: TokenLoader
     from tpkit.checkpoint import store as checkpoint
 
     path = Path(cfg.resume)
-    if not (path / "manifest.json").is_file():
+    if cfg.resume == "auto":  # the newest valid checkpoint of this run, if any
+        path = checkpoint.latest_valid(Path(cfg.out) / "checkpoints")
+        if path is None:
+            return 0
+    elif not (path / "manifest.json").is_file():
         path = checkpoint.latest(path) or checkpoint.latest(path / "checkpoints") or path
     extra = checkpoint.load(path, model, opt, mesh=mesh)
     if int(extra["step"]) >= cfg.steps:
