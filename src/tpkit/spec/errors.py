@@ -12,9 +12,3 @@ from __future__ import annotations
 
 class UserError(ValueError):
     """A mistake the user can fix: reported in one line naming the cause, exit status 2."""
-
-
-def check(ok: bool, message: str) -> None:
-    """Raise UserError(message) unless `ok`."""
-    if not ok:
-        raise UserError(message)
