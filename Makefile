@@ -31,7 +31,7 @@ browser:
 demo: $(STAMP)
 	$(BIN)/tpkit verify --preset gpt2-tiny --tp 1,2,4
 	$(BIN)/tpkit verify --preset llama-tiny --tp 1,2,4 --sp
-	$(BIN)/tpkit train --preset gpt2-tiny --tp 2 --pp 2 --steps 400 --micro-batches 4 --global-batch 16 --seq 128 --out runs/demo
+	$(BIN)/tpkit train --preset gpt2-tiny --tp 2 --pp 2 --steps 400 --micro-batches 4 --global-batch 16 --seq 128 --out runs/demo --overwrite
 
 test: $(STAMP) browser
 	$(BIN)/python -m pytest

@@ -172,4 +172,57 @@ def test_convert_full_and_offline_reshard(run_tp, tmp_path):
         assert torch.equal(got[n], t), n
     bad = argparse.Namespace(source=str(tmp_path / "nowhere"), dest=str(tmp_path / "x"),
                              to="full", tp=1, pp=1)
-    assert convert_cmd.run(bad) == 1
+    with pytest.raises(ckpt.CheckpointError, match="nowhere"):  # one line, from tpkit.cli
+        convert_cmd.run(bad)
+
+
+def raising_load_worker(mesh, path):
+    ckpt.load(path, Transformer(LLAMA, mesh, seed=9), mesh=mesh)
+
+
+@pytest.mark.timeout(120)
+def test_the_launcher_shows_the_failing_ranks_own_error(run_tp, tmp_path):
+    """Rank 0 fails only because rank 1 did ("another rank failed to load"): the error
+    that reaches the user is rank 1's, naming its file."""
+    from tpkit.cli import explain
+    from tpkit.launch import SpawnError
+
+    saved(tmp_path / "c")
+    convert.reshard(tmp_path / "c", tmp_path / "tp2", tp=2)
+    flip(tmp_path / "tp2" / "model-tp01-pp00.safetensors")  # only rank 1 reads it
+    with pytest.raises(SpawnError) as info:
+        run_tp(raising_load_worker, 2, str(tmp_path / "tp2"))
+    assert info.value.rank == 1
+    line, status = explain(info.value)
+    assert status == 2 and line.startswith("rank 1: ") and \
+        "model-tp01-pp00.safetensors: checksum mismatch" in line, line
+
+
+@pytest.mark.timeout(60)
+def test_a_damaged_full_file_is_refused_naming_it(tmp_path):
+    """One flipped bit in a full .safetensors file's tensor data (today: loads and
+    generates, exit 0) fails its sha256; a truncated file is named, not a raw error."""
+    saved(tmp_path / "c")
+    full = convert.to_full(tmp_path / "c", tmp_path / "full.safetensors")
+    assert convert.open_source(full)[1] == LLAMA
+    data = bytearray(full.read_bytes())
+    data[-10] ^= 0x40  # inside the last tensor's bytes
+    (tmp_path / "flipped.safetensors").write_bytes(bytes(data))
+    with pytest.raises(ckpt.CheckpointError, match=r"flipped.safetensors: checksum mismatch"):
+        convert.open_source(tmp_path / "flipped.safetensors")
+    truncate(full)
+    with pytest.raises(ckpt.CheckpointError, match=r"full.safetensors: not a readable"):
+        convert.open_source(full)
+
+
+@pytest.mark.timeout(60)
+def test_prune_keeps_the_newest_complete_checkpoints(tmp_path):
+    for step in range(1, 6):
+        saved(tmp_path / f"step_{step:06d}", seed=step)
+    (tmp_path / ".step_000009.tmp").mkdir()  # a save killed midway: not a checkpoint
+    gone = ckpt.prune(tmp_path, keep=2)
+    assert [d.name for d in gone] == [f"step_{s:06d}" for s in (1, 2, 3)]
+    assert [read["step"] for read in map(ckpt.read_manifest, ckpt.complete(tmp_path))] == [4, 5]
+    assert sorted(p.name for p in tmp_path.iterdir()) == [".step_000009.tmp", "step_000004",
+                                                          "step_000005"]
+    assert ckpt.prune(tmp_path, keep=0) == [] and len(ckpt.complete(tmp_path)) == 2

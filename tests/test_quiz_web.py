@@ -262,8 +262,9 @@ def test_port_in_use_is_one_clear_line():
         r = subprocess.run([sys.executable, "-c", CLI, "quiz", "--web", "--port", str(port)],
                            capture_output=True, text=True, timeout=60)
     assert r.returncode == 2 and "Traceback" not in r.stderr
-    assert r.stderr.strip() == (f"tpkit quiz: error: port {port} on 127.0.0.1 is already in "
-                                f"use; choose another with --port (--port 0 picks a free one)")
+    assert r.stderr.strip() == (f"tpkit quiz: error: port {port} is already in use on "
+                                f"127.0.0.1; choose another with --port (--port 0 picks a "
+                                f"free one)")
 
 
 def test_non_loopback_host_warns():

@@ -2,13 +2,31 @@
 (so `tpkit plan` and `tpkit quiz` start without importing torch).
 
 A command module defines `add_arguments(parser)` and `run(args) -> int`.
+
+One error path for every command: a user mistake (a bad flag, path, checkpoint,
+preset, port; any `tpkit.spec.errors.UserError`) prints one line,
+
+    tpkit <command>: error: <the cause, with its numbers>
+
+and exits with status 2; a failed run (a rank died, a collective timed out) prints
+one line and exits 1; anything else is a bug and keeps its traceback. `--debug` (or
+TPKIT_DEBUG=1) shows the traceback of user mistakes too.
+
+SIGTERM, SIGHUP and SIGINT stop a command cleanly: its worker processes are killed
+and waited for, and it exits with 128 + the signal number.
 """
 
 from __future__ import annotations
 
 import argparse
+import errno
 import importlib
+import os
+import signal
 import sys
+import threading
+
+from tpkit.spec.errors import UserError
 
 COMMANDS: dict[str, tuple[str, str]] = {
     "verify": ("tpkit.commands.verify", "check sharded layers/models against tp=1 (outputs, grads, ledger)"),
@@ -22,6 +40,45 @@ COMMANDS: dict[str, tuple[str, str]] = {
     "quiz": ("tpkit.commands.quiz", "the tensor-parallelism quiz, as a live tutor (fr/en)"),
     "presets": ("tpkit.commands.presets", "list the model presets and the Hugging Face families"),
 }
+USER_MISTAKE, RUN_FAILED = 2, 1  # exit statuses
+_USER_OS_TYPES = (FileNotFoundError, PermissionError, IsADirectoryError, NotADirectoryError,
+                  FileExistsError)
+_USER_OS_ERRORS = (errno.ENOENT, errno.EACCES, errno.EPERM, errno.EISDIR, errno.ENOTDIR,
+                   errno.EADDRINUSE, errno.EADDRNOTAVAIL, errno.EEXIST, errno.ENOSPC)
+
+
+class Stopped(KeyboardInterrupt):
+    """SIGTERM, SIGHUP (or SIGINT) reached this process: unwind, stopping every child."""
+
+    def __init__(self, signum: int) -> None:
+        super().__init__(signal.Signals(signum).name)
+        self.signum = signum
+
+
+_STOP_SIGNALS = (signal.SIGTERM, signal.SIGHUP, signal.SIGINT)
+
+
+def _stop_on_signals() -> dict | None:
+    """Turn SIGTERM, SIGHUP and SIGINT into `Stopped`, raised once in the main thread, so
+    that every `with` and `finally` on the way out runs (the launcher kills its workers,
+    a checkpoint being written stays a hidden temporary); later signals are ignored
+    while it unwinds. Returns the previous handlers (None off the main thread)."""
+    if threading.current_thread() is not threading.main_thread():
+        return None
+
+    def stop(signum, _frame):
+        for s in _STOP_SIGNALS:
+            signal.signal(s, signal.SIG_IGN)
+        raise Stopped(signum)
+
+    return {s: signal.signal(s, stop) for s in _STOP_SIGNALS}
+
+
+class _Parser(argparse.ArgumentParser):
+    """argparse, with its errors on one line (no usage block) and exit status 2."""
+
+    def error(self, message: str):  # noqa: D102 - argparse's hook
+        self.exit(USER_MISTAKE, f"{self.prog}: error: {message} (see {self.prog} --help)\n")
 
 
 def _usage() -> str:
@@ -32,6 +89,28 @@ def _usage() -> str:
     return "\n".join(lines)
 
 
+def explain(e: BaseException) -> tuple[str, int] | None:
+    """(one line, exit status) for a user mistake or a failed run; None for a bug."""
+    original = getattr(e, "original", None)  # SpawnError: what the failing rank raised
+    if isinstance(original, BaseException):
+        said, rank = explain(original), getattr(e, "rank", None)
+        if said is None or rank is None or f"rank {rank}" in said[0]:
+            return said
+        return f"rank {rank}: {said[0]}", said[1]
+    if isinstance(e, UserError):
+        return _first_line(e), USER_MISTAKE
+    if isinstance(e, _USER_OS_TYPES) or isinstance(e, OSError) and e.errno in _USER_OS_ERRORS:
+        return _first_line(e), USER_MISTAKE
+    if getattr(e, "run_failed", False):  # SpawnError: a rank died or a collective timed out
+        return _first_line(e), RUN_FAILED
+    return None
+
+
+def _first_line(e: BaseException) -> str:
+    text = str(e).strip() or type(e).__name__
+    return text.splitlines()[0]
+
+
 def main(argv: list[str] | None = None) -> int:
     """Entry point of the `tpkit` console script."""
     argv = list(sys.argv[1:] if argv is None else argv)
@@ -40,20 +119,39 @@ def main(argv: list[str] | None = None) -> int:
         return 0 if argv else 2
     name = argv[0]
     if name not in COMMANDS:
-        print(f"tpkit: unknown command {name!r}\n\n{_usage()}", file=sys.stderr)
-        return 2
+        print(f"tpkit: error: unknown command {name!r}; one of {', '.join(COMMANDS)}",
+              file=sys.stderr)
+        return USER_MISTAKE
     module_name, desc = COMMANDS[name]
     try:
         module = importlib.import_module(module_name)
     except ModuleNotFoundError as e:
         if e.name and module_name.startswith(e.name):
-            print(f"tpkit: command {name!r} is not available in this build", file=sys.stderr)
-            return 2
+            print(f"tpkit {name}: error: command {name!r} is not available in this build",
+                  file=sys.stderr)
+            return USER_MISTAKE
         raise
-    parser = argparse.ArgumentParser(prog=f"tpkit {name}", description=desc)
+    parser = _Parser(prog=f"tpkit {name}", description=desc)
     module.add_arguments(parser)
+    parser.add_argument("--debug", action="store_true",
+                        help="print the traceback of user mistakes too (or TPKIT_DEBUG=1)")
     args = parser.parse_args(argv[1:])
-    return int(module.run(args) or 0)
+    previous = _stop_on_signals()
+    try:
+        return int(module.run(args) or 0)
+    except KeyboardInterrupt as e:
+        signum = getattr(e, "signum", signal.SIGINT)
+        print(f"tpkit {name}: stopped by {signal.Signals(signum).name}", file=sys.stderr)
+        return 128 + signum
+    except Exception as e:
+        said = explain(e)
+        if said is None or args.debug or os.environ.get("TPKIT_DEBUG") == "1":
+            raise
+        print(f"tpkit {name}: error: {said[0]}", file=sys.stderr)
+        return said[1]
+    finally:
+        for s, handler in (previous or {}).items():
+            signal.signal(s, handler)
 
 
 if __name__ == "__main__":

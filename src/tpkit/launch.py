@@ -6,7 +6,14 @@
 them alive so that many runs share one start (importing torch costs seconds): the
 test suite holds one pool per world size. If any rank raises or dies, the parent
 raises one `SpawnError` naming the rank and the cause within the timeout, and the
-processes are killed — never a hang.
+processes are killed — never a hang. The error shown is the failing rank's own: a
+rank that only stopped because another failed (`peer_failed`, a collective with a
+dead peer) gives way to the rank that failed first, and a rank that stopped making
+progress without an error (SIGSTOP, a deadlock) is named as the stuck one.
+
+No worker outlives its launcher: each watches a pipe that only the launcher holds
+open and kills itself when the launcher is gone (even by SIGKILL); a launcher
+interrupted by a signal kills and waits for its workers on the way out.
 """
 
 from __future__ import annotations
@@ -15,23 +22,49 @@ import multiprocessing as mp
 import os
 import pickle
 import queue
+import signal
+import threading
 import time
 import traceback
 from collections.abc import Callable
 from datetime import timedelta
 from typing import Any
 
+from tpkit.comm.failure import DEFAULT_COLLECTIVE_TIMEOUT_S
+
 _CTX = None
+_ERROR_GRACE_S = 2.0  # after a rank fails, how long the others get to report theirs
 
 
 class SpawnError(RuntimeError):
-    """A rank raised, died, or did not finish in time."""
+    """A rank raised, died, or did not finish in time.
+
+    `original` is what the rank raised (None when it died or hung); `run_failed` is
+    True when no rank raised anything of its own (a death, a hang, a timeout).
+    """
 
     def __init__(self, message: str, rank: int | None = None,
-                 original: BaseException | None = None) -> None:
+                 original: BaseException | None = None, run_failed: bool = False) -> None:
         super().__init__(message)
         self.rank = rank
         self.original = original
+        self.run_failed = run_failed
+
+
+def watch_launcher(lifeline) -> None:
+    """Kill this worker as soon as its launcher is gone (even by SIGKILL): a thread waits
+    on `lifeline`, the read end of a pipe whose write end only the launcher holds; the
+    kernel closes that end when the launcher dies, and the wait ends. (The forkserver,
+    the workers' parent, lives as long as they do, so a parent-death signal would not
+    fire.)"""
+    def wait() -> None:
+        try:
+            lifeline.recv()
+        except (EOFError, OSError):
+            pass
+        os.kill(os.getpid(), signal.SIGKILL)
+
+    threading.Thread(target=wait, name="tpkit-launcher-watch", daemon=True).start()
 
 
 def _context():
@@ -43,7 +76,8 @@ def _context():
 
 
 def _worker(rank: int, nprocs: int, port: int, tasks, results, threads: int,
-            pg_timeout_s: float, env: dict[str, str]) -> None:
+            pg_timeout_s: float, env: dict[str, str], lifeline) -> None:
+    watch_launcher(lifeline)
     import torch
     import torch.distributed as dist
 
@@ -70,7 +104,7 @@ def _worker(rank: int, nprocs: int, port: int, tasks, results, threads: int,
                 key = tuple(sorted(mesh_kw.items()))
                 if key not in meshes:
                     from tpkit.mesh import ParallelMesh
-                    meshes[key] = ParallelMesh(**mesh_kw)
+                    meshes[key] = ParallelMesh(**{"timeout_s": pg_timeout_s, **mesh_kw})
                 first = meshes[key]
                 first.ledger.clear()
                 first.ledger.enabled = True
@@ -82,7 +116,8 @@ def _worker(rank: int, nprocs: int, port: int, tasks, results, threads: int,
             except Exception:  # noqa: BLE001
                 blob = None
             results.put((task_id, rank, "err", (type(e).__name__, str(e),
-                                                traceback.format_exc(), blob)))
+                                                traceback.format_exc(), blob,
+                                                _secondary(e))))
     if nprocs > 1:
         dist.destroy_process_group()
 
@@ -91,7 +126,7 @@ class WorkerPool:
     """N gloo processes kept alive between runs; `run` executes one function on all."""
 
     def __init__(self, nprocs: int, *, timeout: float = 120.0, threads: int | None = None,
-                 pg_timeout_s: float = 60.0, env: dict[str, str] | None = None) -> None:
+                 pg_timeout_s: float = DEFAULT_COLLECTIVE_TIMEOUT_S, env: dict[str, str] | None = None) -> None:
         if nprocs < 1:
             raise ValueError(f"nprocs={nprocs} must be at least 1")
         self.nprocs, self.timeout = nprocs, timeout
@@ -109,12 +144,14 @@ class WorkerPool:
         port = self._store.port
         self._results = ctx.Queue()
         self._tasks = [ctx.Queue() for _ in range(self.nprocs)]
+        lifeline, self._lifeline = ctx.Pipe(duplex=False)  # workers read, only we hold w
         self._procs = [ctx.Process(target=_worker, daemon=True,
                                    args=(r, self.nprocs, port, self._tasks[r], self._results,
-                                         self.threads, self.pg_timeout_s, self.env))
+                                         self.threads, self.pg_timeout_s, self.env, lifeline))
                        for r in range(self.nprocs)]
         for p in self._procs:
             p.start()
+        lifeline.close()
 
     def run(self, fn: Callable, *args: Any, mesh: dict | None = None,
             timeout: float | None = None) -> list:
@@ -132,42 +169,66 @@ class WorkerPool:
             q.put((self._task_id, blob))
         try:
             return self._collect(self._task_id, timeout or self.timeout)
-        except SpawnError:
+        except BaseException:  # a failed rank, or this process interrupted by a signal
             self.close(kill=True)
             raise
 
     def _collect(self, task_id: int, timeout: float) -> list:
-        deadline = time.monotonic() + timeout
+        deadline, settle = time.monotonic() + timeout, None
         out: dict[int, Any] = {}
-        while len(out) < self.nprocs:
+        errors: dict[int, tuple] = {}
+        while len(out) + len(errors) < self.nprocs:
+            if settle is not None and time.monotonic() > settle:
+                break  # the others had their chance to report
             try:
                 tid, rank, status, payload = self._results.get(timeout=0.1)
             except queue.Empty:
-                self._check_alive(out, deadline)
+                if settle is None and self._lost(out, deadline):
+                    settle = time.monotonic() + _ERROR_GRACE_S
                 continue
             if tid != task_id:
                 continue
-            if status == "err":
-                raise self._root_cause(rank, payload)
-            out[rank] = pickle.loads(payload)
+            if status == "ok":
+                out[rank] = pickle.loads(payload)
+                continue
+            errors[rank] = payload
+            settle = settle or time.monotonic() + _ERROR_GRACE_S
+        if errors or len(out) < self.nprocs:
+            raise self._root_cause(errors, out)
         return [out[r] for r in range(self.nprocs)]
 
-    def _root_cause(self, rank: int, payload: tuple, grace_s: float = 1.0) -> SpawnError:
-        """A rank raised. A peer that died first makes the others fail in a collective
-        ("connection reset"); wait briefly and name the dead rank as the cause if any."""
-        name, msg, tb, exc_blob = payload
-        first = SpawnError(f"rank {rank} raised {name}: {msg}\n--- traceback on rank "
-                           f"{rank} ---\n{tb}", rank, _unpickle(exc_blob))
-        end = time.monotonic() + grace_s
-        while time.monotonic() < end:
-            dead = self._dead_ranks()
-            if dead and rank not in dead:
-                r, how = dead[0]
-                return SpawnError(f"rank {r} died ({how}) before returning a result; "
-                                  f"rank {rank} then failed: {name}: {msg.splitlines()[0][:200]}",
-                                  r)
-            time.sleep(0.05)
-        return first
+    def _lost(self, done: dict, deadline: float) -> bool:
+        """True once a rank died, or the run is past its deadline (raises then)."""
+        if any(r not in done for r, _ in self._dead_ranks()):
+            return True
+        if time.monotonic() > deadline:
+            late = [r for r in range(self.nprocs) if r not in done]
+            raise SpawnError(f"ranks {late} did not finish within the timeout "
+                             f"(others may be waiting on them in a collective)", late[0],
+                             run_failed=True)
+        return False
+
+    def _root_cause(self, errors: dict[int, tuple], done: dict) -> SpawnError:
+        """The error to show: a rank's own error first; else a dead rank, then a stuck
+        one (alive, silent), each with what the others were waiting in."""
+        own = [r for r in sorted(errors) if not errors[r][4]]
+        dead = [(r, how) for r, how in self._dead_ranks() if r not in done]
+        if own and not (dead and "connection" in errors[own[0]][1].lower()):
+            name, msg, tb, blob, _ = errors[own[0]]
+            return SpawnError(f"rank {own[0]} raised {name}: {msg}\n--- traceback on rank "
+                              f"{own[0]} ---\n{tb}", own[0], _unpickle(blob))
+        then = f"; then {errors[min(errors)][1].splitlines()[0][:300]}" if errors else ""
+        if dead:
+            r, how = dead[0]
+            return SpawnError(f"rank {r} died ({how}) before returning a result{then}", r,
+                              run_failed=True)
+        silent = [r for r in range(self.nprocs) if r not in errors and r not in done]
+        if silent:
+            return SpawnError(f"rank {silent[0]} stopped making progress (alive, no error "
+                              f"after the others failed){then}", silent[0], run_failed=True)
+        r = min(errors)
+        return SpawnError(errors[r][1].splitlines()[0], r, _unpickle(errors[r][3]),
+                          run_failed=True)
 
     def _dead_ranks(self) -> list[tuple[int, str]]:
         out = []
@@ -176,15 +237,6 @@ class WorkerPool:
                 out.append((r, f"signal {-p.exitcode}" if p.exitcode < 0
                             else f"exit code {p.exitcode}"))
         return out
-
-    def _check_alive(self, done: dict, deadline: float) -> None:
-        for r, how in self._dead_ranks():
-            if r not in done:
-                raise SpawnError(f"rank {r} died ({how}) before returning a result", r)
-        if time.monotonic() > deadline:
-            late = [r for r in range(self.nprocs) if r not in done]
-            raise SpawnError(f"ranks {late} did not finish within the timeout "
-                             f"(others may be waiting on them in a collective)", late[0])
 
     def close(self, kill: bool = False) -> None:
         """Stop the processes (politely, or at once with kill=True)."""
@@ -201,18 +253,25 @@ class WorkerPool:
                 p.join(timeout=5)
         self._procs = []
         self._store = None
+        self._lifeline.close()
 
     def __enter__(self) -> WorkerPool:
         return self
 
-    def __exit__(self, *exc) -> None:
-        self.close()
+    def __exit__(self, kind, *exc) -> None:
+        self.close(kill=kind is not None)
 
     def __del__(self) -> None:
         try:
             self.close(kill=True)
         except Exception:  # noqa: BLE001
             pass
+
+
+def _secondary(e: BaseException) -> bool:
+    """True when this rank failed only because another did (a collective with a dead or
+    stuck peer, "another rank failed to ..."): the other rank's error is the one to show."""
+    return bool(getattr(e, "run_failed", False) or getattr(e, "peer_failed", False))
 
 
 def _unpickle(blob: bytes | None) -> BaseException | None:
@@ -226,11 +285,14 @@ def _unpickle(blob: bytes | None) -> BaseException | None:
 
 def spawn(fn: Callable, nprocs: int, *args: Any, timeout: float = 120.0,
           mesh: dict | None = None, threads: int | None = None,
-          env: dict[str, str] | None = None) -> list:
+          env: dict[str, str] | None = None,
+          collective_timeout: float = DEFAULT_COLLECTIVE_TIMEOUT_S) -> list:
     """Run `fn(mesh_or_rank, *args)` on `nprocs` fresh local gloo processes.
 
     Returns the per-rank results (rank order). A rank that raises or dies gives one
-    `SpawnError` naming it, within `timeout` seconds.
+    `SpawnError` naming it, within `timeout` seconds; a collective (default group and
+    every group of the mesh) waiting longer than `collective_timeout` fails.
     """
-    with WorkerPool(nprocs, timeout=timeout, threads=threads, env=env) as pool:
+    with WorkerPool(nprocs, timeout=timeout, threads=threads, env=env,
+                    pg_timeout_s=collective_timeout) as pool:
         return pool.run(fn, *args, mesh=mesh)

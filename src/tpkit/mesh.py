@@ -24,9 +24,11 @@ from datetime import timedelta
 import torch
 import torch.distributed as dist
 
+from tpkit.comm.failure import DEFAULT_COLLECTIVE_TIMEOUT_S
 from tpkit.comm.group import CommGroup
 from tpkit.comm.ledger import Ledger
 from tpkit.device import default_backend, device_for
+from tpkit.spec.errors import UserError
 from tpkit.spec.grid import check_sizes, coord_of, group_ranks, locality_problem, rank_grid
 
 
@@ -39,14 +41,16 @@ class ParallelMesh:
 
     `mesh.tp_group` (a `CommGroup`), `mesh.tp_rank`, `mesh.tp_size`, and the same for
     pp and dp; `mesh.mp_group` spans one model replica (tp x pp); `mesh.ledger`
-    records every collective of this rank. Construct it on every rank with the same
-    arguments after the default process group exists, or use `from_env` / `single`.
+    records every collective of this rank. A collective on any of its groups that
+    waits longer than `timeout_s` (a dead or stuck peer) raises `CollectiveFailed`.
+    Construct it on every rank with the same arguments after the default process group
+    exists, or use `from_env` / `single`.
     """
 
     def __init__(self, tp: int = 1, pp: int = 1, dp: int = 1, *, rank: int | None = None,
                  world_size: int | None = None, ranks_per_node: int | None = None,
                  strict_locality: bool = False, ledger: Ledger | None = None,
-                 device: torch.device | None = None) -> None:
+                 device: torch.device | None = None, timeout_s: float | None = None) -> None:
         initialized = dist.is_available() and dist.is_initialized()
         self.world_size = world_size if world_size is not None else (
             dist.get_world_size() if initialized else 1)
@@ -59,6 +63,7 @@ class ParallelMesh:
         self.backend = dist.get_backend() if initialized else "gloo"
         self.device = device or device_for(self.backend, _env_int("LOCAL_RANK") or 0)
         self.coord = coord_of(self.rank, tp, pp)
+        self.timeout = timedelta(seconds=timeout_s or DEFAULT_COLLECTIVE_TIMEOUT_S)
         if self.world_size > 1 and not initialized:
             raise RuntimeError("ParallelMesh with world_size > 1 needs torch.distributed to be "
                                "initialized first (use ParallelMesh.from_env or tpkit.launch)")
@@ -95,7 +100,7 @@ class ParallelMesh:
 
     @classmethod
     def from_env(cls, tp: int | None = None, pp: int = 1, dp: int | None = None,
-                 timeout_s: float = 300.0, **kw) -> ParallelMesh:
+                 timeout_s: float = DEFAULT_COLLECTIVE_TIMEOUT_S, **kw) -> ParallelMesh:
         """Build from torchrun's environment (RANK, WORLD_SIZE, LOCAL_WORLD_SIZE, MASTER_*).
 
         Initializes the default process group if needed (nccl with CUDA, else gloo).
@@ -105,15 +110,15 @@ class ParallelMesh:
         tp, dp = _fill_sizes(world, tp, pp, dp)
         check_sizes(world, tp, pp, dp)  # before any collective, on every rank
         if world > 1 and not dist.is_initialized():
-            dist.init_process_group(default_backend(), timeout=timedelta(seconds=timeout_s))
-        return cls(tp, pp, dp, **kw)
+            _init_default_group(timedelta(seconds=timeout_s))
+        return cls(tp, pp, dp, timeout_s=timeout_s, **kw)
 
     def _check_locality(self, strict: bool) -> None:
         problem = locality_problem(self.tp_size, self.pp_size, self.dp_size, self.ranks_per_node)
         if problem is None:
             return
         if strict:
-            raise ValueError(problem)
+            raise UserError(problem)
         warnings.warn(problem, TopologyWarning, stacklevel=3)
 
     def extra_group(self, key: str, name: str, all_ranks: list[tuple[int, ...]]
@@ -132,7 +137,7 @@ class ParallelMesh:
             pg = None
             if len(ranks) > 1:  # every rank must create every group, in the same order
                 pg = dist.GroupMember.WORLD if reuse_world and len(ranks) == self.world_size \
-                    else dist.new_group(list(ranks))
+                    else dist.new_group(list(ranks), timeout=self.timeout)
             if self.rank in ranks:
                 mine = CommGroup(name, ranks, ranks.index(self.rank), pg, self.ledger)
         return mine
@@ -191,6 +196,19 @@ class ParallelMesh:
     def __repr__(self) -> str:
         return (f"ParallelMesh(rank={self.rank}, tp={self.tp_size}, pp={self.pp_size}, "
                 f"dp={self.dp_size}, coord={self.coord})")
+
+
+def _init_default_group(timeout: timedelta) -> None:
+    """The default process group from torchrun's environment, its keys in the store under
+    this incarnation's prefix: after a restart (`--max-restarts`) the store still holds
+    the dead incarnation's addresses under the same group names, and a new rank that
+    read them would connect to a dead peer (or hang)."""
+    store, rank, world = next(dist.rendezvous("env://", timeout=timeout))
+    store.set_timeout(timeout)
+    incarnation = os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")
+    dist.init_process_group(default_backend(), store=dist.PrefixStore(
+        f"tpkit/incarnation-{incarnation}", store), rank=rank, world_size=world,
+        timeout=timeout)
 
 
 def _env_int(name: str) -> int | None:

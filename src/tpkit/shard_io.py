@@ -17,10 +17,25 @@ import torch
 from safetensors import safe_open
 
 from tpkit.sharding import TPSplit
+from tpkit.spec.errors import UserError
 
 
-class CheckpointError(RuntimeError):
-    """A checkpoint is missing, damaged, or does not fit the model; names the file."""
+class CheckpointError(UserError, RuntimeError):
+    """A checkpoint is missing, damaged, or does not fit the model; names the file.
+
+    `peer_failed=True`: this rank is fine, another rank failed (its error is the one
+    to show)."""
+
+    def __init__(self, message: str, *, peer_failed: bool = False) -> None:
+        super().__init__(message)
+        self.peer_failed = peer_failed
+
+    def __reduce__(self):
+        return (_checkpoint_error, (str(self), self.peer_failed))
+
+
+def _checkpoint_error(message: str, peer_failed: bool) -> CheckpointError:
+    return CheckpointError(message, peer_failed=peer_failed)
 
 
 # -- reading slices ---------------------------------------------------------------------
@@ -57,7 +72,11 @@ class FullSource:
         self.path = Path(path)
         if not self.path.is_file():
             raise CheckpointError(f"{self.path}: no such file")
-        self.f = safe_open(str(self.path), framework="pt")
+        try:
+            self.f = safe_open(str(self.path), framework="pt")
+        except Exception as e:  # noqa: BLE001 - safetensors' own error type varies
+            raise CheckpointError(f"{self.path}: not a readable safetensors file "
+                                  f"({str(e).splitlines()[0][:120]})") from None
         self.names = set(self.f.keys())
 
     def logical_shape(self, name: str) -> tuple[int, ...] | None:

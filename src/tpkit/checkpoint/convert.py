@@ -15,6 +15,7 @@ the names, decide the layout.
 from __future__ import annotations
 
 import json
+import os
 import shutil
 from pathlib import Path
 from typing import Any
@@ -22,7 +23,13 @@ from typing import Any
 from safetensors.torch import save_file
 from torch import nn
 
-from tpkit.checkpoint.files import ShardedSource, local_slice, rank_file, verify_file
+from tpkit.checkpoint.files import (
+    ShardedSource,
+    local_slice,
+    rank_file,
+    tensors_digest,
+    verify_file,
+)
 from tpkit.checkpoint.locate import locate
 from tpkit.checkpoint.optim_state import keys_by_param, state_name
 from tpkit.checkpoint.sources import FULL_FORMAT, open_source
@@ -69,9 +76,14 @@ def to_full(source: Any, out: str | Path) -> Path:
     step = src.manifest["step"] if isinstance(src, ShardedSource) else 0
     out = Path(out)
     out.parent.mkdir(parents=True, exist_ok=True)
-    meta = dict(format=FULL_FORMAT, config=config.to_dict(), step=step)
-    save_file(tensors, str(out), metadata={"tpkit": json.dumps(meta)})
+    meta = dict(format=FULL_FORMAT, config=config.to_dict(), step=step,
+                sha256=tensors_digest(tensors))
+    tmp = out.parent / f".{out.name}.tmp"  # never a half-written file under `out`'s name
+    save_file(tensors, str(tmp), metadata={"tpkit": json.dumps(meta)})
+    os.replace(tmp, out)
     return out
+
+
 
 
 def reshard(source: Any, out: str | Path, tp: int, pp: int = 1) -> Path:

@@ -193,3 +193,23 @@ class ShardedSource:
             if lo < hi:
                 a = pc.local_start + lo - pc.start
                 yield self._local(owner, stage, name, split.dim, a, a + hi - lo)
+
+
+def tensors_digest(tensors: dict[str, torch.Tensor]) -> str:
+    """sha256 over every tensor's name, dtype, shape and bytes, in name order: the
+    checksum a full file carries in its metadata (a file cannot hold its own hash)."""
+    h = hashlib.sha256()
+    for name in sorted(tensors):
+        t = tensors[name].detach().to("cpu").contiguous()
+        h.update(f"{name}|{t.dtype}|{list(t.shape)}|".encode())
+        h.update(t.reshape(-1).view(torch.uint8).numpy().tobytes())
+    return h.hexdigest()
+
+
+def verify_full(path: Path, src: FullSource, meta: dict) -> None:
+    """CheckpointError naming the file unless its tensors match the sha256 it carries
+    (files written before the checksum existed carry none and are read as they are)."""
+    if "sha256" in meta and tensors_digest({n: src.f.get_tensor(n) for n in src.names}) \
+            != meta["sha256"]:
+        raise CheckpointError(f"{path}: checksum mismatch: its tensors do not match the "
+                              f"sha256 in its metadata (the file is damaged)")

@@ -17,11 +17,16 @@ from pathlib import Path
 from typing import Any
 
 import torch
-from safetensors import SafetensorError
 from torch import nn
 
 from tpkit.checkpoint import store
-from tpkit.checkpoint.files import CheckpointError, FullSource, ShardedSource, read_manifest
+from tpkit.checkpoint.files import (
+    CheckpointError,
+    FullSource,
+    ShardedSource,
+    read_manifest,
+    verify_full,
+)
 from tpkit.checkpoint.locate import FULL, HF, SHARDED, locate
 from tpkit.mesh import ParallelMesh
 from tpkit.model.hf import empty_model, load_from, materialize, memory_source, open_hf_source
@@ -47,13 +52,11 @@ def open_source(source: Any, config: ModelConfig | None = None
 
 
 def _open_full(path: Path, config: ModelConfig | None) -> tuple[Any, ModelConfig, set[str]]:
-    try:
-        src = FullSource(path)
-    except SafetensorError as e:
-        raise CheckpointError(f"{path}: not a safetensors file ({e})") from None
+    src = FullSource(path)  # an unreadable file: CheckpointError naming it
     meta = json.loads((src.f.metadata() or {}).get("tpkit", "{}"))
     if meta.get("format") != FULL_FORMAT:
         raise CheckpointError(f"{path}: not a tpkit full safetensors file (no metadata)")
+    verify_full(path, src, meta)
     return src, config or ModelConfig.from_dict(meta["config"]), src.names
 
 

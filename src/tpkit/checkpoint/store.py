@@ -58,8 +58,8 @@ from tpkit.mesh import ParallelMesh
 from tpkit.parallel.zero import ZeroAdamW
 from tpkit.sharding import meta_of, split_of
 
-__all__ = ["CheckpointError", "capture_rng", "latest", "load", "read_manifest",
-           "restore_rng", "save"]
+__all__ = ["CheckpointError", "capture_rng", "complete", "discard", "latest", "load", "prune",
+           "read_manifest", "restore_rng", "save"]
 
 Optimizer = torch.optim.Optimizer | ZeroAdamW  # what save / load accept
 PAUSE_ENV = "TPKIT_CKPT_PAUSE_S"  # tests: sleep after each file, to kill a save midway
@@ -123,6 +123,38 @@ def load(path: str | Path, model: nn.Module, optimizer: Optimizer | None = None,
     if optimizer is not None and staged_optim is not None:
         optim_state.apply_state(optimizer, *staged_optim)
     return extra
+
+
+def complete(root: str | Path) -> list[Path]:
+    """The complete checkpoints (readable manifest) under `root`, oldest step first."""
+    found = []
+    for d in Path(root).iterdir() if Path(root).is_dir() else []:
+        if d.is_dir() and not d.name.startswith(".") and (d / MANIFEST).is_file():
+            try:
+                found.append((read_manifest(d)["step"], d.name, d))
+            except CheckpointError:
+                continue
+    return [d for _, _, d in sorted(found)]
+
+
+def prune(root: str | Path, keep: int) -> list[Path]:
+    """Delete all but the `keep` newest complete checkpoints under `root` (call after a
+    save completed, on one rank); returns what was deleted. Each goes first to a hidden
+    name (atomic), so a kill midway never leaves a damaged checkpoint that looks whole."""
+    if keep < 1:
+        return []
+    old = complete(root)[:-keep]
+    for d in old:
+        discard(d)
+    return old
+
+
+def discard(path: Path) -> None:
+    """Delete a checkpoint directory: renamed to a hidden name first (atomic), so that a
+    kill midway never leaves a damaged checkpoint that looks complete."""
+    aside = path.parent / f".{path.name}.deleting"
+    os.rename(path, aside)
+    shutil.rmtree(aside, ignore_errors=True)
 
 
 def capture_rng(device: torch.device | None = None) -> dict:
@@ -277,7 +309,7 @@ def _agree(mesh: ParallelMesh, ok: bool) -> bool:
 
 def _raise_unless_all(mesh: ParallelMesh, err: BaseException | None, other: str) -> None:
     if not _agree(mesh, err is None):
-        raise err if err is not None else CheckpointError(other)
+        raise err if err is not None else CheckpointError(other, peer_failed=True)
 
 
 def _pause() -> None:

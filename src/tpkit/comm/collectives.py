@@ -9,10 +9,12 @@ the ledger's current scope (backward passes carry the scope of their forward).
 from __future__ import annotations
 
 import time
+from contextlib import contextmanager
 
 import torch
 import torch.distributed as dist
 
+from tpkit.comm.failure import CollectiveFailed
 from tpkit.comm.group import CommGroup
 
 # torch 2.13 renamed the tensor forms (`*_into_tensor` -> `*_single`); accept both.
@@ -36,6 +38,34 @@ def _nbytes(x: torch.Tensor) -> int:
     return x.numel() * x.element_size()
 
 
+# what gloo / NCCL say when a peer died, stopped or timed out (not a bug of the caller)
+_LINK_FAILURES = ("timed out", "timeout", "connection reset", "connection closed",
+                  "connection refused", "broken pipe", "socket", "nccl", "watchdog")
+
+
+def _link_failure(e: BaseException) -> bool:
+    backend_error = getattr(dist, "DistBackendError", ())
+    return isinstance(e, backend_error) or any(k in str(e).lower() for k in _LINK_FAILURES)
+
+
+@contextmanager
+def _guarded(op: str, group: CommGroup, numel: int, nbytes: int, phase: str,
+             scope: str | None, peer: int | None = None):
+    """Record the block in the ledger as one collective; a dead or stuck peer becomes
+    one `CollectiveFailed` naming the collective, its group, scope and the suspects."""
+    t0 = time.perf_counter()
+    try:
+        with group.ledger.timed(op, group, numel, nbytes, phase, scope):
+            yield
+    except RuntimeError as e:
+        if isinstance(e, CollectiveFailed) or not _link_failure(e):
+            raise
+        where = group.ledger.current_scope() if scope is None else scope
+        raise CollectiveFailed(op, group.name, group.ranks, group.ranks[group.rank], where,
+                               phase, time.perf_counter() - t0, str(e).splitlines()[0],
+                               None if peer is None else group.ranks[peer]) from e
+
+
 @_graph_break
 def all_reduce(x: torch.Tensor, group: CommGroup, op: str = "sum", *, phase: str = "forward",
                scope: str | None = None) -> torch.Tensor:
@@ -43,7 +73,7 @@ def all_reduce(x: torch.Tensor, group: CommGroup, op: str = "sum", *, phase: str
     if group.size == 1:
         return x
     _real(group)
-    with group.ledger.timed("all_reduce", group, x.numel(), _nbytes(x), phase, scope):
+    with _guarded("all_reduce", group, x.numel(), _nbytes(x), phase, scope):
         dist.all_reduce(x, op=_REDUCE_OPS[op], group=group.pg)
     return x
 
@@ -53,18 +83,23 @@ class Pending:
     with the time it really cost this rank: posting it plus waiting for it (the time
     hidden behind other work is not counted)."""
 
-    def __init__(self, work, finish, record: tuple) -> None:
+    def __init__(self, work, finish, record: tuple, *, peer: int | None = None,
+                 recorded: bool = True) -> None:
         self._work, self._finish, self._record = work, finish, record
+        self._peer, self._recorded = peer, recorded
         self._posted_s = self._posted_at = 0.0
 
     def wait(self) -> torch.Tensor:
         """Block until done; the result."""
-        t0 = time.perf_counter()
-        self._work.wait()
         op, group, numel, nbytes, phase, scope = self._record
+        t0 = time.perf_counter()
+        with group.ledger.paused(), _guarded(op, group, numel, nbytes, phase, scope,
+                                             self._peer):
+            self._work.wait()
         t1 = time.perf_counter()
-        group.ledger.add(op, group, numel, nbytes, self._posted_s + t1 - t0, phase, scope,
-                         span=(self._posted_at, t1))
+        if self._recorded:
+            group.ledger.add(op, group, numel, nbytes, self._posted_s + t1 - t0, phase, scope,
+                             span=(self._posted_at, t1))
         return self._finish()
 
 
@@ -106,7 +141,7 @@ def all_gather(x: torch.Tensor, group: CommGroup, dim: int = -1, *, phase: str =
     p, dim = group.size, dim % x.dim()
     x = x.contiguous()
     out = torch.empty((p * x.shape[0], *x.shape[1:]), dtype=x.dtype, device=x.device)
-    with group.ledger.timed("all_gather", group, out.numel(), _nbytes(out), phase, scope):
+    with _guarded("all_gather", group, out.numel(), _nbytes(out), phase, scope):
         _all_gather_single(out, x, group=group.pg)
     if dim == 0:
         return out
@@ -127,7 +162,7 @@ def reduce_scatter(x: torch.Tensor, group: CommGroup, dim: int = -1, *, phase: s
                          f"divide over {p} ranks")
     inp = x.movedim(dim, 0).contiguous()  # [S, ...]: chunk r of dim is rows r*S/p...
     out = torch.empty(inp.shape[0] // p, *inp.shape[1:], dtype=x.dtype, device=x.device)
-    with group.ledger.timed("reduce_scatter", group, x.numel(), _nbytes(x), phase, scope):
+    with _guarded("reduce_scatter", group, x.numel(), _nbytes(x), phase, scope):
         _reduce_scatter_single(out, inp, group=group.pg)
     return out.movedim(0, dim)
 
@@ -138,7 +173,7 @@ def broadcast(x: torch.Tensor, group: CommGroup, src: int = 0, *, phase: str = "
     """Copy group rank `src`'s `x` to every rank, in place."""
     if group.size == 1:
         return x
-    with group.ledger.timed("broadcast", group, x.numel(), _nbytes(x), phase, scope):
+    with _guarded("broadcast", group, x.numel(), _nbytes(x), phase, scope):
         dist.broadcast(x, src=group.ranks[src], group=group.pg)
     return x
 
@@ -147,7 +182,7 @@ def broadcast(x: torch.Tensor, group: CommGroup, src: int = 0, *, phase: str = "
 def send(x: torch.Tensor, group: CommGroup, dst: int, *, phase: str = "forward",
          scope: str | None = None) -> None:
     """Point-to-point send to group rank `dst` (pipeline activations and gradients)."""
-    with group.ledger.timed("send", group, x.numel(), _nbytes(x), phase, scope):
+    with _guarded("send", group, x.numel(), _nbytes(x), phase, scope, dst):
         dist.send(x.contiguous(), dst=group.ranks[dst], group=group.pg)
 
 
@@ -160,14 +195,16 @@ def isend(x: torch.Tensor, group: CommGroup, dst: int, *, phase: str = "forward"
     if not x.is_contiguous():
         raise ValueError("isend needs a contiguous tensor (it must outlive the send)")
     _real(group)
-    with group.ledger.timed("send", group, x.numel(), _nbytes(x), phase, scope):
-        return dist.isend(x, dst=group.ranks[dst], group=group.pg)
+    with _guarded("send", group, x.numel(), _nbytes(x), phase, scope, dst):
+        work = dist.isend(x, dst=group.ranks[dst], group=group.pg)
+    return Pending(work, lambda: x, ("send", group, x.numel(), _nbytes(x), phase, scope),
+                   peer=dst, recorded=False)  # recorded once, when posted
 
 
 @_graph_break
 def recv(x: torch.Tensor, group: CommGroup, src: int, *, phase: str = "forward",
          scope: str | None = None) -> torch.Tensor:
     """Point-to-point receive into `x` from group rank `src`; returns `x`."""
-    with group.ledger.timed("recv", group, x.numel(), _nbytes(x), phase, scope):
+    with _guarded("recv", group, x.numel(), _nbytes(x), phase, scope, src):
         dist.recv(x, src=group.ranks[src], group=group.pg)
     return x

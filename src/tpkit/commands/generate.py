@@ -13,23 +13,24 @@ as one left-padded batch. Tokens per second go to stderr at the end.
 from __future__ import annotations
 
 import argparse
+import math
 import os
 import sys
 import time
 from pathlib import Path
 
-from tpkit.checkpoint.files import CheckpointError
 from tpkit.checkpoint.locate import locate
 from tpkit.checkpoint.sources import load_model
 from tpkit.mesh import ParallelMesh
 from tpkit.model.generate import generate, pad_left
 from tpkit.model.tokenizer import ByteTokenizer, TextStream, load_tokenizer
+from tpkit.spec.errors import UserError
 
 
 def _prompts(args: argparse.Namespace, tok) -> list[list[int]]:
     """Token ids of every --prompt (the model's tokenizer) or --prompt-ids."""
     if args.prompt_ids:
-        return [[int(t) for t in p.split(",")] for p in args.prompt_ids]
+        return [_prompt_ids(p) for p in args.prompt_ids]
     return [tok.encode(p) for p in args.prompt]
 
 
@@ -41,13 +42,14 @@ def _worker(mesh: ParallelMesh, args: argparse.Namespace) -> dict:
     name = model.config.name
     if isinstance(tok, ByteTokenizer) and not args.prompt_ids and (
             vocab < 256 or name.startswith("hf-")):  # a Hugging Face model: not bytes
-        raise ValueError(f"no tokenizer files in {args.checkpoint} and {name} (vocab_size="
+        raise UserError(f"no tokenizer files in {args.checkpoint} and {name} (vocab_size="
                          f"{vocab}) is not a byte-level model; copy its tokenizer files "
                          f"there or pass --prompt-ids")
     prompts = _prompts(args, tok)
-    top = max((max(p) for p in prompts if p), default=0)
-    if top >= vocab:
-        raise ValueError(f"prompt token id {top} is out of the model's vocab_size={vocab}")
+    bad = sorted({t for p in prompts for t in p if not 0 <= t < vocab})
+    if bad:
+        raise UserError(f"prompt token ids {bad} are outside the model's vocabulary "
+                        f"[0, {vocab})")
     ids, mask = pad_left(prompts, tok.pad_id, mesh.device)
     stream = TextStream(tok) if len(prompts) == 1 and mesh.rank == 0 and not args.prompt_ids \
         else None
@@ -92,29 +94,44 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="do not stop at the tokenizer's end-of-sequence token")
 
 
-def run(args: argparse.Namespace) -> int:
-    """Generate on `--tp` local processes (or torchrun's); print the text and tokens/s."""
-    if not args.prompt and not args.prompt_ids:
-        print("tpkit generate: give --prompt or --prompt-ids")
-        return 2
+def _prompt_ids(text: str) -> list[int]:
     try:
-        args.checkpoint = str(locate(args.checkpoint).path)  # once, before any process
-        if "WORLD_SIZE" in os.environ:
-            result = _worker(ParallelMesh.from_env(tp=args.tp, pp=1), args)
-        elif args.tp == 1:
-            result = _worker(ParallelMesh.single(), args)
-        else:
-            from tpkit.launch import SpawnError, spawn
+        return [int(t) for t in text.split(",")]
+    except ValueError:
+        raise UserError(f"--prompt-ids={text!r} must be comma-separated integers") from None
 
-            try:
-                result = spawn(_worker, args.tp, args, mesh=dict(tp=args.tp))[0]
-            except SpawnError as e:  # a rank's ValueError: the same message as at tp=1
-                if isinstance(e.original, ValueError | CheckpointError):
-                    raise e.original from e
-                raise
-    except (ValueError, CheckpointError) as e:
-        print(f"tpkit generate: {e}")
-        return 1
+
+def _check_args(args: argparse.Namespace) -> None:
+    """UserError for flags no model can accept (before loading anything)."""
+    if not args.prompt and not args.prompt_ids:
+        raise UserError("give --prompt or --prompt-ids")
+    for p in args.prompt_ids or []:
+        _prompt_ids(p)
+    bad = [f"--tp={args.tp} must be a positive integer"] if args.tp < 1 else []
+    if args.max_new_tokens < 0:
+        bad.append(f"--max-new-tokens={args.max_new_tokens} must be >= 0")
+    if not (math.isfinite(args.temperature) and args.temperature >= 0):
+        bad.append(f"--temperature={args.temperature} must be a finite number >= 0 "
+                   f"(0: greedy)")
+    if args.top_k is not None and args.top_k < 0:
+        bad.append(f"--top-k={args.top_k} must be >= 0 (0: off)")
+    if bad:
+        raise UserError("; ".join(bad))
+
+
+def run(args: argparse.Namespace) -> int:
+    """Generate on `--tp` local processes (or torchrun's); print the text and tokens/s.
+    Mistakes (flags, paths, token ids) are `UserError`s: one line from `tpkit.cli`."""
+    _check_args(args)
+    args.checkpoint = str(locate(args.checkpoint).path)  # once, before any process
+    if "WORLD_SIZE" in os.environ:
+        result = _worker(ParallelMesh.from_env(tp=args.tp, pp=1), args)
+    elif args.tp == 1:
+        result = _worker(ParallelMesh.single(), args)
+    else:
+        from tpkit.launch import spawn
+
+        result = spawn(_worker, args.tp, args, mesh=dict(tp=args.tp))[0]
     if not result["streamed"]:
         print("\n\n".join(result["texts"]))
     n = sum(len(r) for r in result["new"])

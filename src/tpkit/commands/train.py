@@ -16,9 +16,11 @@ import argparse
 import os
 import sys
 from dataclasses import fields
+from pathlib import Path
 from typing import TYPE_CHECKING
 
 from tpkit.parallel.schedules import SCHEDULES
+from tpkit.spec.errors import UserError
 from tpkit.train.config import DTYPES, TrainConfig
 
 if TYPE_CHECKING:
@@ -59,7 +61,14 @@ _FLAGS = {  # field -> (type or action, help)
     "seed": (int, "seed of weights and data order"),
     "trace": (str, "write the last step's per-rank timeline here: trace.json (Perfetto / "
                    "chrome://tracing) and step.png (also copied into the run folder)"),
-    "resume": (str, "continue from a checkpoint, or a run folder (its latest valid one)"),
+    "resume": (str, "continue from a checkpoint, or a run folder (its latest valid one); "
+                    "auto: from the newest valid checkpoint in --out if there is one "
+                    "(restarts)"),
+    "keep_checkpoints": (int, "newest complete checkpoints to keep (0: all)"),
+    "check_replicas": (int, "every N steps, check that replicated parameters are identical "
+                            "on every tp rank (0: off)"),
+    "collective_timeout": (float, "seconds a collective may wait for a dead or stuck rank "
+                                  "before the run stops, naming it"),
 }
 
 
@@ -74,6 +83,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--config", help="TOML file with the same keys; flags override it")
     parser.add_argument("--nproc", type=int, help="local processes to spawn (default tp*pp*dp)")
     parser.add_argument("--no-progress", action="store_true", help="no progress bar")
+    parser.add_argument("--overwrite", action="store_true",
+                        help="delete the checkpoints of an earlier run in --out first")
 
 
 def config_from_args(args: argparse.Namespace, world: int | None) -> TrainConfig:
@@ -115,33 +126,43 @@ def _print_report(results: list[RunSummary]) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
-    """Train; 0 on success, 2 on a configuration, data or checkpoint error (named on
-    stderr)."""
-    from tpkit.checkpoint.files import CheckpointError
+    """Train; 0 on success. A configuration, data or checkpoint error raises UserError
+    (one line on stderr and exit status 2, from `tpkit.cli`), before any process starts."""
     from tpkit.checkpoint.locate import sharded_dir
-    from tpkit.launch import SpawnError
 
     torchrun = "RANK" in os.environ and "WORLD_SIZE" in os.environ
     world = int(os.environ["WORLD_SIZE"]) if torchrun else args.nproc
-    try:
-        cfg = config_from_args(args, world)
-        cfg.check(world or cfg.world_size)
-        if cfg.resume:  # a run folder: its latest valid checkpoint, chosen once, here
-            cfg = cfg.with_(resume=str(sharded_dir(cfg.resume)))
-        if torchrun:
-            return _run_torchrun(cfg)
-        from tpkit.train.data import load_tokens
+    if world is not None and world < 1:
+        raise UserError(f"--nproc={world} must be a positive number of processes")
+    cfg = config_from_args(args, world)
+    cfg.check(world or cfg.world_size)
+    if cfg.resume and cfg.resume != "auto":  # a run folder: its latest valid checkpoint,
+        cfg = cfg.with_(resume=str(sharded_dir(cfg.resume)))  # chosen once, here
+    if not cfg.resume:
+        _never_mix_runs(Path(cfg.out), args.overwrite, torchrun)
+    if torchrun:
+        return _run_torchrun(cfg)
+    from tpkit.train.data import load_tokens
 
-        load_tokens(cfg.data, cfg.model_config().vocab_size)  # data errors before spawning
-        return _run_local(cfg)
-    except (ValueError, FileNotFoundError, CheckpointError) as e:
-        print(f"tpkit train: error: {e}", file=sys.stderr)
-        return 2
-    except SpawnError as e:
-        if isinstance(e.original, (ValueError, FileNotFoundError)):
-            print(f"tpkit train: error: {e.original}", file=sys.stderr)
-            return 2
-        raise
+    load_tokens(cfg.data, cfg.model_config().vocab_size)  # data errors before spawning
+    return _run_local(cfg)
+
+
+def _never_mix_runs(out: Path, overwrite: bool, torchrun: bool) -> None:
+    """A new run into an --out that holds an earlier run's checkpoints: refuse, naming
+    the flags, or (--overwrite) delete them first (rank 0 only, under torchrun)."""
+    from tpkit.checkpoint import store
+
+    found = store.complete(out / "checkpoints")
+    if not found:
+        return
+    if not overwrite:
+        raise UserError(f"--out {out} holds an earlier run (checkpoints up to "
+                        f"{found[-1].name}); continue it with --resume {out}, start over "
+                        f"with --overwrite, or choose another --out")
+    if not torchrun or os.environ.get("RANK") == "0":
+        for d in found:
+            store.discard(d)
 
 
 def _run_local(cfg: TrainConfig) -> int:
@@ -155,7 +176,8 @@ def _run_local(cfg: TrainConfig) -> int:
     else:
         threads = max(1, (os.cpu_count() or 1) // n)
         results = spawn(_worker, n, cfg, mesh=dict(tp=cfg.tp, pp=cfg.pp, dp=cfg.dp),
-                        threads=threads, timeout=7 * 24 * 3600.0)
+                        threads=threads, timeout=7 * 24 * 3600.0,
+                        collective_timeout=cfg.collective_timeout)
     _print_report(results)
     _merge_trace(cfg)
     return 0
@@ -192,7 +214,8 @@ def _run_torchrun(cfg: TrainConfig) -> int:
     from tpkit.mesh import ParallelMesh
     from tpkit.train.loop import train
 
-    mesh = ParallelMesh.from_env(tp=cfg.tp, pp=cfg.pp, dp=cfg.dp)
+    mesh = ParallelMesh.from_env(tp=cfg.tp, pp=cfg.pp, dp=cfg.dp,
+                                 timeout_s=cfg.collective_timeout)
     # one write per line: ranks share the agent's stdout, and print() under PYTHONUNBUFFERED
     # writes the text and its newline separately, so two ranks' lines could run together
     sys.stdout.write(f"rank {mesh.rank}: {mesh!r}, tp group {list(mesh.tp_group.ranks)}\n")

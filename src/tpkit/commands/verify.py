@@ -21,7 +21,17 @@ from functools import partial
 import torch
 
 from tpkit.comm.report import human_bytes
-from tpkit.model.exactness import TOL, TPResult, compare_tps, mlp_case, model_case, sweep
+from tpkit.model.exactness import (
+    LOSS_ULPS,
+    TOL,
+    TPResult,
+    compare_tps,
+    loss_bound,
+    mlp_case,
+    model_case,
+    sweep,
+)
+from tpkit.spec.errors import UserError
 
 TOL_HF = 1e-4  # against transformers: another implementation, float32
 
@@ -70,43 +80,56 @@ def _builder(args: argparse.Namespace):
 def run(args: argparse.Namespace) -> int:
     """Run the comparison; 0 when every tp matches tp=1 (or transformers, with --hf) and
     the ledger matches theory."""
-    from tpkit.checkpoint import CheckpointError, locate
+    from tpkit.checkpoint import locate
 
     if args.hf:
         return _run_hf(args)
     component = args.component or ("model" if args.preset or args.checkpoint else "mlp")
-    if component == "model" and not (args.preset or args.checkpoint):
-        print("tpkit verify: --component model needs --preset or --checkpoint")
-        return 2
-    try:  # once, before any process: every tp reads the same checkpoint
-        args.checkpoint = args.checkpoint and str(locate(args.checkpoint).path)
-    except CheckpointError as e:
-        print(f"tpkit verify: {e}")
-        return 2
-    tps = sorted({int(t) for t in args.tp.split(",")} | {1})
+    tps = _check_args(args, component)
+    # once, before any process: every tp reads the same checkpoint
+    args.checkpoint = args.checkpoint and str(locate(args.checkpoint).path)
     opts = dict(vars(args), ffn=args.ffn or 4 * args.hidden)
     what = f"MLP {args.activation} h={args.hidden} ffn={opts['ffn']}" if component == "mlp" \
         else f"{args.checkpoint or args.preset}{' +SP' if args.sp else ''}"
     print(f"tpkit verify: {what}, batch={args.batch} seq={args.seq} {args.dtype}, tp={tps}")
     case, build = (mlp_case, None) if component == "mlp" else (model_case, _builder(args))
-    rows = compare_tps(case, opts, tps, build, args.timeout)
-    return _report(rows, tps, TOL[args.dtype], "tp=1")
+    ref, rows = compare_tps(case, opts, tps, build, args.timeout)
+    return _report(rows, tps, TOL[args.dtype], loss_bound(ref["loss"], args.dtype), "tp=1",
+                   args.dtype)
+
+
+def _check_args(args: argparse.Namespace, component: str) -> list[int]:
+    """The tp sizes to compare (1 included); UserError for what cannot run at all."""
+    if component == "model" and not (args.preset or args.checkpoint):
+        raise UserError("--component model needs --preset or --checkpoint")
+    try:
+        tps = sorted({int(t) for t in args.tp.split(",")} | {1})
+    except ValueError:
+        raise UserError(f"--tp={args.tp!r} must be comma-separated integers, e.g. 1,2,4") \
+            from None
+    sizes = dict(tp=tps[0], batch=args.batch, seq=args.seq, hidden=args.hidden,
+                 ffn=args.ffn or 1, layers=args.layers or 1)
+    bad = [f"{k}={v} must be a positive integer" for k, v in sizes.items() if v < 1]
+    if bad:
+        raise UserError("; ".join(bad))
+    if component == "model" and args.preset:
+        from tpkit.spec import get_preset
+
+        cfg = get_preset(args.preset)  # UserError naming the known presets
+        problems = cfg.problems(seq=args.seq)
+        if problems:
+            raise UserError(f"{cfg.name}: " + "; ".join(problems))
+    return tps
 
 
 def _run_hf(args: argparse.Namespace) -> int:
     """--hf DIR: the model at every tp against transformers (float32), ledger vs theory."""
     from tpkit.model import hf_check
     from tpkit.model.hf import hf_source
-    from tpkit.shard_io import CheckpointError
 
     if args.dtype != "float32":
-        print("tpkit verify: --hf compares with transformers in float32 only")
-        return 2
-    try:
-        config = hf_source(args.hf)[1]
-    except (ValueError, CheckpointError) as e:  # unsupported family, not a model folder
-        print(f"tpkit verify: {e}")
-        return 2
+        raise UserError("--hf compares with transformers in float32 only")
+    config = hf_source(args.hf)[1]  # an unsupported family or no model folder: UserError
     ids = hf_check.sample_ids(config, args.batch, args.seq)
     tps = sorted({int(t) for t in args.tp.split(",")})
     print(f"tpkit verify: {args.hf} ({config.family}){' +SP' if args.sp else ''}, "
@@ -114,29 +137,33 @@ def _run_hf(args: argparse.Namespace) -> int:
     ref = hf_check.reference(args.hf, ids)
     rows = sweep(hf_check.tp_case, (args.hf, ids, args.sp, args.expert_parallel), tps, ref,
                  hf_check.gather, hf_check.compare, args.timeout)
-    return _report(rows, tps, TOL_HF, "transformers")
+    return _report(rows, tps, TOL_HF, TOL_HF, "transformers", "float32")
 
 
-def _report(rows: list[TPResult], tps: list[int], tol: float, ref_name: str) -> int:
+def _report(rows: list[TPResult], tps: list[int], tol: float, loss_tol: float,
+            ref_name: str, dtype: str) -> int:
     """Print each failing (and the last) tp's ledger, the table, and the verdict."""
     for r in rows:
         if r.error:
             print(r.error)
-        elif r.tp == tps[-1] or not r.good(tol):
+        elif r.tp == tps[-1] or not r.good(tol, loss_tol):
             print(r.table)
-    _print_rows([r for r in rows if r.error is None], tol, ref_name)
-    ok = all(r.good(tol) for r in rows)
+    _print_rows([r for r in rows if r.error is None], tol, loss_tol, ref_name, dtype)
+    ok = all(r.good(tol, loss_tol) for r in rows)
     print(f"OK: every tp matches {ref_name} and the ledger matches the theory" if ok
           else "MISMATCH")
     return 0 if ok else 1
 
 
-def _print_rows(rows: list[TPResult], tol: float, ref_name: str) -> None:
+def _print_rows(rows: list[TPResult], tol: float, loss_tol: float, ref_name: str,
+                dtype: str) -> None:
     from rich.table import Table
 
     from tpkit.comm.report import render
 
-    t = Table(title=f"against {ref_name} (tolerance {tol:g})")
+    loss = (f"loss <= {LOSS_ULPS} float32 ulp = {loss_tol:.2g}"
+            if ref_name == "tp=1" and dtype == "float32" else f"loss {loss_tol:g}")
+    t = Table(title=f"against {ref_name} (max abs: outputs and gradients {tol:g}; {loss})")
     for c in ("tp", "max|Δ out|", "Δ loss", "max|Δ grad|", "max|Δ dx|", "param bytes/rank",
               "ledger vs theory", "ok"):
         t.add_column(c, justify="right")
@@ -145,6 +172,6 @@ def _print_rows(rows: list[TPResult], tol: float, ref_name: str) -> None:
                  for k in ("out", "loss", "grads", "gx")]
         t.add_row(str(r.tp), *cells, human_bytes(r.param_bytes),
                   "matches" if not r.problems else "; ".join(r.problems)[:60],
-                  "yes" if r.good(tol) else "NO")
+                  "yes" if r.good(tol, loss_tol) else "NO")
     print(render(t))
 

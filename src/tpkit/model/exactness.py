@@ -12,6 +12,7 @@ weights. `opts` holds batch, seq, dtype, sp (and hidden, ffn, activation for the
 
 from __future__ import annotations
 
+import math
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
@@ -24,6 +25,7 @@ from tpkit.sharding import full_state_dict, splits_of
 from tpkit.spec import theory
 
 TOL = {"float32": 1e-5, "bfloat16": 5e-2}  # max |difference| accepted against tp=1
+LOSS_ULPS = 4  # float32 losses: at most this many units in the last place from tp=1
 
 
 @dataclass
@@ -37,10 +39,19 @@ class TPResult:
     table: str = ""
     error: str | None = None  # the layout could not run (e.g. heads not divisible)
 
-    def good(self, tol: float) -> bool:
-        """Every difference within `tol` and the ledger matching the theory."""
+    def good(self, tol: float, loss_tol: float | None = None) -> bool:
+        """Every difference within `tol` (the loss within `loss_tol` if given) and the
+        ledger matching the theory."""
+        bound = {"loss": tol if loss_tol is None else loss_tol}
         return self.error is None and not self.problems and all(
-            v <= tol for v in self.diffs.values())
+            v <= bound.get(k, tol) for k, v in self.diffs.items())
+
+
+def loss_bound(loss: float | None, dtype: str) -> float:
+    """LOSS_ULPS float32 ulps of the reference loss (bfloat16: the output tolerance)."""
+    if loss is None or dtype != "float32":
+        return TOL[dtype]
+    return LOSS_ULPS * 2.0 ** (math.frexp(abs(loss) or 1.0)[1] - 24)  # ulp = 2^(e-24)
 
 
 def mlp_case(mesh: ParallelMesh, opts: dict, build: Callable | None = None) -> dict:
@@ -128,11 +139,32 @@ def differences(ref: dict, got: dict) -> dict:
 
 
 def compare_tps(case: Callable, opts: dict, tps: list[int], build: Callable | None = None,
-                timeout: float = 300.0) -> list[TPResult]:
-    """Run `case` at tp=1 in this process and at each tp on local processes; one
-    TPResult per tp (a layout that fails to build is reported, not raised)."""
-    ref = gather([case(ParallelMesh.single(), opts, build)])
-    return sweep(case, (opts, build), tps, ref, gather, differences, timeout)
+                timeout: float = 300.0, note: Callable[[str], None] = print
+                ) -> tuple[dict, list[TPResult]]:
+    """Run `case` at tp=1 in this process (the reference) and at each tp on local
+    processes; (reference, one TPResult per tp). A layout that fails to build is
+    reported, not raised."""
+    ref = reference(lambda: gather([case(ParallelMesh.single(), opts, build)]), note)
+    return ref, sweep(case, (opts, build), tps, ref, gather, differences, timeout)
+
+
+def reference(evaluate: Callable[[], dict], note: Callable[[str], None] = print) -> dict:
+    """The tp=1 results, evaluated twice in this process: the same inputs must give the
+    same bits. If they do not, a third evaluation decides and `note` says so (a
+    non-deterministic kernel or a machine fault, not a sharding error)."""
+    runs = [evaluate() for _ in range(2)]
+    if _same(runs[0], runs[1]):
+        return runs[0]
+    runs.append(evaluate())
+    pick = runs[2] if _same(runs[1], runs[2]) or not _same(runs[0], runs[2]) else runs[0]
+    note(f"note: the tp=1 reference was not reproducible in this process (losses "
+         f"{', '.join(repr(r['loss']) for r in runs)} from the same inputs); using the "
+         f"value two of three evaluations agree on")
+    return pick
+
+
+def _same(x: dict, y: dict) -> bool:
+    return x["loss"] == y["loss"] and torch.equal(x["out"], y["out"])
 
 
 def sweep(case: Callable, args: tuple, tps: list[int], ref: dict, gather_fn: Callable,

@@ -34,6 +34,7 @@ from torch import nn
 from tpkit.comm import all_gather
 from tpkit.layers.attention import KVCache
 from tpkit.model.tokenizer import ByteTokenizer
+from tpkit.spec.errors import UserError
 
 PP_ERROR = ("generate runs at pp=1: one sequence's tokens come one at a time, so a "
             "pipeline would keep all but one stage idle; every tpkit checkpoint loads at "
@@ -44,8 +45,8 @@ def pad_left(prompts: list[list[int]], pad_id: int = 0, device=None
              ) -> tuple[torch.Tensor, torch.Tensor]:
     """Prompts of any lengths -> (ids [b, s], attention mask [b, s]), padded on the left."""
     if not prompts or any(len(p) == 0 for p in prompts):
-        raise ValueError(f"every prompt needs at least one token (lengths "
-                         f"{[len(p) for p in prompts]})")
+        raise UserError(f"every prompt needs at least one token (lengths "
+                        f"{[len(p) for p in prompts]})")
     s = max(len(p) for p in prompts)
     ids = torch.tensor([[pad_id] * (s - len(p)) + list(p) for p in prompts], device=device)
     mask = torch.tensor([[0] * (s - len(p)) + [1] * len(p) for p in prompts], device=device)
@@ -67,9 +68,9 @@ def generate(model: nn.Module, ids: torch.Tensor, max_new_tokens: int, *,
     Call on every tp rank of a pp=1 model; every rank returns the same tokens.
     """
     if not (model.is_first_stage and model.is_last_stage):
-        raise ValueError(PP_ERROR)
+        raise UserError(PP_ERROR)
     if ids.shape[1] + max_new_tokens > model.config.max_seq_len:
-        raise ValueError(f"prompt {ids.shape[1]} + {max_new_tokens} new tokens exceeds "
+        raise UserError(f"prompt {ids.shape[1]} + {max_new_tokens} new tokens exceeds "
                          f"max_seq_len={model.config.max_seq_len}")
     model.eval()
     caches = [KVCache() for _ in model.layers]

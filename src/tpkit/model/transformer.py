@@ -35,6 +35,7 @@ from tpkit.model.block import Block
 from tpkit.model.names import EMBED_WEIGHT
 from tpkit.sharding import TPSplit, master_normal, seed_for, set_meta, shard
 from tpkit.spec.config import ModelConfig
+from tpkit.spec.errors import UserError
 from tpkit.spec.shapes import stage_layer_range
 
 
@@ -108,7 +109,7 @@ class Transformer(nn.Module):
         if loss_chunk < 0:
             raise ValueError(f"loss_chunk={loss_chunk} must be 0 (off) or a number of tokens")
         if v < 1 or pp * v > config.num_layers:
-            raise ValueError(f"{config.name}: pp*virtual_stages = {pp}*{v} = {pp * v} chunks "
+            raise UserError(f"{config.name}: pp*virtual_stages = {pp}*{v} = {pp * v} chunks "
                              f"do not fit num_layers={config.num_layers}")
         self.config, self.mesh, self.group = config, mesh, mesh.tp_group
         self.sequence_parallel, self.recompute, self.seed = sequence_parallel, recompute, seed

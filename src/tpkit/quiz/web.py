@@ -32,6 +32,7 @@ from urllib.parse import parse_qs, urlsplit
 
 from tpkit.quiz import web_api
 from tpkit.quiz.content import Quiz
+from tpkit.spec.errors import UserError
 
 HOST = "127.0.0.1"
 HTML, JS = "text/html; charset=utf-8", "text/javascript; charset=utf-8"
@@ -200,11 +201,10 @@ def serve(quiz: Quiz, port: int = 8765, lang: str = "en", live: bool = False,
     try:
         server = make_server(quiz, port, lang, None, host)
     except OSError as e:
-        why = (f"port {port} on {host} is already in use; choose another with --port "
+        why = (f"port {port} is already in use on {host}; choose another with --port "
                f"(--port 0 picks a free one)" if e.errno == errno.EADDRINUSE
                else f"cannot listen on {host}:{port}: {e.strerror or e}")
-        print(f"tpkit quiz: error: {why}", file=sys.stderr)
-        return 2
+        raise UserError(why) from None  # one line from `tpkit.cli`, exit 2
     if not is_loopback(host):
         print(f"tpkit quiz: warning: --host {host} makes the quiz reachable from other "
               f"machines (no login, no TLS)", file=sys.stderr)

@@ -10,6 +10,7 @@ from __future__ import annotations
 from dataclasses import asdict, dataclass, replace
 
 from tpkit.spec import shapes
+from tpkit.spec.errors import UserError
 
 NORMS = ("layernorm", "rmsnorm")
 ACTIVATIONS = ("gelu", "gelu_exact", "swiglu", "geglu", "relu")  # gelu: tanh; exact: erf (BERT)
@@ -108,7 +109,7 @@ class ModelConfig:
         """Inverse of `to_dict`; unknown keys are an error naming them."""
         unknown = set(d) - set(cls.__dataclass_fields__)
         if unknown:
-            raise ValueError(f"unknown ModelConfig fields: {sorted(unknown)}")
+            raise UserError(f"unknown ModelConfig fields: {sorted(unknown)}")
         if d.get("rope_llama3") is not None:  # JSON gives a list
             d = dict(d, rope_llama3=tuple(d["rope_llama3"]))
         return cls(**d)
@@ -152,10 +153,10 @@ class ModelConfig:
 
     # -- validation ----------------------------------------------------------------------
     def check(self, tp: int = 1, pp: int = 1, sp: bool = False, seq: int | None = None) -> None:
-        """Raise ValueError naming the numbers if this model cannot run at (tp, pp, sp)."""
+        """Raise UserError naming the numbers if this model cannot run at (tp, pp, sp)."""
         problems = self.problems(tp=tp, pp=pp, sp=sp, seq=seq)
         if problems:
-            raise ValueError(f"{self.name}: " + "; ".join(problems))
+            raise UserError(f"{self.name}: " + "; ".join(problems))
 
     def problems(self, tp: int = 1, pp: int = 1, sp: bool = False,
                  seq: int | None = None) -> list[str]:
@@ -277,4 +278,4 @@ def get_preset(name: str) -> ModelConfig:
     try:
         return PRESETS[name]
     except KeyError:
-        raise ValueError(f"unknown preset {name!r}; known: {', '.join(PRESETS)}") from None
+        raise UserError(f"unknown preset {name!r}; known: {', '.join(PRESETS)}") from None

@@ -13,6 +13,9 @@ import sys
 from dataclasses import asdict, dataclass, fields, replace
 from pathlib import Path
 
+from tpkit.comm.failure import DEFAULT_COLLECTIVE_TIMEOUT_S
+from tpkit.spec.errors import UserError
+
 if sys.version_info >= (3, 11):
     import tomllib
 else:  # pragma: no cover
@@ -55,10 +58,13 @@ class TrainConfig:
     eval_every: int = 50
     eval_batches: int = 2
     ckpt_every: int = 0  # 0: only at the end
+    keep_checkpoints: int = 3  # newest complete checkpoints kept in out/checkpoints (0: all)
+    check_replicas: int = 0  # every N steps: replicated parameters equal on every tp rank
     out: str = "runs/train"
     seed: int = 0
     trace: str | None = None  # a folder: the last step's per-rank timeline (tpkit.train.trace)
     resume: str | None = None  # a checkpoint directory, or a folder of them (the latest)
+    collective_timeout: float = DEFAULT_COLLECTIVE_TIMEOUT_S  # s a collective may wait
     progress: bool = True
     plot: bool = True
     checkpoint: bool = True
@@ -107,12 +113,12 @@ class TrainConfig:
         """Read a TOML file whose keys are the field names (dashes allowed), then override."""
         p = Path(path)
         if not p.is_file():
-            raise FileNotFoundError(f"config file {p} does not exist")
+            raise UserError(f"config file {p} does not exist")
         raw = {k.replace("-", "_"): v for k, v in tomllib.loads(p.read_text()).items()}
         known = {f.name for f in fields(cls)}
         unknown = sorted(set(raw) - known)
         if unknown:
-            raise ValueError(f"{p}: unknown keys {unknown}; known: {sorted(known)}")
+            raise UserError(f"{p}: unknown keys {unknown}; known: {sorted(known)}")
         return cls(**{**raw, **overrides})
 
     def problems(self) -> list[str]:
@@ -121,6 +127,16 @@ class TrainConfig:
                for k in ("tp", "pp", "dp", "steps", "micro_batches", "global_batch", "seq",
                          "virtual_stages")
                if not isinstance(getattr(self, k), int) or getattr(self, k) < 1]
+        out += [f"{k}={getattr(self, k)} must be an integer >= 0"
+                for k in ("warmup", "ckpt_every", "keep_checkpoints", "check_replicas",
+                          "eval_every", "eval_batches", "log_every")
+                if not isinstance(getattr(self, k), int) or getattr(self, k) < 0]
+        out += [f"{k}={getattr(self, k)} must be a number >= 0"
+                for k in ("clip", "weight_decay", "min_lr")
+                if getattr(self, k) is not None and not getattr(self, k) >= 0]
+        if not self.collective_timeout > 0:
+            out.append(f"collective_timeout={self.collective_timeout} must be a positive "
+                       f"number of seconds")
         if out:
             return out
         if self.global_batch % (self.dp * self.micro_batches):
@@ -139,7 +155,7 @@ class TrainConfig:
             out.append(f"dtype={self.dtype!r} is not one of {DTYPES}")
         if not 0.0 <= self.val_fraction < 1.0:
             out.append(f"val_fraction={self.val_fraction} must be in [0, 1)")
-        if self.lr <= 0:
+        if not self.lr > 0:
             out.append(f"lr={self.lr} must be positive")
         try:
             model = self.model_config()
@@ -175,13 +191,13 @@ class TrainConfig:
         return []
 
     def check(self, world_size: int | None = None) -> None:
-        """Raise ValueError listing every problem (and a world-size mismatch)."""
+        """Raise UserError listing every problem (and a world-size mismatch)."""
         problems = self.problems()
         if world_size is not None and world_size != self.world_size:
             problems.append(f"tp*pp*dp = {self.tp}*{self.pp}*{self.dp} = {self.world_size} "
                             f"does not equal the number of processes {world_size}")
         if problems:
-            raise ValueError("; ".join(problems))
+            raise UserError("; ".join(problems))
 
 
 def _backend_problems(backend: str) -> list[str]:

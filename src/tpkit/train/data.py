@@ -24,6 +24,7 @@ from pathlib import Path
 import numpy as np
 import torch
 
+from tpkit.spec.errors import UserError
 from tpkit.train.tokens import INDEX, TokenStream, open_shards
 
 
@@ -58,20 +59,20 @@ def load_tokens(path: str | Path | None, vocab_size: int = 256
         if p.is_dir():
             files = sorted(p.glob("*.txt"))
             if not files:
-                raise ValueError(f"data directory {p} holds no .txt file")
+                raise UserError(f"data directory {p} holds no .txt file")
             tokens = encode_bytes("\n\n".join(f.read_text(errors="replace") for f in files))
         elif p.suffix == ".bin":
             if p.stat().st_size % 2:
-                raise ValueError(f"data file {p} has an odd size ({p.stat().st_size} bytes); "
+                raise UserError(f"data file {p} has an odd size ({p.stat().st_size} bytes); "
                                  f"a .bin holds uint16 token ids")
             tokens = np.fromfile(p, dtype=np.uint16)
         else:
             tokens = encode_bytes(p.read_text(errors="replace"))
         if tokens.size == 0:
-            raise ValueError(f"data file {p} is empty (0 tokens)")
+            raise UserError(f"data file {p} is empty (0 tokens)")
     top = int(tokens.max())
     if top >= vocab_size:
-        raise ValueError(f"token id {top} in the data is out of the model's vocab_size="
+        raise UserError(f"token id {top} in the data is out of the model's vocab_size="
                          f"{vocab_size}")
     return tokens
 
@@ -130,13 +131,13 @@ class TokenLoader:
                  dp_size: int = 1, seed: int = 0, shuffle: bool = True,
                  name: str = "training") -> None:
         if global_batch % dp_size:
-            raise ValueError(f"global_batch={global_batch} is not divisible by dp={dp_size}")
+            raise UserError(f"global_batch={global_batch} is not divisible by dp={dp_size}")
         self.tokens = tokens  # read a window at a time (memory-mapped shards stay on disk)
         self.seq, self.global_batch, self.seed, self.shuffle = seq, global_batch, seed, shuffle
         self.dp_rank, self.dp_size = dp_rank, dp_size
         self.windows = (len(tokens) - 1) // seq
         if self.windows < global_batch:
-            raise ValueError(f"{name} data has {len(tokens)} tokens = {self.windows} windows of "
+            raise UserError(f"{name} data has {len(tokens)} tokens = {self.windows} windows of "
                              f"seq={seq}, fewer than global_batch={global_batch}")
         self.position = 0  # sequences consumed, all replicas together
         self._perm: tuple[int, torch.Tensor] | None = None
@@ -175,7 +176,7 @@ class TokenLoader:
         """Resume at a saved position (same data, seq and seed)."""
         for k in ("seed", "seq", "windows"):
             if state.get(k, getattr(self, k)) != getattr(self, k):
-                raise ValueError(f"loader state has {k}={state[k]}, this loader {getattr(self, k)}")
+                raise UserError(f"loader state has {k}={state[k]}, this loader {getattr(self, k)}")
         self.position = int(state["position"])
 
 

@@ -25,6 +25,7 @@ from pathlib import Path
 import torch
 
 from tpkit.comm import all_reduce
+from tpkit.comm.failure import CollectiveFailed
 from tpkit.mesh import ParallelMesh
 from tpkit.parallel import (
     OverlappedGradSync,
@@ -39,7 +40,9 @@ from tpkit.parallel import (
     sync_tied_grads,
     tied_embedding_group,
 )
+from tpkit.parallel.replicas import check_replicas
 from tpkit.spec import theory
+from tpkit.spec.errors import UserError
 from tpkit.train import run_log
 from tpkit.train.config import TrainConfig
 from tpkit.train.data import (
@@ -140,6 +143,9 @@ def train(cfg: TrainConfig, mesh: ParallelMesh, model: torch.nn.Module | None = 
             row = _step(cfg, mesh, model, link, (tied, dp_sync, mixed), opt, loader, autocast,
                         step)
             span = (t_step, time.perf_counter())
+            if cfg.check_replicas and (step + 1) % cfg.check_replicas == 0:
+                with mesh.ledger.paused():  # not part of the step's theory
+                    check_replicas(model, mesh.tp_group, step + 1)
             train_s += row["step_s"]
             if step > start or cfg.steps == start + 1:
                 idle, busy = idle + row["idle_s"], busy + row["step_s"] - row["idle_s"]
@@ -154,6 +160,8 @@ def train(cfg: TrainConfig, mesh: ParallelMesh, model: torch.nn.Module | None = 
             rows.append(row)
             log.write({k: v for k, v in row.items() if k != "comm_line"})
             bar.update(row)
+    except CollectiveFailed as e:  # a dead or stuck peer: say how far the run got
+        raise e.after_step(start + len(rows)) from e.__cause__
     finally:
         bar.close()
         link.close()
@@ -241,6 +249,8 @@ def save_checkpoint(cfg: TrainConfig, mesh: ParallelMesh, model, opt, loader: To
         from tpkit.model.tokenizer import copy_tokenizer
 
         copy_tokenizer(tokenizer, path)
+    if mesh.rank == 0:  # the new one is complete: only now may the oldest go
+        checkpoint.prune(path.parent, cfg.keep_checkpoints)
     return str(path)
 
 
@@ -255,10 +265,15 @@ def resume(cfg: TrainConfig, mesh: ParallelMesh, model, opt, loader: TokenLoader
     from tpkit.checkpoint import store as checkpoint
     from tpkit.checkpoint.locate import sharded_dir
 
-    path = sharded_dir(cfg.resume)  # a run folder: its latest valid checkpoint
+    if cfg.resume == "auto":  # the newest valid checkpoint of this run, if any
+        path = checkpoint.latest(Path(cfg.out) / "checkpoints")
+        if path is None:
+            return 0
+    else:
+        path = sharded_dir(cfg.resume)  # a run folder: its latest valid checkpoint
     extra = checkpoint.load(path, model, opt, mesh=mesh)
     if int(extra["step"]) >= cfg.steps:
-        raise ValueError(f"{path} is at step {extra['step']}: nothing left to do for "
+        raise UserError(f"{path} is at step {extra['step']}: nothing left to do for "
                          f"steps={cfg.steps}")
     loader.load_state_dict(extra["loader"])
     if extra.get("rng", {}).get("device") == mesh.device.type:

@@ -1,0 +1,119 @@
+"""One error path for every command: each user mistake below, run through the real
+`tpkit` CLI in its own process, prints exactly one line `tpkit <command>: error: ...`
+naming the cause (and its numbers), exits with status 2, and prints no traceback;
+`--debug` brings the traceback back."""
+
+from __future__ import annotations
+
+import os
+import socket
+import subprocess
+import sys
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+
+import pytest
+
+SRC = str(Path(__file__).resolve().parents[1] / "src")
+
+
+def _tpkit(*argv: str) -> subprocess.CompletedProcess:
+    env = dict(os.environ, PYTHONPATH=SRC + os.pathsep + os.environ.get("PYTHONPATH", ""))
+    env.pop("TPKIT_DEBUG", None)
+    return subprocess.run([sys.executable, "-m", "tpkit", *argv], capture_output=True,
+                          text=True, env=env, timeout=300)
+
+
+@pytest.fixture(scope="module")
+def files(tmp_path_factory):
+    """A gpt2-tiny and a llama-tiny checkpoint, a run folder, a file that is not one."""
+    from tpkit.checkpoint import store
+    from tpkit.mesh import ParallelMesh
+    from tpkit.model import Transformer
+    from tpkit.spec import get_preset
+
+    root = tmp_path_factory.mktemp("cli")
+    for preset in ("gpt2-tiny", "llama-tiny"):
+        model = Transformer(get_preset(preset), ParallelMesh.single(), seed=0)
+        store.save(root / preset, model, step=1)
+    (root / "run" / "checkpoints").mkdir(parents=True)
+    model = Transformer(get_preset("gpt2-tiny"), ParallelMesh.single(), seed=0)
+    store.save(root / "done" / "checkpoints" / "step_000001", model, step=1)
+    (root / "notes.safetensors").write_text("not a safetensors file")
+    return root
+
+
+def _cases(root: Path, port: int) -> list[tuple[list[str], str]]:
+    g, llama = str(root / "gpt2-tiny"), str(root / "llama-tiny")
+    gen = ["generate", "--checkpoint", g]
+    train = ["train", "--steps", "2", "--seq", "16", "--out", str(root / "out")]
+    return [
+        (["train", "--tp", "two"], "argument --tp: invalid int value: 'two'"),
+        (["train", "--no-such-flag"], "unrecognized arguments: --no-such-flag"),
+        (train + ["--nproc", "0"], "--nproc=0 must be a positive number"),
+        (train + ["--nproc", "-1"], "--nproc=-1 must be a positive number"),
+        (train + ["--warmup", "-1"], "warmup=-1 must be an integer >= 0"),
+        (train + ["--ckpt-every", "-1"], "ckpt_every=-1 must be an integer >= 0"),
+        (train + ["--clip", "-1"], "clip=-1.0 must be a number >= 0"),
+        (train + ["--resume", str(root / "missing")], "missing: no such checkpoint"),
+        (train + ["--resume", llama], "written for a different model"),
+        (["train", "--steps", "2", "--out", str(root / "done")],
+         "holds an earlier run (checkpoints up to step_000001); continue it with --resume"),
+        (["verify", "--preset", "gpt3-huge"], "unknown preset 'gpt3-huge'"),
+        (["verify", "--preset", "gpt2-tiny", "--tp", "0,2"], "tp=0 must be a positive"),
+        (["verify", "--preset", "gpt2-tiny", "--seq", "4096"],
+         "sequence length 4096 exceeds max_seq_len=128"),
+        (gen + ["--tp", "3", "--prompt-ids", "1"], "num_heads=4 is not divisible by tp=3"),
+        (gen + ["--prompt-ids", "1,999"], "token ids [999] are outside the model's vocabulary"),
+        (gen + ["--prompt-ids", "1", "--temperature", "nan"], "--temperature=nan must be"),
+        (gen + ["--prompt-ids", "1", "--temperature", "-1"], "--temperature=-1.0 must be"),
+        (gen + ["--prompt-ids", "1", "--top-k", "-3"], "--top-k=-3 must be >= 0"),
+        (gen + ["--prompt-ids", "1", "--max-new-tokens", "-1"], "--max-new-tokens=-1 must"),
+        (["generate", "--checkpoint", str(root / "run"), "--prompt-ids", "1"],
+         "neither a tpkit checkpoint"),
+        (["generate", "--checkpoint", str(root / "notes.safetensors"), "--prompt-ids", "1"],
+         "not a readable safetensors file"),
+        (["convert", str(root / "missing"), str(root / "x.safetensors"), "--to", "full"],
+         "missing"),
+        (["quiz", "--web", "--port", str(port)], f"port {port} is already in use"),
+    ]
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(900)
+def test_every_user_mistake_is_one_line_and_exit_2(files):
+    with socket.socket() as busy:
+        busy.bind(("127.0.0.1", 0))
+        busy.listen()
+        cases = _cases(files, busy.getsockname()[1])
+        with ThreadPoolExecutor(2) as pool:
+            results = list(pool.map(lambda c: _tpkit(*c[0]), cases))
+    for (argv, needle), r in zip(cases, results):
+        command = argv[0]
+        lines = r.stderr.strip().splitlines()
+        assert r.returncode == 2, (argv, r.returncode, r.stderr[-1500:])
+        assert "Traceback" not in r.stderr and len(lines) == 1, (argv, r.stderr[-1500:])
+        assert lines[0].startswith(f"tpkit {command}: error: "), (argv, lines)
+        assert needle in lines[0], (argv, needle, lines[0])
+
+
+def test_debug_shows_the_traceback_of_a_user_mistake():
+    quiet = _tpkit("verify", "--preset", "gpt3-huge")
+    loud = _tpkit("verify", "--preset", "gpt3-huge", "--debug")
+    assert quiet.returncode == 2 and "Traceback" not in quiet.stderr
+    assert loud.returncode != 0 and "Traceback" in loud.stderr and "UserError" in loud.stderr
+
+
+def test_a_bug_keeps_its_traceback():
+    from tpkit.cli import explain
+    from tpkit.comm.failure import CollectiveFailed
+    from tpkit.launch import SpawnError
+    from tpkit.spec.errors import UserError
+
+    assert explain(KeyError("x")) is None and explain(RuntimeError("shape")) is None
+    assert explain(UserError("bad")) == ("bad", 2)
+    assert explain(SpawnError("rank 1 raised KeyError", 1, KeyError("x"))) is None
+    assert explain(SpawnError("...", 1, UserError("tp=3"))) == ("rank 1: tp=3", 2)
+    failed = CollectiveFailed("all_reduce", "tp", (0, 1), 0, "layers.1.mlp", "forward", 5.0,
+                              "Timed out waiting 5000ms for recv operation", step=7)
+    assert explain(failed)[1] == 1 and "suspects: rank 1" in explain(failed)[0]

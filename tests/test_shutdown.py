@@ -1,0 +1,103 @@
+"""Clean shutdown and dead ranks, through the real `tpkit train --nproc 4` (tp=2 x pp=2).
+
+- SIGTERM, SIGHUP, SIGINT to the launcher only: it kills and waits for its workers and
+  exits with 128 + the signal; SIGKILL to the launcher: each worker notices its lifeline
+  pipe close and kills itself. Either way no descendant (workers, forkserver, resource
+  tracker) is left after 10 s, and the newest complete checkpoint still verifies.
+- A rank killed (SIGKILL) or stopped (SIGSTOP) mid-run: the run stops within the
+  collective timeout with one line naming that rank, what the others were waiting in
+  (collective, group, scope) and the last step completed.
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+from proc_tree import descendants, wait_gone, workers
+
+SRC = str(Path(__file__).resolve().parents[1] / "src")
+
+
+def _start_train(out: Path, *extra: str) -> subprocess.Popen:
+    env = dict(os.environ, PYTHONPATH=SRC + os.pathsep + os.environ.get("PYTHONPATH", ""))
+    cmd = [sys.executable, "-m", "tpkit", "train", "--preset", "gpt2-tiny", "--tp", "2",
+           "--pp", "2", "--steps", "100000", "--seq", "32", "--global-batch", "8",
+           "--micro-batches", "2", "--out", str(out), "--no-progress", *extra]
+    return subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                            env=env)
+
+
+def _wait_steps(proc: subprocess.Popen, out: Path, steps: int, timeout: float = 400) -> None:
+    t0, metrics = time.monotonic(), out / "metrics.jsonl"
+    while time.monotonic() - t0 < timeout:
+        if metrics.exists() and metrics.read_text().count("\n") >= steps:
+            return
+        assert proc.poll() is None, proc.communicate()[1][-2000:]
+        time.sleep(0.2)
+    raise AssertionError(f"no {steps} steps in {timeout} s")
+
+
+def _newest_checkpoint_verifies(out: Path) -> None:
+    from tpkit.checkpoint import store
+    from tpkit.checkpoint.files import verify_file
+
+    newest = store.latest(out / "checkpoints")
+    assert newest is not None
+    manifest = store.read_manifest(newest)
+    for name, entry in manifest["files"].items():
+        verify_file(newest, name, entry)
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(900)
+@pytest.mark.parametrize("sig", ["SIGTERM", "SIGHUP", "SIGINT", "SIGKILL"])
+def test_a_signal_to_the_launcher_leaves_no_process(sig, tmp_path):
+    proc = _start_train(tmp_path, "--ckpt-every", "2")
+    try:
+        _wait_steps(proc, tmp_path, 5)
+        below = descendants(proc.pid)
+        assert len(workers(proc.pid)) == 4 and len(below) >= 5, below
+        os.kill(proc.pid, getattr(signal, sig))
+        _, left = wait_gone([proc.pid, *below], timeout=10)
+        assert left == [], f"{sig}: still running after 10 s: {left}"
+        err = proc.communicate(timeout=30)[1]
+    finally:
+        for p in [proc.pid, *descendants(proc.pid)]:
+            if p != proc.pid:
+                os.kill(p, signal.SIGKILL)
+        proc.kill()
+    signum = getattr(signal, sig)
+    assert proc.returncode == (-signum if sig == "SIGKILL" else 128 + signum), err
+    if sig != "SIGKILL":
+        assert err.strip().splitlines()[-1] == f"tpkit train: stopped by {sig}", err
+        assert "leaked semaphore" not in err and "Traceback" not in err, err
+    _newest_checkpoint_verifies(tmp_path)
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(900)
+@pytest.mark.parametrize("sig, says", [("SIGKILL", "rank 1 died (signal 9)"),
+                                       ("SIGSTOP", "rank 1 stopped making progress")])
+def test_a_dead_or_stuck_rank_stops_the_run_with_one_line(sig, says, tmp_path):
+    proc = _start_train(tmp_path, "--collective-timeout", "5")
+    try:
+        _wait_steps(proc, tmp_path, 3)
+        os.kill(workers(proc.pid)[1], getattr(signal, sig))
+        err = proc.communicate(timeout=120)[1]
+    finally:
+        for p in descendants(proc.pid):
+            os.kill(p, signal.SIGKILL)
+        proc.kill()
+    lines = err.strip().splitlines()
+    assert proc.returncode == 1 and len(lines) == 1 and "Traceback" not in err, err
+    line = lines[0]
+    assert line.startswith("tpkit train: error: ") and says in line, line
+    assert "over tp [0, 1] (scope layers." in line and "suspects: rank 1" in line, line
+    assert "last step completed: " in line and "none" not in line.split("completed: ")[1]
