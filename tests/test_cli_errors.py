@@ -55,7 +55,7 @@ def _cases(root: Path, port: int) -> list[tuple[list[str], str]]:
         (train + ["--warmup", "-1"], "warmup=-1 must be an integer >= 0"),
         (train + ["--ckpt-every", "-1"], "ckpt_every=-1 must be an integer >= 0"),
         (train + ["--clip", "-1"], "clip=-1.0 must be a number >= 0"),
-        (train + ["--resume", str(root / "missing")], "missing: no such checkpoint"),
+        (train + ["--resume", str(root / "missing")], "missing: no such file or directory"),
         (train + ["--resume", llama], "written for a different model"),
         (["train", "--steps", "2", "--out", str(root / "done")],
          "holds an earlier run (checkpoints up to step_000001); continue it with --resume"),

@@ -177,9 +177,10 @@ def test_indivisible_request_names_the_numbers():
 def test_cli_exits_non_zero_with_the_message(capsys):
     rc = tpkit_main(["plan", "--preset", "llama3-405b", "--nodes", "1", "--hardware",
                      "a100-40gb"])
-    assert rc == 1 and "does not fit" in capsys.readouterr().err
+    assert rc == 2 and "tpkit plan: error: " in (err := capsys.readouterr().err) and \
+        "does not fit" in err
     rc = tpkit_main(["plan", "--preset", "gpt2-124m", "--hardware", "nope"])
-    assert rc == 1 and "unknown hardware 'nope'" in capsys.readouterr().err
+    assert rc == 2 and "unknown hardware 'nope'" in capsys.readouterr().err
 
 
 def test_cli_json_has_the_promised_keys_best_first(capsys):

@@ -12,7 +12,6 @@ from __future__ import annotations
 import argparse
 
 from tpkit.checkpoint.convert import reshard, to_full, to_hf
-from tpkit.checkpoint.files import CheckpointError
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -27,16 +26,13 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
-    """Convert; print what was written. Errors name the file and the problem."""
-    try:
-        if args.to == "full":
-            out = to_full(args.source, args.dest)
-        elif args.to == "hf":
-            out = to_hf(args.source, args.dest)
-        else:
-            out = reshard(args.source, args.dest, args.tp, args.pp)
-    except (CheckpointError, ValueError) as e:
-        print(f"tpkit convert: {e}")
-        return 1
+    """Convert; print what was written. Errors (a CheckpointError, a UserError) name the
+    file and the problem, on one line, from `tpkit.cli`."""
+    if args.to == "full":
+        out = to_full(args.source, args.dest)
+    elif args.to == "hf":
+        out = to_hf(args.source, args.dest)
+    else:
+        out = reshard(args.source, args.dest, args.tp, args.pp)
     print(f"wrote {out}")
     return 0

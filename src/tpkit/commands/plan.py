@@ -14,10 +14,9 @@ from __future__ import annotations
 
 import argparse
 import json
-import sys
 
 from tpkit.plan.command_line import tpkit_gaps
-from tpkit.plan.hardware import PROFILES, HardwareError, get_hardware
+from tpkit.plan.hardware import PROFILES, get_hardware
 from tpkit.plan.layout import ZERO_NAMES
 from tpkit.plan.memory import GRAD_DTYPES, Precision
 from tpkit.plan.planner import PlanError, Request, best_per_degrees, plan
@@ -109,13 +108,10 @@ def request_from_args(a: argparse.Namespace) -> Request:
 
 
 def run(args: argparse.Namespace) -> int:
-    """Print the plans and how to run the best; exit 1 with the reason when there is none."""
-    try:
-        req = request_from_args(args)
-        everything = plan(req, distinct=False)
-    except (PlanError, HardwareError, ValueError) as e:
-        print(f"tpkit plan: {e}", file=sys.stderr)
-        return 1
+    """Print the plans and how to run the best; no plan that fits is one line naming why
+    (exit 2, from `tpkit.cli`)."""
+    req = request_from_args(args)  # a bad flag or no plan that fits: UserError, one line
+    everything = plan(req, distinct=False)
     plans = (everything if args.all else best_per_degrees(everything))[:args.top]
     preset = args.preset if args.preset and not _customised(args) else None
     runnable = next((e for e in everything if not tpkit_gaps(e.layout, preset)), None)

@@ -13,10 +13,11 @@ shards of uint16 ids when the vocabulary fits (else uint32) and an index.json
 from __future__ import annotations
 
 import argparse
-import sys
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from pathlib import Path
+
+from tpkit.spec.errors import UserError
 
 BLOCK_BYTES = 1 << 20  # text tokenized per call (cut at line ends)
 
@@ -38,7 +39,7 @@ def _tokenizer(where: str):
     if where == "bytes":
         return ByteTokenizer()
     if not has_tokenizer(where):
-        raise ValueError(f"{where}: no tokenizer files (tokenizer.json, tokenizer.model, "
+        raise UserError(f"{where}: no tokenizer files (tokenizer.json, tokenizer.model, "
                          f"vocab.json or vocab.txt); give a model folder or 'bytes'")
     return load_tokenizer(where)
 
@@ -93,13 +94,9 @@ def prepare(files: list[str], tokenizer: str, out: str, dtype: str = "auto",
 
 
 def run(args: argparse.Namespace) -> int:
-    """Prepare the token shards; 0 on success, 2 on bad input (named on stderr)."""
-    try:
-        index = prepare(args.files, args.tokenizer, args.out, args.dtype, args.shard_tokens,
-                        not args.no_progress)
-    except (ValueError, FileNotFoundError) as e:
-        print(f"tpkit prepare-data: error: {e}", file=sys.stderr)
-        return 2
+    """Prepare the token shards; bad input is a UserError (one line, exit 2, `tpkit.cli`)."""
+    index = prepare(args.files, args.tokenizer, args.out, args.dtype, args.shard_tokens,
+                    not args.no_progress)
     print(f"{index['tokens']:,} tokens ({index['dtype']}, vocab_size={index['vocab_size']}) "
           f"in {len(index['shards'])} shard(s) under {args.out}")
     return 0

@@ -21,6 +21,8 @@ import os
 from dataclasses import dataclass, replace
 from pathlib import Path
 
+from tpkit.spec.errors import UserError
+
 try:
     import tomllib
 except ModuleNotFoundError:  # Python 3.10
@@ -150,7 +152,7 @@ PROFILES: dict[str, Hardware] = {
 }
 
 
-class HardwareError(ValueError):
+class HardwareError(UserError):
     """An unknown profile name or a malformed profile file."""
 
 

@@ -23,6 +23,7 @@ from tpkit.plan.memory import Precision, lighter_end_layers
 from tpkit.plan.reasons import explain
 from tpkit.plan.simulate import Cluster, Estimate, Layout, evaluate
 from tpkit.spec.config import ModelConfig
+from tpkit.spec.errors import UserError
 
 MICRO_BATCHES = (1, 2, 4, 8, 16, 32)
 CHOICES = ("tp", "cp", "pp", "dp", "micro_batch", "sp", "recompute", "zero", "interleave",
@@ -30,7 +31,7 @@ CHOICES = ("tp", "cp", "pp", "dp", "micro_batch", "sp", "recompute", "zero", "in
 MIN_TOKENS_PER_CP_RANK = 1024  # smaller chunks leave too little attention to hide the ring
 
 
-class PlanError(ValueError):
+class PlanError(UserError):
     """No plan satisfies the request; the message names the numbers that rule them out."""
 
 

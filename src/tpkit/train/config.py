@@ -129,7 +129,7 @@ class TrainConfig:
                if not isinstance(getattr(self, k), int) or getattr(self, k) < 1]
         out += [f"{k}={getattr(self, k)} must be an integer >= 0"
                 for k in ("warmup", "ckpt_every", "keep_checkpoints", "check_replicas",
-                          "eval_every", "eval_batches", "log_every")
+                          "eval_every", "eval_batches")
                 if not isinstance(getattr(self, k), int) or getattr(self, k) < 0]
         out += [f"{k}={getattr(self, k)} must be a number >= 0"
                 for k in ("clip", "weight_decay", "min_lr")

@@ -20,6 +20,8 @@ from pathlib import Path
 
 import numpy as np
 
+from tpkit.spec.errors import UserError
+
 INDEX, FORMAT = "index.json", "tpkit-tokens"
 DTYPES = {"uint16": np.uint16, "uint32": np.uint32}
 
@@ -30,10 +32,10 @@ def dtype_for(vocab_size: int, dtype: str = "auto") -> str:
     if dtype == "auto":
         dtype = "uint16" if vocab_size <= 1 << 16 else "uint32"
     if dtype not in DTYPES:
-        raise ValueError(f"token dtype {dtype!r} is not one of {sorted(DTYPES)} or 'auto'")
+        raise UserError(f"token dtype {dtype!r} is not one of {sorted(DTYPES)} or 'auto'")
     top = int(np.iinfo(DTYPES[dtype]).max)
     if vocab_size - 1 > top:
-        raise ValueError(f"vocab_size={vocab_size} does not fit {dtype} (ids up to {top})"
+        raise UserError(f"vocab_size={vocab_size} does not fit {dtype} (ids up to {top})"
                          + ("; use uint32" if dtype == "uint16" else ""))
     return dtype
 
@@ -99,7 +101,7 @@ class ShardWriter:
         ids = np.asarray(ids, dtype=np.int64)
         if ids.size and (int(ids.max()) >= self.vocab_size or int(ids.min()) < 0):
             bad = int(ids.max()) if int(ids.max()) >= self.vocab_size else int(ids.min())
-            raise ValueError(f"token id {bad} is outside the tokenizer's vocab_size="
+            raise UserError(f"token id {bad} is outside the tokenizer's vocab_size="
                              f"{self.vocab_size}")
         self.max_id = max(self.max_id, int(ids.max()) if ids.size else -1)
         while ids.size:
@@ -140,7 +142,7 @@ def open_shards(folder: str | Path) -> tuple[TokenStream, dict]:
     folder = Path(folder)
     index = json.loads((folder / INDEX).read_text())
     if index.get("format") != FORMAT or index.get("dtype") not in DTYPES:
-        raise ValueError(f"{folder / INDEX}: not a tpkit token index (format "
+        raise UserError(f"{folder / INDEX}: not a tpkit token index (format "
                          f"{index.get('format')!r}, dtype {index.get('dtype')!r})")
     dtype = DTYPES[index["dtype"]]
     parts = []
@@ -149,7 +151,7 @@ def open_shards(folder: str | Path) -> tuple[TokenStream, dict]:
         want = shard["tokens"] * np.dtype(dtype).itemsize
         if not path.is_file() or path.stat().st_size != want:
             have = path.stat().st_size if path.is_file() else "missing"
-            raise ValueError(f"{path}: {have} bytes, the index says {shard['tokens']} "
+            raise UserError(f"{path}: {have} bytes, the index says {shard['tokens']} "
                              f"{index['dtype']} tokens = {want} bytes")
         if shard["tokens"]:
             parts.append(np.memmap(path, dtype=dtype, mode="r"))
