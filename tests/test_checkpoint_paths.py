@@ -112,7 +112,7 @@ def test_a_path_that_is_none_of_these_is_one_line(tmp_path):
     (tmp_path / "notes.txt").write_text("not a model")
     cases = {tmp_path / "empty": "not a checkpoint: neither a tpkit checkpoint",
              tmp_path / "nowhere": "no such file or directory",
-             tmp_path / "notes.txt": "not a safetensors file"}
+             tmp_path / "notes.txt": "not a readable safetensors file"}
     for path, message in cases.items():
         for fn in (open_source, lambda p: load_model(p, ParallelMesh.single())):
             with pytest.raises(CheckpointError) as e:
@@ -140,8 +140,8 @@ def test_generate_takes_a_run_folder(paths, capsys):
         outs.append(capsys.readouterr().out)
     assert outs[0] == outs[1] and len(outs[0].split()) == 6
     args.checkpoint = str(paths["run"].parent / "nowhere")
-    assert run(args) == 1
-    assert "nowhere: no such file or directory" in capsys.readouterr().out
+    with pytest.raises(CheckpointError, match="nowhere: no such file or directory"):
+        run(args)  # one line and exit 2 from tpkit.cli
 
 
 def test_convert_takes_a_run_folder(paths, tmp_path, capsys):
@@ -153,8 +153,9 @@ def test_convert_takes_a_run_folder(paths, tmp_path, capsys):
     assert meta["step"] == 4
     assert main(["convert", str(paths["run"]), str(tmp_path / "tp2"), "--tp", "2"]) == 0
     assert ckpt.read_manifest(tmp_path / "tp2")["step"] == 4
-    assert main(["convert", str(tmp_path / "nowhere"), str(tmp_path / "x")]) == 1
-    assert "no such file or directory" in capsys.readouterr().out
+    assert main(["convert", str(tmp_path / "nowhere"), str(tmp_path / "x")]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith("tpkit convert: error: ") and "no such file or directory" in err
 
 
 @pytest.mark.timeout(120)

@@ -21,6 +21,7 @@ from tpkit.commands.generate import run
 from tpkit.mesh import ParallelMesh
 from tpkit.model.generate import PP_ERROR, decode, encode, generate, pad_left
 from tpkit.model.transformer import Transformer
+from tpkit.spec.errors import UserError
 
 PROMPT = torch.tensor([[5, 17, 200, 3, 99]])
 
@@ -84,8 +85,9 @@ def test_cli_and_tokenizer(checkpoints, capsys):
     rows = capsys.readouterr().out.strip().split("\n\n")
     assert [len(r.split()) for r in rows] == [4, 4]
     args.prompt_ids = ["1,300"]
-    assert run(args) == 1
-    assert "prompt token id 300 is out of the model's vocab_size=257" in capsys.readouterr().out
+    with pytest.raises(UserError, match=r"prompt token ids \[300\] are outside the model's "
+                                        r"vocabulary \[0, 257\)"):
+        run(args)  # one line and exit 2 from tpkit.cli
 
 
 PROMPTS = [[5, 17, 200, 3, 99, 8, 41], [250, 2], [7, 7, 120, 64]]  # lengths 7, 2, 4

@@ -213,7 +213,9 @@ def test_verify_hf_names_what_it_cannot_read(tmp_path, capsys):
 
     (tmp_path / "config.json").write_text('{"model_type": "t5"}')
     assert main(["verify", "--hf", str(tmp_path)]) == 2
-    assert "'t5' is not supported; supported: bert, gemma" in capsys.readouterr().out
+    err = capsys.readouterr().err
+    assert err.startswith("tpkit verify: error: ") and \
+        "'t5' is not supported; supported: bert, gemma" in err
 
 
 def test_unsupported_family_names_the_supported(tmp_path):

@@ -29,6 +29,7 @@ from tpkit.commands.train import add_arguments, config_from_args
 from tpkit.mesh import ParallelMesh
 from tpkit.model.generate import generate, pad_left
 from tpkit.model.tokenizer import load_tokenizer
+from tpkit.spec.errors import UserError
 from tpkit.train.loop import train
 
 PROMPTS = ["Tensor parallelism splits", "the pipeline sends activations from stage 2 to",
@@ -178,6 +179,7 @@ def test_a_hf_folder_without_tokenizer_is_not_read_as_bytes(tmp_path, capsys):
     args = argparse.Namespace(checkpoint=str(hf), tp=1, prompt=["Tensor"], prompt_ids=[],
                               max_new_tokens=2, temperature=0.0, top_k=None, seed=0,
                               ignore_eos=False)
-    assert generate_cmd.run(args) == 1
-    assert "no tokenizer files in" in (out := capsys.readouterr().out)
-    assert "hf-llama (vocab_size=300) is not a byte-level model" in out
+    with pytest.raises(UserError) as e:
+        generate_cmd.run(args)  # one line and exit 2 from tpkit.cli
+    assert "no tokenizer files in" in str(e.value)
+    assert "hf-llama (vocab_size=300) is not a byte-level model" in str(e.value)

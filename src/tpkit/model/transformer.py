@@ -212,7 +212,8 @@ class Transformer(nn.Module):
         if self.sequence_parallel and ids.shape[1] % self.group.size:
             raise ValueError(f"sequence length {ids.shape[1]} is not divisible by "
                              f"tp={self.group.size} (sequence parallelism)")
-        return self.embed(ids, token_types, position_offset, self.rng)
+        with self.mesh.ledger.scope("embed"):  # its all-reduce (or reduce-scatter) is named
+            return self.embed(ids, token_types, position_offset, self.rng)
 
     def _run_layers(self, indices, x, attention_mask, kv_caches) -> torch.Tensor:
         """Layers `indices` (global) in order; kv_caches[j] goes to the j-th of them."""

@@ -18,6 +18,7 @@ from dataclasses import replace
 
 from tpkit.model.families.base import Cut, Family, Recipe
 from tpkit.spec.config import PRESETS, ModelConfig
+from tpkit.spec.errors import UserError
 
 _SHARED = ("base", "decoder")
 
@@ -42,7 +43,7 @@ def supported() -> list[str]:
 def for_model_type(kind: str | None) -> Family:
     """The adapter of a model_type; an unsupported one is an error naming the supported."""
     if kind not in BY_MODEL_TYPE:
-        raise ValueError(f"model_type {kind!r} is not supported; supported: "
+        raise UserError(f"model_type {kind!r} is not supported; supported: "
                          f"{', '.join(supported())}")
     return BY_MODEL_TYPE[kind]
 
@@ -58,7 +59,7 @@ def with_family(c: ModelConfig) -> ModelConfig:
     shape it has: GPT-2, Llama or BERT."""
     kind = c.family or _plain_family(c)
     if not kind:
-        raise ValueError(f"{c.name}: no Hugging Face family (config.family is empty and "
+        raise UserError(f"{c.name}: no Hugging Face family (config.family is empty and "
                          f"position={c.position}, norm={c.norm}, activation={c.activation}, "
                          f"bias={c.bias} is none of the plain gpt2/llama/bert shapes); "
                          f"supported: {', '.join(supported())}")
