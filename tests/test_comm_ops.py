@@ -1,4 +1,4 @@
-"""The conjugate operators of DESIGN.md, each forward and backward, on 2 ranks:
+"""The conjugate operators (docs/architecture.md), each forward and backward, on 2 ranks:
 
     copy_to_tp: identity / all-reduce          reduce_from_tp: all-reduce / identity
     scatter_to_tp: own slice / all-gather      gather_from_tp: all-gather / own slice
