@@ -226,3 +226,54 @@ def test_prune_keeps_the_newest_complete_checkpoints(tmp_path):
     assert sorted(p.name for p in tmp_path.iterdir()) == [".step_000009.tmp", "step_000004",
                                                           "step_000005"]
     assert ckpt.prune(tmp_path, keep=0) == [] and len(ckpt.complete(tmp_path)) == 2
+
+
+SAVE_FOREVER = """
+import sys
+from tpkit.checkpoint import store as ckpt
+from tpkit.checkpoint.locate import step_dir
+from tpkit.mesh import ParallelMesh
+from tpkit.model.transformer import Transformer
+sys.path.insert(0, sys.argv[3])
+from checkpoint_helpers import LLAMA
+run, step = sys.argv[1], int(sys.argv[2])
+while True:  # what training does at every --ckpt-every: save, then drop the oldest
+    step += 1
+    path = step_dir(run, step)
+    ckpt.save(path, Transformer(LLAMA, ParallelMesh.single(), seed=step), step=step)
+    ckpt.prune(path.parent, keep=2)
+"""
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(600)
+def test_kill_at_random_moments_of_saving_never_loses_the_latest_valid(tmp_path):
+    """kill -9 at 20 random moments of a save-and-prune loop (mid-write, mid-manifest,
+    mid-prune): each time the newest valid checkpoint loads with exactly its step's
+    weights, no step goes backwards, and every complete checkpoint left verifies."""
+    import random
+
+    from tpkit.checkpoint.locate import latest
+
+    run, rng, newest = tmp_path / "run", random.Random(0), 0
+    for _ in range(20):
+        proc = subprocess.Popen([sys.executable, "-c", SAVE_FOREVER, str(run), str(newest),
+                                 str(Path(__file__).parent)])
+        deadline = time.monotonic() + 120
+        while latest(run) is None or ckpt.read_manifest(latest(run))["step"] <= newest:
+            assert proc.poll() is None and time.monotonic() < deadline, "no save completed"
+            time.sleep(0.02)
+        time.sleep(rng.uniform(0.0, 0.3))  # somewhere in the next saves and prunes
+        proc.send_signal(signal.SIGKILL)
+        proc.wait()
+        found = latest(run)
+        step = ckpt.read_manifest(found)["step"]
+        assert step > newest, (step, newest)
+        model = Transformer(LLAMA, ParallelMesh.single(), seed=0)
+        assert ckpt.load(found, model)["step"] == step
+        want = dict(Transformer(LLAMA, ParallelMesh.single(), seed=step).named_parameters())
+        assert all(torch.equal(p, want[n]) for n, p in model.named_parameters())
+        for d in ckpt.complete(run / "checkpoints"):  # nothing whole-looking is damaged
+            for name, entry in ckpt.read_manifest(d)["files"].items():
+                ckpt.verify_file(d, name, entry)
+        newest = step
