@@ -19,6 +19,7 @@ report. Checkpoints use `tpkit.checkpoint.store.save` (sharded, reshardable).
 from __future__ import annotations
 
 import statistics
+import sys
 import time
 from pathlib import Path
 
@@ -164,7 +165,7 @@ def train(cfg: TrainConfig, mesh: ParallelMesh, model: torch.nn.Module | None = 
         raise e.after_step(start + len(rows)) from e.__cause__
     finally:
         bar.close()
-        link.close()
+        _close_link(link, sys.exc_info()[1] is not None, start + len(rows))
     if cfg.checkpoint:
         ckpt = save_checkpoint(cfg, mesh, model, opt, loader, cfg.steps)
     mesh.ledger.records[:] = last_records
@@ -179,6 +180,16 @@ def _write_trace(cfg: TrainConfig, mesh: ParallelMesh, records, span) -> None:
 
     title = f"rank {mesh.rank} (pp {mesh.pp_rank}, tp {mesh.tp_rank}, dp {mesh.dp_rank})"
     trace.write_rank(cfg.trace, mesh.rank, title, trace.step_events(records, *span, mesh.rank))
+
+
+def _close_link(link: StageLink, failing: bool, steps_done: int) -> None:
+    """Wait for the last pipeline sends. When the run is already failing, a dead peer
+    surfacing here again must not replace the error that says how far the run got."""
+    try:
+        link.close()
+    except CollectiveFailed as e:
+        if not failing:
+            raise e.after_step(steps_done) from e.__cause__
 
 
 def _due(step: int, every: int, steps: int) -> bool:
