@@ -15,7 +15,6 @@ from __future__ import annotations
 
 import http.client
 import json
-import os
 import shutil
 import signal
 import socket
@@ -27,6 +26,7 @@ from concurrent.futures import ThreadPoolExecutor
 
 import pytest
 
+from proc_tree import descendants, wait_gone
 from tpkit.quiz.content import load_quiz
 from tpkit.quiz.web import make_server
 
@@ -277,32 +277,6 @@ def test_non_loopback_host_warns():
     assert "warning: --host 0.0.0.0" in proc.stderr.read()
 
 
-def _descendants(pid: int) -> set[int]:
-    children: dict[int, list[int]] = {}
-    for entry in os.listdir("/proc"):
-        if entry.isdigit():
-            try:
-                with open(f"/proc/{entry}/stat") as f:
-                    ppid = int(f.read().rsplit(")", 1)[1].split()[1])
-            except (OSError, IndexError, ValueError):
-                continue
-            children.setdefault(ppid, []).append(int(entry))
-    out, todo = set(), [pid]
-    while todo:
-        for child in children.get(todo.pop(), []):
-            out.add(child)
-            todo.append(child)
-    return out
-
-
-def _alive(pid: int) -> bool:
-    try:
-        with open(f"/proc/{pid}/stat") as f:
-            return f.read().rsplit(")", 1)[1].split()[0] != "Z"
-    except OSError:
-        return False
-
-
 @pytest.mark.slow
 @pytest.mark.timeout(180)
 @pytest.mark.parametrize("sig", [signal.SIGTERM, signal.SIGINT])
@@ -313,14 +287,11 @@ def test_signal_stops_the_server_and_every_child(sig):
         conn = http.client.HTTPConnection("127.0.0.1", port, timeout=120)
         conn.request("GET", "/api/live/1?tp=2")  # starts the worker pool
         assert conn.getresponse().status == 200
-        family = _descendants(proc.pid)
+        family = descendants(proc.pid)
         assert len(family) >= 2  # forkserver, workers, resource tracker
         proc.send_signal(sig)
         assert proc.wait(timeout=10) == 0
-        deadline = time.monotonic() + 10
-        while any(_alive(p) for p in family) and time.monotonic() < deadline:
-            time.sleep(0.1)
-        assert [p for p in family if _alive(p)] == []
+        assert wait_gone(family, 10)[1] == []  # every child stopped within 10 s
     finally:
         if proc.poll() is None:
             proc.kill()
