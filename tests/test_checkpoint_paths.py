@@ -183,3 +183,36 @@ def test_train_resumes_from_a_run_folder(tmp_path, capsys):
     capsys.readouterr()
     assert main([*common, "--steps", "3", "--resume", str(tmp_path / "nowhere")]) == 2
     assert "nowhere: no such file or directory" in capsys.readouterr().err
+
+
+# -- the tokenizer travels inside the checkpoint, checked like every file ------------------
+def test_the_tokenizer_is_part_of_the_checkpoint(tmp_path):
+    from hf_folders import train_tokenizer
+    from tpkit.checkpoint.convert import reshard
+    from tpkit.checkpoint.sources import source_tokenizer
+    from tpkit.model.tokenizer import load_tokenizer
+
+    tok = train_tokenizer(tmp_path / "tok")
+    run, mesh = tmp_path / "run", ParallelMesh.single()
+    model = Transformer(LLAMA, mesh)
+    for step in STEPS:
+        ckpt.save(step_dir(run, step), model, step=step, mesh=mesh, tokenizer=tmp_path / "tok")
+    newest = step_dir(run, 4)
+    files = ckpt.read_manifest(newest)["files"]
+    assert {"tokenizer.json", "tokenizer_config.json"} <= files.keys()
+    # a run folder names its latest checkpoint's tokenizer: generate reads the model's ids
+    assert source_tokenizer(run) == newest
+    text = "tensor parallelism"
+    assert load_tokenizer(source_tokenizer(run)).encode(text) == tok.encode(text)
+    # reshard carries it, listed in the new manifest too
+    assert "tokenizer.json" in ckpt.read_manifest(reshard(run, tmp_path / "tp2", 2))["files"]
+    # one flipped byte: a CheckpointError naming the file, not a silently different tokenizer
+    data = bytearray((newest / "tokenizer.json").read_bytes())
+    data[len(data) // 2] ^= 1
+    (newest / "tokenizer.json").write_bytes(bytes(data))
+    with pytest.raises(CheckpointError, match=r"step_000004/tokenizer.json: checksum mismatch"):
+        source_tokenizer(run)
+    assert source_tokenizer(step_dir(run, 2)) == step_dir(run, 2)
+    # no tokenizer saved: None (tpkit's presets read bytes)
+    ckpt.save(tmp_path / "plain", model, mesh=mesh)
+    assert source_tokenizer(tmp_path / "plain") is None

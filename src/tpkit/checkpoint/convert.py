@@ -30,13 +30,12 @@ from tpkit.checkpoint.files import (
     tensors_digest,
     verify_file,
 )
-from tpkit.checkpoint.locate import locate
 from tpkit.checkpoint.optim_state import keys_by_param, state_name
-from tpkit.checkpoint.sources import FULL_FORMAT, open_source
+from tpkit.checkpoint.sources import FULL_FORMAT, open_source, source_tokenizer
 from tpkit.checkpoint.store import write_manifest, write_record
 from tpkit.mesh import ParallelMesh
 from tpkit.model.hf import empty_model, write_hf
-from tpkit.model.tokenizer import copy_tokenizer, export_tokenizer, has_tokenizer
+from tpkit.model.tokenizer import copy_tokenizer, export_tokenizer
 from tpkit.sharding import meta_of, split_of
 from tpkit.spec.config import ModelConfig
 
@@ -52,17 +51,8 @@ def to_hf(source: Any, out_dir: str | Path, config: ModelConfig | None = None) -
     with the source's tokenizer files (or, for a tpkit preset, a byte-level tokenizer)."""
     src, config, names = open_source(source, config)
     out = write_hf(src, config, names, out_dir)
-    export_tokenizer(weights_folder(source), out, config.name)
+    export_tokenizer(source_tokenizer(source), out, config.name)
     return out
-
-
-def weights_folder(source: Any) -> Path | None:
-    """The folder holding `source`'s weights, where its tokenizer files lie (None for a
-    model, a dict or a full file)."""
-    if isinstance(source, nn.Module | dict):
-        return None
-    path = locate(source).path
-    return path if path.is_dir() else None
 
 
 def to_full(source: Any, out: str | Path) -> Path:
@@ -106,11 +96,11 @@ def reshard(source: Any, out: str | Path, tp: int, pp: int = 1) -> Path:
             optim = _optim_slices(optim_src, m, model, t, tp, str(source)) if optim_src else {}
             groups = m["optimizer"]["groups"] if optim_src else None
             write_record(tmp, rank, t, p, tp, config, params, optim, groups, extra)
+    folder = source_tokenizer(source)
+    if folder is not None:  # the tokenizer travels along, listed in the manifest
+        copy_tokenizer(folder, tmp)
     write_manifest(tmp, root, config.to_dict(), m["optimizer"]["type"] if optim_src else None,
                    m["step"] if m else 0, dict(tp=tp, pp=pp, dp=1))
-    folder = weights_folder(source)
-    if folder is not None and has_tokenizer(folder):  # the tokenizer travels along
-        copy_tokenizer(folder, root)
     return root
 
 

@@ -3,6 +3,7 @@ command (generate, convert, train --resume, verify) reads weights.
 
     source, config, names = open_source(path)    # a shard_io.Source of logical tensors
     model = load_model(path, mesh)               # this rank's slices, at mesh's layout
+    folder = source_tokenizer(path)              # where its tokenizer files lie (checked)
 
 `path` is a sharded checkpoint, a run folder (its latest valid checkpoint), one full
 safetensors file, or a Hugging Face directory (`locate`). A model is built on the
@@ -25,11 +26,13 @@ from tpkit.checkpoint.files import (
     FullSource,
     ShardedSource,
     read_manifest,
+    verify_file,
     verify_full,
 )
 from tpkit.checkpoint.locate import FULL, HF, SHARDED, locate
 from tpkit.mesh import ParallelMesh
 from tpkit.model.hf import empty_model, load_from, materialize, memory_source, open_hf_source
+from tpkit.model.tokenizer import TOKENIZER_FILES, has_tokenizer
 from tpkit.spec.config import ModelConfig
 
 FULL_FORMAT = "tpkit-full"  # the "format" in a full file's metadata (`convert.to_full`)
@@ -73,3 +76,21 @@ def load_model(path: str | Path, mesh: ParallelMesh, *, dtype: torch.dtype | Non
     else:
         load_from(model, source, mesh, str(found.path))
     return model
+
+
+def source_tokenizer(source: Any) -> Path | None:
+    """The folder holding the tokenizer files of any path `locate` accepts (a run folder:
+    its latest valid checkpoint), or None (a model, a dict, a full file, no tokenizer
+    files). In a sharded checkpoint the files its manifest lists are checked against
+    their sha256 first: a damaged tokenizer is a CheckpointError naming the file."""
+    if isinstance(source, nn.Module | dict):
+        return None
+    found = locate(source)
+    if not found.path.is_dir() or not has_tokenizer(found.path):
+        return None
+    if found.kind == SHARDED:
+        files = read_manifest(found.path)["files"]
+        for name in TOKENIZER_FILES:
+            if name in files:
+                verify_file(found.path, name, files[name])
+    return found.path

@@ -55,6 +55,7 @@ from tpkit.checkpoint.locate import latest, sharded_dir
 from tpkit.comm import all_reduce
 from tpkit.device import rng_state, set_rng_state
 from tpkit.mesh import ParallelMesh
+from tpkit.model.tokenizer import TOKENIZER_FILES, copy_tokenizer
 from tpkit.parallel.zero import ZeroAdamW
 from tpkit.sharding import meta_of, split_of
 
@@ -68,14 +69,17 @@ IGNORED_CONFIG = ("name", "dropout")  # differences that do not change the weigh
 
 # -- public API -------------------------------------------------------------------------
 def save(path: str | Path, model: nn.Module, optimizer: Optimizer | None = None,
-         *, step: int = 0, extra: dict | None = None, mesh: ParallelMesh | None = None) -> Path:
+         *, step: int = 0, extra: dict | None = None, mesh: ParallelMesh | None = None,
+         tokenizer: str | Path | None = None) -> Path:
     """Write a checkpoint of this rank's shards into `path`, atomically; call on every rank.
 
     `optimizer`: torch AdamW (or any torch optimizer) or `ZeroAdamW`, whose slices are
     gathered over dp into the same per-parameter state.
 
     `extra` (per rank; JSON values and tensors, e.g. the data-loader position and
-    `capture_rng()`) comes back from `load`. Returns the checkpoint directory.
+    `capture_rng()`) comes back from `load`. `tokenizer`: a folder whose tokenizer files
+    travel inside the checkpoint (listed in the manifest like every file). Returns the
+    checkpoint directory.
     """
     mesh = mesh or getattr(model, "mesh", None) or ParallelMesh.single()
     root = Path(path)
@@ -89,7 +93,7 @@ def save(path: str | Path, model: nn.Module, optimizer: Optimizer | None = None,
     _raise_unless_all(mesh, err, f"{root}: another rank failed to write its shards; "
                                  f"the previous checkpoint is untouched")
     if mesh.rank == 0:
-        err = _attempt(_finish, tmp, root, model, optimizer, step, mesh)
+        err = _attempt(_finish, tmp, root, model, optimizer, step, mesh, tokenizer)
     _raise_unless_all(mesh, err, f"{root}: rank 0 failed to write the manifest")
     return root
 
@@ -221,7 +225,9 @@ def _own_params(model: nn.Module) -> dict[str, torch.Tensor]:
 
 
 def _finish(tmp: Path, root: Path, model: nn.Module, optimizer, step: int,
-            mesh: ParallelMesh) -> None:
+            mesh: ParallelMesh, tokenizer: str | Path | None) -> None:
+    if tokenizer is not None:
+        copy_tokenizer(tokenizer, tmp)
     config = getattr(model, "config", None)
     write_manifest(tmp, root, config.to_dict() if config is not None else None,
                    type(optimizer).__name__ if optimizer is not None else None, step,
@@ -231,7 +237,8 @@ def _finish(tmp: Path, root: Path, model: nn.Module, optimizer, step: int,
 def write_manifest(tmp: Path, root: Path, config: dict | None, optimizer: str | None,
                    step: int, layout: dict) -> None:
     """Merge the per-rank records in `tmp` into the manifest (written last), then move
-    `tmp` to `root` (replacing a previous checkpoint there only now)."""
+    `tmp` to `root` (replacing a previous checkpoint there only now). Every file in
+    `tmp` is listed with its checksum, the tokenizer's too."""
     world = layout["tp"] * layout["pp"] * layout["dp"]
     records = [json.loads((tmp / rank_file(r)).read_text()) for r in range(world)]
     files, tensors, optim_tensors = {}, {}, {}
@@ -240,6 +247,9 @@ def write_manifest(tmp: Path, root: Path, config: dict | None, optimizer: str | 
         files[rank_file(r)] = file_entry(tmp / rank_file(r))
         tensors.update(rec["tensors"])
         optim_tensors.update(rec["optim_tensors"])
+    for name in TOKENIZER_FILES:
+        if (tmp / name).is_file():
+            files[name] = file_entry(tmp / name)
     manifest = dict(format=FORMAT, version=VERSION, step=step, config=config, layout=layout,
                     tensors=tensors, optim_tensors=optim_tensors,
                     optimizer=dict(type=optimizer, groups=records[0]["optim_groups"])

@@ -17,10 +17,9 @@ import math
 import os
 import sys
 import time
-from pathlib import Path
 
 from tpkit.checkpoint.locate import locate
-from tpkit.checkpoint.sources import load_model
+from tpkit.checkpoint.sources import load_model, source_tokenizer
 from tpkit.mesh import ParallelMesh
 from tpkit.model.generate import generate, pad_left
 from tpkit.model.tokenizer import ByteTokenizer, TextStream, load_tokenizer
@@ -37,7 +36,7 @@ def _prompts(args: argparse.Namespace, tok) -> list[list[int]]:
 def _worker(mesh: ParallelMesh, args: argparse.Namespace) -> dict:
     """Generate on this rank; rank 0 streams the text of a single prompt as it comes."""
     model = load_model(args.checkpoint, mesh)
-    tok = load_tokenizer(args.checkpoint if Path(args.checkpoint).is_dir() else None)
+    tok = load_tokenizer(source_tokenizer(args.checkpoint))  # a run folder: its latest
     vocab = model.config.vocab_size
     name = model.config.name
     if isinstance(tok, ByteTokenizer) and not args.prompt_ids and (

@@ -254,12 +254,8 @@ def save_checkpoint(cfg: TrainConfig, mesh: ParallelMesh, model, opt, loader: To
     checkpoint.save(path, model, opt, step=step, mesh=mesh,
                     extra=dict(loader=loader.state_dict(), step=step, rng=rng,
                                layout=[mesh.tp_size, mesh.pp_size, mesh.dp_size],
-                               config=cfg.to_dict()))
-    tokenizer = cfg.from_hf or tokenizer_folder(cfg.data)
-    if tokenizer and mesh.rank == 0:  # generate and the export find the tokenizer here
-        from tpkit.model.tokenizer import copy_tokenizer
-
-        copy_tokenizer(tokenizer, path)
+                               config=cfg.to_dict()),
+                    tokenizer=cfg.from_hf or tokenizer_folder(cfg.data))  # for generate, export
     if mesh.rank == 0:  # the new one is complete: only now may the oldest go
         checkpoint.prune(path.parent, cfg.keep_checkpoints)
     return str(path)
