@@ -6,7 +6,8 @@ In-sample: Narayanan et al. 2021 table 1 (the A100 GEMM efficiency was fitted on
 Out-of-sample: Korthikanti et al. 2022 table 5 (sequence parallelism + selective
 recomputation, and full recomputation), Narayanan et al. 2021 figure 13 peaks, and the
 Llama 3 paper's table 4 (405B, GQA + SwiGLU, H100, with and without context
-parallelism). Pure Python, a few seconds.
+parallelism; FSDP resharding after forward or after the step, interleaving 1 or 8).
+Pure Python, a few seconds.
 """
 
 from __future__ import annotations
@@ -15,6 +16,7 @@ from dataclasses import replace
 
 from tpkit.plan import get_hardware, papers
 from tpkit.plan.hardware import LINKS
+from tpkit.plan.memory import Precision
 from tpkit.plan.simulate import Cluster, Layout, evaluate
 from tpkit.spec.config import get_preset
 
@@ -48,19 +50,33 @@ def korthikanti() -> None:
               f"{sel.memory['total'] / 1e9:.0f} |")
 
 
+# (label, zero, FSDP reshard, interleave, gradient bytes): the planner's FSDP before it
+# could keep the gathered weights; the same with them kept for the step; that with the
+# inferred V = 8 (the layout the paper describes); and, as the paper words it ("shards
+# optimizer states and gradients"), weights kept with gradients reduce-scattered every
+# micro-batch, which is how the planner prices ZeRO-2, in fp32 and in bf16.
+V = papers.LLAMA3_INTERLEAVE
+LLAMA3_VARIANTS = [("FSDP after-forward, v1", 3, "after-forward", 1, 4),
+                   ("FSDP after-step, v1", 3, "after-step", 1, 4),
+                   (f"FSDP after-step, v{V}", 3, "after-step", V, 4),
+                   (f"kept weights, RS per micro-batch (z2), v{V}", 2, "after-forward", V, 4),
+                   (f"the same, bf16 gradients, v{V}", 2, "after-forward", V, 2)]
+
+
 def llama3() -> None:
     hw = get_hardware("h100")
     roce = replace(hw, name="h100-roce", inter=LINKS["roce-400"])
     c = get_preset("llama3-405b").with_(max_seq_len=131072)
-    print("| GPUs | (tp, cp, pp, dp) | seq | sharding | TFLOP/s pub / pred | error | "
-          "MFU pub / pred | memory GB |")
+    print("| GPUs | (tp, cp, pp, dp) | seq | data parallel, schedule | TFLOP/s pub / pred | "
+          "error | MFU pub / pred | memory GB (80) |")
     for gpus, tp, cp, pp, dp, seq, gbs, tf, mfu in papers.LLAMA3_TABLE4:
-        for zero in (3, 1):
-            lay = Layout(tp, pp, dp, 1, True, "none", zero, 1, cp, lighter_ends=True)
-            e = evaluate(c, seq, gbs, lay, Cluster(roce, nodes=gpus // 8))
-            print(f"| {gpus} | ({tp}, {cp}, {pp}, {dp}) | {seq} | "
-                  f"{'FSDP' if zero == 3 else 'ZeRO-1'} | {tf} / {e.tflops_per_device:.0f} | "
-                  f"{_err(e.tflops_per_device, tf)} | {mfu:.0%} / {e.mfu:.1%} | "
+        for label, zero, reshard, v, grad in LLAMA3_VARIANTS:
+            lay = Layout(tp, pp, dp, 1, True, "none", zero, v, cp, lighter_ends=True,
+                         fsdp_reshard=reshard)
+            e = evaluate(c, seq, gbs, lay, Cluster(roce, nodes=gpus // 8), Precision(grad=grad))
+            print(f"| {gpus} | ({tp}, {cp}, {pp}, {dp}) | {seq} | {label} | "
+                  f"{tf} / {e.tflops_per_device:.0f} | {_err(e.tflops_per_device, tf)} | "
+                  f"{mfu:.0%} / {e.mfu:.1%} | "
                   f"{e.memory['total'] / 1e9:.1f}{'' if e.fits else ' (over)'} |")
 
 

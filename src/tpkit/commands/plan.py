@@ -23,6 +23,7 @@ from tpkit.plan.planner import PlanError, Request, best_per_degrees, plan
 from tpkit.plan.report import commands_dict, legend, plan_dict
 from tpkit.plan.simulate import Cluster
 from tpkit.spec.config import ModelConfig, get_preset
+from tpkit.spec.theory import FSDP_RESHARD
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
@@ -60,6 +61,15 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    help="data-parallel sharding: " + ", ".join(
                        f"{k} {v}" for k, v in ZERO_NAMES.items()))
     f.add_argument("--zero1", choices=("on", "off"), help="same as --zero 1 / --zero 0")
+    f.add_argument("--fsdp-reshard", choices=FSDP_RESHARD, default="after-forward",
+                   help="when FSDP frees the weights it gathered: after-forward (PyTorch "
+                        "FSDP2's default, reshard_after_forward=True: gathered again for every "
+                        "micro-batch's forward and backward, gradients reduce-scattered each "
+                        "micro-batch) or after-step (reshard_after_forward=False, no "
+                        "resharding or gradient sync until the last backward, as "
+                        "torch.distributed.pipelining runs it: gathered once per step and kept, "
+                        "gradients accumulated unsharded and reduce-scattered once; the "
+                        "stage's full weights and gradients stay in memory)")
     o = p.add_argument_group("output")
     o.add_argument("--top", type=int, default=8, help="how many plans to show")
     o.add_argument("--json", action="store_true", help="JSON list of plans, best first")
@@ -100,7 +110,7 @@ def request_from_args(a: argparse.Namespace) -> Request:
     zero = a.zero if a.zero is not None else {"on": 1, "off": 0, None: None}[a.zero1]
     fixed = {"tp": a.tp, "cp": a.cp, "pp": a.pp, "dp": a.dp, "micro_batch": a.micro_batch,
              "interleave": a.interleave, "recompute": a.recompute, "sp": onoff[a.sp],
-             "zero": zero}
+             "zero": zero, "fsdp_reshard": a.fsdp_reshard}
     gbs = a.global_batch or 8 * cluster.devices
     prec = Precision.for_dtype(hw.accelerator.dtype, a.grad_dtype)
     return Request(cfg, seq, gbs, cluster, {k: v for k, v in fixed.items() if v is not None},

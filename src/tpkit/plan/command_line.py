@@ -16,6 +16,11 @@ from tpkit.plan.layout import Layout
 from tpkit.plan.memory import lighter_end_layers
 
 MEGATRON_SHARDING = {2: "optim_grads", 3: "optim_grads_params"}
+AFTER_STEP_NOTE = ("FSDP after-step is priced as PyTorch FSDP2 runs fully_shard("
+                   "reshard_after_forward=False) with set_reshard_after_backward(False) and "
+                   "set_requires_gradient_sync(False) until the step's last backward (as "
+                   "torch.distributed.pipelining does); the Megatron-FSDP flags above do not "
+                   "say when it reshards")
 
 
 def tpkit_gaps(lay: Layout, preset: str | None) -> list[str]:
@@ -61,11 +66,15 @@ def megatron_flags(lay: Layout, seq: int, global_batch: int, num_layers: int,
     f += ["--sequence-parallel"] if lay.sp else []
     f += [f"--micro-batch-size {lay.micro_batch}", f"--global-batch-size {global_batch}",
           f"--seq-length {seq}"] + (["--bf16"] if bf16 else [])
-    if lay.interleave > 1:
+    if lay.interleave > 1 and lay.lighter_ends:  # (layers + 2) / (pp v) per chunk
+        f.append(f"--num-virtual-stages-per-pipeline-rank {lay.interleave} "
+                 f"--account-for-embedding-in-pipeline-split "
+                 f"--account-for-loss-in-pipeline-split")
+    elif lay.interleave > 1:
         f.append(f"--num-layers-per-virtual-pipeline-stage "
                  f"{num_layers // (lay.pp * lay.interleave)}")
     ends = lighter_end_layers(num_layers, lay.pp) if lay.lighter_ends else None
-    if ends:
+    if ends and lay.interleave == 1:
         f.append(f"--decoder-first-pipeline-num-layers {ends} "
                  f"--decoder-last-pipeline-num-layers {ends}")
     if lay.recompute == "selective":

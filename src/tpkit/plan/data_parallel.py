@@ -11,6 +11,14 @@ rank (its tp/pp shard). Collectives come from the spec's theory where tpkit runs
     FSDP      m x (AG W forward, AG W + RS G        forward / backward compute of the
               backward), layer by layer             micro-batch, prefetching the next layer;
                                                     the first layer's gather is exposed
+    FSDP,     AG W at the first forward, kept;      AG: the first micro-batch's forward,
+    after-    RS G after the last backward          prefetching (first layer exposed);
+    step      (`theory.fully_sharded`)              RS: the last micro-batch's backward
+
+FSDP's counts come from `tpkit.spec.theory.fully_sharded` (`Layout.fsdp_reshard`). In a
+pipeline the first stage starts the step and ends it (1F1B and interleaved alike), so
+its first forward and last backward are the windows a per-step gather and reduce-scatter
+can hide behind; the later stages gather while they wait for their first activations.
 
 Megatron overlaps the ZeRO-1 reduce-scatter with backward (--overlap-grad-reduce);
 tpkit's own `ZeroAdamW` runs it after backward, so on tpkit it is exposed.
@@ -56,10 +64,28 @@ def dp_time(params: int, layer_count: int, lay: Layout, link: Link, grad_bytes: 
         return (max(sync - bwd, 0.0) if overlap else sync) + parts.get("all_gather", 0.0)
     if lay.zero == 2:
         return m * (max(rs - bwd, 0.0) if overlap else rs) + ag
+    return fsdp_time(params, layer_count, lay, link, grad_bytes, weight_bytes, m, fwd, bwd,
+                     overlap)
+
+
+def fsdp_time(params: int, layer_count: int, lay: Layout, link: Link, grad_bytes: int,
+              weight_bytes: int, m: int, fwd: float, bwd: float, overlap: bool = True) -> float:
+    """Seconds FSDP's gathers and reduce-scatters add to a step (see the table above):
+    each gather hides behind one micro-batch's forward but for its first layer; each
+    reduce-scatter (and, after-forward, the backward's re-gather) behind one backward."""
+    n = lay.replicas
+    expects = theory.fully_sharded(params, n, m, lay.fsdp_reshard)
     if not overlap:
-        return m * (2 * ag + rs)
+        return sum(price(e, n, link, grad_bytes, weight_bytes) for e in expects)
+    rounds = {(e.op, e.phase): e.count for e in expects}
+    once = {(e.op, e.phase): price(e, n, link, grad_bytes, weight_bytes) / e.count
+            for e in expects}  # seconds of one occurrence of each
+    ag, rs = once[("all_gather", "forward")], once[("reduce_scatter", "grads")]
+    regather = once.get(("all_gather", "backward"), 0.0)
     first = ag / max(layer_count, 1)  # nothing to hide the first layer's gather behind
-    return m * (max(ag - fwd, 0.0) + max(ag + rs - bwd, 0.0) + 2 * first)
+    forward = rounds[("all_gather", "forward")] * (max(ag - fwd, 0.0) + first)
+    backward = max(regather + rs - bwd, 0.0) + (first if regather else 0.0)
+    return forward + rounds[("reduce_scatter", "grads")] * backward
 
 
 def optimizer_shards(lay: Layout) -> int:

@@ -22,6 +22,9 @@ Rajbhandari et al. 2020, section 3.1), with N = dp x cp ranks sharing the weight
                                                          the layers being computed (2 layers:
                                                          the current one and the prefetched
                                                          next) and one layer's full gradients
+    FSDP, after-step      2/N + 2     4/N + 4            12/N       the stage's weights, gathered
+                                                         once and kept, and its gradients,
+                                                         accumulated unsharded, for the step
 
 Gradients are fp32 by default, as Megatron-Core keeps them with bf16 training (main
 gradients accumulated and reduced in fp32); `Precision(grad=2)` is bf16 gradients.
@@ -84,6 +87,14 @@ def lighter_end_layers(num_layers: int, pp: int) -> int | None:
     return middle - 1 if rest == 0 and middle > 1 else None
 
 
+def chunks_split_evenly(num_layers: int, pp: int, interleave: int, lighter_ends: bool) -> bool:
+    """Whether `interleave` chunks per stage get equal layers: num_layers/(pp v) each, or
+    with lighter ends (num_layers + 2)/(pp v), the embedding and the loss counted as a
+    layer each (Llama 3's schedule; Megatron --account-for-{embedding,loss}-in-pipeline-split):
+    126 layers over pp 16, v 8 gives 1 a chunk and an embedding-only first chunk."""
+    return interleave == 1 or (num_layers + 2 * lighter_ends) % (pp * interleave) == 0
+
+
 def params_per_rank(config: ModelConfig, tp: int, pp: int, stage: int) -> int:
     """Parameters held by one rank of pipeline stage `stage` at (tp, pp)."""
     c = config
@@ -102,15 +113,18 @@ def params_per_rank(config: ModelConfig, tp: int, pp: int, stage: int) -> int:
 
 
 def model_state_bytes(params: int, replicas: int, zero: int, prec: Precision,
-                      layer_params: int = 0) -> dict[str, float]:
+                      layer_params: int = 0, keep_gathered: bool = False) -> dict[str, float]:
     """Weights, gradients and optimizer state of `params` parameters on one rank.
 
     `replicas` ranks (dp x cp) share the state as `zero` says (0, 1, 2 or 3 = FSDP);
-    FSDP also holds `layer_params` gathered weights for 2 layers and gradients for one.
+    FSDP also holds `layer_params` gathered weights for 2 layers and gradients for one,
+    or with `keep_gathered` (after-step) all `params` gathered weights and gradients.
     """
     n = replicas
-    weights = prec.weight * (params / n + 2 * layer_params if zero >= 3 else params)
-    grads = prec.grad * (params / n + layer_params if zero >= 2 else params)
+    gathered, unsharded_grads = (params, params) if keep_gathered else (2 * layer_params,
+                                                                        layer_params)
+    weights = prec.weight * (params / n + gathered if zero >= 3 else params)
+    grads = prec.grad * (params / n + unsharded_grads if zero >= 2 else params)
     return {"weights": weights, "grads": grads,
             "optimizer": prec.optimizer * params / (n if zero >= 1 else 1)}
 
@@ -145,8 +159,8 @@ def memory_per_device(c: ModelConfig, seq: int, lay: Layout, m: int, prec: Preci
     """Peak bytes of the fullest rank, as {weights, grads, optimizer, activations, total}."""
     worst: dict[str, float] = {}
     for stage in range(lay.pp):  # 1F1B: stage i holds p - i micro-batches of its layers
-        parts = model_state_bytes(stage_params(c, lay, stage), lay.replicas,
-                                  lay.zero, prec, c.layer_params(lay.tp))
+        parts = model_state_bytes(stage_params(c, lay, stage), lay.replicas, lay.zero, prec,
+                                  c.layer_params(lay.tp), lay.keeps_gathered_weights)
         parts["activations"] = stage_activation_bytes(c, seq, lay, stage, m, prec.activation,
                                                       flash)
         parts["total"] = sum(parts.values())

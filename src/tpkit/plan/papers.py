@@ -105,6 +105,11 @@ KORTHIKANTI_TABLE5 = [
 # 405B (GQA, SwiGLU) on H100 80 GB, 16M tokens per batch, BF16, no activation
 # checkpointing at 8K; 8 GPUs per server on a RoCE fabric (400 Gb/s per GPU). Rows:
 # (GPUs, tp, cp, pp, dp, sequence, sequences per batch, TFLOP/s per GPU, BF16 MFU).
+# Section 3.3.2 runs FSDP "without resharding after forward" and an interleaved schedule
+# whose degree V it does not give; but it takes one layer off the first and last stages
+# so that "the first model chunk on the first stage has only the embedding": a chunk
+# holds one layer, so V = (126 + 2) / 16 = 8 chunks per rank (inferred, not stated).
+LLAMA3_INTERLEAVE = 8
 LLAMA3_TABLE4 = [
     (8192, 8, 1, 16, 64, 8192, 2048, 430, 0.43),
     (16384, 8, 1, 16, 128, 8192, 2048, 400, 0.41),

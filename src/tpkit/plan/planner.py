@@ -5,7 +5,8 @@
         for pp in divisors(devices / (tp cp))   (at most one layer per stage)
           dp = devices / (tp cp pp)    (the global batch must split over dp)
           for micro-batch, sequence parallelism, recomputation, data-parallel sharding
-          (none, ZeRO-1, ZeRO-2, FSDP), interleaving, lighter first/last stages:
+          (none, ZeRO-1, ZeRO-2, FSDP; FSDP resharding as pinned, default FSDP2's
+          after-forward), interleaving, lighter first/last stages:
               simulate; keep it if its fullest device fits in memory
 
 Plans are ranked by step time (the global batch is fixed, so by tokens/s), the best
@@ -19,7 +20,7 @@ from dataclasses import dataclass, field
 
 from tpkit.plan.activations import RECOMPUTE
 from tpkit.plan.layout import ZERO_NAMES
-from tpkit.plan.memory import Precision, lighter_end_layers
+from tpkit.plan.memory import Precision, chunks_split_evenly, lighter_end_layers
 from tpkit.plan.reasons import explain
 from tpkit.plan.simulate import Cluster, Estimate, Layout, evaluate
 from tpkit.spec.config import ModelConfig
@@ -27,7 +28,7 @@ from tpkit.spec.errors import UserError
 
 MICRO_BATCHES = (1, 2, 4, 8, 16, 32)
 CHOICES = ("tp", "cp", "pp", "dp", "micro_batch", "sp", "recompute", "zero", "interleave",
-           "lighter_ends")
+           "lighter_ends", "fsdp_reshard")
 MIN_TOKENS_PER_CP_RANK = 1024  # smaller chunks leave too little attention to hide the ring
 
 
@@ -117,8 +118,13 @@ def candidates(req: Request) -> tuple[list[Layout], dict[str, str]]:
         if not mbs:
             rejected.setdefault(f"tp={tp} pp={pp}", f"micro-batch does not divide the "
                                 f"{per_replica} sequences per replica")
-        for mb in mbs:
-            out += _variants(req, (tp, cp, pp, dp), mb, per_replica // mb)
+        found = [lay for mb in mbs for lay in _variants(req, (tp, cp, pp, dp), mb,
+                                                       per_replica // mb)]
+        if mbs and not found:
+            rejected.setdefault(f"tp={tp} pp={pp}", f"interleave={req.fixed.get('interleave')}:"
+                                f" {req.config.num_layers} layers (+2 with lighter ends) do "
+                                f"not split into {pp} x {req.fixed.get('interleave')} equal chunks")
+        out += found
     return out, rejected
 
 
@@ -130,10 +136,13 @@ def _variants(req: Request, degrees: tuple[int, int, int, int], mb: int,
     chunks = [1] + ([2] if pp > 1 and m % pp == 0 and req.config.num_layers % (2 * pp) == 0
                     else [])
     ends = [False] + ([True] if lighter_end_layers(req.config.num_layers, pp) else [])
-    return [Layout(tp, pp, dp, mb, sp, rc, int(z), v, cp, e)
+    reshard = _options(req, "fsdp_reshard", ["after-forward"])[0]
+    return [Layout(tp, pp, dp, mb, sp, rc, int(z), v, cp, e,
+                   reshard if int(z) >= 3 else "after-forward")
             for sp in _options(req, "sp", sps) for rc in _options(req, "recompute", list(RECOMPUTE))
             for z in _options(req, "zero", zeros) for v in _options(req, "interleave", chunks)
-            for e in _options(req, "lighter_ends", ends) if not (e and v > 1)]
+            for e in _options(req, "lighter_ends", ends)
+            if chunks_split_evenly(req.config.num_layers, pp, v, e)]
 
 
 def plan(req: Request, top: int | None = None, distinct: bool = True) -> list[Estimate]:
@@ -194,6 +203,7 @@ def _no_fit_message(req: Request, estimates: list[Estimate]) -> str:
     return (f"{req.config.name} ({req.config.num_params() / 1e9:.1f}B parameters) does not fit "
             f"on {req.cluster.devices} x {acc.name}: the smallest plan (tp={lay.tp}, "
             f"cp={lay.cp}, pp={lay.pp}, dp={lay.dp}, micro-batch {lay.micro_batch}, recompute="
-            f"{lay.recompute}, dp sharding {ZERO_NAMES[lay.zero]}) needs {smallest.memory['total'] / gb:.1f} GB "
+            f"{lay.recompute}, dp sharding {ZERO_NAMES[lay.zero]}"
+            f"{' after-step' if lay.keeps_gathered_weights else ''}) needs {smallest.memory['total'] / gb:.1f} GB "
             f"per device, {usable / gb:.1f} GB usable of {acc.memory_bytes / gb:.0f} GB; "
             f"add devices or shorten the sequence")

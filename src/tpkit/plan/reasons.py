@@ -135,6 +135,8 @@ def _dp(e, best, c, cluster, extra) -> str:
     what = {0: "gradient all-reduce", 1: "gradient reduce-scatter + weight all-gather (ZeRO-1)",
             2: "per-micro-batch gradient reduce-scatters (ZeRO-2)",
             3: "per-layer weight all-gathers and gradient reduce-scatters (FSDP)"}[lay.zero]
+    if lay.keeps_gathered_weights:
+        what = "weight all-gather and gradient reduce-scatter once per step (FSDP, after-step)"
     return (f"dp={lay.dp}{f' x cp={lay.cp}' if lay.cp > 1 else ''}: the {what} that compute "
             f"cannot hide adds {_ms(extra)} per step")
 

@@ -6,7 +6,7 @@ from __future__ import annotations
 from rich.console import Console
 from rich.table import Table
 
-from tpkit.plan.command_line import megatron_flags, tpkit_command, tpkit_gaps
+from tpkit.plan.command_line import AFTER_STEP_NOTE, megatron_flags, tpkit_command, tpkit_gaps
 from tpkit.plan.layout import ZERO_NAMES, ZERO_SHORT
 from tpkit.plan.planner import Request
 from tpkit.plan.reasons import gb
@@ -23,7 +23,9 @@ COLUMNS = {
     "dp": "data-parallel replicas, each a slice of the global batch",
     "mb": "micro-batch size (sequences per forward); micro-batches per step = batch/(dp mb)",
     "options": "rc: recompute (- none, sel selective, full); sp: sequence parallel; "
-               "z1/z2/fsdp: ZeRO-1/ZeRO-2/FSDP sharding over dp x cp; vN: N interleaved chunks; "
+               "z1/z2/fsdp: ZeRO-1/ZeRO-2/FSDP sharding over dp x cp (fsdp-step: FSDP that "
+               "keeps the gathered weights for the step, --fsdp-reshard after-step); "
+               "vN: N interleaved chunks; "
                "ends-1: one layer fewer on the first and last pipeline stages",
     "step s": "predicted seconds per optimizer step",
     "tokens/s": "global batch x sequence / step time, whole cluster",
@@ -43,7 +45,8 @@ def _options(e: Estimate) -> str:
     lay = e.layout
     out = [{"none": "-", "selective": "sel", "full": "full"}[lay.recompute]]
     out += ["sp"] if lay.sp else []
-    out += [ZERO_SHORT[lay.zero]] if lay.zero else []
+    out += [ZERO_SHORT[lay.zero] + ("-step" if lay.keeps_gathered_weights else "")] \
+        if lay.zero else []
     out += [f"v{lay.interleave}"] if lay.interleave > 1 else []
     out += ["ends-1"] if lay.lighter_ends else []
     return " ".join(out)
@@ -95,6 +98,8 @@ def print_commands(req: Request, shown: list[Estimate], runnable: Estimate | Non
     say("  " + megatron_flags(best.layout, req.seq, req.global_batch, req.config.num_layers,
                               grad, cl.flash_attention, cl.hardware.accelerator.dtype != "fp32"),
         highlight=False, soft_wrap=True)
+    if best.layout.keeps_gathered_weights:
+        say("  (" + AFTER_STEP_NOTE + ")", highlight=False, soft_wrap=True)
     gaps = tpkit_gaps(best.layout, preset)
     if not gaps:
         say("Run plan #1 with tpkit:", highlight=False)
@@ -144,6 +149,7 @@ def plan_dict(e: Estimate) -> dict:
     return {"tp": lay.tp, "cp": lay.cp, "pp": lay.pp, "dp": lay.dp,
             "micro_batch": lay.micro_batch, "sp": lay.sp, "recompute": lay.recompute,
             "zero": lay.zero, "dp_sharding": ZERO_NAMES[lay.zero], "zero1": lay.zero1,
+            "fsdp_reshard": lay.fsdp_reshard if lay.zero >= 3 else None,
             "lighter_ends": lay.lighter_ends,
             "interleave": lay.interleave, "micro_batches": e.micro_batches,
             "step_time_s": e.step_time_s, "tokens_per_s": e.tokens_per_s,
@@ -161,6 +167,7 @@ def commands_dict(req: Request, e: Estimate, preset: str | None) -> dict:
         preset, lay, req.seq, req.global_batch, cl.nodes, cl.per_node,
         cl.hardware.accelerator.dtype != "fp32", cl.hardware.name in ("cpu", "local"))
     return {"tpkit": tpkit, "tpkit_missing": gaps,
+            "note": AFTER_STEP_NOTE if lay.keeps_gathered_weights else None,
             "megatron": megatron_flags(lay, req.seq, req.global_batch, req.config.num_layers,
                                        req.precision.grad if req.precision else 4,
                                        cl.flash_attention, cl.hardware.accelerator.dtype != "fp32")}

@@ -186,3 +186,35 @@ def data_parallel(numel: int, dp: int, zero1: bool = False) -> list[Expect]:
     if zero1:
         return [Expect("reduce_scatter", "grads", numel), Expect("all_gather", "grads", numel)]
     return [Expect("all_reduce", "grads", numel)]
+
+
+# When FSDP (ZeRO-3) frees the weights it gathered, named after PyTorch FSDP2's options.
+FSDP_RESHARD = ("after-forward", "after-step")
+
+
+def fully_sharded(numel: int, dp: int, micro_batches: int,
+                  reshard: str = "after-forward") -> list[Expect]:
+    """One step's FSDP (ZeRO-3) traffic over dp for `numel` parameters of one rank, summed
+    over the layers it gathers one at a time (and over the virtual stages of a rank).
+
+    after-forward: FSDP2's default, `fully_shard(reshard_after_forward=True)`. Each of the m
+    micro-batches all-gathers the weights for its forward, again for its backward, and
+    reduce-scatters its gradients: m x (2 AG + RS).
+    after-step: `fully_shard(reshard_after_forward=False)` with resharding and gradient
+    sync turned off until the step's last backward (`set_reshard_after_backward`,
+    `set_requires_gradient_sync`; `torch.distributed.pipelining` drives FSDP2 modules this
+    way). The weights are gathered once, at the first forward through
+    each layer, and kept; the gradients accumulate unsharded and are reduce-scattered once
+    after the last backward: AG + RS, one all-reduce's bytes, as ZeRO-1.
+    """
+    if reshard not in FSDP_RESHARD:
+        raise ValueError(f"fsdp reshard={reshard!r} is not one of {FSDP_RESHARD}")
+    if micro_batches < 1:
+        raise ValueError(f"micro_batches={micro_batches} must be at least 1")
+    if dp == 1:
+        return []
+    if reshard == "after-step":
+        return [Expect("all_gather", "forward", numel), Expect("reduce_scatter", "grads", numel)]
+    m = micro_batches
+    return [Expect("all_gather", "forward", numel, m), Expect("all_gather", "backward", numel, m),
+            Expect("reduce_scatter", "grads", numel, m)]
