@@ -40,7 +40,7 @@ TRAIN = ["train", "--pp", "2", "--steps", str(STEPS), "--ckpt-every", "2", "--se
          "--global-batch", "4", "--no-progress", "--resume", "auto"]
 # `sh -c SCRIPT FLAG python -m tpkit ...`: pause the checkpoint writes while FLAG exists
 PAUSE_WHILE_FLAG = 'if [ -e "$0" ]; then export TPKIT_CKPT_PAUSE_S=1; fi; exec "$@"'
-DEADLINE_S = 240  # generous: the machine may be busy; nothing here asserts on time
+DEADLINE_S = 200  # generous: the machine may be busy; nothing here asserts on time
 
 
 def _free_port() -> int:
