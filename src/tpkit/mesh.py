@@ -26,6 +26,7 @@ import torch.distributed as dist
 
 from tpkit.comm.failure import DEFAULT_COLLECTIVE_TIMEOUT_S
 from tpkit.comm.group import CommGroup
+from tpkit.comm.incarnation import agree_prefix
 from tpkit.comm.ledger import Ledger
 from tpkit.device import default_backend, device_for
 from tpkit.spec.errors import UserError
@@ -200,15 +201,14 @@ class ParallelMesh:
 
 def _init_default_group(timeout: timedelta) -> None:
     """The default process group from torchrun's environment, its keys in the store under
-    this incarnation's prefix: after a restart (`--max-restarts`) the store still holds
-    the dead incarnation's addresses under the same group names, and a new rank that
-    read them would connect to a dead peer (or hang)."""
+    a prefix of this incarnation (`tpkit.comm.incarnation`): after a restart
+    (`--max-restarts`) the store still holds the dead incarnation's addresses under the
+    same group names, and a new rank that read them would connect to a dead peer (or hang)."""
     store, rank, world = next(dist.rendezvous("env://", timeout=timeout))
     store.set_timeout(timeout)
-    incarnation = os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")
-    dist.init_process_group(default_backend(), store=dist.PrefixStore(
-        f"tpkit/incarnation-{incarnation}", store), rank=rank, world_size=world,
-        timeout=timeout)
+    prefix = agree_prefix(store, rank, world, timeout)
+    dist.init_process_group(default_backend(), store=dist.PrefixStore(prefix, store),
+                            rank=rank, world_size=world, timeout=timeout)
 
 
 def _env_int(name: str) -> int | None:

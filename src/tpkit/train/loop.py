@@ -156,11 +156,11 @@ def train(cfg: TrainConfig, mesh: ParallelMesh, model: torch.nn.Module | None = 
             if val_loader is not None and _due(step, cfg.eval_every, cfg.steps):
                 row["val_loss"] = evaluate(cfg, mesh, mixed.compute if mixed else model, link,
                                            val_loader, autocast)
-            if cfg.ckpt_every and (step + 1) % cfg.ckpt_every == 0 and step + 1 < cfg.steps:
-                ckpt = save_checkpoint(cfg, mesh, model, opt, loader, step + 1)
-            rows.append(row)
+            rows.append(row)  # logged before the checkpoint: a resume from it finds the row
             log.write({k: v for k, v in row.items() if k != "comm_line"})
             bar.update(row)
+            if cfg.ckpt_every and (step + 1) % cfg.ckpt_every == 0 and step + 1 < cfg.steps:
+                ckpt = save_checkpoint(cfg, mesh, model, opt, loader, step + 1)
     except CollectiveFailed as e:  # a dead or stuck peer: say how far the run got
         raise e.after_step(start + len(rows)) from e.__cause__
     finally:
