@@ -71,7 +71,8 @@ def _context():
     global _CTX  # the multiprocessing context, created once per process (not parallel state)
     if _CTX is None:
         _CTX = mp.get_context("forkserver")
-        _CTX.set_forkserver_preload(["torch", "torch.distributed", "tpkit.launch"])
+        _CTX.set_forkserver_preload(["torch", "torch.distributed", "tpkit.launch",
+                                   "tpkit.forkserver_exit"])
     return _CTX
 
 
