@@ -30,7 +30,7 @@ from collections.abc import Callable
 from datetime import timedelta
 from typing import Any
 
-from tpkit.comm.failure import DEFAULT_COLLECTIVE_TIMEOUT_S
+from tpkit.comm.failure import DEFAULT_COLLECTIVE_TIMEOUT_S, says_link_failed
 
 _CTX = None
 _ERROR_GRACE_S = 2.0  # after a rank fails, how long the others get to report theirs
@@ -214,7 +214,7 @@ class WorkerPool:
         one (alive, silent), each with what the others were waiting in."""
         own = [r for r in sorted(errors) if not errors[r][4]]
         dead = [(r, how) for r, how in self._dead_ranks() if r not in done]
-        if own and not (dead and "connection" in errors[own[0]][1].lower()):
+        if own and not (dead and says_link_failed(errors[own[0]][1])):
             name, msg, tb, blob, _ = errors[own[0]]
             return SpawnError(f"rank {own[0]} raised {name}: {msg}\n--- traceback on rank "
                               f"{own[0]} ---\n{tb}", own[0], _unpickle(blob))
