@@ -20,7 +20,6 @@ run; the interpreter's teardown, seconds with torch loaded, is skipped).
 from __future__ import annotations
 
 import argparse
-import atexit
 import errno
 import importlib
 import os
@@ -28,6 +27,7 @@ import signal
 import sys
 import threading
 
+from tpkit.exit_now import exit_now
 from tpkit.spec.errors import UserError
 
 COMMANDS: dict[str, tuple[str, str]] = {
@@ -113,20 +113,6 @@ def _first_line(e: BaseException) -> str:
     return text.splitlines()[0]
 
 
-def _end_process(status: int) -> None:
-    """End the process once a stopped command has unwound (its workers killed and waited
-    for): run the exit handlers (multiprocessing's unlink the semaphores, so none
-    leaks), flush, and skip only the interpreter's teardown: with torch loaded it takes
-    seconds on a busy machine, while the process looks alive."""
-    atexit._run_exitfuncs()
-    for stream in (sys.stdout, sys.stderr):
-        try:
-            stream.flush()
-        except (OSError, ValueError):  # a closed pipe or stream: nothing more to say
-            pass
-    os._exit(status)
-
-
 def main(argv: list[str] | None = None) -> int:
     """Entry point of the `tpkit` console script."""
     argv = list(sys.argv[1:] if argv is None else argv)
@@ -158,8 +144,8 @@ def main(argv: list[str] | None = None) -> int:
     except KeyboardInterrupt as e:
         signum = getattr(e, "signum", signal.SIGINT)
         print(f"tpkit {name}: stopped by {signal.Signals(signum).name}", file=sys.stderr)
-        if previous is not None:  # this process's signal handling is ours: end it now
-            _end_process(128 + signum)
+        if previous is not None:  # this process's signals are ours: its end, once unwound
+            exit_now(128 + signum)
         return 128 + signum
     except Exception as e:
         said = explain(e)
