@@ -64,7 +64,7 @@ def server():
 def get(server, path: str, host: str | None = None, method: str = "GET", body: bytes | None = None,
         headers: dict | None = None):
     port = server.server_address[1]
-    conn = http.client.HTTPConnection("127.0.0.1", port, timeout=10)
+    conn = http.client.HTTPConnection("127.0.0.1", port, timeout=60)
     conn.request(method, path, body=body,
                  headers={"Host": host or f"127.0.0.1:{port}", **(headers or {})})
     resp = conn.getresponse()
@@ -105,7 +105,7 @@ def test_foreign_host_header_is_refused(server):
     assert get(server, "/api/quiz", host="localhost:1")[0] == 200
     assert post(server, b"{}")[0] != 403
     port = server.server_address[1]
-    conn = http.client.HTTPConnection("127.0.0.1", port, timeout=10)
+    conn = http.client.HTTPConnection("127.0.0.1", port, timeout=60)
     conn.request("POST", "/api/answer", body=b"{}", headers={"Host": "evil.example"})
     assert conn.getresponse().status == 403
 
