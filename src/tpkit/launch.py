@@ -34,6 +34,7 @@ from tpkit.comm.failure import DEFAULT_COLLECTIVE_TIMEOUT_S, says_link_failed
 
 _CTX = None
 _ERROR_GRACE_S = 2.0  # after a rank fails, how long the others get to report theirs
+_STUCK_GRACE_MAX_S = 30.0  # ... after a collective timed out: up to one timeout, capped
 
 
 class SpawnError(RuntimeError):
@@ -193,10 +194,19 @@ class WorkerPool:
                 out[rank] = pickle.loads(payload)
                 continue
             errors[rank] = payload
-            settle = settle or time.monotonic() + _ERROR_GRACE_S
+            settle = settle or time.monotonic() + self._grace(payload)
         if errors or len(out) < self.nprocs:
             raise self._root_cause(errors, out)
         return [out[r] for r in range(self.nprocs)]
+
+    def _grace(self, error: tuple) -> float:
+        """How long the other ranks get to report after the first `error`. A collective
+        that timed out means a stuck peer: every rank blocked on it gives up within one
+        collective timeout of starting to wait, perhaps seconds after this one, and a rank
+        still silent when the grace ends is named as the stuck one."""
+        if getattr(_unpickle(error[3]), "timed_out", False) is True:
+            return max(_ERROR_GRACE_S, min(self.pg_timeout_s, _STUCK_GRACE_MAX_S))
+        return _ERROR_GRACE_S
 
     def _lost(self, done: dict, deadline: float) -> bool:
         """True once a rank died, or the run is past its deadline (raises then)."""
