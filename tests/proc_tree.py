@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+import signal
 import time
 
 
@@ -38,6 +39,16 @@ def running(pid: int) -> bool:
             return f.read().rsplit(")", 1)[1].split()[0] != "Z"
     except OSError:
         return False
+
+
+def kill(pids: list[int]) -> None:
+    """SIGKILL each pid still running (one that ended meanwhile is no error)."""
+    for p in pids:
+        if running(p):
+            try:
+                os.kill(p, signal.SIGKILL)
+            except ProcessLookupError:
+                pass
 
 
 def wait_gone(pids: list[int], timeout: float) -> tuple[float, list[int]]:

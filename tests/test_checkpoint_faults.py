@@ -112,7 +112,7 @@ ckpt.save(sys.argv[1], model, opt, step=99)
 
 
 @pytest.mark.slow
-@pytest.mark.timeout(60)
+@pytest.mark.timeout(300)
 def test_killed_save_keeps_previous(tmp_path):
     root = tmp_path / "ckpt"
     model, before = saved(root, seed=1)
@@ -120,7 +120,7 @@ def test_killed_save_keeps_previous(tmp_path):
     proc = subprocess.Popen([sys.executable, "-c", KILLED_SAVE, str(root),
                              str(Path(__file__).parent)], env=env)
     tmp = tmp_path / ".ckpt.tmp"
-    deadline = time.monotonic() + 40
+    deadline = time.monotonic() + 240  # importing torch on a loaded machine
     while not (tmp / "model-tp00-pp00.safetensors").exists():  # mid-save: first file written
         assert proc.poll() is None and time.monotonic() < deadline, "save did not start"
         time.sleep(0.05)
@@ -245,8 +245,24 @@ while True:  # what training does at every --ckpt-every: save, then drop the old
 """
 
 
+def _newest_step(run: Path) -> int:
+    """The step of the newest valid checkpoint (-1: none yet), read while saves and prunes
+    go on: the one found may be pruned before its manifest is read (then look again)."""
+    from tpkit.checkpoint.locate import latest
+
+    while True:
+        found = latest(run)
+        if found is None:
+            return -1
+        try:
+            return ckpt.read_manifest(found)["step"]
+        except ckpt.CheckpointError:
+            if found.exists():
+                raise
+
+
 @pytest.mark.slow
-@pytest.mark.timeout(600)
+@pytest.mark.timeout(1200)  # 20 fresh processes importing torch, on a loaded 2-core machine
 def test_kill_at_random_moments_of_saving_never_loses_the_latest_valid(tmp_path):
     """kill -9 at 20 random moments of a save-and-prune loop (mid-write, mid-manifest,
     mid-prune): each time the newest valid checkpoint loads with exactly its step's
@@ -259,8 +275,8 @@ def test_kill_at_random_moments_of_saving_never_loses_the_latest_valid(tmp_path)
     for _ in range(20):
         proc = subprocess.Popen([sys.executable, "-c", SAVE_FOREVER, str(run), str(newest),
                                  str(Path(__file__).parent)])
-        deadline = time.monotonic() + 120
-        while latest(run) is None or ckpt.read_manifest(latest(run))["step"] <= newest:
+        deadline = time.monotonic() + 240
+        while _newest_step(run) <= newest:
             assert proc.poll() is None and time.monotonic() < deadline, "no save completed"
             time.sleep(0.02)
         time.sleep(rng.uniform(0.0, 0.3))  # somewhere in the next saves and prunes

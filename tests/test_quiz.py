@@ -225,7 +225,7 @@ def _cli(*args: str, stdin: str | None = None) -> subprocess.CompletedProcess:
                           capture_output=True, text=True, timeout=60)
 
 
-@pytest.mark.timeout(60)
+@pytest.mark.timeout(300)  # seven fresh interpreters, on a loaded 2-core machine
 def test_cli_scripted_stdin_bad_answers_and_no_torch(quiz):
     r = _cli("--lang", "fr", "--answers", "1,2,3,4,1,2,3,1")  # seed numbering, any seed
     assert r.returncode == 0 and r.stdout.splitlines()[-1] == "Score: 7/8"

@@ -27,7 +27,7 @@ def _guard(mesh, perturb: str | None, rank: int):
     return None
 
 
-@pytest.mark.timeout(120)
+@pytest.mark.timeout(300)  # may start the 2-rank pool: 57 s at load 20
 def test_a_perturbed_replica_is_caught(run_tp):
     assert run_tp(_guard, 2, None, 0) == [None, None]
     said = run_tp(_guard, 2, "layers.1.mlp_norm.weight", 1)

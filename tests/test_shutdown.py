@@ -21,7 +21,7 @@ from pathlib import Path
 
 import pytest
 
-from proc_tree import descendants, wait_gone, workers
+from proc_tree import descendants, kill, wait_gone, workers
 
 SRC = str(Path(__file__).resolve().parents[1] / "src")
 
@@ -45,6 +45,13 @@ def _wait_steps(proc: subprocess.Popen, out: Path, steps: int, timeout: float = 
     raise AssertionError(f"no {steps} steps in {timeout} s")
 
 
+def _kill_all(proc: subprocess.Popen, seen: list[int]) -> None:
+    """After a failure too: SIGKILL the launcher's processes seen earlier and, while it
+    runs, those below it now (once it is reaped its pid may be another process's)."""
+    kill([*seen, *(descendants(proc.pid) if proc.poll() is None else [])])
+    proc.kill()
+
+
 def _newest_checkpoint_verifies(out: Path) -> None:
     from tpkit.checkpoint import store
     from tpkit.checkpoint.files import verify_file
@@ -60,7 +67,7 @@ def _newest_checkpoint_verifies(out: Path) -> None:
 @pytest.mark.timeout(900)
 @pytest.mark.parametrize("sig", ["SIGTERM", "SIGHUP", "SIGINT", "SIGKILL"])
 def test_a_signal_to_the_launcher_leaves_no_process(sig, tmp_path):
-    proc = _start_train(tmp_path, "--ckpt-every", "2")
+    proc, below = _start_train(tmp_path, "--ckpt-every", "2"), []
     try:
         _wait_steps(proc, tmp_path, 5)
         below = descendants(proc.pid)
@@ -70,10 +77,7 @@ def test_a_signal_to_the_launcher_leaves_no_process(sig, tmp_path):
         assert left == [], f"{sig}: still running after 10 s: {left}"
         err = proc.communicate(timeout=30)[1]
     finally:
-        for p in [proc.pid, *descendants(proc.pid)]:
-            if p != proc.pid:
-                os.kill(p, signal.SIGKILL)
-        proc.kill()
+        _kill_all(proc, below)
     signum = getattr(signal, sig)
     assert proc.returncode == (-signum if sig == "SIGKILL" else 128 + signum), err
     if sig != "SIGKILL":
@@ -93,9 +97,7 @@ def test_a_dead_or_stuck_rank_stops_the_run_with_one_line(sig, says, tmp_path):
         os.kill(workers(proc.pid)[1], getattr(signal, sig))
         err = proc.communicate(timeout=120)[1]
     finally:
-        for p in descendants(proc.pid):
-            os.kill(p, signal.SIGKILL)
-        proc.kill()
+        _kill_all(proc, [])
     lines = err.strip().splitlines()
     assert proc.returncode == 1 and len(lines) == 1 and "Traceback" not in err, err
     line = lines[0]

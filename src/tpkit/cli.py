@@ -13,7 +13,8 @@ one line and exits 1; anything else is a bug and keeps its traceback. `--debug` 
 TPKIT_DEBUG=1) shows the traceback of user mistakes too.
 
 SIGTERM, SIGHUP and SIGINT stop a command cleanly: its worker processes are killed
-and waited for, and it exits with 128 + the signal number.
+and waited for, and it exits with 128 + the signal number, at once (the exit handlers
+run; the interpreter's teardown, seconds with torch loaded, is skipped).
 """
 
 from __future__ import annotations
@@ -26,6 +27,7 @@ import signal
 import sys
 import threading
 
+from tpkit.exit_now import exit_now
 from tpkit.spec.errors import UserError
 
 COMMANDS: dict[str, tuple[str, str]] = {
@@ -142,6 +144,8 @@ def main(argv: list[str] | None = None) -> int:
     except KeyboardInterrupt as e:
         signum = getattr(e, "signum", signal.SIGINT)
         print(f"tpkit {name}: stopped by {signal.Signals(signum).name}", file=sys.stderr)
+        if previous is not None:  # this process's signals are ours: its end, once unwound
+            exit_now(128 + signum)
         return 128 + signum
     except Exception as e:
         said = explain(e)

@@ -30,10 +30,11 @@ from collections.abc import Callable
 from datetime import timedelta
 from typing import Any
 
-from tpkit.comm.failure import DEFAULT_COLLECTIVE_TIMEOUT_S
+from tpkit.comm.failure import DEFAULT_COLLECTIVE_TIMEOUT_S, says_link_failed
 
 _CTX = None
 _ERROR_GRACE_S = 2.0  # after a rank fails, how long the others get to report theirs
+_STUCK_GRACE_MAX_S = 30.0  # ... after a collective timed out: up to one timeout, capped
 
 
 class SpawnError(RuntimeError):
@@ -71,7 +72,8 @@ def _context():
     global _CTX  # the multiprocessing context, created once per process (not parallel state)
     if _CTX is None:
         _CTX = mp.get_context("forkserver")
-        _CTX.set_forkserver_preload(["torch", "torch.distributed", "tpkit.launch"])
+        _CTX.set_forkserver_preload(["torch", "torch.distributed", "tpkit.launch",
+                                   "tpkit.forkserver_exit"])
     return _CTX
 
 
@@ -192,10 +194,19 @@ class WorkerPool:
                 out[rank] = pickle.loads(payload)
                 continue
             errors[rank] = payload
-            settle = settle or time.monotonic() + _ERROR_GRACE_S
+            settle = settle or time.monotonic() + self._grace(payload)
         if errors or len(out) < self.nprocs:
             raise self._root_cause(errors, out)
         return [out[r] for r in range(self.nprocs)]
+
+    def _grace(self, error: tuple) -> float:
+        """How long the other ranks get to report after the first `error`. A collective
+        that timed out means a stuck peer: every rank blocked on it gives up within one
+        collective timeout of starting to wait, perhaps seconds after this one, and a rank
+        still silent when the grace ends is named as the stuck one."""
+        if getattr(_unpickle(error[3]), "timed_out", False) is True:
+            return max(_ERROR_GRACE_S, min(self.pg_timeout_s, _STUCK_GRACE_MAX_S))
+        return _ERROR_GRACE_S
 
     def _lost(self, done: dict, deadline: float) -> bool:
         """True once a rank died, or the run is past its deadline (raises then)."""
@@ -213,7 +224,7 @@ class WorkerPool:
         one (alive, silent), each with what the others were waiting in."""
         own = [r for r in sorted(errors) if not errors[r][4]]
         dead = [(r, how) for r, how in self._dead_ranks() if r not in done]
-        if own and not (dead and "connection" in errors[own[0]][1].lower()):
+        if own and not (dead and says_link_failed(errors[own[0]][1])):
             name, msg, tb, blob, _ = errors[own[0]]
             return SpawnError(f"rank {own[0]} raised {name}: {msg}\n--- traceback on rank "
                               f"{own[0]} ---\n{tb}", own[0], _unpickle(blob))

@@ -14,7 +14,7 @@ from contextlib import contextmanager
 import torch
 import torch.distributed as dist
 
-from tpkit.comm.failure import CollectiveFailed
+from tpkit.comm.failure import CollectiveFailed, says_link_failed
 from tpkit.comm.group import CommGroup
 
 # torch 2.13 renamed the tensor forms (`*_into_tensor` -> `*_single`); accept both.
@@ -38,14 +38,9 @@ def _nbytes(x: torch.Tensor) -> int:
     return x.numel() * x.element_size()
 
 
-# what gloo / NCCL say when a peer died, stopped or timed out (not a bug of the caller)
-_LINK_FAILURES = ("timed out", "timeout", "connection reset", "connection closed",
-                  "connection refused", "broken pipe", "socket", "nccl", "watchdog")
-
-
 def _link_failure(e: BaseException) -> bool:
     backend_error = getattr(dist, "DistBackendError", ())
-    return isinstance(e, backend_error) or any(k in str(e).lower() for k in _LINK_FAILURES)
+    return isinstance(e, backend_error) or says_link_failed(str(e))
 
 
 @contextmanager

@@ -13,6 +13,16 @@ how long it waited and, once the training loop adds it, the last step completed:
 from __future__ import annotations
 
 DEFAULT_COLLECTIVE_TIMEOUT_S = 300.0  # a collective waiting longer than this fails
+# what gloo / NCCL say when a peer died, stopped or timed out (not a bug of the caller)
+_LINK_FAILURES = ("timed out", "timeout", "connection reset", "connection closed",
+                  "connection refused", "broken pipe", "socket", "nccl", "watchdog")
+
+
+def says_link_failed(message: str) -> bool:
+    """True when an error message is gloo's or NCCL's for a peer that died, stopped or
+    timed out (a closed socket reads "Connection reset", "closed" or "Broken pipe",
+    depending on where the peer's death met the transfer)."""
+    return any(k in message.lower() for k in _LINK_FAILURES)
 
 
 class CollectiveFailed(RuntimeError):

@@ -63,9 +63,11 @@ def run(args: argparse.Namespace) -> int:
     """Run the quiz; 0 on success, 2 on a bad scripted answer."""
     quiz = load_quiz()
     if args.web:
+        from tpkit.exit_now import exit_now
         from tpkit.quiz.web import serve
 
-        return serve(quiz, host=args.host, port=args.port, lang=args.lang, live=args.live)
+        # serve returns once a signal stopped it and its workers are gone: end at once
+        exit_now(serve(quiz, host=args.host, port=args.port, lang=args.lang, live=args.live))
     items = quiz.items(args.lang, level=args.level, shuffle=args.shuffle, seed=args.seed)
     try:
         if args.answers is not None:
