@@ -15,7 +15,7 @@ from tpkit.plan import PlanError, Request, get_hardware, papers, plan
 from tpkit.plan.command_line import megatron_flags
 from tpkit.plan.cost import all_gather_time, reduce_scatter_time
 from tpkit.plan.hardware import LINKS
-from tpkit.plan.memory import Precision, params_per_rank, stage_params
+from tpkit.plan.memory import params_per_rank, stage_params
 from tpkit.plan.simulate import Cluster, Layout, evaluate, replica_link
 from tpkit.spec import theory
 from tpkit.spec.config import get_preset
