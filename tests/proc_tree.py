@@ -6,6 +6,12 @@ import os
 import signal
 import time
 
+# `sh -c PAUSE_WHILE_FLAG FLAG python -m tpkit train ...` (torchrun --no-python): each
+# worker started while FLAG exists pauses 1 s after every checkpoint file it writes, so
+# a kill after the first checkpoint still lands mid-run; workers restarted after the
+# test removed FLAG run at full speed.
+PAUSE_WHILE_FLAG = 'if [ -e "$0" ]; then export TPKIT_CKPT_PAUSE_S=1; fi; exec "$@"'
+
 
 def _parents() -> dict[int, int]:
     out = {}

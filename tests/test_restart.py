@@ -2,8 +2,10 @@
 
 A worker killed with SIGKILL mid-run makes torchrun restart every worker; each
 continues from the newest valid checkpoint in --out and the run finishes with the
-same losses as an uninterrupted one (1 node x 2 processes, gloo). A damaged newest
-checkpoint is skipped for the previous one, with a warning.
+same losses as an uninterrupted one (1 node x 2 processes, gloo). The kill lands
+mid-run by construction: the first workers pause after each checkpoint file while a
+flag exists (`PAUSE_WHILE_FLAG`). A damaged newest checkpoint is skipped for the
+previous one, with a warning. (Two nodes: test_restart_two_node.py.)
 """
 
 from __future__ import annotations
@@ -19,19 +21,20 @@ from pathlib import Path
 
 import pytest
 
-from proc_tree import cmdline, descendants
+from proc_tree import PAUSE_WHILE_FLAG, cmdline, descendants
 
 SRC = str(Path(__file__).resolve().parents[1] / "src")
 TRAIN = ["--tp", "2", "--steps", "30", "--ckpt-every", "2", "--seq", "32", "--global-batch",
          "4", "--no-progress", "--resume", "auto"]
 
 
-def _torchrun(out: Path, *extra: str) -> subprocess.Popen:
+def _torchrun(out: Path, flag: Path) -> subprocess.Popen:
     env = dict(os.environ, OMP_NUM_THREADS="1",
                PYTHONPATH=SRC + os.pathsep + os.environ.get("PYTHONPATH", ""))
     cmd = [sys.executable, "-m", "torch.distributed.run", "--nnodes", "1", "--nproc_per_node",
            "2", "--max-restarts", "1", "--rdzv-backend", "c10d", "--rdzv-endpoint",
-           "127.0.0.1:0", *extra, "-m", "tpkit", "train", *TRAIN, "--out", str(out)]
+           "127.0.0.1:0", "--no-python", "sh", "-c", PAUSE_WHILE_FLAG, str(flag),
+           sys.executable, "-m", "tpkit", "train", *TRAIN, "--out", str(out)]
     return subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
                             env=env)
 
@@ -44,16 +47,19 @@ def _losses(out: Path) -> dict[int, float]:
 @pytest.mark.slow
 @pytest.mark.timeout(900)
 def test_a_killed_worker_restarts_and_finishes_like_an_uninterrupted_run(tmp_path):
-    whole = _torchrun(tmp_path / "whole")
+    whole = _torchrun(tmp_path / "whole", tmp_path / "no-flag")
     err = whole.communicate(timeout=400)[1]
     assert whole.returncode == 0, [x for x in err.splitlines() if "rror" in x][:10]
-    killed = _torchrun(tmp_path / "killed")
-    t0, metrics = time.monotonic(), tmp_path / "killed" / "metrics.jsonl"
-    while not (metrics.exists() and metrics.read_text().count("\n") >= 5):
-        assert killed.poll() is None and time.monotonic() - t0 < 400, "no 5 steps"
+    flag = tmp_path / "pause"
+    flag.touch()
+    killed = _torchrun(tmp_path / "killed", flag)
+    t0, first = time.monotonic(), tmp_path / "killed" / "checkpoints" / "step_000002"
+    while not (first / "manifest.json").exists():  # paused saves: 14 still to come
+        assert killed.poll() is None and time.monotonic() - t0 < 400, "no checkpoint"
         time.sleep(0.1)
     ranks = [p for p in descendants(killed.pid) if " tpkit train " in cmdline(p)]
     assert len(ranks) == 2, [cmdline(p) for p in descendants(killed.pid)]
+    flag.unlink()  # the restarted workers run at full speed
     os.kill(max(ranks), signal.SIGKILL)
     err = killed.communicate(timeout=400)[1]
     assert killed.returncode == 0, [x for x in err.splitlines() if "rror" in x][:10]

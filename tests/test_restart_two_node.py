@@ -32,14 +32,12 @@ from pathlib import Path
 
 import pytest
 
-from proc_tree import cmdline, descendants, wait_gone
+from proc_tree import PAUSE_WHILE_FLAG, cmdline, descendants, wait_gone
 
 SRC = str(Path(__file__).resolve().parents[1] / "src")
 STEPS = 8
 TRAIN = ["train", "--pp", "2", "--steps", str(STEPS), "--ckpt-every", "2", "--seq", "32",
          "--global-batch", "4", "--no-progress", "--resume", "auto"]
-# `sh -c SCRIPT FLAG python -m tpkit ...`: pause the checkpoint writes while FLAG exists
-PAUSE_WHILE_FLAG = 'if [ -e "$0" ]; then export TPKIT_CKPT_PAUSE_S=1; fi; exec "$@"'
 DEADLINE_S = 200  # generous: the machine may be busy; nothing here asserts on time
 
 
