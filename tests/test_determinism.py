@@ -12,6 +12,10 @@ from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import pytest
+import torch
+
+from tpkit.layers.cross_entropy import vocab_parallel_cross_entropy
+from tpkit.mesh import ParallelMesh
 
 SRC = str(Path(__file__).resolve().parents[1] / "src")
 FIRST_EVALUATION = """
@@ -53,3 +57,36 @@ def test_reference_is_bit_identical_in_20_fresh_processes_under_load():
             p.kill()
             p.wait()
     assert len(seen) == 20 and len(set(seen)) == 1, sorted(set(seen))
+
+
+def _loss_bits(logits: torch.Tensor, labels: torch.Tensor) -> str:
+    """The loss (mean cross-entropy) and its gradient as hex."""
+    x = logits.detach().requires_grad_(True)
+    per = vocab_parallel_cross_entropy(x, labels, ParallelMesh.single().tp_group,
+                                       logits.shape[-1])  # [b, s]
+    loss = per.sum() / labels.numel()
+    loss.backward()
+    return loss.item().hex() + x.grad.numpy().tobytes().hex()
+
+
+def test_loss_bits_do_not_depend_on_alignment_layout_or_threads():
+    """Issue 13's candidate causes, forced: the cross-entropy + mean (and its gradient)
+    on logits stored 0..31 floats into a buffer (4..124-byte alignment), strided, and
+    under 1..4 threads give the same bits."""
+    g = torch.Generator().manual_seed(3)
+    logits = torch.randn(2, 16, 1000, generator=g) * 3  # [b, s, V]; V no multiple of 16
+    labels = torch.randint(0, 1000, (2, 16), generator=g)
+    want = _loss_bits(logits, labels)
+    for off in range(32):
+        buf = torch.empty(logits.numel() + 32)
+        x = buf[off:off + logits.numel()].view_as(logits).copy_(logits)
+        assert _loss_bits(x, labels) == want, f"storage offset {off} floats"
+    strided = torch.empty(2, 16, 2048)[..., :1000].copy_(logits)  # rows 8 KiB apart
+    assert _loss_bits(strided, labels) == want
+    before = torch.get_num_threads()
+    try:
+        for n in (1, 2, 3, 4):
+            torch.set_num_threads(n)
+            assert _loss_bits(logits, labels) == want, f"{n} threads"
+    finally:
+        torch.set_num_threads(before)
