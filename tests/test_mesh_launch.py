@@ -120,3 +120,29 @@ def test_a_raising_rank_reaches_the_parent_within_the_timeout():
 def test_a_dead_rank_is_named():
     with pytest.raises(SpawnError, match=r"rank 0 died \(exit code 3\)"):
         spawn(_die_on_rank_zero, 2, timeout=60)
+
+
+def test_the_stuck_rank_named_is_the_one_the_timed_out_ranks_suspect():
+    """A wait chain (tp2 x pp2, rank 2 stopped): rank 0 times out on its receive from
+    rank 2 and rank 3 on its all-reduce with rank 2, while rank 1, waiting on rank 3,
+    has not timed out yet: two ranks are silent, and the one named is rank 2 (the
+    suspect), not the lowest silent rank."""
+    import pickle
+
+    from tpkit.comm.failure import CollectiveFailed
+    from tpkit.launch import WorkerPool
+
+    def timed_out(me, op, group, ranks, peer=None):
+        e = CollectiveFailed(op, group, ranks, me, "pipeline", "backward", 10.0,
+                             "Timed out waiting 10000ms", peer=peer, step=3)
+        return (type(e).__name__, str(e), "", pickle.dumps(e), True)
+
+    pool = WorkerPool(4)  # not started: no process, none dead
+    errors = {0: timed_out(0, "recv", "pp", (0, 2), peer=2),
+              3: timed_out(3, "all_reduce", "tp", (2, 3))}
+    err = pool._root_cause(errors, {})
+    assert err.rank == 2 and str(err).startswith("rank 2 stopped making progress"), err
+    assert "then rank 0: recv over pp [0, 2]" in str(err)
+    # no suspect among the silent ones (a group-wide wait): the lowest silent rank
+    err = pool._root_cause({0: timed_out(0, "all_reduce", "mp", (0, 1, 2, 3))}, {})
+    assert err.rank == 1, err

@@ -194,6 +194,8 @@ class WorkerPool:
                 out[rank] = pickle.loads(payload)
                 continue
             errors[rank] = payload
+            if _timed_out(payload) and len(out) + len(errors) == self.nprocs - 1:
+                break  # a peer is stuck and one rank is silent: that one, no more waiting
             settle = settle or time.monotonic() + self._grace(payload)
         if errors or len(out) < self.nprocs:
             raise self._root_cause(errors, out)
@@ -203,8 +205,9 @@ class WorkerPool:
         """How long the other ranks get to report after the first `error`. A collective
         that timed out means a stuck peer: every rank blocked on it gives up within one
         collective timeout of starting to wait, perhaps seconds after this one, and a rank
-        still silent when the grace ends is named as the stuck one."""
-        if getattr(_unpickle(error[3]), "timed_out", False) is True:
+        still silent when the grace ends is named as the stuck one (at once when only one
+        rank is left silent: `_collect`)."""
+        if _timed_out(error):
             return max(_ERROR_GRACE_S, min(self.pg_timeout_s, _STUCK_GRACE_MAX_S))
         return _ERROR_GRACE_S
 
@@ -234,9 +237,11 @@ class WorkerPool:
             return SpawnError(f"rank {r} died ({how}) before returning a result{then}", r,
                               run_failed=True)
         silent = [r for r in range(self.nprocs) if r not in errors and r not in done]
-        if silent:
-            return SpawnError(f"rank {silent[0]} stopped making progress (alive, no error "
-                              f"after the others failed){then}", silent[0], run_failed=True)
+        if silent:  # the one the timed-out ranks suspect most (a rank waiting on a waiting
+            votes = _suspect_votes(errors.values())  # rank times out later, may be silent)
+            r = max(silent, key=lambda s: (votes.get(s, 0), -s))
+            return SpawnError(f"rank {r} stopped making progress (alive, no error "
+                              f"after the others failed){then}", r, run_failed=True)
         r = min(errors)
         return SpawnError(errors[r][1].splitlines()[0], r, _unpickle(errors[r][3]),
                           run_failed=True)
@@ -283,6 +288,20 @@ def _secondary(e: BaseException) -> bool:
     """True when this rank failed only because another did (a collective with a dead or
     stuck peer, "another rank failed to ..."): the other rank's error is the one to show."""
     return bool(getattr(e, "run_failed", False) or getattr(e, "peer_failed", False))
+
+
+def _suspect_votes(errors) -> dict[int, int]:
+    """rank -> how many reported errors name it as a suspect (`CollectiveFailed`)."""
+    votes: dict[int, int] = {}
+    for e in errors:
+        for r in getattr(_unpickle(e[3]), "suspects", None) or []:
+            votes[r] = votes.get(r, 0) + 1
+    return votes
+
+
+def _timed_out(error: tuple) -> bool:
+    """Is a rank's reported error a collective that timed out (a stuck peer)?"""
+    return getattr(_unpickle(error[3]), "timed_out", False) is True
 
 
 def _unpickle(blob: bytes | None) -> BaseException | None:
