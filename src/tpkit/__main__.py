@@ -1,6 +1,6 @@
 """`python -m tpkit ...` (what `torchrun -m tpkit train ...` runs)."""
 
-from tpkit.cli import main
+from tpkit.cli import entry
 
 if __name__ == "__main__":
-    raise SystemExit(main())
+    entry()

@@ -26,6 +26,7 @@ import os
 import signal
 import sys
 import threading
+from typing import NoReturn
 
 from tpkit.exit_now import exit_now
 from tpkit.spec.errors import UserError
@@ -144,8 +145,6 @@ def main(argv: list[str] | None = None) -> int:
     except KeyboardInterrupt as e:
         signum = getattr(e, "signum", signal.SIGINT)
         print(f"tpkit {name}: stopped by {signal.Signals(signum).name}", file=sys.stderr)
-        if previous is not None:  # this process's signals are ours: its end, once unwound
-            exit_now(128 + signum)
         return 128 + signum
     except Exception as e:
         said = explain(e)
@@ -158,5 +157,16 @@ def main(argv: list[str] | None = None) -> int:
             signal.signal(s, handler)
 
 
+def entry() -> NoReturn:
+    """The `tpkit` console script and `python -m tpkit`: `main`, then the end of the
+    process; stopped by a signal (everything already unwound and cleaned up), at once,
+    without the interpreter's teardown (`exit_now`). `main` itself returns, so a caller
+    in the same process keeps it (only `quiz --web`, a server, ends its process itself)."""
+    status = main()
+    if status - 128 in {int(s) for s in _STOP_SIGNALS}:
+        exit_now(status)
+    sys.exit(status)
+
+
 if __name__ == "__main__":
-    raise SystemExit(main())
+    entry()
