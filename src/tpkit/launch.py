@@ -26,6 +26,7 @@ import signal
 import threading
 import time
 import traceback
+from collections import Counter
 from collections.abc import Callable
 from datetime import timedelta
 from typing import Any
@@ -239,7 +240,7 @@ class WorkerPool:
         silent = [r for r in range(self.nprocs) if r not in errors and r not in done]
         if silent:  # the one the timed-out ranks suspect most (a rank waiting on a waiting
             votes = _suspect_votes(errors.values())  # rank times out later, may be silent)
-            r = max(silent, key=lambda s: (votes.get(s, 0), -s))
+            r = max(silent, key=lambda s: (votes[s], -s))
             return SpawnError(f"rank {r} stopped making progress (alive, no error "
                               f"after the others failed){then}", r, run_failed=True)
         r = min(errors)
@@ -290,13 +291,9 @@ def _secondary(e: BaseException) -> bool:
     return bool(getattr(e, "run_failed", False) or getattr(e, "peer_failed", False))
 
 
-def _suspect_votes(errors) -> dict[int, int]:
+def _suspect_votes(errors) -> Counter:
     """rank -> how many reported errors name it as a suspect (`CollectiveFailed`)."""
-    votes: dict[int, int] = {}
-    for e in errors:
-        for r in getattr(_unpickle(e[3]), "suspects", None) or []:
-            votes[r] = votes.get(r, 0) + 1
-    return votes
+    return Counter(r for e in errors for r in getattr(_unpickle(e[3]), "suspects", None) or [])
 
 
 def _timed_out(error: tuple) -> bool:
