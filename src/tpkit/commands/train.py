@@ -21,6 +21,7 @@ from typing import TYPE_CHECKING
 
 from tpkit.parallel.schedules import SCHEDULES
 from tpkit.spec.errors import UserError
+from tpkit.spec.transport import add_comm_argument, comm_choice
 from tpkit.train.config import DTYPES, TrainConfig
 
 if TYPE_CHECKING:
@@ -82,6 +83,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
             parser.add_argument(flag, type=kind, default=argparse.SUPPRESS, help=text)
     parser.add_argument("--config", help="TOML file with the same keys; flags override it")
     parser.add_argument("--nproc", type=int, help="local processes to spawn (default tp*pp*dp)")
+    add_comm_argument(parser)
     parser.add_argument("--no-progress", action="store_true", help="no progress bar")
     parser.add_argument("--overwrite", action="store_true",
                         help="delete the checkpoints of an earlier run in --out first")
@@ -140,12 +142,13 @@ def run(args: argparse.Namespace) -> int:
         cfg = cfg.with_(resume=str(sharded_dir(cfg.resume)))  # chosen once, here
     if not cfg.resume:
         _never_mix_runs(Path(cfg.out), args.overwrite, torchrun)
+    comm = comm_choice(getattr(args, "comm", None))
     if torchrun:
-        return _run_torchrun(cfg)
+        return _run_torchrun(cfg, comm)
     from tpkit.train.data import load_tokens
 
     load_tokens(cfg.data, cfg.model_config().vocab_size)  # data errors before spawning
-    return _run_local(cfg)
+    return _run_local(cfg, comm)
 
 
 def _never_mix_runs(out: Path, overwrite: bool, torchrun: bool) -> None:
@@ -165,7 +168,7 @@ def _never_mix_runs(out: Path, overwrite: bool, torchrun: bool) -> None:
             store.discard(d)
 
 
-def _run_local(cfg: TrainConfig) -> int:
+def _run_local(cfg: TrainConfig, comm: str) -> int:
     from tpkit.device import best_device
     from tpkit.launch import spawn
     from tpkit.mesh import ParallelMesh
@@ -175,7 +178,7 @@ def _run_local(cfg: TrainConfig) -> int:
         results = [_worker(ParallelMesh.single(device=best_device()), cfg)]
     else:
         threads = max(1, (os.cpu_count() or 1) // n)
-        results = spawn(_worker, n, cfg, mesh=dict(tp=cfg.tp, pp=cfg.pp, dp=cfg.dp),
+        results = spawn(_worker, n, cfg, mesh=dict(tp=cfg.tp, pp=cfg.pp, dp=cfg.dp, comm=comm),
                         threads=threads, timeout=7 * 24 * 3600.0,
                         collective_timeout=cfg.collective_timeout)
     _print_report(results)
@@ -208,14 +211,14 @@ def cross_node_price(tp: int, pp: int, dp: int, ranks_per_node: int) -> str | No
     return f"Predicted on H100 nodes with InfiniBand: {said}" if said else None
 
 
-def _run_torchrun(cfg: TrainConfig) -> int:
+def _run_torchrun(cfg: TrainConfig, comm: str) -> int:
     import torch.distributed as dist
 
     from tpkit.mesh import ParallelMesh
     from tpkit.train.loop import train
 
     mesh = ParallelMesh.from_env(tp=cfg.tp, pp=cfg.pp, dp=cfg.dp,
-                                 timeout_s=cfg.collective_timeout)
+                                 timeout_s=cfg.collective_timeout, comm=comm)
     # one write per line: ranks share the agent's stdout, and print() under PYTHONUNBUFFERED
     # writes the text and its newline separately, so two ranks' lines could run together
     sys.stdout.write(f"rank {mesh.rank}: {mesh!r}, tp group {list(mesh.tp_group.ranks)}\n")

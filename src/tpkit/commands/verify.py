@@ -32,6 +32,7 @@ from tpkit.model.exactness import (
     sweep,
 )
 from tpkit.spec.errors import UserError
+from tpkit.spec.transport import add_comm_argument, comm_choice
 
 TOL_HF = 1e-4  # against transformers: another implementation, float32
 
@@ -58,6 +59,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--layers", type=int, default=None, help="override the preset's layer count")
     p.add_argument("--dtype", choices=list(TOL), default="float32")
     p.add_argument("--timeout", type=float, default=300.0)
+    add_comm_argument(p)
 
 
 def _builder(args: argparse.Namespace):
@@ -93,7 +95,8 @@ def run(args: argparse.Namespace) -> int:
         else f"{args.checkpoint or args.preset}{' +SP' if args.sp else ''}"
     print(f"tpkit verify: {what}, batch={args.batch} seq={args.seq} {args.dtype}, tp={tps}")
     case, build = (mlp_case, None) if component == "mlp" else (model_case, _builder(args))
-    ref, rows = compare_tps(case, opts, tps, build, args.timeout)
+    comm = comm_choice(getattr(args, "comm", None))
+    ref, rows = compare_tps(case, opts, tps, build, args.timeout, comm=comm)
     return _report(rows, tps, TOL[args.dtype], loss_bound(ref["loss"], args.dtype), "tp=1",
                    args.dtype)
 
@@ -136,7 +139,8 @@ def _run_hf(args: argparse.Namespace) -> int:
           f"batch={args.batch} seq={args.seq} float32, tp={tps}, reference: transformers")
     ref = hf_check.reference(args.hf, ids)
     rows = sweep(hf_check.tp_case, (args.hf, ids, args.sp, args.expert_parallel), tps, ref,
-                 hf_check.gather, hf_check.compare, args.timeout)
+                 hf_check.gather, hf_check.compare, args.timeout,
+                 comm_choice(getattr(args, "comm", None)))
     return _report(rows, tps, TOL_HF, TOL_HF, "transformers", "float32")
 
 
