@@ -21,12 +21,13 @@ from typing import TYPE_CHECKING
 
 from tpkit.parallel.schedules import SCHEDULES
 from tpkit.spec.errors import UserError
+from tpkit.spec.theory import FSDP_RESHARD
 from tpkit.train.config import DTYPES, TrainConfig
 
 if TYPE_CHECKING:
     from tpkit.train.report import RunSummary
 
-_FLAGS = {  # field -> (type or action, help)
+_FLAGS = {  # field -> (type or action, help[, choices])
     "preset": (str, "model preset (gpt2-tiny, llama-tiny, ...)"),
     "from_hf": (str, "fine-tune a Hugging Face model folder (its config, weights; its "
                      "tokenizer goes into the checkpoints)"),
@@ -41,6 +42,16 @@ _FLAGS = {  # field -> (type or action, help)
     "clip": (float, "clip the global gradient norm to this (0: off)"),
     "sp": ("store_true", "sequence parallelism"),
     "zero1": ("store_true", "shard the optimizer state over dp (ZeRO-1)"),
+    "zero2": ("store_true", "shard the gradients and the optimizer state over dp, weights "
+                            "replicated (ZeRO-2): each micro-batch's gradients are "
+                            "reduce-scattered in buckets as backward finishes them"),
+    "fsdp": ("store_true", "fully sharded data parallel (ZeRO-3): weights, gradients and "
+                           "optimizer state sharded over dp, one flat unit per layer, "
+                           "all-gathered just before use (composes with --tp and --pp)"),
+    "fsdp_reshard": (str, "with --fsdp, when the gathered weights are freed: after-forward "
+                          "(gathered again for backward; default) or after-step (kept "
+                          "for the step: one gather and one reduce-scatter per step)",
+                     FSDP_RESHARD),
     "schedule": (str, f"pipeline schedule: one of {tuple(SCHEDULES)}"),
     "virtual_stages": (int, "model chunks per stage, for --schedule interleaved"),
     "dtype": (str, f"one of {DTYPES} (bfloat16: autocast)"),
@@ -74,12 +85,13 @@ _FLAGS = {  # field -> (type or action, help)
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     """The flags of `tpkit train` (each mirrors a TrainConfig field and TOML key)."""
-    for name, (kind, text) in _FLAGS.items():
+    for name, (kind, text, *choices) in _FLAGS.items():
         flag = "--" + name.replace("_", "-")
         if kind == "store_true":
             parser.add_argument(flag, action="store_true", default=argparse.SUPPRESS, help=text)
         else:
-            parser.add_argument(flag, type=kind, default=argparse.SUPPRESS, help=text)
+            parser.add_argument(flag, type=kind, default=argparse.SUPPRESS, help=text,
+                                choices=choices[0] if choices else None)
     parser.add_argument("--config", help="TOML file with the same keys; flags override it")
     parser.add_argument("--nproc", type=int, help="local processes to spawn (default tp*pp*dp)")
     parser.add_argument("--no-progress", action="store_true", help="no progress bar")
