@@ -9,17 +9,11 @@ any process starts), each error naming the numbers:
 
 from __future__ import annotations
 
-import sys
 from dataclasses import asdict, dataclass, fields, replace
 from pathlib import Path
 
 from tpkit.comm.failure import DEFAULT_COLLECTIVE_TIMEOUT_S
 from tpkit.spec.errors import UserError
-
-if sys.version_info >= (3, 11):
-    import tomllib
-else:  # pragma: no cover
-    import tomli as tomllib
 
 DTYPES = ("float32", "bfloat16")
 
@@ -64,6 +58,7 @@ class TrainConfig:
     keep_checkpoints: int = 3  # newest complete checkpoints kept in out/checkpoints (0: all)
     check_replicas: int = 0  # every N steps: replicated parameters equal on every tp rank
     out: str = "runs/train"
+    log: str = "auto"  # trackers: tensorboard,wandb,mlflow,trackio | none | auto (train/trackers)
     seed: int = 0
     trace: str | None = None  # a folder: the last step's per-rank timeline (tpkit.train.trace)
     resume: str | None = None  # a checkpoint directory, or a folder of them (the latest)
@@ -113,16 +108,11 @@ class TrainConfig:
 
     @classmethod
     def from_toml(cls, path: str | Path, **overrides) -> TrainConfig:
-        """Read a TOML file whose keys are the field names (dashes allowed), then override."""
-        p = Path(path)
-        if not p.is_file():
-            raise UserError(f"config file {p} does not exist")
-        raw = {k.replace("-", "_"): v for k, v in tomllib.loads(p.read_text()).items()}
-        known = {f.name for f in fields(cls)}
-        unknown = sorted(set(raw) - known)
-        if unknown:
-            raise UserError(f"{p}: unknown keys {unknown}; known: {sorted(known)}")
-        return cls(**{**raw, **overrides})
+        """Read a TOML file, sectioned ([model], [parallelism], ...) or flat, whose keys are
+        the field names (dashes allowed), then override (`tpkit.train.config_file`)."""
+        from tpkit.train.config_file import read_toml
+
+        return cls(**{**read_toml(path, {f.name for f in fields(cls)}), **overrides})
 
     def problems(self) -> list[str]:
         """Every reason this run cannot start; empty when it can."""
