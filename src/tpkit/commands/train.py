@@ -22,6 +22,7 @@ from typing import TYPE_CHECKING
 from tpkit.commands.common import HEADINGS, group, says_default, shown
 from tpkit.parallel.schedules import SCHEDULES
 from tpkit.spec.errors import UserError
+from tpkit.spec.theory import FSDP_RESHARD
 from tpkit.train.config import DTYPES, TrainConfig
 from tpkit.train.config_file import (
     read_toml,
@@ -50,6 +51,15 @@ _FLAGS = {  # field -> (type, 'store_true' or a tuple of choices; help); heading
     "clip": (float, "clip the global gradient norm to this (0: off)"),
     "sp": ("store_true", "sequence parallelism"),
     "zero1": ("store_true", "shard the optimizer state over dp (ZeRO-1)"),
+    "zero2": ("store_true", "shard the gradients and the optimizer state over dp, weights "
+                            "replicated (ZeRO-2): each micro-batch's gradients are "
+                            "reduce-scattered in buckets as backward finishes them"),
+    "fsdp": ("store_true", "fully sharded data parallel (ZeRO-3): weights, gradients and "
+                           "optimizer state sharded over dp, one flat unit per layer, "
+                           "all-gathered just before use (composes with --tp and --pp)"),
+    "fsdp_reshard": (FSDP_RESHARD, "with --fsdp, when gathered weights are freed: after-forward "
+                                   "(gathered again for backward) or after-step (kept for the "
+                                   "step: one gather and one reduce-scatter per step)"),
     "schedule": (tuple(SCHEDULES), "pipeline schedule"),
     "virtual_stages": (int, "model chunks per stage, for --schedule interleaved"),
     "dtype": (DTYPES, "compute dtype (bfloat16: autocast)"),

@@ -39,6 +39,9 @@ class TrainConfig:
     clip: float = 1.0  # 0: no clipping
     sp: bool = False  # sequence parallelism
     zero1: bool = False
+    zero2: bool = False  # gradients and AdamW state sharded over dp (tpkit.parallel.zero2)
+    fsdp: bool = False  # weights too, one flat unit per layer (tpkit.parallel.fsdp)
+    fsdp_reshard: str = "after-forward"  # or after-step: keep gathered weights for the step
     schedule: str = "1f1b"  # a key of tpkit.parallel.schedules.SCHEDULES
     virtual_stages: int = 1  # model chunks per stage (interleaved 1F1B)
     dtype: str = "float32"  # bfloat16: autocast of the forward
@@ -133,6 +136,7 @@ class TrainConfig:
             out.append(f"global_batch={self.global_batch} is not divisible by dp*micro_batches "
                        f"= {self.dp}*{self.micro_batches} = {self.dp * self.micro_batches}")
         out += self._schedule_problems()
+        out += self._sharding_problems()
         if not isinstance(self.loss_chunk, int) or self.loss_chunk < 0:
             out.append(f"loss_chunk={self.loss_chunk} must be 0 (off) or a positive number "
                        f"of tokens")
@@ -169,6 +173,25 @@ class TrainConfig:
         return [f"from_hf={self.from_hf} trains on ids of its own tokenizer, but data="
                 f"{self.data} would be read as bytes: run `tpkit prepare-data TEXT_FILES "
                 f"--tokenizer {self.from_hf} --out DIR` and train on data=DIR"]
+
+    def _sharding_problems(self) -> list[str]:
+        from tpkit.spec.theory import FSDP_RESHARD
+
+        chosen = [k for k in ("zero1", "zero2", "fsdp") if getattr(self, k)]
+        out = [f"choose one of {' / '.join(chosen)} (each shards more than the one before)"] \
+            if len(chosen) > 1 else []
+        if self.fsdp_reshard not in FSDP_RESHARD:
+            out.append(f"fsdp_reshard={self.fsdp_reshard!r} is not one of {FSDP_RESHARD}")
+        sharded = "fsdp" if self.fsdp else "zero2" if self.zero2 else None
+        if sharded and self.master_weights:
+            out.append(f"{sharded} with master_weights is not supported: the shards are the "
+                       f"fp32 masters; train with dtype='bfloat16' (autocast) instead")
+        if self.fsdp:
+            out += [f"fsdp with {k} is not supported yet" for k in ("recompute", "compile")
+                    if getattr(self, k)]
+            if self.loss_chunk:
+                out.append("fsdp with loss_chunk is not supported yet")
+        return out
 
     def _schedule_problems(self) -> list[str]:
         from tpkit.parallel.schedules import CHUNKED, schedule_problems
