@@ -145,8 +145,16 @@ def config_from_args(args: argparse.Namespace, world: int | None) -> TrainConfig
 
 def _worker(mesh, cfg: TrainConfig) -> RunSummary:
     from tpkit.train.loop import train
+    from tpkit.train.trackers import Trackers
 
-    return train(cfg, mesh)
+    return train(cfg, mesh, trackers=Trackers(cfg, flops_per_token(cfg)))
+
+
+def flops_per_token(cfg: TrainConfig) -> float:
+    """Training FLOPs per token of the model (the planner's formula: MFU's numerator)."""
+    from tpkit.plan.cost import model_flops_per_token
+
+    return model_flops_per_token(cfg.model_config(), cfg.seq)
 
 
 def _print_report(results: list[RunSummary]) -> None:
@@ -273,6 +281,7 @@ def _run_torchrun(cfg: TrainConfig) -> int:
 
     from tpkit.mesh import ParallelMesh
     from tpkit.train.loop import train
+    from tpkit.train.trackers import Trackers
 
     mesh = ParallelMesh.from_env(tp=cfg.tp, pp=cfg.pp, dp=cfg.dp,
                                  timeout_s=cfg.collective_timeout)
@@ -283,7 +292,7 @@ def _run_torchrun(cfg: TrainConfig) -> int:
     price = cross_node_price(mesh.tp_size, mesh.pp_size, mesh.dp_size, mesh.ranks_per_node)
     if price and mesh.rank == 0:  # the mesh warned of the problem; the planner prices it
         print(price, file=sys.stderr, flush=True)
-    result = train(cfg, mesh)
+    result = train(cfg, mesh, trackers=Trackers(cfg, flops_per_token(cfg)))
     if mesh.rank == 0:
         print(mesh.describe())
         _print_report([result])

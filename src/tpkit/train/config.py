@@ -151,6 +151,7 @@ class TrainConfig:
             out.append(f"val_fraction={self.val_fraction} must be in [0, 1)")
         if not self.lr > 0:
             out.append(f"lr={self.lr} must be positive")
+        out += _tracker_problems(self.log)
         try:
             model = self.model_config()
         except ValueError as e:
@@ -210,6 +211,12 @@ class TrainConfig:
                             f"does not equal the number of processes {world_size}")
         if problems:
             raise UserError("; ".join(problems))
+
+
+def _tracker_problems(log: str) -> list[str]:
+    from tpkit.train.trackers import problems
+
+    return problems(log)
 
 
 def _backend_problems(backend: str) -> list[str]:

@@ -63,7 +63,8 @@ def section_of(name: str) -> str:
     return next((s for s, names in SECTIONS.items() if name in names), FALLBACK)
 
 
-def _nearest(word: str, options, shape: str = "'{}'") -> str:
+def nearest(word: str, options, shape: str = "'{}'") -> str:
+    """'; did you mean X?' for the closest of `options`, or ''."""
     close = difflib.get_close_matches(word, sorted(options), n=1, cutoff=0.5)
     return f"; did you mean {shape.format(close[0])}?" if close else ""
 
@@ -82,7 +83,7 @@ def read_toml(path: str | Path, known: set[str]) -> dict:
         if isinstance(value, dict):
             items = [(k, v, key) for k, v in value.items()]
             if key not in SECTIONS:
-                raise UserError(f"{p}: unknown section [{key}]{_nearest(key, SECTIONS, '[{}]')} "
+                raise UserError(f"{p}: unknown section [{key}]{nearest(key, SECTIONS, '[{}]')} "
                                 f"(sections: {', '.join(SECTIONS)})")
         else:
             items = [(key, value, None)]
@@ -94,7 +95,7 @@ def read_toml(path: str | Path, known: set[str]) -> dict:
 def _put(out: dict, p: Path, name: str, value, section: str | None, known: set[str]) -> None:
     where = f"[{section}] " if section else ""
     if name not in known:
-        raise UserError(f"{p}: unknown key {where}{name!r}{_nearest(name, known)}")
+        raise UserError(f"{p}: unknown key {where}{name!r}{nearest(name, known)}")
     if section is not None and section_of(name) != section:
         raise UserError(f"{p}: {name!r} belongs in [{section_of(name)}], not [{section}]")
     if name in out:

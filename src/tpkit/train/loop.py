@@ -57,6 +57,7 @@ from tpkit.train.data import (
 from tpkit.train.master import MasterWeights
 from tpkit.train.optim import build_optimizer, build_sharding, lr_at, set_lr
 from tpkit.train.report import RunSummary, sharded_rows, theory_rows, theory_table
+from tpkit.train.trackers import Trackers
 
 
 def prepare(cfg: TrainConfig, mesh: ParallelMesh) -> tuple[TokenLoader, TokenLoader | None]:
@@ -113,9 +114,10 @@ def replica_mean(value: float | None, mesh: ParallelMesh) -> float:
     return t.item() / mesh.dp_size
 
 
-def train(cfg: TrainConfig, mesh: ParallelMesh, model: torch.nn.Module | None = None
-          ) -> RunSummary:
-    """Run `cfg.steps` steps on this rank; returns the run's summary (same on all ranks)."""
+def train(cfg: TrainConfig, mesh: ParallelMesh, model: torch.nn.Module | None = None,
+          trackers: Trackers | None = None) -> RunSummary:
+    """Run `cfg.steps` steps on this rank; returns the run's summary (same on all ranks).
+    Rank 0 logs each step to `trackers` (default: those of `cfg.log`)."""
     loader, val_loader = prepare(cfg, mesh)
     model = model or build_model(cfg, mesh)
     model.train()
@@ -135,7 +137,8 @@ def train(cfg: TrainConfig, mesh: ParallelMesh, model: torch.nn.Module | None = 
         start = resume(cfg, mesh, model, opt, loader) if cfg.resume else 0
     mixed = MasterWeights(model, build_model(cfg, mesh, half).train()) \
         if cfg.master_weights else None  # forward/backward in bf16, the rest on fp32 masters
-    log = run_log.MetricsLog(out / "metrics.jsonl" if lead else None, resume_step=start)
+    log = run_log.MetricsLog(out / "metrics.jsonl" if lead else None, resume_step=start,
+                             trackers=(trackers or Trackers(cfg)) if lead else None)
     bar = run_log.Progress(cfg.steps, lead and cfg.progress)
     autocast = (torch.autocast(mesh.device.type, dtype=torch.bfloat16)
                 if cfg.dtype == "bfloat16" and not mixed else None)
@@ -172,6 +175,7 @@ def train(cfg: TrainConfig, mesh: ParallelMesh, model: torch.nn.Module | None = 
         raise e.after_step(start + len(rows)) from e.__cause__
     finally:
         bar.close()
+        log.close()
         _close_link(link, sys.exc_info()[1] is not None, start + len(rows))
     if cfg.checkpoint:
         with _materialized(sharding):
