@@ -187,8 +187,7 @@ class TrainConfig:
             out.append(f"{sharded} with master_weights is not supported: the shards are the "
                        f"fp32 masters; train with dtype='bfloat16' (autocast) instead")
         if self.fsdp:
-            out += [f"fsdp with {k} is not supported yet" for k in ("recompute", "compile")
-                    if getattr(self, k)]
+            out += ["fsdp with compile is not supported yet"] if self.compile else []
             if self.loss_chunk:
                 out.append("fsdp with loss_chunk is not supported yet")
         return out
