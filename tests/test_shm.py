@@ -18,6 +18,7 @@ import dataclasses
 import os
 import signal
 import threading
+from pathlib import Path
 
 import pytest
 import torch
@@ -174,6 +175,56 @@ def test_the_launcher_sweeps_a_segment_left_during_set_up(tmp_path):
         assert not (SHM_DIR / name[1:]).exists()
     finally:
         del os.environ["TPKIT_RUN_ID"]
+
+
+def leave_segment(rank: int) -> str:
+    """What a rank killed during set-up would leave: a named segment of its run."""
+    from tpkit.comm.shm_names import segment_name
+
+    name = segment_name("tp", (0, 1), "0")[1:]
+    (SHM_DIR / name).write_bytes(b"x")
+    return name
+
+
+_LAUNCHER = """
+import time
+from test_shm import leave_segment
+from tpkit.launch import WorkerPool
+
+pool = WorkerPool(2, threads=1)
+print(",".join(pool.run(leave_segment)), flush=True)
+time.sleep(600)
+"""
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(120)
+def test_a_launcher_killed_by_sigkill_leaves_nothing_in_dev_shm():
+    """The workers notice their launcher's death (the lifeline pipe) and sweep the run's
+    names before they end themselves."""
+    import subprocess
+    import sys
+    import time
+
+    here = Path(__file__).resolve().parent
+    path = os.pathsep.join([str(here.parent / "src"), str(here), os.environ.get("PYTHONPATH", "")])
+    env = dict(os.environ, PYTHONPATH=path, TPKIT_RUN_ID="kill9")
+    proc = subprocess.Popen([sys.executable, "-c", _LAUNCHER], stdout=subprocess.PIPE,
+                            text=True, env=env)
+    names = [""]
+    try:
+        names = proc.stdout.readline().strip().split(",")
+        assert len(names) == 2 and all("-kill9" in n for n in names), names
+        assert all((SHM_DIR / n).exists() for n in names)
+        proc.kill()
+        proc.wait(timeout=30)
+        deadline = time.monotonic() + 30
+        while any((SHM_DIR / n).exists() for n in names) and time.monotonic() < deadline:
+            time.sleep(0.1)
+        assert not any((SHM_DIR / n).exists() for n in names), names
+    finally:
+        proc.kill()
+        remove_segments(names[0].split("-")[2] if names[0] else None)
 
 
 def test_without_the_kernels_auto_warns_once_and_shm_refuses(monkeypatch, capsys):
