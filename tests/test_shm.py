@@ -285,3 +285,29 @@ def _transports(mesh) -> tuple:
 def test_a_gloo_mesh_has_no_channel(pools):
     assert pools.run(_transports, 2, mesh=dict(tp=2, comm="gloo")) == [(True, 2)] * 2
 
+
+
+def _ping_pong(mesh) -> list[bool]:
+    """Both ranks post sends before receiving (as 1F1B does), sizes from one element to
+    more than a mailbox holds (those go over gloo, in order), then a float64 (gloo)."""
+    from tpkit.comm import isend, recv
+
+    group, me = mesh.tp_group, mesh.tp_group.rank
+    peer, ok = 1 - me, []
+    for n in (1, 1000, 300_000, 2_000_000, 7):
+        mine = [torch.full((n,), float(10 * me + k)) for k in range(3)]
+        works = [isend(t, group, peer) for t in mine]
+        for k in range(3):
+            got = recv(torch.empty(2, n).t()[:, 0], group, peer)  # a non-contiguous buffer
+            ok.append(torch.equal(got, torch.full((n,), float(10 * peer + k))))
+        for w in works:
+            w.wait()
+    works = [isend(torch.full((5,), float(me), dtype=torch.float64), group, peer)]
+    ok.append(recv(torch.empty(5, dtype=torch.float64), group, peer)[0].item() == peer)
+    works[0].wait()
+    return ok
+
+
+def test_point_to_point_sends_cross_in_order_whatever_their_size(pools):
+    for rank, ok in enumerate(pools.run(_ping_pong, 2, mesh=dict(tp=2, comm="shm"))):
+        assert all(ok), (rank, ok)
