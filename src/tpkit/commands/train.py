@@ -145,9 +145,8 @@ def config_from_args(args: argparse.Namespace, world: int | None) -> TrainConfig
 
 def _worker(mesh, cfg: TrainConfig) -> RunSummary:
     from tpkit.train.loop import train
-    from tpkit.train.trackers import Trackers
 
-    return train(cfg, mesh, trackers=Trackers(cfg, flops_per_token(cfg)))
+    return train(cfg, mesh, trackers=trackers(cfg, mesh))
 
 
 def flops_per_token(cfg: TrainConfig) -> float:
@@ -155,6 +154,22 @@ def flops_per_token(cfg: TrainConfig) -> float:
     from tpkit.plan.cost import model_flops_per_token
 
     return model_flops_per_token(cfg.model_config(), cfg.seq)
+
+
+def trackers(cfg: TrainConfig, mesh):
+    """The run's trackers (`--log`), with MFU's numerator and, when this device has a
+    known profile (a GPU the planner knows, a CPU after `tpkit calibrate`), its peak."""
+    from tpkit.plan.hardware import profile_of_device
+    from tpkit.train.trackers import Trackers
+
+    if mesh.rank != 0:
+        return None
+    import torch
+
+    name = torch.cuda.get_device_name(mesh.device) if mesh.device.type == "cuda" else "cpu"
+    profile = profile_of_device(name)
+    peak = profile.accelerator.peak_flops * mesh.world_size if profile else None
+    return Trackers(cfg, flops_per_token(cfg), peak)
 
 
 def _print_report(results: list[RunSummary]) -> None:
@@ -281,7 +296,6 @@ def _run_torchrun(cfg: TrainConfig) -> int:
 
     from tpkit.mesh import ParallelMesh
     from tpkit.train.loop import train
-    from tpkit.train.trackers import Trackers
 
     mesh = ParallelMesh.from_env(tp=cfg.tp, pp=cfg.pp, dp=cfg.dp,
                                  timeout_s=cfg.collective_timeout)
@@ -292,7 +306,7 @@ def _run_torchrun(cfg: TrainConfig) -> int:
     price = cross_node_price(mesh.tp_size, mesh.pp_size, mesh.dp_size, mesh.ranks_per_node)
     if price and mesh.rank == 0:  # the mesh warned of the problem; the planner prices it
         print(price, file=sys.stderr, flush=True)
-    result = train(cfg, mesh, trackers=Trackers(cfg, flops_per_token(cfg)))
+    result = train(cfg, mesh, trackers=trackers(cfg, mesh))
     if mesh.rank == 0:
         print(mesh.describe())
         _print_report([result])
