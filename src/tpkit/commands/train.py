@@ -57,6 +57,8 @@ _FLAGS = {  # field -> (type, 'store_true' or a tuple of choices; help); heading
     "fsdp": ("store_true", "fully sharded data parallel (ZeRO-3): weights, gradients and "
                            "optimizer state sharded over dp, one flat unit per layer, "
                            "all-gathered just before use (composes with --tp and --pp)"),
+    "cp": (int, "context-parallel ranks per sequence: load-balanced chunks, ring attention "
+                "(k/v passed point-to-point); the processes are tp*pp*dp*cp"),
     "fsdp_reshard": (FSDP_RESHARD, "with --fsdp, when gathered weights are freed: after-forward "
                                    "(gathered again for backward) or after-step (kept for the "
                                    "step: one gather and one reduce-scatter per step)"),
@@ -138,8 +140,9 @@ def config_from_args(args: argparse.Namespace, world: int | None) -> TrainConfig
         given["progress"] = False
     from_file = read_toml(args.config, names) if getattr(args, "config", None) else {}
     cfg = TrainConfig(**{**from_file, **given})
-    if "dp" not in given and "dp" not in from_file and world and world % (cfg.tp * cfg.pp) == 0:
-        cfg = cfg.with_(dp=world // (cfg.tp * cfg.pp))
+    rest = cfg.tp * cfg.pp * cfg.cp
+    if "dp" not in given and "dp" not in from_file and world and world % rest == 0:
+        cfg = cfg.with_(dp=world // rest)
     return cfg
 
 
@@ -243,7 +246,7 @@ def _run_local(cfg: TrainConfig) -> int:
         results = [_worker(ParallelMesh.single(device=best_device()), cfg)]
     else:
         threads = max(1, (os.cpu_count() or 1) // n)
-        results = spawn(_worker, n, cfg, mesh=dict(tp=cfg.tp, pp=cfg.pp, dp=cfg.dp),
+        results = spawn(_worker, n, cfg, mesh=dict(tp=cfg.tp, pp=cfg.pp, dp=cfg.dp * cfg.cp),
                         threads=threads, timeout=7 * 24 * 3600.0,
                         collective_timeout=cfg.collective_timeout)
     _print_report(results)
@@ -283,7 +286,7 @@ def _run_torchrun(cfg: TrainConfig) -> int:
     from tpkit.train.loop import train
     from tpkit.train.trackers import Trackers
 
-    mesh = ParallelMesh.from_env(tp=cfg.tp, pp=cfg.pp, dp=cfg.dp,
+    mesh = ParallelMesh.from_env(tp=cfg.tp, pp=cfg.pp, dp=cfg.dp * cfg.cp,  # cp: in dp
                                  timeout_s=cfg.collective_timeout)
     # one write per line: ranks share the agent's stdout, and print() under PYTHONUNBUFFERED
     # writes the text and its newline separately, so two ranks' lines could run together

@@ -34,3 +34,16 @@ def padded_vocab(vocab_size: int, tp: int) -> int:
 def kv_heads_per_rank(num_kv_heads: int, tp: int) -> int:
     """kv heads one rank holds: kv/tp when tp divides them, else 1 (shared by tp/kv ranks)."""
     return num_kv_heads // tp if num_kv_heads >= tp else 1
+
+
+def cp_chunks(seq: int, cp: int, rank: int) -> list[tuple[int, int]]:
+    """The [start, end) token ranges that context-parallel rank `rank` of `cp` holds: the
+    sequence cut into 2 cp chunks, rank r taking chunk r and its mirror 2 cp - 1 - r, so
+    each rank does the same share of causal attention work (the early chunks see few
+    keys, their mirrors many):  seq=8, cp=2 -> rank 0: [0, 2) + [6, 8), rank 1: [2, 6)."""
+    if seq % (2 * cp):
+        raise ValueError(f"seq={seq} is not divisible by 2*cp = {2 * cp} (context parallelism "
+                         f"cuts it into 2 cp chunks)")
+    c = seq // (2 * cp)
+    mirror = 2 * cp - 1 - rank
+    return [(rank * c, (rank + 1) * c), (mirror * c, (mirror + 1) * c)]
