@@ -128,18 +128,15 @@ def _print_report(results: list[RunSummary]) -> None:
 def run(args: argparse.Namespace) -> int:
     """Train; 0 on success. A configuration, data or checkpoint error raises UserError
     (one line on stderr and exit status 2, from `tpkit.cli`), before any process starts."""
-    from tpkit.checkpoint.locate import sharded_dir
-
     torchrun = "RANK" in os.environ and "WORLD_SIZE" in os.environ
     world = int(os.environ["WORLD_SIZE"]) if torchrun else args.nproc
     if world is not None and world < 1:
         raise UserError(f"--nproc={world} must be a positive number of processes")
     cfg = config_from_args(args, world)
     cfg.check(world or cfg.world_size)
-    if cfg.resume and cfg.resume != "auto":  # a run folder: its latest valid checkpoint,
-        cfg = cfg.with_(resume=str(sharded_dir(cfg.resume)))  # chosen once, here
     if not cfg.resume:
         _never_mix_runs(Path(cfg.out), args.overwrite, torchrun)
+    cfg = cfg.with_(resume=resume_dir(cfg))  # chosen once, here
     if torchrun:
         return _run_torchrun(cfg)
     from tpkit.train.data import load_tokens
@@ -148,12 +145,24 @@ def run(args: argparse.Namespace) -> int:
     return _run_local(cfg)
 
 
+def resume_dir(cfg: TrainConfig) -> str | None:
+    """The checkpoint directory `cfg.resume` names: "auto", the newest valid one in
+    --out (None: a fresh run); a run folder, its latest valid checkpoint."""
+    from tpkit.checkpoint.locate import latest, run_checkpoints, sharded_dir
+
+    if cfg.resume == "auto":
+        found = latest(run_checkpoints(cfg.out))
+        return None if found is None else str(found)
+    return cfg.resume and str(sharded_dir(cfg.resume))
+
+
 def _never_mix_runs(out: Path, overwrite: bool, torchrun: bool) -> None:
     """A new run into an --out that holds an earlier run's checkpoints: refuse, naming
     the flags, or (--overwrite) delete them first (rank 0 only, under torchrun)."""
     from tpkit.checkpoint import store
+    from tpkit.checkpoint.locate import run_checkpoints
 
-    found = store.complete(out / "checkpoints")
+    found = store.complete(run_checkpoints(out))
     if not found:
         return
     if not overwrite:
@@ -187,8 +196,6 @@ def _merge_trace(cfg: TrainConfig) -> None:
     """Every rank's part of the timeline -> one trace and its PNG (after all ranks wrote)."""
     if not cfg.trace:
         return
-    from pathlib import Path
-
     from tpkit.train.trace import merge
 
     title = (f"{cfg.preset} tp={cfg.tp} pp={cfg.pp} dp={cfg.dp}, {cfg.schedule}, "

@@ -7,5 +7,5 @@ pipeline stages, vocabulary padding, BERT's optional pooler).
 
 EMBED_WEIGHT = "embed.word.weight"  # the vocab-parallel word embedding table [V_pad/tp, h]
 HEAD_WEIGHT = "head.weight"  # the output projection when it has its own weight
-POOLER_WEIGHT = "pooler.weight"  # BERT's pooler (tpkit.model.hf.build_model adds it)
+POOLER_WEIGHT = "pooler.weight"  # BERT's pooler (the Transformer adds it when the family has one)
 VOCAB_PADDED = (EMBED_WEIGHT, HEAD_WEIGHT)  # rows past vocab_size are padding

@@ -261,6 +261,16 @@ class Transformer(nn.Module):
                     ignore_index=ignore_index, label_smoothing=label_smoothing)  # [b, s]
         return per_token.sum() / (labels != ignore_index).sum().clamp(min=1)
 
+    def generate(self, ids, max_new_tokens: int = 32, **kw) -> torch.Tensor:
+        """Tokens [b, s + n] after `ids` [b, s] (or a list of prompts, left-padded):
+        `tpkit.model.generate.generate` (its keywords: temperature, top_k, eos_id...).
+        Call on every tp rank; every rank returns the same tokens."""
+        from tpkit.model.generate import generate, pad_left
+
+        if not torch.is_tensor(ids):
+            ids, kw["attention_mask"] = pad_left(ids, kw.get("pad_id", 0), self.mesh.device)
+        return generate(self, ids, max_new_tokens, **kw)
+
     def finalize_grads(self) -> None:
         """The tensor-parallel gradient sums (SP norms, shared kv heads); once per step."""
         finalize_tp_grads(self, self.group)

@@ -63,7 +63,7 @@ class TrainConfig:
     out: str = "runs/train"
     seed: int = 0
     trace: str | None = None  # a folder: the last step's per-rank timeline (tpkit.train.trace)
-    resume: str | None = None  # a checkpoint directory, or a folder of them (the latest)
+    resume: str | None = None  # a checkpoint directory (`tpkit train` resolves a run folder, "auto")
     collective_timeout: float = DEFAULT_COLLECTIVE_TIMEOUT_S  # s a collective may wait
     progress: bool = True
     plot: bool = True
@@ -92,7 +92,7 @@ class TrainConfig:
             return get_preset(self.preset)
         import json
 
-        from tpkit.model.hf import config_from_hf
+        from tpkit.model.families import config_from_hf
 
         path = Path(self.from_hf) / "config.json"
         if not path.is_file():

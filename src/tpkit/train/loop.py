@@ -75,25 +75,22 @@ def prepare(cfg: TrainConfig, mesh: ParallelMesh) -> tuple[TokenLoader, TokenLoa
     return loader, val
 
 
-def build_model(cfg: TrainConfig, mesh: ParallelMesh,
+def train_model(cfg: TrainConfig, mesh: ParallelMesh,
                 dtype: torch.dtype | None = None) -> torch.nn.Module:
-    """The model (preset, or Hugging Face folder), this rank's stage and shard of it.
+    """The model (preset, or Hugging Face folder), this rank's stage and shard of it
+    (`checkpoint.build.build_model`, the one builder).
 
     With `from_hf` each rank reads only its slices of the folder's weights (unless it
     resumes: the checkpoint's weights replace them anyway). With `dtype` (the bf16
     compute copy of master weights) its weights are left to `MasterWeights`."""
-    from tpkit.model import Transformer
+    from tpkit.checkpoint.build import build_model
+    from tpkit.checkpoint.sources import open_source
 
     hf = cfg.from_hf is not None and not cfg.resume and dtype is None
-    model = Transformer(cfg.model_config(), mesh, seed=cfg.seed, sequence_parallel=cfg.sp,
-                        recompute=cfg.recompute, virtual_stages=cfg.virtual_stages,
-                        loss_chunk=cfg.loss_chunk, device="meta" if hf else None, dtype=dtype)
-    if hf:
-        from tpkit.checkpoint.sources import open_source
-        from tpkit.model.hf import load_from, materialize
-
-        materialize(model, mesh.device)
-        load_from(model, open_source(cfg.from_hf)[0], mesh, cfg.from_hf)
+    model = build_model(cfg.model_config(), mesh, open_source(cfg.from_hf) if hf else None,
+                        seed=cfg.seed, sequence_parallel=cfg.sp, recompute=cfg.recompute,
+                        virtual_stages=cfg.virtual_stages, loss_chunk=cfg.loss_chunk,
+                        dtype=dtype)
     if cfg.compile:
         from tpkit.model.compile import compile_blocks
 
@@ -116,7 +113,7 @@ def train(cfg: TrainConfig, mesh: ParallelMesh, model: torch.nn.Module | None = 
           ) -> RunSummary:
     """Run `cfg.steps` steps on this rank; returns the run's summary (same on all ranks)."""
     loader, val_loader = prepare(cfg, mesh)
-    model = model or build_model(cfg, mesh)
+    model = model or train_model(cfg, mesh)
     model.train()
     tied = tied_embedding_group(mesh, model.config.tie_embeddings)
     opt = build_optimizer(model, cfg, mesh)
@@ -129,7 +126,7 @@ def train(cfg: TrainConfig, mesh: ParallelMesh, model: torch.nn.Module | None = 
                      backward_group=ring_backward_group(mesh))
     out, lead = Path(cfg.out), mesh.rank == 0
     start = resume(cfg, mesh, model, opt, loader) if cfg.resume else 0
-    mixed = MasterWeights(model, build_model(cfg, mesh, half).train()) \
+    mixed = MasterWeights(model, train_model(cfg, mesh, half).train()) \
         if cfg.master_weights else None  # forward/backward in bf16, the rest on fp32 masters
     log = run_log.MetricsLog(out / "metrics.jsonl" if lead else None, resume_step=start)
     bar = run_log.Progress(cfg.steps, lead and cfg.progress)
@@ -262,7 +259,8 @@ def save_checkpoint(cfg: TrainConfig, mesh: ParallelMesh, model, opt, loader: To
 
 
 def resume(cfg: TrainConfig, mesh: ParallelMesh, model, opt, loader: TokenLoader) -> int:
-    """Load weights, optimizer state, loader position and generators from `cfg.resume`;
+    """Load weights, optimizer state, loader position and generators from `cfg.resume`
+    (a checkpoint directory: the command chose it, `commands.train.resume_dir`);
     returns the next step (the learning rate follows from it: `lr_at(step)`).
 
     At another layout `load` returns rank 0's extra: its default generator goes to every
@@ -270,14 +268,8 @@ def resume(cfg: TrainConfig, mesh: ParallelMesh, model, opt, loader: TokenLoader
     on another kind of device (a GPU checkpoint on CPU) the generators keep theirs.
     """
     from tpkit.checkpoint import store as checkpoint
-    from tpkit.checkpoint.locate import sharded_dir
 
-    if cfg.resume == "auto":  # the newest valid checkpoint of this run, if any
-        path = checkpoint.latest(Path(cfg.out) / "checkpoints")
-        if path is None:
-            return 0
-    else:
-        path = sharded_dir(cfg.resume)  # a run folder: its latest valid checkpoint
+    path = cfg.resume
     extra = checkpoint.load(path, model, opt, mesh=mesh)
     if int(extra["step"]) >= cfg.steps:
         raise UserError(f"{path} is at step {extra['step']}: nothing left to do for "
