@@ -104,7 +104,7 @@ def load(path: str | Path, model: nn.Module, optimizer: Optimizer | None = None,
 
     `path`: a checkpoint directory (a run folder is the command's to resolve:
     `locate.sharded_dir`). Returns this rank's `extra` when the layout is unchanged,
-    else rank 0's (plus `"step"`). Raises CheckpointError naming the file and the
+    else rank 0's (plus `"step"` and the manifest's `"layout"`). Raises CheckpointError naming the file and the
     problem; on any error no rank changes anything.
     """
     mesh = mesh or getattr(model, "mesh", None) or ParallelMesh.single()
@@ -226,7 +226,7 @@ def _finish(tmp: Path, root: Path, model: nn.Module, optimizer, step: int,
     config = getattr(model, "config", None)
     write_manifest(tmp, root, config.to_dict() if config is not None else None,
                    type(optimizer).__name__ if optimizer is not None else None, step,
-                   dict(tp=mesh.tp_size, pp=mesh.pp_size, dp=mesh.dp_size))
+                   mesh.layout)
 
 
 def write_manifest(tmp: Path, root: Path, config: dict | None, optimizer: str | None,
@@ -283,12 +283,12 @@ def _stage(source: ShardedSource, model: nn.Module, optimizer, mesh: ParallelMes
     if optimizer is not None:
         staged_optim = (optim_state.stage_state(source, model, optimizer, mesh),
                         _decode(manifest["optimizer"]["groups"]))
-    layout = dict(tp=mesh.tp_size, pp=mesh.pp_size, dp=mesh.dp_size)
-    rank = mesh.rank if layout == manifest["layout"] else 0
+    rank = mesh.rank if mesh.layout == manifest["layout"] else 0
     fname = rank_file(rank)
     record = json.loads(verify_file(root, fname, manifest["files"].get(fname)).read_text())
     extra = _decode(record["extra"])
     extra.setdefault("step", manifest["step"])
+    extra["layout"] = manifest["layout"]  # the one record of it: {"tp", "pp", "dp"}
     return params, staged_optim, extra
 
 

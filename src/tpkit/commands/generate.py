@@ -39,8 +39,7 @@ def _worker(mesh: ParallelMesh, args: argparse.Namespace, source) -> dict:
     tok = load_tokenizer(source_tokenizer(source))
     vocab = model.config.vocab_size
     name = model.config.name
-    if isinstance(tok, ByteTokenizer) and not args.prompt_ids and (
-            vocab < 256 or name.startswith("hf-")):  # a Hugging Face model: not bytes
+    if isinstance(tok, ByteTokenizer) and not args.prompt_ids and not model.config.byte_level:
         raise UserError(f"no tokenizer files in {source.where} and {name} (vocab_size="
                         f"{vocab}) is not a byte-level model; copy its tokenizer files "
                         f"there or pass --prompt-ids")

@@ -15,6 +15,7 @@ from pathlib import Path
 
 from tpkit.comm.failure import DEFAULT_COLLECTIVE_TIMEOUT_S
 from tpkit.spec.errors import UserError
+from tpkit.spec.shapes import chunks_problem, interleave_problem
 
 if sys.version_info >= (3, 11):
     import tomllib
@@ -164,10 +165,9 @@ class TrainConfig:
         out += [f"{model.name}: {p}" for p in
                 model.problems(tp=self.tp, pp=self.pp, sp=self.sp, seq=self.seq)]
         out += self._from_hf_problems()
-        chunks = self.pp * self.virtual_stages
-        if self.virtual_stages > 1 and chunks > model.num_layers:
-            out.append(f"{model.name}: pp*virtual_stages = {self.pp}*{self.virtual_stages} = "
-                       f"{chunks} chunks is more than num_layers={model.num_layers}")
+        chunks = chunks_problem(model.num_layers, self.pp, self.virtual_stages)
+        if self.virtual_stages > 1 and chunks:  # at v=1, model.problems says pp > layers
+            out.append(f"{model.name}: {chunks}")
         return out
 
     def _from_hf_problems(self) -> list[str]:
@@ -185,10 +185,8 @@ class TrainConfig:
         problems = schedule_problems(self.schedule, self.virtual_stages)
         if problems or self.schedule != CHUNKED:
             return problems
-        if self.micro_batches % self.pp:
-            return [f"micro_batches={self.micro_batches} is not a multiple of pp={self.pp} "
-                    f"(interleaved 1F1B)"]
-        return []
+        problem = interleave_problem(self.micro_batches, self.pp)
+        return [problem] if problem else []
 
     def check(self, world_size: int | None = None) -> None:
         """Raise UserError listing every problem (and a world-size mismatch)."""

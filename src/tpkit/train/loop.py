@@ -32,7 +32,6 @@ from tpkit.parallel import (
     OverlappedGradSync,
     StageLink,
     ZeroAdamW,
-    bubble_theory,
     clip_grads,
     forward_only,
     global_grad_norm,
@@ -250,7 +249,6 @@ def save_checkpoint(cfg: TrainConfig, mesh: ParallelMesh, model, opt, loader: To
                device=mesh.device.type)
     checkpoint.save(path, model, opt, step=step, mesh=mesh,
                     extra=dict(loader=loader.state_dict(), step=step, rng=rng,
-                               layout=[mesh.tp_size, mesh.pp_size, mesh.dp_size],
                                config=cfg.to_dict()),
                     tokenizer=cfg.from_hf or tokenizer_folder(cfg.data))  # for generate, export
     if mesh.rank == 0:  # the new one is complete: only now may the oldest go
@@ -277,7 +275,7 @@ def resume(cfg: TrainConfig, mesh: ParallelMesh, model, opt, loader: TokenLoader
     loader.load_state_dict(extra["loader"])
     if extra.get("rng", {}).get("device") == mesh.device.type:
         checkpoint.restore_rng(extra["rng"], mesh.device)
-        if extra.get("layout") == [mesh.tp_size, mesh.pp_size, mesh.dp_size]:
+        if extra["layout"] == mesh.layout:  # this rank's own extra: its own generator
             model.rng.state = extra["rng"]["tp"]
     return int(extra["step"])
 
@@ -309,7 +307,7 @@ def _summary(cfg, mesh, model, rows, train_s, idle, busy, ckpt, lead) -> RunSumm
         tail_loss=sum(r["loss"] for r in rows[-tail:]) / tail, val_loss=val[-1] if val else None,
         tokens_per_s=len(rows) * cfg.global_batch * cfg.seq / train_s, seconds=train_s,
         bubble=ratio.item() / mesh.pp_size,
-        bubble_theory=bubble_theory(mesh.pp_size, cfg.micro_batches, model.virtual_stages),
+        bubble_theory=theory.bubble_theory(mesh.pp_size, cfg.micro_batches, model.virtual_stages),
         max_inflight=max(r["max_inflight"] for r in rows),
         table=mesh.ledger.table(f"{where}: everything sent in one step", by_scope=False),
         theory=theory_table(rows_t, f"{where}: tp/pp traffic of one step vs theory"),
