@@ -15,13 +15,16 @@ from __future__ import annotations
 import argparse
 import os
 import sys
+from collections.abc import Iterator
+from contextlib import ExitStack, contextmanager
 from dataclasses import fields
 from pathlib import Path
 from typing import TYPE_CHECKING
 
 from tpkit.parallel.schedules import SCHEDULES
 from tpkit.spec.errors import UserError
-from tpkit.train.config import DTYPES, TrainConfig
+from tpkit.train.config import DTYPES, NONFINITE_POLICIES, TrainConfig
+from tpkit.train.run_log import report_file
 
 if TYPE_CHECKING:
     from tpkit.train.report import RunSummary
@@ -69,6 +72,8 @@ _FLAGS = {  # field -> (type or action, help)
                             "on every tp rank (0: off)"),
     "collective_timeout": (float, "seconds a collective may wait for a dead or stuck rank "
                                   "before the run stops, naming it"),
+    "nonfinite_skips": (int, "with --on-nonfinite skip: stop after this many non-finite "
+                             "steps in a row (default 3)"),
 }
 
 
@@ -80,6 +85,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
             parser.add_argument(flag, action="store_true", default=argparse.SUPPRESS, help=text)
         else:
             parser.add_argument(flag, type=kind, default=argparse.SUPPRESS, help=text)
+    parser.add_argument("--on-nonfinite", choices=list(NONFINITE_POLICIES),
+                        default=argparse.SUPPRESS,
+                        help="a NaN/inf loss or gradient norm: stop the run (default, exit 1) "
+                             "or skip the step's update")
     parser.add_argument("--config", help="TOML file with the same keys; flags override it")
     parser.add_argument("--nproc", type=int, help="local processes to spawn (default tp*pp*dp)")
     parser.add_argument("--no-progress", action="store_true", help="no progress bar")
@@ -138,14 +147,17 @@ def run(args: argparse.Namespace) -> int:
     cfg.check(world or cfg.world_size)
     if cfg.resume and cfg.resume != "auto":  # a run folder: its latest valid checkpoint,
         cfg = cfg.with_(resume=str(sharded_dir(cfg.resume)))  # chosen once, here
-    if not cfg.resume:
-        _never_mix_runs(Path(cfg.out), args.overwrite, torchrun)
     if torchrun:
-        return _run_torchrun(cfg)
+        return _run_torchrun(cfg, args.overwrite)
     from tpkit.train.data import load_tokens
+    from tpkit.train.run_folder import check_writable, hold
 
-    load_tokens(cfg.data, cfg.model_config().vocab_size)  # data errors before spawning
-    return _run_local(cfg)
+    check_writable(Path(cfg.out))  # one line, before any process is spawned
+    with hold(Path(cfg.out)):  # one run per folder
+        if not cfg.resume:
+            _never_mix_runs(Path(cfg.out), args.overwrite, torchrun)
+        load_tokens(cfg.data, cfg.model_config().vocab_size)  # data errors before spawning
+        return _run_local(cfg)
 
 
 def _never_mix_runs(out: Path, overwrite: bool, torchrun: bool) -> None:
@@ -179,7 +191,7 @@ def _run_local(cfg: TrainConfig) -> int:
                         threads=threads, timeout=7 * 24 * 3600.0,
                         collective_timeout=cfg.collective_timeout)
     _print_report(results)
-    _merge_trace(cfg)
+    report_file("the merged trace", _merge_trace, cfg)
     return 0
 
 
@@ -208,14 +220,44 @@ def cross_node_price(tp: int, pp: int, dp: int, ranks_per_node: int) -> str | No
     return f"Predicted on H100 nodes with InfiniBand: {said}" if said else None
 
 
-def _run_torchrun(cfg: TrainConfig) -> int:
+@contextmanager
+def _folder_held_by_rank0(out: Path, rank: int) -> Iterator[None]:
+    """Under torchrun: rank 0 checks and locks --out; every rank learns its verdict (one
+    broadcast) and raises the same line, so no rank starts while another refused."""
     import torch.distributed as dist
 
+    from tpkit.train.run_folder import check_writable, hold
+
+    with ExitStack() as stack:
+        said = [None]
+        if rank == 0:
+            try:
+                check_writable(out)
+                stack.enter_context(hold(out))
+            except UserError as e:
+                said = [str(e)]
+        dist.broadcast_object_list(said, src=0)
+        if said[0] is not None:
+            raise UserError(said[0])
+        yield
+
+
+def _run_torchrun(cfg: TrainConfig, overwrite: bool) -> int:
     from tpkit.mesh import ParallelMesh
-    from tpkit.train.loop import train
 
     mesh = ParallelMesh.from_env(tp=cfg.tp, pp=cfg.pp, dp=cfg.dp,
                                  timeout_s=cfg.collective_timeout)
+    with _folder_held_by_rank0(Path(cfg.out), mesh.rank):
+        if not cfg.resume:
+            _never_mix_runs(Path(cfg.out), overwrite, True)
+        return _train_torchrun(cfg, mesh)
+
+
+def _train_torchrun(cfg: TrainConfig, mesh) -> int:
+    import torch.distributed as dist
+
+    from tpkit.train.loop import train
+
     # one write per line: ranks share the agent's stdout, and print() under PYTHONUNBUFFERED
     # writes the text and its newline separately, so two ranks' lines could run together
     sys.stdout.write(f"rank {mesh.rank}: {mesh!r}, tp group {list(mesh.tp_group.ranks)}\n")
@@ -229,6 +271,6 @@ def _run_torchrun(cfg: TrainConfig) -> int:
         _print_report([result])
     dist.barrier()
     if mesh.rank == 0:
-        _merge_trace(cfg)
+        report_file("the merged trace", _merge_trace, cfg)
     dist.destroy_process_group()
     return 0

@@ -22,6 +22,7 @@ else:  # pragma: no cover
     import tomli as tomllib
 
 DTYPES = ("float32", "bfloat16")
+NONFINITE_POLICIES = ("stop", "skip")  # what a NaN/inf step does (tpkit.train.nonfinite)
 
 
 @dataclass(frozen=True)
@@ -65,6 +66,8 @@ class TrainConfig:
     trace: str | None = None  # a folder: the last step's per-rank timeline (tpkit.train.trace)
     resume: str | None = None  # a checkpoint directory, or a folder of them (the latest)
     collective_timeout: float = DEFAULT_COLLECTIVE_TIMEOUT_S  # s a collective may wait
+    on_nonfinite: str = "stop"  # a NaN/inf loss or grad norm: stop the run, or skip the step
+    nonfinite_skips: int = 3  # with on_nonfinite="skip": stop after this many in a row
     progress: bool = True
     plot: bool = True
     checkpoint: bool = True
@@ -151,6 +154,11 @@ class TrainConfig:
                        f"masters), not {self.dtype!r}")
         if self.compile:
             out += _backend_problems(self.compile_backend)
+        if self.on_nonfinite not in NONFINITE_POLICIES:
+            out.append(f"on_nonfinite={self.on_nonfinite!r} is not one of "
+                       f"{NONFINITE_POLICIES}")
+        if not isinstance(self.nonfinite_skips, int) or self.nonfinite_skips < 1:
+            out.append(f"nonfinite_skips={self.nonfinite_skips} must be a positive integer")
         if self.dtype not in DTYPES:
             out.append(f"dtype={self.dtype!r} is not one of {DTYPES}")
         if not 0.0 <= self.val_fraction < 1.0:
