@@ -39,10 +39,15 @@ def _start(*argv: str, **env: str) -> subprocess.Popen:
                             env=_env(**env))
 
 
-def _train(*argv: str, **env: str) -> subprocess.CompletedProcess:
-    proc = _start(*argv, **env)
-    out, err = proc.communicate(timeout=600)
-    return subprocess.CompletedProcess(proc.args, proc.returncode, out, err)
+def _here(capsys, *argv: str) -> subprocess.CompletedProcess:
+    """`tpkit train ARGV` through `tpkit.cli.main` in this process: the console script's
+    parser and error path without starting an interpreter (tp > 1 still spawns ranks)."""
+    from tpkit.cli import main
+
+    capsys.readouterr()
+    status = main(["train", *argv])
+    out, err = capsys.readouterr()
+    return subprocess.CompletedProcess(argv, status, out, err)
 
 
 def _one_error_line(r: subprocess.CompletedProcess, status: int) -> str:
@@ -56,23 +61,24 @@ def _one_error_line(r: subprocess.CompletedProcess, status: int) -> str:
 @pytest.mark.slow
 @pytest.mark.timeout(900)
 def test_two_runs_into_one_folder_one_runs_the_other_is_refused(tmp_path):
-    """3 trials of two runs started at the same moment (seeds 0 and 7); the winner pauses
-    after each checkpoint file, so it still holds the folder when the other arrives."""
-    for trial in range(3):
-        out = tmp_path / f"t{trial}"
-        procs = [_start(*TINY, "--seed", str(seed), "--out", str(out),
-                        TPKIT_CKPT_PAUSE_S="0.5") for seed in (0, 7)]
+    """3 trials (started together, each its own folder) of two runs started at the same
+    moment (seeds 0 and 7); the winner pauses after each checkpoint file, so it still
+    holds the folder when the other arrives."""
+    from tpkit.checkpoint import store
+
+    outs = [tmp_path / f"t{trial}" for trial in range(3)]
+    trials = [[_start(*TINY, "--seed", str(seed), "--out", str(out), TPKIT_CKPT_PAUSE_S="0.5")
+               for seed in (0, 7)] for out in outs]
+    for out, procs in zip(outs, trials):
         done = [p.communicate(timeout=600) for p in procs]
         codes = sorted(p.returncode for p in procs)
-        assert codes == [0, 2], (trial, [d[1][-1500:] for d in done])
+        assert codes == [0, 2], (out.name, [d[1][-1500:] for d in done])
         won = 0 if procs[0].returncode == 0 else 1
         line = done[1 - won][1].strip().splitlines()
         assert len(line) == 1 and f"is in use by another run (pid {procs[won].pid} on host" \
             in line[0], line
         rows = [json.loads(r) for r in (out / "metrics.jsonl").read_text().splitlines()]
         assert [r["step"] for r in rows] == [1, 2]
-        from tpkit.checkpoint import store
-
         (ckpt,) = store.complete(out / "checkpoints")
         assert store.read_manifest(ckpt)["extra"]["config"]["seed"] == (0, 7)[won]
         assert (out / ".tpkit-run.lock").read_text() == ""  # released
@@ -93,20 +99,20 @@ def _finite_checkpoints(out: Path) -> list[int]:
 
 @pytest.mark.slow
 @pytest.mark.timeout(900)
-def test_a_diverging_run_stops_at_the_first_nonfinite_step(tmp_path):
+def test_a_diverging_run_stops_at_the_first_nonfinite_step(tmp_path, capsys):
     huge = [*TINY[2:], "--steps", "6", "--lr", "1e4", "--warmup", "0", "--ckpt-every", "1",
             "--keep-checkpoints", "1"]
     for tp in (1, 2):
         out = tmp_path / f"tp{tp}"
-        line = _one_error_line(_train(*huge, "--tp", str(tp), "--out", str(out)), 1)
+        line = _one_error_line(_here(capsys, *huge, "--tp", str(tp), "--out", str(out)), 1)
         assert "step 2: the gradient norm is nan" in line and "stopped before the update" \
             in line, line
         assert _finite_checkpoints(out) == [1]  # the last good one was kept, nothing NaN
-        again = _one_error_line(_train(*huge, "--tp", str(tp), "--out", str(out),
+        again = _one_error_line(_here(capsys, *huge, "--tp", str(tp), "--out", str(out),
                                        "--resume", "auto"), 1)
         assert "step 2: " in again  # resumed from step 1, the finite one, and stopped again
     out = tmp_path / "skip"
-    line = _one_error_line(_train(*huge, "--out", str(out), "--on-nonfinite", "skip",
+    line = _one_error_line(_here(capsys, *huge, "--out", str(out), "--on-nonfinite", "skip",
                                   "--nonfinite-skips", "2"), 1)
     assert "step 3: 2 non-finite steps in a row" in line and "those of step 1" in line, line
     rows = [json.loads(r) for r in (out / "metrics.jsonl").read_text().splitlines()]
@@ -138,24 +144,29 @@ def tiny_mount(tmp_path):
 
 @pytest.mark.slow
 @pytest.mark.timeout(900)
-def test_storage_errors_are_one_line(tiny_mount, tmp_path):
+def test_storage_errors_are_one_line(tiny_mount, tmp_path, capsys):
     full = tiny_mount("1m") / "run"
-    line = _one_error_line(_train(*TINY, "--tp", "2", "--out", str(full)), 1)
+    line = _one_error_line(_here(capsys, *TINY, "--tp", "2", "--out", str(full)), 1)
     assert "No space left on device while writing" in line and "free there:" in line, line
     assert "/checkpoints/.step_000002.tmp/" in line and " bytes" in line, line
     assert not [p for p in (full / "checkpoints").iterdir()], "a temporary was left behind"
     readonly = tiny_mount("1m", ro=True)
-    line = _one_error_line(_train(*TINY, "--tp", "2", "--out", str(readonly / "run")), 2)
+    line = _one_error_line(_here(capsys, *TINY, "--tp", "2", "--out", str(readonly / "run")), 2)
     assert "is not writable: Read-only file system" in line, line
     (tmp_path / "afile").write_text("x")
-    line = _one_error_line(_train(*TINY, "--out", str(tmp_path / "afile")), 2)
+    line = _one_error_line(_here(capsys, *TINY, "--out", str(tmp_path / "afile")), 2)
     assert "is a regular file, not a folder" in line, line
     out = tmp_path / "report"
     (out / "loss.png").mkdir(parents=True)  # loss.png cannot be written
     (out / "checkpoints" / ".step_000001.tmp").mkdir(parents=True)  # an old killed save
     (out / "checkpoints" / ".step_000001.tmp" / "model-tp00-pp00.safetensors").write_text("x")
-    r = _train(*TINY, "--out", str(out))
+    dead = subprocess.run([sys.executable, "-c", "import os; print(os.getpid())"],
+                          capture_output=True, text=True).stdout.strip()
+    (out / ".tpkit-run.lock").write_text(json.dumps(dict(host="h", pid=int(dead), started=0)))
+    r = _here(capsys, *TINY, "--out", str(out))
     assert r.returncode == 0, r.stderr[-2000:]
+    assert f"taking over the lock of a run that ended without releasing it (pid {dead} on " \
+        f"host h" in r.stderr
     assert "warning: loss.png not written" in r.stderr and "Traceback" not in r.stderr
     assert sorted(p.name for p in (out / "checkpoints").iterdir()) == ["step_000002"]
 

@@ -44,6 +44,20 @@ def _tokenizer(where: str):
     return load_tokenizer(where)
 
 
+def check_text(path: Path, sample: int = BLOCK_BYTES, tolerated: float = 0.01) -> None:
+    """A UserError when `path` is not UTF-8 text: NUL bytes or invalid UTF-8 in more than
+    `tolerated` of its first `sample` bytes (a binary, an archive, a UTF-16 file)."""
+    with open(path, "rb") as f:
+        data = f.read(sample)
+    nul = data.count(b"\0")
+    kept = len(data.decode("utf-8", errors="ignore").encode("utf-8"))
+    invalid = len(data) - kept  # NUL bytes are valid UTF-8: counted apart
+    if data and (nul + invalid) > tolerated * len(data):
+        raise UserError(f"{path}: not a text file ({nul:,} NUL bytes and {invalid:,} bytes of "
+                        f"invalid UTF-8 in its first {len(data):,} bytes); prepare-data reads "
+                        f"UTF-8 text")
+
+
 def _blocks(path: Path):
     """(text, bytes) blocks of about BLOCK_BYTES, cut after a newline."""
     with open(path, encoding="utf-8", errors="replace") as f:
@@ -78,6 +92,8 @@ def prepare(files: list[str], tokenizer: str, out: str, dtype: str = "auto",
     missing = [str(p) for p in paths if not p.is_file()]
     if missing:
         raise FileNotFoundError(f"text files do not exist: {missing}")
+    for p in paths:
+        check_text(p)
     tok = _tokenizer(tokenizer)
     eos = tok.eos_ids[0] if tok.eos_ids else None  # the end of each file
     writer = ShardWriter(out, tok.vocab_size, dtype, shard_tokens,

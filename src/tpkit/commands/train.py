@@ -156,7 +156,7 @@ def run(args: argparse.Namespace) -> int:
     with hold(Path(cfg.out)):  # one run per folder
         if not cfg.resume:
             _never_mix_runs(Path(cfg.out), args.overwrite, torchrun)
-        load_tokens(cfg.data, cfg.model_config().vocab_size)  # data errors before spawning
+        load_tokens(cfg.data, cfg.model_config().vocab_size, cfg.tokenizer_id)  # errors now
         return _run_local(cfg)
 
 

@@ -103,6 +103,14 @@ class TrainConfig:
                              f"Face model folder)")
         return config_from_hf(json.loads(path.read_text()))[1]
 
+    @property
+    def tokenizer_id(self) -> str | None:
+        """The model's tokenizer, as `prepare-data --tokenizer` names one: the Hugging Face
+        folder, "bytes" for a byte-level preset (vocab 256), None when unknown."""
+        if self.from_hf is not None:
+            return self.from_hf
+        return "bytes" if self.model_config().vocab_size == 256 else None
+
     def with_(self, **changes) -> TrainConfig:
         """A copy with some fields changed."""
         return replace(self, **changes)

@@ -66,12 +66,15 @@ def prepare(cfg: TrainConfig, mesh: ParallelMesh) -> tuple[TokenLoader, TokenLoa
     if got != (cfg.tp, cfg.pp, cfg.dp):
         raise ValueError(f"mesh (tp, pp, dp) = {got} does not match the config "
                          f"{(cfg.tp, cfg.pp, cfg.dp)}")
-    tokens = load_tokens(cfg.data, cfg.model_config().vocab_size)
-    train_tok, val_tok = split_tokens(tokens, cfg.val_fraction)
+    tokens = load_tokens(cfg.data, cfg.model_config().vocab_size, cfg.tokenizer_id,
+                         warn=mesh.rank == 0)  # every rank checks; one says a warning
+    train_tok, val_tok = split_tokens(tokens, cfg.val_fraction, window=cfg.seq + 1)
+    split = (f" (of {len(tokens):,} tokens, {len(train_tok):,} for training and "
+             f"{len(val_tok):,} held out by --val-fraction {cfg.val_fraction})")
     kw = dict(seq=cfg.seq, global_batch=cfg.global_batch, dp_rank=mesh.dp_rank,
-              dp_size=mesh.dp_size, seed=cfg.seed)
+              dp_size=mesh.dp_size, seed=cfg.seed, split=split)
     loader = TokenLoader(train_tok, **kw, name="training")
-    val = TokenLoader(val_tok, **kw, shuffle=False, name="validation") \
+    val = TokenLoader(val_tok, **kw, shuffle=False, name="validation", min_windows=1) \
         if cfg.val_fraction > 0 else None
     return loader, val
 
