@@ -22,10 +22,15 @@ from torch import nn
 
 from tpkit.checkpoint.files import MANIFEST, CheckpointError, ShardedSource, local_slice
 from tpkit.mesh import ParallelMesh
-from tpkit.parallel.zero import ZeroAdamW
 from tpkit.sharding import meta_of, split_of
 
 State = dict[nn.Parameter, dict[str, torch.Tensor]]
+
+
+def _sharded(optimizer) -> bool:
+    """A dp-sharded optimizer (ZeRO-1 `ZeroAdamW`, ZeRO-2 / FSDP `ShardedAdamW`): its state
+    comes per parameter from `full_state` and goes back through `load_full_state`."""
+    return hasattr(optimizer, "full_state") and hasattr(optimizer, "load_full_state")
 
 
 def state_name(param: str, key: str) -> str:
@@ -46,7 +51,7 @@ def keys_by_param(saved: dict) -> dict[str, list[str]]:
 def gather_state(optimizer) -> State:
     """Per-parameter state of a torch optimizer or a `ZeroAdamW` (then a collective over
     its dp group: call on every rank)."""
-    if isinstance(optimizer, ZeroAdamW):
+    if _sharded(optimizer):
         return optimizer.full_state()
     return {p: {k: v if torch.is_tensor(v) else torch.tensor(v) for k, v in s.items()}
             for p, s in optimizer.state.items()}
@@ -67,7 +72,7 @@ def group_settings(optimizer) -> list[dict]:
 
 def model_groups(optimizer) -> list[list[nn.Parameter]]:
     """The model parameters of each group (ZeRO-1: not its flat slices)."""
-    if isinstance(optimizer, ZeroAdamW):
+    if _sharded(optimizer):
         return optimizer.params
     return [list(g["params"]) for g in optimizer.param_groups]
 
@@ -100,7 +105,7 @@ def stage_state(root: Path, manifest: dict, model: nn.Module, optimizer,
 
 def apply_state(optimizer, state: State, groups: list[dict]) -> None:
     """Put staged per-parameter `state` and the saved group settings into `optimizer`."""
-    if isinstance(optimizer, ZeroAdamW):
+    if _sharded(optimizer):
         for mine, old in zip(optimizer.param_groups, groups):
             mine.update({k: tuple(v) if isinstance(mine.get(k), tuple) else v
                          for k, v in old.items()})

@@ -127,6 +127,21 @@ def reduce_scatter_async(x: torch.Tensor, group: CommGroup, dim: int, *,
 
 
 @_graph_break
+def all_gather_async(x: torch.Tensor, group: CommGroup, *, out: torch.Tensor | None = None,
+                     phase: str = "forward", scope: str | None = None) -> Pending:
+    """Start concatenating every rank's 1-D `x` (rank order) into `out` (or a new tensor);
+    `.wait()` returns it (FSDP prefetches the next layer's weights this way)."""
+    _real(group)
+    t0 = time.perf_counter()
+    out = out if out is not None else x.new_empty(group.size * x.numel())  # [p n]
+    work = _all_gather_single(out, x.contiguous(), group=group.pg, async_op=True)
+    p = Pending(work, lambda: out, ("all_gather", group, out.numel(), _nbytes(out), phase,
+                                    scope))
+    p._posted_s, p._posted_at = time.perf_counter() - t0, t0
+    return p
+
+
+@_graph_break
 def all_gather(x: torch.Tensor, group: CommGroup, dim: int = -1, *, phase: str = "forward",
                scope: str | None = None) -> torch.Tensor:
     """Concatenate every rank's `x` along `dim` (rank order)."""

@@ -20,6 +20,7 @@ import time
 
 from tpkit.checkpoint.locate import locate
 from tpkit.checkpoint.sources import load_model, source_tokenizer
+from tpkit.commands.common import group
 from tpkit.mesh import ParallelMesh
 from tpkit.model.generate import generate, pad_left
 from tpkit.model.tokenizer import ByteTokenizer, TextStream, load_tokenizer
@@ -75,22 +76,27 @@ def _show(args: argparse.Namespace, tok, i: int, new: list[int]) -> str:
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
-    """Options of `tpkit generate`."""
-    parser.add_argument("--checkpoint", required=True,
-                        help="tpkit checkpoint dir, run folder (its latest valid "
-                             "checkpoint), full .safetensors, or Hugging Face dir")
-    parser.add_argument("--tp", type=int, default=1, help="tensor-parallel processes")
-    parser.add_argument("--prompt", action="append", default=[],
-                        help="text, tokenized with the model folder's tokenizer (byte level "
-                             "without one); repeat for a batch of prompts")
-    parser.add_argument("--prompt-ids", action="append", default=[],
-                        help="comma-separated token ids instead (repeatable)")
-    parser.add_argument("--max-new-tokens", type=int, default=64)
-    parser.add_argument("--temperature", type=float, default=0.0, help="0: greedy")
-    parser.add_argument("--top-k", type=int, default=None)
-    parser.add_argument("--seed", type=int, default=0)
-    parser.add_argument("--ignore-eos", action="store_true",
-                        help="do not stop at the tokenizer's end-of-sequence token")
+    """Options of `tpkit generate`, under the shared headings (`tpkit.commands.common`)."""
+    group(parser, "model").add_argument(
+        "--checkpoint", required=True, help="tpkit checkpoint dir, run folder (its latest "
+        "valid checkpoint), full .safetensors, or Hugging Face dir")
+    group(parser, "parallelism").add_argument("--tp", type=int, default=1, metavar="N",
+                                              help="tensor-parallel processes")
+    g = group(parser, "generation")
+    g.add_argument("--prompt", action="append", default=[],
+                   help="text, tokenized with the model folder's tokenizer (byte level "
+                        "without one); repeat for a batch of prompts")
+    g.add_argument("--prompt-ids", action="append", default=[],
+                   help="comma-separated token ids instead (repeatable)")
+    g.add_argument("--max-new-tokens", type=int, default=64, metavar="N",
+                   help="tokens to generate after each prompt")
+    g.add_argument("--temperature", type=float, default=0.0, metavar="T",
+                   help="sampling temperature (0: greedy)")
+    g.add_argument("--top-k", type=int, default=None, metavar="K",
+                   help="sample among the K likeliest tokens (default: all of them)")
+    g.add_argument("--seed", type=int, default=0, help="seed of the sampling")
+    g.add_argument("--ignore-eos", action="store_true",
+                   help="do not stop at the tokenizer's end-of-sequence token")
 
 
 def _prompt_ids(text: str) -> list[int]:

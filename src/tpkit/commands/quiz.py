@@ -51,7 +51,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--answers", default=None,
                         help="comma-separated answers 1..4, one per question, numbered as in "
                              "the seed quiz whatever the order shown (non-interactive; the "
-                             "last line is then exactly 'Score: N/8')")
+                             "last line is then exactly 'Score: N/8') (default: asked one "
+                             "by one)")
     parser.add_argument("--web", action="store_true", help="serve the quiz to a browser")
     parser.add_argument("--host", default="127.0.0.1",
                         help="address of --web (default 127.0.0.1; others warn: no login)")

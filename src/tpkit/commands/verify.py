@@ -21,6 +21,7 @@ from functools import partial
 import torch
 
 from tpkit.comm.report import human_bytes
+from tpkit.commands.common import group
 from tpkit.model.exactness import (
     LOSS_ULPS,
     TOL,
@@ -40,24 +41,39 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     """Options of `tpkit verify`."""
     p.add_argument("--component", choices=["mlp", "model"], default=None,
                    help="mlp: the Megatron MLP alone; model: a whole preset (default with --preset)")
-    p.add_argument("--preset", default=None, help="model preset, e.g. gpt2-tiny, llama-tiny")
-    p.add_argument("--checkpoint", default=None,
+    m = group(p, "model")
+    m.add_argument("--preset", default=None, metavar="NAME",
+                   help="model preset, e.g. gpt2-tiny, llama-tiny (default: none)")
+    m.add_argument("--checkpoint", default=None,
                    help="a model from a checkpoint dir, run folder (its latest valid "
-                        "checkpoint), full .safetensors or Hugging Face dir, instead of a preset")
-    p.add_argument("--hf", default=None, metavar="DIR",
-                   help="a Hugging Face model directory: every tp against transformers")
-    p.add_argument("--tp", default="1,2,4", help="comma-separated tp sizes (1 is the reference)")
-    p.add_argument("--sp", action="store_true", help="sequence parallelism")
-    p.add_argument("--expert-parallel", action="store_true",
-                   help="with --hf, mixture-of-experts models: whole experts spread over tp")
-    p.add_argument("--activation", default="gelu", choices=["gelu", "swiglu", "relu"])
-    p.add_argument("--hidden", type=int, default=64)
-    p.add_argument("--ffn", type=int, default=None, help="MLP width (default 4*hidden)")
-    p.add_argument("--batch", type=int, default=2)
-    p.add_argument("--seq", type=int, default=16)
-    p.add_argument("--layers", type=int, default=None, help="override the preset's layer count")
-    p.add_argument("--dtype", choices=list(TOL), default="float32")
-    p.add_argument("--timeout", type=float, default=300.0)
+                        "checkpoint), full .safetensors or Hugging Face dir, instead of a "
+                        "preset (default: none)")
+    m.add_argument("--hf", default=None, metavar="DIR",
+                   help="a Hugging Face model directory: every tp against transformers "
+                        "(default: none)")
+    layout = group(p, "parallelism")
+    layout.add_argument("--tp", default="1,2,4", metavar="LIST",
+                        help="comma-separated tp sizes (1 is the reference)")
+    layout.add_argument("--sp", action="store_true", help="sequence parallelism")
+    layout.add_argument("--expert-parallel", action="store_true",
+                        help="with --hf, mixture-of-experts models: whole experts spread over tp")
+    m.add_argument("--activation", default="gelu", choices=["gelu", "swiglu", "relu"],
+                   help="MLP activation (--component mlp)")
+    m.add_argument("--hidden", type=int, default=64, metavar="N",
+                   help="hidden size (--component mlp)")
+    m.add_argument("--ffn", type=int, default=None, metavar="N",
+                   help="MLP width (default: 4*hidden)")
+    data = group(p, "data")
+    data.add_argument("--batch", type=int, default=2, metavar="N",
+                      help="sequences in the test batch")
+    data.add_argument("--seq", type=int, default=16, metavar="N", help="sequence length")
+    m.add_argument("--layers", type=int, default=None, metavar="N",
+                   help="override the preset's layer count (default: the preset's)")
+    m.add_argument("--dtype", choices=list(TOL), default="float32",
+                   help="compute dtype (its tolerance against tp=1 follows)")
+    group(p, "reliability").add_argument(
+        "--timeout", type=float, default=300.0, metavar="S",
+        help="seconds the worker processes may take before they are stopped")
 
 
 def _builder(args: argparse.Namespace):

@@ -5,6 +5,11 @@
     data_parallel.py  bucketed dp gradient all-reduce; tied-embedding group first<->last stage
     grad_norm.py      global gradient norm counting every parameter once; clipping
     zero.py           ZeRO-1: AdamW state sharded over dp
+    flat_units.py     a unit of parameters as one flat buffer sharded over dp
+    sharded_adamw.py  AdamW on the units' shards (per-parameter state in checkpoints)
+    sharded.py        what ZeRO-2 and FSDP share: hooks at the end of each unit's backward
+    zero2.py          ZeRO-2: gradients and AdamW state sharded, weights replicated
+    fsdp.py           FSDP (ZeRO-3): weights too, gathered per layer just before use
 """
 
 from tpkit.parallel.data_parallel import (

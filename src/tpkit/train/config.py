@@ -9,17 +9,11 @@ any process starts), each error naming the numbers:
 
 from __future__ import annotations
 
-import sys
 from dataclasses import asdict, dataclass, fields, replace
 from pathlib import Path
 
 from tpkit.comm.failure import DEFAULT_COLLECTIVE_TIMEOUT_S
 from tpkit.spec.errors import UserError
-
-if sys.version_info >= (3, 11):
-    import tomllib
-else:  # pragma: no cover
-    import tomli as tomllib
 
 DTYPES = ("float32", "bfloat16")
 NONFINITE_POLICIES = ("stop", "skip")  # what a NaN/inf step does (tpkit.train.nonfinite)
@@ -46,6 +40,9 @@ class TrainConfig:
     clip: float = 1.0  # 0: no clipping
     sp: bool = False  # sequence parallelism
     zero1: bool = False
+    zero2: bool = False  # gradients and AdamW state sharded over dp (tpkit.parallel.zero2)
+    fsdp: bool = False  # weights too, one flat unit per layer (tpkit.parallel.fsdp)
+    fsdp_reshard: str = "after-forward"  # or after-step: keep gathered weights for the step
     schedule: str = "1f1b"  # a key of tpkit.parallel.schedules.SCHEDULES
     virtual_stages: int = 1  # model chunks per stage (interleaved 1F1B)
     dtype: str = "float32"  # bfloat16: autocast of the forward
@@ -62,6 +59,7 @@ class TrainConfig:
     keep_checkpoints: int = 3  # newest complete checkpoints kept in out/checkpoints (0: all)
     check_replicas: int = 0  # every N steps: replicated parameters equal on every tp rank
     out: str = "runs/train"
+    log: str = "auto"  # trackers: tensorboard,wandb,mlflow,trackio | none | auto (train/trackers)
     seed: int = 0
     trace: str | None = None  # a folder: the last step's per-rank timeline (tpkit.train.trace)
     resume: str | None = None  # a checkpoint directory, or a folder of them (the latest)
@@ -121,16 +119,11 @@ class TrainConfig:
 
     @classmethod
     def from_toml(cls, path: str | Path, **overrides) -> TrainConfig:
-        """Read a TOML file whose keys are the field names (dashes allowed), then override."""
-        p = Path(path)
-        if not p.is_file():
-            raise UserError(f"config file {p} does not exist")
-        raw = {k.replace("-", "_"): v for k, v in tomllib.loads(p.read_text()).items()}
-        known = {f.name for f in fields(cls)}
-        unknown = sorted(set(raw) - known)
-        if unknown:
-            raise UserError(f"{p}: unknown keys {unknown}; known: {sorted(known)}")
-        return cls(**{**raw, **overrides})
+        """Read a TOML file, sectioned ([model], [parallelism], ...) or flat, whose keys are
+        the field names (dashes allowed), then override (`tpkit.train.config_file`)."""
+        from tpkit.train.config_file import read_toml
+
+        return cls(**{**read_toml(path, {f.name for f in fields(cls)}), **overrides})
 
     def problems(self) -> list[str]:
         """Every reason this run cannot start; empty when it can."""
@@ -154,6 +147,7 @@ class TrainConfig:
             out.append(f"global_batch={self.global_batch} is not divisible by dp*micro_batches "
                        f"= {self.dp}*{self.micro_batches} = {self.dp * self.micro_batches}")
         out += self._schedule_problems()
+        out += self._sharding_problems()
         if not isinstance(self.loss_chunk, int) or self.loss_chunk < 0:
             out.append(f"loss_chunk={self.loss_chunk} must be 0 (off) or a positive number "
                        f"of tokens")
@@ -173,6 +167,7 @@ class TrainConfig:
             out.append(f"val_fraction={self.val_fraction} must be in [0, 1)")
         if not self.lr > 0:
             out.append(f"lr={self.lr} must be positive")
+        out += _tracker_problems(self.log)
         try:
             model = self.model_config()
         except ValueError as e:
@@ -195,6 +190,24 @@ class TrainConfig:
                 f"{self.data} would be read as bytes: run `tpkit prepare-data TEXT_FILES "
                 f"--tokenizer {self.from_hf} --out DIR` and train on data=DIR"]
 
+    def _sharding_problems(self) -> list[str]:
+        from tpkit.spec.theory import FSDP_RESHARD
+
+        chosen = [k for k in ("zero1", "zero2", "fsdp") if getattr(self, k)]
+        out = [f"choose one of {' / '.join(chosen)} (each shards more than the one before)"] \
+            if len(chosen) > 1 else []
+        if self.fsdp_reshard not in FSDP_RESHARD:
+            out.append(f"fsdp_reshard={self.fsdp_reshard!r} is not one of {FSDP_RESHARD}")
+        sharded = "fsdp" if self.fsdp else "zero2" if self.zero2 else None
+        if sharded and self.master_weights:
+            out.append(f"{sharded} with master_weights is not supported: the shards are the "
+                       f"fp32 masters; train with dtype='bfloat16' (autocast) instead")
+        if self.fsdp:
+            out += ["fsdp with compile is not supported yet"] if self.compile else []
+            if self.loss_chunk:
+                out.append("fsdp with loss_chunk is not supported yet")
+        return out
+
     def _schedule_problems(self) -> list[str]:
         from tpkit.parallel.schedules import CHUNKED, schedule_problems
 
@@ -214,6 +227,12 @@ class TrainConfig:
                             f"does not equal the number of processes {world_size}")
         if problems:
             raise UserError("; ".join(problems))
+
+
+def _tracker_problems(log: str) -> list[str]:
+    from tpkit.train.trackers import problems
+
+    return problems(log)
 
 
 def _backend_problems(backend: str) -> list[str]:

@@ -21,6 +21,7 @@ from __future__ import annotations
 import statistics
 import sys
 import time
+from contextlib import nullcontext
 from pathlib import Path
 
 import torch
@@ -55,8 +56,9 @@ from tpkit.train.data import (
 )
 from tpkit.train.master import MasterWeights
 from tpkit.train.nonfinite import NonFiniteGuard
-from tpkit.train.optim import build_optimizer, lr_at, set_lr
-from tpkit.train.report import RunSummary, theory_rows, theory_table
+from tpkit.train.optim import build_optimizer, build_sharding, lr_at, set_lr
+from tpkit.train.report import RunSummary, sharded_rows, theory_rows, theory_table
+from tpkit.train.trackers import Trackers
 
 
 def prepare(cfg: TrainConfig, mesh: ParallelMesh) -> tuple[TokenLoader, TokenLoader | None]:
@@ -116,26 +118,31 @@ def replica_mean(value: float | None, mesh: ParallelMesh) -> float:
     return t.item() / mesh.dp_size
 
 
-def train(cfg: TrainConfig, mesh: ParallelMesh, model: torch.nn.Module | None = None
-          ) -> RunSummary:
-    """Run `cfg.steps` steps on this rank; returns the run's summary (same on all ranks)."""
+def train(cfg: TrainConfig, mesh: ParallelMesh, model: torch.nn.Module | None = None,
+          trackers: Trackers | None = None) -> RunSummary:
+    """Run `cfg.steps` steps on this rank; returns the run's summary (same on all ranks).
+    Rank 0 logs each step to `trackers` (default: those of `cfg.log`)."""
     loader, val_loader = prepare(cfg, mesh)
     model = model or build_model(cfg, mesh)
     model.train()
     tied = tied_embedding_group(mesh, model.config.tie_embeddings)
-    opt = build_optimizer(model, cfg, mesh)
+    sharding = build_sharding(model, cfg, mesh)  # ZeRO-2 / FSDP (tpkit.parallel.sharded)
+    opt = sharding.optimizer if sharding else build_optimizer(model, cfg, mesh)
     sharded = isinstance(opt, ZeroAdamW)  # ZeRO-1 reduce-scatters instead of all-reducing
-    dp_sync = OverlappedGradSync([] if sharded else list(model.parameters()), mesh.dp_group,
-                                 cfg.micro_batches)
+    dp_sync = sharding or OverlappedGradSync([] if sharded else list(model.parameters()),
+                                             mesh.dp_group, cfg.micro_batches)
+    stage = sharding.stage_model(model) if sharding else model  # FSDP gathers the root unit
     # gradients travel on their own communicator (see tpkit.parallel.p2p)
     half = torch.bfloat16 if cfg.master_weights else torch.float32  # between stages
     link = StageLink(mesh.pp_group, device=mesh.device, dtype=half,
                      backward_group=ring_backward_group(mesh))
     out, lead = Path(cfg.out), mesh.rank == 0
-    start = resume(cfg, mesh, model, opt, loader) if cfg.resume else 0
+    with _materialized(sharding):
+        start = resume(cfg, mesh, model, opt, loader) if cfg.resume else 0
     mixed = MasterWeights(model, build_model(cfg, mesh, half).train()) \
         if cfg.master_weights else None  # forward/backward in bf16, the rest on fp32 masters
-    log = run_log.MetricsLog(out / "metrics.jsonl" if lead else None, resume_step=start)
+    log = run_log.MetricsLog(out / "metrics.jsonl" if lead else None, resume_step=start,
+                             trackers=(trackers or Trackers(cfg)) if lead else None)
     bar = run_log.Progress(cfg.steps, lead and cfg.progress)
     autocast = (torch.autocast(mesh.device.type, dtype=torch.bfloat16)
                 if cfg.dtype == "bfloat16" and not mixed else None)
@@ -146,8 +153,8 @@ def train(cfg: TrainConfig, mesh: ParallelMesh, model: torch.nn.Module | None = 
         for step in range(start, cfg.steps):
             mesh.ledger.clear()
             t_step = time.perf_counter()
-            row = _step(cfg, mesh, model, link, (tied, dp_sync, mixed), opt, loader, autocast,
-                        step, guard)
+            row = _step(cfg, mesh, stage, link, (tied, dp_sync, mixed, sharding), opt, loader,
+                        autocast, step, guard)
             span = (t_step, time.perf_counter())
             if cfg.check_replicas and (step + 1) % cfg.check_replicas == 0:
                 with mesh.ledger.paused():  # not part of the step's theory
@@ -159,24 +166,34 @@ def train(cfg: TrainConfig, mesh: ParallelMesh, model: torch.nn.Module | None = 
             row["tokens_per_s"] = tokens_per_step / row["step_s"]
             row["comm_line"] = run_log.comm_line(row["comm"])
             if val_loader is not None and _due(step, cfg.eval_every, cfg.steps):
-                row["val_loss"] = evaluate(cfg, mesh, mixed.compute if mixed else model, link,
+                row["val_loss"] = evaluate(cfg, mesh, mixed.compute if mixed else stage, link,
                                            val_loader, autocast)
+                if sharding:
+                    sharding.release()
             rows.append(row)  # logged before the checkpoint: a resume from it finds the row
             log.write({k: v for k, v in row.items() if k != "comm_line"})
             bar.update(row)
             if cfg.ckpt_every and (step + 1) % cfg.ckpt_every == 0 and step + 1 < cfg.steps:
-                ckpt = save_checkpoint(cfg, mesh, model, opt, loader, step + 1)
+                with _materialized(sharding):
+                    ckpt = save_checkpoint(cfg, mesh, model, opt, loader, step + 1)
     except CollectiveFailed as e:  # a dead or stuck peer: say how far the run got
         raise e.after_step(start + len(rows)) from e.__cause__
     finally:
         bar.close()
+        log.close()
         _close_link(link, sys.exc_info()[1] is not None, start + len(rows))
     if cfg.checkpoint:
-        ckpt = save_checkpoint(cfg, mesh, model, opt, loader, cfg.steps)
+        with _materialized(sharding):
+            ckpt = save_checkpoint(cfg, mesh, model, opt, loader, cfg.steps)
     mesh.ledger.records[:] = last_records
     if cfg.trace:
         run_log.report_file("the trace", _write_trace, cfg, mesh, last_records, span)
-    return _summary(cfg, mesh, model, rows, train_s, idle, busy, ckpt, lead)
+    return _summary(cfg, mesh, model, rows, train_s, idle, busy, ckpt, lead, sharding)
+
+
+def _materialized(sharding):
+    """The full parameters around a checkpoint save or load (FSDP frees them again)."""
+    return sharding.full_params() if sharding else nullcontext()
 
 
 def _write_trace(cfg: TrainConfig, mesh: ParallelMesh, records, span) -> None:
@@ -209,22 +226,31 @@ def _step(cfg, mesh, model, link, syncs, opt, loader, autocast, step: int,
     set_lr(opt, lr)
     ids, labels = loader.next_batch()  # [G/dp, s] each
     micro = micro_batches(ids.to(mesh.device), labels.to(mesh.device), cfg.micro_batches)
-    tied, dp_sync, mixed = syncs
+    tied, dp_sync, mixed, sharding = syncs
     dp_sync.arm()
     stats = run_schedule(cfg.schedule, mixed.compute if mixed else model, link, micro, autocast)
     dp_sync.finish()  # most buckets were sent during the last backward
     model.finalize_grads()
-    sync_tied_grads(model, tied)
-    sharded = isinstance(opt, ZeroAdamW)
-    if sharded:
-        opt.reduce_gradients()
-    norm = global_grad_norm(model, mesh, dp_sharded=sharded)
+    if sharding:  # ZeRO-2 / FSDP: the gradients are dp shards already
+        sharding.sync_tied(tied)
+        norm = sharding.grad_norm()
+    else:
+        sync_tied_grads(model, tied)
+        sharded = isinstance(opt, ZeroAdamW)
+        if sharded:
+            opt.reduce_gradients()
+        norm = global_grad_norm(model, mesh, dp_sharded=sharded)
     loss = replica_mean(stats.loss, mesh)  # before the update: a NaN step never applies
     skipped = guard.skip(step + 1, loss, norm, model, mesh.rank)  # same on every rank
     if not skipped:
-        clip_grads(model, norm, cfg.clip)
+        if sharding:
+            sharding.clip(norm, cfg.clip)
+        else:
+            clip_grads(model, norm, cfg.clip)
         opt.step()
     opt.zero_grad(set_to_none=True)
+    if sharding:
+        sharding.after_step()  # ZeRO-2: all-gather the weights; FSDP: free them
     if mixed and not skipped:
         mixed.copy_to_compute()
     comm = run_log.comm_by_group(mesh.ledger.records)
@@ -299,7 +325,8 @@ def resume(cfg: TrainConfig, mesh: ParallelMesh, model, opt, loader: TokenLoader
     return int(extra["step"])
 
 
-def _summary(cfg, mesh, model, rows, train_s, idle, busy, ckpt, lead) -> RunSummary:
+def _summary(cfg, mesh, model, rows, train_s, idle, busy, ckpt, lead, sharding=None
+             ) -> RunSummary:
     """Per-rank result: losses, throughput, bubble, this rank's comm table vs theory."""
     ratio = torch.tensor([idle / busy if busy > 0 else 0.0], dtype=torch.float64,
                          device=mesh.device)
@@ -313,6 +340,12 @@ def _summary(cfg, mesh, model, rows, train_s, idle, busy, ckpt, lead) -> RunSumm
                                 loss_chunk=model.loss_chunk)
     rows_t = theory_rows(mesh.ledger, expects)
     where = f"rank {mesh.rank} (stage {mesh.pp_rank}, tp rank {mesh.tp_rank})"
+    tables = theory_table(rows_t, f"{where}: tp/pp traffic of one step vs theory")
+    if sharding:  # the dp traffic of ZeRO-2 / FSDP against tpkit.spec.theory
+        rows_dp = sharded_rows(mesh.ledger, sharding.expected(), sharding.scope)
+        tables += "\n" + theory_table(rows_dp, f"{where}: {sharding.scope} dp traffic of one "
+                                                f"step vs theory")
+        rows_t = rows_t + rows_dp
     val = [r["val_loss"] for r in rows if "val_loss" in r]
     plot = None
     if lead and cfg.plot:
@@ -331,7 +364,7 @@ def _summary(cfg, mesh, model, rows, train_s, idle, busy, ckpt, lead) -> RunSumm
         bubble_theory=bubble_theory(mesh.pp_size, cfg.micro_batches, model.virtual_stages),
         max_inflight=max(r["max_inflight"] for r in rows),
         table=mesh.ledger.table(f"{where}: everything sent in one step", by_scope=False),
-        theory=theory_table(rows_t, f"{where}: tp/pp traffic of one step vs theory"),
+        theory=tables,
         theory_ok=all(r["recorded"] == r["theory"] for r in rows_t), checkpoint=ckpt,
         metrics=str(Path(cfg.out) / "metrics.jsonl"), plot=plot, first_step_s=rows[0]["step_s"],
         later_step_s=statistics.median(r["step_s"] for r in rows[1:]) if len(rows) > 1 else 0.0)

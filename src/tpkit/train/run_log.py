@@ -34,11 +34,12 @@ def comm_line(by_group: dict[str, dict]) -> str:
 
 
 class MetricsLog:
-    """Appends one JSON line per step to `path` (rank 0 only writes). A resumed run keeps
+    """Appends one JSON line per step to `path` (rank 0 only writes), and gives the row to
+    the run's experiment trackers (`tpkit.train.trackers`), if any. A resumed run keeps
     the rows of the steps before `resume_step` and drops the later ones it will redo."""
 
-    def __init__(self, path: Path | None, resume_step: int = 0) -> None:
-        self.path = path
+    def __init__(self, path: Path | None, resume_step: int = 0, trackers=None) -> None:
+        self.path, self.trackers = path, trackers
         if path is not None:
             path.parent.mkdir(parents=True, exist_ok=True)
             old = path.read_text().splitlines() if resume_step and path.is_file() else []
@@ -51,6 +52,13 @@ class MetricsLog:
             line = json.dumps(row) + "\n"
             with writing(self.path, len(line)), self.path.open("a") as f:
                 f.write(line)
+        if self.trackers is not None:
+            self.trackers.log(row)
+
+    def close(self) -> None:
+        """Close the trackers (their files complete)."""
+        if self.trackers is not None:
+            self.trackers.close()
 
 
 class Progress:
