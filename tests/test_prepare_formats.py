@@ -113,9 +113,8 @@ def test_workers_give_the_same_shards(inputs, tmp_path, monkeypatch):
 
     root, _ = inputs
     monkeypatch.setattr(pd, "BATCH_BYTES", 64)  # many batches, spread over the workers
-    one = prepare([str(root / "docs.jsonl"), str(root / "saved")], str(root / "tok"),
-                  str(tmp_path / "one"), progress=False)
-    two = prepare([str(root / "docs.jsonl"), str(root / "saved")], str(root / "tok"),
-                  str(tmp_path / "two"), progress=False, workers=2)
+    files = [str(root / "docs.jsonl"), str(root / "saved")]
+    one = prepare(files, "bytes", str(tmp_path / "one"), progress=False)
+    two = prepare(files, "bytes", str(tmp_path / "two"), progress=False, workers=2)
     assert _ids(tmp_path / "one")[0] == _ids(tmp_path / "two")[0] and one["documents"] == 8
     assert two["tokens"] == one["tokens"]

@@ -25,6 +25,7 @@ from tpkit.commands.common import HEADINGS, group, says_default, shown
 from tpkit.parallel.schedules import SCHEDULES
 from tpkit.spec.errors import UserError
 from tpkit.spec.theory import FSDP_RESHARD
+from tpkit.spec.transport import add_comm_argument, comm_choice
 from tpkit.train.config import DTYPES, NONFINITE_POLICIES, TrainConfig
 from tpkit.train.config_file import (
     read_toml,
@@ -130,6 +131,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                           "and exit")
     group(parser, "parallelism").add_argument(
         "--nproc", type=int, help="local processes to spawn (default: tp*pp*dp)")
+    add_comm_argument(group(parser, "parallelism"))
     group(parser, "logging").add_argument("--no-progress", action="store_true",
                                           help="no progress bar")
     group(parser, "checkpoints").add_argument(
@@ -194,8 +196,9 @@ def run(args: argparse.Namespace) -> int:
     if cfg.resume and cfg.resume != "auto":  # a run folder: its latest valid checkpoint,
         cfg = cfg.with_(resume=str(sharded_dir(cfg.resume)))  # chosen once, here
     _say_resume_changes(cfg)
+    comm = comm_choice(getattr(args, "comm", None))
     if torchrun:
-        return _run_torchrun(cfg, args.overwrite)
+        return _run_torchrun(cfg, args.overwrite, comm)
     from tpkit.train.data import load_tokens
     from tpkit.train.run_folder import check_writable, hold
 
@@ -205,7 +208,7 @@ def run(args: argparse.Namespace) -> int:
             _never_mix_runs(Path(cfg.out), args.overwrite, torchrun)
         load_tokens(cfg.data, cfg.model_config().vocab_size, cfg.tokenizer_id)  # errors now
         write_run_config(cfg, cfg.out)
-        return _run_local(cfg)
+        return _run_local(cfg, comm)
 
 
 def _say_resume_changes(cfg: TrainConfig) -> None:
@@ -241,7 +244,7 @@ def _never_mix_runs(out: Path, overwrite: bool, torchrun: bool) -> None:
             store.discard(d)
 
 
-def _run_local(cfg: TrainConfig) -> int:
+def _run_local(cfg: TrainConfig, comm: str) -> int:
     from tpkit.device import best_device
     from tpkit.launch import spawn
     from tpkit.mesh import ParallelMesh
@@ -251,7 +254,7 @@ def _run_local(cfg: TrainConfig) -> int:
         results = [_worker(ParallelMesh.single(device=best_device()), cfg)]
     else:
         threads = max(1, (os.cpu_count() or 1) // n)
-        results = spawn(_worker, n, cfg, mesh=dict(tp=cfg.tp, pp=cfg.pp, dp=cfg.dp),
+        results = spawn(_worker, n, cfg, mesh=dict(tp=cfg.tp, pp=cfg.pp, dp=cfg.dp, comm=comm),
                         threads=threads, timeout=7 * 24 * 3600.0,
                         collective_timeout=cfg.collective_timeout)
     _print_report(results)
@@ -306,11 +309,11 @@ def _folder_held_by_rank0(out: Path, rank: int) -> Iterator[None]:
         yield
 
 
-def _run_torchrun(cfg: TrainConfig, overwrite: bool) -> int:
+def _run_torchrun(cfg: TrainConfig, overwrite: bool, comm: str) -> int:
     from tpkit.mesh import ParallelMesh
 
     mesh = ParallelMesh.from_env(tp=cfg.tp, pp=cfg.pp, dp=cfg.dp,
-                                 timeout_s=cfg.collective_timeout)
+                                 timeout_s=cfg.collective_timeout, comm=comm)
     with _folder_held_by_rank0(Path(cfg.out), mesh.rank):
         if not cfg.resume:
             _never_mix_runs(Path(cfg.out), overwrite, True)
