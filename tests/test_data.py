@@ -64,7 +64,8 @@ def test_resumption_from_state():
     b.load_state_dict(state)
     for _ in range(3):
         assert torch.equal(a.next_batch()[0], b.next_batch()[0])
-    with pytest.raises(ValueError, match="seed=5"):
+    with pytest.raises(ValueError, match=r"--seed must stay 5 on resume \(given: 6\); start a "
+                                         r"new run \(another --out\) to change it"):
         TokenLoader(tokens, seq=32, global_batch=8, seed=6).load_state_dict(state)
 
 

@@ -97,7 +97,7 @@ def test_sharded_with_micro_batches(run_tp, tmp_path):
 def test_fsdp_times_tp_equals_tp_times_dp(run_tp, tmp_path):
     """2D: each tp shard sharded again over dp (llama-tiny: rotary, GQA, SwiGLU)."""
     _compare(run_tp, tmp_path, 2, 1, 2, preset="llama-tiny", fsdp=dict(fsdp=True),
-             zero2=dict(zero2=True))
+             zero2=dict(zero2=True), recompute=dict(fsdp=True, recompute=True))
 
 
 @pytest.mark.timeout(180)
@@ -122,3 +122,36 @@ def test_fsdp_checkpoint_resumes_at_any_layout(run_tp, tmp_path):
     assert len(again) == len(single) == 2
     assert _rel(again, whole[5:]) <= 1e-5 and _rel(single, whole[5:]) <= 1e-5, \
         (whole[5:], again, single)
+
+
+@pytest.mark.timeout(180)
+def test_the_planners_fsdp_command_runs(run_tp, tmp_path, capsys):
+    """`tpkit plan --hardware local` (a CPU profile, 4 processes) ranks FSDP plans; the
+    `tpkit train ...` it prints for plan #1 is accepted and trains for 2 steps."""
+    import argparse
+    import shlex
+    from dataclasses import replace
+
+    from tpkit.cli import main as tpkit_main
+    from tpkit.commands.train import add_arguments, config_from_args
+    from tpkit.plan import get_hardware
+    from tpkit.plan.hardware import profile_to_toml
+
+    profile = tmp_path / "local.toml"
+    profile.write_text(profile_to_toml(replace(get_hardware("cpu"), cores_per_node=2))
+                       .replace("[cpu]", "[local]"))
+    assert tpkit_main(["plan", "--preset", "gpt2-tiny", "--nodes", "1", "--gpus-per-node", "4",
+                       "--hardware", "local", "--hardware-file", str(profile), "--seq", "32",
+                       "--global-batch", "8", "--zero", "3"]) == 0
+    out = capsys.readouterr().out
+    assert "cannot run plan #1" not in out
+    line = next(x for x in out.splitlines() if x.strip().startswith("tpkit train "))
+    parser = argparse.ArgumentParser()
+    add_arguments(parser)
+    cfg = config_from_args(parser.parse_args(shlex.split(line.split(" train ", 1)[1])), 4)
+    cfg.check(4)
+    assert cfg.fsdp and cfg.dp > 1, line
+    cfg = cfg.with_(steps=2, out=str(tmp_path / "run"), progress=False, plot=False,
+                    checkpoint=False, val_fraction=0.0)
+    got = run_tp(_train, cfg.tp, cfg, pp=cfg.pp, dp=cfg.dp)
+    assert all(r["theory_ok"] for r in got) and len(got[0]["losses"]) == 2

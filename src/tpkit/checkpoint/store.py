@@ -34,8 +34,9 @@ from safetensors.torch import save_file
 from torch import nn
 
 from tpkit.checkpoint import optim_state
-from tpkit.checkpoint.agree import agree, attempt, raise_unless_all
+from tpkit.checkpoint.agree import attempt, raise_unless_all
 from tpkit.checkpoint.build import copy_in
+from tpkit.checkpoint.disk import writing
 from tpkit.checkpoint.files import (
     FORMAT,
     MANIFEST,
@@ -52,6 +53,8 @@ from tpkit.checkpoint.files import (
     verify_file,
     write_json,
 )
+from tpkit.checkpoint.finite import NonFiniteCheckpoint, first_nonfinite
+from tpkit.checkpoint.finite import describe as describe_nonfinite
 from tpkit.checkpoint.slices import read_local
 from tpkit.device import rng_state, set_rng_state
 from tpkit.mesh import ParallelMesh
@@ -84,18 +87,27 @@ def save(path: str | Path, model: nn.Module, optimizer: Optimizer | None = None,
     mesh = mesh or getattr(model, "mesh", None) or ParallelMesh.single()
     root = Path(path)
     tmp = root.parent / f".{root.name}.tmp"
-    if mesh.rank == 0:
-        shutil.rmtree(tmp, ignore_errors=True)
-        tmp.mkdir(parents=True)
-    agree(mesh, True)  # the folder exists before any rank writes
-    state = optim_state.gather_state(optimizer) if optimizer is not None else None  # ZeRO: dp
-    err = attempt(_write_rank, tmp, model, optimizer, state, extra, mesh)
-    raise_unless_all(mesh, err, f"{root}: another rank failed to write its shards; "
-                                f"the previous checkpoint is untouched")
-    if mesh.rank == 0:
-        err = attempt(_finish, tmp, root, model, optimizer, step, mesh, tokenizer)
-    raise_unless_all(mesh, err, f"{root}: rank 0 failed to write the manifest")
+    err = attempt(_make_tmp, tmp) if mesh.rank == 0 else None
+    try:
+        raise_unless_all(mesh, err, f"{root}: rank 0 could not create {tmp}")
+        state = optim_state.gather_state(optimizer) if optimizer is not None else None  # ZeRO
+        err = attempt(_write_rank, tmp, model, optimizer, state, extra, mesh)
+        raise_unless_all(mesh, err, f"{root}: another rank failed to write its shards; "
+                                    f"the previous checkpoint is untouched")
+        if mesh.rank == 0:
+            err = attempt(_finish, tmp, root, model, optimizer, step, mesh, tokenizer)
+        raise_unless_all(mesh, err, f"{root}: rank 0 failed to write the manifest")
+    except BaseException:  # every rank has stopped writing: nothing half-written stays
+        if mesh.rank == 0:
+            shutil.rmtree(tmp, ignore_errors=True)
+        raise
     return root
+
+
+def _make_tmp(tmp: Path) -> None:
+    shutil.rmtree(tmp, ignore_errors=True)
+    with writing(tmp):
+        tmp.mkdir(parents=True)
 
 
 def load(path: str | Path, model: nn.Module, optimizer: Optimizer | None = None,
@@ -193,11 +205,16 @@ def write_record(tmp: Path, rank: int, tp_rank: int, stage: int, tp: int, config
                         for n, (t, sp) in tensors.items()}
         if tensors:
             cpu = {n: t.detach().to("cpu").contiguous() for n, (t, _) in tensors.items()}
-            save_file(cpu, str(tmp / fname), metadata={"tpkit": json.dumps(record[kind])})
-            fsync_path(tmp / fname)
+            if (bad := first_nonfinite(cpu)) is not None:
+                raise NonFiniteCheckpoint(f"{tmp.parent / tmp.name[1:-4]}: not written: "
+                                          f"{describe_nonfinite(bad)}")
+            with writing(tmp / fname, sum(t.numel() * t.element_size() for t in cpu.values())):
+                save_file(cpu, str(tmp / fname), metadata={"tpkit": json.dumps(record[kind])})
+                fsync_path(tmp / fname)
             record["files"][fname] = file_entry(tmp / fname)
             _pause()
-    write_json(tmp / rank_file(rank), record)
+    with writing(tmp / rank_file(rank)):
+        write_json(tmp / rank_file(rank), record)
     _pause()
 
 
@@ -222,7 +239,8 @@ def _own_params(model: nn.Module) -> dict[str, torch.Tensor]:
 def _finish(tmp: Path, root: Path, model: nn.Module, optimizer, step: int,
             mesh: ParallelMesh, tokenizer: str | Path | None) -> None:
     if tokenizer is not None:
-        copy_tokenizer(tokenizer, tmp)
+        with writing(tmp / "tokenizer files"):
+            copy_tokenizer(tokenizer, tmp)
     config = getattr(model, "config", None)
     write_manifest(tmp, root, config.to_dict() if config is not None else None,
                    type(optimizer).__name__ if optimizer is not None else None, step,
@@ -250,8 +268,9 @@ def write_manifest(tmp: Path, root: Path, config: dict | None, optimizer: str | 
                     optimizer=dict(type=optimizer, groups=records[0]["optim_groups"])
                     if optimizer else None,
                     extra=records[0]["extra"], files=files, saved_at=time.time())
-    write_json(tmp / MANIFEST, manifest)  # last: a directory without it is incomplete
-    fsync_path(tmp)
+    with writing(tmp / MANIFEST):
+        write_json(tmp / MANIFEST, manifest)  # last: a directory without it is incomplete
+        fsync_path(tmp)
     aside = root.parent / f".{root.name}.old"
     shutil.rmtree(aside, ignore_errors=True)
     if root.exists():
@@ -279,6 +298,9 @@ def _stage(source: ShardedSource, model: nn.Module, optimizer, mesh: ParallelMes
     """(this rank's parameters, optimizer state and groups or None, extra), read only."""
     root, manifest = source.root, source.manifest
     params = read_local(model, source, mesh)
+    if (bad := first_nonfinite(params)) is not None:  # written before saves were checked
+        raise CheckpointError(f"{root}: {describe_nonfinite(bad)}: written by a run that "
+                              f"diverged; load an earlier checkpoint")
     staged_optim = None
     if optimizer is not None:
         staged_optim = (optim_state.stage_state(source, model, optimizer, mesh),

@@ -24,6 +24,7 @@ from tpkit.mesh import ParallelMesh
 from tpkit.model.generate import generate, pad_left
 from tpkit.model.tokenizer import ByteTokenizer, TextStream, load_tokenizer
 from tpkit.spec.errors import UserError
+from tpkit.spec.transport import add_comm_argument, comm_choice
 
 
 def _prompts(args: argparse.Namespace, tok) -> list[list[int]]:
@@ -96,6 +97,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     g.add_argument("--seed", type=int, default=0, help="seed of the sampling")
     g.add_argument("--ignore-eos", action="store_true",
                    help="do not stop at the tokenizer's end-of-sequence token")
+    add_comm_argument(group(parser, "parallelism"))
 
 
 def _prompt_ids(text: str) -> list[int]:
@@ -127,15 +129,16 @@ def run(args: argparse.Namespace) -> int:
     """Generate on `--tp` local processes (or torchrun's); print the text and tokens/s.
     Mistakes (flags, paths, token ids) are `UserError`s: one line from `tpkit.cli`."""
     _check_args(args)
+    comm = comm_choice(getattr(args, "comm", None))
     source = open_source(args.checkpoint)  # once, before any process
     if "WORLD_SIZE" in os.environ:
-        result = _worker(ParallelMesh.from_env(tp=args.tp, pp=1), args, source)
+        result = _worker(ParallelMesh.from_env(tp=args.tp, pp=1, comm=comm), args, source)
     elif args.tp == 1:
         result = _worker(ParallelMesh.single(), args, source)
     else:
         from tpkit.launch import spawn
 
-        result = spawn(_worker, args.tp, args, source, mesh=dict(tp=args.tp))[0]
+        result = spawn(_worker, args.tp, args, source, mesh=dict(tp=args.tp, comm=comm))[0]
     if not result["streamed"]:
         print("\n\n".join(result["texts"]))
     n = sum(len(r) for r in result["new"])

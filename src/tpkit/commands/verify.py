@@ -33,6 +33,7 @@ from tpkit.model.exactness import (
     sweep,
 )
 from tpkit.spec.errors import UserError
+from tpkit.spec.transport import add_comm_argument, comm_choice
 
 TOL_HF = 1e-4  # against transformers: another implementation, float32
 
@@ -74,6 +75,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     group(p, "reliability").add_argument(
         "--timeout", type=float, default=300.0, metavar="S",
         help="seconds the worker processes may take before they are stopped")
+    add_comm_argument(layout)
 
 
 def _builder(args: argparse.Namespace):
@@ -110,7 +112,8 @@ def run(args: argparse.Namespace) -> int:
              f"{' +SP' if args.sp else ''}"
     print(f"tpkit verify: {what}, batch={args.batch} seq={args.seq} {args.dtype}, tp={tps}")
     case, build = (mlp_case, None) if component == "mlp" else (model_case, _builder(args))
-    ref, rows = compare_tps(case, opts, tps, build, args.timeout)
+    comm = comm_choice(getattr(args, "comm", None))
+    ref, rows = compare_tps(case, opts, tps, build, args.timeout, comm=comm)
     return _report(rows, tps, TOL[args.dtype], loss_bound(ref["loss"], args.dtype), "tp=1",
                    args.dtype)
 
@@ -153,7 +156,8 @@ def _run_hf(args: argparse.Namespace) -> int:
           f"batch={args.batch} seq={args.seq} float32, tp={tps}, reference: transformers")
     ref = hf_check.reference(args.hf, ids)
     rows = sweep(hf_check.tp_case, (args.hf, ids, args.sp, args.expert_parallel), tps, ref,
-                 hf_check.gather, hf_check.compare, args.timeout)
+                 hf_check.gather, hf_check.compare, args.timeout,
+                 comm_choice(getattr(args, "comm", None)))
     return _report(rows, tps, TOL_HF, TOL_HF, "transformers", "float32")
 
 

@@ -20,7 +20,8 @@ pipeline. Per step and unit the dp group sends `tpkit.spec.theory.fully_sharded`
 m x (AG forward + AG backward + RS) after-forward, AG + RS after-step.
 
 With tp, each rank shards its own tp shard over its dp group (2D); with pp, each
-stage shards its own layers.
+stage shards its own layers. With full recompute the forward rerun inside backward
+gathers the unit (recorded as backward) and keeps it until its gradients are reduced.
 """
 
 from __future__ import annotations
@@ -66,12 +67,17 @@ class FullyShardedData(ShardedData):
     def _hook_layer(self, layer: nn.Module, unit: FlatUnit, nxt: FlatUnit | None,
                     prev: FlatUnit | None) -> None:
         def before(_module, _args):
+            if _in_backward():  # full recompute: this forward is part of the backward
+                unit.gather("backward", self.scope)
+                if prev is not None:
+                    prev.prefetch("backward", self.scope)
+                return
             unit.gather("forward", self.scope)
             if nxt is not None:
                 nxt.prefetch("forward", self.scope)
 
         def after(_module, _args, out):
-            if self.reshard == "after-forward":
+            if self.reshard == "after-forward" and not _in_backward():
                 unit.free()
                 if torch.is_tensor(out) and out.requires_grad:
                     out.register_hook(lambda g: self._regather(unit, prev))
@@ -139,6 +145,11 @@ class FullyShardedData(ShardedData):
         """`theory.fully_sharded` of each unit's padded flat buffer."""
         dp, m = self.mesh.dp_size, self.micro_batches
         return [e for u in self.units for e in theory.fully_sharded(u.padded, dp, m, self.reshard)]
+
+
+def _in_backward() -> bool:
+    """Is autograd running a backward pass now (a recomputed forward runs inside one)?"""
+    return torch._C._current_graph_task_id() != -1
 
 
 class _RootGathering:

@@ -22,12 +22,16 @@ Runner = Callable[..., list]  # runner(fn, world, *args, mesh=dict(tp=, pp=, dp=
 class LiveSession:
     """Worker pools (one per world size) shared by all demonstrations of a sitting."""
 
-    def __init__(self, runner: Runner | None = None, timeout: float = 120.0) -> None:
+    def __init__(self, runner: Runner | None = None, timeout: float = 120.0,
+                 comm: str | None = None) -> None:
         self._runner, self._pools, self.timeout = runner, {}, timeout
+        self.comm = comm  # the transport of the ranks' groups (None: TPKIT_COMM, else auto)
 
     def spawn(self, fn: Callable, *args, tp: int, pp: int = 1, dp: int = 1) -> list:
         """Run `fn(mesh, *args)` on tp*pp*dp ranks; per-rank results in rank order."""
         mesh, world = dict(tp=tp, pp=pp, dp=dp), tp * pp * dp
+        if self.comm is not None:
+            mesh["comm"] = self.comm
         if self._runner is not None:
             return self._runner(fn, world, *args, mesh=mesh)
         if world not in self._pools:

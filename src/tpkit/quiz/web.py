@@ -196,7 +196,7 @@ def make_server(quiz: Quiz, port: int = 0, lang: str = "en", live: LiveRunner | 
 
 
 def serve(quiz: Quiz, port: int = 8765, lang: str = "en", live: bool = False,
-          host: str = HOST) -> int:
+          host: str = HOST, comm: str | None = None) -> int:
     """Serve until SIGINT, SIGTERM or SIGHUP; prints the URL. Returns the exit code."""
     try:
         server = make_server(quiz, port, lang, None, host)
@@ -212,7 +212,7 @@ def serve(quiz: Quiz, port: int = 8765, lang: str = "en", live: bool = False,
     if live:
         from tpkit.quiz.live import LiveSession
 
-        session = LiveSession()
+        session = LiveSession(comm=comm)
         def runner(level: int, number: int, tp: int, lang_: str) -> dict:
             return session.run(number, tp, lang_, level)
 

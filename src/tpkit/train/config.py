@@ -17,6 +17,7 @@ from tpkit.spec.errors import UserError
 from tpkit.spec.shapes import chunks_problem, interleave_problem
 
 DTYPES = ("float32", "bfloat16")
+NONFINITE_POLICIES = ("stop", "skip")  # what a NaN/inf step does (tpkit.train.nonfinite)
 
 
 @dataclass(frozen=True)
@@ -64,6 +65,8 @@ class TrainConfig:
     trace: str | None = None  # a folder: the last step's per-rank timeline (tpkit.train.trace)
     resume: str | None = None  # a checkpoint directory (`tpkit train` resolves a run folder, "auto")
     collective_timeout: float = DEFAULT_COLLECTIVE_TIMEOUT_S  # s a collective may wait
+    on_nonfinite: str = "stop"  # a NaN/inf loss or grad norm: stop the run, or skip the step
+    nonfinite_skips: int = 3  # with on_nonfinite="skip": stop after this many in a row
     progress: bool = True
     plot: bool = True
     checkpoint: bool = True
@@ -98,6 +101,14 @@ class TrainConfig:
             raise ValueError(f"from_hf={self.from_hf}: no config.json there (not a Hugging "
                              f"Face model folder)")
         return config_from_hf(json.loads(path.read_text()))[1]
+
+    @property
+    def tokenizer_id(self) -> str | None:
+        """The model's tokenizer, as `prepare-data --tokenizer` names one: the Hugging Face
+        folder, "bytes" for a byte-level preset (vocab 256), None when unknown."""
+        if self.from_hf is not None:
+            return self.from_hf
+        return "bytes" if self.model_config().vocab_size == 256 else None
 
     def with_(self, **changes) -> TrainConfig:
         """A copy with some fields changed."""
@@ -146,6 +157,11 @@ class TrainConfig:
                        f"masters), not {self.dtype!r}")
         if self.compile:
             out += _backend_problems(self.compile_backend)
+        if self.on_nonfinite not in NONFINITE_POLICIES:
+            out.append(f"on_nonfinite={self.on_nonfinite!r} is not one of "
+                       f"{NONFINITE_POLICIES}")
+        if not isinstance(self.nonfinite_skips, int) or self.nonfinite_skips < 1:
+            out.append(f"nonfinite_skips={self.nonfinite_skips} must be a positive integer")
         if self.dtype not in DTYPES:
             out.append(f"dtype={self.dtype!r} is not one of {DTYPES}")
         if not 0.0 <= self.val_fraction < 1.0:
@@ -187,8 +203,7 @@ class TrainConfig:
             out.append(f"{sharded} with master_weights is not supported: the shards are the "
                        f"fp32 masters; train with dtype='bfloat16' (autocast) instead")
         if self.fsdp:
-            out += [f"fsdp with {k} is not supported yet" for k in ("recompute", "compile")
-                    if getattr(self, k)]
+            out += ["fsdp with compile is not supported yet"] if self.compile else []
             if self.loss_chunk:
                 out.append("fsdp with loss_chunk is not supported yet")
         return out

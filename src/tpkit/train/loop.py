@@ -54,6 +54,7 @@ from tpkit.train.data import (
     tokenizer_folder,
 )
 from tpkit.train.master import MasterWeights
+from tpkit.train.nonfinite import NonFiniteGuard
 from tpkit.train.optim import build_optimizer, build_sharding, lr_at, set_lr
 from tpkit.train.report import RunSummary, sharded_rows, theory_rows, theory_table
 from tpkit.train.trackers import Trackers
@@ -66,12 +67,15 @@ def prepare(cfg: TrainConfig, mesh: ParallelMesh) -> tuple[TokenLoader, TokenLoa
     if got != (cfg.tp, cfg.pp, cfg.dp):
         raise ValueError(f"mesh (tp, pp, dp) = {got} does not match the config "
                          f"{(cfg.tp, cfg.pp, cfg.dp)}")
-    tokens = load_tokens(cfg.data, cfg.model_config().vocab_size)
-    train_tok, val_tok = split_tokens(tokens, cfg.val_fraction)
+    tokens = load_tokens(cfg.data, cfg.model_config().vocab_size, cfg.tokenizer_id,
+                         warn=mesh.rank == 0)  # every rank checks; one says a warning
+    train_tok, val_tok = split_tokens(tokens, cfg.val_fraction, window=cfg.seq + 1)
+    split = (f" (of {len(tokens):,} tokens, {len(train_tok):,} for training and "
+             f"{len(val_tok):,} held out by --val-fraction {cfg.val_fraction})")
     kw = dict(seq=cfg.seq, global_batch=cfg.global_batch, dp_rank=mesh.dp_rank,
-              dp_size=mesh.dp_size, seed=cfg.seed)
+              dp_size=mesh.dp_size, seed=cfg.seed, split=split)
     loader = TokenLoader(train_tok, **kw, name="training")
-    val = TokenLoader(val_tok, **kw, shuffle=False, name="validation") \
+    val = TokenLoader(val_tok, **kw, shuffle=False, name="validation", min_windows=1) \
         if cfg.val_fraction > 0 else None
     return loader, val
 
@@ -139,13 +143,14 @@ def train(cfg: TrainConfig, mesh: ParallelMesh, model: torch.nn.Module | None = 
     autocast = (torch.autocast(mesh.device.type, dtype=torch.bfloat16)
                 if cfg.dtype == "bfloat16" and not mixed else None)
     rows, ckpt, tokens_per_step = [], None, cfg.global_batch * cfg.seq
+    guard = NonFiniteGuard(cfg.on_nonfinite, cfg.nonfinite_skips)
     train_s = idle = busy = 0.0
     try:
         for step in range(start, cfg.steps):
             mesh.ledger.clear()
             t_step = time.perf_counter()
             row = _step(cfg, mesh, stage, link, (tied, dp_sync, mixed, sharding), opt, loader,
-                        autocast, step)
+                        autocast, step, guard)
             span = (t_step, time.perf_counter())
             if cfg.check_replicas and (step + 1) % cfg.check_replicas == 0:
                 with mesh.ledger.paused():  # not part of the step's theory
@@ -178,7 +183,7 @@ def train(cfg: TrainConfig, mesh: ParallelMesh, model: torch.nn.Module | None = 
             ckpt = save_checkpoint(cfg, mesh, model, opt, loader, cfg.steps)
     mesh.ledger.records[:] = last_records
     if cfg.trace:
-        _write_trace(cfg, mesh, last_records, span)
+        run_log.report_file("the trace", _write_trace, cfg, mesh, last_records, span)
     return _summary(cfg, mesh, model, rows, train_s, idle, busy, ckpt, lead, sharding)
 
 
@@ -209,7 +214,8 @@ def _due(step: int, every: int, steps: int) -> bool:
     return step + 1 == steps or (every > 0 and (step + 1) % every == 0)
 
 
-def _step(cfg, mesh, model, link, syncs, opt, loader, autocast, step: int) -> dict:
+def _step(cfg, mesh, model, link, syncs, opt, loader, autocast, step: int,
+          guard: NonFiniteGuard) -> dict:
     """One optimizer step; returns its metrics row."""
     t0 = time.perf_counter()
     lr = lr_at(step, cfg)
@@ -224,23 +230,28 @@ def _step(cfg, mesh, model, link, syncs, opt, loader, autocast, step: int) -> di
     if sharding:  # ZeRO-2 / FSDP: the gradients are dp shards already
         sharding.sync_tied(tied)
         norm = sharding.grad_norm()
-        sharding.clip(norm, cfg.clip)
     else:
         sync_tied_grads(model, tied)
         sharded = isinstance(opt, ZeroAdamW)
         if sharded:
             opt.reduce_gradients()
         norm = global_grad_norm(model, mesh, dp_sharded=sharded)
-        clip_grads(model, norm, cfg.clip)
-    opt.step()
+    loss = replica_mean(stats.loss, mesh)  # before the update: a NaN step never applies
+    skipped = guard.skip(step + 1, loss, norm, model, mesh.rank)  # same on every rank
+    if not skipped:
+        if sharding:
+            sharding.clip(norm, cfg.clip)
+        else:
+            clip_grads(model, norm, cfg.clip)
+        opt.step()
     opt.zero_grad(set_to_none=True)
     if sharding:
         sharding.after_step()  # ZeRO-2: all-gather the weights; FSDP: free them
-    if mixed:
+    if mixed and not skipped:
         mixed.copy_to_compute()
     comm = run_log.comm_by_group(mesh.ledger.records)
-    loss = replica_mean(stats.loss, mesh)
     return dict(step=step + 1, loss=loss, lr=lr, grad_norm=norm, idle_s=stats.idle_s,
+                skipped=skipped,
                 schedule_s=stats.total_s, max_inflight=stats.max_inflight,
                 step_s=time.perf_counter() - t0, comm=comm,
                 tokens=(step + 1) * cfg.global_batch * cfg.seq)
@@ -328,8 +339,10 @@ def _summary(cfg, mesh, model, rows, train_s, idle, busy, ckpt, lead, sharding=N
     val = [r["val_loss"] for r in rows if "val_loss" in r]
     plot = None
     if lead and cfg.plot:
-        plot = str(run_log.plot_losses(rows, Path(cfg.out) / "loss.png",
-                                       f"{cfg.model_name} tp={cfg.tp} pp={cfg.pp} dp={cfg.dp}"))
+        plot = run_log.report_file("loss.png", run_log.plot_losses, rows,
+                                   Path(cfg.out) / "loss.png",
+                                   f"{cfg.model_name} tp={cfg.tp} pp={cfg.pp} dp={cfg.dp}")
+        plot = str(plot) if plot else None
     tail = min(10, len(rows))
     return RunSummary(
         config=cfg, rank=mesh.rank, stage=mesh.pp_rank, tp_rank=mesh.tp_rank, hidden=c.hidden,
