@@ -30,6 +30,12 @@ RECOMPUTE = ("none", "selective", "full")
 _RING_STEPS = {"all_reduce": 2, "all_gather": 1, "reduce_scatter": 1, "broadcast": 1}
 
 
+def bubble_theory(stages: int, micro_batches: int, virtual_stages: int = 1) -> float:
+    """Idle over busy time of a flushed pipeline: (p-1)/m, interleaved (p-1)/(v m)
+    (Narayanan et al. 2021, section 2.2)."""
+    return (stages - 1) / (virtual_stages * micro_batches)
+
+
 def ring_factor(op: str, p: int) -> float:
     """Share of the tensor's bytes each rank sends for `op` over a ring of p ranks:
     2(p-1)/p for an all-reduce, (p-1)/p for the others; 0 with one rank."""

@@ -14,8 +14,10 @@ from pathlib import Path
 
 from tpkit.comm.failure import DEFAULT_COLLECTIVE_TIMEOUT_S
 from tpkit.spec.errors import UserError
+from tpkit.spec.shapes import chunks_problem, interleave_problem
 
 DTYPES = ("float32", "bfloat16")
+NONFINITE_POLICIES = ("stop", "skip")  # what a NaN/inf step does (tpkit.train.nonfinite)
 
 
 @dataclass(frozen=True)
@@ -62,8 +64,10 @@ class TrainConfig:
     log: str = "auto"  # trackers: tensorboard,wandb,mlflow,trackio | none | auto (train/trackers)
     seed: int = 0
     trace: str | None = None  # a folder: the last step's per-rank timeline (tpkit.train.trace)
-    resume: str | None = None  # a checkpoint directory, or a folder of them (the latest)
+    resume: str | None = None  # a checkpoint directory (`tpkit train` resolves a run folder, "auto")
     collective_timeout: float = DEFAULT_COLLECTIVE_TIMEOUT_S  # s a collective may wait
+    on_nonfinite: str = "stop"  # a NaN/inf loss or grad norm: stop the run, or skip the step
+    nonfinite_skips: int = 3  # with on_nonfinite="skip": stop after this many in a row
     progress: bool = True
     plot: bool = True
     checkpoint: bool = True
@@ -91,13 +95,21 @@ class TrainConfig:
             return get_preset(self.preset)
         import json
 
-        from tpkit.model.hf import config_from_hf
+        from tpkit.model.families import config_from_hf
 
         path = Path(self.from_hf) / "config.json"
         if not path.is_file():
             raise ValueError(f"from_hf={self.from_hf}: no config.json there (not a Hugging "
                              f"Face model folder)")
         return config_from_hf(json.loads(path.read_text()))[1]
+
+    @property
+    def tokenizer_id(self) -> str | None:
+        """The model's tokenizer, as `prepare-data --tokenizer` names one: the Hugging Face
+        folder, "bytes" for a byte-level preset (vocab 256), None when unknown."""
+        if self.from_hf is not None:
+            return self.from_hf
+        return "bytes" if self.model_config().vocab_size == 256 else None
 
     def with_(self, **changes) -> TrainConfig:
         """A copy with some fields changed."""
@@ -146,6 +158,11 @@ class TrainConfig:
                        f"masters), not {self.dtype!r}")
         if self.compile:
             out += _backend_problems(self.compile_backend)
+        if self.on_nonfinite not in NONFINITE_POLICIES:
+            out.append(f"on_nonfinite={self.on_nonfinite!r} is not one of "
+                       f"{NONFINITE_POLICIES}")
+        if not isinstance(self.nonfinite_skips, int) or self.nonfinite_skips < 1:
+            out.append(f"nonfinite_skips={self.nonfinite_skips} must be a positive integer")
         if self.dtype not in DTYPES:
             out.append(f"dtype={self.dtype!r} is not one of {DTYPES}")
         if not 0.0 <= self.val_fraction < 1.0:
@@ -161,10 +178,9 @@ class TrainConfig:
                 model.problems(tp=self.tp, pp=self.pp, sp=self.sp, seq=self.seq)]
         out += self._from_hf_problems()
         out += self._context_problems(model)
-        chunks = self.pp * self.virtual_stages
-        if self.virtual_stages > 1 and chunks > model.num_layers:
-            out.append(f"{model.name}: pp*virtual_stages = {self.pp}*{self.virtual_stages} = "
-                       f"{chunks} chunks is more than num_layers={model.num_layers}")
+        chunks = chunks_problem(model.num_layers, self.pp, self.virtual_stages)
+        if self.virtual_stages > 1 and chunks:  # at v=1, model.problems says pp > layers
+            out.append(f"{model.name}: {chunks}")
         return out
 
     def _from_hf_problems(self) -> list[str]:
@@ -213,10 +229,8 @@ class TrainConfig:
         problems = schedule_problems(self.schedule, self.virtual_stages)
         if problems or self.schedule != CHUNKED:
             return problems
-        if self.micro_batches % self.pp:
-            return [f"micro_batches={self.micro_batches} is not a multiple of pp={self.pp} "
-                    f"(interleaved 1F1B)"]
-        return []
+        problem = interleave_problem(self.micro_batches, self.pp)
+        return [problem] if problem else []
 
     def check(self, world_size: int | None = None) -> None:
         """Raise UserError listing every problem (and a world-size mismatch)."""

@@ -47,7 +47,7 @@ SECTIONS: dict[str, tuple[str, ...]] = {  # section -> its TrainConfig fields, i
     "data": ("data", "val_fraction", "eval_every", "eval_batches"),
     "checkpoint": ("ckpt_every", "keep_checkpoints", "resume", "checkpoint"),
     "logging": ("out", "log", "trace", "progress", "plot"),
-    "reliability": ("check_replicas", "collective_timeout"),
+    "reliability": ("check_replicas", "collective_timeout", "on_nonfinite", "nonfinite_skips"),
 }
 FALLBACK = "training"  # a field no section lists (tests/test_config_file.py says which)
 # what a resumed run may not change, and why

@@ -9,6 +9,7 @@
 
 from __future__ import annotations
 
+import shlex
 from collections import Counter
 from dataclasses import dataclass
 
@@ -87,8 +88,9 @@ def report(result: RunSummary, tables: list[str]) -> str:
         lines.append(f"loss curve {result.plot}")
     if result.checkpoint:
         lines.append(f"checkpoint {result.checkpoint}")
-        lines.append(f"sample it:  tpkit generate --checkpoint {result.checkpoint} --tp 2 "
-                     f"--prompt 'The return statement' --temperature 0.8 --top-k 40")
+        tp = f" --tp {c.tp}" if c.tp > 1 else ""  # the run's own tp: one the model admits
+        lines.append(f"sample it:  tpkit generate --checkpoint {shlex.quote(result.checkpoint)}"
+                     f"{tp} --prompt 'The return statement' --temperature 0.8 --top-k 40")
     return "\n".join(lines)
 
 
