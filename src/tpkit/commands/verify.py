@@ -33,6 +33,7 @@ from tpkit.model.exactness import (
     sweep,
 )
 from tpkit.spec.errors import UserError
+from tpkit.spec.transport import add_comm_argument, comm_choice
 
 TOL_HF = 1e-4  # against transformers: another implementation, float32
 
@@ -74,6 +75,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     group(p, "reliability").add_argument(
         "--timeout", type=float, default=300.0, metavar="S",
         help="seconds the worker processes may take before they are stopped")
+    add_comm_argument(layout)
 
 
 def _builder(args: argparse.Namespace):
@@ -84,32 +86,34 @@ def _builder(args: argparse.Namespace):
         from tpkit.checkpoint import load_model
 
         return partial(load_model, args.checkpoint, dtype=dtype, sequence_parallel=args.sp)
-    from tpkit.model import Transformer
+    from tpkit.checkpoint.build import build_model
     from tpkit.spec import get_preset
 
     cfg = get_preset(args.preset)
     if args.layers:
         cfg = replace(cfg, num_layers=args.layers)
-    return partial(Transformer, cfg, seed=1, sequence_parallel=args.sp, dtype=dtype)
+    return partial(build_model, cfg, seed=1, sequence_parallel=args.sp, dtype=dtype)
 
 
 def run(args: argparse.Namespace) -> int:
     """Run the comparison; 0 when every tp matches tp=1 (or transformers, with --hf) and
     the ledger matches theory."""
-    from tpkit.checkpoint import locate
+    from tpkit.checkpoint import open_source
 
     if args.hf:
         return _run_hf(args)
     component = args.component or ("model" if args.preset or args.checkpoint else "mlp")
     tps = _check_args(args, component)
     # once, before any process: every tp reads the same checkpoint
-    args.checkpoint = args.checkpoint and str(locate(args.checkpoint).path)
+    args.checkpoint = args.checkpoint and open_source(args.checkpoint)
     opts = dict(vars(args), ffn=args.ffn or 4 * args.hidden)
     what = f"MLP {args.activation} h={args.hidden} ffn={opts['ffn']}" if component == "mlp" \
-        else f"{args.checkpoint or args.preset}{' +SP' if args.sp else ''}"
+        else f"{args.checkpoint.where if args.checkpoint else args.preset}" \
+             f"{' +SP' if args.sp else ''}"
     print(f"tpkit verify: {what}, batch={args.batch} seq={args.seq} {args.dtype}, tp={tps}")
     case, build = (mlp_case, None) if component == "mlp" else (model_case, _builder(args))
-    ref, rows = compare_tps(case, opts, tps, build, args.timeout)
+    comm = comm_choice(getattr(args, "comm", None))
+    ref, rows = compare_tps(case, opts, tps, build, args.timeout, comm=comm)
     return _report(rows, tps, TOL[args.dtype], loss_bound(ref["loss"], args.dtype), "tp=1",
                    args.dtype)
 
@@ -140,19 +144,20 @@ def _check_args(args: argparse.Namespace, component: str) -> list[int]:
 
 def _run_hf(args: argparse.Namespace) -> int:
     """--hf DIR: the model at every tp against transformers (float32), ledger vs theory."""
-    from tpkit.model import hf_check
-    from tpkit.model.hf import hf_source
+    from tpkit.checkpoint import hf_check
+    from tpkit.checkpoint.hf import hf_source
 
     if args.dtype != "float32":
         raise UserError("--hf compares with transformers in float32 only")
-    config = hf_source(args.hf)[1]  # an unsupported family or no model folder: UserError
+    config = hf_source(args.hf).config  # an unsupported family or no model folder: UserError
     ids = hf_check.sample_ids(config, args.batch, args.seq)
     tps = sorted({int(t) for t in args.tp.split(",")})
     print(f"tpkit verify: {args.hf} ({config.family}){' +SP' if args.sp else ''}, "
           f"batch={args.batch} seq={args.seq} float32, tp={tps}, reference: transformers")
     ref = hf_check.reference(args.hf, ids)
     rows = sweep(hf_check.tp_case, (args.hf, ids, args.sp, args.expert_parallel), tps, ref,
-                 hf_check.gather, hf_check.compare, args.timeout)
+                 hf_check.gather, hf_check.compare, args.timeout,
+                 comm_choice(getattr(args, "comm", None)))
     return _report(rows, tps, TOL_HF, TOL_HF, "transformers", "float32")
 
 
