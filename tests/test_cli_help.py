@@ -72,6 +72,7 @@ def test_version(capsys):
     assert main(["version"]) == 0
     out = capsys.readouterr().out
     assert "transports:" in out and "gloo           available" in out
+    assert "\n  shm            " in out and "\n  nccl           " in out
     assert f"transformers   {metadata.version('transformers')}" in out
 
 
