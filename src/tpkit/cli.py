@@ -30,7 +30,7 @@ from typing import NoReturn
 
 from tpkit.commands.common import HelpFormatter, explain_parse_error, suggest
 from tpkit.exit_now import exit_now
-from tpkit.spec.errors import UserError
+from tpkit.spec.errors import RunFailed, UserError
 
 COMMANDS: dict[str, tuple[str, str]] = {
     "verify": ("tpkit.commands.verify", "check sharded layers/models against tp=1 (outputs, grads, ledger)"),
@@ -111,6 +111,8 @@ def explain(e: BaseException) -> tuple[str, int] | None:
         return f"rank {rank}: {said[0]}", said[1]
     if isinstance(e, UserError):
         return _first_line(e), USER_MISTAKE
+    if isinstance(e, RunFailed):  # a full disk, a diverged loss: said once, not a mistake
+        return _first_line(e), RUN_FAILED
     if isinstance(e, _USER_OS_TYPES) or isinstance(e, OSError) and e.errno in _USER_OS_ERRORS:
         return _first_line(e), USER_MISTAKE
     if getattr(e, "run_failed", False):  # SpawnError: a rank died or a collective timed out

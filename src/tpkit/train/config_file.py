@@ -40,14 +40,14 @@ RUN_CONFIG = "config.toml"  # in the run folder: what it ran
 SECTIONS: dict[str, tuple[str, ...]] = {  # section -> its TrainConfig fields, in this order
     "model": ("preset", "from_hf", "dtype", "master_weights", "recompute", "compile",
               "compile_backend", "loss_chunk"),
-    "parallelism": ("tp", "pp", "dp", "sp", "zero1", "zero2", "fsdp", "fsdp_reshard", "schedule",
+    "parallelism": ("tp", "pp", "dp", "sp", "zero1", "zero2", "fsdp", "fsdp_reshard", "cp", "schedule",
                     "virtual_stages"),
     "training": ("steps", "micro_batches", "global_batch", "seq", "seed"),
     "optimizer": ("lr", "min_lr", "warmup", "weight_decay", "beta2", "clip"),
     "data": ("data", "val_fraction", "eval_every", "eval_batches"),
     "checkpoint": ("ckpt_every", "keep_checkpoints", "resume", "checkpoint"),
     "logging": ("out", "log", "trace", "progress", "plot"),
-    "reliability": ("check_replicas", "collective_timeout"),
+    "reliability": ("check_replicas", "collective_timeout", "on_nonfinite", "nonfinite_skips"),
 }
 FALLBACK = "training"  # a field no section lists (tests/test_config_file.py says which)
 # what a resumed run may not change, and why

@@ -73,8 +73,23 @@ def open_sources(paths: list[str], fields: Fields) -> list[Source]:
             else p.stat().st_size
         if kind in (PARQUET, DATASETS):
             _check_columns(p, _columns(p, kind), fields.name)
+        else:
+            check_text(p)
         sources.append(Source(p, kind, size))
     return sources
+
+
+def check_text(path: Path, sample: int = BLOCK_BYTES, tolerated: float = 0.01) -> None:
+    """A UserError when `path` is not UTF-8 text: NUL bytes or invalid UTF-8 in more than
+    `tolerated` of its first `sample` bytes (a binary, an archive, a UTF-16 file)."""
+    with open(path, "rb") as f:
+        data = f.read(sample)
+    nul = data.count(b"\0")
+    invalid = len(data) - len(data.decode("utf-8", errors="ignore").encode("utf-8"))
+    if data and (nul + invalid) > tolerated * len(data):  # (NUL is valid UTF-8: apart)
+        raise UserError(f"{path}: not a text file ({nul:,} NUL bytes and {invalid:,} bytes of "
+                        f"invalid UTF-8 in its first {len(data):,} bytes); prepare-data reads "
+                        f"UTF-8 text, .jsonl, .parquet or a datasets folder")
 
 
 def _check_columns(path: Path, columns: list[str], field: str) -> None:
