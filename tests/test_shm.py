@@ -289,8 +289,10 @@ def test_a_gloo_mesh_has_no_channel(pools):
 
 def _ping_pong(mesh) -> list[bool]:
     """Both ranks post sends before receiving (as 1F1B does), sizes from one element to
-    more than a mailbox holds (those go over gloo, in order), then a float64 (gloo)."""
+    more than a mailbox holds (those go over gloo, in order); receives posted before the
+    sends and waited for in any order (as ring attention does); a float64 (gloo)."""
     from tpkit.comm import isend, recv
+    from tpkit.comm.collectives import irecv
 
     group, me = mesh.tp_group, mesh.tp_group.rank
     peer, ok = 1 - me, []
@@ -300,6 +302,15 @@ def _ping_pong(mesh) -> list[bool]:
         for k in range(3):
             got = recv(torch.empty(2, n).t()[:, 0], group, peer)  # a non-contiguous buffer
             ok.append(torch.equal(got, torch.full((n,), float(10 * peer + k))))
+        for w in works:
+            w.wait()
+    for n in (3, 2_000_000):  # receives posted first, waited for last one first
+        bufs = [torch.empty(n) for _ in range(3)]
+        posted = [irecv(b, group, peer) for b in bufs]
+        works = [isend(torch.full((n,), float(10 * me + k)), group, peer) for k in range(3)]
+        for p in reversed(posted):
+            p.wait()
+        ok += [torch.equal(b, torch.full((n,), float(10 * peer + k))) for k, b in enumerate(bufs)]
         for w in works:
             w.wait()
     works = [isend(torch.full((5,), float(me), dtype=torch.float64), group, peer)]

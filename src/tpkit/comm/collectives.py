@@ -301,13 +301,37 @@ def recv(x: torch.Tensor, group: CommGroup, src: int, *, phase: str = "forward",
          scope: str | None = None) -> torch.Tensor:
     """Point-to-point receive into `x` from group rank `src`; returns `x`."""
     ch = _shm(group, x)
-    buf = x if ch is None or x.is_contiguous() else x.contiguous()
     with _guarded("recv", group, x.numel(), _nbytes(x), phase, scope, src):
-        if ch is None or not ch.recv(buf, src):
-            dist.recv(buf, src=group.ranks[src], group=group.pg)
-    if buf is not x:
-        x.copy_(buf)
+        if ch is None:
+            dist.recv(x, src=group.ranks[src], group=group.pg)
+        else:
+            _ShmRecv(ch, x, group, src).wait()
     return x
+
+
+class _ShmRecv:
+    """A receive from shared memory: posted now, taken at `wait()`. Messages from one peer
+    are taken in the order their receives were posted (a wait first takes the earlier
+    ones); one that came over the process group (the mailbox was full) is received there."""
+
+    def __init__(self, ch: ShmChannel, x: torch.Tensor, group: CommGroup, src: int) -> None:
+        self.ch, self.x, self.group, self.src, self.done = ch, x, group, src, False
+        ch.posted(src).append(self)
+
+    def wait(self) -> bool:
+        queue = self.ch.posted(self.src)
+        while not self.done:
+            queue.popleft()._take()
+        return True
+
+    def _take(self) -> None:
+        x = self.x
+        buf = x if x.is_contiguous() else x.contiguous()
+        if not self.ch.recv(buf, self.src):
+            dist.recv(buf, src=self.group.ranks[self.src], group=self.group.pg)
+        if buf is not x:
+            x.copy_(buf)
+        self.done = True
 
 
 @_graph_break
@@ -317,7 +341,9 @@ def irecv(x: torch.Tensor, group: CommGroup, src: int, *, phase: str = "forward"
     `.wait()` returns `x` (ring attention overlaps it with a block's computation)."""
     _real(group)
     t0 = time.perf_counter()
-    work = dist.irecv(x, src=group.ranks[src], group=group.pg)
+    ch = _shm(group, x)  # shared memory: the message is taken at wait() (it never blocks
+    work = _ShmRecv(ch, x, group, src) if ch is not None else \
+        dist.irecv(x, src=group.ranks[src], group=group.pg)  # the sender)
     p = Pending(work, lambda: x, ("recv", group, x.numel(), _nbytes(x), phase, scope), peer=src)
     p._posted_s, p._posted_at = time.perf_counter() - t0, t0
     return p

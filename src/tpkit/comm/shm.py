@@ -19,6 +19,7 @@ from __future__ import annotations
 import ctypes
 import os
 import weakref
+from collections import deque
 
 import torch
 import torch.distributed as dist
@@ -47,6 +48,7 @@ class ShmChannel:
                  timeout_s: float, name: str) -> None:
         self._lib, self._base, self._size = lib, base, size
         self.rank, self.nranks, self.timeout_s, self.name = rank, nranks, timeout_s, name
+        self._posted: dict[int, deque] = {}  # src -> receives posted, not yet taken
         self._who = ctypes.c_int(-1)
         self._who_ref = ctypes.byref(self._who)
         self._unmap = weakref.finalize(self, lib.tpk_unmap, base, size)
@@ -143,6 +145,10 @@ class ShmChannel:
                                 self._who_ref)
         self._check(rc, "recv")
         return rc == 0
+
+    def posted(self, src: int) -> deque:
+        """The receives from group rank `src` posted and not yet taken, oldest first."""
+        return self._posted.setdefault(src, deque())
 
     def _check(self, rc: int, op: str) -> None:
         if rc in (0, 4):  # 4: a message that goes over the process group
