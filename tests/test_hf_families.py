@@ -17,10 +17,10 @@ from safetensors.torch import load_file
 
 from tpkit.checkpoint import convert
 from tpkit.checkpoint import store as ckpt
+from tpkit.checkpoint.hf import from_pretrained, to_hf
+from tpkit.checkpoint.hf_check import compare, gather, reference, tp_case
 from tpkit.comm import all_gather
 from tpkit.layers.attention import KVCache
-from tpkit.model.hf import from_pretrained, to_hf
-from tpkit.model.hf_check import compare, gather, reference, tp_case
 
 SMALL = dict(num_hidden_layers=2, hidden_size=64, intermediate_size=96, vocab_size=101,
              max_position_embeddings=64)

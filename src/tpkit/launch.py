@@ -1,6 +1,7 @@
 """Run a function on N local processes (gloo), for tests, demos and `--nproc`.
 
     results = spawn(fn, 4, x, mesh=dict(tp=2, pp=2))   # fn(mesh, x) on ranks 0..3
+    results = spawn_ranks(fn, 2, x)                    # fn(mesh, x), tp=2 (`tpkit.spawn`)
 
 `spawn` starts the processes, runs `fn` once, and stops them. `WorkerPool` keeps
 them alive so that many runs share one start (importing torch costs seconds): the
@@ -369,3 +370,15 @@ def spawn(fn: Callable, nprocs: int, *args: Any, timeout: float = 120.0,
     with WorkerPool(nprocs, timeout=timeout, threads=threads, env=env,
                     pg_timeout_s=collective_timeout) as pool:
         return pool.run(fn, *args, mesh=mesh)
+
+
+def spawn_ranks(fn: Callable, n: int, *args: Any, tp: int | None = None, pp: int = 1,
+                dp: int = 1, **kw: Any) -> list:
+    """`fn(mesh, *args)` on `n` fresh local processes, `mesh` being this rank's
+    `ParallelMesh` of (tp, pp, dp) (tp: what pp and dp leave, all of `n` by default);
+    returns the per-rank results. This is `tpkit.spawn`; `kw` as `spawn` takes them."""
+    from tpkit.spec.grid import check_sizes
+
+    tp = tp or n // (pp * dp)
+    check_sizes(n, tp, pp, dp)  # a UserError naming the numbers, before any process
+    return spawn(fn, n, *args, mesh=dict(tp=tp, pp=pp, dp=dp), **kw)

@@ -213,6 +213,11 @@ class ParallelMesh:
         """Data-parallel replica index."""
         return self.coord.dp
 
+    @property
+    def layout(self) -> dict[str, int]:
+        """{"tp", "pp", "dp"} sizes: a checkpoint's layout as its manifest records it."""
+        return dict(tp=self.tp_size, pp=self.pp_size, dp=self.dp_size)
+
     def describe(self) -> str:
         """The rank grid as text (quiz answer 6)."""
         lines = [f"world={self.world_size}: tp={self.tp_size} x pp={self.pp_size} x "

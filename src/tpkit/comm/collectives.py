@@ -298,3 +298,16 @@ def recv(x: torch.Tensor, group: CommGroup, src: int, *, phase: str = "forward",
     with _guarded("recv", group, x.numel(), _nbytes(x), phase, scope, src):
         dist.recv(x, src=group.ranks[src], group=group.pg)
     return x
+
+
+@_graph_break
+def irecv(x: torch.Tensor, group: CommGroup, src: int, *, phase: str = "forward",
+          scope: str | None = None) -> Pending:
+    """Post a point-to-point receive into `x` from group rank `src` and return at once;
+    `.wait()` returns `x` (ring attention overlaps it with a block's computation)."""
+    _real(group)
+    t0 = time.perf_counter()
+    work = dist.irecv(x, src=group.ranks[src], group=group.pg)
+    p = Pending(work, lambda: x, ("recv", group, x.numel(), _nbytes(x), phase, scope), peer=src)
+    p._posted_s, p._posted_at = time.perf_counter() - t0, t0
+    return p

@@ -1,6 +1,6 @@
 """`tpkit generate`: load a model at a tensor-parallel layout (tpkit checkpoint, run
-folder, full file or Hugging Face directory: `tpkit.checkpoint.load_model`) and sample
-from it (`tpkit.model.generate`).
+folder, full file or Hugging Face directory, opened once here: `checkpoint.open_source`,
+`checkpoint.load_model`) and sample from it (`model.generate`).
 
     tpkit generate --checkpoint hf-dir --tp 2 --prompt "The capital of France is"
     tpkit generate --checkpoint runs/x --prompt "a" --prompt "bcd"     # a batch of two
@@ -18,8 +18,7 @@ import os
 import sys
 import time
 
-from tpkit.checkpoint.locate import locate
-from tpkit.checkpoint.sources import load_model, source_tokenizer
+from tpkit.checkpoint.sources import load_model, open_source, source_tokenizer
 from tpkit.commands.common import group
 from tpkit.mesh import ParallelMesh
 from tpkit.model.generate import generate, pad_left
@@ -35,17 +34,17 @@ def _prompts(args: argparse.Namespace, tok) -> list[list[int]]:
     return [tok.encode(p) for p in args.prompt]
 
 
-def _worker(mesh: ParallelMesh, args: argparse.Namespace) -> dict:
-    """Generate on this rank; rank 0 streams the text of a single prompt as it comes."""
-    model = load_model(args.checkpoint, mesh)
-    tok = load_tokenizer(source_tokenizer(args.checkpoint))  # a run folder: its latest
+def _worker(mesh: ParallelMesh, args: argparse.Namespace, source) -> dict:
+    """Generate on this rank (`source`: the checkpoint, opened by `run`); rank 0 streams
+    the text of a single prompt as it comes."""
+    model = load_model(source, mesh)
+    tok = load_tokenizer(source_tokenizer(source))
     vocab = model.config.vocab_size
     name = model.config.name
-    if isinstance(tok, ByteTokenizer) and not args.prompt_ids and (
-            vocab < 256 or name.startswith("hf-")):  # a Hugging Face model: not bytes
-        raise UserError(f"no tokenizer files in {args.checkpoint} and {name} (vocab_size="
-                         f"{vocab}) is not a byte-level model; copy its tokenizer files "
-                         f"there or pass --prompt-ids")
+    if isinstance(tok, ByteTokenizer) and not args.prompt_ids and not model.config.byte_level:
+        raise UserError(f"no tokenizer files in {source.where} and {name} (vocab_size="
+                        f"{vocab}) is not a byte-level model; copy its tokenizer files "
+                        f"there or pass --prompt-ids")
     prompts = _prompts(args, tok)
     bad = sorted({t for p in prompts for t in p if not 0 <= t < vocab})
     if bad:
@@ -131,15 +130,15 @@ def run(args: argparse.Namespace) -> int:
     Mistakes (flags, paths, token ids) are `UserError`s: one line from `tpkit.cli`."""
     _check_args(args)
     comm = comm_choice(getattr(args, "comm", None))
-    args.checkpoint = str(locate(args.checkpoint).path)  # once, before any process
+    source = open_source(args.checkpoint)  # once, before any process
     if "WORLD_SIZE" in os.environ:
-        result = _worker(ParallelMesh.from_env(tp=args.tp, pp=1, comm=comm), args)
+        result = _worker(ParallelMesh.from_env(tp=args.tp, pp=1, comm=comm), args, source)
     elif args.tp == 1:
-        result = _worker(ParallelMesh.single(), args)
+        result = _worker(ParallelMesh.single(), args, source)
     else:
         from tpkit.launch import spawn
 
-        result = spawn(_worker, args.tp, args, mesh=dict(tp=args.tp, comm=comm))[0]
+        result = spawn(_worker, args.tp, args, source, mesh=dict(tp=args.tp, comm=comm))[0]
     if not result["streamed"]:
         print("\n\n".join(result["texts"]))
     n = sum(len(r) for r in result["new"])

@@ -61,6 +61,8 @@ _FLAGS = {  # field -> (type, 'store_true' or a tuple of choices; help); heading
     "fsdp": ("store_true", "fully sharded data parallel (ZeRO-3): weights, gradients and "
                            "optimizer state sharded over dp, one flat unit per layer, "
                            "all-gathered just before use (composes with --tp and --pp)"),
+    "cp": (int, "context-parallel ranks per sequence: load-balanced chunks, ring attention "
+                "(k/v passed point-to-point); the processes are tp*pp*dp*cp"),
     "fsdp_reshard": (FSDP_RESHARD, "with --fsdp, when gathered weights are freed: after-forward "
                                    "(gathered again for backward) or after-step (kept for the "
                                    "step: one gather and one reduce-scatter per step)"),
@@ -151,16 +153,16 @@ def config_from_args(args: argparse.Namespace, world: int | None) -> TrainConfig
         given["progress"] = False
     from_file = read_toml(args.config, names) if getattr(args, "config", None) else {}
     cfg = TrainConfig(**{**from_file, **given})
-    if "dp" not in given and "dp" not in from_file and world and world % (cfg.tp * cfg.pp) == 0:
-        cfg = cfg.with_(dp=world // (cfg.tp * cfg.pp))
+    rest = cfg.tp * cfg.pp * cfg.cp
+    if "dp" not in given and "dp" not in from_file and world and world % rest == 0:
+        cfg = cfg.with_(dp=world // rest)
     return cfg
 
 
 def _worker(mesh, cfg: TrainConfig) -> RunSummary:
     from tpkit.train.loop import train
-    from tpkit.train.trackers import Trackers
 
-    return train(cfg, mesh, trackers=Trackers(cfg, flops_per_token(cfg)))
+    return train(cfg, mesh, trackers=trackers(cfg, mesh))
 
 
 def flops_per_token(cfg: TrainConfig) -> float:
@@ -168,6 +170,22 @@ def flops_per_token(cfg: TrainConfig) -> float:
     from tpkit.plan.cost import model_flops_per_token
 
     return model_flops_per_token(cfg.model_config(), cfg.seq)
+
+
+def trackers(cfg: TrainConfig, mesh):
+    """The run's trackers (`--log`), with MFU's numerator and, when this device has a
+    known profile (a GPU the planner knows, a CPU after `tpkit calibrate`), its peak."""
+    from tpkit.plan.hardware import profile_of_device
+    from tpkit.train.trackers import Trackers
+
+    if mesh.rank != 0:
+        return None
+    import torch
+
+    name = torch.cuda.get_device_name(mesh.device) if mesh.device.type == "cuda" else "cpu"
+    profile = profile_of_device(name)
+    peak = profile.accelerator.peak_flops * mesh.world_size if profile else None
+    return Trackers(cfg, flops_per_token(cfg), peak)
 
 
 def _print_report(results: list[RunSummary]) -> None:
@@ -185,8 +203,6 @@ def _print_report(results: list[RunSummary]) -> None:
 def run(args: argparse.Namespace) -> int:
     """Train; 0 on success. A configuration, data or checkpoint error raises UserError
     (one line on stderr and exit status 2, from `tpkit.cli`), before any process starts."""
-    from tpkit.checkpoint.locate import sharded_dir
-
     torchrun = "RANK" in os.environ and "WORLD_SIZE" in os.environ
     world = int(os.environ["WORLD_SIZE"]) if torchrun else args.nproc
     if world is not None and world < 1:
@@ -197,18 +213,18 @@ def run(args: argparse.Namespace) -> int:
               end="")
         return 0
     cfg.check(world or cfg.world_size)
-    if cfg.resume and cfg.resume != "auto":  # a run folder: its latest valid checkpoint,
-        cfg = cfg.with_(resume=str(sharded_dir(cfg.resume)))  # chosen once, here
+    fresh = not cfg.resume  # "auto" with nothing to resume is no fresh run either
+    cfg = cfg.with_(resume=resume_dir(cfg))  # chosen once, here
     _say_resume_changes(cfg)
     comm = comm_choice(getattr(args, "comm", None))
     if torchrun:
-        return _run_torchrun(cfg, args.overwrite, comm)
+        return _run_torchrun(cfg, args.overwrite, comm, fresh)
     from tpkit.train.data import load_tokens
     from tpkit.train.run_folder import check_writable, hold
 
     check_writable(Path(cfg.out))  # one line, before any process is spawned
     with hold(Path(cfg.out)):  # one run per folder, from here until the run ends
-        if not cfg.resume:
+        if fresh:
             _never_mix_runs(Path(cfg.out), args.overwrite, torchrun)
         load_tokens(cfg.data, cfg.model_config().vocab_size, cfg.tokenizer_id)  # errors now
         _check_memory(cfg, args.force)
@@ -227,28 +243,36 @@ def _check_memory(cfg: TrainConfig, force: bool) -> None:
         check_fits(cfg, force)
 
 
-def _say_resume_changes(cfg: TrainConfig) -> None:
-    """A resumed run: print what differs from the checkpoint's config; a change that
-    cannot work (another model, another data order) is a UserError."""
-    from tpkit.checkpoint import store
+def resume_dir(cfg: TrainConfig) -> str | None:
+    """The checkpoint directory `cfg.resume` names: "auto", the newest valid one in
+    --out (None: a fresh run); a run folder, its latest valid checkpoint."""
+    from tpkit.checkpoint.locate import latest, run_checkpoints, sharded_dir
 
-    path = cfg.resume
-    if path == "auto":
-        path = store.latest(Path(cfg.out) / "checkpoints")
-    saved = saved_config(path) if path else None
+    if cfg.resume == "auto":
+        found = latest(run_checkpoints(cfg.out))
+        return None if found is None else str(found)
+    return cfg.resume and str(sharded_dir(cfg.resume))
+
+
+def _say_resume_changes(cfg: TrainConfig) -> None:
+    """A resumed run (`cfg.resume`: the checkpoint directory `resume_dir` chose): print
+    what differs from the checkpoint's config; a change that cannot work (another model,
+    another data order) is a UserError."""
+    saved = saved_config(cfg.resume) if cfg.resume else None
     if saved is None:
         return
     changes = resume_changes(saved, cfg)  # raises on every rank
     if changes and os.environ.get("RANK", "0") == "0":
-        print(f"resuming {path} with changes: " + "; ".join(changes), file=sys.stderr)
+        print(f"resuming {cfg.resume} with changes: " + "; ".join(changes), file=sys.stderr)
 
 
 def _never_mix_runs(out: Path, overwrite: bool, torchrun: bool) -> None:
     """A new run into an --out that holds an earlier run's checkpoints: refuse, naming
     the flags, or (--overwrite) delete them first (rank 0 only, under torchrun)."""
     from tpkit.checkpoint import store
+    from tpkit.checkpoint.locate import run_checkpoints
 
-    found = store.complete(out / "checkpoints")
+    found = store.complete(run_checkpoints(out))
     if not found:
         return
     if not overwrite:
@@ -270,7 +294,8 @@ def _run_local(cfg: TrainConfig, comm: str) -> int:
         results = [_worker(ParallelMesh.single(device=best_device()), cfg)]
     else:
         threads = max(1, (os.cpu_count() or 1) // n)
-        results = spawn(_worker, n, cfg, mesh=dict(tp=cfg.tp, pp=cfg.pp, dp=cfg.dp, comm=comm),
+        results = spawn(_worker, n, cfg, mesh=dict(tp=cfg.tp, pp=cfg.pp, dp=cfg.dp * cfg.cp,
+                                                   comm=comm),
                         threads=threads, timeout=7 * 24 * 3600.0,
                         collective_timeout=cfg.collective_timeout)
     _print_report(results)
@@ -282,8 +307,6 @@ def _merge_trace(cfg: TrainConfig) -> None:
     """Every rank's part of the timeline -> one trace and its PNG (after all ranks wrote)."""
     if not cfg.trace:
         return
-    from pathlib import Path
-
     from tpkit.train.trace import merge
 
     title = (f"{cfg.preset} tp={cfg.tp} pp={cfg.pp} dp={cfg.dp}, {cfg.schedule}, "
@@ -325,13 +348,13 @@ def _folder_held_by_rank0(out: Path, rank: int) -> Iterator[None]:
         yield
 
 
-def _run_torchrun(cfg: TrainConfig, overwrite: bool, comm: str) -> int:
+def _run_torchrun(cfg: TrainConfig, overwrite: bool, comm: str, fresh: bool) -> int:
     from tpkit.mesh import ParallelMesh
 
-    mesh = ParallelMesh.from_env(tp=cfg.tp, pp=cfg.pp, dp=cfg.dp,
+    mesh = ParallelMesh.from_env(tp=cfg.tp, pp=cfg.pp, dp=cfg.dp * cfg.cp,  # cp: in dp
                                  timeout_s=cfg.collective_timeout, comm=comm)
     with _folder_held_by_rank0(Path(cfg.out), mesh.rank):
-        if not cfg.resume:
+        if fresh:
             _never_mix_runs(Path(cfg.out), overwrite, True)
         if mesh.rank == 0:
             write_run_config(cfg, cfg.out)
@@ -342,7 +365,6 @@ def _train_torchrun(cfg: TrainConfig, mesh) -> int:
     import torch.distributed as dist
 
     from tpkit.train.loop import train
-    from tpkit.train.trackers import Trackers
 
     # one write per line: ranks share the agent's stdout, and print() under PYTHONUNBUFFERED
     # writes the text and its newline separately, so two ranks' lines could run together
@@ -351,7 +373,7 @@ def _train_torchrun(cfg: TrainConfig, mesh) -> int:
     price = cross_node_price(mesh.tp_size, mesh.pp_size, mesh.dp_size, mesh.ranks_per_node)
     if price and mesh.rank == 0:  # the mesh warned of the problem; the planner prices it
         print(price, file=sys.stderr, flush=True)
-    result = train(cfg, mesh, trackers=Trackers(cfg, flops_per_token(cfg)))
+    result = train(cfg, mesh, trackers=trackers(cfg, mesh))
     if mesh.rank == 0:
         print(mesh.describe())
         _print_report([result])

@@ -86,29 +86,30 @@ def _builder(args: argparse.Namespace):
         from tpkit.checkpoint import load_model
 
         return partial(load_model, args.checkpoint, dtype=dtype, sequence_parallel=args.sp)
-    from tpkit.model import Transformer
+    from tpkit.checkpoint.build import build_model
     from tpkit.spec import get_preset
 
     cfg = get_preset(args.preset)
     if args.layers:
         cfg = replace(cfg, num_layers=args.layers)
-    return partial(Transformer, cfg, seed=1, sequence_parallel=args.sp, dtype=dtype)
+    return partial(build_model, cfg, seed=1, sequence_parallel=args.sp, dtype=dtype)
 
 
 def run(args: argparse.Namespace) -> int:
     """Run the comparison; 0 when every tp matches tp=1 (or transformers, with --hf) and
     the ledger matches theory."""
-    from tpkit.checkpoint import locate
+    from tpkit.checkpoint import open_source
 
     if args.hf:
         return _run_hf(args)
     component = args.component or ("model" if args.preset or args.checkpoint else "mlp")
     tps = _check_args(args, component)
     # once, before any process: every tp reads the same checkpoint
-    args.checkpoint = args.checkpoint and str(locate(args.checkpoint).path)
+    args.checkpoint = args.checkpoint and open_source(args.checkpoint)
     opts = dict(vars(args), ffn=args.ffn or 4 * args.hidden)
     what = f"MLP {args.activation} h={args.hidden} ffn={opts['ffn']}" if component == "mlp" \
-        else f"{args.checkpoint or args.preset}{' +SP' if args.sp else ''}"
+        else f"{args.checkpoint.where if args.checkpoint else args.preset}" \
+             f"{' +SP' if args.sp else ''}"
     print(f"tpkit verify: {what}, batch={args.batch} seq={args.seq} {args.dtype}, tp={tps}")
     case, build = (mlp_case, None) if component == "mlp" else (model_case, _builder(args))
     comm = comm_choice(getattr(args, "comm", None))
@@ -143,12 +144,12 @@ def _check_args(args: argparse.Namespace, component: str) -> list[int]:
 
 def _run_hf(args: argparse.Namespace) -> int:
     """--hf DIR: the model at every tp against transformers (float32), ledger vs theory."""
-    from tpkit.model import hf_check
-    from tpkit.model.hf import hf_source
+    from tpkit.checkpoint import hf_check
+    from tpkit.checkpoint.hf import hf_source
 
     if args.dtype != "float32":
         raise UserError("--hf compares with transformers in float32 only")
-    config = hf_source(args.hf)[1]  # an unsupported family or no model folder: UserError
+    config = hf_source(args.hf).config  # an unsupported family or no model folder: UserError
     ids = hf_check.sample_ids(config, args.batch, args.seq)
     tps = sorted({int(t) for t in args.tp.split(",")})
     print(f"tpkit verify: {args.hf} ({config.family}){' +SP' if args.sp else ''}, "

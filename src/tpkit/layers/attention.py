@@ -31,9 +31,11 @@ from tpkit.comm.group import CommGroup
 from tpkit.layers.linear import ColumnParallelLinear, RowParallelLinear
 from tpkit.layers.norm import Norm
 from tpkit.layers.random import TPRandom
+from tpkit.layers.ring_attention import cp_positions, ring_attention
 from tpkit.layers.rotary import apply_rope, rope_angles
 from tpkit.sharding import seed_for, set_meta
-from tpkit.spec.shapes import kv_heads_per_rank
+from tpkit.spec.errors import UserError
+from tpkit.spec.shapes import heads_problems, kv_heads_per_rank
 
 
 @dataclass
@@ -75,12 +77,8 @@ class ParallelAttention(nn.Module):
         tp, kv = group.size, num_kv_heads or num_heads
         if head_dim is None and hidden % num_heads:
             raise ValueError(f"hidden={hidden} is not divisible by num_heads={num_heads}")
-        if num_heads % tp:
-            raise ValueError(f"num_heads={num_heads} is not divisible by tp={tp}")
-        if num_heads % kv:
-            raise ValueError(f"num_heads={num_heads} is not a multiple of num_kv_heads={kv}")
-        if kv % tp and tp % kv:
-            raise ValueError(f"num_kv_heads={kv} is neither a multiple nor a divisor of tp={tp}")
+        if heads_problems(num_heads, kv, tp):
+            raise UserError("; ".join(heads_problems(num_heads, kv, tp)))
         self.hidden, self.num_heads, self.num_kv_heads, self.group = hidden, num_heads, kv, group
         self.head_dim = hd = head_dim or hidden // num_heads
         self.local_heads = num_heads // tp
@@ -88,6 +86,7 @@ class ParallelAttention(nn.Module):
         self.causal, self.rope_theta, self.dropout = causal, rope_theta, dropout
         self.rotary_dim, self.sliding_window = rotary_dim or hd, sliding_window
         self.rope_llama3 = rope_llama3
+        self.cp: CommGroup | None = None  # context parallel: ring attention over this group
         kv_chunks = tp if kv >= tp else kv
         kw = dict(device=device, dtype=dtype)
         self.qkv = ColumnParallelLinear(
@@ -124,10 +123,13 @@ class ParallelAttention(nn.Module):
         if self.q_norm is not None:
             q, k = self.q_norm(q), self.k_norm(k)  # over each head's hd
         offset = kv_cache.length if kv_cache is not None else 0
+        ring = self.cp is not None and self.cp.size > 1  # this rank holds 2 chunks of S
         if self.rope_theta is not None:
-            cos, sin = rope_angles(s, self.rotary_dim, self.rope_theta, offset, x.device,
-                                   self.rope_llama3)
+            cos, sin = self._angles(s, offset, x.device, ring)
             q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
+        if ring:  # keys and values around the cp ring; kv heads travel unrepeated
+            y = ring_attention(q, k, v, self.cp)  # [b, nh/tp, s, hd]
+            return self.out(y.transpose(1, 2).reshape(b, s, nq * hd))  # [b, s, h] over tp
         if kv_cache is not None:
             k = k if kv_cache.k is None else torch.cat([kv_cache.k, k], dim=2)
             v = v if kv_cache.v is None else torch.cat([kv_cache.v, v], dim=2)
@@ -138,6 +140,16 @@ class ParallelAttention(nn.Module):
         y = self._attend(q, k, v, attention_mask, offset, rng)  # [b, nh/tp, s, hd]
         y = y.transpose(1, 2).reshape(b, s, nq * hd)  # [b, s, h/tp]
         return self.out(y)  # [b, s, h] summed over tp
+
+    def _angles(self, s: int, offset: int, device, ring: bool):
+        """cos, sin [s, rotary_dim] of this rank's positions (global ones under cp)."""
+        if not ring:
+            return rope_angles(s, self.rotary_dim, self.rope_theta, offset, device,
+                               self.rope_llama3)
+        cos, sin = rope_angles(s * self.cp.size, self.rotary_dim, self.rope_theta, 0, device,
+                               self.rope_llama3)  # [S, rd]
+        pos = cp_positions(s, self.cp, device=device)  # [s] global positions
+        return cos[pos], sin[pos]
 
     def _attend(self, q, k, v, attention_mask, offset, rng):
         s, t = q.shape[2], k.shape[2]

@@ -33,7 +33,6 @@ from torch import nn
 
 from tpkit.comm import all_gather
 from tpkit.layers.attention import KVCache
-from tpkit.model.tokenizer import ByteTokenizer
 from tpkit.spec.errors import UserError
 
 PP_ERROR = ("generate runs at pp=1: one sequence's tokens come one at a time, so a "
@@ -111,12 +110,3 @@ def pick(logits: torch.Tensor, temperature: float, top_k: int | None,
         logits = logits.masked_fill(logits < kth, float("-inf"))
     return torch.multinomial(logits.softmax(-1), 1, generator=gen)
 
-
-def encode(text: str) -> list[int]:
-    """Byte-level tokenizer of tpkit's presets: UTF-8 bytes (`tokenizer.ByteTokenizer`)."""
-    return ByteTokenizer().encode(text)
-
-
-def decode(ids: list[int]) -> str:
-    """Inverse of `encode` (ids >= 256 are dropped; bad UTF-8 replaced)."""
-    return ByteTokenizer().decode(ids)

@@ -1,7 +1,7 @@
 """Pipeline and data parallelism around the tensor-parallel model (quiz answer 6).
 
     p2p.py            StageLink: activations / gradients between neighbouring stages
-    schedules.py      GPipe, 1F1B, interleaved 1F1B, forward-only; bubble (p-1)/m, (p-1)/(v m)
+    schedules.py      GPipe, 1F1B, interleaved 1F1B, forward-only (bubble: spec.theory)
     data_parallel.py  bucketed dp gradient all-reduce; tied-embedding group first<->last stage
     grad_norm.py      global gradient norm counting every parameter once; clipping
     zero.py           ZeRO-1: AdamW state sharded over dp
@@ -24,7 +24,6 @@ from tpkit.parallel.schedules import (
     SCHEDULES,
     MicroBatch,
     StepStats,
-    bubble_theory,
     forward_only,
     interleaved_order,
     run_schedule,
@@ -39,7 +38,6 @@ __all__ = [
     "StepStats",
     "ZeroAdamW",
     "allreduce_grads",
-    "bubble_theory",
     "clip_grads",
     "forward_only",
     "global_grad_norm",

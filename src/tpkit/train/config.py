@@ -14,6 +14,7 @@ from pathlib import Path
 
 from tpkit.comm.failure import DEFAULT_COLLECTIVE_TIMEOUT_S
 from tpkit.spec.errors import UserError
+from tpkit.spec.shapes import chunks_problem, interleave_problem
 
 DTYPES = ("float32", "bfloat16")
 NONFINITE_POLICIES = ("stop", "skip")  # what a NaN/inf step does (tpkit.train.nonfinite)
@@ -43,6 +44,7 @@ class TrainConfig:
     zero2: bool = False  # gradients and AdamW state sharded over dp (tpkit.parallel.zero2)
     fsdp: bool = False  # weights too, one flat unit per layer (tpkit.parallel.fsdp)
     fsdp_reshard: str = "after-forward"  # or after-step: keep gathered weights for the step
+    cp: int = 1  # context parallel: each sequence over cp ranks, ring attention
     schedule: str = "1f1b"  # a key of tpkit.parallel.schedules.SCHEDULES
     virtual_stages: int = 1  # model chunks per stage (interleaved 1F1B)
     dtype: str = "float32"  # bfloat16: autocast of the forward
@@ -62,7 +64,7 @@ class TrainConfig:
     log: str = "auto"  # trackers: tensorboard,wandb,mlflow,trackio | none | auto (train/trackers)
     seed: int = 0
     trace: str | None = None  # a folder: the last step's per-rank timeline (tpkit.train.trace)
-    resume: str | None = None  # a checkpoint directory, or a folder of them (the latest)
+    resume: str | None = None  # a checkpoint directory (`tpkit train` resolves a run folder, "auto")
     collective_timeout: float = DEFAULT_COLLECTIVE_TIMEOUT_S  # s a collective may wait
     on_nonfinite: str = "stop"  # a NaN/inf loss or grad norm: stop the run, or skip the step
     nonfinite_skips: int = 3  # with on_nonfinite="skip": stop after this many in a row
@@ -77,8 +79,8 @@ class TrainConfig:
 
     @property
     def world_size(self) -> int:
-        """tp * pp * dp."""
-        return self.tp * self.pp * self.dp
+        """tp * pp * dp * cp."""
+        return self.tp * self.pp * self.dp * self.cp
 
     @property
     def model_name(self) -> str:
@@ -93,7 +95,7 @@ class TrainConfig:
             return get_preset(self.preset)
         import json
 
-        from tpkit.model.hf import config_from_hf
+        from tpkit.model.families import config_from_hf
 
         path = Path(self.from_hf) / "config.json"
         if not path.is_file():
@@ -129,7 +131,7 @@ class TrainConfig:
         """Every reason this run cannot start; empty when it can."""
         out = [f"{k}={getattr(self, k)} must be a positive integer"
                for k in ("tp", "pp", "dp", "steps", "micro_batches", "global_batch", "seq",
-                         "virtual_stages")
+                         "virtual_stages", "cp")
                if not isinstance(getattr(self, k), int) or getattr(self, k) < 1]
         out += [f"{k}={getattr(self, k)} must be an integer >= 0"
                 for k in ("warmup", "ckpt_every", "keep_checkpoints", "check_replicas",
@@ -175,10 +177,10 @@ class TrainConfig:
         out += [f"{model.name}: {p}" for p in
                 model.problems(tp=self.tp, pp=self.pp, sp=self.sp, seq=self.seq)]
         out += self._from_hf_problems()
-        chunks = self.pp * self.virtual_stages
-        if self.virtual_stages > 1 and chunks > model.num_layers:
-            out.append(f"{model.name}: pp*virtual_stages = {self.pp}*{self.virtual_stages} = "
-                       f"{chunks} chunks is more than num_layers={model.num_layers}")
+        out += self._context_problems(model)
+        chunks = chunks_problem(model.num_layers, self.pp, self.virtual_stages)
+        if self.virtual_stages > 1 and chunks:  # at v=1, model.problems says pp > layers
+            out.append(f"{model.name}: {chunks}")
         return out
 
     def _from_hf_problems(self) -> list[str]:
@@ -189,6 +191,19 @@ class TrainConfig:
         return [f"from_hf={self.from_hf} trains on ids of its own tokenizer, but data="
                 f"{self.data} would be read as bytes: run `tpkit prepare-data TEXT_FILES "
                 f"--tokenizer {self.from_hf} --out DIR` and train on data=DIR"]
+
+    def _context_problems(self, model) -> list[str]:
+        """What context parallelism (cp > 1) cannot run yet, each naming the setting."""
+        if self.cp == 1:
+            return []
+        out = [] if self.seq % (2 * self.cp) == 0 else [
+            f"seq={self.seq} is not divisible by 2*cp = {2 * self.cp} (context parallelism "
+            f"cuts each sequence into 2 cp chunks)"]
+        bad = [("dropout", model.dropout > 0,
+               f"dropout={model.dropout}"), ("causal", not model.causal, "a bidirectional "
+               "model"), ("sliding_window", bool(model.sliding_window), "a sliding window")]
+        return out + [f"cp={self.cp} with {what} is not supported yet" for _, on, what in bad
+                      if on]
 
     def _sharding_problems(self) -> list[str]:
         from tpkit.spec.theory import FSDP_RESHARD
@@ -214,17 +229,16 @@ class TrainConfig:
         problems = schedule_problems(self.schedule, self.virtual_stages)
         if problems or self.schedule != CHUNKED:
             return problems
-        if self.micro_batches % self.pp:
-            return [f"micro_batches={self.micro_batches} is not a multiple of pp={self.pp} "
-                    f"(interleaved 1F1B)"]
-        return []
+        problem = interleave_problem(self.micro_batches, self.pp)
+        return [problem] if problem else []
 
     def check(self, world_size: int | None = None) -> None:
         """Raise UserError listing every problem (and a world-size mismatch)."""
         problems = self.problems()
         if world_size is not None and world_size != self.world_size:
-            problems.append(f"tp*pp*dp = {self.tp}*{self.pp}*{self.dp} = {self.world_size} "
-                            f"does not equal the number of processes {world_size}")
+            problems.append(f"tp*pp*dp*cp = {self.tp}*{self.pp}*{self.dp}*{self.cp} = "
+                            f"{self.world_size} does not equal the number of processes "
+                            f"{world_size}")
         if problems:
             raise UserError("; ".join(problems))
 

@@ -37,13 +37,10 @@ def embedded_text() -> str:
 
 
 def encode_bytes(text: str) -> np.ndarray:
-    """UTF-8 bytes as uint16 token ids (0..255)."""
-    return np.frombuffer(text.encode("utf-8"), dtype=np.uint8).astype(np.uint16)
+    """The byte tokenizer's ids of `text` (`model.tokenizer.ByteTokenizer`), as uint16."""
+    from tpkit.model.tokenizer import ByteTokenizer
 
-
-def decode_bytes(ids) -> str:
-    """Inverse of `encode_bytes` (invalid sequences replaced)."""
-    return bytes(int(i) for i in ids).decode("utf-8", errors="replace")
+    return ByteTokenizer.array(text)
 
 
 def load_tokens(path: str | Path | None, vocab_size: int = 256,

@@ -33,8 +33,8 @@ from tpkit.parallel import (
     OverlappedGradSync,
     StageLink,
     ZeroAdamW,
-    bubble_theory,
     clip_grads,
+    context,
     forward_only,
     global_grad_norm,
     ring_backward_group,
@@ -65,41 +65,38 @@ def prepare(cfg: TrainConfig, mesh: ParallelMesh) -> tuple[TokenLoader, TokenLoa
     """Every check that can fail, before any collective: config, layout, data."""
     cfg.check(mesh.world_size)
     got = (mesh.tp_size, mesh.pp_size, mesh.dp_size)
-    if got != (cfg.tp, cfg.pp, cfg.dp):
+    if got != (cfg.tp, cfg.pp, cfg.dp * cfg.cp):  # cp ranks sit in the mesh's dp dimension
         raise ValueError(f"mesh (tp, pp, dp) = {got} does not match the config "
-                         f"{(cfg.tp, cfg.pp, cfg.dp)}")
+                         f"{(cfg.tp, cfg.pp, cfg.dp * cfg.cp)} (tp, pp, dp*cp)")
     tokens = load_tokens(cfg.data, cfg.model_config().vocab_size, cfg.tokenizer_id,
                          warn=mesh.rank == 0)  # every rank checks; one says a warning
     train_tok, val_tok = split_tokens(tokens, cfg.val_fraction, window=cfg.seq + 1)
     split = (f" (of {len(tokens):,} tokens, {len(train_tok):,} for training and "
              f"{len(val_tok):,} held out by --val-fraction {cfg.val_fraction})")
-    kw = dict(seq=cfg.seq, global_batch=cfg.global_batch, dp_rank=mesh.dp_rank,
-              dp_size=mesh.dp_size, seed=cfg.seed, split=split)
+    kw = dict(seq=cfg.seq, global_batch=cfg.global_batch, dp_rank=mesh.dp_rank // cfg.cp,
+              dp_size=cfg.dp, seed=cfg.seed, split=split)  # a replica's cp ranks: same rows
     loader = TokenLoader(train_tok, **kw, name="training")
     val = TokenLoader(val_tok, **kw, shuffle=False, name="validation", min_windows=1) \
         if cfg.val_fraction > 0 else None
     return loader, val
 
 
-def build_model(cfg: TrainConfig, mesh: ParallelMesh,
+def train_model(cfg: TrainConfig, mesh: ParallelMesh,
                 dtype: torch.dtype | None = None) -> torch.nn.Module:
-    """The model (preset, or Hugging Face folder), this rank's stage and shard of it.
+    """The model (preset, or Hugging Face folder), this rank's stage and shard of it
+    (`checkpoint.build.build_model`, the one builder).
 
     With `from_hf` each rank reads only its slices of the folder's weights (unless it
     resumes: the checkpoint's weights replace them anyway). With `dtype` (the bf16
     compute copy of master weights) its weights are left to `MasterWeights`."""
-    from tpkit.model import Transformer
+    from tpkit.checkpoint.build import build_model
+    from tpkit.checkpoint.sources import open_source
 
     hf = cfg.from_hf is not None and not cfg.resume and dtype is None
-    model = Transformer(cfg.model_config(), mesh, seed=cfg.seed, sequence_parallel=cfg.sp,
-                        recompute=cfg.recompute, virtual_stages=cfg.virtual_stages,
-                        loss_chunk=cfg.loss_chunk, device="meta" if hf else None, dtype=dtype)
-    if hf:
-        from tpkit.checkpoint.sources import open_source
-        from tpkit.model.hf import load_from, materialize
-
-        materialize(model, mesh.device)
-        load_from(model, open_source(cfg.from_hf)[0], mesh, cfg.from_hf)
+    model = build_model(cfg.model_config(), mesh, open_source(cfg.from_hf) if hf else None,
+                        seed=cfg.seed, sequence_parallel=cfg.sp, recompute=cfg.recompute,
+                        virtual_stages=cfg.virtual_stages, loss_chunk=cfg.loss_chunk,
+                        dtype=dtype)
     if cfg.compile:
         from tpkit.model.compile import compile_blocks
 
@@ -123,9 +120,12 @@ def train(cfg: TrainConfig, mesh: ParallelMesh, model: torch.nn.Module | None = 
     """Run `cfg.steps` steps on this rank; returns the run's summary (same on all ranks).
     Rank 0 logs each step to `trackers` (default: those of `cfg.log`)."""
     loader, val_loader = prepare(cfg, mesh)
-    model = model or build_model(cfg, mesh)
+    model = model or train_model(cfg, mesh)
     model.train()
     tied = tied_embedding_group(mesh, model.config.tie_embeddings)
+    cp_group = context.context_group(mesh, cfg.cp)  # ring attention (tpkit.parallel.context)
+    if cp_group:
+        context.enable(model, cp_group)
     sharding = build_sharding(model, cfg, mesh)  # ZeRO-2 / FSDP (tpkit.parallel.sharded)
     opt = sharding.optimizer if sharding else build_optimizer(model, cfg, mesh)
     sharded = isinstance(opt, ZeroAdamW)  # ZeRO-1 reduce-scatters instead of all-reducing
@@ -139,8 +139,10 @@ def train(cfg: TrainConfig, mesh: ParallelMesh, model: torch.nn.Module | None = 
     out, lead = Path(cfg.out), mesh.rank == 0
     with _materialized(sharding):
         start = resume(cfg, mesh, model, opt, loader) if cfg.resume else 0
-    mixed = MasterWeights(model, build_model(cfg, mesh, half).train()) \
+    mixed = MasterWeights(model, train_model(cfg, mesh, half).train()) \
         if cfg.master_weights else None  # forward/backward in bf16, the rest on fp32 masters
+    if mixed and cp_group:
+        context.enable(mixed.compute, cp_group)
     log = run_log.MetricsLog(out / "metrics.jsonl" if lead else None, resume_step=start,
                              trackers=(trackers or Trackers(cfg)) if lead else None)
     bar = run_log.Progress(cfg.steps, lead and cfg.progress)
@@ -153,8 +155,8 @@ def train(cfg: TrainConfig, mesh: ParallelMesh, model: torch.nn.Module | None = 
         for step in range(start, cfg.steps):
             mesh.ledger.clear()
             t_step = time.perf_counter()
-            row = _step(cfg, mesh, stage, link, (tied, dp_sync, mixed, sharding), opt, loader,
-                        autocast, step, guard)
+            row = _step(cfg, mesh, stage, link, (tied, dp_sync, mixed, sharding, cp_group), opt,
+                        loader, autocast, step, guard)
             span = (t_step, time.perf_counter())
             if cfg.check_replicas and (step + 1) % cfg.check_replicas == 0:
                 with mesh.ledger.paused():  # not part of the step's theory
@@ -167,7 +169,7 @@ def train(cfg: TrainConfig, mesh: ParallelMesh, model: torch.nn.Module | None = 
             row["comm_line"] = run_log.comm_line(row["comm"])
             if val_loader is not None and _due(step, cfg.eval_every, cfg.steps):
                 row["val_loss"] = evaluate(cfg, mesh, mixed.compute if mixed else stage, link,
-                                           val_loader, autocast)
+                                           val_loader, autocast, cp_group)
                 if sharding:
                     sharding.release()
             rows.append(row)  # logged before the checkpoint: a resume from it finds the row
@@ -227,9 +229,9 @@ def _step(cfg, mesh, model, link, syncs, opt, loader, autocast, step: int,
     t0 = time.perf_counter()
     lr = lr_at(step, cfg)
     set_lr(opt, lr)
-    ids, labels = loader.next_batch()  # [G/dp, s] each
+    tied, dp_sync, mixed, sharding, cp_group = syncs
+    ids, labels = context.local_chunks(*loader.next_batch(), cp_group)  # [G/dp, s/cp] each
     micro = micro_batches(ids.to(mesh.device), labels.to(mesh.device), cfg.micro_batches)
-    tied, dp_sync, mixed, sharding = syncs
     dp_sync.arm()
     stats = run_schedule(cfg.schedule, mixed.compute if mixed else model, link, micro, autocast)
     dp_sync.finish()  # most buckets were sent during the last backward
@@ -265,12 +267,12 @@ def _step(cfg, mesh, model, link, syncs, opt, loader, autocast, step: int,
 
 
 def evaluate(cfg: TrainConfig, mesh: ParallelMesh, model, link: StageLink,
-             loader: TokenLoader, autocast=None) -> float:
+             loader: TokenLoader, autocast=None, cp_group=None) -> float:
     """Mean validation loss over the first `cfg.eval_batches` held-out batches."""
     model.eval()
     loader.position, losses = 0, []
     for _ in range(cfg.eval_batches):
-        ids, labels = loader.next_batch()
+        ids, labels = context.local_chunks(*loader.next_batch(), cp_group)
         stats = forward_only(model, link, micro_batches(ids.to(mesh.device),
                                                         labels.to(mesh.device),
                                                         cfg.micro_batches), autocast)
@@ -291,7 +293,6 @@ def save_checkpoint(cfg: TrainConfig, mesh: ParallelMesh, model, opt, loader: To
                device=mesh.device.type)
     checkpoint.save(path, model, opt, step=step, mesh=mesh,
                     extra=dict(loader=loader.state_dict(), step=step, rng=rng,
-                               layout=[mesh.tp_size, mesh.pp_size, mesh.dp_size],
                                config=cfg.to_dict()),
                     tokenizer=cfg.from_hf or tokenizer_folder(cfg.data))  # for generate, export
     if mesh.rank == 0:  # the new one is complete: only now may the oldest go
@@ -300,7 +301,8 @@ def save_checkpoint(cfg: TrainConfig, mesh: ParallelMesh, model, opt, loader: To
 
 
 def resume(cfg: TrainConfig, mesh: ParallelMesh, model, opt, loader: TokenLoader) -> int:
-    """Load weights, optimizer state, loader position and generators from `cfg.resume`;
+    """Load weights, optimizer state, loader position and generators from `cfg.resume`
+    (a checkpoint directory: the command chose it, `commands.train.resume_dir`);
     returns the next step (the learning rate follows from it: `lr_at(step)`).
 
     At another layout `load` returns rank 0's extra: its default generator goes to every
@@ -308,14 +310,8 @@ def resume(cfg: TrainConfig, mesh: ParallelMesh, model, opt, loader: TokenLoader
     on another kind of device (a GPU checkpoint on CPU) the generators keep theirs.
     """
     from tpkit.checkpoint import store as checkpoint
-    from tpkit.checkpoint.locate import sharded_dir
 
-    if cfg.resume == "auto":  # the newest valid checkpoint of this run, if any
-        path = checkpoint.latest(Path(cfg.out) / "checkpoints")
-        if path is None:
-            return 0
-    else:
-        path = sharded_dir(cfg.resume)  # a run folder: its latest valid checkpoint
+    path = cfg.resume
     extra = checkpoint.load(path, model, opt, mesh=mesh)
     if int(extra["step"]) >= cfg.steps:
         raise UserError(f"{path} is at step {extra['step']}: nothing left to do for "
@@ -323,7 +319,7 @@ def resume(cfg: TrainConfig, mesh: ParallelMesh, model, opt, loader: TokenLoader
     loader.load_state_dict(extra["loader"])
     if extra.get("rng", {}).get("device") == mesh.device.type:
         checkpoint.restore_rng(extra["rng"], mesh.device)
-        if extra.get("layout") == [mesh.tp_size, mesh.pp_size, mesh.dp_size]:
+        if extra["layout"] == mesh.layout:  # this rank's own extra: its own generator
             model.rng.state = extra["rng"]["tp"]
     return int(extra["step"])
 
@@ -336,7 +332,7 @@ def _summary(cfg, mesh, model, rows, train_s, idle, busy, ckpt, lead, sharding=N
     with mesh.ledger.paused():
         all_reduce(ratio, mesh.pp_group, phase="metrics", scope="metrics")
     c, b = model.config, cfg.micro_batch_size
-    expects = theory.stage_step(c.hidden, b, cfg.seq, mesh.tp_size, mesh.pp_size, cfg.sp,
+    expects = theory.stage_step(c.hidden, b, cfg.seq // cfg.cp, mesh.tp_size, mesh.pp_size, cfg.sp,
                                 cfg.micro_batches, model.is_first_stage, model.is_last_stage,
                                 len(model.layer_range), model.virtual_stages,
                                 recompute="full" if cfg.recompute else "none",
@@ -349,6 +345,12 @@ def _summary(cfg, mesh, model, rows, train_s, idle, busy, ckpt, lead, sharding=N
         tables += "\n" + theory_table(rows_dp, f"{where}: {sharding.scope} dp traffic of one "
                                                 f"step vs theory")
         rows_t = rows_t + rows_dp
+    if cfg.cp > 1:  # the ring attention's hops on the cp group
+        rows_cp = sharded_rows(mesh.ledger, context.expected(
+            model, b, cfg.seq // cfg.cp, cfg.cp, cfg.micro_batches,
+            "full" if cfg.recompute else "none"), "context_parallel", "cp")
+        tables += "\n" + theory_table(rows_cp, f"{where}: ring attention (cp) vs theory")
+        rows_t = rows_t + rows_cp
     val = [r["val_loss"] for r in rows if "val_loss" in r]
     plot = None
     if lead and cfg.plot:
@@ -364,7 +366,7 @@ def _summary(cfg, mesh, model, rows, train_s, idle, busy, ckpt, lead, sharding=N
         tail_loss=sum(r["loss"] for r in rows[-tail:]) / tail, val_loss=val[-1] if val else None,
         tokens_per_s=len(rows) * cfg.global_batch * cfg.seq / train_s, seconds=train_s,
         bubble=ratio.item() / mesh.pp_size,
-        bubble_theory=bubble_theory(mesh.pp_size, cfg.micro_batches, model.virtual_stages),
+        bubble_theory=theory.bubble_theory(mesh.pp_size, cfg.micro_batches, model.virtual_stages),
         max_inflight=max(r["max_inflight"] for r in rows),
         table=mesh.ledger.table(f"{where}: everything sent in one step", by_scope=False),
         theory=tables,
