@@ -210,7 +210,7 @@ def test_a_failed_write_at_each_file_is_one_line_and_leaves_no_temporary(tmp_pat
 
 @pytest.mark.timeout(60)
 def test_nonfinite_tensors_are_never_written_and_never_loaded(tmp_path):
-    from tpkit.checkpoint import store
+    from tpkit.checkpoint import manifest, store
     from tpkit.checkpoint.finite import NonFiniteCheckpoint
     from tpkit.mesh import ParallelMesh
     from tpkit.model import Transformer
@@ -225,11 +225,11 @@ def test_nonfinite_tensors_are_never_written_and_never_loaded(tmp_path):
         store.save(tmp_path / "c", model, step=2)
     assert store.read_manifest(tmp_path / "c")["step"] == 1
     assert sorted(x.name for x in tmp_path.iterdir()) == ["c"]
-    real = store.first_nonfinite
-    store.first_nonfinite = lambda tensors: None  # as an older tpkit would have written it
+    real = manifest.first_nonfinite  # the check of a save's writes
+    manifest.first_nonfinite = lambda tensors: None  # as an older tpkit would have written it
     try:
         store.save(tmp_path / "nan", model, step=2)
     finally:
-        store.first_nonfinite = real
+        manifest.first_nonfinite = real
     with pytest.raises(store.CheckpointError, match=rf"{name} holds 1 non-finite.*diverged"):
         store.load(tmp_path / "nan", model)

@@ -91,13 +91,10 @@ def train_model(cfg: TrainConfig, mesh: ParallelMesh,
     return model
 
 
-def train(cfg: TrainConfig, mesh: ParallelMesh, model: torch.nn.Module | None = None,
-          trackers: Trackers | None = None) -> RunSummary:
-    """Run `cfg.steps` steps on this rank; returns the run's summary (same on all ranks).
-    Rank 0 logs each step to `trackers` (default: those of `cfg.log`)."""
-    loader, val_loader = prepare(cfg, mesh)
-    model = model or train_model(cfg, mesh)
-    model.train()
+def build_context(cfg: TrainConfig, mesh: ParallelMesh, model: torch.nn.Module,
+                  loader: TokenLoader) -> tuple[StepContext, object | None, int]:
+    """(the StepContext of this run, its ZeRO-2 / FSDP sharding or None, the first step):
+    optimizer, dp protocol, pipeline link, resumed state, master weights."""
     tied = tied_embedding_group(mesh, model.config.tie_embeddings)
     sharding = build_sharding(model, cfg, mesh)  # ZeRO-2 / FSDP (tpkit.parallel.sharded)
     opt = sharding.optimizer if sharding else build_optimizer(model, cfg, mesh)
@@ -106,15 +103,27 @@ def train(cfg: TrainConfig, mesh: ParallelMesh, model: torch.nn.Module | None = 
     # gradients travel on their own communicator (see tpkit.parallel.p2p)
     link = StageLink(mesh.pp_group, device=mesh.device, dtype=half,
                      backward_group=ring_backward_group(mesh))
-    out, lead = Path(cfg.out), mesh.rank == 0
     with data.full_params():
         start = resume(cfg, mesh, model, opt, loader) if cfg.resume else 0
     mixed = MasterWeights(model, train_model(cfg, mesh, half).train()) \
         if cfg.master_weights else None  # forward/backward in bf16, the rest on fp32 masters
+    autocast = torch.autocast(mesh.device.type, dtype=torch.bfloat16) \
+        if cfg.dtype == "bfloat16" and not mixed else None
     ctx = StepContext(cfg, mesh, data.stage_model(model), link, opt, data, tied, mixed,
-                      torch.autocast(mesh.device.type, dtype=torch.bfloat16)
-                      if cfg.dtype == "bfloat16" and not mixed else None,
-                      NonFiniteGuard(cfg.on_nonfinite, cfg.nonfinite_skips))
+                      autocast, NonFiniteGuard(cfg.on_nonfinite, cfg.nonfinite_skips))
+    return ctx, sharding, start
+
+
+def train(cfg: TrainConfig, mesh: ParallelMesh, model: torch.nn.Module | None = None,
+          trackers: Trackers | None = None) -> RunSummary:
+    """Run `cfg.steps` steps on this rank; returns the run's summary (same on all ranks).
+    Rank 0 logs each step to `trackers` (default: those of `cfg.log`)."""
+    loader, val_loader = prepare(cfg, mesh)
+    model = model or train_model(cfg, mesh)
+    model.train()
+    ctx, sharding, start = build_context(cfg, mesh, model, loader)
+    opt, data, link = ctx.opt, ctx.data, ctx.link
+    out, lead = Path(cfg.out), mesh.rank == 0
     log = run_log.MetricsLog(out / "metrics.jsonl" if lead else None, resume_step=start,
                              trackers=(trackers or Trackers(cfg)) if lead else None)
     bar = run_log.Progress(cfg.steps, lead and cfg.progress)
@@ -155,7 +164,7 @@ def train(cfg: TrainConfig, mesh: ParallelMesh, model: torch.nn.Module | None = 
     mesh.ledger.records[:] = last_records
     if cfg.trace:
         run_log.report_file("the trace", _write_trace, cfg, mesh, last_records, span)
-    return _summary(cfg, mesh, model, rows, train_s, idle, busy, ckpt, lead, sharding)
+    return _summary(ctx, model, rows, (train_s, idle, busy), ckpt, sharding)
 
 
 def _write_trace(cfg: TrainConfig, mesh: ParallelMesh, records, span) -> None:
@@ -224,48 +233,63 @@ def resume(cfg: TrainConfig, mesh: ParallelMesh, model, opt, loader: TokenLoader
     return int(extra["step"])
 
 
-def _summary(cfg, mesh, model, rows, train_s, idle, busy, ckpt, lead, sharding=None
-             ) -> RunSummary:
-    """Per-rank result: losses, throughput, bubble, this rank's comm table vs theory."""
+def _summary(ctx: StepContext, model, rows: list[dict], times: tuple[float, float, float],
+             ckpt: str | None, sharding=None) -> RunSummary:
+    """Per-rank result: losses, throughput, bubble, this rank's comm table vs theory
+    (`times`: seconds in steps, idle and busy seconds after the first step)."""
+    cfg, mesh = ctx.cfg, ctx.mesh
+    train_s, idle, busy = times
     ratio = torch.tensor([idle / busy if busy > 0 else 0.0], dtype=torch.float64,
                          device=mesh.device)
     with mesh.ledger.paused():
         all_reduce(ratio, mesh.pp_group, phase="metrics", scope="metrics")
-    c, b = model.config, cfg.micro_batch_size
-    expects = theory.stage_step(b=b, s=cfg.seq, h=c.hidden, tp=mesh.tp_size, pp=mesh.pp_size,
-                                num_layers=len(model.layer_range),
-                                micro_batches=cfg.micro_batches, sp=cfg.sp,
-                                first=model.is_first_stage, last=model.is_last_stage,
-                                chunks=model.virtual_stages,
-                                recompute="full" if cfg.recompute else "none",
-                                loss_chunk=model.loss_chunk)
-    rows_t = theory_rows(mesh.ledger, expects)
-    where = f"rank {mesh.rank} (stage {mesh.pp_rank}, tp rank {mesh.tp_rank})"
-    tables = theory_table(rows_t, f"{where}: tp/pp traffic of one step vs theory")
-    if sharding:  # the dp traffic of ZeRO-2 / FSDP against tpkit.spec.theory
-        rows_dp = sharded_rows(mesh.ledger, sharding.expected(), sharding.scope)
-        tables += "\n" + theory_table(rows_dp, f"{where}: {sharding.scope} dp traffic of one "
-                                                f"step vs theory")
-        rows_t = rows_t + rows_dp
+    tables, rows_t = _theory_tables(cfg, mesh, model, sharding)
     val = [r["val_loss"] for r in rows if "val_loss" in r]
     plot = None
-    if lead and cfg.plot:
+    if mesh.rank == 0 and cfg.plot:
         plot = run_log.report_file("loss.png", run_log.plot_losses, rows,
                                    Path(cfg.out) / "loss.png",
                                    f"{cfg.model_name} tp={cfg.tp} pp={cfg.pp} dp={cfg.dp}")
         plot = str(plot) if plot else None
     tail = min(10, len(rows))
     return RunSummary(
-        config=cfg, rank=mesh.rank, stage=mesh.pp_rank, tp_rank=mesh.tp_rank, hidden=c.hidden,
-        micro_batch=b, losses=[r["loss"] for r in rows], grad_norms=[r["grad_norm"] for r in rows],
+        config=cfg, rank=mesh.rank, stage=mesh.pp_rank, tp_rank=mesh.tp_rank,
+        hidden=model.config.hidden, micro_batch=cfg.micro_batch_size,
+        losses=[r["loss"] for r in rows], grad_norms=[r["grad_norm"] for r in rows],
         first_step=rows[0]["step"], tail=tail,
         tail_loss=sum(r["loss"] for r in rows[-tail:]) / tail, val_loss=val[-1] if val else None,
         tokens_per_s=len(rows) * cfg.global_batch * cfg.seq / train_s, seconds=train_s,
         bubble=ratio.item() / mesh.pp_size,
         bubble_theory=theory.bubble_theory(mesh.pp_size, cfg.micro_batches, model.virtual_stages),
         max_inflight=max(r["max_inflight"] for r in rows),
-        table=mesh.ledger.table(f"{where}: everything sent in one step", by_scope=False),
+        table=mesh.ledger.table(f"{_where(mesh)}: everything sent in one step", by_scope=False),
         theory=tables,
         theory_ok=all(r["recorded"] == r["theory"] for r in rows_t), checkpoint=ckpt,
         metrics=str(Path(cfg.out) / "metrics.jsonl"), plot=plot, first_step_s=rows[0]["step_s"],
         later_step_s=statistics.median(r["step_s"] for r in rows[1:]) if len(rows) > 1 else 0.0)
+
+
+def _where(mesh: ParallelMesh) -> str:
+    return f"rank {mesh.rank} (stage {mesh.pp_rank}, tp rank {mesh.tp_rank})"
+
+
+def _theory_tables(cfg: TrainConfig, mesh: ParallelMesh, model, sharding
+                   ) -> tuple[str, list[dict]]:
+    """This rank's tp/pp traffic of the last step against `spec.theory` (and with ZeRO-2
+    / FSDP its dp traffic): the tables' text and their rows."""
+    expects = theory.stage_step(b=cfg.micro_batch_size, s=cfg.seq, h=model.config.hidden,
+                                tp=mesh.tp_size, pp=mesh.pp_size,
+                                num_layers=len(model.layer_range),
+                                micro_batches=cfg.micro_batches, sp=cfg.sp,
+                                first=model.is_first_stage, last=model.is_last_stage,
+                                chunks=model.virtual_stages,
+                                recompute="full" if cfg.recompute else "none",
+                                loss_chunk=model.loss_chunk)
+    rows = theory_rows(mesh.ledger, expects)
+    tables = theory_table(rows, f"{_where(mesh)}: tp/pp traffic of one step vs theory")
+    if sharding:  # the dp traffic of ZeRO-2 / FSDP against tpkit.spec.theory
+        rows_dp = sharded_rows(mesh.ledger, sharding.expected(), sharding.scope)
+        tables += "\n" + theory_table(rows_dp, f"{_where(mesh)}: {sharding.scope} dp traffic "
+                                              f"of one step vs theory")
+        rows = rows + rows_dp
+    return tables, rows
