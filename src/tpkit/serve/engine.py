@@ -183,8 +183,8 @@ class Engine:
         if reason != "cancelled" and req.stream is not None:
             if not by_string:  # an incomplete character at the end, then what was held
                 with self.tokenizer_lock:
-                    _, by_string = req.stop_text.add(req.stream.flush())
-            tail = req.stop_text.flush()
+                    tail, by_string = req.stop_text.add(req.stream.flush())
+            tail += req.stop_text.flush()
         with self._lock:
             self._running.pop(req.slot, None)
         req.finish(reason, tail)

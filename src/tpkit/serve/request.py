@@ -48,6 +48,7 @@ class Request:
         self.arrived, self.first_at, self.last_at = time.perf_counter(), None, None
         self.events: queue.Queue = queue.Queue()
         self._cancel = threading.Event()
+        self._ended = False
 
     # -- caller side -------------------------------------------------------------------
     def cancel(self) -> None:
@@ -62,7 +63,7 @@ class Request:
     def events_iter(self) -> Iterator[tuple]:
         """Every event until the last ("done" or "error"); steps the engine itself when
         no serving loop runs it."""
-        while True:
+        while not self._ended:
             try:
                 ev = self.events.get_nowait()
             except queue.Empty:
@@ -71,9 +72,9 @@ class Request:
                 else:
                     self.engine.step()
                     continue
-            yield ev
             if ev[0] != "token":
-                return
+                self._ended = True  # the last event: iterating again returns at once
+            yield ev
 
     def __iter__(self) -> Iterator[int]:
         """Token ids as they are generated; raises `RequestFailed` if the server fails."""

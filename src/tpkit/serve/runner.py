@@ -72,6 +72,13 @@ class Runner:
         """Rank 0: the followers return from `follow`."""
         self._header(STOP)
 
+    @staticmethod
+    def stop_followers(model: nn.Module, slots: int) -> None:
+        """Rank 0, with or without a Runner: STOP to followers of a `slots`-slot pool."""
+        h = torch.zeros(3 + 2 * slots, dtype=torch.long, device=next(model.parameters()).device)
+        h[0] = STOP
+        broadcast(h, model.group, 0, scope="serve.plan")
+
     def follow(self) -> int:
         """Ranks > 0: run what rank 0 broadcasts until STOP; returns the steps run."""
         s = self.slots

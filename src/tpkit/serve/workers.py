@@ -32,7 +32,7 @@ from tpkit.serve.runner import Runner
 def follow_worker(mesh: ParallelMesh, checkpoint: str, slots: int, max_len: int) -> int:
     """A rank > 0: load this rank's slices, then run rank 0's steps until told to stop."""
     model = load_model(checkpoint, mesh)
-    return Runner(model, slots, max_len).follow()
+    return Runner(model, slots, max_len or model.config.max_seq_len).follow()
 
 
 class Peers:
