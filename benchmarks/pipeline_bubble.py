@@ -20,10 +20,10 @@ from tpkit.launch import spawn
 from tpkit.parallel import (
     MicroBatch,
     StageLink,
-    bubble_theory,
     ring_backward_group,
     run_schedule,
 )
+from tpkit.spec.theory import bubble_theory
 
 
 class _Sleep(torch.autograd.Function):

@@ -9,12 +9,12 @@ from __future__ import annotations
 
 import torch
 
-from tpkit.checkpoint.files import local_slice
+from tpkit.checkpoint.build import copy_in
+from tpkit.checkpoint.slices import DictSource, local_slice, read_local
 from tpkit.comm import all_gather, recv, send
 from tpkit.mesh import ParallelMesh
 from tpkit.model.names import VOCAB_PADDED
 from tpkit.model.transformer import Transformer
-from tpkit.shard_io import DictSource
 from tpkit.sharding import full_state_dict, meta_of, split_of
 from tpkit.spec.config import ModelConfig
 
@@ -41,12 +41,7 @@ def random_full(config: ModelConfig, seed: int = 1, scale: float = 0.1
 
 def fill(model: torch.nn.Module, full: dict[str, torch.Tensor], mesh) -> None:
     """Load this rank's slice of `full` (vocabulary padding rows zero)."""
-    src = DictSource(full)
-    with torch.no_grad():
-        for n, p in model.named_parameters():
-            name = meta_of(p).tied_to or n
-            p.copy_(local_slice(src, name, split_of(p), mesh.tp_rank, mesh.tp_size,
-                                tuple(p.shape)))
+    copy_in(model, read_local(model, DictSource(full), mesh))
 
 
 def set_grads(model, full_grads: dict[str, torch.Tensor], mesh) -> None:

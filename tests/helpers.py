@@ -4,7 +4,17 @@ from __future__ import annotations
 
 import torch
 
-from tpkit.sharding import full_state_dict, shard_state_dict, splits_of
+from tpkit.sharding import full_state_dict, shard, split_of, splits_of
+
+
+def shard_state_dict(module: torch.nn.Module, full: dict[str, torch.Tensor], rank: int,
+                     tp: int) -> dict[str, torch.Tensor]:
+    """Cut a full (tp=1) state dict into what `module` (on `rank` of `tp`) holds."""
+    out = {}
+    for name, p in module.named_parameters():
+        split = split_of(p)
+        out[name] = full[name] if split is None or tp == 1 else shard(full[name], split, rank, tp)
+    return out
 
 
 def random_full_state(module: torch.nn.Module, seed: int = 1) -> dict[str, torch.Tensor]:

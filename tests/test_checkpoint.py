@@ -20,6 +20,7 @@ from checkpoint_helpers import (
     random_full,
     set_grads,
 )
+from tpkit.checkpoint import latest
 from tpkit.checkpoint import store as ckpt
 from tpkit.model.names import EMBED_WEIGHT
 from tpkit.model.transformer import Transformer
@@ -110,7 +111,7 @@ def test_manifest_and_files(tmp_path):
     extra = ckpt.load(tmp_path / "a", model, mesh=mesh)
     ckpt.restore_rng(extra["rng"])
     assert torch.equal(extra["rng"]["torch"], rng["torch"])
-    assert ckpt.latest(tmp_path) == tmp_path / "a"
+    assert latest(tmp_path) == tmp_path / "a"
     assert not any(p.name.startswith(".") for p in tmp_path.iterdir())
 
 

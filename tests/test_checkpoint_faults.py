@@ -204,7 +204,7 @@ def test_a_damaged_full_file_is_refused_naming_it(tmp_path):
     generates, exit 0) fails its sha256; a truncated file is named, not a raw error."""
     saved(tmp_path / "c")
     full = convert.to_full(tmp_path / "c", tmp_path / "full.safetensors")
-    assert convert.open_source(full)[1] == LLAMA
+    assert convert.open_source(full).config == LLAMA
     data = bytearray(full.read_bytes())
     data[-10] ^= 0x40  # inside the last tensor's bytes
     (tmp_path / "flipped.safetensors").write_bytes(bytes(data))

@@ -20,10 +20,17 @@ import pytest
 import torch
 
 from checkpoint_helpers import LLAMA, fill, gather, local_state, random_full
-from tpkit.checkpoint import CheckpointError, CheckpointWarning, load_model, locate, open_source
+from tpkit.checkpoint import (
+    CheckpointError,
+    CheckpointWarning,
+    latest,
+    load_model,
+    locate,
+    open_source,
+)
 from tpkit.checkpoint import store as ckpt
 from tpkit.checkpoint.convert import to_full, to_hf
-from tpkit.checkpoint.locate import FULL, HF, SHARDED, step_dir
+from tpkit.checkpoint.locate import FULL, HF, SHARDED, sharded_dir, step_dir
 from tpkit.cli import main
 from tpkit.mesh import ParallelMesh
 from tpkit.model.transformer import Transformer
@@ -74,8 +81,9 @@ def test_locate_each_kind(paths):
     assert locate(paths["run"]).kind == SHARDED and locate(paths["run"]).path == newest
     assert locate(paths["full"]).kind == FULL and locate(paths["hf"]).kind == HF
     for kind in ("sharded", "run", "full", "hf"):
-        _, config, names = open_source(paths[kind])
-        assert config.hidden == LLAMA.hidden and "layers.3.mlp.fc2.weight" in names, kind
+        source = open_source(paths[kind])
+        assert source.config.hidden == LLAMA.hidden, kind
+        assert "layers.3.mlp.fc2.weight" in source.names, kind
 
 
 @pytest.mark.timeout(120)
@@ -101,7 +109,7 @@ def test_run_folder_with_damaged_newest_loads_the_previous(paths, tmp_path, dama
         model = load_model(run, ParallelMesh.single())
     _assert_weights_of([local_state(model, ParallelMesh.single())], 2)
     with pytest.warns(CheckpointWarning):
-        assert ckpt.latest(run) == step_dir(run, 2)
+        assert latest(run) == step_dir(run, 2)
     damage(step_dir(run, 2))
     with pytest.raises(CheckpointError, match="no valid checkpoint in this run folder"):
         locate(run)
@@ -122,9 +130,15 @@ def test_a_path_that_is_none_of_these_is_one_line(tmp_path):
 
 
 def test_load_refuses_a_full_file_as_a_sharded_checkpoint(paths):
-    model = Transformer(LLAMA, ParallelMesh.single())
+    """The command resolves --resume (`sharded_dir`): a full file is refused there, by
+    name; `store.load` itself takes a checkpoint directory and nothing else."""
     with pytest.raises(CheckpointError, match="a full safetensors file, not a sharded"):
+        sharded_dir(paths["full"])
+    model = Transformer(LLAMA, ParallelMesh.single())
+    with pytest.raises(CheckpointError, match="a file, not a checkpoint directory"):
         ckpt.load(paths["full"], model)
+    with pytest.raises(CheckpointError, match="manifest.json: missing"):
+        ckpt.load(paths["run"], model)  # a run folder is the command's to resolve
 
 
 # -- every command takes a run folder ------------------------------------------------------

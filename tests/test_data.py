@@ -9,9 +9,9 @@ import numpy as np
 import pytest
 import torch
 
+from tpkit.model.tokenizer import ByteTokenizer
 from tpkit.train.data import (
     TokenLoader,
-    decode_bytes,
     embedded_text,
     load_tokens,
     micro_batches,
@@ -41,8 +41,8 @@ def test_dp_disjoint_tp_identical(run_tp):
 def test_embedded_corpus_is_pydoc_text():
     tokens = load_tokens(None)
     assert 400_000 < len(tokens) < 2_000_000 and int(tokens.max()) < 256
-    assert "Python" in decode_bytes(tokens[:20000])
-    assert decode_bytes(tokens[:200]) == embedded_text().encode()[:200].decode(errors="replace")
+    assert "Python" in ByteTokenizer().decode(tokens[:20000])
+    assert ByteTokenizer().decode(tokens[:200]) == embedded_text().encode()[:200].decode(errors="replace")
 
 
 def test_labels_are_inputs_shifted_and_microbatches_split():
@@ -64,7 +64,8 @@ def test_resumption_from_state():
     b.load_state_dict(state)
     for _ in range(3):
         assert torch.equal(a.next_batch()[0], b.next_batch()[0])
-    with pytest.raises(ValueError, match="seed=5"):
+    with pytest.raises(ValueError, match=r"--seed must stay 5 on resume \(given: 6\); start a "
+                                         r"new run \(another --out\) to change it"):
         TokenLoader(tokens, seq=32, global_batch=8, seed=6).load_state_dict(state)
 
 
@@ -79,7 +80,7 @@ def test_epochs_reshuffle_and_cover_every_window():
 def test_user_data_text_bin_and_split(tmp_path):
     (tmp_path / "a.txt").write_text("hello world " * 50)
     np.arange(300, dtype=np.uint16).tofile(tmp_path / "t.bin")
-    assert decode_bytes(load_tokens(tmp_path / "a.txt")[:5]) == "hello"
+    assert ByteTokenizer().decode(load_tokens(tmp_path / "a.txt")[:5]) == "hello"
     assert len(load_tokens(tmp_path)) == 600  # a directory: its .txt files
     assert load_tokens(tmp_path / "t.bin", vocab_size=512)[-1] == 299
     train, val = split_tokens(np.arange(100), 0.1)  # short: the tail

@@ -19,7 +19,8 @@ from tpkit.checkpoint import store as ckpt
 from tpkit.comm import all_gather
 from tpkit.commands.generate import run
 from tpkit.mesh import ParallelMesh
-from tpkit.model.generate import PP_ERROR, decode, encode, generate, pad_left
+from tpkit.model.generate import PP_ERROR, generate, pad_left
+from tpkit.model.tokenizer import ByteTokenizer
 from tpkit.model.transformer import Transformer
 from tpkit.spec.errors import UserError
 
@@ -73,7 +74,9 @@ def test_greedy_same_tokens_at_any_tp(run_tp, checkpoints, name):
 
 
 def test_cli_and_tokenizer(checkpoints, capsys):
-    assert decode(encode("tensor é")) == "tensor é"
+    tok = ByteTokenizer()
+    assert tok.decode(tok.encode("tensor é")) == "tensor é"
+    assert tok.decode([*tok.encode("ab"), 300]) == "ab"  # ids >= 256 are no bytes: dropped
     args = argparse.Namespace(checkpoint=checkpoints["gpt2-t"], tp=1, prompt=["ab"],
                               prompt_ids=[], max_new_tokens=4, temperature=0.0, top_k=None,
                               seed=0, ignore_eos=False, top_p=None, stop=[], chat=False,
@@ -151,3 +154,19 @@ def pp_worker(mesh, path):
 def test_pp_is_refused_with_the_reason(run_tp, checkpoints):
     for msg in run_tp(pp_worker, 1, checkpoints["llama-t"], pp=2):
         assert msg == PP_ERROR and "pp=1" in msg
+
+
+def test_byte_level_is_the_configs_to_say():
+    """One rule (`ModelConfig.byte_level`): a tpkit preset or a model of no family with
+    256 ids or more takes bytes; a Hugging Face import has a tokenizer of its own."""
+    from dataclasses import replace
+
+    from tpkit.model.families import config_from_hf
+    from tpkit.spec.config import get_preset
+
+    hf = dict(model_type="llama", vocab_size=300, hidden_size=64, num_hidden_layers=2,
+              num_attention_heads=4, num_key_value_heads=2, intermediate_size=96,
+              max_position_embeddings=64)
+    assert get_preset("gpt2-tiny").byte_level and GPT2.byte_level
+    assert not config_from_hf(hf)[1].byte_level
+    assert not replace(GPT2, vocab_size=200).byte_level

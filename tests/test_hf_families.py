@@ -17,9 +17,9 @@ from safetensors.torch import load_file
 
 from tpkit.checkpoint import convert
 from tpkit.checkpoint import store as ckpt
+from tpkit.checkpoint.hf import from_pretrained, to_hf
+from tpkit.checkpoint.hf_check import compare, gather, reference, tp_case
 from tpkit.comm import all_gather
-from tpkit.model.hf import from_pretrained, to_hf
-from tpkit.model.hf_check import compare, gather, reference, tp_case
 from tpkit.model.kv_pool import KVPool
 
 SMALL = dict(num_hidden_layers=2, hidden_size=64, intermediate_size=96, vocab_size=101,

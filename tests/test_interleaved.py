@@ -18,10 +18,10 @@ from tpkit.cli import main
 from tpkit.mesh import ParallelMesh
 from tpkit.model import Transformer
 from tpkit.parallel import (
-    bubble_theory,
     interleaved_order,
 )
 from tpkit.spec import get_preset
+from tpkit.spec.theory import bubble_theory
 from tpkit.train.config import TrainConfig
 from tpkit.train.loop import train
 

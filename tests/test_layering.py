@@ -1,6 +1,7 @@
-"""Imports point down the stack only: the import-linter contracts of pyproject.toml hold
-(spec at the bottom, commands at the top; spec and plan import no torch), and a false
-contract is reported broken, so this test can fail."""
+"""Imports point down the stack only and never in a circle: the import-linter contracts
+of pyproject.toml hold (spec at the bottom, commands at the top; spec and plan import no
+torch; inside every package sibling modules import one way only), and a false contract
+or a circle is reported broken, so this test can fail."""
 
 from __future__ import annotations
 
@@ -44,7 +45,33 @@ def lint_imports(*args: str) -> subprocess.CompletedProcess:
 def test_import_contracts_are_kept():
     out = lint_imports()
     assert out.returncode == 0, out.stdout[-3000:] + out.stderr[-2000:]
-    assert "3 kept, 0 broken" in out.stdout
+    assert "4 kept, 0 broken" in out.stdout
+
+
+CIRCLE = """
+[importlinter]
+root_package = circle
+
+[importlinter:contract:acyclic]
+name = no import circle
+type = acyclic_siblings
+ancestors = circle
+"""
+
+
+def test_an_import_circle_is_reported_broken(tmp_path):
+    """Two modules of one package importing each other (even from inside a function)."""
+    pkg = tmp_path / "circle"
+    pkg.mkdir()
+    (pkg / "__init__.py").write_text("")
+    (pkg / "session.py").write_text("def run():\n    from circle import demos\n")
+    (pkg / "demos.py").write_text("from circle.session import run\n")
+    (tmp_path / "circle.ini").write_text(CIRCLE)
+    env = dict(os.environ, PYTHONPATH=str(tmp_path))
+    out = subprocess.run([str(LINT), "--no-cache", str(tmp_path / "circle.ini")],
+                         cwd=tmp_path, env=env, capture_output=True, text=True, timeout=120)
+    assert out.returncode != 0
+    assert "No cycles are allowed in circle" in out.stdout, out.stdout[-3000:]
 
 
 def test_a_false_contract_is_reported_broken(tmp_path):

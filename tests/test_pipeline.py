@@ -11,11 +11,11 @@ import math
 import pytest
 import torch
 
-from tpkit.parallel import bubble_theory
 from tpkit.parallel.data_parallel import tied_params
 from tpkit.sharding import meta_of
+from tpkit.spec.theory import bubble_theory
 from tpkit.train.config import TrainConfig
-from tpkit.train.loop import build_model, train
+from tpkit.train.loop import train, train_model
 
 
 def _cfg(out: str, **kw) -> TrainConfig:
@@ -53,7 +53,7 @@ def test_gpipe_and_1f1b_agree_and_send_what_theory_says(run_tp, tmp_path):
 
 def _tied_after_training(mesh, out: str) -> dict:
     cfg = _cfg(out, tp=mesh.tp_size, pp=mesh.pp_size, steps=4, lr=1e-2)
-    model = build_model(cfg, mesh)
+    model = train_model(cfg, mesh)
     before = tied_params(model)[0].detach().clone()
     train(cfg, mesh, model=model)
     (p,) = tied_params(model)

@@ -17,6 +17,7 @@ from tpkit.plan.hardware import HardwareError, Link, load_profiles, profile_to_t
 from tpkit.plan.memory import Precision, model_state_bytes, params_per_rank
 from tpkit.plan.simulate import Cluster, Layout, evaluate
 from tpkit.plan.topology import cross_node_penalty
+from tpkit.spec import theory
 from tpkit.spec.config import get_preset
 from tpkit.spec.shapes import layers_per_stage, stage_layer_range
 
@@ -57,8 +58,8 @@ def test_gpt_layer_forward_is_24bsh2_plus_4bs2h():
 
 
 def test_bubble_is_p_minus_1_over_m_and_interleaving_divides_it_by_v():
-    assert cost.bubble_fraction(8, 32) == pytest.approx(7 / 32)
-    assert cost.bubble_fraction(8, 32, interleave=2) == pytest.approx(7 / 64)
+    assert theory.bubble_theory(8, 32) == pytest.approx(7 / 32)
+    assert theory.bubble_theory(8, 32, 2) == pytest.approx(7 / 64)
 
 
 # -- memory: Korthikanti et al. 2022 table 2, ZeRO --------------------------------------------

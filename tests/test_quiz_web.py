@@ -90,7 +90,7 @@ def test_page_files_are_served(server, path):
     assert ctype.split(";")[0] in ("text/html", "text/javascript", "text/css", "image/svg+xml")
 
 
-@pytest.mark.parametrize("path", ["/../questions.json", "/questions.json", "/web/app.js",
+@pytest.mark.parametrize("path", ["/../questions.json", "/questions.json", "/page/app.js",
                                   "/%2e%2e/content.py", "/..%2f..%2fpyproject.toml",
                                   "/%2e%2e%2f%2e%2e%2fpyproject.toml", "/%252e%252e/web.py",
                                   "/..%5c..%5cweb.py", "/app.js/../../cli.py", "//etc/passwd",

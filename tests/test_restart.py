@@ -69,7 +69,7 @@ def test_a_killed_worker_restarts_and_finishes_like_an_uninterrupted_run(tmp_pat
 
 
 def test_resume_auto_skips_a_damaged_newest_checkpoint(tmp_path):
-    from tpkit.checkpoint import store
+    from tpkit.checkpoint import latest, store
     from tpkit.mesh import ParallelMesh
     from tpkit.model import Transformer
     from tpkit.spec import get_preset
@@ -81,6 +81,6 @@ def test_resume_auto_skips_a_damaged_newest_checkpoint(tmp_path):
     shard.write_bytes(shard.read_bytes()[:-8])
     with warnings.catch_warnings(record=True) as said:
         warnings.simplefilter("always")
-        assert store.latest(tmp_path) == tmp_path / "step_000002"
+        assert latest(tmp_path) == tmp_path / "step_000002"
     assert "step_000004: skipped, damaged" in str(said[0].message) and "truncated" in \
         str(said[0].message)

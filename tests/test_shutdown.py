@@ -53,10 +53,10 @@ def _kill_all(proc: subprocess.Popen, seen: list[int]) -> None:
 
 
 def _newest_checkpoint_verifies(out: Path) -> None:
-    from tpkit.checkpoint import store
+    from tpkit.checkpoint import latest, store
     from tpkit.checkpoint.files import verify_file
 
-    newest = store.latest(out / "checkpoints")
+    newest = latest(out / "checkpoints")
     assert newest is not None
     manifest = store.read_manifest(newest)
     for name, entry in manifest["files"].items():

@@ -25,7 +25,7 @@ from tpkit.checkpoint import load_model
 from tpkit.cli import main
 from tpkit.comm import all_gather
 from tpkit.commands import generate as generate_cmd
-from tpkit.commands.train import add_arguments, config_from_args
+from tpkit.commands.train import add_arguments, config_from_args, resume_dir
 from tpkit.mesh import ParallelMesh
 from tpkit.model.generate import generate, pad_left
 from tpkit.model.tokenizer import load_tokenizer
@@ -58,9 +58,11 @@ def generate_worker(mesh, ckpt, prompts, eos=None):
 
 
 def train_config(argv: list[str]):
+    """The TrainConfig `tpkit train` runs (--resume resolved to one checkpoint, as there)."""
     parser = argparse.ArgumentParser()
     add_arguments(parser)
-    return config_from_args(parser.parse_args(argv), None)
+    cfg = config_from_args(parser.parse_args(argv), None)
+    return cfg.with_(resume=resume_dir(cfg))
 
 
 @pytest.fixture(scope="module")

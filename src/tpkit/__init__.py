@@ -4,21 +4,35 @@ Splits the weight matrices *inside* each layer across devices (Megatron style),
 combines the partial results with collectives that a ledger counts, composes that
 with pipeline and data parallelism, and explains all of it (`tpkit quiz`).
 
-`import tpkit` is light: torch is imported only by the modules that need it, so
-`tpkit.spec` and `tpkit.plan` run anywhere in milliseconds. `tpkit.ParallelMesh` is
-the one name offered here (the documented entry point; `tpkit.launch.spawn` and
-everything else live in their modules). It is resolved on first use by the module
-`__getattr__` below, which is kept for that reason only: importing `tpkit.mesh` here
-would import torch, and every `import tpkit.plan` runs this file first.
+The Python entry points (README, "Use it from Python"):
+
+    model = tpkit.load(path)                   # one process: the whole model
+    model = tpkit.load(path, mesh)             # this rank's shard, at mesh's layout
+    tokens = model.generate(ids, max_new_tokens=16)
+    results = tpkit.spawn(fn, 2, path)         # fn(mesh, path) on 2 local ranks (tp=2)
+
+`path` is a tpkit checkpoint, a run folder (its latest valid checkpoint), a full
+.safetensors file or a Hugging Face directory. `import tpkit` is light: torch is
+imported only by the modules that need it, so `tpkit.spec` and `tpkit.plan` run
+anywhere in milliseconds. The names below are resolved on first use by the module
+`__getattr__`, which is kept for that reason only: importing them here would import
+torch, and every `import tpkit.plan` runs this file first.
 """
 
-__all__ = ["ParallelMesh"]
+__all__ = ["ParallelMesh", "load", "spawn"]
 __version__ = "0.1.0"
+
+_LAZY = {  # public name -> (module, name in it)
+    "ParallelMesh": ("tpkit.mesh", "ParallelMesh"),
+    "load": ("tpkit.checkpoint.sources", "load_model"),
+    "spawn": ("tpkit.launch", "spawn_ranks"),
+}
 
 
 def __getattr__(name: str):
-    if name == "ParallelMesh":
-        from tpkit.mesh import ParallelMesh
+    if name in _LAZY:
+        import importlib
 
-        return ParallelMesh
+        module, attr = _LAZY[name]
+        return getattr(importlib.import_module(module), attr)
     raise AttributeError(f"module 'tpkit' has no attribute {name!r}")

@@ -28,8 +28,9 @@ import sys
 import threading
 from typing import NoReturn
 
+from tpkit.commands.common import HelpFormatter, explain_parse_error, suggest
 from tpkit.exit_now import exit_now
-from tpkit.spec.errors import UserError
+from tpkit.spec.errors import RunFailed, UserError
 
 COMMANDS: dict[str, tuple[str, str]] = {
     "verify": ("tpkit.commands.verify", "check sharded layers/models against tp=1 (outputs, grads, ledger)"),
@@ -44,6 +45,8 @@ COMMANDS: dict[str, tuple[str, str]] = {
               "(continuous batching, tensor parallel)"),
     "quiz": ("tpkit.commands.quiz", "the tensor-parallelism quiz, as a live tutor (fr/en)"),
     "presets": ("tpkit.commands.presets", "list the model presets and the Hugging Face families"),
+    "version": ("tpkit.commands.version", "versions of tpkit, torch, transformers and the "
+                "transports available"),
 }
 USER_MISTAKE, RUN_FAILED = 2, 1  # exit statuses
 _USER_OS_TYPES = (FileNotFoundError, PermissionError, IsADirectoryError, NotADirectoryError,
@@ -80,9 +83,14 @@ def _stop_on_signals() -> dict | None:
 
 
 class _Parser(argparse.ArgumentParser):
-    """argparse, with its errors on one line (no usage block) and exit status 2."""
+    """argparse, with its errors on one line (no usage block, a close match suggested)
+    and exit status 2; --help shows every default (`tpkit.commands.common`)."""
+
+    def __init__(self, **kw) -> None:
+        super().__init__(formatter_class=HelpFormatter, **kw)
 
     def error(self, message: str):  # noqa: D102 - argparse's hook
+        message = explain_parse_error(self, message)
         self.exit(USER_MISTAKE, f"{self.prog}: error: {message} (see {self.prog} --help)\n")
 
 
@@ -90,7 +98,8 @@ def _usage() -> str:
     lines = ["usage: tpkit <command> [options]", "", "commands:"]
     width = max(map(len, COMMANDS))
     lines += [f"  {name:<{width}} {desc}" for name, (_, desc) in COMMANDS.items()]
-    lines.append("\n`tpkit <command> --help` for the options of one command.")
+    lines.append("\n`tpkit <command> --help` for the options of one command; "
+                 "`tpkit --version` for the version.")
     return "\n".join(lines)
 
 
@@ -104,6 +113,8 @@ def explain(e: BaseException) -> tuple[str, int] | None:
         return f"rank {rank}: {said[0]}", said[1]
     if isinstance(e, UserError):
         return _first_line(e), USER_MISTAKE
+    if isinstance(e, RunFailed):  # a full disk, a diverged loss: said once, not a mistake
+        return _first_line(e), RUN_FAILED
     if isinstance(e, _USER_OS_TYPES) or isinstance(e, OSError) and e.errno in _USER_OS_ERRORS:
         return _first_line(e), USER_MISTAKE
     if getattr(e, "run_failed", False):  # SpawnError: a rank died or a collective timed out
@@ -123,9 +134,14 @@ def main(argv: list[str] | None = None) -> int:
         print(_usage())
         return 0 if argv else 2
     name = argv[0]
+    if name in ("-V", "--version"):
+        from tpkit.commands.version import one_line
+
+        print(one_line())
+        return 0
     if name not in COMMANDS:
-        print(f"tpkit: error: unknown command {name!r}; one of {', '.join(COMMANDS)}",
-              file=sys.stderr)
+        print(f"tpkit: error: unknown command {name!r}{suggest(name, COMMANDS)} "
+              f"(one of {', '.join(COMMANDS)})", file=sys.stderr)
         return USER_MISTAKE
     module_name, desc = COMMANDS[name]
     try:

@@ -1,6 +1,7 @@
 """Run a function on N local processes (gloo), for tests, demos and `--nproc`.
 
     results = spawn(fn, 4, x, mesh=dict(tp=2, pp=2))   # fn(mesh, x) on ranks 0..3
+    results = spawn_ranks(fn, 2, x)                    # fn(mesh, x), tp=2 (`tpkit.spawn`)
 
 `spawn` starts the processes, runs `fn` once, and stops them. `WorkerPool` keeps
 them alive so that many runs share one start (importing torch costs seconds): the
@@ -13,7 +14,9 @@ progress without an error (SIGSTOP, a deadlock) is named as the stuck one.
 
 No worker outlives its launcher: each watches a pipe that only the launcher holds
 open and kills itself when the launcher is gone (even by SIGKILL); a launcher
-interrupted by a signal kills and waits for its workers on the way out.
+interrupted by a signal kills and waits for its workers on the way out. Each pool start
+is one run (TPKIT_RUN_ID, in the names of its shared-memory segments): whoever kills
+the workers also removes any segment of theirs still named in /dev/shm.
 """
 
 from __future__ import annotations
@@ -26,12 +29,16 @@ import signal
 import threading
 import time
 import traceback
+import uuid
 from collections import Counter
 from collections.abc import Callable
 from datetime import timedelta
 from typing import Any
 
 from tpkit.comm.failure import DEFAULT_COLLECTIVE_TIMEOUT_S, says_link_failed
+from tpkit.comm.shm_names import remove_segments
+from tpkit.comm.transport import shm_ready
+from tpkit.spec.transport import comm_choice
 
 _CTX = None
 _ERROR_GRACE_S = 2.0  # after a rank fails, how long the others get to report theirs
@@ -53,17 +60,18 @@ class SpawnError(RuntimeError):
         self.run_failed = run_failed
 
 
-def watch_launcher(lifeline) -> None:
+def watch_launcher(lifeline, run_id: str | None = None) -> None:
     """Kill this worker as soon as its launcher is gone (even by SIGKILL): a thread waits
     on `lifeline`, the read end of a pipe whose write end only the launcher holds; the
     kernel closes that end when the launcher dies, and the wait ends. (The forkserver,
     the workers' parent, lives as long as they do, so a parent-death signal would not
-    fire.)"""
+    fire.) The run's shared-memory segments still named go first (`run_id`)."""
     def wait() -> None:
         try:
             lifeline.recv()
         except (EOFError, OSError):
             pass
+        remove_segments(run_id)
         os.kill(os.getpid(), signal.SIGKILL)
 
     threading.Thread(target=wait, name="tpkit-launcher-watch", daemon=True).start()
@@ -80,7 +88,7 @@ def _context():
 
 def _worker(rank: int, nprocs: int, port: int, tasks, results, threads: int,
             pg_timeout_s: float, env: dict[str, str], lifeline) -> None:
-    watch_launcher(lifeline)
+    watch_launcher(lifeline, env.get("TPKIT_RUN_ID"))
     import torch
     import torch.distributed as dist
 
@@ -145,12 +153,14 @@ class WorkerPool:
         self._store = dist.TCPStore("127.0.0.1", 0, self.nprocs + 1, is_master=True,
                                     wait_for_workers=False)
         port = self._store.port
+        self.run_id = os.environ.get("TPKIT_RUN_ID", "") + uuid.uuid4().hex[:8]
+        env = {**self.env, "TPKIT_RUN_ID": self.run_id}
         self._results = ctx.Queue()
         self._tasks = [ctx.Queue() for _ in range(self.nprocs)]
         lifeline, self._lifeline = ctx.Pipe(duplex=False)  # workers read, only we hold w
         self._procs = [ctx.Process(target=_worker, daemon=True,
                                    args=(r, self.nprocs, port, self._tasks[r], self._results,
-                                         self.threads, self.pg_timeout_s, self.env, lifeline))
+                                         self.threads, self.pg_timeout_s, env, lifeline))
                        for r in range(self.nprocs)]
         for p in self._procs:
             p.start()
@@ -166,6 +176,8 @@ class WorkerPool:
         """
         if not self._procs:
             self._start()
+        if mesh is not None:
+            mesh = _with_transport(mesh)
         self._task_id += 1
         blob = pickle.dumps((fn, args, mesh))
         for q in self._tasks:
@@ -271,6 +283,7 @@ class WorkerPool:
         self._procs = []
         self._store = None
         self._lifeline.close()
+        remove_segments(self.run_id)
 
     def __enter__(self) -> WorkerPool:
         return self
@@ -283,6 +296,15 @@ class WorkerPool:
             self.close(kill=True)
         except Exception:  # noqa: BLE001
             pass
+
+
+def _with_transport(mesh: dict) -> dict:
+    """The mesh's transport, decided here once for all ranks: an error before any rank
+    runs (--comm shm without kernels), or gloo with one warning line from the launcher."""
+    comm = comm_choice(mesh.get("comm"))
+    if comm != "gloo" and not shm_ready(comm, 0):
+        comm = "gloo"
+    return {**mesh, "comm": comm}
 
 
 def _secondary(e: BaseException) -> bool:
@@ -323,3 +345,15 @@ def spawn(fn: Callable, nprocs: int, *args: Any, timeout: float = 120.0,
     with WorkerPool(nprocs, timeout=timeout, threads=threads, env=env,
                     pg_timeout_s=collective_timeout) as pool:
         return pool.run(fn, *args, mesh=mesh)
+
+
+def spawn_ranks(fn: Callable, n: int, *args: Any, tp: int | None = None, pp: int = 1,
+                dp: int = 1, **kw: Any) -> list:
+    """`fn(mesh, *args)` on `n` fresh local processes, `mesh` being this rank's
+    `ParallelMesh` of (tp, pp, dp) (tp: what pp and dp leave, all of `n` by default);
+    returns the per-rank results. This is `tpkit.spawn`; `kw` as `spawn` takes them."""
+    from tpkit.spec.grid import check_sizes
+
+    tp = tp or n // (pp * dp)
+    check_sizes(n, tp, pp, dp)  # a UserError naming the numbers, before any process
+    return spawn(fn, n, *args, mesh=dict(tp=tp, pp=pp, dp=dp), **kw)

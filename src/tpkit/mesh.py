@@ -13,11 +13,16 @@ micro-batch, which only the fast intra-node link can carry (quiz answers 3 and 8
 A tp group that would span nodes is warned about loudly, or refused with
 `strict_locality=True`; `tpkit train` adds the planner's price of it (in ms per layer)
 to the warning, and `tpkit plan` prices any layout.
+
+Every group whose ranks share a host (and a node of the grid) also gets a shared-memory
+channel (`comm/shm.py`) unless `comm="gloo"` (`comm/transport.py`): its collectives
+then cost microseconds instead of gloo's loopback TCP.
 """
 
 from __future__ import annotations
 
 import os
+import socket
 import warnings
 from datetime import timedelta
 
@@ -28,9 +33,12 @@ from tpkit.comm.failure import DEFAULT_COLLECTIVE_TIMEOUT_S
 from tpkit.comm.group import CommGroup
 from tpkit.comm.incarnation import agree_prefix
 from tpkit.comm.ledger import Ledger
+from tpkit.comm.shm import ShmChannel
+from tpkit.comm.transport import on_one_host, shm_ready, shm_wanted
 from tpkit.device import default_backend, device_for
 from tpkit.spec.errors import UserError
 from tpkit.spec.grid import check_sizes, coord_of, group_ranks, locality_problem, rank_grid
+from tpkit.spec.transport import comm_choice
 
 
 class TopologyWarning(UserWarning):
@@ -44,6 +52,8 @@ class ParallelMesh:
     pp and dp; `mesh.mp_group` spans one model replica (tp x pp); `mesh.ledger`
     records every collective of this rank. A collective on any of its groups that
     waits longer than `timeout_s` (a dead or stuck peer) raises `CollectiveFailed`.
+    `comm` (auto, shm, gloo; default TPKIT_COMM, else auto) picks the transport of the
+    groups inside one host (`tpkit.comm.transport`).
     Construct it on every rank with the same arguments after the default process group
     exists, or use `from_env` / `single`.
     """
@@ -51,7 +61,8 @@ class ParallelMesh:
     def __init__(self, tp: int = 1, pp: int = 1, dp: int = 1, *, rank: int | None = None,
                  world_size: int | None = None, ranks_per_node: int | None = None,
                  strict_locality: bool = False, ledger: Ledger | None = None,
-                 device: torch.device | None = None, timeout_s: float | None = None) -> None:
+                 device: torch.device | None = None, timeout_s: float | None = None,
+                 comm: str | None = None) -> None:
         initialized = dist.is_available() and dist.is_initialized()
         self.world_size = world_size if world_size is not None else (
             dist.get_world_size() if initialized else 1)
@@ -68,6 +79,8 @@ class ParallelMesh:
         if self.world_size > 1 and not initialized:
             raise RuntimeError("ParallelMesh with world_size > 1 needs torch.distributed to be "
                                "initialized first (use ParallelMesh.from_env or tpkit.launch)")
+        self.comm = comm_choice(comm)
+        self._hosts = self._shm_hosts()
         self.groups = {k: self._make_group(k) for k in ("tp", "pp", "dp", "mp")}
         self._extra: dict[str, CommGroup | None] = {}
 
@@ -92,6 +105,7 @@ class ParallelMesh:
         m.tp_size, m.pp_size, m.dp_size = tp, pp, dp
         m.ranks_per_node = ranks_per_node or m.world_size
         m.ledger, m.backend, m.device = Ledger(), "none", torch.device("meta")
+        m.comm, m._hosts = "gloo", None
         m.coord = coord_of(rank, tp, pp)
         m.groups, m._extra = {}, {}
         for kind in ("tp", "pp", "dp", "mp"):
@@ -141,7 +155,21 @@ class ParallelMesh:
                     else dist.new_group(list(ranks), timeout=self.timeout)
             if self.rank in ranks:
                 mine = CommGroup(name, ranks, ranks.index(self.rank), pg, self.ledger)
+        if mine is not None and self._hosts and on_one_host(mine.ranks, self._hosts,
+                                                           self.ranks_per_node):
+            mine.shm = ShmChannel.open(name, mine.ranks, mine.rank, mine.pg,
+                                       self.timeout.total_seconds(),
+                                       os.environ.get("TORCHELASTIC_RESTART_COUNT", "0"))
         return mine
+
+    def _shm_hosts(self) -> list[str] | None:
+        """Every rank's hostname when groups may use shared memory, else None (collective)."""
+        if self.world_size == 1 or not shm_wanted(self.comm, self.backend) or \
+                not shm_ready(self.comm, self.rank):
+            return None
+        hosts: list = [None] * self.world_size
+        dist.all_gather_object(hosts, socket.gethostname())
+        return hosts
 
     def _make_group(self, kind: str) -> CommGroup:
         mine = self._group_among(kind, group_ranks(kind, self.tp_size, self.pp_size, self.dp_size),
@@ -184,6 +212,11 @@ class ParallelMesh:
     def dp_rank(self) -> int:
         """Data-parallel replica index."""
         return self.coord.dp
+
+    @property
+    def layout(self) -> dict[str, int]:
+        """{"tp", "pp", "dp"} sizes: a checkpoint's layout as its manifest records it."""
+        return dict(tp=self.tp_size, pp=self.pp_size, dp=self.dp_size)
 
     def describe(self) -> str:
         """The rank grid as text (quiz answer 6)."""

@@ -146,16 +146,6 @@ def seed_for(base: int, name: str) -> int:
     return (base * 1_000_003 + zlib.crc32(name.encode())) % (2**63)
 
 
-def shard_state_dict(module: torch.nn.Module, full: dict[str, torch.Tensor], rank: int,
-                     tp: int) -> dict[str, torch.Tensor]:
-    """Cut a full (tp=1) state dict into what `module` (on `rank` of `tp`) holds."""
-    out = {}
-    for name, p in module.named_parameters():
-        split = split_of(p)
-        out[name] = full[name] if split is None or tp == 1 else shard(full[name], split, rank, tp)
-    return out
-
-
 def full_state_dict(per_rank: list[dict[str, torch.Tensor]], splits: dict[str, TPSplit | None]
                     ) -> dict[str, torch.Tensor]:
     """Rebuild a full state dict from every tp rank's local one (rank order)."""

@@ -1,16 +1,22 @@
-"""Checkpoints: save, load, the manifest, optimizer state, conversion, and opening
-whatever a path is (a checkpoint, a run folder, a full file, a Hugging Face folder).
+"""Everything that reads or writes weights: a path located once into an open source,
+a rank's slices read by one loop, a model built by one builder, sharded checkpoints,
+optimizer state, conversion, Hugging Face import and export.
 
-    files.py        the files of a sharded checkpoint, the manifest, reading any slice
+    locate.py       what a path is; a run folder's latest valid checkpoint
+    sources.py      open_source(path) -> a Source; load_model(source, mesh) (`tpkit.load`)
+    slices.py       Source, CheckpointError, read_local: this rank's slice of every parameter
+    build.py        build_model(config, mesh, source): meta -> allocate -> load
+    agree.py        every rank agrees before anything changes
+    files.py        the files of a sharded checkpoint, the manifest, ShardedSource
     store.py        save / load at any layout, atomic, all ranks agreeing
     optim_state.py  optimizer state per parameter (AdamW, ZeRO-1) in and out of files
-    locate.py       what a path is; a run folder's latest valid checkpoint
-    sources.py      open_source(path), load_model(path, mesh): how every command reads
     convert.py      full file, offline reshard, Hugging Face export
+    hf.py           Hugging Face models in and out (the family recipes: tpkit.model.families)
+    hf_check.py     a Hugging Face model at any tp against transformers itself
 """
 
-from tpkit.checkpoint.files import CheckpointError
 from tpkit.checkpoint.locate import CheckpointWarning, latest, locate
+from tpkit.checkpoint.slices import CheckpointError
 from tpkit.checkpoint.sources import load_model, open_source
 from tpkit.checkpoint.store import load, save
 

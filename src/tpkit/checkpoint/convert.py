@@ -8,7 +8,7 @@ export: in one process, without a process per rank (`tpkit convert` is the comma
 
 Resharding builds the model of each target coordinate on the meta device over a
 `ParallelMesh.virtual` (no processes, no memory, no init), reads its split tags, and
-asks the source for exactly those slices (`shard_io.local_slice`): the tags, never
+asks the source for exactly those slices (`slices.read_local`): the tags, never
 the names, decide the layout.
 """
 
@@ -23,41 +23,39 @@ from typing import Any
 from safetensors.torch import save_file
 from torch import nn
 
-from tpkit.checkpoint.files import (
-    ShardedSource,
-    local_slice,
-    rank_file,
-    tensors_digest,
-    verify_file,
-)
-from tpkit.checkpoint.optim_state import keys_by_param, state_name
+from tpkit.checkpoint.build import empty_model
+from tpkit.checkpoint.files import ShardedSource, rank_file, tensors_digest, verify_file
+from tpkit.checkpoint.hf import write_hf
+from tpkit.checkpoint.optim_state import keys_by_param
+from tpkit.checkpoint.slices import read_local
 from tpkit.checkpoint.sources import FULL_FORMAT, open_source, source_tokenizer
 from tpkit.checkpoint.store import write_manifest, write_record
 from tpkit.mesh import ParallelMesh
-from tpkit.model.hf import empty_model, write_hf
 from tpkit.model.tokenizer import copy_tokenizer, export_tokenizer
-from tpkit.sharding import meta_of, split_of
+from tpkit.sharding import split_of
 from tpkit.spec.config import ModelConfig
 
 
 def meta_model(config: ModelConfig, tp: int, pp: int, rank: int) -> nn.Module:
     """The model of one rank of a (tp, pp) layout on the meta device (names, shapes,
-    split tags only)."""
+    split tags only), over a mesh with no processes behind it."""
     return empty_model(config, ParallelMesh.virtual(tp, pp, rank=rank))
 
 
 def to_hf(source: Any, out_dir: str | Path, config: ModelConfig | None = None) -> Path:
-    """A Hugging Face directory from any path `open_source` takes, a tp=1 model or a dict;
-    with the source's tokenizer files (or, for a tpkit preset, a byte-level tokenizer)."""
-    src, config, names = open_source(source, config)
-    out = write_hf(src, config, names, out_dir)
-    export_tokenizer(source_tokenizer(source), out, config.name)
+    """A Hugging Face directory from any source `open_source` takes (a path, an open
+    source, a tp=1 model or a dict); with the source's tokenizer files (or, for a tpkit
+    preset, a byte-level tokenizer)."""
+    src = open_source(source, config)
+    out = write_hf(src, out_dir)
+    export_tokenizer(source_tokenizer(src), out, src.config.name)
     return out
 
 
 def to_full(source: Any, out: str | Path) -> Path:
     """Write every logical tensor (no padding, tied copies once) into one safetensors file."""
-    src, config, names = open_source(source)
+    src = open_source(source)
+    config, names = src.config, src.names
     tensors = {}
     for n in sorted(names):
         shape = src.logical_shape(n)
@@ -79,7 +77,8 @@ def to_full(source: Any, out: str | Path) -> Path:
 def reshard(source: Any, out: str | Path, tp: int, pp: int = 1) -> Path:
     """Write a sharded checkpoint at (tp, pp) from any source; optimizer state follows
     when the source is a sharded checkpoint that has it. Atomic like `checkpoint.save`."""
-    src, config, names = open_source(source)
+    src = open_source(source)
+    config = src.config
     config.check(tp=tp, pp=pp)
     m = src.manifest if isinstance(src, ShardedSource) else None
     optim_src = ShardedSource(src.root, m, "optim") if m and m.get("optimizer") else None
@@ -92,11 +91,11 @@ def reshard(source: Any, out: str | Path, tp: int, pp: int = 1) -> Path:
         for t in range(tp):
             rank = p * tp + t  # tp innermost, like every mesh
             model = meta_model(config, tp, pp, rank)
-            params = _slices(src, model, t, tp, str(source))
-            optim = _optim_slices(optim_src, m, model, t, tp, str(source)) if optim_src else {}
+            params = _slices(src, model)
+            optim = _optim_slices(optim_src, model) if optim_src else {}
             groups = m["optimizer"]["groups"] if optim_src else None
             write_record(tmp, rank, t, p, tp, config, params, optim, groups, extra)
-    folder = source_tokenizer(source)
+    folder = source_tokenizer(src)
     if folder is not None:  # the tokenizer travels along, listed in the manifest
         copy_tokenizer(folder, tmp)
     write_manifest(tmp, root, config.to_dict(), m["optimizer"]["type"] if optim_src else None,
@@ -104,24 +103,20 @@ def reshard(source: Any, out: str | Path, tp: int, pp: int = 1) -> Path:
     return root
 
 
-def _slices(src, model, t: int, tp: int, where: str) -> dict:
-    out = {}
-    for n, p in model.named_parameters():
-        if meta_of(p).tied_to:
-            continue
-        x = local_slice(src, n, split_of(p), t, tp, tuple(p.shape), where)
-        out[n] = (x.to(p.dtype), split_of(p))
-    return out
+def _slices(src, model: nn.Module) -> dict:
+    """name -> (this coordinate's slice, split) of every parameter its stage owns."""
+    params = dict(model.named_parameters())
+    return {n: (x, split_of(params[n]))
+            for n, x in read_local(model, src, model.mesh, own_only=True).items()}
 
 
-def _optim_slices(src: ShardedSource, m: dict, model, t: int, tp: int, where: str) -> dict:
-    out, keys = {}, keys_by_param(m["optim_tensors"])
-    for n, p in model.named_parameters():
-        for full in (state_name(n, key) for key in keys.get(n, [])):
-            scalar = m["optim_tensors"][full]["logical"] == []
-            shape, split = ((), None) if scalar else (tuple(p.shape), split_of(p))
-            out[full] = (local_slice(src, full, split, t, tp, shape, where), split)
-    return out
+def _optim_slices(src: ShardedSource, model: nn.Module) -> dict:
+    """"{param}::{key}" -> (this coordinate's slice, split or None for a scalar)."""
+    params = dict(model.named_parameters())
+    staged = read_local(model, src, model.mesh, own_only=True,
+                        state_keys=keys_by_param(src.manifest["optim_tensors"]))
+    return {k: (x, split_of(params[k.split("::", 1)[0]]) if x.dim() else None)
+            for k, x in staged.items()}
 
 
 def _rank0_extra(root: Path, m: dict) -> dict:

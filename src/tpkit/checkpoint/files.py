@@ -12,7 +12,7 @@ Every tensor is described by its global shape (`shape`, padded vocabulary includ
 its `logical` shape (without padding) and its split tag. Reading a slice for a new
 layout goes through `Source.read(name, dim, start, stop)` — the rows [start, stop) of
 the logical global tensor along `dim` — so a rank reads only what it will hold,
-from a sharded checkpoint, one full file, or a Hugging Face model (`tpkit.model.hf`).
+from a sharded checkpoint, one full file, or a Hugging Face model (`checkpoint.hf`).
 
     global rows of a fused part, written at tp=2, read at tp=4 by rank 1:
       part q: [ chunk0 (rank 0) | chunk1 (rank 1) ]      rank 1 wants q rows [c/2, c)
@@ -30,14 +30,9 @@ from typing import Any
 import torch
 from safetensors import safe_open
 
-from tpkit.shard_io import (  # noqa: F401 - re-exported for checkpoint users
-    CheckpointError,
-    DictSource,
-    FullSource,
-    Source,
-    local_slice,
-)
+from tpkit.checkpoint.slices import CheckpointError, FullSource
 from tpkit.sharding import TPSplit, unshard
+from tpkit.spec.config import ModelConfig
 
 MANIFEST = "manifest.json"
 FORMAT = "tpkit-checkpoint"
@@ -129,6 +124,8 @@ def read_manifest(root: str | Path) -> dict:
     """The manifest of a checkpoint directory, or a CheckpointError saying why not."""
     root = Path(root)
     path = root / MANIFEST
+    if root.is_file():
+        raise CheckpointError(f"{root}: a file, not a checkpoint directory")
     if not root.is_dir():
         raise CheckpointError(f"{root}: no such checkpoint directory")
     if not path.is_file():
@@ -148,13 +145,19 @@ def read_manifest(root: str | Path) -> dict:
 
 class ShardedSource:
     """Reads global slices out of the per-rank files of a checkpoint, verifying each file
-    (size + sha256) the first time it is opened."""
+    (size + sha256) the first time it is opened. `kind`: "model" (the weights) or
+    "optim" (the optimizer state, same files' optim- twins)."""
 
     def __init__(self, root: str | Path, manifest: dict, kind: str = "model") -> None:
         self.root, self.manifest, self.kind = Path(root), manifest, kind
-        self.tp = manifest["layout"]["tp"]
+        self.where, self.tp = str(root), manifest["layout"]["tp"]
         self.tensors = manifest["tensors"] if kind == "model" else manifest["optim_tensors"]
+        self.config = ModelConfig.from_dict(manifest["config"]) if manifest["config"] else None
+        self.names = set(self.tensors)
         self._open: dict[str, Any] = {}
+
+    def __getstate__(self) -> dict:  # picklable (to the ranks): files are opened again
+        return {**vars(self), "_open": {}}
 
     def logical_shape(self, name: str) -> tuple[int, ...] | None:
         """Global shape without padding (None: not in this checkpoint)."""

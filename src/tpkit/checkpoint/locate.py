@@ -29,7 +29,7 @@ from tpkit.checkpoint.files import (
     read_manifest,
     size_problem,
 )
-from tpkit.model.hf import CONFIG_FILE
+from tpkit.checkpoint.hf import CONFIG_FILE
 
 RUN_CHECKPOINTS = "checkpoints"  # the folder of checkpoints inside a run folder
 SHARDED, FULL, HF = "sharded", "full", "hf"
@@ -47,9 +47,14 @@ class Located:
     path: Path
 
 
+def run_checkpoints(run_dir: str | Path) -> Path:
+    """The folder of checkpoints of the run `tpkit train --out run_dir` writes."""
+    return Path(run_dir) / RUN_CHECKPOINTS
+
+
 def step_dir(run_dir: str | Path, step: int) -> Path:
     """Where `tpkit train --out run_dir` writes its checkpoint of `step`."""
-    return Path(run_dir) / RUN_CHECKPOINTS / f"step_{step:06d}"
+    return run_checkpoints(run_dir) / f"step_{step:06d}"
 
 
 def locate(path: str | Path) -> Located:
@@ -67,8 +72,9 @@ def locate(path: str | Path) -> Located:
         return Located(HF, path)
     if not path.exists():
         raise CheckpointError(f"{path}: no such file or directory")
-    if _candidates(path):
-        return Located(SHARDED, _latest_or_raise(path))
+    newest = _run_latest(path)
+    if newest is not None:
+        return Located(SHARDED, newest)
     raise CheckpointError(f"{path}: not a checkpoint: neither a tpkit checkpoint "
                           f"({MANIFEST}), a run folder ({RUN_CHECKPOINTS}/step_*), a full "
                           f".safetensors file, nor a Hugging Face directory ({CONFIG_FILE})")
@@ -89,22 +95,32 @@ def sharded_dir(path: str | Path) -> Path:
 def latest(root: str | Path) -> Path | None:
     """The newest valid checkpoint under `root` (a run folder or a folder of checkpoints),
     warning about newer damaged ones; None when there is no valid one."""
-    ranked = sorted(_candidates(Path(root)), key=lambda c: c[0], reverse=True)
+    return _newest_valid(_candidates(Path(root)))
+
+
+def _run_latest(root: Path) -> Path | None:
+    """The latest valid checkpoint of a run folder; None when `root` holds no checkpoint
+    at all, a CheckpointError when it holds only damaged ones."""
+    candidates = _candidates(root)
+    if not candidates:
+        return None
+    found = _newest_valid(candidates)
+    if found is None:
+        why = "; ".join(f"{d.name}: {p}" for _, d, p in candidates)
+        raise CheckpointError(f"{root}: no valid checkpoint in this run folder ({why})")
+    return found
+
+
+def _newest_valid(candidates: list) -> Path | None:
+    """The newest valid one of `_candidates`' list, warning about newer damaged ones."""
+    ranked = sorted(candidates, key=lambda c: c[0], reverse=True)
     for i, (_, d, problem) in enumerate(ranked):
         if problem is None:
             for _, bad, why in ranked[:i]:
                 warnings.warn(f"{bad}: skipped, damaged ({why}); using {d}",
-                              CheckpointWarning, stacklevel=2)
+                              CheckpointWarning, stacklevel=3)
             return d
     return None
-
-
-def _latest_or_raise(root: Path) -> Path:
-    found = latest(root)
-    if found is None:
-        why = "; ".join(f"{d.name}: {p}" for _, d, p in _candidates(root))
-        raise CheckpointError(f"{root}: no valid checkpoint in this run folder ({why})")
-    return found
 
 
 def _candidates(root: Path) -> list[tuple[tuple[int, str], Path, str | None]]:

@@ -15,22 +15,21 @@ load, so the file is the same with or without ZeRO and at any dp:
 
 from __future__ import annotations
 
-from pathlib import Path
-
 import torch
 from torch import nn
 
-from tpkit.checkpoint.files import MANIFEST, CheckpointError, ShardedSource, local_slice
+from tpkit.checkpoint.files import MANIFEST, CheckpointError, ShardedSource
+from tpkit.checkpoint.slices import read_local, state_name
 from tpkit.mesh import ParallelMesh
-from tpkit.parallel.zero import ZeroAdamW
-from tpkit.sharding import meta_of, split_of
+from tpkit.sharding import split_of
 
 State = dict[nn.Parameter, dict[str, torch.Tensor]]
 
 
-def state_name(param: str, key: str) -> str:
-    """The name on disk of one entry of a parameter's state: "{param}::{key}"."""
-    return f"{param}::{key}"
+def _sharded(optimizer) -> bool:
+    """A dp-sharded optimizer (ZeRO-1 `ZeroAdamW`, ZeRO-2 / FSDP `ShardedAdamW`): its state
+    comes per parameter from `full_state` and goes back through `load_full_state`."""
+    return hasattr(optimizer, "full_state") and hasattr(optimizer, "load_full_state")
 
 
 def keys_by_param(saved: dict) -> dict[str, list[str]]:
@@ -46,7 +45,7 @@ def keys_by_param(saved: dict) -> dict[str, list[str]]:
 def gather_state(optimizer) -> State:
     """Per-parameter state of a torch optimizer or a `ZeroAdamW` (then a collective over
     its dp group: call on every rank)."""
-    if isinstance(optimizer, ZeroAdamW):
+    if _sharded(optimizer):
         return optimizer.full_state()
     return {p: {k: v if torch.is_tensor(v) else torch.tensor(v) for k, v in s.items()}
             for p, s in optimizer.state.items()}
@@ -67,28 +66,25 @@ def group_settings(optimizer) -> list[dict]:
 
 def model_groups(optimizer) -> list[list[nn.Parameter]]:
     """The model parameters of each group (ZeRO-1: not its flat slices)."""
-    if isinstance(optimizer, ZeroAdamW):
+    if _sharded(optimizer):
         return optimizer.params
     return [list(g["params"]) for g in optimizer.param_groups]
 
 
-def stage_state(root: Path, manifest: dict, model: nn.Module, optimizer,
+def stage_state(weights: ShardedSource, model: nn.Module, optimizer,
                 mesh: ParallelMesh) -> State:
-    """Read this rank's slices of the saved state of every parameter of `optimizer`."""
+    """Read this rank's slices of the saved state of every parameter of `optimizer`
+    (`weights`: the open checkpoint; its optimizer files are read)."""
+    root, manifest = weights.root, weights.manifest
     if manifest.get("optimizer") is None:
         raise CheckpointError(f"{root / MANIFEST}: the checkpoint holds no optimizer state")
-    source, saved = ShardedSource(root, manifest, "optim"), manifest["optim_tensors"]
-    keys = keys_by_param(saved)
+    keys = keys_by_param(manifest["optim_tensors"])
+    staged = read_local(model, ShardedSource(root, manifest, "optim"), mesh, state_keys=keys)
     names = {id(p): n for n, p in model.named_parameters()}
     state: State = {}
     for p in (p for params in model_groups(optimizer) for p in params):
-        src = meta_of(p).tied_to or names[id(p)]
-        entry = {}
-        for key in keys.get(src, []):
-            full = state_name(src, key)
-            like = tuple(p.shape) if saved[full]["logical"] != [] else ()
-            entry[key] = local_slice(source, full, split_of(p) if like else None,
-                                     mesh.tp_rank, mesh.tp_size, like, str(root))
+        prefix = state_name(names[id(p)], "")
+        entry = {k.removeprefix(prefix): v for k, v in staged.items() if k.startswith(prefix)}
         if entry:
             state[p] = entry
     groups = manifest["optimizer"]["groups"]
@@ -100,7 +96,7 @@ def stage_state(root: Path, manifest: dict, model: nn.Module, optimizer,
 
 def apply_state(optimizer, state: State, groups: list[dict]) -> None:
     """Put staged per-parameter `state` and the saved group settings into `optimizer`."""
-    if isinstance(optimizer, ZeroAdamW):
+    if _sharded(optimizer):
         for mine, old in zip(optimizer.param_groups, groups):
             mine.update({k: tuple(v) if isinstance(mine.get(k), tuple) else v
                          for k, v in old.items()})

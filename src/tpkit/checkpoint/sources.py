@@ -1,96 +1,105 @@
-"""Open whatever a path is, as tensors or as a model at any layout: the one way every
-command (generate, convert, train --resume, verify) reads weights.
+"""Open whatever a path is, once, as a source of tensors; load a model from it: the one
+way every command (generate, convert, train, verify) and `tpkit.load` read weights.
 
-    source, config, names = open_source(path)    # a shard_io.Source of logical tensors
-    model = load_model(path, mesh)               # this rank's slices, at mesh's layout
-    folder = source_tokenizer(path)              # where its tokenizer files lie (checked)
+    source = open_source(path)        # located once: .config, .names, .where, .read(...)
+    model = load_model(source, mesh)  # this rank's slices, at mesh's layout
+    folder = source_tokenizer(source) # where its tokenizer files lie (checked)
 
 `path` is a sharded checkpoint, a run folder (its latest valid checkpoint), one full
-safetensors file, or a Hugging Face directory (`locate`). A model is built on the
-meta device, allocated, then filled with only the slices this rank holds, read by
-the split tags of its parameters (`shard_io.local_slice`).
+safetensors file, or a Hugging Face directory (`locate`). The command opens it, before
+any process starts; the open source is what travels to the ranks (it pickles, and each
+rank opens the files again without locating or re-reading anything). A model is built
+on the meta device, allocated, then filled with only the slices this rank holds
+(`build.build_model`).
 """
 
 from __future__ import annotations
 
 import json
+import os
 from pathlib import Path
 from typing import Any
 
 import torch
+import torch.distributed
 from torch import nn
 
-from tpkit.checkpoint import store
-from tpkit.checkpoint.files import (
-    CheckpointError,
-    FullSource,
-    ShardedSource,
-    read_manifest,
-    verify_file,
-    verify_full,
-)
-from tpkit.checkpoint.locate import FULL, HF, SHARDED, locate
+from tpkit.checkpoint.build import build_model
+from tpkit.checkpoint.files import ShardedSource, read_manifest, verify_file, verify_full
+from tpkit.checkpoint.hf import hf_source, memory_source
+from tpkit.checkpoint.locate import FULL, SHARDED, Located, locate
+from tpkit.checkpoint.slices import CheckpointError, FullSource, Source
 from tpkit.mesh import ParallelMesh
-from tpkit.model.hf import empty_model, load_from, materialize, memory_source, open_hf_source
 from tpkit.model.tokenizer import TOKENIZER_FILES, has_tokenizer
 from tpkit.spec.config import ModelConfig
+from tpkit.spec.errors import UserError
 
 FULL_FORMAT = "tpkit-full"  # the "format" in a full file's metadata (`convert.to_full`)
 
 
-def open_source(source: Any, config: ModelConfig | None = None
-                ) -> tuple[Any, ModelConfig, set[str]]:
-    """(Source, config, tensor names) of any path `locate` accepts, or of a tp=1 model or
-    a dict of full tensors (with `config`)."""
+def open_source(source: Any, config: ModelConfig | None = None) -> Source:
+    """The open Source of any path `locate` accepts (or of what `locate` returned), or of
+    a tp=1 model or a dict of full tensors (with `config`). An open source is returned
+    as it is."""
     if isinstance(source, nn.Module | dict):
         return memory_source(source, config)
-    found = locate(source)
+    if not isinstance(source, str | Path | Located):
+        return source
+    found = source if isinstance(source, Located) else locate(source)
     if found.kind == SHARDED:
-        m = read_manifest(found.path)
-        return ShardedSource(found.path, m), ModelConfig.from_dict(m["config"]), set(m["tensors"])
+        return ShardedSource(found.path, read_manifest(found.path))
     if found.kind == FULL:
         return _open_full(found.path, config)
-    assert found.kind == HF
-    return open_hf_source(found.path)
+    return hf_source(found.path)
 
 
-def _open_full(path: Path, config: ModelConfig | None) -> tuple[Any, ModelConfig, set[str]]:
+def _open_full(path: Path, config: ModelConfig | None) -> FullSource:
     src = FullSource(path)  # an unreadable file: CheckpointError naming it
     meta = json.loads((src.f.metadata() or {}).get("tpkit", "{}"))
     if meta.get("format") != FULL_FORMAT:
         raise CheckpointError(f"{path}: not a tpkit full safetensors file (no metadata)")
     verify_full(path, src, meta)
-    return src, config or ModelConfig.from_dict(meta["config"]), src.names
+    src.config = config or ModelConfig.from_dict(meta["config"])
+    return src
 
 
-def load_model(path: str | Path, mesh: ParallelMesh, *, dtype: torch.dtype | None = None,
-               sequence_parallel: bool = False) -> nn.Module:
-    """A model at `mesh`'s layout holding the weights at `path` (any kind `locate`
-    accepts), each rank reading only its slices. Call on every rank of the mesh."""
-    found = locate(path)
-    source, config, names = open_source(found.path)
-    model = empty_model(config, mesh, dtype=dtype, sequence_parallel=sequence_parallel)
-    materialize(model, mesh.device)
-    if found.kind == SHARDED:  # every rank stages first: nothing is half-loaded
-        store.load(found.path, model, mesh=mesh)
-    else:
-        load_from(model, source, mesh, str(found.path))
-    return model
+def load_model(source: Any, mesh: ParallelMesh | None = None, *, tp: int | None = None,
+               dtype: torch.dtype | None = None, sequence_parallel: bool = False
+               ) -> nn.Module:
+    """The model holding the weights of `source` (an open source, or any path `locate`
+    accepts: opened here), at `mesh`'s layout, each rank reading only its slices. Call
+    on every rank of the mesh. No mesh: one process, or (`tp`) this rank of torchrun's
+    or `tpkit.spawn`'s processes. This is `tpkit.load`."""
+    if mesh is not None and tp not in (None, mesh.tp_size):
+        raise UserError(f"tp={tp} but the mesh has tp={mesh.tp_size}: give one of them")
+    mesh = mesh or _mesh_for(tp)
+    source = open_source(source)
+    return build_model(source.config, mesh, source, dtype=dtype,
+                       sequence_parallel=sequence_parallel)
+
+
+def _mesh_for(tp: int | None) -> ParallelMesh:
+    """This process's mesh when none is given: tp ranks of torchrun's or spawn's world."""
+    if "WORLD_SIZE" in os.environ or torch.distributed.is_initialized():
+        return ParallelMesh.from_env(tp=tp, pp=1)
+    if tp not in (None, 1):
+        raise UserError(f"tp={tp} needs {tp} processes: call tpkit.load inside "
+                        f"tpkit.spawn(fn, {tp}) or torchrun, or pass a mesh")
+    return ParallelMesh.single()
 
 
 def source_tokenizer(source: Any) -> Path | None:
-    """The folder holding the tokenizer files of any path `locate` accepts (a run folder:
-    its latest valid checkpoint), or None (a model, a dict, a full file, no tokenizer
+    """The folder holding the tokenizer files of an open source (or a path: opened) that
+    is a sharded checkpoint or a Hugging Face directory, or None (a model, a dict, a full file, no tokenizer
     files). In a sharded checkpoint the files its manifest lists are checked against
     their sha256 first: a damaged tokenizer is a CheckpointError naming the file."""
-    if isinstance(source, nn.Module | dict):
+    source = open_source(source)
+    folder = getattr(source, "root", None)
+    if folder is None or not Path(folder).is_dir() or not has_tokenizer(folder):
         return None
-    found = locate(source)
-    if not found.path.is_dir() or not has_tokenizer(found.path):
-        return None
-    if found.kind == SHARDED:
-        files = read_manifest(found.path)["files"]
+    if isinstance(source, ShardedSource):
+        files = source.manifest["files"]
         for name in TOKENIZER_FILES:
             if name in files:
-                verify_file(found.path, name, files[name])
-    return found.path
+                verify_file(source.root, name, files[name])
+    return Path(folder)

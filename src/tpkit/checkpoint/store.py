@@ -9,7 +9,7 @@ dp replica 0, a small JSON per rank), fsync, meet; rank 0 then writes the manife
 killed midway leaves the previous checkpoint at `dir` untouched.
 
 A load reads, per parameter, only the chunks this rank holds at *its* layout
-(`shard_io.local_slice`, driven by the split tags of the model being loaded), checks
+(`slices.read_local`, driven by the split tags of the model being loaded), checks
 every file it opens against the manifest, stages everything, and copies into the
 model only when every rank has staged without error: nothing is ever half-loaded.
 Optimizer state (AdamW's exp_avg, exp_avg_sq: same shape as the parameter) carries
@@ -34,6 +34,9 @@ from safetensors.torch import save_file
 from torch import nn
 
 from tpkit.checkpoint import optim_state
+from tpkit.checkpoint.agree import attempt, raise_unless_all
+from tpkit.checkpoint.build import copy_in
+from tpkit.checkpoint.disk import writing
 from tpkit.checkpoint.files import (
     FORMAT,
     MANIFEST,
@@ -42,7 +45,6 @@ from tpkit.checkpoint.files import (
     ShardedSource,
     file_entry,
     fsync_path,
-    local_slice,
     model_file,
     optim_file,
     rank_file,
@@ -51,15 +53,16 @@ from tpkit.checkpoint.files import (
     verify_file,
     write_json,
 )
-from tpkit.checkpoint.locate import latest, sharded_dir
-from tpkit.comm import all_reduce
+from tpkit.checkpoint.finite import NonFiniteCheckpoint, first_nonfinite
+from tpkit.checkpoint.finite import describe as describe_nonfinite
+from tpkit.checkpoint.slices import read_local
 from tpkit.device import rng_state, set_rng_state
 from tpkit.mesh import ParallelMesh
 from tpkit.model.tokenizer import TOKENIZER_FILES, copy_tokenizer
 from tpkit.parallel.zero import ZeroAdamW
 from tpkit.sharding import meta_of, split_of
 
-__all__ = ["CheckpointError", "capture_rng", "complete", "discard", "latest", "load", "prune",
+__all__ = ["CheckpointError", "capture_rng", "complete", "discard", "load", "prune",
            "read_manifest", "restore_rng", "save"]
 
 Optimizer = torch.optim.Optimizer | ZeroAdamW  # what save / load accept
@@ -84,46 +87,50 @@ def save(path: str | Path, model: nn.Module, optimizer: Optimizer | None = None,
     mesh = mesh or getattr(model, "mesh", None) or ParallelMesh.single()
     root = Path(path)
     tmp = root.parent / f".{root.name}.tmp"
-    if mesh.rank == 0:
-        shutil.rmtree(tmp, ignore_errors=True)
-        tmp.mkdir(parents=True)
-    _agree(mesh, True)
-    state = optim_state.gather_state(optimizer) if optimizer is not None else None  # ZeRO: dp
-    err = _attempt(_write_rank, tmp, model, optimizer, state, extra, mesh)
-    _raise_unless_all(mesh, err, f"{root}: another rank failed to write its shards; "
-                                 f"the previous checkpoint is untouched")
-    if mesh.rank == 0:
-        err = _attempt(_finish, tmp, root, model, optimizer, step, mesh, tokenizer)
-    _raise_unless_all(mesh, err, f"{root}: rank 0 failed to write the manifest")
+    err = attempt(_make_tmp, tmp) if mesh.rank == 0 else None
+    try:
+        raise_unless_all(mesh, err, f"{root}: rank 0 could not create {tmp}")
+        state = optim_state.gather_state(optimizer) if optimizer is not None else None  # ZeRO
+        err = attempt(_write_rank, tmp, model, optimizer, state, extra, mesh)
+        raise_unless_all(mesh, err, f"{root}: another rank failed to write its shards; "
+                                    f"the previous checkpoint is untouched")
+        if mesh.rank == 0:
+            err = attempt(_finish, tmp, root, model, optimizer, step, mesh, tokenizer)
+        raise_unless_all(mesh, err, f"{root}: rank 0 failed to write the manifest")
+    except BaseException:  # every rank has stopped writing: nothing half-written stays
+        if mesh.rank == 0:
+            shutil.rmtree(tmp, ignore_errors=True)
+        raise
     return root
+
+
+def _make_tmp(tmp: Path) -> None:
+    shutil.rmtree(tmp, ignore_errors=True)
+    with writing(tmp):
+        tmp.mkdir(parents=True)
 
 
 def load(path: str | Path, model: nn.Module, optimizer: Optimizer | None = None,
          *, mesh: ParallelMesh | None = None) -> dict:
     """Load a checkpoint written at any layout into `model` (and `optimizer`) at this one.
 
-    `path`: a checkpoint directory or a run folder (its latest valid checkpoint).
-    Returns this rank's `extra` when the layout is unchanged, else rank 0's (plus
-    `"step"`). Raises CheckpointError naming the file and the problem; on any
-    error no rank changes anything.
+    `path`: a checkpoint directory (a run folder is the command's to resolve:
+    `locate.sharded_dir`). Returns this rank's `extra` when the layout is unchanged,
+    else rank 0's (plus `"step"` and the manifest's `"layout"`). Raises CheckpointError naming the file and the
+    problem; on any error no rank changes anything.
     """
     mesh = mesh or getattr(model, "mesh", None) or ParallelMesh.single()
-    root = Path(path)
-    staged: Any = None
-    err: BaseException | None = None
-    try:
-        root = sharded_dir(root)  # a run folder: its latest valid checkpoint
+    root, staged = Path(path), []
+
+    def stage() -> None:
         manifest = read_manifest(root)
         _check_config(root, manifest, model)
-        staged = _stage(root, manifest, model, optimizer, mesh)
-    except Exception as e:  # noqa: BLE001 - re-raised after every rank agreed
-        err = e
-    _raise_unless_all(mesh, err, f"{root}: another rank failed to load (see its error); "
-                                 f"nothing was loaded")
+        staged.extend(_stage(ShardedSource(root, manifest), model, optimizer, mesh))
+
+    raise_unless_all(mesh, attempt(stage), f"{root}: another rank failed to load (see its "
+                                           f"error); nothing was loaded")
     params, staged_optim, extra = staged
-    with torch.no_grad():
-        for name, p in model.named_parameters():
-            p.copy_(params[name])
+    copy_in(model, params)
     if optimizer is not None and staged_optim is not None:
         optim_state.apply_state(optimizer, *staged_optim)
     return extra
@@ -198,11 +205,16 @@ def write_record(tmp: Path, rank: int, tp_rank: int, stage: int, tp: int, config
                         for n, (t, sp) in tensors.items()}
         if tensors:
             cpu = {n: t.detach().to("cpu").contiguous() for n, (t, _) in tensors.items()}
-            save_file(cpu, str(tmp / fname), metadata={"tpkit": json.dumps(record[kind])})
-            fsync_path(tmp / fname)
+            if (bad := first_nonfinite(cpu)) is not None:
+                raise NonFiniteCheckpoint(f"{tmp.parent / tmp.name[1:-4]}: not written: "
+                                          f"{describe_nonfinite(bad)}")
+            with writing(tmp / fname, sum(t.numel() * t.element_size() for t in cpu.values())):
+                save_file(cpu, str(tmp / fname), metadata={"tpkit": json.dumps(record[kind])})
+                fsync_path(tmp / fname)
             record["files"][fname] = file_entry(tmp / fname)
             _pause()
-    write_json(tmp / rank_file(rank), record)
+    with writing(tmp / rank_file(rank)):
+        write_json(tmp / rank_file(rank), record)
     _pause()
 
 
@@ -227,11 +239,12 @@ def _own_params(model: nn.Module) -> dict[str, torch.Tensor]:
 def _finish(tmp: Path, root: Path, model: nn.Module, optimizer, step: int,
             mesh: ParallelMesh, tokenizer: str | Path | None) -> None:
     if tokenizer is not None:
-        copy_tokenizer(tokenizer, tmp)
+        with writing(tmp / "tokenizer files"):
+            copy_tokenizer(tokenizer, tmp)
     config = getattr(model, "config", None)
     write_manifest(tmp, root, config.to_dict() if config is not None else None,
                    type(optimizer).__name__ if optimizer is not None else None, step,
-                   dict(tp=mesh.tp_size, pp=mesh.pp_size, dp=mesh.dp_size))
+                   mesh.layout)
 
 
 def write_manifest(tmp: Path, root: Path, config: dict | None, optimizer: str | None,
@@ -255,8 +268,9 @@ def write_manifest(tmp: Path, root: Path, config: dict | None, optimizer: str | 
                     optimizer=dict(type=optimizer, groups=records[0]["optim_groups"])
                     if optimizer else None,
                     extra=records[0]["extra"], files=files, saved_at=time.time())
-    write_json(tmp / MANIFEST, manifest)  # last: a directory without it is incomplete
-    fsync_path(tmp)
+    with writing(tmp / MANIFEST):
+        write_json(tmp / MANIFEST, manifest)  # last: a directory without it is incomplete
+        fsync_path(tmp)
     aside = root.parent / f".{root.name}.old"
     shutil.rmtree(aside, ignore_errors=True)
     if root.exists():
@@ -280,48 +294,27 @@ def _check_config(root: Path, manifest: dict, model: nn.Module) -> None:
                               + "; ".join(diffs))
 
 
-def _stage(root: Path, manifest: dict, model: nn.Module, optimizer, mesh: ParallelMesh):
-    source, where = ShardedSource(root, manifest), str(root)
-    params = {}
-    for name, p in model.named_parameters():
-        src = meta_of(p).tied_to or name
-        params[name] = local_slice(source, src, split_of(p), mesh.tp_rank, mesh.tp_size,
-                                   tuple(p.shape), where).to(p.dtype)
+def _stage(source: ShardedSource, model: nn.Module, optimizer, mesh: ParallelMesh) -> tuple:
+    """(this rank's parameters, optimizer state and groups or None, extra), read only."""
+    root, manifest = source.root, source.manifest
+    params = read_local(model, source, mesh)
+    if (bad := first_nonfinite(params)) is not None:  # written before saves were checked
+        raise CheckpointError(f"{root}: {describe_nonfinite(bad)}: written by a run that "
+                              f"diverged; load an earlier checkpoint")
     staged_optim = None
     if optimizer is not None:
-        staged_optim = (optim_state.stage_state(root, manifest, model, optimizer, mesh),
+        staged_optim = (optim_state.stage_state(source, model, optimizer, mesh),
                         _decode(manifest["optimizer"]["groups"]))
-    layout = dict(tp=mesh.tp_size, pp=mesh.pp_size, dp=mesh.dp_size)
-    rank = mesh.rank if layout == manifest["layout"] else 0
+    rank = mesh.rank if mesh.layout == manifest["layout"] else 0
     fname = rank_file(rank)
     record = json.loads(verify_file(root, fname, manifest["files"].get(fname)).read_text())
     extra = _decode(record["extra"])
     extra.setdefault("step", manifest["step"])
+    extra["layout"] = manifest["layout"]  # the one record of it: {"tp", "pp", "dp"}
     return params, staged_optim, extra
 
 
 # -- helpers ----------------------------------------------------------------------------
-def _attempt(fn, *args) -> BaseException | None:
-    try:
-        fn(*args)
-    except Exception as e:  # noqa: BLE001 - reported after every rank agreed
-        return e
-    return None
-
-
-def _agree(mesh: ParallelMesh, ok: bool) -> bool:
-    """True when every rank says ok (a barrier over the whole world: mp, then dp)."""
-    flag = torch.tensor([1.0 if ok else 0.0], device=mesh.device)
-    all_reduce(flag, mesh.mp_group, op="min", phase="checkpoint")
-    all_reduce(flag, mesh.dp_group, op="min", phase="checkpoint")
-    return bool(flag.item() == 1.0)
-
-
-def _raise_unless_all(mesh: ParallelMesh, err: BaseException | None, other: str) -> None:
-    if not _agree(mesh, err is None):
-        raise err if err is not None else CheckpointError(other, peer_failed=True)
-
-
 def _pause() -> None:
     if os.environ.get(PAUSE_ENV):
         time.sleep(float(os.environ[PAUSE_ENV]))

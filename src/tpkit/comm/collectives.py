@@ -1,29 +1,48 @@
 """The one place where tpkit calls torch.distributed. Every call is recorded in the ledger.
 
 All functions take a `CommGroup`; on a group of one rank they return at once and
-record nothing (nothing was sent). `phase` says whether the call belongs to the
+record nothing (nothing was sent). A group whose ranks share a host carries a
+shared-memory channel (`comm/shm.py`, `group.shm`): every collective it can take
+(CPU, float32/bfloat16/float16) goes there instead of to torch.distributed, under the
+same ledger record and the same failure guard; point-to-point sends stay on the group's
+process group. `phase` says whether the call belongs to the
 forward or the backward pass (or to a label such as "grads"); `scope` overrides
 the ledger's current scope (backward passes carry the scope of their forward).
 """
 
 from __future__ import annotations
 
+import functools
 import time
-from contextlib import contextmanager
 
 import torch
 import torch.distributed as dist
 
 from tpkit.comm.failure import CollectiveFailed, says_link_failed
 from tpkit.comm.group import CommGroup
+from tpkit.comm.shm import ShmChannel, ShmPeerLost
 
 # torch 2.13 renamed the tensor forms (`*_into_tensor` -> `*_single`); accept both.
 _all_gather_single = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
 _reduce_scatter_single = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
 
-# Under torch.compile (`tpkit train --compile`) every collective is a clean graph break:
-# it runs eagerly, between compiled regions, and is recorded in the ledger as always.
-_graph_break = torch.compiler.disable
+
+
+def _graph_break(fn):
+    """Under torch.compile (`tpkit train --compile`) every collective is a clean graph
+    break: it runs eagerly, between compiled regions, and is recorded in the ledger as
+    always. Called eagerly, it skips `torch.compiler.disable`'s wrapper (a few us a call:
+    the latency of a whole shared-memory all-reduce)."""
+    disabled = torch.compiler.disable(fn)
+    is_compiling = torch.compiler.is_compiling
+
+    @functools.wraps(fn)
+    def call(*args, **kwargs):
+        if is_compiling():
+            return disabled(*args, **kwargs)
+        return fn(*args, **kwargs)
+
+    return call
 
 _REDUCE_OPS = {"sum": dist.ReduceOp.SUM, "max": dist.ReduceOp.MAX, "min": dist.ReduceOp.MIN}
 
@@ -38,26 +57,54 @@ def _nbytes(x: torch.Tensor) -> int:
     return x.numel() * x.element_size()
 
 
+def _shm(group: CommGroup, x: torch.Tensor) -> ShmChannel | None:
+    """The group's shared-memory channel if it takes `x`, else None (torch.distributed)."""
+    ch = group.shm
+    return ch if ch is not None and ch.takes(x) else None
+
+
+class _Done:
+    """The handle of a collective that already completed (shared memory runs at once)."""
+
+    def wait(self) -> bool:
+        return True
+
+
 def _link_failure(e: BaseException) -> bool:
     backend_error = getattr(dist, "DistBackendError", ())
-    return isinstance(e, backend_error) or says_link_failed(str(e))
+    return isinstance(e, (backend_error, ShmPeerLost)) or says_link_failed(str(e))
 
 
-@contextmanager
-def _guarded(op: str, group: CommGroup, numel: int, nbytes: int, phase: str,
-             scope: str | None, peer: int | None = None):
-    """Record the block in the ledger as one collective; a dead or stuck peer becomes
-    one `CollectiveFailed` naming the collective, its group, scope and the suspects."""
-    t0 = time.perf_counter()
-    try:
-        with group.ledger.timed(op, group, numel, nbytes, phase, scope):
-            yield
-    except RuntimeError as e:
-        if isinstance(e, CollectiveFailed) or not _link_failure(e):
-            raise
-        where = group.ledger.current_scope() if scope is None else scope
-        raise CollectiveFailed(op, group.name, group.ranks, group.ranks[group.rank], where,
-                               phase, time.perf_counter() - t0, str(e).splitlines()[0],
+class _guarded:
+    """`with _guarded(op, group, numel, nbytes, phase, scope):` records the block in the
+    ledger as one collective (if it completes); a dead or stuck peer becomes one
+    `CollectiveFailed` naming the collective, its group, scope and the suspects. A class,
+    not a generator: it runs around every collective, and costs a third as much."""
+
+    __slots__ = ("op", "group", "numel", "nbytes", "phase", "scope", "peer", "t0")
+
+    def __init__(self, op: str, group: CommGroup, numel: int, nbytes: int, phase: str,
+                 scope: str | None, peer: int | None = None) -> None:
+        self.op, self.group, self.numel, self.nbytes = op, group, numel, nbytes
+        self.phase, self.scope, self.peer = phase, scope, peer
+
+    def __enter__(self) -> None:
+        self.t0 = time.perf_counter()
+
+    def __exit__(self, kind, e, tb) -> bool:
+        t1 = time.perf_counter()
+        group = self.group
+        if kind is None:
+            group.ledger.add(self.op, group, self.numel, self.nbytes, t1 - self.t0,
+                             self.phase, self.scope, span=(self.t0, t1))
+            return False
+        if not isinstance(e, RuntimeError) or isinstance(e, CollectiveFailed) or \
+                not _link_failure(e):
+            return False
+        where = group.ledger.current_scope() if self.scope is None else self.scope
+        peer = getattr(e, "peer", None) if self.peer is None else self.peer  # shm names it
+        raise CollectiveFailed(self.op, group.name, group.ranks, group.ranks[group.rank],
+                               where, self.phase, t1 - self.t0, str(e).splitlines()[0],
                                None if peer is None else group.ranks[peer]) from e
 
 
@@ -68,8 +115,12 @@ def all_reduce(x: torch.Tensor, group: CommGroup, op: str = "sum", *, phase: str
     if group.size == 1:
         return x
     _real(group)
+    ch = _shm(group, x)
     with _guarded("all_reduce", group, x.numel(), _nbytes(x), phase, scope):
-        dist.all_reduce(x, op=_REDUCE_OPS[op], group=group.pg)
+        if ch is not None:
+            ch.all_reduce(x, op)
+        else:
+            dist.all_reduce(x, op=_REDUCE_OPS[op], group=group.pg)
     return x
 
 
@@ -98,13 +149,26 @@ class Pending:
         return self._finish()
 
 
+def _post(group: CommGroup, op: str, x: torch.Tensor, phase: str, scope: str | None,
+          run) -> _Done | None:
+    """An asynchronous collective on shared memory: `run(channel)` at once (guarded, not
+    recorded: its `Pending` records it); None when the group's process group takes `x`."""
+    ch = _shm(group, x)
+    if ch is None:
+        return None
+    with group.ledger.paused(), _guarded(op, group, x.numel(), _nbytes(x), phase, scope):
+        run(ch)
+    return _Done()
+
+
 @_graph_break
 def all_reduce_async(x: torch.Tensor, group: CommGroup, *, phase: str = "backward",
                      scope: str | None = None) -> Pending:
     """Start summing `x` over the group in place; `.wait()` returns `x`."""
     _real(group)
     t0 = time.perf_counter()
-    work = dist.all_reduce(x, group=group.pg, async_op=True)
+    work = _post(group, "all_reduce", x, phase, scope, lambda ch: ch.all_reduce(x)) or \
+        dist.all_reduce(x, group=group.pg, async_op=True)
     p = Pending(work, lambda: x, ("all_reduce", group, x.numel(), _nbytes(x), phase, scope))
     p._posted_s, p._posted_at = time.perf_counter() - t0, t0
     return p
@@ -119,9 +183,28 @@ def reduce_scatter_async(x: torch.Tensor, group: CommGroup, dim: int, *,
     t0 = time.perf_counter()
     inp = x.movedim(dim, 0).contiguous()  # [S, ...]
     out = torch.empty(inp.shape[0] // p_, *inp.shape[1:], dtype=x.dtype, device=x.device)
-    work = _reduce_scatter_single(out, inp, group=group.pg, async_op=True)
+    work = _post(group, "reduce_scatter", x, phase, scope,
+                 lambda ch: ch.reduce_scatter(out, inp)) or \
+        _reduce_scatter_single(out, inp, group=group.pg, async_op=True)
     p = Pending(work, lambda: (inp, out.movedim(0, dim))[1],  # inp kept alive until done
                 ("reduce_scatter", group, x.numel(), _nbytes(x), phase, scope))
+    p._posted_s, p._posted_at = time.perf_counter() - t0, t0
+    return p
+
+
+@_graph_break
+def all_gather_async(x: torch.Tensor, group: CommGroup, *, out: torch.Tensor | None = None,
+                     phase: str = "forward", scope: str | None = None) -> Pending:
+    """Start concatenating every rank's 1-D `x` (rank order) into `out` (or a new tensor);
+    `.wait()` returns it (FSDP prefetches the next layer's weights this way)."""
+    _real(group)
+    t0 = time.perf_counter()
+    out = out if out is not None else x.new_empty(group.size * x.numel())  # [p n]
+    x = x.contiguous()
+    work = _post(group, "all_gather", out, phase, scope, lambda ch: ch.all_gather(out, x)) or \
+        _all_gather_single(out, x, group=group.pg, async_op=True)
+    p = Pending(work, lambda: out, ("all_gather", group, out.numel(), _nbytes(out), phase,
+                                    scope))
     p._posted_s, p._posted_at = time.perf_counter() - t0, t0
     return p
 
@@ -136,8 +219,12 @@ def all_gather(x: torch.Tensor, group: CommGroup, dim: int = -1, *, phase: str =
     p, dim = group.size, dim % x.dim()
     x = x.contiguous()
     out = torch.empty((p * x.shape[0], *x.shape[1:]), dtype=x.dtype, device=x.device)
+    ch = _shm(group, x)
     with _guarded("all_gather", group, out.numel(), _nbytes(out), phase, scope):
-        _all_gather_single(out, x, group=group.pg)
+        if ch is not None:
+            ch.all_gather(out, x)
+        else:
+            _all_gather_single(out, x, group=group.pg)
     if dim == 0:
         return out
     out = out.view(p, *x.shape).movedim(0, dim)  # [..., p, x.shape[dim], ...]
@@ -157,8 +244,12 @@ def reduce_scatter(x: torch.Tensor, group: CommGroup, dim: int = -1, *, phase: s
                          f"divide over {p} ranks")
     inp = x.movedim(dim, 0).contiguous()  # [S, ...]: chunk r of dim is rows r*S/p...
     out = torch.empty(inp.shape[0] // p, *inp.shape[1:], dtype=x.dtype, device=x.device)
+    ch = _shm(group, x)
     with _guarded("reduce_scatter", group, x.numel(), _nbytes(x), phase, scope):
-        _reduce_scatter_single(out, inp, group=group.pg)
+        if ch is not None:
+            ch.reduce_scatter(out, inp)
+        else:
+            _reduce_scatter_single(out, inp, group=group.pg)
     return out.movedim(0, dim)
 
 
@@ -168,8 +259,12 @@ def broadcast(x: torch.Tensor, group: CommGroup, src: int = 0, *, phase: str = "
     """Copy group rank `src`'s `x` to every rank, in place."""
     if group.size == 1:
         return x
+    ch = _shm(group, x)
     with _guarded("broadcast", group, x.numel(), _nbytes(x), phase, scope):
-        dist.broadcast(x, src=group.ranks[src], group=group.pg)
+        if ch is not None:
+            ch.broadcast(x, src)
+        else:
+            dist.broadcast(x, src=group.ranks[src], group=group.pg)
     return x
 
 

@@ -1,7 +1,9 @@
 """`CommGroup`: a process group together with what a collective needs without asking.
 
 A group of one rank has no process group at all: every collective on it is a no-op,
-which is how the tp=1 model is the very same code as the sharded one.
+which is how the tp=1 model is the very same code as the sharded one. A group whose
+ranks share a host also carries a shared-memory channel (`shm`), which the collectives
+use instead of the process group for the tensors it takes.
 """
 
 from __future__ import annotations
@@ -11,6 +13,7 @@ from dataclasses import dataclass, field
 import torch.distributed as dist
 
 from tpkit.comm.ledger import Ledger
+from tpkit.comm.shm import ShmChannel
 
 
 @dataclass(eq=False)
@@ -22,6 +25,7 @@ class CommGroup:
     rank: int  # this process's index inside `ranks`
     pg: dist.ProcessGroup | None = None  # None when size == 1
     ledger: Ledger = field(default_factory=Ledger)
+    shm: ShmChannel | None = None  # the shared-memory transport, for ranks of one host
 
     @property
     def size(self) -> int:
@@ -34,4 +38,5 @@ class CommGroup:
         return cls(name=name, ranks=(0,), rank=0, pg=None, ledger=ledger or Ledger())
 
     def __repr__(self) -> str:
-        return f"CommGroup({self.name}, ranks={list(self.ranks)}, rank={self.rank})"
+        via = ", shm" if self.shm is not None else ""
+        return f"CommGroup({self.name}, ranks={list(self.ranks)}, rank={self.rank}{via})"

@@ -12,6 +12,7 @@ from __future__ import annotations
 import argparse
 
 from tpkit.checkpoint.convert import reshard, to_full, to_hf
+from tpkit.commands.common import group
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -21,8 +22,11 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("dest", help="output path")
     parser.add_argument("--to", choices=("full", "sharded", "hf"), default="sharded",
                         help="one full safetensors file, a sharded checkpoint, or Hugging Face")
-    parser.add_argument("--tp", type=int, default=1, help="tensor-parallel size (sharded)")
-    parser.add_argument("--pp", type=int, default=1, help="pipeline stages (sharded)")
+    layout = group(parser, "parallelism")
+    layout.add_argument("--tp", type=int, default=1, metavar="N",
+                        help="tensor-parallel size (sharded)")
+    layout.add_argument("--pp", type=int, default=1, metavar="N",
+                        help="pipeline stages (sharded)")
 
 
 def run(args: argparse.Namespace) -> int:

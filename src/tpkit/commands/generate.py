@@ -1,7 +1,8 @@
 """`tpkit generate`: load a model at a tensor-parallel layout (tpkit checkpoint, run
-folder, full file or Hugging Face directory: `tpkit.checkpoint.load_model`) and sample
-from it with the serving engine (`tpkit.serve.Engine`: the same preallocated KV cache,
-sampler and stop strings as `tpkit serve`, so a prompt gets the same tokens from both).
+folder, full file or Hugging Face directory, opened once here: `checkpoint.open_source`,
+`checkpoint.load_model`) and sample from it with the serving engine (`tpkit.serve.Engine`:
+the same preallocated KV cache, sampler and stop strings as `tpkit serve`, so a prompt
+gets the same tokens from both).
 
     tpkit generate --checkpoint hf-dir --tp 2 --prompt "The capital of France is"
     tpkit generate --checkpoint runs/x --prompt "a" --prompt "bcd"     # a batch of two
@@ -22,14 +23,15 @@ import sys
 import time
 from contextlib import nullcontext
 
-from tpkit.checkpoint.locate import locate
-from tpkit.checkpoint.sources import load_model, source_tokenizer
+from tpkit.checkpoint.sources import load_model, open_source, source_tokenizer
+from tpkit.commands.common import group
 from tpkit.mesh import ParallelMesh
 from tpkit.model.tokenizer import ByteTokenizer, load_tokenizer
 from tpkit.serve import Engine, SamplingParams
 from tpkit.serve.openai_api import ApiError, chat_ids
 from tpkit.serve.runner import Runner
 from tpkit.spec.errors import UserError
+from tpkit.spec.transport import add_comm_argument, comm_choice
 
 
 def _prompts(args: argparse.Namespace, tok) -> list[list[int]]:
@@ -46,29 +48,29 @@ def _prompts(args: argparse.Namespace, tok) -> list[list[int]]:
     return [tok.encode(p) for p in args.prompt]
 
 
-def _worker(mesh: ParallelMesh, args: argparse.Namespace) -> dict | None:
+def _worker(mesh: ParallelMesh, args: argparse.Namespace, source) -> dict | None:
     """Rank 0 runs the prompts through the serving engine (`tpkit.serve.Engine`: the same
     KV pool, scheduler and sampler as `tpkit serve`, so the same tokens) and streams the
-    text of a single prompt as it comes; the other ranks follow its steps."""
-    model = load_model(args.checkpoint, mesh)
+    text of a single prompt as it comes; the other ranks follow its steps. `source`: the
+    checkpoint, opened by `run`."""
+    model = load_model(source, mesh)
     max_len = args.max_len or model.config.max_seq_len
     if mesh.tp_rank != 0:
         Runner(model, args.max_batch, max_len).follow()
         return None
     try:
-        return _lead(mesh, args, model, max_len)
+        return _lead(args, source, model, max_len)
     finally:
         Runner.stop_followers(model, args.max_batch)
 
 
-def _lead(mesh: ParallelMesh, args: argparse.Namespace, model, max_len: int) -> dict:
-    tok = load_tokenizer(source_tokenizer(args.checkpoint))  # a run folder: its latest
+def _lead(args: argparse.Namespace, source, model, max_len: int) -> dict:
+    tok = load_tokenizer(source_tokenizer(source))
     vocab, name = model.config.vocab_size, model.config.name
-    if isinstance(tok, ByteTokenizer) and not args.prompt_ids and (
-            vocab < 256 or name.startswith("hf-")):  # a Hugging Face model: not bytes
-        raise UserError(f"no tokenizer files in {args.checkpoint} and {name} (vocab_size="
-                         f"{vocab}) is not a byte-level model; copy its tokenizer files "
-                         f"there or pass --prompt-ids")
+    if isinstance(tok, ByteTokenizer) and not args.prompt_ids and not model.config.byte_level:
+        raise UserError(f"no tokenizer files in {source.where} and {name} (vocab_size="
+                        f"{vocab}) is not a byte-level model; copy its tokenizer files "
+                        f"there or pass --prompt-ids")
     prompts = _prompts(args, tok)
     engine = Engine(model, tokenizer=tok, max_batch=args.max_batch, max_len=max_len)
     params = SamplingParams(max_tokens=max(args.max_new_tokens, 1),
@@ -101,39 +103,40 @@ def _show(args: argparse.Namespace, i: int, req) -> str:
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
-    """Options of `tpkit generate`."""
-    parser.add_argument("--checkpoint", required=True,
-                        help="tpkit checkpoint dir, run folder (its latest valid "
-                             "checkpoint), full .safetensors, or Hugging Face dir")
-    parser.add_argument("--tp", type=int, default=1, help="tensor-parallel processes")
-    parser.add_argument("--prompt", action="append", default=[],
-                        help="text, tokenized with the model folder's tokenizer (byte level "
-                             "without one); repeat for a batch of prompts")
-    parser.add_argument("--prompt-ids", action="append", default=[],
-                        help="comma-separated token ids instead (repeatable)")
-    parser.add_argument("--max-new-tokens", type=int, default=64,
-                        help="tokens to generate per prompt (default 64)")
-    parser.add_argument("--temperature", type=float, default=0.0,
-                        help="0: greedy (default 0)")
-    parser.add_argument("--top-k", type=int, default=None, help="sample among the k likeliest "
-                        "tokens (default: off)")
-    parser.add_argument("--top-p", type=float, default=None,
-                        help="sample among the likeliest tokens of total probability p "
-                             "(nucleus; default: off)")
-    parser.add_argument("--stop", action="append", default=[],
-                        help="end at this text (not printed); repeatable")
-    parser.add_argument("--chat", action="store_true",
-                        help="send each prompt as a user message in the tokenizer's chat "
-                             "template")
-    parser.add_argument("--max-batch", type=int, default=8,
-                        help="sequences generated at once (KV slots, as tpkit serve; "
-                             "default 8)")
-    parser.add_argument("--max-len", type=int, default=None,
-                        help="tokens per sequence, prompt included (default: the model's "
-                             "max_seq_len)")
-    parser.add_argument("--seed", type=int, default=0, help="seed of sampling (default 0)")
-    parser.add_argument("--ignore-eos", action="store_true",
-                        help="do not stop at the tokenizer's end-of-sequence token")
+    """Options of `tpkit generate`, under the shared headings (`tpkit.commands.common`)."""
+    group(parser, "model").add_argument(
+        "--checkpoint", required=True, help="tpkit checkpoint dir, run folder (its latest "
+        "valid checkpoint), full .safetensors, or Hugging Face dir")
+    group(parser, "parallelism").add_argument("--tp", type=int, default=1, metavar="N",
+                                              help="tensor-parallel processes")
+    g = group(parser, "generation")
+    g.add_argument("--prompt", action="append", default=[],
+                   help="text, tokenized with the model folder's tokenizer (byte level "
+                        "without one); repeat for a batch of prompts")
+    g.add_argument("--prompt-ids", action="append", default=[],
+                   help="comma-separated token ids instead (repeatable)")
+    g.add_argument("--chat", action="store_true",
+                   help="send each prompt as a user message in the tokenizer's chat template")
+    g.add_argument("--max-new-tokens", type=int, default=64, metavar="N",
+                   help="tokens to generate after each prompt")
+    g.add_argument("--temperature", type=float, default=0.0, metavar="T",
+                   help="sampling temperature (0: greedy)")
+    g.add_argument("--top-k", type=int, default=None, metavar="K",
+                   help="sample among the K likeliest tokens (default: all of them)")
+    g.add_argument("--top-p", type=float, default=None, metavar="P",
+                   help="sample among the likeliest tokens of total probability P "
+                        "(nucleus; default: all of them)")
+    g.add_argument("--stop", action="append", default=[], metavar="TEXT",
+                   help="end a prompt's text at TEXT (not printed); repeatable")
+    g.add_argument("--seed", type=int, default=0, help="seed of the sampling")
+    g.add_argument("--ignore-eos", action="store_true",
+                   help="do not stop at the tokenizer's end-of-sequence token")
+    g.add_argument("--max-batch", type=int, default=8, metavar="B",
+                   help="sequences generated at once (KV slots, as in tpkit serve)")
+    g.add_argument("--max-len", type=int, default=None, metavar="L",
+                   help="tokens per sequence, prompt included (default: the model's "
+                        "max_seq_len)")
+    add_comm_argument(group(parser, "parallelism"))
 
 
 def _prompt_ids(text: str) -> list[int]:
@@ -169,15 +172,18 @@ def run(args: argparse.Namespace) -> int:
     """Generate on `--tp` local processes (or torchrun's); print the text and tokens/s.
     Mistakes (flags, paths, token ids) are `UserError`s: one line from `tpkit.cli`."""
     _check_args(args)
-    args.checkpoint = str(locate(args.checkpoint).path)  # once, before any process
+    comm = comm_choice(getattr(args, "comm", None))
+    source = open_source(args.checkpoint)  # once, before any process
     if "WORLD_SIZE" in os.environ:
-        result = _worker(ParallelMesh.from_env(tp=args.tp, pp=1), args)
+        result = _worker(ParallelMesh.from_env(tp=args.tp, pp=1, comm=comm), args, source)
     elif args.tp == 1:
-        result = _worker(ParallelMesh.single(), args)
+        result = _worker(ParallelMesh.single(), args, source)
     else:
         from tpkit.launch import spawn
 
-        result = spawn(_worker, args.tp, args, mesh=dict(tp=args.tp))[0]
+        result = spawn(_worker, args.tp, args, source, mesh=dict(tp=args.tp, comm=comm))[0]
+    if result is None:  # a torchrun rank > 0: rank 0 prints
+        return 0
     if not result["streamed"]:
         print("\n\n".join(result["texts"]))
     n = sum(len(r) for r in result["new"])

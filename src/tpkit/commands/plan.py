@@ -25,23 +25,30 @@ from tpkit.plan.simulate import Cluster
 from tpkit.spec.config import ModelConfig, get_preset
 from tpkit.spec.theory import FSDP_RESHARD
 
+SEARCHED = " (default: searched)"
+
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
     """Options of `tpkit plan`."""
     m = p.add_argument_group("model (a preset, or a custom shape)")
-    m.add_argument("--preset", help="a tpkit.model preset, e.g. llama3-70b, gpt3-175b")
-    for flag, help_ in (("--heads", "attention heads"), ("--hidden", "hidden size"),
-                        ("--layers", "transformer layers"), ("--vocab", "vocabulary size"),
+    m.add_argument("--preset", metavar="NAME",
+                   help="a tpkit.model preset, e.g. llama3-70b, gpt3-175b (default: none, a "
+                        "custom shape)")
+    for flag, help_ in (("--heads", "attention heads (default: the preset's)"),
+                        ("--hidden", "hidden size (default: the preset's)"),
+                        ("--layers", "transformer layers (default: the preset's)"),
+                        ("--vocab", "vocabulary size (default: the preset's)"),
                         ("--kv-heads", "key/value heads (GQA; default = heads)"),
                         ("--ffn", "MLP width (default 4 x hidden)")):
-        m.add_argument(flag, type=int, help=help_)
+        m.add_argument(flag, type=int, metavar="N", help=help_)
     m.add_argument("--swiglu", action="store_true", help="Llama-style MLP (3 matrices)")
     c = p.add_argument_group("cluster and run")
-    c.add_argument("--nodes", type=int, default=1)
+    c.add_argument("--nodes", type=int, default=1, metavar="N", help="nodes in the cluster")
     c.add_argument("--gpus-per-node", type=int, help="devices per node (default: the profile's)")
     c.add_argument("--hardware", default="h100",
                    help=f"{', '.join(PROFILES)}, local (after `tpkit calibrate`)")
-    c.add_argument("--hardware-file", help="TOML file with more profiles")
+    c.add_argument("--hardware-file", metavar="PATH",
+                   help="TOML file with more profiles (default: none)")
     c.add_argument("--seq", type=int, help="sequence length (default: the model's, max 4096)")
     c.add_argument("--global-batch", type=int, help="sequences per step (default 8 x devices)")
     c.add_argument("--grad-dtype", choices=tuple(GRAD_DTYPES), default="fp32",
@@ -54,13 +61,15 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                         ("--pp", "pipeline stages"), ("--dp", "data-parallel replicas"),
                         ("--micro-batch", "sequences per micro-batch"),
                         ("--interleave", "virtual pipeline chunks per device")):
-        f.add_argument(flag, type=int, help=help_)
-    f.add_argument("--recompute", choices=("none", "selective", "full"))
-    f.add_argument("--sp", choices=("on", "off"), help="sequence parallelism")
+        f.add_argument(flag, type=int, metavar="N", help=help_ + SEARCHED)
+    f.add_argument("--recompute", choices=("none", "selective", "full"),
+                   help="activation recomputation" + SEARCHED)
+    f.add_argument("--sp", choices=("on", "off"), help="sequence parallelism" + SEARCHED)
     f.add_argument("--zero", type=int, choices=tuple(ZERO_NAMES),
                    help="data-parallel sharding: " + ", ".join(
-                       f"{k} {v}" for k, v in ZERO_NAMES.items()))
-    f.add_argument("--zero1", choices=("on", "off"), help="same as --zero 1 / --zero 0")
+                       f"{k} {v}" for k, v in ZERO_NAMES.items()) + SEARCHED)
+    f.add_argument("--zero1", choices=("on", "off"),
+                   help="same as --zero 1 / --zero 0" + SEARCHED)
     f.add_argument("--fsdp-reshard", choices=FSDP_RESHARD, default="after-forward",
                    help="when FSDP frees the weights it gathered: after-forward (PyTorch "
                         "FSDP2's default, reshard_after_forward=True: gathered again for every "

@@ -28,6 +28,7 @@ from tpkit.quiz.tutor import (
     run_tutor,
     scripted,
 )
+from tpkit.spec.transport import add_comm_argument, comm_choice
 
 
 def _default_lang() -> str:
@@ -51,7 +52,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--answers", default=None,
                         help="comma-separated answers 1..4, one per question, numbered as in "
                              "the seed quiz whatever the order shown (non-interactive; the "
-                             "last line is then exactly 'Score: N/8')")
+                             "last line is then exactly 'Score: N/8') (default: asked one "
+                             "by one)")
+    add_comm_argument(parser)
     parser.add_argument("--web", action="store_true", help="serve the quiz to a browser")
     parser.add_argument("--host", default="127.0.0.1",
                         help="address of --web (default 127.0.0.1; others warn: no login)")
@@ -67,7 +70,8 @@ def run(args: argparse.Namespace) -> int:
         from tpkit.quiz.web import serve
 
         # serve returns once a signal stopped it and its workers are gone: end at once
-        exit_now(serve(quiz, host=args.host, port=args.port, lang=args.lang, live=args.live))
+        exit_now(serve(quiz, host=args.host, port=args.port, lang=args.lang, live=args.live,
+                       comm=comm_choice(getattr(args, "comm", None))))
     items = quiz.items(args.lang, level=args.level, shuffle=args.shuffle, seed=args.seed)
     try:
         if args.answers is not None:
@@ -79,7 +83,7 @@ def run(args: argparse.Namespace) -> int:
         if args.live:
             from tpkit.quiz.live import LiveSession
 
-            with LiveSession() as session:
+            with LiveSession(comm=comm_choice(getattr(args, "comm", None))) as session:
                 run_tutor(items, quiz.ui(args.lang), answer, sys.stdout, echo=echo,
                           exact_score=args.answers is not None,
                           live=lambda n: session.text(n, tp=args.tp, lang=args.lang,

@@ -21,8 +21,8 @@ import sys
 import threading
 from pathlib import Path
 
-from tpkit.checkpoint.locate import locate
-from tpkit.checkpoint.sources import load_model, source_tokenizer
+from tpkit.checkpoint.sources import load_model, open_source, source_tokenizer
+from tpkit.commands.common import group
 from tpkit.hosts import is_loopback
 from tpkit.launch import SpawnError
 from tpkit.mesh import ParallelMesh
@@ -32,6 +32,7 @@ from tpkit.serve.http import HOST, MAX_BODY, App, make_server
 from tpkit.serve.loop import serve_loop
 from tpkit.serve.runner import Runner
 from tpkit.spec.errors import UserError
+from tpkit.spec.transport import add_comm_argument, comm_choice
 
 _SIGNALS = (signal.SIGTERM, signal.SIGINT, signal.SIGHUP)
 
@@ -45,30 +46,34 @@ class Stopped(KeyboardInterrupt):
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
-    """Options of `tpkit serve`."""
-    parser.add_argument("--checkpoint", required=True,
-                        help="tpkit checkpoint dir, run folder (its latest valid "
-                             "checkpoint), full .safetensors, or Hugging Face dir")
-    parser.add_argument("--tp", type=int, default=1, help="tensor-parallel processes (default 1)")
-    parser.add_argument("--host", default=HOST,
-                        help=f"address to listen on (default {HOST}: this machine only)")
-    parser.add_argument("--port", type=int, default=8000, help="port (default 8000; 0: a free one)")
-    parser.add_argument("--max-batch", type=int, default=8,
-                        help="sequences generated at once: KV slots per rank (default 8)")
-    parser.add_argument("--max-len", type=int, default=None,
-                        help="tokens per sequence, prompt included (default: the model's "
-                             "max_seq_len)")
-    parser.add_argument("--max-tokens-in-flight", type=int, default=None,
-                        help="prompt + max_tokens summed over running requests (default: "
-                             "max-batch x max-len); more waits in the queue")
-    parser.add_argument("--served-model-name", default=None,
-                        help="the model id clients send (default: the checkpoint folder's name)")
-    parser.add_argument("--max-body-bytes", type=int, default=MAX_BODY,
-                        help=f"largest request body (default {MAX_BODY})")
-    parser.add_argument("--timeout", type=float, default=30.0,
-                        help="seconds an idle connection is kept (default 30)")
-    parser.add_argument("--drain-seconds", type=float, default=5.0,
-                        help="on SIGTERM, how long running requests may finish (default 5)")
+    """Options of `tpkit serve`, under the shared headings (`tpkit.commands.common`)."""
+    group(parser, "model").add_argument(
+        "--checkpoint", required=True, help="tpkit checkpoint dir, run folder (its latest "
+        "valid checkpoint), full .safetensors, or Hugging Face dir")
+    group(parser, "model").add_argument(
+        "--served-model-name", default=None, metavar="NAME",
+        help="the model id clients send (default: the checkpoint folder's name)")
+    p = group(parser, "parallelism")
+    p.add_argument("--tp", type=int, default=1, metavar="N", help="tensor-parallel processes")
+    add_comm_argument(p)
+    g = group(parser, "serving")
+    g.add_argument("--host", default=HOST, help="address to listen on (127.0.0.1: this "
+                   "machine only)")
+    g.add_argument("--port", type=int, default=8000, help="port (0: a free one, printed)")
+    g.add_argument("--max-batch", type=int, default=8, metavar="B",
+                   help="sequences generated at once: KV slots per rank")
+    g.add_argument("--max-len", type=int, default=None, metavar="L",
+                   help="tokens per sequence, prompt included (default: the model's "
+                        "max_seq_len)")
+    g.add_argument("--max-tokens-in-flight", type=int, default=None, metavar="T",
+                   help="prompt + max_tokens summed over the running requests; more waits "
+                        "in the queue (default: max-batch x max-len)")
+    g.add_argument("--max-body-bytes", type=int, default=MAX_BODY, metavar="N",
+                   help="largest request body")
+    g.add_argument("--timeout", type=float, default=30.0, metavar="S",
+                   help="seconds an idle connection is kept")
+    g.add_argument("--drain-seconds", type=float, default=5.0, metavar="S",
+                   help="on SIGTERM, how long running requests may still finish")
 
 
 def _check_args(args: argparse.Namespace) -> None:
@@ -98,35 +103,37 @@ def _bind(app: App, host: str, port: int):
 def run(args: argparse.Namespace) -> int:
     """Load the model on every rank, serve on rank 0 until a signal or a worker's death."""
     _check_args(args)
-    path = str(locate(args.checkpoint).path)  # once, before any process
+    comm = comm_choice(getattr(args, "comm", None))
+    source = open_source(args.checkpoint)  # once, before any process
     if "WORLD_SIZE" in os.environ:  # torchrun: rank 0 serves, the others follow
-        mesh, peers = ParallelMesh.from_env(tp=args.tp, pp=1), None
+        mesh, peers = ParallelMesh.from_env(tp=args.tp, pp=1, comm=comm), None
         if mesh.rank != 0:
-            model = load_model(path, mesh)
+            model = load_model(source, mesh)
             Runner(model, args.max_batch, args.max_len or model.config.max_seq_len).follow()
             return 0
     else:
         mesh, peers = None, None
-    app = App(None, args.served_model_name or Path(path).name, None,
+    name = args.served_model_name or Path(str(args.checkpoint).rstrip("/")).resolve().name
+    app = App(None, name, None,
               max_body=args.max_body_bytes, timeout=args.timeout)
     server = _bind(app, args.host, args.port)  # a busy port fails before any loading
     try:
         if mesh is None and args.tp > 1:
             from tpkit.serve.workers import Peers
 
-            peers = Peers(args.tp, path, args.max_batch, args.max_len or 0)
+            peers = Peers(args.tp, source, args.max_batch, args.max_len or 0, comm=comm)
             mesh = peers.mesh
         mesh = mesh or ParallelMesh.single()
-        return _serve(args, path, mesh, peers, app, server)
+        return _serve(args, source, mesh, peers, app, server)
     finally:
         server.server_close()
         if peers is not None:
             peers.close()
 
 
-def _serve(args, path: str, mesh: ParallelMesh, peers, app: App, server) -> int:
-    model = load_model(path, mesh)
-    app.tokenizer = load_tokenizer(source_tokenizer(path))
+def _serve(args, source, mesh: ParallelMesh, peers, app: App, server) -> int:
+    model = load_model(source, mesh)
+    app.tokenizer = load_tokenizer(source_tokenizer(source))
     app.engine = Engine(model, tokenizer=app.tokenizer, max_batch=args.max_batch,
                         max_len=args.max_len, max_tokens_in_flight=args.max_tokens_in_flight)
     stop, got = threading.Event(), []

@@ -15,76 +15,128 @@ from __future__ import annotations
 import argparse
 import os
 import sys
+from collections.abc import Iterator
+from contextlib import ExitStack, contextmanager
 from dataclasses import fields
 from pathlib import Path
 from typing import TYPE_CHECKING
 
+from tpkit.commands.common import HEADINGS, group, says_default, shown
 from tpkit.parallel.schedules import SCHEDULES
 from tpkit.spec.errors import UserError
-from tpkit.train.config import DTYPES, TrainConfig
+from tpkit.spec.theory import FSDP_RESHARD
+from tpkit.spec.transport import add_comm_argument, comm_choice
+from tpkit.train.config import DTYPES, NONFINITE_POLICIES, TrainConfig
+from tpkit.train.config_file import (
+    read_toml,
+    resume_changes,
+    saved_config,
+    section_of,
+    to_toml,
+    write_run_config,
+)
+from tpkit.train.run_log import report_file
 
 if TYPE_CHECKING:
     from tpkit.train.report import RunSummary
 
-_FLAGS = {  # field -> (type or action, help)
-    "preset": (str, "model preset (gpt2-tiny, llama-tiny, ...)"),
+_FLAGS = {  # field -> (type, 'store_true' or a tuple of choices; help); heading: its section
+    "preset": (str, "model preset (`tpkit presets` lists them)"),
     "from_hf": (str, "fine-tune a Hugging Face model folder (its config, weights; its "
-                     "tokenizer goes into the checkpoints)"),
+                     "tokenizer goes into the checkpoints) (default: none, the preset)"),
     "tp": (int, "tensor-parallel size"), "pp": (int, "pipeline stages"),
     "dp": (int, "data-parallel replicas (default: what the processes leave over)"),
     "steps": (int, "optimizer steps"),
     "micro_batches": (int, "micro-batches per step and replica"),
     "global_batch": (int, "sequences per step, all replicas together"),
     "seq": (int, "sequence length"), "lr": (float, "peak learning rate"),
-    "min_lr": (float, "final learning rate (default lr/10)"),
+    "min_lr": (float, "final learning rate (default: lr/10)"),
     "warmup": (int, "warmup steps"), "weight_decay": (float, "AdamW weight decay"),
     "clip": (float, "clip the global gradient norm to this (0: off)"),
     "sp": ("store_true", "sequence parallelism"),
     "zero1": ("store_true", "shard the optimizer state over dp (ZeRO-1)"),
-    "schedule": (str, f"pipeline schedule: one of {tuple(SCHEDULES)}"),
+    "zero2": ("store_true", "shard the gradients and the optimizer state over dp, weights "
+                            "replicated (ZeRO-2): each micro-batch's gradients are "
+                            "reduce-scattered in buckets as backward finishes them"),
+    "fsdp": ("store_true", "fully sharded data parallel (ZeRO-3): weights, gradients and "
+                           "optimizer state sharded over dp, one flat unit per layer, "
+                           "all-gathered just before use (composes with --tp and --pp)"),
+    "fsdp_reshard": (FSDP_RESHARD, "with --fsdp, when gathered weights are freed: after-forward "
+                                   "(gathered again for backward) or after-step (kept for the "
+                                   "step: one gather and one reduce-scatter per step)"),
+    "schedule": (tuple(SCHEDULES), "pipeline schedule"),
     "virtual_stages": (int, "model chunks per stage, for --schedule interleaved"),
-    "dtype": (str, f"one of {DTYPES} (bfloat16: autocast)"),
+    "dtype": (DTYPES, "compute dtype (bfloat16: autocast)"),
     "recompute": ("store_true", "recompute activations in backward"),
     "master_weights": ("store_true", "with --dtype bfloat16: bf16 weights and activations, fp32 "
                                      "master weights and gradient sums (Megatron's recipe)"),
     "compile": ("store_true", "torch.compile each transformer block (collectives stay eager, "
                               "as graph breaks); prints the compile time"),
-    "compile_backend": (str, "torch.compile backend for --compile (default inductor)"),
+    "compile_backend": (str, "torch.compile backend for --compile"),
     "loss_chunk": (int, "head + cross-entropy this many tokens at a time: the logits of the "
                         "whole micro-batch never exist (0: off)"),
     "data": (str, "text file, directory of .txt, .bin of uint16 tokens, or a `tpkit "
                   "prepare-data` folder (default: Python's own documentation, embedded)"),
     "val_fraction": (float, "held-out fraction of the data"),
     "eval_every": (int, "validation every N steps"),
-    "ckpt_every": (int, "checkpoint every N steps (and always at the end)"),
-    "out": (str, "output directory (metrics.jsonl, loss.png, checkpoints/)"),
+    "ckpt_every": (int, "checkpoint every N steps (and always at the end; 0: only there)"),
+    "out": (str, "the run folder (config.toml, metrics.jsonl, loss.png, checkpoints/, tb/)"),
+    "log": (str, "experiment trackers, comma-separated: tensorboard, wandb, mlflow, trackio "
+                 "(offline, under --out), or none; auto: tensorboard when it is installed"),
     "seed": (int, "seed of weights and data order"),
     "trace": (str, "write the last step's per-rank timeline here: trace.json (Perfetto / "
-                   "chrome://tracing) and step.png (also copied into the run folder)"),
+                   "chrome://tracing) and step.png (also copied into the run folder) "
+                   "(default: none)"),
     "resume": (str, "continue from a checkpoint, or a run folder (its latest valid one); "
                     "auto: from the newest valid checkpoint in --out if there is one "
-                    "(restarts)"),
+                    "(restarts) (default: none, a new run)"),
     "keep_checkpoints": (int, "newest complete checkpoints to keep (0: all)"),
     "check_replicas": (int, "every N steps, check that replicated parameters are identical "
                             "on every tp rank (0: off)"),
     "collective_timeout": (float, "seconds a collective may wait for a dead or stuck rank "
                                   "before the run stops, naming it"),
+    "on_nonfinite": (NONFINITE_POLICIES, "a NaN/inf loss or gradient norm: stop the run "
+                                         "(exit 1, naming the step) or skip the step's update"),
+    "nonfinite_skips": (int, "with --on-nonfinite skip: stop after this many non-finite "
+                             "steps in a row"),
 }
+_METAVARS = {"preset": "NAME", "from_hf": "DIR", "compile_backend": "NAME", "data": "PATH",
+             "out": "DIR", "log": "LIST", "trace": "DIR", "resume": "PATH"}
+_HEADING = {"model": "model", "parallelism": "parallelism", "training": "batch",
+            "optimizer": "batch", "data": "data", "checkpoint": "checkpoints",
+            "logging": "logging", "reliability": "reliability"}  # TOML section -> heading
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
-    """The flags of `tpkit train` (each mirrors a TrainConfig field and TOML key)."""
+    """The flags of `tpkit train` (each mirrors a TrainConfig field and TOML key), under
+    the headings of `tpkit.commands.common`, each with the field's default."""
+    defaults = {f.name: f.default for f in fields(TrainConfig)}
+    for key in HEADINGS:  # the headings in their order, whoever adds to them later
+        group(parser, key)
     for name, (kind, text) in _FLAGS.items():
-        flag = "--" + name.replace("_", "-")
+        flag, where = "--" + name.replace("_", "-"), group(parser, _HEADING[section_of(name)])
+        if defaults[name] is not None and not says_default(text) and kind != "store_true":
+            text += f" (default: {shown(defaults[name])})"
         if kind == "store_true":
-            parser.add_argument(flag, action="store_true", default=argparse.SUPPRESS, help=text)
+            where.add_argument(flag, action="store_true", default=argparse.SUPPRESS, help=text)
+        elif isinstance(kind, tuple):
+            where.add_argument(flag, choices=kind, default=argparse.SUPPRESS, help=text)
         else:
-            parser.add_argument(flag, type=kind, default=argparse.SUPPRESS, help=text)
-    parser.add_argument("--config", help="TOML file with the same keys; flags override it")
-    parser.add_argument("--nproc", type=int, help="local processes to spawn (default tp*pp*dp)")
-    parser.add_argument("--no-progress", action="store_true", help="no progress bar")
-    parser.add_argument("--overwrite", action="store_true",
-                        help="delete the checkpoints of an earlier run in --out first")
+            where.add_argument(flag, type=kind, default=argparse.SUPPRESS, help=text,
+                               metavar=_METAVARS.get(name, "N" if kind is int else "X"))
+    parser.add_argument("--config", help="TOML file, sectioned ([model], [parallelism], ...) or "
+                                      "flat; the flags given override it (default: none)")
+    parser.add_argument("--print-config", action="store_true",
+                     help="print the effective config (defaults, --config, flags) as TOML "
+                          "and exit")
+    group(parser, "parallelism").add_argument(
+        "--nproc", type=int, help="local processes to spawn (default: tp*pp*dp)")
+    add_comm_argument(group(parser, "parallelism"))
+    group(parser, "logging").add_argument("--no-progress", action="store_true",
+                                          help="no progress bar")
+    group(parser, "checkpoints").add_argument(
+        "--overwrite", action="store_true",
+        help="delete the checkpoints of an earlier run in --out first")
 
 
 def config_from_args(args: argparse.Namespace, world: int | None) -> TrainConfig:
@@ -93,24 +145,25 @@ def config_from_args(args: argparse.Namespace, world: int | None) -> TrainConfig
     given = {k: v for k, v in vars(args).items() if k in names}
     if getattr(args, "no_progress", False):
         given["progress"] = False
-    cfg = TrainConfig.from_toml(args.config, **given) if args.config else TrainConfig(**given)
-    if "dp" not in given and world and world % (cfg.tp * cfg.pp) == 0 and not (
-            args.config and "dp" in _toml_keys(args.config)):
+    from_file = read_toml(args.config, names) if getattr(args, "config", None) else {}
+    cfg = TrainConfig(**{**from_file, **given})
+    if "dp" not in given and "dp" not in from_file and world and world % (cfg.tp * cfg.pp) == 0:
         cfg = cfg.with_(dp=world // (cfg.tp * cfg.pp))
     return cfg
 
 
-def _toml_keys(path: str) -> set[str]:
-    from tpkit.train.config import tomllib
-
-    with open(path, "rb") as f:
-        return {k.replace("-", "_") for k in tomllib.load(f)}
-
-
 def _worker(mesh, cfg: TrainConfig) -> RunSummary:
     from tpkit.train.loop import train
+    from tpkit.train.trackers import Trackers
 
-    return train(cfg, mesh)
+    return train(cfg, mesh, trackers=Trackers(cfg, flops_per_token(cfg)))
+
+
+def flops_per_token(cfg: TrainConfig) -> float:
+    """Training FLOPs per token of the model (the planner's formula: MFU's numerator)."""
+    from tpkit.plan.cost import model_flops_per_token
+
+    return model_flops_per_token(cfg.model_config(), cfg.seq)
 
 
 def _print_report(results: list[RunSummary]) -> None:
@@ -128,32 +181,64 @@ def _print_report(results: list[RunSummary]) -> None:
 def run(args: argparse.Namespace) -> int:
     """Train; 0 on success. A configuration, data or checkpoint error raises UserError
     (one line on stderr and exit status 2, from `tpkit.cli`), before any process starts."""
-    from tpkit.checkpoint.locate import sharded_dir
-
     torchrun = "RANK" in os.environ and "WORLD_SIZE" in os.environ
     world = int(os.environ["WORLD_SIZE"]) if torchrun else args.nproc
     if world is not None and world < 1:
         raise UserError(f"--nproc={world} must be a positive number of processes")
     cfg = config_from_args(args, world)
+    if args.print_config:
+        print(to_toml(cfg, "the effective configuration: defaults, --config, then the flags"),
+              end="")
+        return 0
     cfg.check(world or cfg.world_size)
-    if cfg.resume and cfg.resume != "auto":  # a run folder: its latest valid checkpoint,
-        cfg = cfg.with_(resume=str(sharded_dir(cfg.resume)))  # chosen once, here
-    if not cfg.resume:
-        _never_mix_runs(Path(cfg.out), args.overwrite, torchrun)
+    fresh = not cfg.resume  # "auto" with nothing to resume is no fresh run either
+    cfg = cfg.with_(resume=resume_dir(cfg))  # chosen once, here
+    _say_resume_changes(cfg)
+    comm = comm_choice(getattr(args, "comm", None))
     if torchrun:
-        return _run_torchrun(cfg)
+        return _run_torchrun(cfg, args.overwrite, comm, fresh)
     from tpkit.train.data import load_tokens
+    from tpkit.train.run_folder import check_writable, hold
 
-    load_tokens(cfg.data, cfg.model_config().vocab_size)  # data errors before spawning
-    return _run_local(cfg)
+    check_writable(Path(cfg.out))  # one line, before any process is spawned
+    with hold(Path(cfg.out)):  # one run per folder, from here until the run ends
+        if fresh:
+            _never_mix_runs(Path(cfg.out), args.overwrite, torchrun)
+        load_tokens(cfg.data, cfg.model_config().vocab_size, cfg.tokenizer_id)  # errors now
+        write_run_config(cfg, cfg.out)
+        return _run_local(cfg, comm)
+
+
+def resume_dir(cfg: TrainConfig) -> str | None:
+    """The checkpoint directory `cfg.resume` names: "auto", the newest valid one in
+    --out (None: a fresh run); a run folder, its latest valid checkpoint."""
+    from tpkit.checkpoint.locate import latest, run_checkpoints, sharded_dir
+
+    if cfg.resume == "auto":
+        found = latest(run_checkpoints(cfg.out))
+        return None if found is None else str(found)
+    return cfg.resume and str(sharded_dir(cfg.resume))
+
+
+def _say_resume_changes(cfg: TrainConfig) -> None:
+    """A resumed run (`cfg.resume`: the checkpoint directory `resume_dir` chose): print
+    what differs from the checkpoint's config; a change that cannot work (another model,
+    another data order) is a UserError."""
+    saved = saved_config(cfg.resume) if cfg.resume else None
+    if saved is None:
+        return
+    changes = resume_changes(saved, cfg)  # raises on every rank
+    if changes and os.environ.get("RANK", "0") == "0":
+        print(f"resuming {cfg.resume} with changes: " + "; ".join(changes), file=sys.stderr)
 
 
 def _never_mix_runs(out: Path, overwrite: bool, torchrun: bool) -> None:
     """A new run into an --out that holds an earlier run's checkpoints: refuse, naming
     the flags, or (--overwrite) delete them first (rank 0 only, under torchrun)."""
     from tpkit.checkpoint import store
+    from tpkit.checkpoint.locate import run_checkpoints
 
-    found = store.complete(out / "checkpoints")
+    found = store.complete(run_checkpoints(out))
     if not found:
         return
     if not overwrite:
@@ -165,7 +250,7 @@ def _never_mix_runs(out: Path, overwrite: bool, torchrun: bool) -> None:
             store.discard(d)
 
 
-def _run_local(cfg: TrainConfig) -> int:
+def _run_local(cfg: TrainConfig, comm: str) -> int:
     from tpkit.device import best_device
     from tpkit.launch import spawn
     from tpkit.mesh import ParallelMesh
@@ -175,11 +260,11 @@ def _run_local(cfg: TrainConfig) -> int:
         results = [_worker(ParallelMesh.single(device=best_device()), cfg)]
     else:
         threads = max(1, (os.cpu_count() or 1) // n)
-        results = spawn(_worker, n, cfg, mesh=dict(tp=cfg.tp, pp=cfg.pp, dp=cfg.dp),
+        results = spawn(_worker, n, cfg, mesh=dict(tp=cfg.tp, pp=cfg.pp, dp=cfg.dp, comm=comm),
                         threads=threads, timeout=7 * 24 * 3600.0,
                         collective_timeout=cfg.collective_timeout)
     _print_report(results)
-    _merge_trace(cfg)
+    report_file("the merged trace", _merge_trace, cfg)
     return 0
 
 
@@ -187,8 +272,6 @@ def _merge_trace(cfg: TrainConfig) -> None:
     """Every rank's part of the timeline -> one trace and its PNG (after all ranks wrote)."""
     if not cfg.trace:
         return
-    from pathlib import Path
-
     from tpkit.train.trace import merge
 
     title = (f"{cfg.preset} tp={cfg.tp} pp={cfg.pp} dp={cfg.dp}, {cfg.schedule}, "
@@ -208,14 +291,47 @@ def cross_node_price(tp: int, pp: int, dp: int, ranks_per_node: int) -> str | No
     return f"Predicted on H100 nodes with InfiniBand: {said}" if said else None
 
 
-def _run_torchrun(cfg: TrainConfig) -> int:
+@contextmanager
+def _folder_held_by_rank0(out: Path, rank: int) -> Iterator[None]:
+    """Under torchrun: rank 0 checks and locks --out; every rank learns its verdict (one
+    broadcast) and raises the same line, so no rank starts while another refused."""
     import torch.distributed as dist
 
+    from tpkit.train.run_folder import check_writable, hold
+
+    with ExitStack() as stack:
+        said = [None]
+        if rank == 0:
+            try:
+                check_writable(out)
+                stack.enter_context(hold(out))
+            except UserError as e:
+                said = [str(e)]
+        dist.broadcast_object_list(said, src=0)
+        if said[0] is not None:
+            raise UserError(said[0])
+        yield
+
+
+def _run_torchrun(cfg: TrainConfig, overwrite: bool, comm: str, fresh: bool) -> int:
     from tpkit.mesh import ParallelMesh
-    from tpkit.train.loop import train
 
     mesh = ParallelMesh.from_env(tp=cfg.tp, pp=cfg.pp, dp=cfg.dp,
-                                 timeout_s=cfg.collective_timeout)
+                                 timeout_s=cfg.collective_timeout, comm=comm)
+    with _folder_held_by_rank0(Path(cfg.out), mesh.rank):
+        if fresh:
+            _never_mix_runs(Path(cfg.out), overwrite, True)
+        if mesh.rank == 0:
+            write_run_config(cfg, cfg.out)
+        return _train_torchrun(cfg, mesh)
+
+
+def _train_torchrun(cfg: TrainConfig, mesh) -> int:
+    import torch.distributed as dist
+
+    from tpkit.train.loop import train
+    from tpkit.train.trackers import Trackers
+
     # one write per line: ranks share the agent's stdout, and print() under PYTHONUNBUFFERED
     # writes the text and its newline separately, so two ranks' lines could run together
     sys.stdout.write(f"rank {mesh.rank}: {mesh!r}, tp group {list(mesh.tp_group.ranks)}\n")
@@ -223,12 +339,12 @@ def _run_torchrun(cfg: TrainConfig) -> int:
     price = cross_node_price(mesh.tp_size, mesh.pp_size, mesh.dp_size, mesh.ranks_per_node)
     if price and mesh.rank == 0:  # the mesh warned of the problem; the planner prices it
         print(price, file=sys.stderr, flush=True)
-    result = train(cfg, mesh)
+    result = train(cfg, mesh, trackers=Trackers(cfg, flops_per_token(cfg)))
     if mesh.rank == 0:
         print(mesh.describe())
         _print_report([result])
     dist.barrier()
     if mesh.rank == 0:
-        _merge_trace(cfg)
+        report_file("the merged trace", _merge_trace, cfg)
     dist.destroy_process_group()
     return 0

@@ -21,6 +21,7 @@ from functools import partial
 import torch
 
 from tpkit.comm.report import human_bytes
+from tpkit.commands.common import group
 from tpkit.model.exactness import (
     LOSS_ULPS,
     TOL,
@@ -32,6 +33,7 @@ from tpkit.model.exactness import (
     sweep,
 )
 from tpkit.spec.errors import UserError
+from tpkit.spec.transport import add_comm_argument, comm_choice
 
 TOL_HF = 1e-4  # against transformers: another implementation, float32
 
@@ -40,24 +42,40 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     """Options of `tpkit verify`."""
     p.add_argument("--component", choices=["mlp", "model"], default=None,
                    help="mlp: the Megatron MLP alone; model: a whole preset (default with --preset)")
-    p.add_argument("--preset", default=None, help="model preset, e.g. gpt2-tiny, llama-tiny")
-    p.add_argument("--checkpoint", default=None,
+    m = group(p, "model")
+    m.add_argument("--preset", default=None, metavar="NAME",
+                   help="model preset, e.g. gpt2-tiny, llama-tiny (default: none)")
+    m.add_argument("--checkpoint", default=None,
                    help="a model from a checkpoint dir, run folder (its latest valid "
-                        "checkpoint), full .safetensors or Hugging Face dir, instead of a preset")
-    p.add_argument("--hf", default=None, metavar="DIR",
-                   help="a Hugging Face model directory: every tp against transformers")
-    p.add_argument("--tp", default="1,2,4", help="comma-separated tp sizes (1 is the reference)")
-    p.add_argument("--sp", action="store_true", help="sequence parallelism")
-    p.add_argument("--expert-parallel", action="store_true",
-                   help="with --hf, mixture-of-experts models: whole experts spread over tp")
-    p.add_argument("--activation", default="gelu", choices=["gelu", "swiglu", "relu"])
-    p.add_argument("--hidden", type=int, default=64)
-    p.add_argument("--ffn", type=int, default=None, help="MLP width (default 4*hidden)")
-    p.add_argument("--batch", type=int, default=2)
-    p.add_argument("--seq", type=int, default=16)
-    p.add_argument("--layers", type=int, default=None, help="override the preset's layer count")
-    p.add_argument("--dtype", choices=list(TOL), default="float32")
-    p.add_argument("--timeout", type=float, default=300.0)
+                        "checkpoint), full .safetensors or Hugging Face dir, instead of a "
+                        "preset (default: none)")
+    m.add_argument("--hf", default=None, metavar="DIR",
+                   help="a Hugging Face model directory: every tp against transformers "
+                        "(default: none)")
+    layout = group(p, "parallelism")
+    layout.add_argument("--tp", default="1,2,4", metavar="LIST",
+                        help="comma-separated tp sizes (1 is the reference)")
+    layout.add_argument("--sp", action="store_true", help="sequence parallelism")
+    layout.add_argument("--expert-parallel", action="store_true",
+                        help="with --hf, mixture-of-experts models: whole experts spread over tp")
+    m.add_argument("--activation", default="gelu", choices=["gelu", "swiglu", "relu"],
+                   help="MLP activation (--component mlp)")
+    m.add_argument("--hidden", type=int, default=64, metavar="N",
+                   help="hidden size (--component mlp)")
+    m.add_argument("--ffn", type=int, default=None, metavar="N",
+                   help="MLP width (default: 4*hidden)")
+    data = group(p, "data")
+    data.add_argument("--batch", type=int, default=2, metavar="N",
+                      help="sequences in the test batch")
+    data.add_argument("--seq", type=int, default=16, metavar="N", help="sequence length")
+    m.add_argument("--layers", type=int, default=None, metavar="N",
+                   help="override the preset's layer count (default: the preset's)")
+    m.add_argument("--dtype", choices=list(TOL), default="float32",
+                   help="compute dtype (its tolerance against tp=1 follows)")
+    group(p, "reliability").add_argument(
+        "--timeout", type=float, default=300.0, metavar="S",
+        help="seconds the worker processes may take before they are stopped")
+    add_comm_argument(layout)
 
 
 def _builder(args: argparse.Namespace):
@@ -68,32 +86,34 @@ def _builder(args: argparse.Namespace):
         from tpkit.checkpoint import load_model
 
         return partial(load_model, args.checkpoint, dtype=dtype, sequence_parallel=args.sp)
-    from tpkit.model import Transformer
+    from tpkit.checkpoint.build import build_model
     from tpkit.spec import get_preset
 
     cfg = get_preset(args.preset)
     if args.layers:
         cfg = replace(cfg, num_layers=args.layers)
-    return partial(Transformer, cfg, seed=1, sequence_parallel=args.sp, dtype=dtype)
+    return partial(build_model, cfg, seed=1, sequence_parallel=args.sp, dtype=dtype)
 
 
 def run(args: argparse.Namespace) -> int:
     """Run the comparison; 0 when every tp matches tp=1 (or transformers, with --hf) and
     the ledger matches theory."""
-    from tpkit.checkpoint import locate
+    from tpkit.checkpoint import open_source
 
     if args.hf:
         return _run_hf(args)
     component = args.component or ("model" if args.preset or args.checkpoint else "mlp")
     tps = _check_args(args, component)
     # once, before any process: every tp reads the same checkpoint
-    args.checkpoint = args.checkpoint and str(locate(args.checkpoint).path)
+    args.checkpoint = args.checkpoint and open_source(args.checkpoint)
     opts = dict(vars(args), ffn=args.ffn or 4 * args.hidden)
     what = f"MLP {args.activation} h={args.hidden} ffn={opts['ffn']}" if component == "mlp" \
-        else f"{args.checkpoint or args.preset}{' +SP' if args.sp else ''}"
+        else f"{args.checkpoint.where if args.checkpoint else args.preset}" \
+             f"{' +SP' if args.sp else ''}"
     print(f"tpkit verify: {what}, batch={args.batch} seq={args.seq} {args.dtype}, tp={tps}")
     case, build = (mlp_case, None) if component == "mlp" else (model_case, _builder(args))
-    ref, rows = compare_tps(case, opts, tps, build, args.timeout)
+    comm = comm_choice(getattr(args, "comm", None))
+    ref, rows = compare_tps(case, opts, tps, build, args.timeout, comm=comm)
     return _report(rows, tps, TOL[args.dtype], loss_bound(ref["loss"], args.dtype), "tp=1",
                    args.dtype)
 
@@ -124,19 +144,20 @@ def _check_args(args: argparse.Namespace, component: str) -> list[int]:
 
 def _run_hf(args: argparse.Namespace) -> int:
     """--hf DIR: the model at every tp against transformers (float32), ledger vs theory."""
-    from tpkit.model import hf_check
-    from tpkit.model.hf import hf_source
+    from tpkit.checkpoint import hf_check
+    from tpkit.checkpoint.hf import hf_source
 
     if args.dtype != "float32":
         raise UserError("--hf compares with transformers in float32 only")
-    config = hf_source(args.hf)[1]  # an unsupported family or no model folder: UserError
+    config = hf_source(args.hf).config  # an unsupported family or no model folder: UserError
     ids = hf_check.sample_ids(config, args.batch, args.seq)
     tps = sorted({int(t) for t in args.tp.split(",")})
     print(f"tpkit verify: {args.hf} ({config.family}){' +SP' if args.sp else ''}, "
           f"batch={args.batch} seq={args.seq} float32, tp={tps}, reference: transformers")
     ref = hf_check.reference(args.hf, ids)
     rows = sweep(hf_check.tp_case, (args.hf, ids, args.sp, args.expert_parallel), tps, ref,
-                 hf_check.gather, hf_check.compare, args.timeout)
+                 hf_check.gather, hf_check.compare, args.timeout,
+                 comm_choice(getattr(args, "comm", None)))
     return _report(rows, tps, TOL_HF, TOL_HF, "transformers", "float32")
 
 

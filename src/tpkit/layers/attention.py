@@ -33,7 +33,8 @@ from tpkit.layers.norm import Norm
 from tpkit.layers.random import TPRandom
 from tpkit.layers.rotary import apply_rope, rope_angles, rope_at
 from tpkit.sharding import seed_for, set_meta
-from tpkit.spec.shapes import kv_heads_per_rank
+from tpkit.spec.errors import UserError
+from tpkit.spec.shapes import heads_problems, kv_heads_per_rank
 
 
 @dataclass
@@ -80,12 +81,8 @@ class ParallelAttention(nn.Module):
         tp, kv = group.size, num_kv_heads or num_heads
         if head_dim is None and hidden % num_heads:
             raise ValueError(f"hidden={hidden} is not divisible by num_heads={num_heads}")
-        if num_heads % tp:
-            raise ValueError(f"num_heads={num_heads} is not divisible by tp={tp}")
-        if num_heads % kv:
-            raise ValueError(f"num_heads={num_heads} is not a multiple of num_kv_heads={kv}")
-        if kv % tp and tp % kv:
-            raise ValueError(f"num_kv_heads={kv} is neither a multiple nor a divisor of tp={tp}")
+        if heads_problems(num_heads, kv, tp):
+            raise UserError("; ".join(heads_problems(num_heads, kv, tp)))
         self.hidden, self.num_heads, self.num_kv_heads, self.group = hidden, num_heads, kv, group
         self.head_dim = hd = head_dim or hidden // num_heads
         self.local_heads = num_heads // tp

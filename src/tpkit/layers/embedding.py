@@ -19,6 +19,7 @@ from torch import nn
 from tpkit.comm import ops
 from tpkit.comm.group import CommGroup
 from tpkit.sharding import TPSplit, master_normal, set_meta, shard
+from tpkit.spec.errors import UserError
 from tpkit.spec.shapes import padded_vocab
 
 
@@ -26,6 +27,20 @@ def padded_master(vocab: int, padded: int, hidden: int, std: float, seed: int) -
     """The full [V_pad, h] table: the tp=1 draw of [V, h], then zero rows up to V_pad."""
     full = master_normal((vocab, hidden), std, seed)
     return torch.cat([full, full.new_zeros(padded - vocab, hidden)]) if padded > vocab else full
+
+
+def check_ids(ids: torch.Tensor, vocab_size: int) -> None:
+    """A UserError when an id is outside [0, vocab_size): every tp rank sees the same
+    batch, so each raises alike, before the all-reduce (no collective, one min/max). At
+    tp > 1 the masked lookup would otherwise embed an unknown id as a silent zero."""
+    if ids.numel() == 0:
+        return
+    lo, hi = torch.stack(torch.aminmax(ids)).tolist()  # one read back
+    if lo < 0 or hi >= vocab_size:
+        bad = lo if lo < 0 else hi
+        raise UserError(f"token id {bad} is outside the model's vocabulary "
+                        f"(vocab_size={vocab_size}): the data or prompt was tokenized for "
+                        f"another model")
 
 
 class VocabParallelEmbedding(nn.Module):
@@ -59,6 +74,7 @@ class VocabParallelEmbedding(nn.Module):
 
     def forward(self, ids: torch.Tensor) -> torch.Tensor:
         """ids [b, s] -> [b, s, h] (or [b, s/tp, h] with sequence parallelism)."""
+        check_ids(ids, self.vocab_size)
         if self.group.size == 1:
             return F.embedding(ids, self.weight)
         local = ids - self.vocab_start  # [b, s]

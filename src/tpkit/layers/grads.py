@@ -28,13 +28,18 @@ from tpkit.sharding import meta_of
 
 def finalize_tp_grads(module: nn.Module, group: CommGroup) -> None:
     """Sum the partial gradients of replicated-but-partial and shared-chunk parameters."""
+    finalize_param_grads(list(module.parameters()), group)
+
+
+def finalize_param_grads(params: list[nn.Parameter], group: CommGroup) -> None:
+    """`finalize_tp_grads` for some parameters only (ZeRO-2 and FSDP call it per unit,
+    before the unit's gradients are reduce-scattered over dp and dropped)."""
     if group.size == 1:
         return
-    sp = [p.grad for p in module.parameters()
-          if meta_of(p).sequence_parallel and p.grad is not None]
+    sp = [p.grad for p in params if meta_of(p).sequence_parallel and p.grad is not None]
     if sp:  # one all-reduce for all of them
         all_reduce_flat(sp, group, phase="grads", scope="partial_grad_params")
-    for p in module.parameters():
+    for p in params:
         split = meta_of(p).split
         if p.grad is not None and split is not None and split.shared(group.size):
             _sum_shared_chunks(p, group)

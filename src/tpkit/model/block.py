@@ -22,6 +22,7 @@ from tpkit.layers.experts import ParallelMoE
 from tpkit.layers.mlp import ParallelMLP
 from tpkit.layers.norm import Norm
 from tpkit.layers.random import TPRandom, dropout
+from tpkit.model.names import layer
 from tpkit.sharding import seed_for
 from tpkit.spec.config import ModelConfig
 
@@ -44,12 +45,12 @@ class Block(nn.Module):
             c.hidden, c.num_heads, group, num_kv_heads=c.kv_heads, bias=c.bias, causal=c.causal,
             rope_theta=c.rope_theta if c.position == "rope" else None, dropout=c.dropout,
             sequence_parallel=sp, init_std=c.init_std, out_std=out_std,
-            seed=seed_for(seed, f"layers.{layer_index}.attn"), head_dim=c.head_dim,
+            seed=seed_for(seed, f"{layer(layer_index)}.attn"), head_dim=c.head_dim,
             qkv_bias=c.attn_bias, qk_norm_eps=c.norm_eps if c.qk_norm else None,
             rotary_dim=c.rope_dim, sliding_window=c.sliding_window, rope_llama3=c.rope_llama3,
             **kw)
         self.mlp_norm = Norm(c.hidden, **norm)
-        self.mlp = _mlp(c, group, sp, out_std, seed_for(seed, f"layers.{layer_index}.mlp"), kw,
+        self.mlp = _mlp(c, group, sp, out_std, seed_for(seed, f"{layer(layer_index)}.mlp"), kw,
                         expert_parallel)
 
     def forward(self, x: torch.Tensor, attention_mask: torch.Tensor | None = None,

@@ -139,13 +139,13 @@ def differences(ref: dict, got: dict) -> dict:
 
 
 def compare_tps(case: Callable, opts: dict, tps: list[int], build: Callable | None = None,
-                timeout: float = 300.0, note: Callable[[str], None] = print
-                ) -> tuple[dict, list[TPResult]]:
+                timeout: float = 300.0, note: Callable[[str], None] = print,
+                comm: str | None = None) -> tuple[dict, list[TPResult]]:
     """Run `case` at tp=1 in this process (the reference) and at each tp on local
     processes; (reference, one TPResult per tp). A layout that fails to build is
-    reported, not raised."""
+    reported, not raised. `comm` is the ranks' transport (`spec.transport`)."""
     ref = reference(lambda: gather([case(ParallelMesh.single(), opts, build)]), note)
-    return ref, sweep(case, (opts, build), tps, ref, gather, differences, timeout)
+    return ref, sweep(case, (opts, build), tps, ref, gather, differences, timeout, comm)
 
 
 def reference(evaluate: Callable[[], dict], note: Callable[[str], None] = print) -> dict:
@@ -168,7 +168,8 @@ def _same(x: dict, y: dict) -> bool:
 
 
 def sweep(case: Callable, args: tuple, tps: list[int], ref: dict, gather_fn: Callable,
-          diff_fn: Callable, timeout: float = 300.0) -> list[TPResult]:
+          diff_fn: Callable, timeout: float = 300.0, comm: str | None = None
+          ) -> list[TPResult]:
     """`case(mesh, *args)` on tp local processes for each tp; its gathered result against
     `ref` (the tp=1 model's, or another implementation's) with `diff_fn`."""
     from tpkit.launch import spawn
@@ -176,7 +177,7 @@ def sweep(case: Callable, args: tuple, tps: list[int], ref: dict, gather_fn: Cal
     rows = []
     for tp in tps:
         try:
-            results = spawn(case, tp, *args, mesh=dict(tp=tp), timeout=timeout) \
+            results = spawn(case, tp, *args, mesh=dict(tp=tp, comm=comm), timeout=timeout) \
                 if tp > 1 else [case(ParallelMesh.single(), *args)]
         except Exception as e:  # noqa: BLE001 - a bad layout is reported, not a crash
             rows.append(TPResult(tp, error=f"tp={tp}: {e}".splitlines()[0]))

@@ -27,10 +27,9 @@ from torch import nn
 from tpkit.model.kv_pool import PP_ERROR, KVPool, prefill
 from tpkit.model.kv_pool import decode as decode_slots
 from tpkit.model.sampling import sample
-from tpkit.model.tokenizer import ByteTokenizer
 from tpkit.spec.errors import UserError
 
-__all__ = ["PP_ERROR", "decode", "encode", "generate", "pad_left", "pick"]
+__all__ = ["PP_ERROR", "generate", "pad_left", "pick"]
 
 
 def pad_left(prompts: list[list[int]], pad_id: int = 0, device=None
@@ -95,12 +94,3 @@ def pick(logits: torch.Tensor, temperature: float, top_k: int | None,
     """Next token [b, 1] from full logits [b, V] (`tpkit.model.sampling.sample`)."""
     return sample(logits, temperature, top_k, None, gen)
 
-
-def encode(text: str) -> list[int]:
-    """Byte-level tokenizer of tpkit's presets: UTF-8 bytes (`tokenizer.ByteTokenizer`)."""
-    return ByteTokenizer().encode(text)
-
-
-def decode(ids: list[int]) -> str:
-    """Inverse of `encode` (ids >= 256 are dropped; bad UTF-8 replaced)."""
-    return ByteTokenizer().decode(ids)

@@ -18,6 +18,8 @@ import shutil
 from pathlib import Path
 from typing import Any, Protocol
 
+import numpy as np
+
 # The files a Hugging Face tokenizer may consist of, and the generation settings (EOS
 # and pad ids) that transformers' generate reads: copied along with a model.
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json",
@@ -50,6 +52,11 @@ class ByteTokenizer:
     def decode(self, ids: list[int]) -> str:
         """Bytes back to text; invalid UTF-8 replaced by U+FFFD."""
         return bytes(i for i in ids if 0 <= i < 256).decode("utf-8", errors="replace")
+
+    @staticmethod
+    def array(text: str) -> np.ndarray:
+        """`encode(text)` as a uint16 array (a corpus at once, without a Python list)."""
+        return np.frombuffer(text.encode("utf-8"), dtype=np.uint8).astype(np.uint16)
 
 
 class HFTokenizer:

@@ -31,12 +31,13 @@ from tpkit.layers.grads import finalize_tp_grads
 from tpkit.layers.linear import column_parallel_linear
 from tpkit.layers.norm import Norm
 from tpkit.layers.random import TPRandom, checkpointed, dropout
+from tpkit.model import names
 from tpkit.model.block import Block
 from tpkit.model.names import EMBED_WEIGHT
 from tpkit.sharding import TPSplit, master_normal, seed_for, set_meta, shard
 from tpkit.spec.config import ModelConfig
 from tpkit.spec.errors import UserError
-from tpkit.spec.shapes import stage_layer_range
+from tpkit.spec.shapes import chunks_problem, stage_layer_range
 
 
 def replicated_linear(c: ModelConfig, seed: int, name: str, kw: dict) -> nn.Linear:
@@ -56,12 +57,12 @@ class Embeddings(nn.Module):
         super().__init__()
         kw = dict(device=device, dtype=dtype)
         self.word = VocabParallelEmbedding(c.vocab_size, c.hidden, group, sequence_parallel=sp,
-                                           init_std=c.init_std, seed=seed_for(seed, "embed.word"),
+                                           init_std=c.init_std, seed=seed_for(seed, names.WORD),
                                            **kw)
         self.group, self.sp, self.p, self.scale = group, sp, c.dropout, c.embed_scale
-        self.position = self._table(c.max_seq_len, c, seed, "embed.position", sp, kw) \
+        self.position = self._table(c.max_seq_len, c, seed, names.POSITION, sp, kw) \
             if c.position == "learned" else None
-        self.token_type = self._table(c.type_vocab_size, c, seed, "embed.token_type", sp, kw) \
+        self.token_type = self._table(c.type_vocab_size, c, seed, names.TOKEN_TYPE, sp, kw) \
             if c.type_vocab_size else None
         self.norm = Norm(c.hidden, c.norm, c.norm_eps, sequence_parallel=sp, **kw) \
             if c.embed_norm else None
@@ -108,9 +109,8 @@ class Transformer(nn.Module):
         config.check(tp=tp, pp=pp)  # every rank, before any collective
         if loss_chunk < 0:
             raise ValueError(f"loss_chunk={loss_chunk} must be 0 (off) or a number of tokens")
-        if v < 1 or pp * v > config.num_layers:
-            raise UserError(f"{config.name}: pp*virtual_stages = {pp}*{v} = {pp * v} chunks "
-                             f"do not fit num_layers={config.num_layers}")
+        if chunks_problem(config.num_layers, pp, v):
+            raise UserError(f"{config.name}: {chunks_problem(config.num_layers, pp, v)}")
         self.config, self.mesh, self.group = config, mesh, mesh.tp_group
         self.sequence_parallel, self.recompute, self.seed = sequence_parallel, recompute, seed
         self.virtual_stages = v
@@ -139,7 +139,7 @@ class Transformer(nn.Module):
                                    offset=config.norm_offset, **kw) \
                 if config.pre_norm else None
             self._make_head(kw)
-            self.pooler = replicated_linear(config, seed, "pooler", kw) if config.pooler \
+            self.pooler = replicated_linear(config, seed, names.POOLER, kw) if config.pooler \
                 else None
 
     def _make_head(self, kw) -> None:
@@ -151,7 +151,7 @@ class Transformer(nn.Module):
         split = TPSplit.even(0, padded, tp)
         w = nn.Parameter(torch.empty(padded // tp, c.hidden, **kw))
         if not w.is_meta:
-            name = "embed.word" if c.tie_embeddings else "head"
+            name = names.WORD if c.tie_embeddings else names.HEAD
             full = padded_master(c.vocab_size, padded, c.hidden, c.init_std, seed_for(self.seed,
                                                                                      name))
             with torch.no_grad():
@@ -261,6 +261,16 @@ class Transformer(nn.Module):
                     logits, labels, self.group, self.config.vocab_size,
                     ignore_index=ignore_index, label_smoothing=label_smoothing)  # [b, s]
         return per_token.sum() / (labels != ignore_index).sum().clamp(min=1)
+
+    def generate(self, ids, max_new_tokens: int = 32, **kw) -> torch.Tensor:
+        """Tokens [b, s + n] after `ids` [b, s] (or a list of prompts, left-padded):
+        `tpkit.model.generate.generate` (its keywords: temperature, top_k, eos_id...).
+        Call on every tp rank; every rank returns the same tokens."""
+        from tpkit.model.generate import generate, pad_left
+
+        if not torch.is_tensor(ids):
+            ids, kw["attention_mask"] = pad_left(ids, kw.get("pad_id", 0), self.mesh.device)
+        return generate(self, ids, max_new_tokens, **kw)
 
     def finalize_grads(self) -> None:
         """The tensor-parallel gradient sums (SP norms, shared kv heads); once per step."""

@@ -1,10 +1,15 @@
 """Pipeline and data parallelism around the tensor-parallel model (quiz answer 6).
 
     p2p.py            StageLink: activations / gradients between neighbouring stages
-    schedules.py      GPipe, 1F1B, interleaved 1F1B, forward-only; bubble (p-1)/m, (p-1)/(v m)
+    schedules.py      GPipe, 1F1B, interleaved 1F1B, forward-only (bubble: spec.theory)
     data_parallel.py  bucketed dp gradient all-reduce; tied-embedding group first<->last stage
     grad_norm.py      global gradient norm counting every parameter once; clipping
     zero.py           ZeRO-1: AdamW state sharded over dp
+    flat_units.py     a unit of parameters as one flat buffer sharded over dp
+    sharded_adamw.py  AdamW on the units' shards (per-parameter state in checkpoints)
+    sharded.py        what ZeRO-2 and FSDP share: hooks at the end of each unit's backward
+    zero2.py          ZeRO-2: gradients and AdamW state sharded, weights replicated
+    fsdp.py           FSDP (ZeRO-3): weights too, gathered per layer just before use
 """
 
 from tpkit.parallel.data_parallel import (
@@ -19,7 +24,6 @@ from tpkit.parallel.schedules import (
     SCHEDULES,
     MicroBatch,
     StepStats,
-    bubble_theory,
     forward_only,
     interleaved_order,
     run_schedule,
@@ -34,7 +38,6 @@ __all__ = [
     "StepStats",
     "ZeroAdamW",
     "allreduce_grads",
-    "bubble_theory",
     "clip_grads",
     "forward_only",
     "global_grad_norm",

@@ -42,6 +42,8 @@ from typing import Protocol
 import torch
 
 from tpkit.parallel.p2p import StageLink
+from tpkit.spec.errors import UserError
+from tpkit.spec.shapes import interleave_problem
 
 
 class StageModel(Protocol):
@@ -91,11 +93,6 @@ class StepStats:
     def loss(self) -> float | None:
         """Mean loss over the micro-batches (None off the last stage)."""
         return sum(self.losses) / len(self.losses) if self.losses else None
-
-
-def bubble_theory(stages: int, micro_batches: int, virtual_stages: int = 1) -> float:
-    """Idle over busy time of a flushed pipeline: (p-1)/m, interleaved (p-1)/(v m)."""
-    return (stages - 1) / (virtual_stages * micro_batches)
 
 
 def _forward(model: StageModel, link: StageLink, mb: MicroBatch, scale: float, stats: StepStats,
@@ -178,9 +175,8 @@ def interleaved(model: StageModel, link: StageLink, micro: list[MicroBatch],
     """Interleaved 1F1B over the model's `virtual_stages` chunks (needs m % p == 0)."""
     stats, t0, idle0 = StepStats(), time.perf_counter(), link.idle_s
     m, v, scale = len(micro), model.virtual_stages, 1.0 / len(micro)
-    if m % link.stages:
-        raise ValueError(f"interleaved 1F1B needs micro_batches={m} to be a multiple of "
-                         f"pp={link.stages}")
+    if interleave_problem(m, link.stages):
+        raise UserError(interleave_problem(m, link.stages))
     inflight: list[deque] = [deque() for _ in range(v)]  # per chunk, in micro-batch order
     for kind, c, i in interleaved_order(link.stage, link.stages, v, m):
         if kind == "F":

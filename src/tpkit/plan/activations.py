@@ -36,8 +36,8 @@ from __future__ import annotations
 
 from tpkit.spec import shapes
 from tpkit.spec.config import ModelConfig
+from tpkit.spec.theory import RECOMPUTE
 
-RECOMPUTE = ("none", "selective", "full")
 FP32 = 4
 MASK = 1  # a dropout mask is one byte per element
 

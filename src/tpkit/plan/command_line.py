@@ -4,9 +4,10 @@
       --master_addr $MASTER_ADDR --master_port 29500 -m tpkit train --preset llama3-70b \\
       --tp 8 --pp 4 --dp 2 --sp --zero1 --micro-batches 64 --global-batch 128 --seq 4096 ...
 
-tpkit runs tp, pp, dp, sequence parallelism, ZeRO-1, interleaving and full
-recomputation; `tpkit_gaps` names what a plan needs beyond that (context parallelism,
-ZeRO-2, FSDP), and the command then shows the best plan tpkit can run. Megatron-LM
+tpkit runs tp, pp, dp, sequence parallelism, ZeRO-1, ZeRO-2, FSDP (both reshard
+modes), interleaving and full recomputation; `tpkit_gaps` names what a plan needs
+beyond that (context parallelism), and the command then shows the best plan tpkit
+can run. Megatron-LM
 flags (its `arguments.py` names) are given for every plan.
 """
 
@@ -28,8 +29,6 @@ def tpkit_gaps(lay: Layout, preset: str | None) -> list[str]:
     gaps = []
     if lay.cp > 1:
         gaps.append(f"context parallelism (cp={lay.cp})")
-    if lay.zero >= 2:
-        gaps.append("ZeRO-2" if lay.zero == 2 else "FSDP")
     if lay.lighter_ends:
         gaps.append("one layer fewer on the first and last stages")
     if preset is None:
@@ -43,7 +42,8 @@ def tpkit_command(preset: str, lay: Layout, seq: int, global_batch: int, nodes: 
     m = global_batch // (lay.dp * lay.micro_batch)  # micro-batches per step and replica
     flags = [f"--preset {preset}", f"--tp {lay.tp}", f"--pp {lay.pp}", f"--dp {lay.dp}"]
     flags += ["--sp"] if lay.sp else []
-    flags += ["--zero1"] if lay.zero == 1 else []
+    flags += {1: ["--zero1"], 2: ["--zero2"]}.get(lay.zero, [])
+    flags += ["--fsdp", f"--fsdp-reshard {lay.fsdp_reshard}"] if lay.zero >= 3 else []
     flags += [f"--micro-batches {m}", f"--global-batch {global_batch}", f"--seq {seq}"]
     if lay.interleave > 1:
         flags += ["--schedule interleaved", f"--virtual-stages {lay.interleave}"]

@@ -147,11 +147,6 @@ def overhead_time(ops: float, acc: Accelerator) -> float:
 
 
 # -- pipeline and optimizer (data parallel: data_parallel.py) ------------------------------------------------------------
-def bubble_fraction(pp: int, m: int, interleave: int = 1) -> float:
-    """Idle fraction of the ideal time, (p-1)/(v m)."""
-    return (pp - 1) / (interleave * m)
-
-
 def optimizer_time(params: int, shards: int, sharded: bool, acc: Accelerator,
                    bytes_per_param: int = 28) -> float:
     """Adam step, memory bound: reads grad, master, m, v and writes them and the weights;

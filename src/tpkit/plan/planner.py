@@ -18,13 +18,13 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from tpkit.plan.activations import RECOMPUTE
 from tpkit.plan.layout import ZERO_NAMES
 from tpkit.plan.memory import Precision, chunks_split_evenly, lighter_end_layers
 from tpkit.plan.reasons import explain
 from tpkit.plan.simulate import Cluster, Estimate, Layout, evaluate
 from tpkit.spec.config import ModelConfig
 from tpkit.spec.errors import UserError
+from tpkit.spec.theory import RECOMPUTE
 
 MICRO_BATCHES = (1, 2, 4, 8, 16, 32)
 CHOICES = ("tp", "cp", "pp", "dp", "micro_batch", "sp", "recompute", "zero", "interleave",

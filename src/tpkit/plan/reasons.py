@@ -18,6 +18,7 @@ from tpkit.plan import cost
 from tpkit.plan.layout import ZERO_NAMES
 from tpkit.spec.config import ModelConfig
 from tpkit.spec.grid import group_fits_node
+from tpkit.spec.theory import bubble_theory
 
 if TYPE_CHECKING:
     from tpkit.plan.simulate import Cluster, Estimate, Layout
@@ -102,7 +103,7 @@ def _tp_comm(e, best, c, cluster, extra) -> str:
 
 def _bubble(e, best, c, cluster, extra) -> str:
     lay = e.layout
-    frac = cost.bubble_fraction(lay.pp, e.micro_batches, lay.interleave)
+    frac = bubble_theory(lay.pp, e.micro_batches, lay.interleave)
     return (f"pp={lay.pp} with {e.micro_batches} micro-batches per replica: the pipeline "
             f"bubble ((p-1)/m = {frac:.0%}) adds {_ms(extra)} per step")
 

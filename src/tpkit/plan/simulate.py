@@ -189,7 +189,7 @@ def evaluate(c: ModelConfig, seq: int, global_batch: int, lay: Layout, cluster: 
     compute_mb, comm_mb = max(stages, key=lambda s: s[0] + s[1])
     t_stage = compute_mb + comm_mb
     terms = {"compute": m * compute_mb, "tp_comm": m * comm_mb,
-             "bubble": cost.bubble_fraction(lay.pp, m, lay.interleave) * m * t_stage,
+             "bubble": theory.bubble_theory(lay.pp, m, lay.interleave) * m * t_stage,
              "p2p": _p2p_per_step(c, local, lay, hw, prec, m)}
     windows = [max(layers) * sum(lt[f"{k}_{d}"] for k in ("gemm", "attention", "elementwise"))
                for d in ("fwd", "bwd")]

@@ -14,10 +14,7 @@ medians over warm repeats. The per-rank functions live in `live_ranks`.
 
 from __future__ import annotations
 
-import statistics
 from collections.abc import Callable
-
-import torch
 
 Runner = Callable[..., list]  # runner(fn, world, *args, mesh=dict(tp=, pp=, dp=)) -> per rank
 
@@ -25,12 +22,16 @@ Runner = Callable[..., list]  # runner(fn, world, *args, mesh=dict(tp=, pp=, dp=
 class LiveSession:
     """Worker pools (one per world size) shared by all demonstrations of a sitting."""
 
-    def __init__(self, runner: Runner | None = None, timeout: float = 120.0) -> None:
+    def __init__(self, runner: Runner | None = None, timeout: float = 120.0,
+                 comm: str | None = None) -> None:
         self._runner, self._pools, self.timeout = runner, {}, timeout
+        self.comm = comm  # the transport of the ranks' groups (None: TPKIT_COMM, else auto)
 
     def spawn(self, fn: Callable, *args, tp: int, pp: int = 1, dp: int = 1) -> list:
         """Run `fn(mesh, *args)` on tp*pp*dp ranks; per-rank results in rank order."""
         mesh, world = dict(tp=tp, pp=pp, dp=dp), tp * pp * dp
+        if self.comm is not None:
+            mesh["comm"] = self.comm
         if self._runner is not None:
             return self._runner(fn, world, *args, mesh=mesh)
         if world not in self._pools:
@@ -66,22 +67,3 @@ class LiveSession:
 
     def __exit__(self, *exc) -> None:
         self.close()
-
-
-def x_input(b: int, s: int, h: int, seed: int = 0) -> torch.Tensor:
-    """A reproducible input [b, s, h]."""
-    return torch.randn(b, s, h, generator=torch.Generator().manual_seed(seed))  # [b, s, h]
-
-
-def max_diff(a: torch.Tensor, b: torch.Tensor) -> float:
-    """max |a - b| as a float."""
-    return float((a - b).detach().abs().max())
-
-
-def median_of_slowest(per_rank: list[dict]) -> dict[int, float]:
-    """Per count: the median over repeats of the slowest rank's time (a collective ends
-    when its last rank does), from `live_ranks.all_reduce_times`."""
-    per_rank = [r["times"] for r in per_rank]
-    counts = per_rank[0]
-    return {n: statistics.median(max(r[n][i] for r in per_rank) for i in range(len(counts[n])))
-            for n in counts}

@@ -6,7 +6,7 @@
     sums("Z = Y1B1 + Y2B2", [term("Y1B1", [0.1, -0.2], 0)], term("Z", [..], "ok"), check)
 
 A chart is a small JSON-able dict that names its `kind`; the page has one drawing
-function per kind (`web/charts.js`) and draws every number it is given as a label, so
+function per kind (`page/charts.js`) and draws every number it is given as a label, so
 a chart says what the demonstration computed and nothing else. Colours name ranks
 (0..3, the page's four GPU colours) or roles: "comm", "muted", "ok", "ref".
 Pure Python, no torch.

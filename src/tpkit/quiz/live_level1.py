@@ -7,22 +7,17 @@ Each function returns its figures, `text` (from `live_text.json`) and `charts`.
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
-
 import torch
 
 from tpkit.comm.group import CommGroup
 from tpkit.layers import ColumnColumnMLP, ParallelMLP, RowParallelLinear
 from tpkit.quiz import live_charts as C
 from tpkit.quiz import live_ranks as R
-from tpkit.quiz.live import max_diff, median_of_slowest, x_input
+from tpkit.quiz.live_common import Spawner, max_diff, median_of_slowest, x_input
 from tpkit.quiz.live_text import Say
 from tpkit.spec.grid import rank_grid
 from tpkit.spec.shapes import kv_heads_per_rank
 from tpkit.spec.theory import ring_steps
-
-if TYPE_CHECKING:
-    from tpkit.quiz.live import LiveSession
 
 
 def _weights_chart(say: Say, hidden: int, ffn: int, tp: int) -> dict:
@@ -30,7 +25,7 @@ def _weights_chart(say: Say, hidden: int, ffn: int, tp: int) -> dict:
                                      C.matrix("B", [ffn, hidden], "rows", tp)])
 
 
-def demo_split(live: LiveSession, tp: int = 2, hidden: int = 16, ffn: int = 64,
+def demo_split(live: Spawner, tp: int = 2, hidden: int = 16, ffn: int = 64,
                lang: str = "en") -> dict:
     """Answer 1: the weight matrices of one layer, split; together they are the tp=1 weights."""
     ranks = live.spawn(R.mlp_weights, hidden, ffn, tp=tp)
@@ -49,7 +44,7 @@ def demo_split(live: LiveSession, tp: int = 2, hidden: int = 16, ffn: int = 64,
     return dict(out, text="\n".join(lines), charts=[_weights_chart(say, hidden, ffn, tp)])
 
 
-def demo_mlp_traffic(live: LiveSession, tp: int = 2, b: int = 2, s: int = 4, hidden: int = 16,
+def demo_mlp_traffic(live: Spawner, tp: int = 2, b: int = 2, s: int = 4, hidden: int = 16,
                      ffn: int = 64, lang: str = "en") -> dict:
     """Answer 2: column->row sends one all-reduce forward (g) and one backward (f);
     column->column needs all-gathers."""
@@ -73,7 +68,7 @@ def demo_mlp_traffic(live: LiveSession, tp: int = 2, b: int = 2, s: int = 4, hid
     return dict(out, text="\n".join(lines), charts=charts)
 
 
-def demo_node(live: LiveSession, tp: int = 2, model: str = "gpt3-175b", hardware: str = "h100",
+def demo_node(live: Spawner, tp: int = 2, model: str = "gpt3-175b", hardware: str = "h100",
               seq: int = 2048, b: int = 1, lang: str = "en") -> dict:
     """Answer 3: the planner's per-layer tp traffic inside a node vs across, and a local run."""
     plan = planner_layer(tp, model, hardware, seq, b)
@@ -126,7 +121,7 @@ def planner_layer(tp: int, model: str, hardware: str, seq: int, b: int) -> dict:
                 layers=c.num_layers, inter_alpha=hw.inter.latency, intra_alpha=hw.intra.latency)
 
 
-def demo_heads(live: LiveSession, tp: int = 2, hidden: int = 64, num_heads: int = 8,
+def demo_heads(live: Spawner, tp: int = 2, hidden: int = 64, num_heads: int = 8,
                num_kv_heads: int = 2, lang: str = "en") -> dict:
     """Answer 4: which query and kv heads each rank owns, and its real qkv weight shape."""
     x = x_input(2, 4, hidden)
@@ -170,7 +165,7 @@ def heads_arithmetic(heads: int, kv: int, tp: int, r: int) -> list[list[int]]:
     return [q, [q[0] * kv // heads]]  # the kv head its query heads read
 
 
-def demo_all_reduce(live: LiveSession, tp: int = 2, b: int = 2, s: int = 4, hidden: int = 16,
+def demo_all_reduce(live: Spawner, tp: int = 2, b: int = 2, s: int = 4, hidden: int = 16,
                     ffn: int = 64, lang: str = "en") -> dict:
     """Answer 5: each rank's partial MLP output; the all-reduce makes them the tp=1 output."""
     x = x_input(b, s, hidden)
@@ -199,7 +194,7 @@ def demo_all_reduce(live: LiveSession, tp: int = 2, b: int = 2, s: int = 4, hidd
     return dict(out, text="\n".join(lines), charts=[chart])
 
 
-def demo_grid(live: LiveSession, tp: int = 2, pp: int = 2, dp: int = 1, lang: str = "en") -> dict:
+def demo_grid(live: Spawner, tp: int = 2, pp: int = 2, dp: int = 1, lang: str = "en") -> dict:
     """Answer 6: the rank grid of a (tp, pp, dp) mesh, read back from every spawned rank,
     drawn with nodes of tp GPUs: tp groups inside a node, pipeline stages across."""
     ranks = live.spawn(R.mesh_coords, tp=tp, pp=pp, dp=dp)
@@ -217,7 +212,7 @@ def demo_grid(live: LiveSession, tp: int = 2, pp: int = 2, dp: int = 1, lang: st
     return dict(out, text="\n".join(lines), charts=[chart])
 
 
-def demo_partial_sums(live: LiveSession, tp: int = 2, b: int = 2, s: int = 4, hidden: int = 16,
+def demo_partial_sums(live: Spawner, tp: int = 2, b: int = 2, s: int = 4, hidden: int = 16,
                       ffn: int = 64, lang: str = "en") -> dict:
     """Answer 7: B split by rows; each rank's Y_r B_r is partial, their sum is Z = YB."""
     y = x_input(b, s, ffn, seed=1)  # Y, the input of the second matrix: [b, s, ffn]
@@ -242,7 +237,7 @@ def demo_partial_sums(live: LiveSession, tp: int = 2, b: int = 2, s: int = 4, hi
     return dict(out, text="\n".join(lines), charts=[chart])
 
 
-def demo_latency(live: LiveSession, tp: int = 2, counts: tuple[int, ...] = (1, 2, 4, 8),
+def demo_latency(live: Spawner, tp: int = 2, counts: tuple[int, ...] = (1, 2, 4, 8),
                  numel: int = 256, model: str = "gpt3-175b", hardware: str = "h100",
                  lang: str = "en") -> dict:
     """Answer 8: k small all-reduces in sequence cost about k times one (medians over warm

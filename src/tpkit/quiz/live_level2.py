@@ -6,8 +6,6 @@ page's size selector sets tp (and p, where the question is about p ranks or stag
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
-
 import torch
 
 from tpkit.comm.group import CommGroup
@@ -15,19 +13,16 @@ from tpkit.comm.ledger import Record
 from tpkit.layers import ParallelMLP
 from tpkit.quiz import live_charts as C
 from tpkit.quiz import live_ranks as R
-from tpkit.quiz.live import max_diff, x_input
+from tpkit.quiz.live_common import Spawner, max_diff, x_input
 from tpkit.quiz.live_level1 import heads_arithmetic, heads_chart
 from tpkit.quiz.live_text import Say
-
-if TYPE_CHECKING:
-    from tpkit.quiz.live import LiveSession
 
 
 def _wire(recs: list[tuple]) -> float:
     return sum(r[3] for r in recs)
 
 
-def demo_sequence_parallel(live: LiveSession, tp: int = 2, b: int = 2, s: int = 8,
+def demo_sequence_parallel(live: Spawner, tp: int = 2, b: int = 2, s: int = 8,
                            hidden: int = 16, ffn: int = 64, lang: str = "en") -> dict:
     """SP: the all-reduce becomes a reduce-scatter + an all-gather, the same wire bytes."""
     x = x_input(b, s, hidden)
@@ -49,7 +44,7 @@ def demo_sequence_parallel(live: LiveSession, tp: int = 2, b: int = 2, s: int = 
     return dict(out, text="\n".join(lines), charts=[chart])
 
 
-def demo_vocab_parallel(live: LiveSession, tp: int = 2, b: int = 2, s: int = 4, vocab: int = 512,
+def demo_vocab_parallel(live: Spawner, tp: int = 2, b: int = 2, s: int = 4, vocab: int = 512,
                         hidden: int = 16, lang: str = "en") -> dict:
     """Vocab-parallel cross-entropy: 3 all-reduces of b*s values instead of b*s*V logits."""
     g = torch.Generator().manual_seed(3)
@@ -73,7 +68,7 @@ def demo_vocab_parallel(live: LiveSession, tp: int = 2, b: int = 2, s: int = 4, 
     return dict(out, text="\n".join(lines), charts=[chart])
 
 
-def demo_gqa(live: LiveSession, tp: int = 2, hidden: int = 64, num_heads: int = 8,
+def demo_gqa(live: Spawner, tp: int = 2, hidden: int = 64, num_heads: int = 8,
              lang: str = "en") -> dict:
     """GQA with fewer kv heads than ranks (tp/2): each kv head replicated on 2 ranks."""
     kv = tp // 2
@@ -91,14 +86,14 @@ def demo_gqa(live: LiveSession, tp: int = 2, hidden: int = 64, num_heads: int = 
     return dict(out, text="\n".join(lines), charts=[heads_chart(Say(lang, "heads"), per_rank, tp)])
 
 
-def demo_bubble(live: LiveSession, tp: int = 2, micro: tuple[int, ...] = (4, 8, 16, 32),
+def demo_bubble(live: Spawner, tp: int = 2, micro: tuple[int, ...] = (4, 8, 16, 32),
                 lang: str = "en") -> dict:
     """The planner's pipeline bubble (p-1)/(v m) for p = tp stages, with and without
     interleaving (v = 2)."""
-    from tpkit.plan.cost import bubble_fraction
+    from tpkit.spec.theory import bubble_theory
 
     p = tp
-    table = {m: [bubble_fraction(p, m, v) for v in (1, 2)] for m in micro}
+    table = {m: [bubble_theory(p, m, v) for v in (1, 2)] for m in micro}
     out = dict(pp=p, bubble={str(m): f for m, f in table.items()})
     say = Say(lang, "bubble")
     lines = [say("head", p=p)] + [say("row", m=m, one=f[0] * 100, two=f[1] * 100)
@@ -110,7 +105,7 @@ def demo_bubble(live: LiveSession, tp: int = 2, micro: tuple[int, ...] = (4, 8, 
     return dict(out, text="\n".join(lines), charts=[C.bars(say("chart", p=p), "%", items)])
 
 
-def demo_zero(live: LiveSession, tp: int = 2, model: str = "llama2-7b", lang: str = "en") -> dict:
+def demo_zero(live: Spawner, tp: int = 2, model: str = "llama2-7b", lang: str = "en") -> dict:
     """The planner's bytes of model state per GPU, without and with ZeRO-1 over dp = 2 tp."""
     from tpkit.plan.memory import Precision, model_state_bytes, params_per_rank
     from tpkit.spec.config import PRESETS
@@ -132,7 +127,7 @@ def demo_zero(live: LiveSession, tp: int = 2, model: str = "llama2-7b", lang: st
     return dict(out, text="\n".join(lines), charts=[C.bars(say("chart", dp=dp), "GiB", items)])
 
 
-def demo_tp_nodes(live: LiveSession, tp: int = 2, model: str = "gpt3-175b",
+def demo_tp_nodes(live: Spawner, tp: int = 2, model: str = "gpt3-175b",
                   lang: str = "en") -> dict:
     """The planner's step on 2 nodes of 8 H100: tp=8 inside a node (pp=2) vs tp=16 across."""
     from tpkit.plan.hardware import PROFILES
@@ -157,7 +152,7 @@ def demo_tp_nodes(live: LiveSession, tp: int = 2, model: str = "gpt3-175b",
     return dict(out, text="\n".join(lines), charts=[C.bars(say("chart", model=model), "s", items)])
 
 
-def demo_ring(live: LiveSession, tp: int = 2, numel: int = 1024, lang: str = "en") -> dict:
+def demo_ring(live: Spawner, tp: int = 2, numel: int = 1024, lang: str = "en") -> dict:
     """Ring all-reduce: each rank sends 2(p-1)/p n bytes; the ledger's count at p = tp,
     and the same rule at p = 2, 4, 8."""
     rec = live.spawn(R.ring_all_reduce, numel, tp=tp)[0]["records"][0]
@@ -174,7 +169,7 @@ def demo_ring(live: LiveSession, tp: int = 2, numel: int = 1024, lang: str = "en
                 charts=[C.bars(say("chart", bytes=n), "B", items, ref_label="2n")])
 
 
-def demo_bias(live: LiveSession, tp: int = 2, b: int = 1, s: int = 2, hidden: int = 8,
+def demo_bias(live: Spawner, tp: int = 2, b: int = 1, s: int = 2, hidden: int = 8,
               ffn: int = 32, lang: str = "en") -> dict:
     """Row-parallel bias: added once after the all-reduce; once per rank would be tp times."""
     y = x_input(b, s, ffn, seed=2)  # [b, s, ffn]

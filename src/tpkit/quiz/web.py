@@ -36,7 +36,7 @@ from tpkit.spec.errors import UserError
 
 HOST = "127.0.0.1"
 HTML, JS = "text/html; charset=utf-8", "text/javascript; charset=utf-8"
-STATIC = {  # URL path -> (file in tpkit/quiz/web, content type)
+STATIC = {  # URL path -> (file in tpkit/quiz/page, content type)
     "/": ("index.html", HTML), "/index.html": ("index.html", HTML),
     "/app.js": ("app.js", JS), "/charts.js": ("charts.js", JS),
     "/style.css": ("style.css", "text/css; charset=utf-8"),
@@ -78,7 +78,7 @@ def make_handler(quiz: Quiz, lang: str, live: LiveRunner | None, hosts: set[str]
     """A request handler class bound to one quiz (and optionally a live runner)."""
     payload = json.dumps(web_api.quiz_payload(quiz, lang, live is not None),
                          ensure_ascii=False).encode()
-    files = {name: resources.files("tpkit.quiz").joinpath("web", name).read_bytes()
+    files = {name: resources.files("tpkit.quiz").joinpath("page", name).read_bytes()
              for name, _ in STATIC.values()}
     runner = _Live(live) if live is not None else None
 
@@ -174,7 +174,7 @@ def make_server(quiz: Quiz, port: int = 0, lang: str = "en", live: LiveRunner | 
 
 
 def serve(quiz: Quiz, port: int = 8765, lang: str = "en", live: bool = False,
-          host: str = HOST) -> int:
+          host: str = HOST, comm: str | None = None) -> int:
     """Serve until SIGINT, SIGTERM or SIGHUP; prints the URL. Returns the exit code."""
     try:
         server = make_server(quiz, port, lang, None, host)
@@ -190,7 +190,7 @@ def serve(quiz: Quiz, port: int = 8765, lang: str = "en", live: bool = False,
     if live:
         from tpkit.quiz.live import LiveSession
 
-        session = LiveSession()
+        session = LiveSession(comm=comm)
         def runner(level: int, number: int, tp: int, lang_: str) -> dict:
             return session.run(number, tp, lang_, level)
 

@@ -17,12 +17,17 @@ import queue
 import threading
 import time
 from collections.abc import Iterator
-from typing import TYPE_CHECKING
+from typing import Protocol
 
 from tpkit.serve.params import SamplingParams
 
-if TYPE_CHECKING:
-    from tpkit.serve.engine import Engine
+
+class Stepper(Protocol):
+    """What a request needs of its engine: whether a loop runs it, else how to step it."""
+
+    looping: bool
+
+    def step(self) -> bool: ...
 
 
 class RequestFailed(RuntimeError):
@@ -36,7 +41,7 @@ class RequestFailed(RuntimeError):
 class Request:
     """A prompt being generated: its tokens, text, finish reason and timings."""
 
-    def __init__(self, engine: Engine, rid: int, prompt: list[int], params: SamplingParams
+    def __init__(self, engine: Stepper, rid: int, prompt: list[int], params: SamplingParams
                  ) -> None:
         self.engine, self.id, self.prompt, self.params = engine, rid, prompt, params
         self.tokens: list[int] = []

@@ -17,30 +17,35 @@ from __future__ import annotations
 import os
 import pickle
 import queue
+import uuid
 from datetime import timedelta
-from pathlib import Path
 
 import torch
 import torch.distributed as dist
 
 from tpkit.checkpoint.sources import load_model
-from tpkit.launch import _context, _worker
+from tpkit.comm.shm_names import remove_segments
+from tpkit.launch import _context, _with_transport, _worker
 from tpkit.mesh import ParallelMesh
 from tpkit.serve.runner import Runner
 
 
-def follow_worker(mesh: ParallelMesh, checkpoint: str, slots: int, max_len: int) -> int:
-    """A rank > 0: load this rank's slices, then run rank 0's steps until told to stop."""
-    model = load_model(checkpoint, mesh)
+def follow_worker(mesh: ParallelMesh, source, slots: int, max_len: int) -> int:
+    """A rank > 0: load this rank's slices of `source` (opened by the command), then run
+    rank 0's steps until told to stop."""
+    model = load_model(source, mesh)
     return Runner(model, slots, max_len or model.config.max_seq_len).follow()
 
 
 class Peers:
     """Ranks 1..tp-1 running `follow_worker`; this process joins their group as rank 0."""
 
-    def __init__(self, tp: int, checkpoint: str | Path, slots: int, max_len: int, *,
+    def __init__(self, tp: int, source, slots: int, max_len: int, *, comm: str | None = None,
                  timeout_s: float = 300.0) -> None:
         self.tp = tp
+        mesh_kw = _with_transport(dict(tp=tp, comm=comm))  # shared memory between us, or gloo
+        self.run_id = os.environ.get("TPKIT_RUN_ID", "") + uuid.uuid4().hex[:8]
+        os.environ["TPKIT_RUN_ID"] = self.run_id  # rank 0 names the segments: this run's
         ctx = _context()
         threads = max(1, (os.cpu_count() or 1) // tp)
         torch.set_num_threads(threads)
@@ -51,19 +56,20 @@ class Peers:
         lifeline, self._lifeline = ctx.Pipe(duplex=False)  # they read; only we hold the end
         self.procs = [ctx.Process(target=_worker, daemon=True, name=f"tpkit-serve-rank{r}",
                                   args=(r, tp, store.port, tasks[r - 1], self._results,
-                                        threads, timeout_s, {}, lifeline))
+                                        threads, timeout_s, {"TPKIT_RUN_ID": self.run_id},
+                                        lifeline))
                       for r in range(1, tp)]
         for p in self.procs:
             p.start()
         lifeline.close()
-        job = pickle.dumps((follow_worker, (str(checkpoint), slots, max_len), dict(tp=tp)))
+        job = pickle.dumps((follow_worker, (source, slots, max_len), mesh_kw))
         for q in tasks:
             q.put((1, job))
             q.put(None)  # then exit
         self._store = store
         dist.init_process_group("gloo", store=store, rank=0, world_size=tp,
                                 timeout=timedelta(seconds=timeout_s))
-        self.mesh = ParallelMesh(tp=tp, timeout_s=timeout_s)
+        self.mesh = ParallelMesh(**{"timeout_s": timeout_s, **mesh_kw})
 
     def dead(self) -> str | None:
         """'rank 1 died (signal 9)' for a worker that is gone, or a rank's own error."""
@@ -88,5 +94,6 @@ class Peers:
                 p.kill()
                 p.join(timeout=5)
         self._lifeline.close()
+        remove_segments(self.run_id)
         if dist.is_initialized():
             dist.destroy_process_group()

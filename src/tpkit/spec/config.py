@@ -90,6 +90,13 @@ class ModelConfig:
         """A gated MLP (fc1 = [gate; up]): SwiGLU or GeGLU."""
         return self.activation in GATED
 
+    @property
+    def byte_level(self) -> bool:
+        """Whether tpkit's byte tokenizer (UTF-8 bytes as ids 0..255) can feed it: 256 ids
+        at least, and no model of a Hugging Face family that is not a tpkit preset (those
+        come with a tokenizer of their own)."""
+        return self.vocab_size >= 256 and not (self.family and self.name not in PRESETS)
+
     def padded_vocab(self, tp: int) -> int:
         """Vocabulary rounded up so that each of tp ranks holds a multiple of 8 rows (GEMMs
         on odd widths such as GPT-2's 50257 fall back to slow kernels on GPUs). The padded
@@ -162,7 +169,7 @@ class ModelConfig:
                  seq: int | None = None) -> list[str]:
         """Every reason this model cannot run at (tp, pp, sp, seq); empty when it can."""
         out: list[str] = []
-        for check in (_check_shape, _check_heads, _check_kv_heads, _check_ffn, _check_pipeline,
+        for check in (_check_shape, _check_heads, _check_ffn, _check_pipeline,
                       _check_sequence, _check_choices, _check_experts):
             out += check(self, tp=tp, pp=pp, sp=sp, seq=seq)
         return out
@@ -181,18 +188,7 @@ def _check_shape(c: ModelConfig, **_) -> list[str]:
 
 
 def _check_heads(c: ModelConfig, tp: int, **_) -> list[str]:
-    if c.num_heads % tp:
-        return [f"num_heads={c.num_heads} is not divisible by tp={tp}"]
-    return []
-
-
-def _check_kv_heads(c: ModelConfig, tp: int, **_) -> list[str]:
-    kv = c.kv_heads
-    if kv < 1 or c.num_heads % kv:
-        return [f"num_heads={c.num_heads} is not a multiple of num_kv_heads={kv}"]
-    if kv % tp and tp % kv:
-        return [f"num_kv_heads={kv} is neither a multiple nor a divisor of tp={tp}"]
-    return []
+    return shapes.heads_problems(c.num_heads, c.kv_heads, tp)
 
 
 def _check_ffn(c: ModelConfig, tp: int, **_) -> list[str]:

@@ -12,3 +12,9 @@ from __future__ import annotations
 
 class UserError(ValueError):
     """A mistake the user can fix: reported in one line naming the cause, exit status 2."""
+
+
+class RunFailed(RuntimeError):
+    """The run failed, not the user (a full disk, a diverged loss): one line naming the
+    cause, exit status 1. Never a side effect of another rank's failure (the launcher
+    shows this rank's error first)."""

@@ -34,3 +34,34 @@ def padded_vocab(vocab_size: int, tp: int) -> int:
 def kv_heads_per_rank(num_kv_heads: int, tp: int) -> int:
     """kv heads one rank holds: kv/tp when tp divides them, else 1 (shared by tp/kv ranks)."""
     return num_kv_heads // tp if num_kv_heads >= tp else 1
+
+
+def heads_problems(num_heads: int, num_kv_heads: int, tp: int) -> list[str]:
+    """Why query and kv heads cannot be split over tp ranks (empty: they can): query heads
+    split evenly; kv heads divide the query heads and are split or shared over tp."""
+    out = [f"num_heads={num_heads} is not divisible by tp={tp}"] if num_heads % tp else []
+    kv = num_kv_heads
+    if kv < 1 or num_heads % kv:
+        return out + [f"num_heads={num_heads} is not a multiple of num_kv_heads={kv}"]
+    if kv % tp and tp % kv:
+        return out + [f"num_kv_heads={kv} is neither a multiple nor a divisor of tp={tp}"]
+    return out
+
+
+def chunks_problem(num_layers: int, pp: int, virtual_stages: int) -> str | None:
+    """Why pp stages of `virtual_stages` chunks each cannot hold the layers (every chunk
+    needs one at least), or None."""
+    chunks = pp * virtual_stages
+    if virtual_stages < 1 or chunks > num_layers:
+        return (f"pp*virtual_stages = {pp}*{virtual_stages} = {chunks} chunks is more than "
+                f"num_layers={num_layers}" if virtual_stages >= 1 else
+                f"virtual_stages={virtual_stages} must be a positive integer")
+    return None
+
+
+def interleave_problem(micro_batches: int, pp: int) -> str | None:
+    """Why interleaved 1F1B cannot run `micro_batches` over pp stages (it sends them in
+    rounds of pp), or None."""
+    if micro_batches % pp:
+        return f"micro_batches={micro_batches} is not a multiple of pp={pp} (interleaved 1F1B)"
+    return None

@@ -30,6 +30,12 @@ RECOMPUTE = ("none", "selective", "full")
 _RING_STEPS = {"all_reduce": 2, "all_gather": 1, "reduce_scatter": 1, "broadcast": 1}
 
 
+def bubble_theory(stages: int, micro_batches: int, virtual_stages: int = 1) -> float:
+    """Idle over busy time of a flushed pipeline: (p-1)/m, interleaved (p-1)/(v m)
+    (Narayanan et al. 2021, section 2.2)."""
+    return (stages - 1) / (virtual_stages * micro_batches)
+
+
 def ring_factor(op: str, p: int) -> float:
     """Share of the tensor's bytes each rank sends for `op` over a ring of p ranks:
     2(p-1)/p for an all-reduce, (p-1)/p for the others; 0 with one rank."""
@@ -173,16 +179,23 @@ def stage_step(hidden: int, b: int, s: int, tp: int, pp: int, sp: bool, m: int, 
     return [Expect(e.op, e.phase, e.numel, e.count * m) for e in one]
 
 
-def data_parallel(numel: int, dp: int, zero1: bool = False) -> list[Expect]:
+def data_parallel(numel: int, dp: int, zero1: bool = False, *, zero2: bool = False,
+                  micro_batches: int = 1) -> list[Expect]:
     """One step's gradient sync over dp for `numel` parameters (summed over buckets).
 
     Plain data parallel all-reduces the gradients. ZeRO-1 (Megatron's distributed
     optimizer) reduce-scatters them instead, since each rank updates only its 1/dp
     slice, then all-gathers the updated weights: the same ring bytes as one all-reduce,
     2(p-1)/p n. With ZeRO-1, `numel` is the flat vector padded to a multiple of dp.
+    ZeRO-2 keeps no full gradient past the backward that made it: each of the m
+    micro-batches reduce-scatters its gradients (`numel`: one padded bucket), then one
+    all-gather of the updated weights.
     """
     if dp == 1:
         return []
+    if zero2:
+        return [Expect("reduce_scatter", "grads", numel, micro_batches),
+                Expect("all_gather", "grads", numel)]
     if zero1:
         return [Expect("reduce_scatter", "grads", numel), Expect("all_gather", "grads", numel)]
     return [Expect("all_reduce", "grads", numel)]

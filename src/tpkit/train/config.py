@@ -9,19 +9,15 @@ any process starts), each error naming the numbers:
 
 from __future__ import annotations
 
-import sys
 from dataclasses import asdict, dataclass, fields, replace
 from pathlib import Path
 
 from tpkit.comm.failure import DEFAULT_COLLECTIVE_TIMEOUT_S
 from tpkit.spec.errors import UserError
-
-if sys.version_info >= (3, 11):
-    import tomllib
-else:  # pragma: no cover
-    import tomli as tomllib
+from tpkit.spec.shapes import chunks_problem, interleave_problem
 
 DTYPES = ("float32", "bfloat16")
+NONFINITE_POLICIES = ("stop", "skip")  # what a NaN/inf step does (tpkit.train.nonfinite)
 
 
 @dataclass(frozen=True)
@@ -45,6 +41,9 @@ class TrainConfig:
     clip: float = 1.0  # 0: no clipping
     sp: bool = False  # sequence parallelism
     zero1: bool = False
+    zero2: bool = False  # gradients and AdamW state sharded over dp (tpkit.parallel.zero2)
+    fsdp: bool = False  # weights too, one flat unit per layer (tpkit.parallel.fsdp)
+    fsdp_reshard: str = "after-forward"  # or after-step: keep gathered weights for the step
     schedule: str = "1f1b"  # a key of tpkit.parallel.schedules.SCHEDULES
     virtual_stages: int = 1  # model chunks per stage (interleaved 1F1B)
     dtype: str = "float32"  # bfloat16: autocast of the forward
@@ -61,10 +60,13 @@ class TrainConfig:
     keep_checkpoints: int = 3  # newest complete checkpoints kept in out/checkpoints (0: all)
     check_replicas: int = 0  # every N steps: replicated parameters equal on every tp rank
     out: str = "runs/train"
+    log: str = "auto"  # trackers: tensorboard,wandb,mlflow,trackio | none | auto (train/trackers)
     seed: int = 0
     trace: str | None = None  # a folder: the last step's per-rank timeline (tpkit.train.trace)
-    resume: str | None = None  # a checkpoint directory, or a folder of them (the latest)
+    resume: str | None = None  # a checkpoint directory (`tpkit train` resolves a run folder, "auto")
     collective_timeout: float = DEFAULT_COLLECTIVE_TIMEOUT_S  # s a collective may wait
+    on_nonfinite: str = "stop"  # a NaN/inf loss or grad norm: stop the run, or skip the step
+    nonfinite_skips: int = 3  # with on_nonfinite="skip": stop after this many in a row
     progress: bool = True
     plot: bool = True
     checkpoint: bool = True
@@ -92,13 +94,21 @@ class TrainConfig:
             return get_preset(self.preset)
         import json
 
-        from tpkit.model.hf import config_from_hf
+        from tpkit.model.families import config_from_hf
 
         path = Path(self.from_hf) / "config.json"
         if not path.is_file():
             raise ValueError(f"from_hf={self.from_hf}: no config.json there (not a Hugging "
                              f"Face model folder)")
         return config_from_hf(json.loads(path.read_text()))[1]
+
+    @property
+    def tokenizer_id(self) -> str | None:
+        """The model's tokenizer, as `prepare-data --tokenizer` names one: the Hugging Face
+        folder, "bytes" for a byte-level preset (vocab 256), None when unknown."""
+        if self.from_hf is not None:
+            return self.from_hf
+        return "bytes" if self.model_config().vocab_size == 256 else None
 
     def with_(self, **changes) -> TrainConfig:
         """A copy with some fields changed."""
@@ -110,16 +120,11 @@ class TrainConfig:
 
     @classmethod
     def from_toml(cls, path: str | Path, **overrides) -> TrainConfig:
-        """Read a TOML file whose keys are the field names (dashes allowed), then override."""
-        p = Path(path)
-        if not p.is_file():
-            raise UserError(f"config file {p} does not exist")
-        raw = {k.replace("-", "_"): v for k, v in tomllib.loads(p.read_text()).items()}
-        known = {f.name for f in fields(cls)}
-        unknown = sorted(set(raw) - known)
-        if unknown:
-            raise UserError(f"{p}: unknown keys {unknown}; known: {sorted(known)}")
-        return cls(**{**raw, **overrides})
+        """Read a TOML file, sectioned ([model], [parallelism], ...) or flat, whose keys are
+        the field names (dashes allowed), then override (`tpkit.train.config_file`)."""
+        from tpkit.train.config_file import read_toml
+
+        return cls(**{**read_toml(path, {f.name for f in fields(cls)}), **overrides})
 
     def problems(self) -> list[str]:
         """Every reason this run cannot start; empty when it can."""
@@ -143,6 +148,7 @@ class TrainConfig:
             out.append(f"global_batch={self.global_batch} is not divisible by dp*micro_batches "
                        f"= {self.dp}*{self.micro_batches} = {self.dp * self.micro_batches}")
         out += self._schedule_problems()
+        out += self._sharding_problems()
         if not isinstance(self.loss_chunk, int) or self.loss_chunk < 0:
             out.append(f"loss_chunk={self.loss_chunk} must be 0 (off) or a positive number "
                        f"of tokens")
@@ -151,12 +157,18 @@ class TrainConfig:
                        f"masters), not {self.dtype!r}")
         if self.compile:
             out += _backend_problems(self.compile_backend)
+        if self.on_nonfinite not in NONFINITE_POLICIES:
+            out.append(f"on_nonfinite={self.on_nonfinite!r} is not one of "
+                       f"{NONFINITE_POLICIES}")
+        if not isinstance(self.nonfinite_skips, int) or self.nonfinite_skips < 1:
+            out.append(f"nonfinite_skips={self.nonfinite_skips} must be a positive integer")
         if self.dtype not in DTYPES:
             out.append(f"dtype={self.dtype!r} is not one of {DTYPES}")
         if not 0.0 <= self.val_fraction < 1.0:
             out.append(f"val_fraction={self.val_fraction} must be in [0, 1)")
         if not self.lr > 0:
             out.append(f"lr={self.lr} must be positive")
+        out += _tracker_problems(self.log)
         try:
             model = self.model_config()
         except ValueError as e:
@@ -164,10 +176,9 @@ class TrainConfig:
         out += [f"{model.name}: {p}" for p in
                 model.problems(tp=self.tp, pp=self.pp, sp=self.sp, seq=self.seq)]
         out += self._from_hf_problems()
-        chunks = self.pp * self.virtual_stages
-        if self.virtual_stages > 1 and chunks > model.num_layers:
-            out.append(f"{model.name}: pp*virtual_stages = {self.pp}*{self.virtual_stages} = "
-                       f"{chunks} chunks is more than num_layers={model.num_layers}")
+        chunks = chunks_problem(model.num_layers, self.pp, self.virtual_stages)
+        if self.virtual_stages > 1 and chunks:  # at v=1, model.problems says pp > layers
+            out.append(f"{model.name}: {chunks}")
         return out
 
     def _from_hf_problems(self) -> list[str]:
@@ -179,16 +190,32 @@ class TrainConfig:
                 f"{self.data} would be read as bytes: run `tpkit prepare-data TEXT_FILES "
                 f"--tokenizer {self.from_hf} --out DIR` and train on data=DIR"]
 
+    def _sharding_problems(self) -> list[str]:
+        from tpkit.spec.theory import FSDP_RESHARD
+
+        chosen = [k for k in ("zero1", "zero2", "fsdp") if getattr(self, k)]
+        out = [f"choose one of {' / '.join(chosen)} (each shards more than the one before)"] \
+            if len(chosen) > 1 else []
+        if self.fsdp_reshard not in FSDP_RESHARD:
+            out.append(f"fsdp_reshard={self.fsdp_reshard!r} is not one of {FSDP_RESHARD}")
+        sharded = "fsdp" if self.fsdp else "zero2" if self.zero2 else None
+        if sharded and self.master_weights:
+            out.append(f"{sharded} with master_weights is not supported: the shards are the "
+                       f"fp32 masters; train with dtype='bfloat16' (autocast) instead")
+        if self.fsdp:
+            out += ["fsdp with compile is not supported yet"] if self.compile else []
+            if self.loss_chunk:
+                out.append("fsdp with loss_chunk is not supported yet")
+        return out
+
     def _schedule_problems(self) -> list[str]:
         from tpkit.parallel.schedules import CHUNKED, schedule_problems
 
         problems = schedule_problems(self.schedule, self.virtual_stages)
         if problems or self.schedule != CHUNKED:
             return problems
-        if self.micro_batches % self.pp:
-            return [f"micro_batches={self.micro_batches} is not a multiple of pp={self.pp} "
-                    f"(interleaved 1F1B)"]
-        return []
+        problem = interleave_problem(self.micro_batches, self.pp)
+        return [problem] if problem else []
 
     def check(self, world_size: int | None = None) -> None:
         """Raise UserError listing every problem (and a world-size mismatch)."""
@@ -198,6 +225,12 @@ class TrainConfig:
                             f"does not equal the number of processes {world_size}")
         if problems:
             raise UserError("; ".join(problems))
+
+
+def _tracker_problems(log: str) -> list[str]:
+    from tpkit.train.trackers import problems
+
+    return problems(log)
 
 
 def _backend_problems(backend: str) -> list[str]:

@@ -19,6 +19,7 @@ Its state is one number, the position in that stream, saved with checkpoints.
 
 from __future__ import annotations
 
+import sys
 from pathlib import Path
 
 import numpy as np
@@ -36,18 +37,21 @@ def embedded_text() -> str:
 
 
 def encode_bytes(text: str) -> np.ndarray:
-    """UTF-8 bytes as uint16 token ids (0..255)."""
-    return np.frombuffer(text.encode("utf-8"), dtype=np.uint8).astype(np.uint16)
+    """The byte tokenizer's ids of `text` (`model.tokenizer.ByteTokenizer`), as uint16."""
+    from tpkit.model.tokenizer import ByteTokenizer
+
+    return ByteTokenizer.array(text)
 
 
-def decode_bytes(ids) -> str:
-    """Inverse of `encode_bytes` (invalid sequences replaced)."""
-    return bytes(int(i) for i in ids).decode("utf-8", errors="replace")
+def load_tokens(path: str | Path | None, vocab_size: int = 256,
+                tokenizer: str | None = None, warn: bool = False) -> np.ndarray | TokenStream:
+    """Token ids of the corpus at `path` (None: the embedded one); clear errors.
 
-
-def load_tokens(path: str | Path | None, vocab_size: int = 256
-                ) -> np.ndarray | TokenStream:
-    """Token ids of the corpus at `path` (None: the embedded one); clear errors."""
+    A `prepare-data` folder is checked before the first step: its index, every shard's
+    largest id (one pass over the memory maps: an index that lies is caught) against
+    `vocab_size`, and the tokenizer it names against the model's (`tokenizer`: a folder
+    or "bytes"; None: unknown) — a different one with another vocabulary size is an
+    error, with the same size a warning (`warn`) naming both."""
     if path is None:
         tokens = encode_bytes(embedded_text())
     else:
@@ -55,7 +59,7 @@ def load_tokens(path: str | Path | None, vocab_size: int = 256
         if not p.exists():
             raise FileNotFoundError(f"data file {p} does not exist")
         if p.is_dir() and (p / INDEX).is_file():
-            return _checked_shards(p, vocab_size)
+            return check_shards(p, vocab_size, tokenizer, warn)
         if p.is_dir():
             files = sorted(p.glob("*.txt"))
             if not files:
@@ -77,16 +81,43 @@ def load_tokens(path: str | Path | None, vocab_size: int = 256
     return tokens
 
 
-def _checked_shards(folder: Path, vocab_size: int) -> TokenStream:
-    """A prepare-data folder, memory-mapped; its index's largest id checked (no scan)."""
+def check_shards(folder: Path, vocab_size: int, tokenizer: str | None = None,
+                 warn: bool = False) -> TokenStream:
+    """A prepare-data folder, memory-mapped, with its ids and tokenizer checked."""
     tokens, index = open_shards(folder)
     if len(tokens) == 0:
-        raise ValueError(f"data folder {folder} is empty (0 tokens)")
+        raise UserError(f"data folder {folder} is empty (0 tokens)")
+    _same_tokenizer(folder, index, vocab_size, tokenizer, warn)
     if index["max_id"] >= vocab_size:
-        raise ValueError(f"token id {index['max_id']} in the data {folder} (tokenizer "
-                         f"vocab_size={index['vocab_size']}) is out of the model's "
-                         f"vocab_size={vocab_size}")
+        raise UserError(f"token id {index['max_id']} in the data {folder} (tokenizer "
+                        f"vocab_size={index['vocab_size']}) is out of the model's "
+                        f"vocab_size={vocab_size}")
+    names = [s["file"] for s in index["shards"] if s["tokens"]]
+    for name, part in zip(names, tokens.parts):  # one pass: the index may lie
+        top = int(part.max())
+        if top >= vocab_size or top > index["max_id"]:
+            raise UserError(f"{folder / name} holds token id {top}, but {INDEX} says max_id="
+                            f"{index['max_id']} and the model's vocab_size={vocab_size}: "
+                            f"the index is wrong; prepare the data again")
     return tokens
+
+
+def _same_tokenizer(folder: Path, index: dict, vocab_size: int, mine: str | None,
+                    warn: bool) -> None:
+    theirs = index.get("tokenizer")
+    if mine is None or theirs is None or _tokenizer_key(theirs) == _tokenizer_key(mine):
+        return
+    said = (f"the data {folder} was tokenized with {theirs} (vocab_size="
+            f"{index['vocab_size']}), the model uses {mine} (vocab_size={vocab_size})")
+    if index["vocab_size"] != vocab_size:
+        raise UserError(f"{said}: run `tpkit prepare-data ... --tokenizer {mine}` first")
+    if warn:
+        print(f"warning: {said}: same vocabulary size, but check that the ids mean the same "
+              f"tokens", file=sys.stderr, flush=True)
+
+
+def _tokenizer_key(where: str) -> str:
+    return where if where == "bytes" else str(Path(where).resolve())
 
 
 def tokenizer_folder(data: str | Path | None) -> Path | None:
@@ -102,26 +133,30 @@ def tokenizer_folder(data: str | Path | None) -> Path | None:
     return Path(folder) if folder and has_tokenizer(folder) else None
 
 
-def split_tokens(tokens, val_fraction: float, block: int = 8192
+def split_tokens(tokens, val_fraction: float, block: int = 8192, window: int = 1
                  ) -> tuple[TokenStream, TokenStream]:
     """(train, held-out): every k-th block of `block` tokens is held out, k = 1/fraction.
 
     Interleaved, so the held-out text is drawn from the whole corpus (the end of
-    the embedded one is mostly tables, far easier to predict). A corpus shorter
-    than 2 blocks holds out its tail instead.
+    the embedded one is mostly tables, far easier to predict). A corpus of fewer than
+    k blocks uses k smaller blocks; one shorter than 2 blocks, or whose held-out part
+    would be shorter than one `window` (seq + 1 tokens), holds out its tail instead
+    (at least one window, when the corpus has two).
     """
     if val_fraction <= 0:
         return tokens if isinstance(tokens, TokenStream) else TokenStream([tokens]), \
             TokenStream([])
-    if len(tokens) < 2 * block:
-        n_val = int(len(tokens) * val_fraction)
-        return (TokenStream([tokens[:len(tokens) - n_val]]),
-                TokenStream([tokens[len(tokens) - n_val:]]))
-    period = max(2, round(1 / val_fraction))
-    blocks = [tokens[i:i + block] for i in range(0, len(tokens), block)]  # views
-    val = [b for i, b in enumerate(blocks) if i % period == period - 1]
-    train = [b for i, b in enumerate(blocks) if i % period != period - 1]
-    return TokenStream(train), TokenStream(val)
+    n, period = len(tokens), max(2, round(1 / val_fraction))
+    if n >= 2 * block:
+        block = min(block, n // period)  # at least one held-out block
+        blocks = [tokens[i:i + block] for i in range(0, n, block)]  # views
+        val = [b for i, b in enumerate(blocks) if i % period == period - 1]
+        if sum(len(b) for b in val) >= window:
+            return (TokenStream([b for i, b in enumerate(blocks) if i % period != period - 1]),
+                    TokenStream(val))
+    n_val = int(n * val_fraction)
+    n_val = max(n_val, window) if n >= 2 * window else n_val
+    return TokenStream([tokens[:n - n_val]]), TokenStream([tokens[n - n_val:]])
 
 
 class TokenLoader:
@@ -129,16 +164,19 @@ class TokenLoader:
 
     def __init__(self, tokens: np.ndarray | TokenStream, seq: int, global_batch: int, dp_rank: int = 0,
                  dp_size: int = 1, seed: int = 0, shuffle: bool = True,
-                 name: str = "training") -> None:
+                 name: str = "training", min_windows: int | None = None,
+                 split: str = "") -> None:
         if global_batch % dp_size:
             raise UserError(f"global_batch={global_batch} is not divisible by dp={dp_size}")
         self.tokens = tokens  # read a window at a time (memory-mapped shards stay on disk)
         self.seq, self.global_batch, self.seed, self.shuffle = seq, global_batch, seed, shuffle
         self.dp_rank, self.dp_size = dp_rank, dp_size
-        self.windows = (len(tokens) - 1) // seq
-        if self.windows < global_batch:
+        self.windows = max(0, (len(tokens) - 1) // seq)
+        need = global_batch if min_windows is None else min_windows  # batches may repeat one
+        if self.windows < need:
+            what = f"global_batch={global_batch}" if min_windows is None else f"{need}"
             raise UserError(f"{name} data has {len(tokens)} tokens = {self.windows} windows of "
-                             f"seq={seq}, fewer than global_batch={global_batch}")
+                             f"seq={seq}, fewer than {what}{split}")
         self.position = 0  # sequences consumed, all replicas together
         self._perm: tuple[int, torch.Tensor] | None = None
 
@@ -176,8 +214,18 @@ class TokenLoader:
         """Resume at a saved position (same data, seq and seed)."""
         for k in ("seed", "seq", "windows"):
             if state.get(k, getattr(self, k)) != getattr(self, k):
-                raise UserError(f"loader state has {k}={state[k]}, this loader {getattr(self, k)}")
+                raise UserError(_resume_mismatch(k, state[k], getattr(self, k)))
         self.position = int(state["position"])
+
+
+def _resume_mismatch(key: str, saved, given) -> str:
+    """What a resume that changed the loader must say: the flag, and the way out."""
+    if key == "windows":
+        what = (f"the data must stay the same on resume: the checkpoint's {key} cut it into "
+                f"{saved} windows, this run into {given} (--data, --val-fraction, --seq)")
+    else:
+        what = f"--{key} must stay {saved} on resume (given: {given})"
+    return f"{what}; start a new run (another --out) to change it"
 
 
 def micro_batches(ids: torch.Tensor, labels: torch.Tensor, m: int) -> list:

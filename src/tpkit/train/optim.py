@@ -1,4 +1,4 @@
-"""AdamW (optionally ZeRO-1 sharded over dp) and the warmup + cosine learning rate.
+"""AdamW (optionally ZeRO-1, ZeRO-2 or FSDP sharded over dp) and the warmup + cosine learning rate.
 
     lr(t) = lr * (t+1)/warmup                                   t < warmup
           = min_lr + (lr - min_lr) * (1 + cos(pi * q)) / 2      q = (t-warmup)/(steps-warmup)
@@ -36,6 +36,21 @@ def build_optimizer(model: nn.Module, cfg: TrainConfig, mesh: ParallelMesh):
     if cfg.zero1 and mesh.dp_size > 1:
         return ZeroAdamW(groups, mesh.dp_group, **kw)
     return torch.optim.AdamW(groups, **kw)
+
+
+def build_sharding(model: nn.Module, cfg: TrainConfig, mesh: ParallelMesh):
+    """`Zero2` (--zero2) or `FullyShardedData` (--fsdp) over the dp group, or None (neither
+    asked, or dp=1: nothing to shard over). Its `.optimizer` is the run's optimizer."""
+    if mesh.dp_size == 1 or not (cfg.zero2 or cfg.fsdp):
+        return None
+    from tpkit.parallel.fsdp import FullyShardedData
+    from tpkit.parallel.zero2 import Zero2
+
+    kw = dict(lr=cfg.lr, betas=(0.9, cfg.beta2), eps=1e-8)
+    if cfg.zero2:
+        return Zero2(model, mesh, cfg.micro_batches, cfg.weight_decay, **kw)
+    return FullyShardedData(model, mesh, cfg.micro_batches, cfg.weight_decay,
+                            reshard=cfg.fsdp_reshard, **kw)
 
 
 def lr_at(step: int, cfg: TrainConfig) -> float:

@@ -9,6 +9,7 @@
 
 from __future__ import annotations
 
+import shlex
 from collections import Counter
 from dataclasses import dataclass
 
@@ -87,8 +88,9 @@ def report(result: RunSummary, tables: list[str]) -> str:
         lines.append(f"loss curve {result.plot}")
     if result.checkpoint:
         lines.append(f"checkpoint {result.checkpoint}")
-        lines.append(f"sample it:  tpkit generate --checkpoint {result.checkpoint} --tp 2 "
-                     f"--prompt 'The return statement' --temperature 0.8 --top-k 40")
+        tp = f" --tp {c.tp}" if c.tp > 1 else ""  # the run's own tp: one the model admits
+        lines.append(f"sample it:  tpkit generate --checkpoint {shlex.quote(result.checkpoint)}"
+                     f"{tp} --prompt 'The return statement' --temperature 0.8 --top-k 40")
     return "\n".join(lines)
 
 
@@ -100,6 +102,17 @@ def theory_rows(ledger, expects: list) -> list[dict]:
         want[(group, e.op, e.phase, e.numel)] += e.count
     got = Counter((r.group, r.op, r.phase, r.numel) for r in ledger.records
                   if r.group in ("tp", "pp") and r.phase in ("forward", "backward"))
+    return [dict(group=k[0], op=k[1], phase=k[2], numel=k[3], recorded=got[k], theory=want[k])
+            for k in sorted(set(want) | set(got))]
+
+
+def sharded_rows(ledger, expects: list, scope: str) -> list[dict]:
+    """`theory_rows` for the dp traffic of ZeRO-2 / FSDP (records of `scope` on dp)."""
+    want: Counter = Counter()
+    for e in expects:
+        want[("dp", e.op, e.phase, e.numel)] += e.count
+    got = Counter((r.group, r.op, r.phase, r.numel) for r in ledger.records
+                  if r.group == "dp" and r.scope == scope)
     return [dict(group=k[0], op=k[1], phase=k[2], numel=k[3], recorded=got[k], theory=want[k])
             for k in sorted(set(want) | set(got))]
 

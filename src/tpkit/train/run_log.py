@@ -7,10 +7,13 @@
 from __future__ import annotations
 
 import json
+import sys
 from pathlib import Path
 
+from tpkit.checkpoint.disk import writing
 from tpkit.comm.ledger import Record
 from tpkit.comm.report import human_bytes
+from tpkit.spec.errors import RunFailed
 
 
 def comm_by_group(records: list[Record]) -> dict[str, dict]:
@@ -31,11 +34,12 @@ def comm_line(by_group: dict[str, dict]) -> str:
 
 
 class MetricsLog:
-    """Appends one JSON line per step to `path` (rank 0 only writes). A resumed run keeps
+    """Appends one JSON line per step to `path` (rank 0 only writes), and gives the row to
+    the run's experiment trackers (`tpkit.train.trackers`), if any. A resumed run keeps
     the rows of the steps before `resume_step` and drops the later ones it will redo."""
 
-    def __init__(self, path: Path | None, resume_step: int = 0) -> None:
-        self.path = path
+    def __init__(self, path: Path | None, resume_step: int = 0, trackers=None) -> None:
+        self.path, self.trackers = path, trackers
         if path is not None:
             path.parent.mkdir(parents=True, exist_ok=True)
             old = path.read_text().splitlines() if resume_step and path.is_file() else []
@@ -45,8 +49,16 @@ class MetricsLog:
     def write(self, row: dict) -> None:
         """Append a row."""
         if self.path is not None:
-            with self.path.open("a") as f:
-                f.write(json.dumps(row) + "\n")
+            line = json.dumps(row) + "\n"
+            with writing(self.path, len(line)), self.path.open("a") as f:
+                f.write(line)
+        if self.trackers is not None:
+            self.trackers.log(row)
+
+    def close(self) -> None:
+        """Close the trackers (their files complete)."""
+        if self.trackers is not None:
+            self.trackers.close()
 
 
 class Progress:
@@ -96,3 +108,14 @@ def plot_losses(rows: list[dict], path: Path, title: str) -> Path:
     fig.savefig(path, dpi=110)
     plt.close(fig)
     return path
+
+
+def report_file(what: str, write, *args):
+    """`write(*args)` for a report file (loss.png, the trace), written after the final
+    checkpoint: a storage failure there is a warning (the run itself is complete)."""
+    try:
+        return write(*args)
+    except (OSError, RunFailed) as e:
+        print(f"warning: {what} not written: {str(e).splitlines()[0] if str(e) else e!r}; "
+              f"the run and its checkpoints are complete", file=sys.stderr, flush=True)
+        return None

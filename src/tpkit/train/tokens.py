@@ -137,13 +137,54 @@ class ShardWriter:
         return index
 
 
+def read_index(folder: Path) -> dict:
+    """The index.json of a `prepare-data` folder, validated: one UserError line listing
+    every problem (not JSON, a missing key, a wrong type, shard counts that disagree)."""
+    path = folder / INDEX
+    try:
+        index = json.loads(path.read_text())
+    except ValueError as e:
+        raise UserError(f"{path}: not valid JSON ({e})") from None
+    problems = index_problems(index)
+    if problems:
+        raise UserError(f"{path}: " + "; ".join(problems))
+    return index
+
+
+def index_problems(index) -> list[str]:
+    """Every reason `index` is not a tpkit token index; empty when it is one."""
+    if not isinstance(index, dict):
+        return [f"not a tpkit token index (a JSON {type(index).__name__}, not an object)"]
+    if index.get("format") != FORMAT:
+        return [f"not a tpkit token index (format {index.get('format')!r}, not {FORMAT!r})"]
+    out = [] if index.get("dtype") in DTYPES else \
+        [f"dtype {index.get('dtype')!r} is not one of {sorted(DTYPES)}"]
+    for key, low in (("vocab_size", 1), ("max_id", -1)):
+        if not _int_at_least(index.get(key), low):
+            out.append(f"{key} {index.get(key)!r} is not an integer >= {low}"
+                       if key in index else f"{key} is missing")
+    shards = index.get("shards")
+    if not isinstance(shards, list):
+        return out + [f"shards {shards!r} is not a list" if "shards" in index
+                      else "shards is missing"]
+    for i, shard in enumerate(shards):
+        if not (isinstance(shard, dict) and isinstance(shard.get("file"), str)
+                and _int_at_least(shard.get("tokens"), 0)):
+            out.append(f"shards[{i}] = {shard!r} is not {{\"file\": NAME, \"tokens\": N >= 0}}")
+    total = index.get("tokens")
+    if not out and total is not None and total != sum(s["tokens"] for s in shards):
+        out.append(f"tokens={total!r}, but the shards hold {sum(s['tokens'] for s in shards)}")
+    return out
+
+
+def _int_at_least(value, low: int) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool) and value >= low
+
+
 def open_shards(folder: str | Path) -> tuple[TokenStream, dict]:
     """(memory-mapped ids, index) of a `prepare-data` folder; clear errors on damage."""
     folder = Path(folder)
-    index = json.loads((folder / INDEX).read_text())
-    if index.get("format") != FORMAT or index.get("dtype") not in DTYPES:
-        raise UserError(f"{folder / INDEX}: not a tpkit token index (format "
-                         f"{index.get('format')!r}, dtype {index.get('dtype')!r})")
+    index = read_index(folder)
     dtype = DTYPES[index["dtype"]]
     parts = []
     for shard in index["shards"]:

@@ -21,6 +21,7 @@ from __future__ import annotations
 from collections.abc import Callable
 from dataclasses import dataclass
 
+from tpkit.model.names import HEAD_WEIGHT
 from tpkit.spec.config import ModelConfig
 
 
@@ -124,4 +125,4 @@ def norm_pair(ours: str, theirs: str, bias: bool) -> dict[str, Recipe]:
 
 def head(c: ModelConfig, key: str = "@lm_head.weight") -> dict[str, Recipe]:
     """The output projection, unless tied to the embedding."""
-    return {} if c.tie_embeddings else {"head.weight": whole(key)}
+    return {} if c.tie_embeddings else {HEAD_WEIGHT: whole(key)}

@@ -4,6 +4,14 @@ token types, exact (erf) GELU, and a pooler when the checkpoint has one."""
 from __future__ import annotations
 
 from tpkit.model.families.base import Family, Recipe, norm_pair, refuse, stacked, whole
+from tpkit.model.names import (
+    EMBED_NORM,
+    EMBED_WEIGHT,
+    POOLER,
+    POSITION_WEIGHT,
+    TOKEN_TYPE_WEIGHT,
+    layer,
+)
 from tpkit.spec.config import ModelConfig
 
 
@@ -35,14 +43,14 @@ def to_hf(c: ModelConfig) -> dict:
 def table(c: ModelConfig) -> dict[str, Recipe]:
     """tpkit name -> Recipe (keys below '' or 'bert.')."""
     e = "embeddings"
-    out = {"embed.word.weight": whole(f"{e}.word_embeddings.weight"),
-           "embed.position.weight": whole(f"{e}.position_embeddings.weight"),
-           "embed.token_type.weight": whole(f"{e}.token_type_embeddings.weight"),
-           **norm_pair("embed.norm", f"{e}.LayerNorm", True)}
+    out = {EMBED_WEIGHT: whole(f"{e}.word_embeddings.weight"),
+           POSITION_WEIGHT: whole(f"{e}.position_embeddings.weight"),
+           TOKEN_TYPE_WEIGHT: whole(f"{e}.token_type_embeddings.weight"),
+           **norm_pair(EMBED_NORM, f"{e}.LayerNorm", True)}
     if c.pooler:
-        out |= {f"pooler.{w}": whole(f"pooler.dense.{w}") for w in ("weight", "bias")}
+        out |= {f"{POOLER}.{w}": whole(f"pooler.dense.{w}") for w in ("weight", "bias")}
     for i in range(c.num_layers):
-        L, h = f"layers.{i}", f"encoder.layer.{i}"
+        L, h = layer(i), f"encoder.layer.{i}"
         for w in ("weight", "bias"):
             out[f"{L}.attn.qkv.{w}"] = stacked(*((f"{h}.attention.self.{x}.{w}", c.hidden)
                                                  for x in ("query", "key", "value")))

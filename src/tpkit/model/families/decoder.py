@@ -11,6 +11,7 @@ from __future__ import annotations
 from collections.abc import Callable
 
 from tpkit.model.families.base import Recipe, head, rope_of, rope_to_hf, stacked, whole
+from tpkit.model.names import EMBED_WEIGHT, FINAL_NORM_WEIGHT, layer
 from tpkit.spec.config import ModelConfig
 
 
@@ -74,15 +75,15 @@ SEPARATE_MLP = dense_mlp()
 def decoder_table(c: ModelConfig, *, fused_qkv: bool = False,
                   mlp: MlpTable = SEPARATE_MLP) -> dict[str, Recipe]:
     """tpkit name -> Recipe for a Llama-style model (keys below the base prefix)."""
-    out = {"embed.word.weight": whole("embed_tokens.weight"),
-           "final_norm.weight": whole("norm.weight")}
+    out = {EMBED_WEIGHT: whole("embed_tokens.weight"),
+           FINAL_NORM_WEIGHT: whole("norm.weight")}
     for i in range(c.num_layers):
-        h = f"layers.{i}"
-        layer = {"attn_norm.weight": whole(f"{h}.input_layernorm.weight"),
-                 "mlp_norm.weight": whole(f"{h}.post_attention_layernorm.weight"),
-                 "attn.out.weight": whole(f"{h}.self_attn.o_proj.weight"),
-                 **_qkv(c, f"{h}.self_attn", fused_qkv), **mlp(c, h)}
-        out.update({f"layers.{i}.{k}": v for k, v in layer.items()})
+        h = f"layers.{i}"  # the Hugging Face name (below the base prefix)
+        ours = {"attn_norm.weight": whole(f"{h}.input_layernorm.weight"),
+                "mlp_norm.weight": whole(f"{h}.post_attention_layernorm.weight"),
+                "attn.out.weight": whole(f"{h}.self_attn.o_proj.weight"),
+                **_qkv(c, f"{h}.self_attn", fused_qkv), **mlp(c, h)}
+        out.update({f"{layer(i)}.{k}": v for k, v in ours.items()})
     return out | head(c)
 
 

@@ -4,6 +4,7 @@
 from __future__ import annotations
 
 from tpkit.model.families.base import Family, Recipe, head, norm_pair, refuse, whole
+from tpkit.model.names import EMBED_WEIGHT, FINAL_NORM, POSITION_WEIGHT, layer
 from tpkit.spec.config import ModelConfig
 
 ACTS = {"gelu_new": "gelu", "gelu_pytorch_tanh": "gelu", "relu": "relu"}
@@ -35,10 +36,10 @@ def to_hf(c: ModelConfig) -> dict:
 
 def table(c: ModelConfig) -> dict[str, Recipe]:
     """tpkit name -> Recipe (keys below 'transformer.')."""
-    out = {"embed.word.weight": whole("wte.weight"), "embed.position.weight": whole("wpe.weight"),
-           **norm_pair("final_norm", "ln_f", True)}
+    out = {EMBED_WEIGHT: whole("wte.weight"), POSITION_WEIGHT: whole("wpe.weight"),
+           **norm_pair(FINAL_NORM, "ln_f", True)}
     for i in range(c.num_layers):
-        L, h = f"layers.{i}", f"h.{i}"
+        L, h = layer(i), f"h.{i}"
         out |= norm_pair(f"{L}.attn_norm", f"{h}.ln_1", True)
         out |= norm_pair(f"{L}.mlp_norm", f"{h}.ln_2", True)
         for ours, theirs in (("attn.qkv", "attn.c_attn"), ("attn.out", "attn.c_proj"),

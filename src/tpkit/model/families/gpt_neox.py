@@ -22,6 +22,7 @@ from tpkit.model.families.base import (
     rope_to_hf,
     whole,
 )
+from tpkit.model.names import EMBED_WEIGHT, FINAL_NORM, layer
 from tpkit.spec.config import ModelConfig
 
 
@@ -64,10 +65,10 @@ def per_head_qkv(c: ModelConfig, key: str) -> Recipe:
 
 def table(c: ModelConfig) -> dict[str, Recipe]:
     """tpkit name -> Recipe (keys below 'gpt_neox.')."""
-    out = {"embed.word.weight": whole("embed_in.weight"),
-           **norm_pair("final_norm", "final_layer_norm", True)}
+    out = {EMBED_WEIGHT: whole("embed_in.weight"),
+           **norm_pair(FINAL_NORM, "final_layer_norm", True)}
     for i in range(c.num_layers):
-        L, h = f"layers.{i}", f"layers.{i}"
+        L, h = layer(i), f"layers.{i}"  # ours, the Hugging Face one
         out |= norm_pair(f"{L}.attn_norm", f"{h}.input_layernorm", True)
         out |= norm_pair(f"{L}.mlp_norm", f"{h}.post_attention_layernorm", True)
         for w in ("weight", "bias"):

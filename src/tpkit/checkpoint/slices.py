@@ -1,11 +1,17 @@
-"""Reading this rank's slice of global tensors from anywhere (Layer: below `model`).
+"""Reading this rank's slice of global tensors from anywhere: the one loop.
 
 A `Source` serves rows [start, stop) of a *logical* global tensor (vocabulary
 padding excluded) along one dimension: a sharded tpkit checkpoint
 (`tpkit.checkpoint.files.ShardedSource`), one full safetensors file, a dict in memory,
-or a Hugging Face model (`tpkit.model.hf.HFSource`). `local_slice` reads, part by
-part, exactly the chunk that a rank of a given layout holds, driven by the
-parameter's split tag, so no process reads a whole model.
+or a Hugging Face model (`tpkit.checkpoint.hf.HFSource`). An open source also says
+what it holds: `config` (its ModelConfig), `names` (its tensors), `where` (for errors).
+
+    staged = read_local(model, source, mesh)   # name -> this rank's slice, every parameter
+
+`read_local` is how every caller reads weights (Hugging Face import, sharded load,
+convert, optimizer state): per parameter, `local_slice` reads, part by part, exactly
+the chunk that a rank of the model's layout holds, driven by the parameter's split
+tag, so no process reads a whole model.
 """
 
 from __future__ import annotations
@@ -15,8 +21,10 @@ from typing import Protocol
 
 import torch
 from safetensors import safe_open
+from torch import nn
 
-from tpkit.sharding import TPSplit
+from tpkit.sharding import TPSplit, meta_of, split_of
+from tpkit.spec.config import ModelConfig
 from tpkit.spec.errors import UserError
 
 
@@ -42,6 +50,10 @@ def _checkpoint_error(message: str, peer_failed: bool) -> CheckpointError:
 class Source(Protocol):
     """Where global tensors come from (sharded checkpoint, full file, Hugging Face)."""
 
+    config: ModelConfig  # the model its tensors make
+    names: set[str]  # the tensors it holds (tpkit names)
+    where: str  # what to name in an error (the file or folder)
+
     def logical_shape(self, name: str) -> tuple[int, ...] | None:
         """Global shape without vocabulary padding; None when the source lacks `name`."""
 
@@ -52,8 +64,9 @@ class Source(Protocol):
 class DictSource:
     """A `Source` over a dict of full logical tensors (in memory)."""
 
-    def __init__(self, full: dict[str, torch.Tensor]) -> None:
-        self.full = full
+    def __init__(self, full: dict[str, torch.Tensor], config: ModelConfig | None = None,
+                 where: str = "tensors") -> None:
+        self.full, self.config, self.names, self.where = full, config, set(full), where
 
     def logical_shape(self, name: str) -> tuple[int, ...] | None:
         """Shape of `name` (None: absent)."""
@@ -68,16 +81,26 @@ class DictSource:
 class FullSource:
     """One safetensors file of full (logical, unpadded) tensors, e.g. `tpkit convert`'s."""
 
-    def __init__(self, path: str | Path) -> None:
-        self.path = Path(path)
+    def __init__(self, path: str | Path, config: ModelConfig | None = None) -> None:
+        self.path, self.config, self.where = Path(path), config, str(path)
         if not self.path.is_file():
             raise CheckpointError(f"{self.path}: no such file")
+        self.f = self._open()
+        self.names = set(self.f.keys())
+
+    def _open(self):
         try:
-            self.f = safe_open(str(self.path), framework="pt")
+            return safe_open(str(self.path), framework="pt")
         except Exception as e:  # noqa: BLE001 - safetensors' own error type varies
             raise CheckpointError(f"{self.path}: not a readable safetensors file "
                                   f"({str(e).splitlines()[0][:120]})") from None
-        self.names = set(self.f.keys())
+
+    def __getstate__(self) -> dict:  # picklable (to the ranks): the file is opened again
+        return {k: v for k, v in vars(self).items() if k != "f"}
+
+    def __setstate__(self, state: dict) -> None:
+        vars(self).update(state)
+        self.f = self._open()
 
     def logical_shape(self, name: str) -> tuple[int, ...] | None:
         """Shape in the file (None: absent)."""
@@ -89,6 +112,39 @@ class FullSource:
         if not sl.get_shape():
             return self.f.get_tensor(name)
         return sl[(slice(None),) * dim + (slice(start, stop),)]
+
+
+def read_local(model: nn.Module, source: Source, mesh, *, own_only: bool = False,
+               state_keys: dict[str, list[str]] | None = None) -> dict[str, torch.Tensor]:
+    """This rank's slice (at `mesh`'s tp rank and size) of every parameter of `model`,
+    read from `source` by the parameter's split tag: name -> tensor in its dtype. A tied
+    copy reads its owner's tensor; `own_only` leaves tied copies out.
+
+    With `state_keys` (parameter -> keys of its saved optimizer state) it reads the
+    state instead: "{param}::{key}" -> tensor, split like the parameter (a scalar whole).
+    """
+    out = {}
+    for name, p in model.named_parameters():
+        owner = meta_of(p).tied_to
+        if owner and own_only:
+            continue
+        src = owner or name
+        if state_keys is None:
+            out[name] = local_slice(source, src, split_of(p), mesh.tp_rank, mesh.tp_size,
+                                    tuple(p.shape), source.where).to(p.dtype)
+            continue
+        for key in state_keys.get(src, []):
+            full = state_name(src, key)
+            scalar = source.logical_shape(full) == ()
+            out[state_name(name, key)] = local_slice(
+                source, full, None if scalar else split_of(p), mesh.tp_rank, mesh.tp_size,
+                () if scalar else tuple(p.shape), source.where)
+    return out
+
+
+def state_name(param: str, key: str) -> str:
+    """The name on disk of one entry of a parameter's optimizer state: "{param}::{key}"."""
+    return f"{param}::{key}"
 
 
 def local_slice(source: Source, name: str, split: TPSplit | None, rank: int, tp: int,

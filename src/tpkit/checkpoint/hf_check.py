@@ -20,8 +20,8 @@ from pathlib import Path
 import torch
 import torch.nn.functional as F
 
+from tpkit.checkpoint.hf import HFSource, checkpoint_names, from_pretrained, hf_source
 from tpkit.comm import all_gather
-from tpkit.model.hf import HFSource, checkpoint_names, from_pretrained, hf_source
 from tpkit.sharding import full_state_dict, meta_of, splits_of
 from tpkit.spec import theory
 from tpkit.spec.config import ModelConfig
@@ -44,7 +44,8 @@ def reference(path: str | Path, ids: torch.Tensor) -> dict:
     """transformers' outputs, loss and gradients (in tpkit names) for `ids`."""
     import transformers
 
-    source, config = hf_source(path)
+    source = hf_source(path)
+    config = source.config
     cls = transformers.AutoModelForCausalLM if config.causal else transformers.AutoModel
     model = cls.from_pretrained(str(path), dtype=torch.float32).eval()
     o = model(ids)

@@ -7,7 +7,7 @@
 The family adapters (pure Python) say how a config.json maps to a `ModelConfig` and
 which rows of which Hugging Face tensors make each tpkit parameter (a `Recipe` of
 `Cut`s: whole tensors stacked, a fused tensor read as is, or per-head rows).
-`HFSource` serves the rows a rank needs (`tpkit.shard_io.local_slice`) with
+`HFSource` serves the rows a rank needs (`slices.read_local`) with
 safetensors `get_slice`, so no process reads the whole model; `write_hf` puts every
 row back where the recipe took it from, so an export is bit-identical.
 """
@@ -23,6 +23,8 @@ from safetensors import safe_open
 from safetensors.torch import save_file
 from torch import nn
 
+from tpkit.checkpoint.build import build_model
+from tpkit.checkpoint.slices import CheckpointError, DictSource
 from tpkit.mesh import ParallelMesh
 from tpkit.model.families import (
     Cut,
@@ -34,25 +36,26 @@ from tpkit.model.families import (
     with_family,
 )
 from tpkit.model.names import EMBED_WEIGHT
-from tpkit.shard_io import CheckpointError, DictSource, local_slice
-from tpkit.sharding import meta_of, split_of
+from tpkit.sharding import meta_of
 from tpkit.spec.config import ModelConfig
 
 CONFIG_FILE = "config.json"  # what makes a directory a Hugging Face model
 
 # -- reading ----------------------------------------------------------------------------
 class HFSource:
-    """A `shard_io.Source` over Hugging Face tensors (safetensors files or a state dict)."""
+    """A `slices.Source` over Hugging Face tensors (safetensors files or a state dict)."""
 
     def __init__(self, tensors: Any, family: Family, recipes: dict[str, Recipe],
-                 where: str) -> None:
+                 where: str, config: ModelConfig | None = None) -> None:
         self.tensors, self.recipes, self.where, self.family = tensors, recipes, where, family
-        self.keys = set(tensors.keys())
+        self.config, self.keys = config, set(tensors.keys())
+        self.root = getattr(tensors, "root", None)  # a directory's (its tokenizer files)
         base = recipes[EMBED_WEIGHT].cuts[0].key
         self.prefix = next((p for p in family.prefixes if p + base in self.keys), None)
         if self.prefix is None:
             raise CheckpointError(f"{where}: no {base!r} among its tensors (prefixes tried: "
                                   f"{list(family.prefixes)})")
+        self.names = {n for n in recipes if self.logical_shape(n) is not None}
 
     def _key(self, k: str) -> str:
         return k[1:] if k.startswith("@") else self.prefix + k
@@ -110,16 +113,29 @@ class _SafetensorsDir:
     """Key -> get_slice object over model.safetensors or its sharded index."""
 
     def __init__(self, root: Path) -> None:
+        self.root = root
+        self.map = self._open(root)
+
+    @staticmethod
+    def _open(root: Path) -> dict[str, Any]:
         index = root / "model.safetensors.index.json"
         files = sorted(set(json.loads(index.read_text())["weight_map"].values())) \
             if index.is_file() else ["model.safetensors"]
-        self.map: dict[str, Any] = {}
+        found: dict[str, Any] = {}
         for f in files:
             if not (root / f).is_file():
                 raise CheckpointError(f"{root / f}: missing (only safetensors are read; "
                                       f"convert pytorch_model.bin with transformers first)")
             h = safe_open(str(root / f), framework="pt")
-            self.map.update({k: h for k in h.keys()})
+            found.update({k: h for k in h.keys()})
+        return found
+
+    def __getstate__(self) -> dict:  # picklable (to the ranks): the files are opened again
+        return dict(root=self.root)
+
+    def __setstate__(self, state: dict) -> None:
+        self.root = state["root"]
+        self.map = self._open(self.root)
 
     def keys(self):
         return self.map.keys()
@@ -154,17 +170,12 @@ def checkpoint_names(model: nn.Module, tensors: dict[str, torch.Tensor]
     return dict(revert_weight_conversion(model, dict(tensors)))
 
 
-def hf_source(path_or_model: Any) -> tuple[HFSource, ModelConfig]:
-    """(Source of its tensors in tpkit's names, ModelConfig) of a Hugging Face model."""
+def hf_source(path_or_model: Any) -> HFSource:
+    """The open Source of a Hugging Face directory or live model: its tensors in tpkit's
+    names, its ModelConfig (`.config`), the tpkit tensors present (`.names`)."""
     hf, tensors, where = open_hf(path_or_model)
     fam, config = config_from_hf(hf, set(tensors.keys()))
-    return HFSource(tensors, fam, fam.table(config), where), config
-
-
-def open_hf_source(path_or_model: Any) -> tuple[HFSource, ModelConfig, set[str]]:
-    """(Source, config, tpkit tensor names present) of a Hugging Face directory or model."""
-    source, config = hf_source(path_or_model)
-    return source, config, {n for n in source.recipes if source.logical_shape(n) is not None}
+    return HFSource(tensors, fam, fam.table(config), where, config)
 
 
 def from_pretrained(path_or_model: Any, mesh: ParallelMesh | None = None, *,
@@ -175,75 +186,35 @@ def from_pretrained(path_or_model: Any, mesh: ParallelMesh | None = None, *,
     `path_or_model`: a local directory (config.json + safetensors) or a loaded
     `transformers` model. BERT models keep their pooler (`model.pooled(h)`) if present.
     """
-    mesh = mesh or ParallelMesh.single()
-    source, config = hf_source(path_or_model)
-    model = build_model(config, mesh, device="meta", dtype=dtype,
-                        sequence_parallel=sequence_parallel, expert_parallel=expert_parallel)
-    materialize(model, mesh.device)
-    load_from(model, source, mesh, source.where)
-    return model
+    source = hf_source(path_or_model)
+    return build_model(source.config, mesh or ParallelMesh.single(), source, dtype=dtype,
+                       sequence_parallel=sequence_parallel, expert_parallel=expert_parallel)
 
 
-def load_from(model: nn.Module, source: Any, mesh: ParallelMesh, where: str) -> None:
-    """Copy this rank's slice of every parameter out of `source` (staged, then copied)."""
-    staged = {}
-    for name, p in model.named_parameters():
-        src = meta_of(p).tied_to or name
-        staged[name] = local_slice(source, src, split_of(p), mesh.tp_rank, mesh.tp_size,
-                                   tuple(p.shape), where).to(p.dtype)
-    with torch.no_grad():
-        for name, p in model.named_parameters():
-            p.copy_(staged[name])
-
-
-def materialize(model: nn.Module, device: torch.device | str) -> nn.Module:
-    """Allocate a meta-built model on `device`, keeping the parameters' split tags."""
-    tags = {n: dict(vars(p)) for n, p in model.named_parameters()}
-    model.to_empty(device=device)
-    for n, p in model.named_parameters():
-        vars(p).update(tags[n])
-    return model
-
-
-# -- building ---------------------------------------------------------------------------
-def build_model(config: ModelConfig, mesh: ParallelMesh, **kw) -> nn.Module:
-    """`Transformer(config, mesh, **kw)` (imported on first use)."""
-    from tpkit.model.transformer import Transformer
-
-    return Transformer(config, mesh, **kw)
-
-
-def empty_model(config: ModelConfig, mesh: Any, **kw) -> nn.Module:
-    """The model on the meta device at `mesh`'s coordinate: names, shapes and split tags,
-    no memory."""
-    return build_model(config, mesh, device="meta", **kw)
-
-
-def memory_source(source: Any, config: ModelConfig | None = None
-                  ) -> tuple[DictSource, ModelConfig, set[str]]:
-    """(Source, config, names) over a tp=1 model or a dict of full tensors (padding cut)."""
+def memory_source(source: Any, config: ModelConfig | None = None) -> DictSource:
+    """A Source over a tp=1 model or a dict of full tensors (padding cut)."""
     if isinstance(source, dict):
         if config is None:
             raise ValueError("a dict of tensors needs its ModelConfig")
-        return DictSource(source), config, set(source)
+        return DictSource(source, config)
     if source.mesh.tp_size * source.mesh.pp_size != 1:
         raise ValueError("to_hf(model) needs a tp=1, pp=1 model; save a checkpoint and "
                          "export that with `tpkit convert --to hf` instead")
     full = {n: p.detach()[:meta_of(p).logical_size or p.shape[0]]
             for n, p in source.named_parameters() if not meta_of(p).tied_to}
-    return DictSource(full), source.config, set(full)
+    return DictSource(full, source.config, type(source).__name__)
 
 
 def to_hf(source: Any, out_dir: str | Path, config: ModelConfig | None = None) -> Path:
     """Write a Hugging Face directory (config.json + model.safetensors) from a tp=1 model
     or a dict of full tensors. (`tpkit.checkpoint.convert.to_hf` also takes checkpoints.)"""
-    return write_hf(*memory_source(source, config), out_dir)
+    return write_hf(memory_source(source, config), out_dir)
 
 
-def write_hf(src: Any, config: ModelConfig, names: set[str], out_dir: str | Path) -> Path:
-    """Write a Hugging Face directory from any `Source` of full logical tensors: every
-    row goes back where the family's recipe took it from."""
-    config = with_family(config)
+def write_hf(src: Any, out_dir: str | Path) -> Path:
+    """Write a Hugging Face directory from any open `Source` of full logical tensors:
+    every row goes back where the family's recipe took it from."""
+    config, names = with_family(src.config), src.names
     fam, out = of_config(config), Path(out_dir)
     tensors: dict[str, torch.Tensor] = {}
     for name, recipe in fam.table(config).items():

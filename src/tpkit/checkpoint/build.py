@@ -1,0 +1,72 @@
+"""The one builder: a model at a mesh's coordinate, empty or holding a source's weights.
+
+    model = build_model(config, mesh, source, dtype=...)   # meta -> allocate -> load
+    model = build_model(config, mesh, seed=1)               # fresh weights (no source)
+    shell = empty_model(config, mesh)                       # meta: names, shapes, tags
+
+With a source the model is built on the meta device (no memory, no init), allocated on
+the mesh's device, and filled by `load_weights`: every rank stages its slices
+(`slices.read_local`), the ranks agree, and only then is anything copied in.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+from torch import nn
+
+from tpkit.checkpoint.agree import raise_unless_all
+from tpkit.checkpoint.slices import Source, read_local
+from tpkit.mesh import ParallelMesh
+from tpkit.spec.config import ModelConfig
+
+
+def build_model(config: ModelConfig, mesh: ParallelMesh, source: Source | None = None,
+                **kw: Any) -> nn.Module:
+    """`Transformer(config, mesh, **kw)`; with `source`, holding its weights (this
+    rank's slices only). Call on every rank of the mesh."""
+    from tpkit.model.transformer import Transformer
+
+    if source is None:
+        return Transformer(config, mesh, **kw)
+    model = materialize(Transformer(config, mesh, device="meta", **kw), mesh.device)
+    load_weights(model, source, mesh)
+    return model
+
+
+def empty_model(config: ModelConfig, mesh: Any, **kw: Any) -> nn.Module:
+    """The model on the meta device at `mesh`'s coordinate: names, shapes and split tags,
+    no memory."""
+    from tpkit.model.transformer import Transformer
+
+    return Transformer(config, mesh, device="meta", **kw)
+
+
+def materialize(model: nn.Module, device: torch.device | str) -> nn.Module:
+    """Allocate a meta-built model on `device`, keeping the parameters' split tags."""
+    tags = {n: dict(vars(p)) for n, p in model.named_parameters()}
+    model.to_empty(device=device)
+    for n, p in model.named_parameters():
+        vars(p).update(tags[n])
+    return model
+
+
+def load_weights(model: nn.Module, source: Source, mesh: ParallelMesh) -> None:
+    """Copy this rank's slice of every parameter out of `source`, once every rank has
+    staged its own without error (else nothing changes, on any rank)."""
+    staged, err = {}, None
+    try:
+        staged = read_local(model, source, mesh)
+    except Exception as e:  # noqa: BLE001 - re-raised once every rank has answered
+        err = e
+    raise_unless_all(mesh, err, f"{source.where}: another rank failed to load (see its "
+                                f"error); nothing was loaded")
+    copy_in(model, staged)
+
+
+def copy_in(model: nn.Module, staged: dict[str, torch.Tensor]) -> None:
+    """Copy staged tensors (name -> this rank's slice) into the model's parameters."""
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            p.copy_(staged[name])

@@ -1,0 +1,332 @@
+// tpkit's shared-memory collectives for the ranks of one host (called through ctypes).
+//
+// One POSIX shm segment per group: a header with one cache line per rank (arrival
+// counters, pid, a signature of the call), then two buffers of `chunk` bytes per rank
+// (double buffering). Round s of a collective uses buffer s % 2 of every rank:
+//
+//   write my piece into my buffer -> seq[me] = s -> wait until every seq >= s -> read
+//
+// A rank may write buffer s % 2 again at round s + 2 only after every peer arrived at
+// round s + 1, which each did after it had finished reading round s: no other lock.
+// Sums are taken in rank order with float accumulation (bf16/fp16 rounded once), so
+// every rank gets the same bits whichever rank computed them. Above `split` bytes an
+// all-reduce is a reduce-scatter (rank j sums slice j into its own buffer) then an
+// all-gather (seq2 is the second arrival counter). A waiting rank spins briefly, then
+// yields, then sleeps; it checks its peers' pids every 100 ms (a dead or zombie peer
+// ends the wait) and gives up after the timeout. Return codes: 0 done, 1 a peer died,
+// 2 timed out, 3 the ranks called different collectives; `who` is the peer's index.
+#include <atomic>
+#include <cerrno>
+#include <cstdint>
+#include <cstdio>
+#include <cstring>
+#include <fcntl.h>
+#include <sched.h>
+#include <signal.h>
+#include <sys/mman.h>
+#include <sys/stat.h>
+#include <time.h>
+#include <unistd.h>
+
+namespace {
+
+constexpr uint64_t kMagic = 0x74706b6974736d31ULL;  // "tpkitsm1"
+constexpr int kMaxRanks = 64;
+constexpr size_t kHeader = 64 * (kMaxRanks + 1);
+constexpr size_t kBlock = 512;  // elements accumulated at a time in float
+
+struct alignas(64) Slot {
+  std::atomic<uint64_t> seq;   // rounds this rank has published (phase 1)
+  std::atomic<uint64_t> seq2;  // ... and finished reducing its slice (phase 2)
+  std::atomic<uint64_t> sig[2];  // what it called in its latest rounds (by parity: a peer
+                                 // may be one round ahead, never two)
+  std::atomic<int32_t> pid;
+};
+
+struct Header {
+  uint64_t magic;
+  uint64_t chunk;
+  int32_t nranks;
+  char pad[64 - 20];
+  Slot slots[kMaxRanks];
+};
+
+struct Group {
+  Header* h;
+  int rank, n;
+  double timeout_s;
+  char* buf(int r, uint64_t s) const {
+    return reinterpret_cast<char*>(h) + kHeader + (2 * static_cast<size_t>(r) + (s & 1)) * h->chunk;
+  }
+};
+
+double now() {
+  timespec t;
+  clock_gettime(CLOCK_MONOTONIC, &t);
+  return t.tv_sec + 1e-9 * t.tv_nsec;
+}
+
+bool alive(int pid) {
+  if (pid <= 0) return true;
+  if (kill(pid, 0) != 0 && errno == ESRCH) return false;
+  char path[64], line[256];
+  snprintf(path, sizeof path, "/proc/%d/stat", pid);
+  FILE* f = fopen(path, "r");
+  if (!f) return true;
+  size_t got = fread(line, 1, sizeof line - 1, f);
+  fclose(f);
+  line[got] = 0;
+  const char* close = strrchr(line, ')');  // "pid (comm) S ...": the state after the name
+  return !(close && close[1] == ' ' && (close[2] == 'Z' || close[2] == 'X'));
+}
+
+inline void relax() {
+#if defined(__x86_64__) || defined(__i386__)
+  __builtin_ia32_pause();
+#endif
+}
+
+// Wait until counter `which` of every peer reaches s. Spins ~2k times, yields ~200 times,
+// then sleeps 20 us doubling to 1 ms: a descheduled peer never has a core burnt for it.
+int wait_all(const Group& g, int which, uint64_t s, int* who) {
+  double start = -1, next_check = 0;
+  long tries = 0;
+  for (int j = 0; j < g.n; ++j) {
+    if (j == g.rank) continue;
+    Slot& p = g.h->slots[j];
+    std::atomic<uint64_t>& c = which == 1 ? p.seq : p.seq2;
+    long pause_ns = 20000;
+    while (c.load(std::memory_order_acquire) < s) {
+      ++tries;
+      if (tries < 2000) { relax(); continue; }
+      if (tries < 2200) { sched_yield(); continue; }
+      timespec ts{0, pause_ns};
+      nanosleep(&ts, nullptr);
+      pause_ns = pause_ns < 1000000 ? 2 * pause_ns : 1000000;
+      double t = now();
+      if (start < 0) start = t;
+      if (t >= next_check) {
+        next_check = t + 0.1;
+        if (!alive(p.pid.load())) { *who = j; return 1; }
+        if (t - start > g.timeout_s) { *who = j; return 2; }
+      }
+    }
+  }
+  return 0;
+}
+
+// Publish round s (counter `which`) and wait for the peers; checks that everyone called
+// the same thing (sig) in phase 1.
+int arrive(const Group& g, int which, uint64_t s, uint64_t sig, int* who) {
+  Slot& me = g.h->slots[g.rank];
+  if (which == 1) {
+    me.sig[s & 1].store(sig, std::memory_order_relaxed);
+    me.seq.store(s, std::memory_order_release);
+  } else {
+    me.seq2.store(s, std::memory_order_release);
+  }
+  int rc = wait_all(g, which, s, who);
+  if (rc || which != 1) return rc;
+  for (int j = 0; j < g.n; ++j) {
+    if (g.h->slots[j].sig[s & 1].load(std::memory_order_relaxed) != sig) { *who = j; return 3; }
+  }
+  return 0;
+}
+
+// -- element types: load as float, store rounded to nearest even ----------------------
+inline float load(float x) { return x; }
+inline float load(uint16_t b) {  // bfloat16
+  uint32_t u = static_cast<uint32_t>(b) << 16;
+  float f;
+  memcpy(&f, &u, 4);
+  return f;
+}
+inline float load(_Float16 x) { return static_cast<float>(x); }
+inline void store(float* p, float x) { *p = x; }
+inline void store(uint16_t* p, float x) {
+  uint32_t u;
+  memcpy(&u, &x, 4);
+  if ((u & 0x7fffffffu) > 0x7f800000u) { *p = static_cast<uint16_t>((u >> 16) | 0x40); return; }
+  u += 0x7fffu + ((u >> 16) & 1u);
+  *p = static_cast<uint16_t>(u >> 16);
+}
+inline void store(_Float16* p, float x) { *p = static_cast<_Float16>(x); }
+
+inline float combine(float a, float b, int op) {
+  if (op == 0) return a + b;
+  if (op == 1) return a < b ? b : a;
+  return b < a ? b : a;
+}
+
+// out[i] = src[0][i] (op) src[1][i] (op) ... in rank order, float accumulation.
+template <class T>
+void reduce_into(T* out, T* const* src, int n, size_t count, int op) {
+  float acc[kBlock];
+  for (size_t lo = 0; lo < count; lo += kBlock) {
+    size_t m = count - lo < kBlock ? count - lo : kBlock;
+    for (size_t i = 0; i < m; ++i) acc[i] = load(src[0][lo + i]);
+    for (int j = 1; j < n; ++j) {
+      const T* s = src[j] + lo;
+      if (op == 0) {
+        for (size_t i = 0; i < m; ++i) acc[i] += load(s[i]);
+      } else {
+        for (size_t i = 0; i < m; ++i) acc[i] = combine(acc[i], load(s[i]), op);
+      }
+    }
+    for (size_t i = 0; i < m; ++i) store(out + lo + i, acc[i]);
+  }
+}
+
+template <class T>
+int all_reduce_t(const Group& g, T* x, size_t numel, int op, size_t split, int* who) {
+  const size_t per_round = g.h->chunk / sizeof(T);
+  Slot& me = g.h->slots[g.rank];
+  for (size_t off = 0; off < numel; off += per_round) {
+    size_t m = numel - off < per_round ? numel - off : per_round;
+    uint64_t s = me.seq.load(std::memory_order_relaxed) + 1;
+    T* mine = reinterpret_cast<T*>(g.buf(g.rank, s));
+    memcpy(mine, x + off, m * sizeof(T));
+    int rc = arrive(g, 1, s, (uint64_t(1) << 56) ^ (uint64_t(op) << 48) ^ m, who);
+    if (rc) return rc;
+    T* src[kMaxRanks];
+    for (int j = 0; j < g.n; ++j) src[j] = reinterpret_cast<T*>(g.buf(j, s));
+    if (m * sizeof(T) <= split) {  // every rank sums everything, the same way
+      reduce_into(x + off, src, g.n, m, op);
+      continue;
+    }
+    size_t slice = ((m + g.n - 1) / g.n + 31) / 32 * 32;  // 64-byte aligned slices
+    size_t lo = g.rank * slice < m ? g.rank * slice : m;
+    size_t hi = lo + slice < m ? lo + slice : m;
+    T* part[kMaxRanks];
+    for (int j = 0; j < g.n; ++j) part[j] = src[j] + lo;
+    reduce_into(mine + lo, part, g.n, hi - lo, op);
+    rc = arrive(g, 2, s, 0, who);
+    if (rc) return rc;
+    for (int j = 0; j < g.n; ++j) {
+      size_t a = j * slice < m ? j * slice : m, b = a + slice < m ? a + slice : m;
+      memcpy(x + off + a, src[j] + a, (b - a) * sizeof(T));
+    }
+  }
+  return 0;
+}
+
+template <class T>
+int reduce_scatter_t(const Group& g, const T* in, T* out, size_t count, int op, int* who) {
+  const size_t per_round = g.h->chunk / sizeof(T) / g.n;  // of each rank's slice
+  Slot& me = g.h->slots[g.rank];
+  for (size_t off = 0; off < count; off += per_round) {
+    size_t m = count - off < per_round ? count - off : per_round;
+    uint64_t s = me.seq.load(std::memory_order_relaxed) + 1;
+    T* mine = reinterpret_cast<T*>(g.buf(g.rank, s));
+    for (int j = 0; j < g.n; ++j) memcpy(mine + j * m, in + j * count + off, m * sizeof(T));
+    int rc = arrive(g, 1, s, (uint64_t(2) << 56) ^ (uint64_t(op) << 48) ^ m, who);
+    if (rc) return rc;
+    T* src[kMaxRanks];
+    for (int j = 0; j < g.n; ++j) src[j] = reinterpret_cast<T*>(g.buf(j, s)) + g.rank * m;
+    reduce_into(out + off, src, g.n, m, op);
+  }
+  return 0;
+}
+
+Group group_of(void* base, int rank, double timeout_s) {
+  Header* h = static_cast<Header*>(base);
+  return Group{h, rank, h->nranks, timeout_s};
+}
+
+}  // namespace
+
+extern "C" {
+
+// Create (create=1) or open a segment of `size` bytes and map it; NULL on failure.
+void* tpk_map(const char* name, size_t size, int create) {
+  int fd = shm_open(name, create ? (O_CREAT | O_EXCL | O_RDWR) : O_RDWR, 0600);
+  if (fd < 0) return nullptr;
+  if (create && ftruncate(fd, static_cast<off_t>(size)) != 0) {
+    close(fd);
+    shm_unlink(name);
+    return nullptr;
+  }
+  void* p = mmap(nullptr, size, PROT_READ | PROT_WRITE, MAP_SHARED, fd, 0);
+  close(fd);
+  return p == MAP_FAILED ? nullptr : p;
+}
+
+int tpk_unmap(void* p, size_t size) { return munmap(p, size); }
+int tpk_unlink(const char* name) { return shm_unlink(name); }
+size_t tpk_size(int nranks, size_t chunk) { return kHeader + 2 * nranks * chunk; }
+
+// The creator writes the header once; every rank then joins with its pid.
+int tpk_init(void* base, int nranks, size_t chunk) {
+  if (nranks < 1 || nranks > kMaxRanks || chunk % 64) return -1;
+  Header* h = static_cast<Header*>(base);
+  h->chunk = chunk;
+  h->nranks = nranks;
+  std::atomic_thread_fence(std::memory_order_release);
+  h->magic = kMagic;
+  return 0;
+}
+
+int tpk_join(void* base, int rank, int pid) {
+  Header* h = static_cast<Header*>(base);
+  if (h->magic != kMagic || rank < 0 || rank >= h->nranks) return -1;
+  h->slots[rank].pid.store(pid);
+  return 0;
+}
+
+// dtype: 0 float32, 1 bfloat16, 2 float16; op: 0 sum, 1 max, 2 min.
+int tpk_all_reduce(void* base, int rank, void* x, size_t numel, int dtype, int op,
+                   size_t split, double timeout_s, int* who) {
+  Group g = group_of(base, rank, timeout_s);
+  if (dtype == 0) return all_reduce_t(g, static_cast<float*>(x), numel, op, split, who);
+  if (dtype == 1) return all_reduce_t(g, static_cast<uint16_t*>(x), numel, op, split, who);
+  return all_reduce_t(g, static_cast<_Float16*>(x), numel, op, split, who);
+}
+
+int tpk_reduce_scatter(void* base, int rank, const void* in, void* out, size_t count,
+                       int dtype, int op, double timeout_s, int* who) {
+  Group g = group_of(base, rank, timeout_s);
+  if (dtype == 0)
+    return reduce_scatter_t(g, static_cast<const float*>(in), static_cast<float*>(out), count, op, who);
+  if (dtype == 1)
+    return reduce_scatter_t(g, static_cast<const uint16_t*>(in), static_cast<uint16_t*>(out), count,
+                            op, who);
+  return reduce_scatter_t(g, static_cast<const _Float16*>(in), static_cast<_Float16*>(out), count,
+                          op, who);
+}
+
+// out = every rank's `nbytes` of `in`, in rank order.
+int tpk_all_gather(void* base, int rank, const void* in, void* out, size_t nbytes,
+                   double timeout_s, int* who) {
+  Group g = group_of(base, rank, timeout_s);
+  Slot& me = g.h->slots[rank];
+  const char* src = static_cast<const char*>(in);
+  char* dst = static_cast<char*>(out);
+  for (size_t off = 0; off < nbytes; off += g.h->chunk) {
+    size_t m = nbytes - off < g.h->chunk ? nbytes - off : g.h->chunk;
+    uint64_t s = me.seq.load(std::memory_order_relaxed) + 1;
+    memcpy(g.buf(rank, s), src + off, m);
+    int rc = arrive(g, 1, s, (uint64_t(3) << 56) ^ m, who);
+    if (rc) return rc;
+    for (int j = 0; j < g.n; ++j) memcpy(dst + j * nbytes + off, g.buf(j, s), m);
+  }
+  return 0;
+}
+
+// Copy rank `root`'s `nbytes` of x into every rank's x.
+int tpk_broadcast(void* base, int rank, void* x, size_t nbytes, int root, double timeout_s,
+                  int* who) {
+  Group g = group_of(base, rank, timeout_s);
+  Slot& me = g.h->slots[rank];
+  char* p = static_cast<char*>(x);
+  for (size_t off = 0; off < nbytes; off += g.h->chunk) {
+    size_t m = nbytes - off < g.h->chunk ? nbytes - off : g.h->chunk;
+    uint64_t s = me.seq.load(std::memory_order_relaxed) + 1;
+    if (rank == root) memcpy(g.buf(rank, s), p + off, m);
+    int rc = arrive(g, 1, s, (uint64_t(4) << 56) ^ (uint64_t(root) << 48) ^ m, who);
+    if (rc) return rc;
+    if (rank != root) memcpy(p + off, g.buf(root, s), m);
+  }
+  return 0;
+}
+
+}  // extern "C"

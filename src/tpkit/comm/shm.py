@@ -1,0 +1,145 @@
+"""The shared-memory transport: collectives between the ranks of one host, in microseconds.
+
+    channel = ShmChannel.open(ranks, rank, pg, timeout_s, incarnation)   # every rank
+    channel.all_reduce(x, "sum")                                         # in place
+
+`collectives.py` calls it instead of torch.distributed when a group has a channel and
+the tensor is one it takes (CPU, float32/bfloat16/float16); anything else goes to the
+group's process group. The kernels (`shm.cpp`) exchange data through one segment per
+group, synchronised by per-rank sequence numbers in the segment, and sum in rank order
+with float accumulation: every rank gets the same bits, run after run.
+
+A peer that died (its pid gone or a zombie) is noticed within about 0.1 s; one that is
+silent fails the wait after the group's timeout. Both raise `ShmPeerLost`, which
+`collectives._guarded` turns into the usual one-line `CollectiveFailed` naming it.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import os
+import weakref
+
+import torch
+import torch.distributed as dist
+
+from tpkit.comm.shm_build import load
+from tpkit.comm.shm_names import segment_name
+
+CHUNK_BYTES = 1 << 20  # bytes per rank and round (larger tensors go in several rounds)
+SPLIT_BYTES = 64 << 10  # an all-reduce above this is a reduce-scatter + all-gather
+DTYPES = {torch.float32: 0, torch.bfloat16: 1, torch.float16: 2}
+REDUCE_OPS = {"sum": 0, "max": 1, "min": 2}
+
+
+class ShmPeerLost(RuntimeError):
+    """A shared-memory collective whose peer `peer` (index in the group) died or is silent."""
+
+    def __init__(self, message: str, peer: int) -> None:
+        super().__init__(message)
+        self.peer = peer
+
+
+class ShmChannel:
+    """One group's shared-memory segment, mapped by this rank."""
+
+    def __init__(self, lib, base: int, size: int, rank: int, nranks: int,
+                 timeout_s: float, name: str) -> None:
+        self._lib, self._base, self._size = lib, base, size
+        self.rank, self.nranks, self.timeout_s, self.name = rank, nranks, timeout_s, name
+        self._who = ctypes.c_int(-1)
+        self._who_ref = ctypes.byref(self._who)
+        self._unmap = weakref.finalize(self, lib.tpk_unmap, base, size)
+
+    @classmethod
+    def open(cls, label: str, ranks: tuple[int, ...], rank: int, pg, timeout_s: float,
+             incarnation: str) -> ShmChannel:
+        """Collective over the group: its first rank creates the segment, every rank maps
+        it, and once all have, the name is unlinked (the memory lives while mapped)."""
+        lib = load()
+        if lib is None:
+            raise RuntimeError("the shared-memory kernels are not available")
+        size = lib.tpk_size(len(ranks), CHUNK_BYTES)
+        name = [segment_name(label, ranks, incarnation) if rank == 0 else None]
+        base = None
+        if rank == 0:
+            base = lib.tpk_map(name[0].encode(), size, 1)
+            if not base or lib.tpk_init(base, len(ranks), CHUNK_BYTES) != 0:
+                name[0] = ""  # the others hear of it and fail too
+        dist.broadcast_object_list(name, src=ranks[0], group=pg)
+        if not name[0]:
+            raise OSError(f"rank {ranks[0]} could not create a shared-memory segment of "
+                          f"{size} bytes in /dev/shm")
+        try:
+            if rank != 0:
+                base = lib.tpk_map(name[0].encode(), size, 0)
+                if not base:
+                    raise OSError(f"cannot map shared memory {name[0]}")
+            if lib.tpk_join(base, rank, os.getpid()) != 0:
+                raise OSError(f"shared memory {name[0]} is not a tpkit segment")
+            dist.barrier(group=pg)  # every rank has mapped it
+        finally:
+            if rank == 0:
+                lib.tpk_unlink(name[0].encode())
+        return cls(lib, base, size, rank, len(ranks), timeout_s, name[0])
+
+    @staticmethod
+    def takes(x: torch.Tensor) -> bool:
+        """True for the tensors this transport handles (CPU, a float dtype it knows)."""
+        return x.device.type == "cpu" and x.dtype in DTYPES
+
+    # -- collectives (every rank calls the same one, with the same sizes) --------------
+    def all_reduce(self, x: torch.Tensor, op: str = "sum") -> torch.Tensor:
+        """Reduce `x` over the group in place (rank-order sum, float accumulation)."""
+        buf = x if x.is_contiguous() else x.contiguous()
+        self._check(self._lib.tpk_all_reduce(self._base, self.rank, buf.data_ptr(), buf.numel(),
+                                             DTYPES[x.dtype], REDUCE_OPS[op], SPLIT_BYTES,
+                                             self.timeout_s, self._who_ref), "all_reduce")
+        if buf is not x:
+            x.copy_(buf)
+        return x
+
+    def all_gather(self, out: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
+        """out (contiguous, nranks * x.numel()) = every rank's contiguous `x`, in rank order."""
+        self._check(self._lib.tpk_all_gather(self._base, self.rank, x.data_ptr(), out.data_ptr(),
+                                             x.numel() * x.element_size(), self.timeout_s,
+                                             self._who_ref), "all_gather")
+        return out
+
+    def reduce_scatter(self, out: torch.Tensor, inp: torch.Tensor, op: str = "sum"
+                       ) -> torch.Tensor:
+        """out = this rank's chunk of the sum of every rank's contiguous `inp`."""
+        self._check(self._lib.tpk_reduce_scatter(self._base, self.rank, inp.data_ptr(),
+                                                 out.data_ptr(), out.numel(), DTYPES[out.dtype],
+                                                 REDUCE_OPS[op], self.timeout_s, self._who_ref),
+                    "reduce_scatter")
+        return out
+
+    def broadcast(self, x: torch.Tensor, src: int) -> torch.Tensor:
+        """Copy group rank `src`'s `x` into every rank's `x`, in place."""
+        buf = x if x.is_contiguous() else x.contiguous()
+        self._check(self._lib.tpk_broadcast(self._base, self.rank, buf.data_ptr(),
+                                            buf.numel() * buf.element_size(), src,
+                                            self.timeout_s, self._who_ref), "broadcast")
+        if buf is not x:
+            x.copy_(buf)
+        return x
+
+    def _check(self, rc: int, op: str) -> None:
+        if rc == 0:
+            return
+        who = self._who.value
+        if rc == 1:
+            raise ShmPeerLost(f"shm {op}: connection closed: peer {who} died", who)
+        if rc == 2:
+            raise ShmPeerLost(f"shm {op}: timed out after {self.timeout_s:.1f} s waiting for "
+                              f"peer {who}", who)
+        raise RuntimeError(f"shm {op}: the ranks of the group called different collectives "
+                           f"(rank {who} differs from rank {self.rank}): a bug of the caller")
+
+    def close(self) -> None:
+        """Unmap the segment (also done when the channel is collected)."""
+        self._unmap()
+
+    def __repr__(self) -> str:
+        return f"ShmChannel({self.name}, rank={self.rank}/{self.nranks})"

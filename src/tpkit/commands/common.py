@@ -1,0 +1,86 @@
+"""What the options of every `tpkit` command share: the headings they are listed under,
+a help formatter that shows each default (and choices as {a,b,c}), and the close-match
+suggestion for a misspelt command, flag or choice.
+
+    p = group(parser, "parallelism")          # the same heading from any module adds to it
+    p.add_argument("--tp", type=int, default=1, help="tensor-parallel size")
+    # tpkit train --help:   --tp TP    tensor-parallel size (default: 1)
+
+Pure Python (argparse, difflib): `tpkit --help` and `tpkit plan` import no torch.
+"""
+
+from __future__ import annotations
+
+import argparse
+import difflib
+import re
+from collections.abc import Iterable
+
+HEADINGS = {  # key -> the heading printed by --help, in this order
+    "model": "model",
+    "parallelism": "parallelism",
+    "batch": "batch and optimizer",
+    "data": "data",
+    "checkpoints": "checkpoints",
+    "logging": "logging and output",
+    "reliability": "reliability",
+}
+
+
+def group(parser: argparse.ArgumentParser, key: str) -> argparse._ArgumentGroup:
+    """The argument group of heading `key` (a key of HEADINGS, or a heading of its own),
+    created on first use: several modules may add flags under one heading."""
+    title = HEADINGS.get(key, key)
+    for g in parser._action_groups:
+        if g.title == title:
+            return g
+    return parser.add_argument_group(title)
+
+
+def shown(value) -> str:
+    """A default as --help prints it: lists comma-joined, an empty one as 'none'."""
+    if isinstance(value, (list, tuple)):
+        return ",".join(map(str, value)) or "none"
+    return str(value)
+
+
+def says_default(text: str) -> bool:
+    """Whether a help text already states its default ('default', 'required')."""
+    return bool(re.search(r"\bdefault\b|%\(default\)", text, re.IGNORECASE))
+
+
+class HelpFormatter(argparse.RawDescriptionHelpFormatter):
+    """--help with each option's default appended ("(default: 1)") unless the text already
+    says it; flags (store_true) and required options need none. Choices show as {a,b,c}
+    (argparse's metavar for `choices=`). The description keeps its line breaks."""
+
+    def _get_help_string(self, action: argparse.Action) -> str:
+        text = action.help or ""
+        default = action.default
+        if (says_default(text) or action.required or action.nargs == 0
+                or default is None or default is argparse.SUPPRESS):
+            return text
+        return f"{text} (default: {shown(default).replace('%', '%%')})"
+
+
+def suggest(word: str, options: Iterable[str]) -> str:
+    """'; did you mean X?' for the closest of `options` (difflib), or ''."""
+    close = difflib.get_close_matches(word, list(options), n=1, cutoff=0.6)
+    return f"; did you mean {close[0]}?" if close else ""
+
+
+def explain_parse_error(parser: argparse.ArgumentParser, message: str) -> str:
+    """argparse's error `message`, with a suggestion for a misspelt flag or choice."""
+    if message.startswith("unrecognized arguments:"):
+        flags = [o for a in parser._actions for o in a.option_strings]
+        for word in message.split(":", 1)[1].split():
+            if word.startswith("-"):
+                hint = suggest(word.split("=", 1)[0], flags)
+                if hint:
+                    return message + hint
+        return message
+    bad = re.search(r"invalid choice: '([^']*)' \(choose from (.*)\)", message)
+    if bad:
+        choices = re.findall(r"'([^']*)'", bad.group(2)) or bad.group(2).split(", ")
+        return message + suggest(bad.group(1), choices)
+    return message

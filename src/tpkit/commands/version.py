@@ -1,0 +1,102 @@
+"""`tpkit version` (and `tpkit --version`, one line): what this installation runs on.
+
+    tpkit version
+    tpkit 0.1.0 (python 3.11.7)
+      torch          2.13.0+cpu
+      transformers   5.24.0
+      tensorboard    2.21.0          (--log tensorboard)
+      ...
+    transports:
+      gloo           available (CPU processes)
+      nccl           not built (a CPU build of torch)
+    devices:         cpu, 16 threads
+
+`--version` reads package metadata only (no torch import: instant); `tpkit version`
+imports torch to ask torch.distributed which backends it was built with.
+"""
+
+from __future__ import annotations
+
+import argparse
+import platform
+from collections.abc import Callable
+from importlib import metadata
+
+PACKAGES = (  # (distribution, what needs it)
+    ("torch", ""), ("transformers", "--from-hf, tokenizers"),
+    ("tensorboard", "--log tensorboard"), ("wandb", "--log wandb"),
+    ("mlflow", "--log mlflow"), ("trackio", "--log trackio"),
+    ("pyarrow", "prepare-data .parquet"), ("datasets", "prepare-data of a save_to_disk folder"),
+)
+
+
+def version_of(dist: str) -> str | None:
+    """The installed version of a distribution, or None."""
+    try:
+        return metadata.version(dist)
+    except metadata.PackageNotFoundError:
+        return None
+
+
+def one_line() -> str:
+    """'tpkit 0.1.0 (torch 2.13.0+cpu, transformers 5.24.0, python 3.11.7)'."""
+    parts = [f"{d} {version_of(d)}" for d in ("torch", "transformers") if version_of(d)]
+    return (f"tpkit {version_of('tpkit') or 'unknown (not installed)'} "
+            f"({', '.join(parts + [f'python {platform.python_version()}'])})")
+
+
+def _gloo() -> str:
+    import torch.distributed as dist
+
+    return "available (CPU processes)" if dist.is_gloo_available() else "not built"
+
+
+def _nccl() -> str:
+    import torch
+    import torch.distributed as dist
+
+    if not dist.is_nccl_available():
+        return "not built (a CPU build of torch)" if torch.version.cuda is None else "not built"
+    return f"available ({torch.cuda.device_count()} GPU(s) visible)"
+
+
+# The transports `tpkit.comm` can send collectives over: (name, probe -> state). A new
+# transport (the shared-memory one for ranks of one host, say) adds its probe here.
+TRANSPORTS: list[tuple[str, Callable[[], str]]] = [("gloo", _gloo), ("nccl", _nccl)]
+
+
+def transports() -> list[tuple[str, str]]:
+    """(name, state) of each transport, a probe's failure reported as its state."""
+    out = []
+    for name, probe in TRANSPORTS:
+        try:
+            out.append((name, probe()))
+        except Exception as e:  # noqa: BLE001 - a broken backend is a state to show
+            out.append((name, f"unavailable ({type(e).__name__}: {e})"))
+    return out
+
+
+def _devices() -> str:
+    import torch
+
+    gpus = torch.cuda.device_count() if torch.cuda.is_available() else 0
+    names = [torch.cuda.get_device_name(i) for i in range(gpus)]
+    return ", ".join(["cpu"] + names) + f"; {torch.get_num_threads()} CPU threads"
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    """No options."""
+
+
+def run(args: argparse.Namespace) -> int:
+    """Print the versions, transports and devices."""
+    print(f"tpkit {version_of('tpkit') or 'unknown'} (python {platform.python_version()}, "
+          f"{platform.system().lower()} {platform.machine()})")
+    for dist, use in PACKAGES:
+        v = version_of(dist) or "not installed"
+        print(f"  {dist:<14} {v:<16}{f' ({use})' if use else ''}".rstrip())
+    print("transports:")
+    for name, state in transports():
+        print(f"  {name:<14} {state}")
+    print(f"devices:         {_devices()}")
+    return 0
