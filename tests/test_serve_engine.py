@@ -96,10 +96,10 @@ def test_stop_text_holds_back_what_may_begin_a_stop():
 def test_budget_queue_refusal_and_cancel():
     model = _model(ParallelMesh.single(), GPT2)
     engine = Engine(model, max_batch=2, max_len=MAX_LEN, max_tokens_in_flight=30)
-    with pytest.raises(TooLong, match="exceeds the context of 40"):
-        engine.submit([1] * 35, SamplingParams(max_tokens=6))
-    with pytest.raises(TooLong, match="max-tokens-in-flight=30"):
+    with pytest.raises(TooLong, match=f"= 36 exceeds the context of {MAX_LEN}"):
         engine.submit([1] * 30, SamplingParams(max_tokens=6))
+    with pytest.raises(TooLong, match="max-tokens-in-flight=30"):
+        engine.submit([1] * 26, SamplingParams(max_tokens=6))
     a = engine.submit([1] * 10, SamplingParams(max_tokens=8))  # 18 of 30
     b = engine.submit([2] * 10, SamplingParams(max_tokens=8))  # would make 36: waits
     engine.step()

@@ -22,7 +22,7 @@ import openai
 import pytest
 
 from hf_folders import tiny_llama_folder, with_chat_template
-from tpkit.checkpoint.sources import load_model
+from tpkit.checkpoint.sources import load_model, open_source
 from tpkit.commands import generate as generate_cmd
 from tpkit.mesh import ParallelMesh
 from tpkit.model.tokenizer import ByteTokenizer, load_tokenizer
@@ -130,7 +130,7 @@ def test_16_concurrent_requests_each_equal_to_alone_and_to_generate(server, fold
                               max_new_tokens=16, temperature=0.0, top_k=None, top_p=None,
                               seed=0, ignore_eos=False, stop=[], chat=False,
                               max_batch=MAX_BATCH, max_len=None)
-    result = generate_cmd._worker(ParallelMesh.single(), args)
+    result = generate_cmd._worker(ParallelMesh.single(), args, open_source(folder))
     tok = load_tokenizer(folder)
     assert [tok.decode(new) for new in result["new"]] == alone
 

@@ -21,6 +21,7 @@ import openai
 import pytest
 
 from hf_folders import tiny_llama_folder
+from tpkit.checkpoint.sources import open_source
 from tpkit.commands import generate as generate_cmd
 from tpkit.mesh import ParallelMesh
 from tpkit.model.tokenizer import load_tokenizer
@@ -54,9 +55,28 @@ def children(pid: int) -> set[int]:
     return out
 
 
-def alive(pids: set[int]) -> set[int]:
-    return {p for p in pids if Path(f"/proc/{p}").exists() and
-            Path(f"/proc/{p}/stat").read_text().rsplit(")", 1)[1].split()[0] != "Z"}
+def alive(pids: set[int], within: float = 5.0) -> set[int]:
+    """Those of `pids` still running after `within` seconds (the forkserver and the
+    resource tracker end on their own once the server is gone)."""
+    deadline = time.monotonic() + within
+    while True:
+        left = set()
+        for p in pids:
+            try:
+                if Path(f"/proc/{p}/stat").read_text().rsplit(")", 1)[1].split()[0] != "Z":
+                    left.add(p)
+            except OSError:
+                pass
+        if not left or time.monotonic() > deadline:
+            return {(p, _cmdline(p)) for p in left}
+        time.sleep(0.1)
+
+
+def _cmdline(pid: int) -> bytes:
+    try:
+        return Path(f"/proc/{pid}/cmdline").read_bytes()[:80]
+    except OSError:
+        return b"(gone)"
 
 
 class Served:
@@ -97,7 +117,7 @@ class Served:
             out.append(("error", f"{type(e).__name__}: {e}"))
 
     def kill(self) -> None:
-        for p in alive(self.pids):
+        for p, _ in alive(self.pids, within=0):
             os.kill(p, signal.SIGKILL)
 
 
@@ -127,8 +147,8 @@ def test_tp2_concurrent_equals_alone_and_tp1_then_sigterm(folder):
                                   seed=0, ignore_eos=False, stop=[], chat=False, max_batch=4,
                                   max_len=None)
         tok = load_tokenizer(folder)  # tp=1, in this process: the same text
-        assert [tok.decode(n) for n in generate_cmd._worker(ParallelMesh.single(), args)["new"]
-                ] == alone
+        new = generate_cmd._worker(ParallelMesh.single(), args, open_source(folder))["new"]
+        assert [tok.decode(n) for n in new] == alone
         served.pids |= children(served.proc.pid)
         outs, threads = _in_flight(served, 3)
         t0 = time.monotonic()
