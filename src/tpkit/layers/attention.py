@@ -31,6 +31,7 @@ from tpkit.comm.group import CommGroup
 from tpkit.layers.linear import ColumnParallelLinear, RowParallelLinear
 from tpkit.layers.norm import Norm
 from tpkit.layers.random import TPRandom
+from tpkit.layers.ring_attention import cp_positions, ring_attention
 from tpkit.layers.rotary import apply_rope, rope_angles, rope_at
 from tpkit.sharding import seed_for, set_meta
 from tpkit.spec.errors import UserError
@@ -90,6 +91,7 @@ class ParallelAttention(nn.Module):
         self.causal, self.rope_theta, self.dropout = causal, rope_theta, dropout
         self.rotary_dim, self.sliding_window = rotary_dim or hd, sliding_window
         self.rope_llama3 = rope_llama3
+        self.cp: CommGroup | None = None  # context parallel: ring attention over this group
         kv_chunks = tp if kv >= tp else kv
         kw = dict(device=device, dtype=dtype)
         self.qkv = ColumnParallelLinear(
@@ -126,19 +128,31 @@ class ParallelAttention(nn.Module):
         v = v.view(b, s, nkv, hd).transpose(1, 2)
         if self.q_norm is not None:
             q, k = self.q_norm(q), self.k_norm(k)  # over each head's hd
+        ring = self.cp is not None and self.cp.size > 1  # this rank holds 2 chunks of S
         if kv_cache is not None:
             y = self._attend_slots(q, k, v, kv_cache)  # [b, nh/tp, s, hd]
         else:
             if self.rope_theta is not None:
-                cos, sin = rope_angles(s, self.rotary_dim, self.rope_theta, 0, x.device,
-                                       self.rope_llama3)
+                cos, sin = self._angles(s, x.device, ring)
                 q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
+            if ring:  # keys and values around the cp ring; kv heads travel unrepeated
+                y = ring_attention(q, k, v, self.cp)  # [b, nh/tp, s, hd]
+                return self.out(y.transpose(1, 2).reshape(b, s, nq * hd))  # [b, s, h] over tp
             if nkv != nq:  # grouped-query: each kv head serves nq/nkv query heads
                 k = k.repeat_interleave(nq // nkv, dim=1)  # [b, nh/tp, s, hd]
                 v = v.repeat_interleave(nq // nkv, dim=1)
             y = self._attend(q, k, v, attention_mask, rng)  # [b, nh/tp, s, hd]
         y = y.transpose(1, 2).reshape(b, s, nq * hd)  # [b, s, h/tp]
         return self.out(y)  # [b, s, h] summed over tp
+
+    def _angles(self, s: int, device, ring: bool):
+        """cos, sin [s, rotary_dim] of this rank's positions (global ones under cp)."""
+        if not ring:
+            return rope_angles(s, self.rotary_dim, self.rope_theta, 0, device, self.rope_llama3)
+        cos, sin = rope_angles(s * self.cp.size, self.rotary_dim, self.rope_theta, 0, device,
+                               self.rope_llama3)  # [S, rd]
+        pos = cp_positions(s, self.cp, device=device)  # [s] global positions
+        return cos[pos], sin[pos]
 
     def _attend_slots(self, q, k, v, cache: KVSlots) -> torch.Tensor:
         """Write this call's keys/values into the slots, attend over each whole slot.

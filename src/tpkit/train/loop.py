@@ -34,6 +34,7 @@ from tpkit.parallel import (
     StageLink,
     ZeroAdamW,
     clip_grads,
+    context,
     forward_only,
     global_grad_norm,
     ring_backward_group,
@@ -64,16 +65,16 @@ def prepare(cfg: TrainConfig, mesh: ParallelMesh) -> tuple[TokenLoader, TokenLoa
     """Every check that can fail, before any collective: config, layout, data."""
     cfg.check(mesh.world_size)
     got = (mesh.tp_size, mesh.pp_size, mesh.dp_size)
-    if got != (cfg.tp, cfg.pp, cfg.dp):
+    if got != (cfg.tp, cfg.pp, cfg.dp * cfg.cp):  # cp ranks sit in the mesh's dp dimension
         raise ValueError(f"mesh (tp, pp, dp) = {got} does not match the config "
-                         f"{(cfg.tp, cfg.pp, cfg.dp)}")
+                         f"{(cfg.tp, cfg.pp, cfg.dp * cfg.cp)} (tp, pp, dp*cp)")
     tokens = load_tokens(cfg.data, cfg.model_config().vocab_size, cfg.tokenizer_id,
                          warn=mesh.rank == 0)  # every rank checks; one says a warning
     train_tok, val_tok = split_tokens(tokens, cfg.val_fraction, window=cfg.seq + 1)
     split = (f" (of {len(tokens):,} tokens, {len(train_tok):,} for training and "
              f"{len(val_tok):,} held out by --val-fraction {cfg.val_fraction})")
-    kw = dict(seq=cfg.seq, global_batch=cfg.global_batch, dp_rank=mesh.dp_rank,
-              dp_size=mesh.dp_size, seed=cfg.seed, split=split)
+    kw = dict(seq=cfg.seq, global_batch=cfg.global_batch, dp_rank=mesh.dp_rank // cfg.cp,
+              dp_size=cfg.dp, seed=cfg.seed, split=split)  # a replica's cp ranks: same rows
     loader = TokenLoader(train_tok, **kw, name="training")
     val = TokenLoader(val_tok, **kw, shuffle=False, name="validation", min_windows=1) \
         if cfg.val_fraction > 0 else None
@@ -122,6 +123,9 @@ def train(cfg: TrainConfig, mesh: ParallelMesh, model: torch.nn.Module | None = 
     model = model or train_model(cfg, mesh)
     model.train()
     tied = tied_embedding_group(mesh, model.config.tie_embeddings)
+    cp_group = context.context_group(mesh, cfg.cp)  # ring attention (tpkit.parallel.context)
+    if cp_group:
+        context.enable(model, cp_group)
     sharding = build_sharding(model, cfg, mesh)  # ZeRO-2 / FSDP (tpkit.parallel.sharded)
     opt = sharding.optimizer if sharding else build_optimizer(model, cfg, mesh)
     sharded = isinstance(opt, ZeroAdamW)  # ZeRO-1 reduce-scatters instead of all-reducing
@@ -137,6 +141,8 @@ def train(cfg: TrainConfig, mesh: ParallelMesh, model: torch.nn.Module | None = 
         start = resume(cfg, mesh, model, opt, loader) if cfg.resume else 0
     mixed = MasterWeights(model, train_model(cfg, mesh, half).train()) \
         if cfg.master_weights else None  # forward/backward in bf16, the rest on fp32 masters
+    if mixed and cp_group:
+        context.enable(mixed.compute, cp_group)
     log = run_log.MetricsLog(out / "metrics.jsonl" if lead else None, resume_step=start,
                              trackers=(trackers or Trackers(cfg)) if lead else None)
     bar = run_log.Progress(cfg.steps, lead and cfg.progress)
@@ -149,8 +155,8 @@ def train(cfg: TrainConfig, mesh: ParallelMesh, model: torch.nn.Module | None = 
         for step in range(start, cfg.steps):
             mesh.ledger.clear()
             t_step = time.perf_counter()
-            row = _step(cfg, mesh, stage, link, (tied, dp_sync, mixed, sharding), opt, loader,
-                        autocast, step, guard)
+            row = _step(cfg, mesh, stage, link, (tied, dp_sync, mixed, sharding, cp_group), opt,
+                        loader, autocast, step, guard)
             span = (t_step, time.perf_counter())
             if cfg.check_replicas and (step + 1) % cfg.check_replicas == 0:
                 with mesh.ledger.paused():  # not part of the step's theory
@@ -163,7 +169,7 @@ def train(cfg: TrainConfig, mesh: ParallelMesh, model: torch.nn.Module | None = 
             row["comm_line"] = run_log.comm_line(row["comm"])
             if val_loader is not None and _due(step, cfg.eval_every, cfg.steps):
                 row["val_loss"] = evaluate(cfg, mesh, mixed.compute if mixed else stage, link,
-                                           val_loader, autocast)
+                                           val_loader, autocast, cp_group)
                 if sharding:
                     sharding.release()
             rows.append(row)  # logged before the checkpoint: a resume from it finds the row
@@ -220,9 +226,9 @@ def _step(cfg, mesh, model, link, syncs, opt, loader, autocast, step: int,
     t0 = time.perf_counter()
     lr = lr_at(step, cfg)
     set_lr(opt, lr)
-    ids, labels = loader.next_batch()  # [G/dp, s] each
+    tied, dp_sync, mixed, sharding, cp_group = syncs
+    ids, labels = context.local_chunks(*loader.next_batch(), cp_group)  # [G/dp, s/cp] each
     micro = micro_batches(ids.to(mesh.device), labels.to(mesh.device), cfg.micro_batches)
-    tied, dp_sync, mixed, sharding = syncs
     dp_sync.arm()
     stats = run_schedule(cfg.schedule, mixed.compute if mixed else model, link, micro, autocast)
     dp_sync.finish()  # most buckets were sent during the last backward
@@ -258,12 +264,12 @@ def _step(cfg, mesh, model, link, syncs, opt, loader, autocast, step: int,
 
 
 def evaluate(cfg: TrainConfig, mesh: ParallelMesh, model, link: StageLink,
-             loader: TokenLoader, autocast=None) -> float:
+             loader: TokenLoader, autocast=None, cp_group=None) -> float:
     """Mean validation loss over the first `cfg.eval_batches` held-out batches."""
     model.eval()
     loader.position, losses = 0, []
     for _ in range(cfg.eval_batches):
-        ids, labels = loader.next_batch()
+        ids, labels = context.local_chunks(*loader.next_batch(), cp_group)
         stats = forward_only(model, link, micro_batches(ids.to(mesh.device),
                                                         labels.to(mesh.device),
                                                         cfg.micro_batches), autocast)
@@ -323,7 +329,7 @@ def _summary(cfg, mesh, model, rows, train_s, idle, busy, ckpt, lead, sharding=N
     with mesh.ledger.paused():
         all_reduce(ratio, mesh.pp_group, phase="metrics", scope="metrics")
     c, b = model.config, cfg.micro_batch_size
-    expects = theory.stage_step(c.hidden, b, cfg.seq, mesh.tp_size, mesh.pp_size, cfg.sp,
+    expects = theory.stage_step(c.hidden, b, cfg.seq // cfg.cp, mesh.tp_size, mesh.pp_size, cfg.sp,
                                 cfg.micro_batches, model.is_first_stage, model.is_last_stage,
                                 len(model.layer_range), model.virtual_stages,
                                 recompute="full" if cfg.recompute else "none",
@@ -336,6 +342,12 @@ def _summary(cfg, mesh, model, rows, train_s, idle, busy, ckpt, lead, sharding=N
         tables += "\n" + theory_table(rows_dp, f"{where}: {sharding.scope} dp traffic of one "
                                                 f"step vs theory")
         rows_t = rows_t + rows_dp
+    if cfg.cp > 1:  # the ring attention's hops on the cp group
+        rows_cp = sharded_rows(mesh.ledger, context.expected(
+            model, b, cfg.seq // cfg.cp, cfg.cp, cfg.micro_batches,
+            "full" if cfg.recompute else "none"), "context_parallel", "cp")
+        tables += "\n" + theory_table(rows_cp, f"{where}: ring attention (cp) vs theory")
+        rows_t = rows_t + rows_cp
     val = [r["val_loss"] for r in rows if "val_loss" in r]
     plot = None
     if lead and cfg.plot:
