@@ -125,9 +125,11 @@ def test_fsdp_checkpoint_resumes_at_any_layout(run_tp, tmp_path):
 
 
 @pytest.mark.timeout(180)
-def test_the_planners_fsdp_command_runs(run_tp, tmp_path, capsys):
-    """`tpkit plan --hardware local` (a CPU profile, 4 processes) ranks FSDP plans; the
-    `tpkit train ...` it prints for plan #1 is accepted and trains for 2 steps."""
+@pytest.mark.parametrize("ask,flag", [(["--zero", "3"], "fsdp"), (["--cp", "2"], "cp")])
+def test_the_planners_command_runs(run_tp, tmp_path, capsys, ask, flag):
+    """`tpkit plan --hardware local` (a CPU profile, 4 processes) asked for FSDP or for
+    context parallelism: the `tpkit train ...` it prints for plan #1 is accepted and
+    trains for 2 steps (no "tpkit cannot run plan #1")."""
     import argparse
     import shlex
     from dataclasses import replace
@@ -142,7 +144,7 @@ def test_the_planners_fsdp_command_runs(run_tp, tmp_path, capsys):
                        .replace("[cpu]", "[local]"))
     assert tpkit_main(["plan", "--preset", "gpt2-tiny", "--nodes", "1", "--gpus-per-node", "4",
                        "--hardware", "local", "--hardware-file", str(profile), "--seq", "32",
-                       "--global-batch", "8", "--zero", "3"]) == 0
+                       "--global-batch", "8", *ask]) == 0
     out = capsys.readouterr().out
     assert "cannot run plan #1" not in out
     line = next(x for x in out.splitlines() if x.strip().startswith("tpkit train "))
@@ -150,8 +152,8 @@ def test_the_planners_fsdp_command_runs(run_tp, tmp_path, capsys):
     add_arguments(parser)
     cfg = config_from_args(parser.parse_args(shlex.split(line.split(" train ", 1)[1])), 4)
     cfg.check(4)
-    assert cfg.fsdp and cfg.dp > 1, line
+    assert (cfg.fsdp and cfg.dp > 1) if flag == "fsdp" else cfg.cp == 2, line
     cfg = cfg.with_(steps=2, out=str(tmp_path / "run"), progress=False, plot=False,
                     checkpoint=False, val_fraction=0.0)
-    got = run_tp(_train, cfg.tp, cfg, pp=cfg.pp, dp=cfg.dp)
+    got = run_tp(_train, cfg.tp, cfg, pp=cfg.pp, dp=cfg.dp * cfg.cp)
     assert all(r["theory_ok"] for r in got) and len(got[0]["losses"]) == 2

@@ -61,6 +61,8 @@ _FLAGS = {  # field -> (type, 'store_true' or a tuple of choices; help); heading
     "fsdp": ("store_true", "fully sharded data parallel (ZeRO-3): weights, gradients and "
                            "optimizer state sharded over dp, one flat unit per layer, "
                            "all-gathered just before use (composes with --tp and --pp)"),
+    "cp": (int, "context-parallel ranks per sequence: load-balanced chunks, ring attention "
+                "(k/v passed point-to-point); the processes are tp*pp*dp*cp"),
     "fsdp_reshard": (FSDP_RESHARD, "with --fsdp, when gathered weights are freed: after-forward "
                                    "(gathered again for backward) or after-step (kept for the "
                                    "step: one gather and one reduce-scatter per step)"),
@@ -147,16 +149,16 @@ def config_from_args(args: argparse.Namespace, world: int | None) -> TrainConfig
         given["progress"] = False
     from_file = read_toml(args.config, names) if getattr(args, "config", None) else {}
     cfg = TrainConfig(**{**from_file, **given})
-    if "dp" not in given and "dp" not in from_file and world and world % (cfg.tp * cfg.pp) == 0:
-        cfg = cfg.with_(dp=world // (cfg.tp * cfg.pp))
+    rest = cfg.tp * cfg.pp * cfg.cp
+    if "dp" not in given and "dp" not in from_file and world and world % rest == 0:
+        cfg = cfg.with_(dp=world // rest)
     return cfg
 
 
 def _worker(mesh, cfg: TrainConfig) -> RunSummary:
     from tpkit.train.loop import train
-    from tpkit.train.trackers import Trackers
 
-    return train(cfg, mesh, trackers=Trackers(cfg, flops_per_token(cfg)))
+    return train(cfg, mesh, trackers=trackers(cfg, mesh))
 
 
 def flops_per_token(cfg: TrainConfig) -> float:
@@ -164,6 +166,22 @@ def flops_per_token(cfg: TrainConfig) -> float:
     from tpkit.plan.cost import model_flops_per_token
 
     return model_flops_per_token(cfg.model_config(), cfg.seq)
+
+
+def trackers(cfg: TrainConfig, mesh):
+    """The run's trackers (`--log`), with MFU's numerator and, when this device has a
+    known profile (a GPU the planner knows, a CPU after `tpkit calibrate`), its peak."""
+    from tpkit.plan.hardware import profile_of_device
+    from tpkit.train.trackers import Trackers
+
+    if mesh.rank != 0:
+        return None
+    import torch
+
+    name = torch.cuda.get_device_name(mesh.device) if mesh.device.type == "cuda" else "cpu"
+    profile = profile_of_device(name)
+    peak = profile.accelerator.peak_flops * mesh.world_size if profile else None
+    return Trackers(cfg, flops_per_token(cfg), peak)
 
 
 def _print_report(results: list[RunSummary]) -> None:
@@ -260,7 +278,8 @@ def _run_local(cfg: TrainConfig, comm: str) -> int:
         results = [_worker(ParallelMesh.single(device=best_device()), cfg)]
     else:
         threads = max(1, (os.cpu_count() or 1) // n)
-        results = spawn(_worker, n, cfg, mesh=dict(tp=cfg.tp, pp=cfg.pp, dp=cfg.dp, comm=comm),
+        results = spawn(_worker, n, cfg, mesh=dict(tp=cfg.tp, pp=cfg.pp, dp=cfg.dp * cfg.cp,
+                                                   comm=comm),
                         threads=threads, timeout=7 * 24 * 3600.0,
                         collective_timeout=cfg.collective_timeout)
     _print_report(results)
@@ -316,7 +335,7 @@ def _folder_held_by_rank0(out: Path, rank: int) -> Iterator[None]:
 def _run_torchrun(cfg: TrainConfig, overwrite: bool, comm: str, fresh: bool) -> int:
     from tpkit.mesh import ParallelMesh
 
-    mesh = ParallelMesh.from_env(tp=cfg.tp, pp=cfg.pp, dp=cfg.dp,
+    mesh = ParallelMesh.from_env(tp=cfg.tp, pp=cfg.pp, dp=cfg.dp * cfg.cp,  # cp: in dp
                                  timeout_s=cfg.collective_timeout, comm=comm)
     with _folder_held_by_rank0(Path(cfg.out), mesh.rank):
         if fresh:
@@ -330,7 +349,6 @@ def _train_torchrun(cfg: TrainConfig, mesh) -> int:
     import torch.distributed as dist
 
     from tpkit.train.loop import train
-    from tpkit.train.trackers import Trackers
 
     # one write per line: ranks share the agent's stdout, and print() under PYTHONUNBUFFERED
     # writes the text and its newline separately, so two ranks' lines could run together
@@ -339,7 +357,7 @@ def _train_torchrun(cfg: TrainConfig, mesh) -> int:
     price = cross_node_price(mesh.tp_size, mesh.pp_size, mesh.dp_size, mesh.ranks_per_node)
     if price and mesh.rank == 0:  # the mesh warned of the problem; the planner prices it
         print(price, file=sys.stderr, flush=True)
-    result = train(cfg, mesh, trackers=Trackers(cfg, flops_per_token(cfg)))
+    result = train(cfg, mesh, trackers=trackers(cfg, mesh))
     if mesh.rank == 0:
         print(mesh.describe())
         _print_report([result])

@@ -23,7 +23,7 @@ import torch
 from torch import nn
 
 from tpkit.comm import ops
-from tpkit.layers.attention import KVCache
+from tpkit.layers.attention import KVSlots
 from tpkit.layers.chunked_loss import chunked_head_cross_entropy
 from tpkit.layers.cross_entropy import vocab_parallel_cross_entropy
 from tpkit.layers.embedding import VocabParallelEmbedding, padded_master
@@ -31,6 +31,7 @@ from tpkit.layers.grads import finalize_tp_grads
 from tpkit.layers.linear import column_parallel_linear
 from tpkit.layers.norm import Norm
 from tpkit.layers.random import TPRandom, checkpointed, dropout
+from tpkit.layers.ring_attention import cp_positions
 from tpkit.model import names
 from tpkit.model.block import Block
 from tpkit.model.names import EMBED_WEIGHT
@@ -66,6 +67,7 @@ class Embeddings(nn.Module):
             if c.type_vocab_size else None
         self.norm = Norm(c.hidden, c.norm, c.norm_eps, sequence_parallel=sp, **kw) \
             if c.embed_norm else None
+        self.cp = None  # context parallel group: this rank's tokens keep global positions
 
     @staticmethod
     def _table(n, c, seed, name, sp, kw):
@@ -85,7 +87,10 @@ class Embeddings(nn.Module):
         first = self.group.rank * s_local if self.sp else 0  # this rank's sequence slice
         if self.position is not None:  # position_offset: an int, or one per row [b]
             start = torch.as_tensor(position_offset, device=ids.device).reshape(-1, 1)
-            pos = start + torch.arange(first, first + s_local, device=ids.device)  # [b|1, s]
+            local = torch.arange(first, first + s_local, device=ids.device)  # [s]
+            if self.cp is not None:  # this cp rank's global positions [s], SP slice of them
+                local = cp_positions(ids.shape[1], self.cp, device=ids.device)[local]
+            pos = start + local  # [b|1, s]
             x = x + self.position(pos.clamp(min=0))  # left padding: negative, masked anyway
         if self.token_type is not None:
             tt = token_types if token_types is not None else torch.zeros_like(ids)
@@ -180,7 +185,8 @@ class Transformer(nn.Module):
 
     def forward(self, x: torch.Tensor, attention_mask: torch.Tensor | None = None,
                 token_types: torch.Tensor | None = None,
-                kv_caches: list[KVCache] | None = None, position_offset: int = 0
+                kv_caches: list[KVSlots] | None = None,
+                position_offset: int | torch.Tensor = 0
                 ) -> torch.Tensor:
         """First stage: ids [b, s]; others: hidden. Last stage returns logits [b, s, V_pad/tp]."""
         if self.virtual_stages > 1 and self.mesh.pp_size > 1:

@@ -4,10 +4,10 @@
       --master_addr $MASTER_ADDR --master_port 29500 -m tpkit train --preset llama3-70b \\
       --tp 8 --pp 4 --dp 2 --sp --zero1 --micro-batches 64 --global-batch 128 --seq 4096 ...
 
-tpkit runs tp, pp, dp, sequence parallelism, ZeRO-1, ZeRO-2, FSDP (both reshard
-modes), interleaving and full recomputation; `tpkit_gaps` names what a plan needs
-beyond that (context parallelism), and the command then shows the best plan tpkit
-can run. Megatron-LM
+tpkit runs tp, pp, dp, context parallelism, sequence parallelism, ZeRO-1, ZeRO-2,
+FSDP (both reshard modes), interleaving and full recomputation; `tpkit_gaps` names
+what a plan needs beyond that (lighter end stages, a custom shape), and the command
+then shows the best plan tpkit can run. Megatron-LM
 flags (its `arguments.py` names) are given for every plan.
 """
 
@@ -27,8 +27,6 @@ AFTER_STEP_NOTE = ("FSDP after-step is priced as PyTorch FSDP2 runs fully_shard(
 def tpkit_gaps(lay: Layout, preset: str | None) -> list[str]:
     """What `tpkit train` cannot do of this plan (empty: it runs as planned)."""
     gaps = []
-    if lay.cp > 1:
-        gaps.append(f"context parallelism (cp={lay.cp})")
     if lay.lighter_ends:
         gaps.append("one layer fewer on the first and last stages")
     if preset is None:
@@ -41,6 +39,7 @@ def tpkit_command(preset: str, lay: Layout, seq: int, global_batch: int, nodes: 
     """`tpkit train ...`, under torchrun unless the plan is local processes on one machine."""
     m = global_batch // (lay.dp * lay.micro_batch)  # micro-batches per step and replica
     flags = [f"--preset {preset}", f"--tp {lay.tp}", f"--pp {lay.pp}", f"--dp {lay.dp}"]
+    flags += [f"--cp {lay.cp}"] if lay.cp > 1 else []
     flags += ["--sp"] if lay.sp else []
     flags += {1: ["--zero1"], 2: ["--zero2"]}.get(lay.zero, [])
     flags += ["--fsdp", f"--fsdp-reshard {lay.fsdp_reshard}"] if lay.zero >= 3 else []

@@ -36,6 +36,19 @@ def kv_heads_per_rank(num_kv_heads: int, tp: int) -> int:
     return num_kv_heads // tp if num_kv_heads >= tp else 1
 
 
+def cp_chunks(seq: int, cp: int, rank: int) -> list[tuple[int, int]]:
+    """The [start, end) token ranges that context-parallel rank `rank` of `cp` holds: the
+    sequence cut into 2 cp chunks, rank r taking chunk r and its mirror 2 cp - 1 - r, so
+    each rank does the same share of causal attention work (the early chunks see few
+    keys, their mirrors many):  seq=8, cp=2 -> rank 0: [0, 2) + [6, 8), rank 1: [2, 6)."""
+    if seq % (2 * cp):
+        raise ValueError(f"seq={seq} is not divisible by 2*cp = {2 * cp} (context parallelism "
+                         f"cuts it into 2 cp chunks)")
+    c = seq // (2 * cp)
+    mirror = 2 * cp - 1 - rank
+    return [(rank * c, (rank + 1) * c), (mirror * c, (mirror + 1) * c)]
+
+
 def heads_problems(num_heads: int, num_kv_heads: int, tp: int) -> list[str]:
     """Why query and kv heads cannot be split over tp ranks (empty: they can): query heads
     split evenly; kv heads divide the query heads and are split or shared over tp."""

@@ -45,6 +45,7 @@ class TrainConfig:
     zero2: bool = False  # gradients and AdamW state sharded over dp (tpkit.parallel.zero2)
     fsdp: bool = False  # weights too, one flat unit per layer (tpkit.parallel.fsdp)
     fsdp_reshard: str = "after-forward"  # or after-step: keep gathered weights for the step
+    cp: int = 1  # context parallel: each sequence over cp ranks, ring attention
     schedule: str = "1f1b"  # a key of tpkit.parallel.schedules.SCHEDULES
     virtual_stages: int = 1  # model chunks per stage (interleaved 1F1B)
     dtype: str = "float32"  # bfloat16: autocast of the forward
@@ -79,8 +80,8 @@ class TrainConfig:
 
     @property
     def world_size(self) -> int:
-        """tp * pp * dp."""
-        return self.tp * self.pp * self.dp
+        """tp * pp * dp * cp."""
+        return self.tp * self.pp * self.dp * self.cp
 
     @property
     def model_name(self) -> str:
@@ -136,7 +137,7 @@ class TrainConfig:
         """Every reason this run cannot start; empty when it can."""
         out = [f"{k}={getattr(self, k)} must be a positive integer"
                for k in ("tp", "pp", "dp", "steps", "micro_batches", "global_batch", "seq",
-                         "virtual_stages")
+                         "virtual_stages", "cp")
                if not isinstance(getattr(self, k), int) or getattr(self, k) < 1]
         out += [f"{k}={getattr(self, k)} must be an integer >= 0"
                 for k in ("warmup", "ckpt_every", "keep_checkpoints", "check_replicas",
@@ -182,6 +183,7 @@ class TrainConfig:
         out += [f"{model.name}: {p}" for p in
                 model.problems(tp=self.tp, pp=self.pp, sp=self.sp, seq=self.seq)]
         out += self._from_hf_problems()
+        out += self._context_problems(model)
         chunks = chunks_problem(model.num_layers, self.pp, self.virtual_stages)
         if self.virtual_stages > 1 and chunks:  # at v=1, model.problems says pp > layers
             out.append(f"{model.name}: {chunks}")
@@ -195,6 +197,19 @@ class TrainConfig:
         return [f"from_hf={self.from_hf} trains on ids of its own tokenizer, but data="
                 f"{self.data} would be read as bytes: run `tpkit prepare-data TEXT_FILES "
                 f"--tokenizer {self.from_hf} --out DIR` and train on data=DIR"]
+
+    def _context_problems(self, model) -> list[str]:
+        """What context parallelism (cp > 1) cannot run yet, each naming the setting."""
+        if self.cp == 1:
+            return []
+        out = [] if self.seq % (2 * self.cp) == 0 else [
+            f"seq={self.seq} is not divisible by 2*cp = {2 * self.cp} (context parallelism "
+            f"cuts each sequence into 2 cp chunks)"]
+        bad = [("dropout", model.dropout > 0,
+               f"dropout={model.dropout}"), ("causal", not model.causal, "a bidirectional "
+               "model"), ("sliding_window", bool(model.sliding_window), "a sliding window")]
+        return out + [f"cp={self.cp} with {what} is not supported yet" for _, on, what in bad
+                      if on]
 
     def _sharding_problems(self) -> list[str]:
         from tpkit.spec.theory import FSDP_RESHARD
@@ -227,8 +242,9 @@ class TrainConfig:
         """Raise UserError listing every problem (and a world-size mismatch)."""
         problems = self.problems()
         if world_size is not None and world_size != self.world_size:
-            problems.append(f"tp*pp*dp = {self.tp}*{self.pp}*{self.dp} = {self.world_size} "
-                            f"does not equal the number of processes {world_size}")
+            problems.append(f"tp*pp*dp*cp = {self.tp}*{self.pp}*{self.dp}*{self.cp} = "
+                            f"{self.world_size} does not equal the number of processes "
+                            f"{world_size}")
         if problems:
             raise UserError("; ".join(problems))
 

@@ -40,7 +40,7 @@ RUN_CONFIG = "config.toml"  # in the run folder: what it ran
 SECTIONS: dict[str, tuple[str, ...]] = {  # section -> its TrainConfig fields, in this order
     "model": ("preset", "from_hf", "dtype", "master_weights", "recompute", "compile",
               "compile_backend", "loss_chunk"),
-    "parallelism": ("tp", "pp", "dp", "sp", "zero1", "zero2", "fsdp", "fsdp_reshard", "schedule",
+    "parallelism": ("tp", "pp", "dp", "sp", "zero1", "zero2", "fsdp", "fsdp_reshard", "cp", "schedule",
                     "virtual_stages"),
     "training": ("steps", "micro_batches", "global_batch", "seq", "seed"),
     "optimizer": ("lr", "min_lr", "warmup", "weight_decay", "beta2", "clip"),

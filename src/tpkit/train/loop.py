@@ -23,11 +23,7 @@ import torch
 from tpkit.comm import all_reduce
 from tpkit.comm.failure import CollectiveFailed
 from tpkit.mesh import ParallelMesh
-from tpkit.parallel import (
-    StageLink,
-    ring_backward_group,
-    tied_embedding_group,
-)
+from tpkit.parallel import StageLink, context, ring_backward_group, tied_embedding_group
 from tpkit.parallel.replicas import check_replicas
 from tpkit.parallel.replicated import ReplicatedData
 from tpkit.spec import theory
@@ -52,16 +48,16 @@ def prepare(cfg: TrainConfig, mesh: ParallelMesh) -> tuple[TokenLoader, TokenLoa
     """Every check that can fail, before any collective: config, layout, data."""
     cfg.check(mesh.world_size)
     got = (mesh.tp_size, mesh.pp_size, mesh.dp_size)
-    if got != (cfg.tp, cfg.pp, cfg.dp):
+    if got != (cfg.tp, cfg.pp, cfg.dp * cfg.cp):  # cp ranks sit in the mesh's dp dimension
         raise ValueError(f"mesh (tp, pp, dp) = {got} does not match the config "
-                         f"{(cfg.tp, cfg.pp, cfg.dp)}")
+                         f"{(cfg.tp, cfg.pp, cfg.dp * cfg.cp)} (tp, pp, dp*cp)")
     tokens = load_tokens(cfg.data, cfg.model_config().vocab_size, cfg.tokenizer_id,
                          warn=mesh.rank == 0)  # every rank checks; one says a warning
     train_tok, val_tok = split_tokens(tokens, cfg.val_fraction, window=cfg.seq + 1)
     split = (f" (of {len(tokens):,} tokens, {len(train_tok):,} for training and "
              f"{len(val_tok):,} held out by --val-fraction {cfg.val_fraction})")
-    kw = dict(seq=cfg.seq, global_batch=cfg.global_batch, dp_rank=mesh.dp_rank,
-              dp_size=mesh.dp_size, seed=cfg.seed, split=split)
+    kw = dict(seq=cfg.seq, global_batch=cfg.global_batch, dp_rank=mesh.dp_rank // cfg.cp,
+              dp_size=cfg.dp, seed=cfg.seed, split=split)  # a replica's cp ranks: same rows
     loader = TokenLoader(train_tok, **kw, name="training")
     val = TokenLoader(val_tok, **kw, shuffle=False, name="validation", min_windows=1) \
         if cfg.val_fraction > 0 else None
@@ -96,6 +92,9 @@ def build_context(cfg: TrainConfig, mesh: ParallelMesh, model: torch.nn.Module,
     """(the StepContext of this run, its ZeRO-2 / FSDP sharding or None, the first step):
     optimizer, dp protocol, pipeline link, resumed state, master weights."""
     tied = tied_embedding_group(mesh, model.config.tie_embeddings)
+    cp_group = context.context_group(mesh, cfg.cp)  # ring attention (tpkit.parallel.context)
+    if cp_group:
+        context.enable(model, cp_group)
     sharding = build_sharding(model, cfg, mesh)  # ZeRO-2 / FSDP (tpkit.parallel.sharded)
     opt = sharding.optimizer if sharding else build_optimizer(model, cfg, mesh)
     data = sharding or ReplicatedData(model, mesh, opt, cfg.micro_batches)
@@ -107,10 +106,12 @@ def build_context(cfg: TrainConfig, mesh: ParallelMesh, model: torch.nn.Module,
         start = resume(cfg, mesh, model, opt, loader) if cfg.resume else 0
     mixed = MasterWeights(model, train_model(cfg, mesh, half).train()) \
         if cfg.master_weights else None  # forward/backward in bf16, the rest on fp32 masters
+    if mixed and cp_group:
+        context.enable(mixed.compute, cp_group)
     autocast = torch.autocast(mesh.device.type, dtype=torch.bfloat16) \
         if cfg.dtype == "bfloat16" and not mixed else None
     ctx = StepContext(cfg, mesh, data.stage_model(model), link, opt, data, tied, mixed,
-                      autocast, NonFiniteGuard(cfg.on_nonfinite, cfg.nonfinite_skips))
+                      autocast, NonFiniteGuard(cfg.on_nonfinite, cfg.nonfinite_skips), cp_group)
     return ctx, sharding, start
 
 
@@ -277,7 +278,8 @@ def _theory_tables(cfg: TrainConfig, mesh: ParallelMesh, model, sharding
                    ) -> tuple[str, list[dict]]:
     """This rank's tp/pp traffic of the last step against `spec.theory` (and with ZeRO-2
     / FSDP its dp traffic): the tables' text and their rows."""
-    expects = theory.stage_step(b=cfg.micro_batch_size, s=cfg.seq, h=model.config.hidden,
+    b, s = cfg.micro_batch_size, cfg.seq // cfg.cp  # context parallelism: s/cp per rank
+    expects = theory.stage_step(b=b, s=s, h=model.config.hidden,
                                 tp=mesh.tp_size, pp=mesh.pp_size,
                                 num_layers=len(model.layer_range),
                                 micro_batches=cfg.micro_batches, sp=cfg.sp,
@@ -292,4 +294,10 @@ def _theory_tables(cfg: TrainConfig, mesh: ParallelMesh, model, sharding
         tables += "\n" + theory_table(rows_dp, f"{_where(mesh)}: {sharding.scope} dp traffic "
                                               f"of one step vs theory")
         rows = rows + rows_dp
+    if cfg.cp > 1:  # the ring attention's hops on the cp group
+        rows_cp = sharded_rows(mesh.ledger, context.expected(
+            model, b, s, cfg.cp, cfg.micro_batches, "full" if cfg.recompute else "none"),
+            "context_parallel", "cp")
+        tables += "\n" + theory_table(rows_cp, f"{_where(mesh)}: ring attention (cp) vs theory")
+        rows = rows + rows_cp
     return tables, rows

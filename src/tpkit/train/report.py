@@ -106,13 +106,14 @@ def theory_rows(ledger, expects: list) -> list[dict]:
             for k in sorted(set(want) | set(got))]
 
 
-def sharded_rows(ledger, expects: list, scope: str) -> list[dict]:
-    """`theory_rows` for the dp traffic of ZeRO-2 / FSDP (records of `scope` on dp)."""
+def sharded_rows(ledger, expects: list, scope: str, group: str = "dp") -> list[dict]:
+    """`theory_rows` for the dp traffic of ZeRO-2 / FSDP (records of `scope` on dp), or
+    the ring attention's on the cp group."""
     want: Counter = Counter()
     for e in expects:
-        want[("dp", e.op, e.phase, e.numel)] += e.count
+        want[(group, e.op, e.phase, e.numel)] += e.count
     got = Counter((r.group, r.op, r.phase, r.numel) for r in ledger.records
-                  if r.group == "dp" and r.scope == scope)
+                  if r.group == group and r.scope == scope)
     return [dict(group=k[0], op=k[1], phase=k[2], numel=k[3], recorded=got[k], theory=want[k])
             for k in sorted(set(want) | set(got))]
 

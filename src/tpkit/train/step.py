@@ -34,7 +34,7 @@ from torch import nn
 from tpkit.comm import all_reduce
 from tpkit.comm.group import CommGroup
 from tpkit.mesh import ParallelMesh
-from tpkit.parallel import StageLink, forward_only, run_schedule
+from tpkit.parallel import StageLink, context, forward_only, run_schedule
 from tpkit.train import run_log
 from tpkit.train.config import TrainConfig
 from tpkit.train.data import TokenLoader, micro_batches
@@ -57,6 +57,7 @@ class StepContext:
     mixed: MasterWeights | None = None  # bf16 forward/backward on fp32 master weights
     autocast: Any = None  # torch.autocast for bf16 without master weights
     guard: NonFiniteGuard | None = None  # a NaN/inf loss or norm: stop, or skip the update
+    cp_group: CommGroup | None = None  # context parallelism: each rank its s/cp tokens
 
     @property
     def compute(self) -> nn.Module:
@@ -65,7 +66,7 @@ class StepContext:
 
     def batches(self, loader: TokenLoader) -> list:
         """The next batch of `loader`, on the device, as the run's micro-batches."""
-        ids, labels = loader.next_batch()  # [G/dp, s] each
+        ids, labels = context.local_chunks(*loader.next_batch(), self.cp_group)  # [G/dp, s/cp]
         return micro_batches(ids.to(self.mesh.device), labels.to(self.mesh.device),
                              self.cfg.micro_batches)
 
