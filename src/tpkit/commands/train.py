@@ -269,10 +269,10 @@ def _say_resume_changes(cfg: TrainConfig) -> None:
 def _never_mix_runs(out: Path, overwrite: bool, torchrun: bool) -> None:
     """A new run into an --out that holds an earlier run's checkpoints: refuse, naming
     the flags, or (--overwrite) delete them first (rank 0 only, under torchrun)."""
-    from tpkit.checkpoint import store
     from tpkit.checkpoint.locate import run_checkpoints
+    from tpkit.checkpoint.retention import complete, discard
 
-    found = store.complete(run_checkpoints(out))
+    found = complete(run_checkpoints(out))
     if not found:
         return
     if not overwrite:
@@ -281,7 +281,7 @@ def _never_mix_runs(out: Path, overwrite: bool, torchrun: bool) -> None:
                         f"with --overwrite, or choose another --out")
     if not torchrun or os.environ.get("RANK") == "0":
         for d in found:
-            store.discard(d)
+            discard(d)
 
 
 def _run_local(cfg: TrainConfig, comm: str) -> int:
