@@ -72,6 +72,7 @@ def test_version(capsys):
     assert main(["version"]) == 0
     out = capsys.readouterr().out
     assert "transports:" in out and "gloo           available" in out
+    assert "\n  shm            " in out and "\n  nccl           " in out
     assert f"transformers   {metadata.version('transformers')}" in out
 
 
@@ -86,3 +87,13 @@ def test_print_config_merges_defaults_file_and_flags(tmp_path, capsys):
     cfg = TrainConfig.from_toml(printed)
     assert cfg == TrainConfig(tp=2, lr=1e-3, warmup=2)  # the flag over the file over defaults
     assert not (tmp_path / "runs").exists()
+
+
+def test_version_and_help_import_no_torch():
+    import subprocess
+    import sys
+
+    code = ("import sys; from tpkit.cli import main; main(['--version']); main(['--help']); "
+            "assert 'torch' not in sys.modules, 'torch imported'")
+    r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60)
+    assert r.returncode == 0 and r.stdout.startswith("tpkit "), r.stderr

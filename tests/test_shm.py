@@ -18,6 +18,7 @@ import dataclasses
 import os
 import signal
 import threading
+from pathlib import Path
 
 import pytest
 import torch
@@ -176,6 +177,56 @@ def test_the_launcher_sweeps_a_segment_left_during_set_up(tmp_path):
         del os.environ["TPKIT_RUN_ID"]
 
 
+def leave_segment(rank: int) -> str:
+    """What a rank killed during set-up would leave: a named segment of its run."""
+    from tpkit.comm.shm_names import segment_name
+
+    name = segment_name("tp", (0, 1), "0")[1:]
+    (SHM_DIR / name).write_bytes(b"x")
+    return name
+
+
+_LAUNCHER = """
+import time
+from test_shm import leave_segment
+from tpkit.launch import WorkerPool
+
+pool = WorkerPool(2, threads=1)
+print(",".join(pool.run(leave_segment)), flush=True)
+time.sleep(600)
+"""
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(120)
+def test_a_launcher_killed_by_sigkill_leaves_nothing_in_dev_shm():
+    """The workers notice their launcher's death (the lifeline pipe) and sweep the run's
+    names before they end themselves."""
+    import subprocess
+    import sys
+    import time
+
+    here = Path(__file__).resolve().parent
+    path = os.pathsep.join([str(here.parent / "src"), str(here), os.environ.get("PYTHONPATH", "")])
+    env = dict(os.environ, PYTHONPATH=path, TPKIT_RUN_ID="kill9")
+    proc = subprocess.Popen([sys.executable, "-c", _LAUNCHER], stdout=subprocess.PIPE,
+                            text=True, env=env)
+    names = [""]
+    try:
+        names = proc.stdout.readline().strip().split(",")
+        assert len(names) == 2 and all("-kill9" in n for n in names), names
+        assert all((SHM_DIR / n).exists() for n in names)
+        proc.kill()
+        proc.wait(timeout=30)
+        deadline = time.monotonic() + 30
+        while any((SHM_DIR / n).exists() for n in names) and time.monotonic() < deadline:
+            time.sleep(0.1)
+        assert not any((SHM_DIR / n).exists() for n in names), names
+    finally:
+        proc.kill()
+        remove_segments(names[0].split("-")[2] if names[0] else None)
+
+
 def test_without_the_kernels_auto_warns_once_and_shm_refuses(monkeypatch, capsys):
     from tpkit.comm import shm_build, transport
     from tpkit.spec.errors import UserError
@@ -234,3 +285,40 @@ def _transports(mesh) -> tuple:
 def test_a_gloo_mesh_has_no_channel(pools):
     assert pools.run(_transports, 2, mesh=dict(tp=2, comm="gloo")) == [(True, 2)] * 2
 
+
+
+def _ping_pong(mesh) -> list[bool]:
+    """Both ranks post sends before receiving (as 1F1B does), sizes from one element to
+    more than a mailbox holds (those go over gloo, in order); receives posted before the
+    sends and waited for in any order (as ring attention does); a float64 (gloo)."""
+    from tpkit.comm import isend, recv
+    from tpkit.comm.collectives import irecv
+
+    group, me = mesh.tp_group, mesh.tp_group.rank
+    peer, ok = 1 - me, []
+    for n in (1, 1000, 300_000, 2_000_000, 7):
+        mine = [torch.full((n,), float(10 * me + k)) for k in range(3)]
+        works = [isend(t, group, peer) for t in mine]
+        for k in range(3):
+            got = recv(torch.empty(2, n).t()[:, 0], group, peer)  # a non-contiguous buffer
+            ok.append(torch.equal(got, torch.full((n,), float(10 * peer + k))))
+        for w in works:
+            w.wait()
+    for n in (3, 2_000_000):  # receives posted first, waited for last one first
+        bufs = [torch.empty(n) for _ in range(3)]
+        posted = [irecv(b, group, peer) for b in bufs]
+        works = [isend(torch.full((n,), float(10 * me + k)), group, peer) for k in range(3)]
+        for p in reversed(posted):
+            p.wait()
+        ok += [torch.equal(b, torch.full((n,), float(10 * peer + k))) for k, b in enumerate(bufs)]
+        for w in works:
+            w.wait()
+    works = [isend(torch.full((5,), float(me), dtype=torch.float64), group, peer)]
+    ok.append(recv(torch.empty(5, dtype=torch.float64), group, peer)[0].item() == peer)
+    works[0].wait()
+    return ok
+
+
+def test_point_to_point_sends_cross_in_order_whatever_their_size(pools):
+    for rank, ok in enumerate(pools.run(_ping_pong, 2, mesh=dict(tp=2, comm="shm"))):
+        assert all(ok), (rank, ok)

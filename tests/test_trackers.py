@@ -14,7 +14,7 @@ import pytest
 
 from tpkit.cli import main
 from tpkit.train.config import TrainConfig
-from tpkit.train.trackers import Trackers, chosen, installed, problems
+from tpkit.train.trackers import chosen, installed, problems, scalars
 
 pytest.importorskip("tensorboard", reason="make test installs it (the [track] extra)")
 
@@ -40,10 +40,24 @@ def test_log_names_are_checked():
 
 
 def _train_tp2(mesh, cfg):
-    from tpkit.commands.train import flops_per_token
+    from tpkit.commands.train import trackers
     from tpkit.train.loop import train
 
-    return train(cfg, mesh, trackers=Trackers(cfg, flops_per_token(cfg))).losses
+    return train(cfg, mesh, trackers=trackers(cfg, mesh)).losses
+
+
+def test_utilisation_is_model_flops_over_the_known_peak():
+    from tpkit.plan.hardware import PROFILES, profile_of_device
+
+    row = dict(loss=2.0, lr=1e-3, grad_norm=1.0, tokens_per_s=1e4, step_s=0.5, idle_s=0.1,
+               comm={"tp": dict(bytes=10, seconds=0.01, count=2)})
+    got = scalars(row, flops_per_token=3e9, peak_flops=2 * 1e14)
+    assert got["perf/model_tflops_per_s"] == pytest.approx(30.0)
+    assert got["perf/mfu"] == pytest.approx(0.15) and got["perf/bubble"] == pytest.approx(0.25)
+    assert "perf/mfu" not in scalars(row, 3e9) and got["comm/tp/count"] == 2.0
+    assert profile_of_device("NVIDIA H100 80GB HBM3") is PROFILES["h100"]
+    assert profile_of_device("NVIDIA A100-SXM4-80GB") is PROFILES["a100-80gb"]
+    assert profile_of_device("Some Other GPU") is None
 
 
 @pytest.mark.timeout(180)

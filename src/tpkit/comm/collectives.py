@@ -4,10 +4,11 @@ All functions take a `CommGroup`; on a group of one rank they return at once and
 record nothing (nothing was sent). A group whose ranks share a host carries a
 shared-memory channel (`comm/shm.py`, `group.shm`): every collective it can take
 (CPU, float32/bfloat16/float16) goes there instead of to torch.distributed, under the
-same ledger record and the same failure guard; point-to-point sends stay on the group's
-process group. `phase` says whether the call belongs to the
-forward or the backward pass (or to a label such as "grads"); `scope` overrides
-the ledger's current scope (backward passes carry the scope of their forward).
+same ledger record and the same failure guard (point-to-point messages too: a send
+that finds the peer's mailbox full goes over the process group, and says so to the
+receiver). `phase` says whether the call belongs to the forward or the backward pass
+(or to a label such as "grads"); `scope` overrides the ledger's current scope
+(backward passes carry the scope of their forward).
 """
 
 from __future__ import annotations
@@ -272,8 +273,10 @@ def broadcast(x: torch.Tensor, group: CommGroup, src: int = 0, *, phase: str = "
 def send(x: torch.Tensor, group: CommGroup, dst: int, *, phase: str = "forward",
          scope: str | None = None) -> None:
     """Point-to-point send to group rank `dst` (pipeline activations and gradients)."""
+    x, ch = x.contiguous(), _shm(group, x)
     with _guarded("send", group, x.numel(), _nbytes(x), phase, scope, dst):
-        dist.send(x.contiguous(), dst=group.ranks[dst], group=group.pg)
+        if ch is None or not ch.send(x, dst):
+            dist.send(x, dst=group.ranks[dst], group=group.pg)
 
 
 @_graph_break
@@ -285,8 +288,10 @@ def isend(x: torch.Tensor, group: CommGroup, dst: int, *, phase: str = "forward"
     if not x.is_contiguous():
         raise ValueError("isend needs a contiguous tensor (it must outlive the send)")
     _real(group)
+    ch = _shm(group, x)
     with _guarded("send", group, x.numel(), _nbytes(x), phase, scope, dst):
-        work = dist.isend(x, dst=group.ranks[dst], group=group.pg)
+        work = _Done() if ch is not None and ch.send(x, dst) else \
+            dist.isend(x, dst=group.ranks[dst], group=group.pg)
     return Pending(work, lambda: x, ("send", group, x.numel(), _nbytes(x), phase, scope),
                    peer=dst, recorded=False)  # recorded once, when posted
 
@@ -295,9 +300,38 @@ def isend(x: torch.Tensor, group: CommGroup, dst: int, *, phase: str = "forward"
 def recv(x: torch.Tensor, group: CommGroup, src: int, *, phase: str = "forward",
          scope: str | None = None) -> torch.Tensor:
     """Point-to-point receive into `x` from group rank `src`; returns `x`."""
+    ch = _shm(group, x)
     with _guarded("recv", group, x.numel(), _nbytes(x), phase, scope, src):
-        dist.recv(x, src=group.ranks[src], group=group.pg)
+        if ch is None:
+            dist.recv(x, src=group.ranks[src], group=group.pg)
+        else:
+            _ShmRecv(ch, x, group, src).wait()
     return x
+
+
+class _ShmRecv:
+    """A receive from shared memory: posted now, taken at `wait()`. Messages from one peer
+    are taken in the order their receives were posted (a wait first takes the earlier
+    ones); one that came over the process group (the mailbox was full) is received there."""
+
+    def __init__(self, ch: ShmChannel, x: torch.Tensor, group: CommGroup, src: int) -> None:
+        self.ch, self.x, self.group, self.src, self.done = ch, x, group, src, False
+        ch.posted(src).append(self)
+
+    def wait(self) -> bool:
+        queue = self.ch.posted(self.src)
+        while not self.done:
+            queue.popleft()._take()
+        return True
+
+    def _take(self) -> None:
+        x = self.x
+        buf = x if x.is_contiguous() else x.contiguous()
+        if not self.ch.recv(buf, self.src):
+            dist.recv(buf, src=self.group.ranks[self.src], group=self.group.pg)
+        if buf is not x:
+            x.copy_(buf)
+        self.done = True
 
 
 @_graph_break
@@ -307,7 +341,9 @@ def irecv(x: torch.Tensor, group: CommGroup, src: int, *, phase: str = "forward"
     `.wait()` returns `x` (ring attention overlaps it with a block's computation)."""
     _real(group)
     t0 = time.perf_counter()
-    work = dist.irecv(x, src=group.ranks[src], group=group.pg)
+    ch = _shm(group, x)  # shared memory: the message is taken at wait() (it never blocks
+    work = _ShmRecv(ch, x, group, src) if ch is not None else \
+        dist.irecv(x, src=group.ranks[src], group=group.pg)  # the sender)
     p = Pending(work, lambda: x, ("recv", group, x.numel(), _nbytes(x), phase, scope), peer=src)
     p._posted_s, p._posted_at = time.perf_counter() - t0, t0
     return p

@@ -15,6 +15,7 @@
 // yields, then sleeps; it checks its peers' pids every 100 ms (a dead or zombie peer
 // ends the wait) and gives up after the timeout. Return codes: 0 done, 1 a peer died,
 // 2 timed out, 3 the ranks called different collectives; `who` is the peer's index.
+// Point-to-point messages go through one mailbox per (src, dst) after the buffers.
 #include <atomic>
 #include <cerrno>
 #include <cstdint>
@@ -28,12 +29,15 @@
 #include <time.h>
 #include <unistd.h>
 
+#include "shm_reduce.h"
+
 namespace {
 
 constexpr uint64_t kMagic = 0x74706b6974736d31ULL;  // "tpkitsm1"
 constexpr int kMaxRanks = 64;
 constexpr size_t kHeader = 64 * (kMaxRanks + 1);
-constexpr size_t kBlock = 512;  // elements accumulated at a time in float
+constexpr double kSpinS = 5e-6, kYieldS = 1e-4;  // how a wait spins, then yields, then sleeps
+constexpr uint64_t kEntries = 256;  // messages a point-to-point mailbox holds
 
 struct alignas(64) Slot {
   std::atomic<uint64_t> seq;   // rounds this rank has published (phase 1)
@@ -51,6 +55,8 @@ struct Header {
   Slot slots[kMaxRanks];
 };
 
+struct Mailbox;
+
 struct Group {
   Header* h;
   int rank, n;
@@ -58,7 +64,36 @@ struct Group {
   char* buf(int r, uint64_t s) const {
     return reinterpret_cast<char*>(h) + kHeader + (2 * static_cast<size_t>(r) + (s & 1)) * h->chunk;
   }
+  Mailbox* mailbox(int src, int dst) const;  // messages from src to dst
 };
+
+// Point-to-point: one single-producer single-consumer queue per (src, dst): a ring of
+// entries (size, via_gloo) and a ring of data bytes. A message that does not fit the free
+// bytes goes over gloo, its entry saying so, so the receiver takes it there, in order.
+struct alignas(64) Mailbox {
+  std::atomic<uint64_t> written, bytes_written;  // the sender's
+  char pad1[48];
+  std::atomic<uint64_t> read, bytes_read;  // the receiver's
+  char pad2[48];
+  uint64_t entry[kEntries];  // size << 1 | via_gloo
+};
+
+size_t mailbox_bytes(int n) {  // data bytes of each mailbox: 4 MiB at 2 ranks, 1 MiB at 4
+  size_t q = (size_t(16) << 20) / (size_t(n) * n) / 64 * 64;
+  return q < (size_t(256) << 10) ? size_t(256) << 10 : q;
+}
+
+size_t segment_bytes(int n, size_t chunk) {
+  return kHeader + 2 * size_t(n) * chunk + size_t(n) * n * (sizeof(Mailbox) + mailbox_bytes(n));
+}
+
+Mailbox* Group::mailbox(int src, int dst) const {
+  size_t one = sizeof(Mailbox) + mailbox_bytes(n);
+  char* base = reinterpret_cast<char*>(h) + kHeader + 2 * size_t(n) * h->chunk;
+  return reinterpret_cast<Mailbox*>(base + (size_t(src) * n + dst) * one);
+}
+
+char* ring(Mailbox* m) { return reinterpret_cast<char*>(m + 1); }
 
 double now() {
   timespec t;
@@ -86,31 +121,37 @@ inline void relax() {
 #endif
 }
 
-// Wait until counter `which` of every peer reaches s. Spins ~2k times, yields ~200 times,
-// then sleeps 20 us doubling to 1 ms: a descheduled peer never has a core burnt for it.
+// Wait until counter c (of peer j) reaches s: spin for 5 us (pause), yield the core until
+// 100 us, then sleep 20 us doubling to 1 ms, so a descheduled peer never has a core
+// burnt for it. Every 100 ms: is the peer alive, is the wait past the timeout?
+int wait_until(const Group& g, const std::atomic<uint64_t>& c, uint64_t s, int j, int* who) {
+  double start = 0, next_check = 0;
+  long tries = 0, pause_ns = 20000;
+  while (c.load(std::memory_order_acquire) < s) {
+    if ((++tries & 31) != 0 && tries < 100000) { relax(); continue; }
+    double t = now();
+    if (start == 0) start = t, next_check = t + 0.1;
+    if (t - start < kSpinS) { relax(); continue; }
+    if (t - start < kYieldS) { sched_yield(); continue; }
+    timespec ts{0, pause_ns};
+    nanosleep(&ts, nullptr);
+    pause_ns = pause_ns < 1000000 ? 2 * pause_ns : 1000000;
+    if (t >= next_check) {
+      next_check = t + 0.1;
+      if (!alive(g.h->slots[j].pid.load())) { *who = j; return 1; }
+      if (t - start > g.timeout_s) { *who = j; return 2; }
+    }
+  }
+  return 0;
+}
+
+// ... counter `which` (1: seq, 2: seq2) of every peer.
 int wait_all(const Group& g, int which, uint64_t s, int* who) {
-  double start = -1, next_check = 0;
-  long tries = 0;
   for (int j = 0; j < g.n; ++j) {
     if (j == g.rank) continue;
     Slot& p = g.h->slots[j];
-    std::atomic<uint64_t>& c = which == 1 ? p.seq : p.seq2;
-    long pause_ns = 20000;
-    while (c.load(std::memory_order_acquire) < s) {
-      ++tries;
-      if (tries < 2000) { relax(); continue; }
-      if (tries < 2200) { sched_yield(); continue; }
-      timespec ts{0, pause_ns};
-      nanosleep(&ts, nullptr);
-      pause_ns = pause_ns < 1000000 ? 2 * pause_ns : 1000000;
-      double t = now();
-      if (start < 0) start = t;
-      if (t >= next_check) {
-        next_check = t + 0.1;
-        if (!alive(p.pid.load())) { *who = j; return 1; }
-        if (t - start > g.timeout_s) { *who = j; return 2; }
-      }
-    }
+    int rc = wait_until(g, which == 1 ? p.seq : p.seq2, s, j, who);
+    if (rc) return rc;
   }
   return 0;
 }
@@ -131,50 +172,6 @@ int arrive(const Group& g, int which, uint64_t s, uint64_t sig, int* who) {
     if (g.h->slots[j].sig[s & 1].load(std::memory_order_relaxed) != sig) { *who = j; return 3; }
   }
   return 0;
-}
-
-// -- element types: load as float, store rounded to nearest even ----------------------
-inline float load(float x) { return x; }
-inline float load(uint16_t b) {  // bfloat16
-  uint32_t u = static_cast<uint32_t>(b) << 16;
-  float f;
-  memcpy(&f, &u, 4);
-  return f;
-}
-inline float load(_Float16 x) { return static_cast<float>(x); }
-inline void store(float* p, float x) { *p = x; }
-inline void store(uint16_t* p, float x) {
-  uint32_t u;
-  memcpy(&u, &x, 4);
-  if ((u & 0x7fffffffu) > 0x7f800000u) { *p = static_cast<uint16_t>((u >> 16) | 0x40); return; }
-  u += 0x7fffu + ((u >> 16) & 1u);
-  *p = static_cast<uint16_t>(u >> 16);
-}
-inline void store(_Float16* p, float x) { *p = static_cast<_Float16>(x); }
-
-inline float combine(float a, float b, int op) {
-  if (op == 0) return a + b;
-  if (op == 1) return a < b ? b : a;
-  return b < a ? b : a;
-}
-
-// out[i] = src[0][i] (op) src[1][i] (op) ... in rank order, float accumulation.
-template <class T>
-void reduce_into(T* out, T* const* src, int n, size_t count, int op) {
-  float acc[kBlock];
-  for (size_t lo = 0; lo < count; lo += kBlock) {
-    size_t m = count - lo < kBlock ? count - lo : kBlock;
-    for (size_t i = 0; i < m; ++i) acc[i] = load(src[0][lo + i]);
-    for (int j = 1; j < n; ++j) {
-      const T* s = src[j] + lo;
-      if (op == 0) {
-        for (size_t i = 0; i < m; ++i) acc[i] += load(s[i]);
-      } else {
-        for (size_t i = 0; i < m; ++i) acc[i] = combine(acc[i], load(s[i]), op);
-      }
-    }
-    for (size_t i = 0; i < m; ++i) store(out + lo + i, acc[i]);
-  }
 }
 
 template <class T>
@@ -253,7 +250,7 @@ void* tpk_map(const char* name, size_t size, int create) {
 
 int tpk_unmap(void* p, size_t size) { return munmap(p, size); }
 int tpk_unlink(const char* name) { return shm_unlink(name); }
-size_t tpk_size(int nranks, size_t chunk) { return kHeader + 2 * nranks * chunk; }
+size_t tpk_size(int nranks, size_t chunk) { return segment_bytes(nranks, chunk); }
 
 // The creator writes the header once; every rank then joins with its pid.
 int tpk_init(void* base, int nranks, size_t chunk) {
@@ -326,6 +323,55 @@ int tpk_broadcast(void* base, int rank, void* x, size_t nbytes, int root, double
     if (rc) return rc;
     if (rank != root) memcpy(p + off, g.buf(root, s), m);
   }
+  return 0;
+}
+
+// Post `nbytes` to group rank dst without waiting for it to be received: 0 copied into
+// the mailbox, 4 no room (the caller sends it over gloo: the entry says so).
+int tpk_send(void* base, int rank, const void* x, size_t nbytes, int dst, double timeout_s,
+             int* who) {
+  Group g = group_of(base, rank, timeout_s);
+  Mailbox* m = g.mailbox(rank, dst);
+  const size_t q = mailbox_bytes(g.n);
+  uint64_t k = m->written.load(std::memory_order_relaxed);
+  if (k >= kEntries) {  // entry k reuses entry k - kEntries: wait until that one was read
+    int rc = wait_until(g, m->read, k - kEntries + 1, dst, who);
+    if (rc) return rc;
+  }
+  uint64_t at = m->bytes_written.load(std::memory_order_relaxed);
+  bool fits = at + nbytes - m->bytes_read.load(std::memory_order_acquire) <= q;
+  if (fits) {
+    size_t off = at % q, first = nbytes < q - off ? nbytes : q - off;
+    memcpy(ring(m) + off, x, first);
+    memcpy(ring(m), static_cast<const char*>(x) + first, nbytes - first);
+    m->bytes_written.store(at + nbytes, std::memory_order_relaxed);
+  }
+  m->entry[k % kEntries] = (uint64_t(nbytes) << 1) | (fits ? 0 : 1);
+  m->written.store(k + 1, std::memory_order_release);
+  return fits ? 0 : 4;
+}
+
+// Receive `nbytes` from group rank src into x: 0 done, 4 it comes over gloo (the caller
+// receives it there), 3 the sizes differ, 1/2 the peer died / timed out.
+int tpk_recv(void* base, int rank, void* x, size_t nbytes, int src, double timeout_s, int* who) {
+  Group g = group_of(base, rank, timeout_s);
+  Mailbox* m = g.mailbox(src, rank);
+  const size_t q = mailbox_bytes(g.n);
+  uint64_t k = m->read.load(std::memory_order_relaxed);
+  int rc = wait_until(g, m->written, k + 1, src, who);
+  if (rc) return rc;
+  uint64_t e = m->entry[k % kEntries];
+  if ((e >> 1) != nbytes) { *who = src; return 3; }
+  if (e & 1) {
+    m->read.store(k + 1, std::memory_order_release);
+    return 4;
+  }
+  uint64_t at = m->bytes_read.load(std::memory_order_relaxed);
+  size_t off = at % q, first = nbytes < q - off ? nbytes : q - off;
+  memcpy(x, ring(m) + off, first);
+  memcpy(static_cast<char*>(x) + first, ring(m), nbytes - first);
+  m->bytes_read.store(at + nbytes, std::memory_order_release);
+  m->read.store(k + 1, std::memory_order_release);
   return 0;
 }
 

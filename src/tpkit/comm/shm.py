@@ -19,6 +19,7 @@ from __future__ import annotations
 import ctypes
 import os
 import weakref
+from collections import deque
 
 import torch
 import torch.distributed as dist
@@ -47,6 +48,7 @@ class ShmChannel:
                  timeout_s: float, name: str) -> None:
         self._lib, self._base, self._size = lib, base, size
         self.rank, self.nranks, self.timeout_s, self.name = rank, nranks, timeout_s, name
+        self._posted: dict[int, deque] = {}  # src -> receives posted, not yet taken
         self._who = ctypes.c_int(-1)
         self._who_ref = ctypes.byref(self._who)
         self._unmap = weakref.finalize(self, lib.tpk_unmap, base, size)
@@ -125,8 +127,31 @@ class ShmChannel:
             x.copy_(buf)
         return x
 
+    def send(self, x: torch.Tensor, dst: int) -> bool:
+        """Post contiguous `x` to group rank `dst` and return at once: True if it went
+        into the mailbox, False if there was no room (send it over the process group:
+        the receiver has been told to take it there)."""
+        rc = self._lib.tpk_send(self._base, self.rank, x.data_ptr(),
+                                x.numel() * x.element_size(), dst, self.timeout_s,
+                                self._who_ref)
+        self._check(rc, "send")
+        return rc == 0
+
+    def recv(self, x: torch.Tensor, src: int) -> bool:
+        """Receive group rank `src`'s next message into contiguous `x`: True if done, False
+        if it comes over the process group (receive it there)."""
+        rc = self._lib.tpk_recv(self._base, self.rank, x.data_ptr(),
+                                x.numel() * x.element_size(), src, self.timeout_s,
+                                self._who_ref)
+        self._check(rc, "recv")
+        return rc == 0
+
+    def posted(self, src: int) -> deque:
+        """The receives from group rank `src` posted and not yet taken, oldest first."""
+        return self._posted.setdefault(src, deque())
+
     def _check(self, rc: int, op: str) -> None:
-        if rc == 0:
+        if rc in (0, 4):  # 4: a message that goes over the process group
             return
         who = self._who.value
         if rc == 1:
@@ -134,8 +159,9 @@ class ShmChannel:
         if rc == 2:
             raise ShmPeerLost(f"shm {op}: timed out after {self.timeout_s:.1f} s waiting for "
                               f"peer {who}", who)
-        raise RuntimeError(f"shm {op}: the ranks of the group called different collectives "
-                           f"(rank {who} differs from rank {self.rank}): a bug of the caller")
+        raise RuntimeError(f"shm {op}: the ranks of the group called different collectives or "
+                           f"sizes (rank {who} differs from rank {self.rank}): a bug of the "
+                           f"caller")
 
     def close(self) -> None:
         """Unmap the segment (also done when the channel is collected)."""

@@ -3,7 +3,7 @@
     python -m tpkit.comm.shm_build        # what `make` runs after installing: compiles once
 
 The library lands in `comm/_shm_build/` (ignored by git), named after a hash of the
-source, so an edited `shm.cpp` is rebuilt and a stale library is never loaded. Built
+sources (`shm.cpp` and the arithmetic it includes, `shm_reduce.h`), so an edited `shm.cpp` is rebuilt and a stale library is never loaded. Built
 with g++ in well under a second; nothing is downloaded. If it cannot be built (no
 compiler), `load()` returns None and tpkit runs every group on gloo.
 """
@@ -21,6 +21,7 @@ import tempfile
 from pathlib import Path
 
 SOURCE = Path(__file__).with_name("shm.cpp")
+HEADER = SOURCE.with_name("shm_reduce.h")  # included by shm.cpp
 BUILD_DIR = Path(__file__).with_name("_shm_build")
 FLAGS = ["-O3", "-std=c++17", "-shared", "-fPIC", "-fno-strict-aliasing"]
 _P, _I, _Z, _D = ctypes.c_void_p, ctypes.c_int, ctypes.c_size_t, ctypes.c_double
@@ -35,12 +36,15 @@ _SIGNATURES = {  # name -> (argument types, return type)
     "tpk_reduce_scatter": ([_P, _I, _P, _P, _Z, _I, _I, _D, _P], _I),
     "tpk_all_gather": ([_P, _I, _P, _P, _Z, _D, _P], _I),
     "tpk_broadcast": ([_P, _I, _P, _Z, _I, _D, _P], _I),
+    "tpk_send": ([_P, _I, _P, _Z, _I, _D, _P], _I),
+    "tpk_recv": ([_P, _I, _P, _Z, _I, _D, _P], _I),
 }
 
 
 def library_path() -> Path:
     """Where the library built from today's `shm.cpp` lives."""
-    digest = hashlib.sha256(SOURCE.read_bytes() + " ".join(FLAGS).encode()).hexdigest()[:12]
+    text = SOURCE.read_bytes() + HEADER.read_bytes() + " ".join(FLAGS).encode()
+    digest = hashlib.sha256(text).hexdigest()[:12]
     return BUILD_DIR / f"libtpkit_shm-{digest}.so"
 
 

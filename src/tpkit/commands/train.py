@@ -139,6 +139,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     group(parser, "checkpoints").add_argument(
         "--overwrite", action="store_true",
         help="delete the checkpoints of an earlier run in --out first")
+    group(parser, "reliability").add_argument(
+        "--force", action="store_true",
+        help="run even when the memory estimate (weights, gradients, AdamW, activations of "
+             "every local rank) is more than the machine or its cgroup offers")
 
 
 def config_from_args(args: argparse.Namespace, world: int | None) -> TrainConfig:
@@ -157,9 +161,8 @@ def config_from_args(args: argparse.Namespace, world: int | None) -> TrainConfig
 
 def _worker(mesh, cfg: TrainConfig) -> RunSummary:
     from tpkit.train.loop import train
-    from tpkit.train.trackers import Trackers
 
-    return train(cfg, mesh, trackers=Trackers(cfg, flops_per_token(cfg)))
+    return train(cfg, mesh, trackers=trackers(cfg, mesh))
 
 
 def flops_per_token(cfg: TrainConfig) -> float:
@@ -167,6 +170,22 @@ def flops_per_token(cfg: TrainConfig) -> float:
     from tpkit.plan.cost import model_flops_per_token
 
     return model_flops_per_token(cfg.model_config(), cfg.seq)
+
+
+def trackers(cfg: TrainConfig, mesh):
+    """The run's trackers (`--log`), with MFU's numerator and, when this device has a
+    known profile (a GPU the planner knows, a CPU after `tpkit calibrate`), its peak."""
+    from tpkit.plan.hardware import profile_of_device
+    from tpkit.train.trackers import Trackers
+
+    if mesh.rank != 0:
+        return None
+    import torch
+
+    name = torch.cuda.get_device_name(mesh.device) if mesh.device.type == "cuda" else "cpu"
+    profile = profile_of_device(name)
+    peak = profile.accelerator.peak_flops * mesh.world_size if profile else None
+    return Trackers(cfg, flops_per_token(cfg), peak)
 
 
 def _print_report(results: list[RunSummary]) -> None:
@@ -208,8 +227,20 @@ def run(args: argparse.Namespace) -> int:
         if fresh:
             _never_mix_runs(Path(cfg.out), args.overwrite, torchrun)
         load_tokens(cfg.data, cfg.model_config().vocab_size, cfg.tokenizer_id)  # errors now
+        _check_memory(cfg, args.force)
         write_run_config(cfg, cfg.out)
         return _run_local(cfg, comm)
+
+
+def _check_memory(cfg: TrainConfig, force: bool) -> None:
+    """Local ranks on the CPU share this machine's memory: the planner's estimate of
+    their peak against what it offers (`memory_check`), before spawning them."""
+    import torch
+
+    if not torch.cuda.is_available():
+        from tpkit.commands.memory_check import check_fits
+
+        check_fits(cfg, force)
 
 
 def resume_dir(cfg: TrainConfig) -> str | None:
@@ -238,10 +269,10 @@ def _say_resume_changes(cfg: TrainConfig) -> None:
 def _never_mix_runs(out: Path, overwrite: bool, torchrun: bool) -> None:
     """A new run into an --out that holds an earlier run's checkpoints: refuse, naming
     the flags, or (--overwrite) delete them first (rank 0 only, under torchrun)."""
-    from tpkit.checkpoint import store
     from tpkit.checkpoint.locate import run_checkpoints
+    from tpkit.checkpoint.retention import complete, discard
 
-    found = store.complete(run_checkpoints(out))
+    found = complete(run_checkpoints(out))
     if not found:
         return
     if not overwrite:
@@ -250,7 +281,7 @@ def _never_mix_runs(out: Path, overwrite: bool, torchrun: bool) -> None:
                         f"with --overwrite, or choose another --out")
     if not torchrun or os.environ.get("RANK") == "0":
         for d in found:
-            store.discard(d)
+            discard(d)
 
 
 def _run_local(cfg: TrainConfig, comm: str) -> int:
@@ -334,7 +365,6 @@ def _train_torchrun(cfg: TrainConfig, mesh) -> int:
     import torch.distributed as dist
 
     from tpkit.train.loop import train
-    from tpkit.train.trackers import Trackers
 
     # one write per line: ranks share the agent's stdout, and print() under PYTHONUNBUFFERED
     # writes the text and its newline separately, so two ranks' lines could run together
@@ -343,7 +373,7 @@ def _train_torchrun(cfg: TrainConfig, mesh) -> int:
     price = cross_node_price(mesh.tp_size, mesh.pp_size, mesh.dp_size, mesh.ranks_per_node)
     if price and mesh.rank == 0:  # the mesh warned of the problem; the planner prices it
         print(price, file=sys.stderr, flush=True)
-    result = train(cfg, mesh, trackers=Trackers(cfg, flops_per_token(cfg)))
+    result = train(cfg, mesh, trackers=trackers(cfg, mesh))
     if mesh.rank == 0:
         print(mesh.describe())
         _print_report([result])

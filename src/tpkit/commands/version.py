@@ -9,6 +9,7 @@
     transports:
       gloo           available (CPU processes)
       nccl           not built (a CPU build of torch)
+      shm            available (groups whose ranks share a host: --comm auto or shm)
     devices:         cpu, 16 threads
 
 `--version` reads package metadata only (no torch import: instant); `tpkit version`
@@ -60,9 +61,18 @@ def _nccl() -> str:
     return f"available ({torch.cuda.device_count()} GPU(s) visible)"
 
 
+def _shm() -> str:
+    from tpkit.comm.shm_build import load, unavailable_reason
+
+    if load() is not None:
+        return "available (groups whose ranks share a host: --comm auto or shm)"
+    return f"unavailable ({unavailable_reason()}): every group uses gloo"
+
+
 # The transports `tpkit.comm` can send collectives over: (name, probe -> state). A new
-# transport (the shared-memory one for ranks of one host, say) adds its probe here.
-TRANSPORTS: list[tuple[str, Callable[[], str]]] = [("gloo", _gloo), ("nccl", _nccl)]
+# transport adds its probe here.
+TRANSPORTS: list[tuple[str, Callable[[], str]]] = [("gloo", _gloo), ("nccl", _nccl),
+                                                   ("shm", _shm)]
 
 
 def transports() -> list[tuple[str, str]]:

@@ -252,3 +252,19 @@ def profile_to_toml(hw: Hardware, comments: dict[str, str] | None = None) -> str
         note = f"  # {comments[key]}" if comments and key in comments else ""
         lines.append(f"{key} = {text}{note}")
     return "\n".join(lines) + "\n"
+
+
+_DEVICE_PROFILES = (("b200", "b200"), ("h200", "h200"), ("h100", "h100"),
+                    ("a100-sxm4-80gb", "a100-80gb"), ("a100 80gb", "a100-80gb"),
+                    ("a100", "a100-40gb"), ("v100", "dgx2h"))
+
+
+def profile_of_device(device_name: str) -> Hardware | None:
+    """The built-in profile of a GPU named like `torch.cuda.get_device_name()` ('NVIDIA
+    H100 80GB HBM3' -> h100), 'cpu' -> the calibrated local profile if there is one;
+    None when unknown (utilisation is then not reported against a peak)."""
+    name = device_name.lower()
+    if name == "cpu":
+        path = default_local_path()
+        return load_profiles(path).get("local") if path.exists() else None
+    return next((PROFILES[p] for key, p in _DEVICE_PROFILES if key in name), None)

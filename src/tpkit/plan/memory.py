@@ -168,16 +168,22 @@ def stage_activation_bytes(c: ModelConfig, seq: int, lay: Layout, stage: int, m:
 def memory_per_device(c: ModelConfig, seq: int, lay: Layout, m: int, prec: Precision,
                       flash: bool = True, eager: bool = False) -> dict[str, float]:
     """Peak bytes of the fullest rank, as {weights, grads, optimizer, activations, total}."""
-    worst: dict[str, float] = {}
+    return max(memory_per_stage(c, seq, lay, m, prec, flash), key=lambda p: p["total"])
+
+
+def memory_per_stage(c: ModelConfig, seq: int, lay: Layout, m: int, prec: Precision,
+                     flash: bool = True) -> list[dict[str, float]]:
+    """Peak bytes of one rank of each pipeline stage (every tp and dp rank of a stage
+    holds the same), as {weights, grads, optimizer, activations, total}."""
+    out = []
     for stage in range(lay.pp):  # 1F1B: stage i holds p - i micro-batches of its layers
         parts = model_state_bytes(stage_params(c, lay, stage), lay.replicas, lay.zero, prec,
                                   c.layer_params(lay.tp), lay.keeps_gathered_weights, m)
         parts["activations"] = stage_activation_bytes(c, seq, lay, stage, m, prec.activation,
                                                       flash, eager)
         parts["total"] = sum(parts.values())
-        if parts["total"] > worst.get("total", -1.0):
-            worst = parts
-    return worst
+        out.append(parts)
+    return out
 
 
 def stage_params(c: ModelConfig, lay: Layout, stage: int) -> int:

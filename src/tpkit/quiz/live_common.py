@@ -30,10 +30,10 @@ def max_diff(a: torch.Tensor, b: torch.Tensor) -> float:
     return float((a - b).detach().abs().max())
 
 
-def median_of_slowest(per_rank: list[dict]) -> dict[int, float]:
+def median_of_slowest(per_rank: list[dict], key: str = "times") -> dict[int, float]:
     """Per count: the median over repeats of the slowest rank's time (a collective ends
-    when its last rank does), from `live_ranks.all_reduce_times`."""
-    per_rank = [r["times"] for r in per_rank]
+    when its last rank does), from `live_ranks.all_reduce_times` (its `key`)."""
+    per_rank = [r[key] for r in per_rank]
     counts = per_rank[0]
     return {n: statistics.median(max(r[n][i] for r in per_rank) for i in range(len(counts[n])))
             for n in counts}

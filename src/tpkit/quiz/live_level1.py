@@ -256,6 +256,11 @@ def demo_latency(live: Spawner, tp: int = 2, counts: tuple[int, ...] = (1, 2, 4,
     lines = [say("head", numel=numel, tp=tp)]
     lines += [say("count", n=n, ms=measured[n] * 1e3, ratio=measured[n] / one, theory=n)
               for n in counts]
+    if ranks[0]["tcp_times"]:  # the ranks share memory: also measured over loopback TCP
+        k = counts[-1]
+        out["tcp_one_s"] = median_of_slowest(ranks, "tcp_times")[k] / k
+        lines.append(say("links", us_shm=one * 1e6, us_tcp=out["tcp_one_s"] * 1e6,
+                         ratio=out["tcp_one_s"] / one))
     lines += [say("planner", model=model, n_coll=n_coll, layers=plan["layers"], tp=tp),
               say("alpha", intra=alpha[0] * 1e3, inter=alpha[1] * 1e3,
                   intra_total=plan["intra_s"] * plan["layers"] * 1e3,

@@ -6,6 +6,7 @@ returns plain tensors, lists and numbers.
 
 from __future__ import annotations
 
+import dataclasses
 import time
 
 import torch
@@ -74,8 +75,21 @@ def all_reduce_times(mesh, numel: int, counts: tuple[int, ...], repeats: int = 9
                      warmup: int = 5) -> dict:
     """Seconds for N back-to-back all-reduces of `numel` floats, for each N in `counts`,
     `repeats` times each (after `warmup` unmeasured ones), interleaved so that load on
-    the machine hits every N alike; and how many all-reduces the ledger saw."""
+    the machine hits every N alike; and how many all-reduces the ledger saw. When the
+    group talks through shared memory (ranks of one "node"), the largest N again over
+    the same ranks' loopback TCP (gloo: what links two "nodes") as `tcp_times`."""
     g, x = mesh.tp_group, torch.ones(numel)
+    out = _sequences(g, x, counts, repeats, warmup)
+    ledger = sum(r.op == "all_reduce" for r in mesh.ledger.records)
+    tcp = None
+    if g.shm is not None:
+        with mesh.ledger.paused():
+            tcp = _sequences(dataclasses.replace(g, shm=None), x, counts[-1:], repeats, warmup)
+    return dict(times=out, tcp_times=tcp, ledger=ledger)
+
+
+def _sequences(g, x: torch.Tensor, counts: tuple[int, ...], repeats: int, warmup: int
+               ) -> dict[int, list[float]]:
     for _ in range(warmup):  # connections, buffers, first-call paths
         all_reduce(x, g)
     out: dict[int, list[float]] = {n: [] for n in counts}
@@ -86,7 +100,7 @@ def all_reduce_times(mesh, numel: int, counts: tuple[int, ...], repeats: int = 9
             for _ in range(n):
                 all_reduce(x, g)
             out[n].append(time.perf_counter() - t0)
-    return dict(times=out, ledger=sum(r.op == "all_reduce" for r in mesh.ledger.records))
+    return out
 
 
 # -- level 2 ------------------------------------------------------------------------------

@@ -10,6 +10,7 @@ any process starts), each error naming the numbers:
 from __future__ import annotations
 
 from dataclasses import asdict, dataclass, fields, replace
+from functools import cached_property
 from pathlib import Path
 
 from tpkit.comm.failure import DEFAULT_COLLECTIVE_TIMEOUT_S
@@ -88,7 +89,12 @@ class TrainConfig:
         return self.from_hf or self.preset
 
     def model_config(self):
-        """The model's `ModelConfig`: the preset's, or the Hugging Face folder's."""
+        """The model's `ModelConfig`: the preset's, or the Hugging Face folder's (its
+        config.json read once per TrainConfig: the value travels with it to the ranks)."""
+        return self._model_config
+
+    @cached_property
+    def _model_config(self):
         from tpkit.spec.config import get_preset
 
         if self.from_hf is None:

@@ -9,8 +9,9 @@ trackio, through their own libraries, on rank 0, under the run folder, offline.
     out/trackio/   trackio's local database (TRACKIO_DIR unless set: `trackio show`)
 
 Per step: train/loss, val/loss, optim/lr, optim/grad_norm, perf/tokens_per_s, perf/step_s,
-perf/model_tflops_per_s (MFU's numerator: model FLOPs per token x tokens/s; the formula
-is the planner's, passed in by the command), perf/bubble (pipeline idle/busy of rank 0's
+perf/model_tflops_per_s (model FLOPs per token x tokens/s; the planner's formula, passed
+in by the command), perf/mfu (that over the devices' peak, when the command knows it: a
+GPU the planner has a profile of, a CPU after `tpkit calibrate`), perf/bubble (pipeline idle/busy of rank 0's
 stage), and comm/<group>/{bytes,seconds,count} (rank 0's ledger for the step); the
 config as hyperparameters. A tracker opens at the first row it gets, so a resumed run
 continues its series (TensorBoard purges the steps it redoes).
@@ -54,8 +55,9 @@ def problems(spec: str | None) -> list[str]:
     return out
 
 
-def scalars(row: dict, flops_per_token: float | None) -> dict[str, float]:
-    """The tracked numbers of one metrics row."""
+def scalars(row: dict, flops_per_token: float | None = None,
+            peak_flops: float | None = None) -> dict[str, float]:
+    """The tracked numbers of one metrics row (MFU with the peak FLOP/s of all devices)."""
     out = {"train/loss": row["loss"], "optim/lr": row["lr"], "optim/grad_norm": row["grad_norm"],
            "perf/tokens_per_s": row["tokens_per_s"], "perf/step_s": row["step_s"]}
     if row.get("val_loss") is not None:
@@ -65,6 +67,8 @@ def scalars(row: dict, flops_per_token: float | None) -> dict[str, float]:
         out["perf/bubble"] = row.get("idle_s", 0.0) / busy
     if flops_per_token:
         out["perf/model_tflops_per_s"] = flops_per_token * row["tokens_per_s"] / 1e12
+        if peak_flops:
+            out["perf/mfu"] = flops_per_token * row["tokens_per_s"] / peak_flops
     for group, c in sorted(row.get("comm", {}).items()):
         out |= {f"comm/{group}/bytes": c["bytes"], f"comm/{group}/seconds": c["seconds"],
                 f"comm/{group}/count": c["count"]}
@@ -79,8 +83,9 @@ def hyperparameters(cfg) -> dict:
 class Trackers:
     """Every tracker of a run (rank 0): `log(row)` each step, `close()` at the end."""
 
-    def __init__(self, cfg, flops_per_token: float | None = None) -> None:
-        self.cfg, self.flops = cfg, flops_per_token
+    def __init__(self, cfg, flops_per_token: float | None = None,
+                 peak_flops: float | None = None) -> None:
+        self.cfg, self.flops, self.peak = cfg, flops_per_token, peak_flops
         self.names, self.open = chosen(cfg.log), []
 
     def log(self, row: dict) -> None:
@@ -88,7 +93,7 @@ class Trackers:
         if self.names and not self.open:
             self.open = [_OPENERS[n](self.cfg, Path(self.cfg.out), row["step"])
                          for n in self.names]
-        values = scalars(row, self.flops)
+        values = scalars(row, self.flops, self.peak)
         for t in self.open:
             t.log(values, row["step"])
 
