@@ -168,11 +168,11 @@ def stage_activation_bytes(c: ModelConfig, seq: int, lay: Layout, stage: int, m:
 def memory_per_device(c: ModelConfig, seq: int, lay: Layout, m: int, prec: Precision,
                       flash: bool = True, eager: bool = False) -> dict[str, float]:
     """Peak bytes of the fullest rank, as {weights, grads, optimizer, activations, total}."""
-    return max(memory_per_stage(c, seq, lay, m, prec, flash), key=lambda p: p["total"])
+    return max(memory_per_stage(c, seq, lay, m, prec, flash, eager), key=lambda p: p["total"])
 
 
 def memory_per_stage(c: ModelConfig, seq: int, lay: Layout, m: int, prec: Precision,
-                     flash: bool = True) -> list[dict[str, float]]:
+                     flash: bool = True, eager: bool = False) -> list[dict[str, float]]:
     """Peak bytes of one rank of each pipeline stage (every tp and dp rank of a stage
     holds the same), as {weights, grads, optimizer, activations, total}."""
     out = []
