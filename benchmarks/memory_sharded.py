@@ -109,10 +109,11 @@ def _worker(mesh, name: str, dp: int, cp: int, flags: dict, steps: int) -> dict:
     from tpkit.train.config import TrainConfig
 
     m = flags.get("micro_batches", 1)
+    batch = flags.get("global", B * dp * m)  # timing: the same global batch for every layout
     cfg = TrainConfig(preset="llama-tiny", dp=dp, cp=cp, steps=steps, micro_batches=m,
-                      global_batch=B * dp * m, seq=SEQ, val_fraction=0.0, progress=False,
+                      global_batch=batch, seq=SEQ, val_fraction=0.0, progress=False,
                       plot=False, checkpoint=False, out=f"/tmp/tpkit-memory-bench/{mesh.rank}",
-                      **{k: v for k, v in flags.items() if k != "micro_batches"})
+                      **{k: v for k, v in flags.items() if k not in ("micro_batches", "global")})
     model = Transformer(model_config(), mesh, seed=0)
     meter = Meter(model)
     plain_build, plain_opt = loop.build_sharding, loop.build_optimizer
@@ -150,13 +151,43 @@ def predicted(dp: int, cp: int, flags: dict) -> dict:
             "activations": got["activations"]}
 
 
+TIMED = [("none", 2, 1, {}), ("zero2", 2, 1, dict(zero2=True)), ("fsdp", 2, 1, dict(fsdp=True)),
+         ("fsdp after-step", 2, 1, dict(fsdp=True, fsdp_reshard="after-step")),
+         ("cp=2", 1, 2, {})]
+
+
+def timing(rounds: int, steps: int) -> None:
+    """Step time of 2-process layouts against plain dp=2, in rounds that rotate the order
+    (the same model and batch: dp=2 splits the 8 sequences, cp=2 each sequence)."""
+    from tpkit.launch import spawn
+
+    times: dict[str, list[float]] = {name: [] for name, *_ in TIMED}
+    for r in range(rounds):
+        for i in range(len(TIMED)):
+            name, dp, cp, flags = TIMED[(r + i) % len(TIMED)]
+            got = spawn(_worker, dp * cp, name, dp, cp, {**flags, "global": 8}, steps,
+                        mesh=dict(dp=dp * cp), threads=1)
+            times[name].append(statistics.median(x["step_s"] for x in got))
+    base = statistics.median(times["none"])
+    rows = [[name, f"{statistics.median(t) * 1e3:.0f}", f"{statistics.median(t) / base:.2f}"]
+            for name, t in times.items()]
+    print_table(f"step time, 2 processes, median of {rounds} rounds x {steps - 1} steps",
+                ["layout", "step ms", "vs plain dp=2"], rows)
+    write_json("memory_sharded_timing", dict(environment=environment(), times=times))
+
+
 def main() -> None:
     """Run every layout, print measured vs predicted per term, and the step times."""
     from tpkit.launch import spawn
 
     p = parser(__doc__)
     p.add_argument("--steps", type=int, default=4, help="steps per layout (default: 4)")
-    steps = p.parse_args().steps
+    p.add_argument("--timing-rounds", type=int, default=0,
+                   help="only time the 2-process layouts, this many rotating rounds")
+    args = p.parse_args()
+    steps = args.steps
+    if args.timing_rounds:
+        return timing(args.timing_rounds, steps)
     rows, out = [], []
     base: dict[int, float] = {}
     for name, dp, cp, flags in LAYOUTS:
