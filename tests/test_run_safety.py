@@ -61,12 +61,12 @@ def _one_error_line(r: subprocess.CompletedProcess, status: int) -> str:
 @pytest.mark.slow
 @pytest.mark.timeout(900)
 def test_two_runs_into_one_folder_one_runs_the_other_is_refused(tmp_path):
-    """3 trials (started together, each its own folder) of two runs started at the same
+    """2 trials (started together, each its own folder) of two runs started at the same
     moment (seeds 0 and 7); the winner pauses after each checkpoint file, so it still
     holds the folder when the other arrives."""
     from tpkit.checkpoint import retention, store
 
-    outs = [tmp_path / f"t{trial}" for trial in range(3)]
+    outs = [tmp_path / f"t{trial}" for trial in range(2)]
     trials = [[_start(*TINY, "--seed", str(seed), "--out", str(out), TPKIT_CKPT_PAUSE_S="0.5")
                for seed in (0, 7)] for out in outs]
     for out, procs in zip(outs, trials):
@@ -108,9 +108,11 @@ def test_a_diverging_run_stops_at_the_first_nonfinite_step(tmp_path, capsys):
         assert "step 2: the gradient norm is nan" in line and "stopped before the update" \
             in line, line
         assert _finite_checkpoints(out) == [1]  # the last good one was kept, nothing NaN
-        again = _one_error_line(_here(capsys, *huge, "--tp", str(tp), "--out", str(out),
-                                       "--resume", "auto"), 1)
-        assert "step 2: " in again  # resumed from step 1, the finite one, and stopped again
+    again = _one_error_line(_here(capsys, *huge, "--out", str(tmp_path / "tp1"), "--resume",
+                                  "auto"), 1)
+    assert "step 2: " in again  # resumed from step 1, the finite one, and stopped again
+    line = _one_error_line(_here(capsys, *huge, "--lr", "1e39", "--out", str(out)), 2)
+    assert "lr=1e+39 must be positive and below 1e30" in line, line  # not a torch overflow
     out = tmp_path / "skip"
     line = _one_error_line(_here(capsys, *huge, "--out", str(out), "--on-nonfinite", "skip",
                                   "--nonfinite-skips", "2"), 1)
