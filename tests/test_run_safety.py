@@ -233,3 +233,24 @@ def test_nonfinite_tensors_are_never_written_and_never_loaded(tmp_path):
         manifest.first_nonfinite = real
     with pytest.raises(store.CheckpointError, match=rf"{name} holds 1 non-finite.*diverged"):
         store.load(tmp_path / "nan", model)
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(900)
+def test_a_rank_killed_in_the_final_save_reports_every_step_completed(tmp_path):
+    from proc_tree import kill, workers
+
+    out = tmp_path / "run"
+    proc = _start(*TINY, "--steps", "3", "--tp", "2", "--out", str(out),
+                  "--collective-timeout", "10", TPKIT_CKPT_PAUSE_S="0.5")
+    try:  # rank 1 wrote its last file of the final save and pauses before the others'
+        last = out / "checkpoints" / ".step_000003.tmp" / "rank-00001.json"
+        while not last.exists():
+            assert proc.poll() is None, proc.communicate()[1][-2000:]
+        kill([workers(proc.pid)[1]])
+        err = proc.communicate(timeout=300)[1]
+    finally:
+        proc.kill()
+    lines = err.strip().splitlines()
+    assert proc.returncode == 1 and len(lines) == 1 and "Traceback" not in err, err[-2000:]
+    assert "rank 1 died (signal 9)" in lines[0] and "last step completed: 3" in lines[0], lines

@@ -160,8 +160,11 @@ def train(cfg: TrainConfig, mesh: ParallelMesh, model: torch.nn.Module | None = 
         log.close()
         _close_link(link, sys.exc_info()[1] is not None, start + len(rows))
     if cfg.checkpoint:
-        with data.full_params():
-            ckpt = save_checkpoint(cfg, mesh, model, opt, loader, cfg.steps)
+        try:
+            with data.full_params():
+                ckpt = save_checkpoint(cfg, mesh, model, opt, loader, cfg.steps)
+        except CollectiveFailed as e:  # a peer died in the final save: every step was done
+            raise e.after_step(start + len(rows)) from e.__cause__
     mesh.ledger.records[:] = last_records
     if cfg.trace:
         run_log.report_file("the trace", _write_trace, cfg, mesh, last_records, span)
