@@ -105,8 +105,8 @@ class TrainConfig:
 
         path = Path(self.from_hf) / "config.json"
         if not path.is_file():
-            raise ValueError(f"from_hf={self.from_hf}: no config.json there (not a Hugging "
-                             f"Face model folder)")
+            raise UserError(f"from_hf={self.from_hf}: no config.json there (not a Hugging "
+                            f"Face model folder)")
         return config_from_hf(json.loads(path.read_text()))[1]
 
     @property
