@@ -173,14 +173,33 @@ def test_storage_errors_are_one_line(tiny_mount, tmp_path, capsys):
     assert sorted(p.name for p in (out / "checkpoints").iterdir()) == ["step_000002"]
 
 
+def _raise(code: int, text: bool):
+    """An OSError, or the text safetensors gives its I/O errors ('... (os error N)')."""
+    if text:
+        from safetensors import SafetensorError
+
+        return SafetensorError(f"Error while serializing: IoError({os.strerror(code)} "
+                               f"(os error {code}))")
+    return OSError(code, os.strerror(code))
+
+
+FAULTS = [("save_file", errno.ENOSPC, True), ("save_file", errno.EDQUOT, False),
+          ("save_file", errno.EROFS, True), ("write_json", errno.ENOSPC, False),
+          ("write_json", errno.EACCES, False), ("write_json", errno.EROFS, False)]
+
+
 @pytest.mark.timeout(120)
-@pytest.mark.parametrize("target", ["save_file", "write_json"])
+@pytest.mark.parametrize("target,code,text", FAULTS,
+                         ids=[f"{t}-{errno.errorcode[c]}" for t, c, _ in FAULTS])
 def test_a_failed_write_at_each_file_is_one_line_and_leaves_no_temporary(tmp_path, monkeypatch,
-                                                                         target):
-    """ENOSPC injected into each kind of write of a save (a shard, a rank record, the
-    manifest): a StorageError naming the file, the previous checkpoint untouched."""
+                                                                         target, code, text):
+    """A full disk, a quota, a read-only file system or a refused permission injected
+    into each kind of write of a save (the model and optimizer shards; a rank record,
+    the manifest): one StorageError line naming the file, the bytes and the free space,
+    exit 1 (the run failed, not the user), no temporary, the previous checkpoint kept."""
     from tpkit.checkpoint import manifest, store
     from tpkit.checkpoint.disk import StorageError
+    from tpkit.cli import explain
     from tpkit.mesh import ParallelMesh
     from tpkit.model import Transformer
     from tpkit.spec import get_preset
@@ -197,14 +216,15 @@ def test_a_failed_write_at_each_file_is_one_line_and_leaves_no_temporary(tmp_pat
         def failing(*args, _at=fail_at, **kw):
             calls.append(args[1] if target == "save_file" else args[0])
             if len(calls) - 1 == _at:
-                raise OSError(errno.ENOSPC, "No space left on device")
+                raise _raise(code, text)
             return real(*args, **kw)
 
         calls.clear()
         monkeypatch.setattr(manifest, target, failing)
-        with pytest.raises(StorageError, match=r"No space left on device while writing") as e:
+        with pytest.raises(StorageError, match=f"{os.strerror(code)} while writing") as e:
             store.save(tmp_path / "c", model, opt, step=2)
         assert Path(str(calls[fail_at])).name in str(e.value) and "free there" in str(e.value)
+        assert explain(e.value) == (str(e.value), 1)
         assert sorted(p.name for p in tmp_path.iterdir()) == ["c"]  # no temporary
         assert store.read_manifest(tmp_path / "c")["step"] == 1
     monkeypatch.setattr(manifest, target, real)
