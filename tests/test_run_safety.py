@@ -61,12 +61,12 @@ def _one_error_line(r: subprocess.CompletedProcess, status: int) -> str:
 @pytest.mark.slow
 @pytest.mark.timeout(900)
 def test_two_runs_into_one_folder_one_runs_the_other_is_refused(tmp_path):
-    """3 trials (started together, each its own folder) of two runs started at the same
+    """2 trials (started together, each its own folder) of two runs started at the same
     moment (seeds 0 and 7); the winner pauses after each checkpoint file, so it still
     holds the folder when the other arrives."""
     from tpkit.checkpoint import retention, store
 
-    outs = [tmp_path / f"t{trial}" for trial in range(3)]
+    outs = [tmp_path / f"t{trial}" for trial in range(2)]
     trials = [[_start(*TINY, "--seed", str(seed), "--out", str(out), TPKIT_CKPT_PAUSE_S="0.5")
                for seed in (0, 7)] for out in outs]
     for out, procs in zip(outs, trials):
@@ -108,9 +108,11 @@ def test_a_diverging_run_stops_at_the_first_nonfinite_step(tmp_path, capsys):
         assert "step 2: the gradient norm is nan" in line and "stopped before the update" \
             in line, line
         assert _finite_checkpoints(out) == [1]  # the last good one was kept, nothing NaN
-        again = _one_error_line(_here(capsys, *huge, "--tp", str(tp), "--out", str(out),
-                                       "--resume", "auto"), 1)
-        assert "step 2: " in again  # resumed from step 1, the finite one, and stopped again
+    again = _one_error_line(_here(capsys, *huge, "--out", str(tmp_path / "tp1"), "--resume",
+                                  "auto"), 1)
+    assert "step 2: " in again  # resumed from step 1, the finite one, and stopped again
+    line = _one_error_line(_here(capsys, *huge, "--lr", "1e39", "--out", str(out)), 2)
+    assert "lr=1e+39 must be positive and below 1e30" in line, line  # not a torch overflow
     out = tmp_path / "skip"
     line = _one_error_line(_here(capsys, *huge, "--out", str(out), "--on-nonfinite", "skip",
                                   "--nonfinite-skips", "2"), 1)
@@ -171,14 +173,33 @@ def test_storage_errors_are_one_line(tiny_mount, tmp_path, capsys):
     assert sorted(p.name for p in (out / "checkpoints").iterdir()) == ["step_000002"]
 
 
+def _raise(code: int, text: bool):
+    """An OSError, or the text safetensors gives its I/O errors ('... (os error N)')."""
+    if text:
+        from safetensors import SafetensorError
+
+        return SafetensorError(f"Error while serializing: IoError({os.strerror(code)} "
+                               f"(os error {code}))")
+    return OSError(code, os.strerror(code))
+
+
+FAULTS = [("save_file", errno.ENOSPC, True), ("save_file", errno.EDQUOT, False),
+          ("save_file", errno.EROFS, True), ("write_json", errno.ENOSPC, False),
+          ("write_json", errno.EACCES, False), ("write_json", errno.EROFS, False)]
+
+
 @pytest.mark.timeout(120)
-@pytest.mark.parametrize("target", ["save_file", "write_json"])
+@pytest.mark.parametrize("target,code,text", FAULTS,
+                         ids=[f"{t}-{errno.errorcode[c]}" for t, c, _ in FAULTS])
 def test_a_failed_write_at_each_file_is_one_line_and_leaves_no_temporary(tmp_path, monkeypatch,
-                                                                         target):
-    """ENOSPC injected into each kind of write of a save (a shard, a rank record, the
-    manifest): a StorageError naming the file, the previous checkpoint untouched."""
+                                                                         target, code, text):
+    """A full disk, a quota, a read-only file system or a refused permission injected
+    into each kind of write of a save (the model and optimizer shards; a rank record,
+    the manifest): one StorageError line naming the file, the bytes and the free space,
+    exit 1 (the run failed, not the user), no temporary, the previous checkpoint kept."""
     from tpkit.checkpoint import manifest, store
     from tpkit.checkpoint.disk import StorageError
+    from tpkit.cli import explain
     from tpkit.mesh import ParallelMesh
     from tpkit.model import Transformer
     from tpkit.spec import get_preset
@@ -195,14 +216,15 @@ def test_a_failed_write_at_each_file_is_one_line_and_leaves_no_temporary(tmp_pat
         def failing(*args, _at=fail_at, **kw):
             calls.append(args[1] if target == "save_file" else args[0])
             if len(calls) - 1 == _at:
-                raise OSError(errno.ENOSPC, "No space left on device")
+                raise _raise(code, text)
             return real(*args, **kw)
 
         calls.clear()
         monkeypatch.setattr(manifest, target, failing)
-        with pytest.raises(StorageError, match=r"No space left on device while writing") as e:
+        with pytest.raises(StorageError, match=f"{os.strerror(code)} while writing") as e:
             store.save(tmp_path / "c", model, opt, step=2)
         assert Path(str(calls[fail_at])).name in str(e.value) and "free there" in str(e.value)
+        assert explain(e.value) == (str(e.value), 1)
         assert sorted(p.name for p in tmp_path.iterdir()) == ["c"]  # no temporary
         assert store.read_manifest(tmp_path / "c")["step"] == 1
     monkeypatch.setattr(manifest, target, real)

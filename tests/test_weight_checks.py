@@ -64,3 +64,14 @@ def test_a_bad_hugging_face_folder_is_one_line_naming_its_tensor(folders, capsys
     lines = capsys.readouterr().err.strip().splitlines()
     assert status == 2 and len(lines) == 1, lines
     assert lines[0].startswith("tpkit generate: error: ") and needle in lines[0], lines
+
+
+@pytest.mark.timeout(120)
+def test_generate_validates_before_printing(folders, capsys):
+    """A prompt longer than the model's context: the error, and nothing on stdout."""
+    good = folders["k_shape"].parent / "good"
+    capsys.readouterr()
+    status = main(["generate", "--checkpoint", str(good), "--prompt", "a" * 300,
+                   "--max-new-tokens", "2"])
+    out, err = capsys.readouterr()
+    assert status == 2 and out == "" and "exceeds the context of 128 tokens" in err, (out, err)

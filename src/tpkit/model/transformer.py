@@ -215,8 +215,8 @@ class Transformer(nn.Module):
 
     def _embed(self, ids, token_types, position_offset: int) -> torch.Tensor:
         if self.sequence_parallel and ids.shape[1] % self.group.size:
-            raise ValueError(f"sequence length {ids.shape[1]} is not divisible by "
-                             f"tp={self.group.size} (sequence parallelism)")
+            raise UserError(f"sequence length {ids.shape[1]} is not divisible by "
+                            f"tp={self.group.size} (sequence parallelism)")
         with self.mesh.ledger.scope("embed"):  # its all-reduce (or reduce-scatter) is named
             return self.embed(ids, token_types, position_offset, self.rng)
 
