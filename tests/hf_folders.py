@@ -50,6 +50,20 @@ def tiny_llama_folder(folder: Path, seed: int = 0, **config) -> Path:
     return folder
 
 
+CHAT_TEMPLATE = ("{% for m in messages %}<s>{{ m['role'] }}\n{{ m['content'] }}</s>\n"
+                 "{% endfor %}{% if add_generation_prompt %}<s>assistant\n{% endif %}")
+
+
+def with_chat_template(folder: Path, template: str = CHAT_TEMPLATE) -> Path:
+    """Give the tokenizer saved in `folder` a chat template (as instruct models have)."""
+    from transformers import AutoTokenizer
+
+    tok = AutoTokenizer.from_pretrained(str(folder))
+    tok.chat_template = template
+    tok.save_pretrained(str(folder))
+    return folder
+
+
 if __name__ == "__main__":  # python tests/hf_folders.py DIR: the README's example folder
     import sys
 

@@ -50,17 +50,16 @@ def _weights(preset: str, ckpt: str) -> dict[str, torch.Tensor]:
 
 
 def _compare(run_tp, tmp_path, preset: str, tp: int, dp: int, cp: int, sp: bool = False,
-             **extra):
-    base = run_tp(_train, tp, _cfg(tmp_path / "base", preset=preset, tp=tp, dp=dp, sp=sp),
-                  dp=dp)
-    got = run_tp(_train, tp, _cfg(tmp_path / "cp", preset=preset, tp=tp, dp=dp, cp=cp, sp=sp,
-                                  **extra), dp=dp * cp)
+             pp: int = 1, **extra):
+    kw = dict(preset=preset, tp=tp, pp=pp, dp=dp, sp=sp, micro_batches=pp)
+    base = run_tp(_train, tp, _cfg(tmp_path / "base", **kw), pp=pp, dp=dp)
+    got = run_tp(_train, tp, _cfg(tmp_path / "cp", **kw, cp=cp, **extra), pp=pp, dp=dp * cp)
     assert all(r["theory_ok"] for r in got), got[0]["theory"]  # tp and cp traffic
     assert all(r["losses"] == got[0]["losses"] for r in got)
     loss_rel = max(abs(a - b) / b for a, b in zip(got[0]["losses"], base[0]["losses"]))
     a, b = _weights(preset, got[0]["ckpt"]), _weights(preset, base[0]["ckpt"])
     weight_rel = max(((a[n] - b[n]).abs().max() / b[n].abs().max()).item() for n in b)
-    print(preset, dict(tp=tp, dp=dp, cp=cp, **extra), loss_rel, weight_rel)
+    print(preset, dict(tp=tp, pp=pp, dp=dp, cp=cp, **extra), loss_rel, weight_rel)
     assert loss_rel <= 1e-6 and weight_rel <= WEIGHTS_REL, (loss_rel, weight_rel)
 
 
@@ -109,6 +108,12 @@ def test_cp2_rotary_gqa_equals_cp1(run_tp, tmp_path):
 def test_cp2_times_tp2_sp_learned_positions_equals_tp2(run_tp, tmp_path):
     """Heads split over tp, the sequence over tp again inside each cp rank (SP)."""
     _compare(run_tp, tmp_path, "gpt2-tiny", 2, 1, 2, sp=True)
+
+
+@pytest.mark.timeout(180)
+def test_cp2_times_pp2_equals_pp2(run_tp, tmp_path):
+    """Pipeline stages pass [b, s/cp, h] activations; each stage's layers ring over cp."""
+    _compare(run_tp, tmp_path, "llama-tiny", 1, 1, 2, pp=2)
 
 
 @pytest.mark.timeout(180)

@@ -79,7 +79,8 @@ def test_cli_and_tokenizer(checkpoints, capsys):
     assert tok.decode([*tok.encode("ab"), 300]) == "ab"  # ids >= 256 are no bytes: dropped
     args = argparse.Namespace(checkpoint=checkpoints["gpt2-t"], tp=1, prompt=["ab"],
                               prompt_ids=[], max_new_tokens=4, temperature=0.0, top_k=None,
-                              seed=0, ignore_eos=False)
+                              seed=0, ignore_eos=False, top_p=None, stop=[], chat=False,
+                              max_batch=8, max_len=None)
     assert run(args) == 0
     out = capsys.readouterr()
     assert out.out.startswith("ab") and "tokens/s" in out.err

@@ -20,7 +20,7 @@ from tpkit.checkpoint import store as ckpt
 from tpkit.checkpoint.hf import from_pretrained, to_hf
 from tpkit.checkpoint.hf_check import compare, gather, reference, tp_case
 from tpkit.comm import all_gather
-from tpkit.layers.attention import KVCache
+from tpkit.model.kv_pool import KVPool
 
 SMALL = dict(num_hidden_layers=2, hidden_size=64, intermediate_size=96, vocab_size=101,
              max_position_embeddings=64)
@@ -154,10 +154,12 @@ def test_export_is_bit_identical(saved, tmp_path, kind):
 def cached_worker(mesh, path, ids):
     """Logits of the last 3 positions, computed one token at a time with a KV cache."""
     model = from_pretrained(path, mesh).eval()
-    caches = [KVCache() for _ in model.layers]
+    pool = KVPool(model, slots=ids.shape[0], max_len=ids.shape[1] + 5)  # a slot per row
     with torch.no_grad():
-        model(ids[:, :-3], kv_caches=caches)
-        steps = [model(ids[:, t:t + 1], kv_caches=caches, position_offset=t)
+        starts = torch.zeros(ids.shape[0], dtype=torch.long)
+        model(ids[:, :-3], kv_caches=pool.views(0, ids.shape[0], starts), position_offset=starts)
+        steps = [model(ids[:, t:t + 1], kv_caches=pool.views(0, ids.shape[0], starts + t),
+                       position_offset=starts + t)
                  for t in range(ids.shape[1] - 3, ids.shape[1])]
         full = model(ids)
     return (torch.cat(steps, 1) - full[:, -3:]).abs().max().item()

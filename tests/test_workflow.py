@@ -135,7 +135,8 @@ def test_greedy_generate_equals_transformers(workflow, run_tp, capsys):
     assert len(set(texts)) == 3 and all(t.strip() for t in texts), texts
     args = argparse.Namespace(checkpoint=workflow["ckpt"], tp=1, prompt=[PROMPTS[1]],
                               prompt_ids=[], max_new_tokens=NEW, temperature=0.0,
-                              top_k=None, seed=0, ignore_eos=False)
+                              top_k=None, seed=0, ignore_eos=False, top_p=None,
+                              stop=[], chat=False, max_batch=8, max_len=None)
     assert generate_cmd.run(args) == 0  # streamed, with the model's own tokenizer
     out = capsys.readouterr()
     assert out.out == PROMPTS[1] + texts[1] + "\n" and "tokens/s" in out.err
@@ -168,7 +169,8 @@ def test_preset_export_carries_a_byte_tokenizer(tmp_path, capsys):
                             do_sample=False, pad_token_id=0)[0, 4:]
     args = argparse.Namespace(checkpoint=str(tmp_path / "hf"), tp=1, prompt=["The "],
                               prompt_ids=[], max_new_tokens=16, temperature=0.0, top_k=None,
-                              seed=0, ignore_eos=False)
+                              seed=0, ignore_eos=False, top_p=None,
+                              stop=[], chat=False, max_batch=8, max_len=None)
     assert generate_cmd.run(args) == 0
     out = capsys.readouterr().out
     assert out == "The " + hf_tok.decode(ref) + "\n", (out, hf_tok.decode(ref), ref)
@@ -180,7 +182,8 @@ def test_a_hf_folder_without_tokenizer_is_not_read_as_bytes(tmp_path, capsys):
         (hf / name).unlink()
     args = argparse.Namespace(checkpoint=str(hf), tp=1, prompt=["Tensor"], prompt_ids=[],
                               max_new_tokens=2, temperature=0.0, top_k=None, seed=0,
-                              ignore_eos=False)
+                              ignore_eos=False, top_p=None,
+                              stop=[], chat=False, max_batch=8, max_len=None)
     with pytest.raises(UserError) as e:
         generate_cmd.run(args)  # one line and exit 2 from tpkit.cli
     assert "no tokenizer files in" in str(e.value)

@@ -1,13 +1,17 @@
 """`tpkit generate`: load a model at a tensor-parallel layout (tpkit checkpoint, run
 folder, full file or Hugging Face directory, opened once here: `checkpoint.open_source`,
-`checkpoint.load_model`) and sample from it (`model.generate`).
+`checkpoint.load_model`) and sample from it with the serving engine (`tpkit.serve.Engine`:
+the same preallocated KV cache, sampler and stop strings as `tpkit serve`, so a prompt
+gets the same tokens from both).
 
     tpkit generate --checkpoint hf-dir --tp 2 --prompt "The capital of France is"
     tpkit generate --checkpoint runs/x --prompt "a" --prompt "bcd"     # a batch of two
+    tpkit generate --checkpoint hf-dir --chat --prompt "Hi" --stop "\n" --top-p 0.9 --temperature 0.7
 
 Text goes through the model folder's own tokenizer (`tpkit.model.tokenizer`; byte level
 for tpkit's presets); one prompt streams as its tokens arrive, several are generated
-as one left-padded batch. Tokens per second go to stderr at the end.
+together (continuous batching, `--max-batch` at once). Tokens per second go to stderr
+at the end.
 """
 
 from __future__ import annotations
@@ -17,62 +21,85 @@ import math
 import os
 import sys
 import time
+from contextlib import nullcontext
 
 from tpkit.checkpoint.sources import load_model, open_source, source_tokenizer
 from tpkit.commands.common import group
 from tpkit.mesh import ParallelMesh
-from tpkit.model.generate import generate, pad_left
-from tpkit.model.tokenizer import ByteTokenizer, TextStream, load_tokenizer
+from tpkit.model.tokenizer import ByteTokenizer, load_tokenizer
+from tpkit.serve import Engine, SamplingParams
+from tpkit.serve.openai_api import ApiError, chat_ids
+from tpkit.serve.runner import Runner
 from tpkit.spec.errors import UserError
 from tpkit.spec.transport import add_comm_argument, comm_choice
 
 
 def _prompts(args: argparse.Namespace, tok) -> list[list[int]]:
-    """Token ids of every --prompt (the model's tokenizer) or --prompt-ids."""
+    """Token ids of every --prompt (the model's tokenizer; --chat: as a user message in
+    its chat template) or --prompt-ids."""
     if args.prompt_ids:
         return [_prompt_ids(p) for p in args.prompt_ids]
+    if args.chat:
+        try:
+            return [chat_ids({"messages": [{"role": "user", "content": p}]}, tok, nullcontext())
+                    for p in args.prompt]
+        except ApiError as e:
+            raise UserError(f"--chat: {e.message}") from None
     return [tok.encode(p) for p in args.prompt]
 
 
-def _worker(mesh: ParallelMesh, args: argparse.Namespace, source) -> dict:
-    """Generate on this rank (`source`: the checkpoint, opened by `run`); rank 0 streams
-    the text of a single prompt as it comes."""
+def _worker(mesh: ParallelMesh, args: argparse.Namespace, source) -> dict | None:
+    """Rank 0 runs the prompts through the serving engine (`tpkit.serve.Engine`: the same
+    KV pool, scheduler and sampler as `tpkit serve`, so the same tokens) and streams the
+    text of a single prompt as it comes; the other ranks follow its steps. `source`: the
+    checkpoint, opened by `run`."""
     model = load_model(source, mesh)
+    max_len = args.max_len or model.config.max_seq_len
+    if mesh.tp_rank != 0:
+        Runner(model, args.max_batch, max_len).follow()
+        return None
+    try:
+        return _lead(args, source, model, max_len)
+    finally:
+        Runner.stop_followers(model, args.max_batch)
+
+
+def _lead(args: argparse.Namespace, source, model, max_len: int) -> dict:
     tok = load_tokenizer(source_tokenizer(source))
-    vocab = model.config.vocab_size
-    name = model.config.name
+    vocab, name = model.config.vocab_size, model.config.name
     if isinstance(tok, ByteTokenizer) and not args.prompt_ids and not model.config.byte_level:
         raise UserError(f"no tokenizer files in {source.where} and {name} (vocab_size="
                         f"{vocab}) is not a byte-level model; copy its tokenizer files "
                         f"there or pass --prompt-ids")
     prompts = _prompts(args, tok)
+    engine = Engine(model, tokenizer=tok, max_batch=args.max_batch, max_len=max_len)
+    params = SamplingParams(max_tokens=max(args.max_new_tokens, 1),
+                            temperature=args.temperature, top_k=args.top_k or 0,
+                            top_p=args.top_p or 1.0, seed=args.seed, stop=tuple(args.stop),
+                            ignore_eos=args.ignore_eos)
     bad = sorted({t for p in prompts for t in p if not 0 <= t < vocab})
     if bad:
         raise UserError(f"prompt token ids {bad} are outside the model's vocabulary "
                         f"[0, {vocab})")
-    ids, mask = pad_left(prompts, tok.pad_id, mesh.device)
-    stream = TextStream(tok) if len(prompts) == 1 and mesh.rank == 0 and not args.prompt_ids \
-        else None
-    if stream is not None:
-        print(args.prompt[0], end="", flush=True)
     t0 = time.perf_counter()
-    out = generate(model, ids, args.max_new_tokens, attention_mask=mask,
-                   temperature=args.temperature, top_k=args.top_k, seed=args.seed,
-                   eos_id=None if args.ignore_eos else tok.eos_ids, pad_id=tok.pad_id,
-                   on_tokens=(lambda t: print(stream.push(t), end="", flush=True))
-                   if stream is not None else None)
+    reqs = [engine.submit(p, params) for p in prompts] if args.max_new_tokens else []
+    streamed = len(prompts) == 1 and not args.prompt_ids and bool(reqs) and not args.chat
+    if streamed:
+        print(args.prompt[0], end="", flush=True)
+        for ev in reqs[0].events_iter():
+            if ev[0] == "token":
+                print(ev[2], end="", flush=True)
+        print(flush=True)
+    new = [r.result().tokens for r in reqs] or [[] for _ in prompts]
     seconds = time.perf_counter() - t0
-    new = [row[ids.shape[1]:] for row in out.tolist()]
-    if stream is not None:
-        print(stream.flush(), flush=True)
-    return dict(new=new, seconds=seconds, streamed=stream is not None,
-                texts=[_show(args, tok, i, row) for i, row in enumerate(new)])
+    return dict(new=new, seconds=seconds, streamed=streamed,
+                texts=[_show(args, i, r) for i, r in enumerate(reqs)])
 
 
-def _show(args: argparse.Namespace, tok, i: int, new: list[int]) -> str:
+def _show(args: argparse.Namespace, i: int, req) -> str:
     if args.prompt_ids:
-        return " ".join(map(str, new))
-    return args.prompt[i] + tok.decode(new)
+        return " ".join(map(str, req.tokens))
+    return ("" if args.chat else args.prompt[i]) + req.text
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -88,15 +115,27 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         "without one); repeat for a batch of prompts")
     g.add_argument("--prompt-ids", action="append", default=[],
                    help="comma-separated token ids instead (repeatable)")
+    g.add_argument("--chat", action="store_true",
+                   help="send each prompt as a user message in the tokenizer's chat template")
     g.add_argument("--max-new-tokens", type=int, default=64, metavar="N",
                    help="tokens to generate after each prompt")
     g.add_argument("--temperature", type=float, default=0.0, metavar="T",
                    help="sampling temperature (0: greedy)")
     g.add_argument("--top-k", type=int, default=None, metavar="K",
                    help="sample among the K likeliest tokens (default: all of them)")
+    g.add_argument("--top-p", type=float, default=None, metavar="P",
+                   help="sample among the likeliest tokens of total probability P "
+                        "(nucleus; default: all of them)")
+    g.add_argument("--stop", action="append", default=[], metavar="TEXT",
+                   help="end a prompt's text at TEXT (not printed); repeatable")
     g.add_argument("--seed", type=int, default=0, help="seed of the sampling")
     g.add_argument("--ignore-eos", action="store_true",
                    help="do not stop at the tokenizer's end-of-sequence token")
+    g.add_argument("--max-batch", type=int, default=8, metavar="B",
+                   help="sequences generated at once (KV slots, as in tpkit serve)")
+    g.add_argument("--max-len", type=int, default=None, metavar="L",
+                   help="tokens per sequence, prompt included (default: the model's "
+                        "max_seq_len)")
     add_comm_argument(group(parser, "parallelism"))
 
 
@@ -121,6 +160,10 @@ def _check_args(args: argparse.Namespace) -> None:
                    f"(0: greedy)")
     if args.top_k is not None and args.top_k < 0:
         bad.append(f"--top-k={args.top_k} must be >= 0 (0: off)")
+    if args.top_p is not None and not 0 < args.top_p <= 1:
+        bad.append(f"--top-p={args.top_p} must be in (0, 1]")
+    if args.max_batch < 1 or (args.max_len is not None and args.max_len < 1):
+        bad.append("--max-batch and --max-len must be >= 1")
     if bad:
         raise UserError("; ".join(bad))
 
@@ -139,10 +182,12 @@ def run(args: argparse.Namespace) -> int:
         from tpkit.launch import spawn
 
         result = spawn(_worker, args.tp, args, source, mesh=dict(tp=args.tp, comm=comm))[0]
+    if result is None:  # a torchrun rank > 0: rank 0 prints
+        return 0
     if not result["streamed"]:
         print("\n\n".join(result["texts"]))
     n = sum(len(r) for r in result["new"])
-    print(f"[{n} tokens ({len(result['new'])} x {len(result['new'][0])}) in "
+    print(f"[{n} tokens ({len(result['new'])} prompts) in "
           f"{result['seconds']:.2f} s: {n / max(result['seconds'], 1e-9):.1f} tokens/s, "
           f"tp={args.tp}]", file=sys.stderr)
     return 0

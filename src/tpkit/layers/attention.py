@@ -32,23 +32,29 @@ from tpkit.layers.linear import ColumnParallelLinear, RowParallelLinear
 from tpkit.layers.norm import Norm
 from tpkit.layers.random import TPRandom
 from tpkit.layers.ring_attention import cp_positions, ring_attention
-from tpkit.layers.rotary import apply_rope, rope_angles
+from tpkit.layers.rotary import apply_rope, rope_angles, rope_at
 from tpkit.sharding import seed_for, set_meta
+from tpkit.spec.config import ModelConfig
 from tpkit.spec.errors import UserError
 from tpkit.spec.shapes import heads_problems, kv_heads_per_rank
 
 
 @dataclass
-class KVCache:
-    """This rank's keys and values so far: [b, kv_local, t, hd] each (its heads only)."""
+class KVSlots:
+    """One layer's keys and values in a preallocated pool, as one forward sees them.
 
-    k: torch.Tensor | None = None
-    v: torch.Tensor | None = None
+        k, v    [b, kv_local, max_len, hd]   row i of the batch is slot i of this view
+        starts  [b]                          positions row i has cached before this call
 
-    @property
-    def length(self) -> int:
-        """Number of cached positions."""
-        return 0 if self.k is None else self.k.shape[2]
+    The forward writes its s new keys at positions starts..starts+s-1 of each row (no
+    `torch.cat`, no reallocation) and attends over the whole slot with a mask that keeps
+    key j for the query at position p iff j <= p (and j > p - window): a row's result
+    depends on its own tokens only, never on the other rows or on how full they are.
+    """
+
+    k: torch.Tensor
+    v: torch.Tensor
+    starts: torch.Tensor
 
 
 def heads_of_rank(num_heads: int, num_kv_heads: int, tp: int, rank: int
@@ -63,7 +69,23 @@ def heads_of_rank(num_heads: int, num_kv_heads: int, tp: int, rank: int
 
 
 class ParallelAttention(nn.Module):
-    """Multi-head / grouped-query / multi-query self-attention, heads split over tp."""
+    """Multi-head / grouped-query / multi-query self-attention, heads split over tp.
+
+    A model builds it from its config (`from_config`: every attention feature of a
+    family is read there); the keywords of `__init__` serve a layer built on its own."""
+
+    @classmethod
+    def from_config(cls, c: ModelConfig, group: CommGroup, *, sequence_parallel: bool = False,
+                    seed: int = 0, out_std: float | None = None, device=None, dtype=None
+                    ) -> ParallelAttention:
+        """The attention of a transformer layer of `c`, split over `group`."""
+        return cls(c.hidden, c.num_heads, group, num_kv_heads=c.kv_heads, bias=c.bias,
+                   causal=c.causal, rope_theta=c.rope_theta if c.position == "rope" else None,
+                   dropout=c.dropout, sequence_parallel=sequence_parallel, init_std=c.init_std,
+                   out_std=out_std, seed=seed, head_dim=c.head_dim, qkv_bias=c.attn_bias,
+                   qk_norm_eps=c.norm_eps if c.qk_norm else None, rotary_dim=c.rope_dim,
+                   sliding_window=c.sliding_window, rope_llama3=c.rope_llama3, device=device,
+                   dtype=dtype)
 
     def __init__(self, hidden: int, num_heads: int, group: CommGroup, *,
                  num_kv_heads: int | None = None, bias: bool = True, causal: bool = True,
@@ -108,10 +130,11 @@ class ParallelAttention(nn.Module):
         return heads_of_rank(self.num_heads, self.num_kv_heads, self.group.size, self.group.rank)
 
     def forward(self, x: torch.Tensor, attention_mask: torch.Tensor | None = None,
-                rng: TPRandom | None = None, kv_cache: KVCache | None = None) -> torch.Tensor:
+                rng: TPRandom | None = None, kv_cache: KVSlots | None = None) -> torch.Tensor:
         """x [b, s, h] ([b, s/tp, h] with SP) -> same shape; one all-reduce forward.
 
-        `attention_mask` [b, s_total] is 1 for real tokens and 0 for padding.
+        `attention_mask` [b, s] is 1 for real tokens and 0 for padding. With `kv_cache`
+        (a causal model generating) the keys come from the slots instead (`KVSlots`).
         """
         qkv = self.qkv(x)  # [b, s, (nh/tp + 2 kv_local) hd]
         b, s, _ = qkv.shape
@@ -122,46 +145,68 @@ class ParallelAttention(nn.Module):
         v = v.view(b, s, nkv, hd).transpose(1, 2)
         if self.q_norm is not None:
             q, k = self.q_norm(q), self.k_norm(k)  # over each head's hd
-        offset = kv_cache.length if kv_cache is not None else 0
         ring = self.cp is not None and self.cp.size > 1  # this rank holds 2 chunks of S
-        if self.rope_theta is not None:
-            cos, sin = self._angles(s, offset, x.device, ring)
-            q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
-        if ring:  # keys and values around the cp ring; kv heads travel unrepeated
-            y = ring_attention(q, k, v, self.cp)  # [b, nh/tp, s, hd]
-            return self.out(y.transpose(1, 2).reshape(b, s, nq * hd))  # [b, s, h] over tp
         if kv_cache is not None:
-            k = k if kv_cache.k is None else torch.cat([kv_cache.k, k], dim=2)
-            v = v if kv_cache.v is None else torch.cat([kv_cache.v, v], dim=2)
-            kv_cache.k, kv_cache.v = k, v
-        if nkv != nq:  # grouped-query: each kv head serves nq/nkv query heads
-            k = k.repeat_interleave(nq // nkv, dim=1)  # [b, nh/tp, t, hd]
-            v = v.repeat_interleave(nq // nkv, dim=1)
-        y = self._attend(q, k, v, attention_mask, offset, rng)  # [b, nh/tp, s, hd]
+            y = self._attend_slots(q, k, v, kv_cache)  # [b, nh/tp, s, hd]
+        else:
+            if self.rope_theta is not None:
+                cos, sin = self._angles(s, x.device, ring)
+                q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
+            if ring:  # keys and values around the cp ring; kv heads travel unrepeated
+                y = ring_attention(q, k, v, self.cp)  # [b, nh/tp, s, hd]
+                return self.out(y.transpose(1, 2).reshape(b, s, nq * hd))  # [b, s, h] over tp
+            if nkv != nq:  # grouped-query: each kv head serves nq/nkv query heads
+                k = k.repeat_interleave(nq // nkv, dim=1)  # [b, nh/tp, s, hd]
+                v = v.repeat_interleave(nq // nkv, dim=1)
+            y = self._attend(q, k, v, attention_mask, rng)  # [b, nh/tp, s, hd]
         y = y.transpose(1, 2).reshape(b, s, nq * hd)  # [b, s, h/tp]
         return self.out(y)  # [b, s, h] summed over tp
 
-    def _angles(self, s: int, offset: int, device, ring: bool):
+    def _angles(self, s: int, device, ring: bool):
         """cos, sin [s, rotary_dim] of this rank's positions (global ones under cp)."""
         if not ring:
-            return rope_angles(s, self.rotary_dim, self.rope_theta, offset, device,
-                               self.rope_llama3)
+            return rope_angles(s, self.rotary_dim, self.rope_theta, 0, device, self.rope_llama3)
         cos, sin = rope_angles(s * self.cp.size, self.rotary_dim, self.rope_theta, 0, device,
                                self.rope_llama3)  # [S, rd]
         pos = cp_positions(s, self.cp, device=device)  # [s] global positions
         return cos[pos], sin[pos]
 
-    def _attend(self, q, k, v, attention_mask, offset, rng):
+    def _attend_slots(self, q, k, v, cache: KVSlots) -> torch.Tensor:
+        """Write this call's keys/values into the slots, attend over each whole slot.
+
+        Written out (no fused kernel): the CPU's fused attention splits its work over
+        threads by batch row, so a row's rounding would depend on where it sits; these
+        batched products give every row the same computation wherever it is."""
+        b, s, L = q.shape[0], q.shape[2], cache.k.shape[2]
+        pos = cache.starts[:, None] + torch.arange(s, device=q.device)  # [b, s]
+        if self.rope_theta is not None:
+            cos, sin = rope_at(pos, self.rotary_dim, self.rope_theta, L, self.rope_llama3)
+            q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)  # [b, 1, s, rd] angles
+        rows = torch.arange(b, device=q.device)[:, None]  # [b, 1]
+        cache.k[rows, :, pos] = k.transpose(1, 2)  # [b, s, kv_local, hd] into the slots
+        cache.v[rows, :, pos] = v.transpose(1, 2)
+        keys = torch.arange(L, device=q.device)  # [L]
+        mask = keys <= pos[..., None]  # [b, s, L]: causal, and nothing past the row's end
+        if self.sliding_window:
+            mask = mask & (keys > pos[..., None] - self.sliding_window)
+        nkv, g, hd = cache.k.shape[1], q.shape[1] // cache.k.shape[1], q.shape[3]
+        qg = (q * hd ** -0.5).reshape(b, nkv, g * s, hd)  # a kv head's g query heads
+        att = qg @ cache.k.transpose(-1, -2)  # [b, kv_local, g*s, L]
+        mask = mask[:, None, None].expand(b, 1, g, s, L).reshape(b, 1, g * s, L)
+        att = att.float().masked_fill(~mask, float("-inf")).softmax(-1).to(q.dtype)
+        return (att @ cache.v).view(b, nkv * g, s, hd)  # [b, nh/tp, s, hd]
+
+    def _attend(self, q, k, v, attention_mask, rng):
         s, t = q.shape[2], k.shape[2]
         p = self.dropout if self.training else 0.0
         mask = None
         window = self.sliding_window if self.sliding_window and self.sliding_window < t else None
-        if attention_mask is not None or (self.causal and offset) or window:
+        if attention_mask is not None or window:
             mask = torch.ones(s, t, dtype=torch.bool, device=q.device)
             if self.causal:
-                mask = torch.tril(mask, diagonal=offset)  # query i sees keys <= offset + i
+                mask = torch.tril(mask)  # query i sees keys <= i
             if window:
-                mask = torch.triu(mask, diagonal=offset - window + 1)  # ... and > i - window
+                mask = torch.triu(mask, diagonal=1 - window)  # ... and > i - window
             mask = mask.expand(q.shape[0], 1, s, t)
             if attention_mask is not None:
                 mask = mask & attention_mask[:, None, None, -t:].bool()

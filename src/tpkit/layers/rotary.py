@@ -47,6 +47,16 @@ def rope_angles(seq: int, head_dim: int, theta: float, offset: int = 0,
     return cos[offset:offset + seq], sin[offset:offset + seq]
 
 
+def rope_at(positions: torch.Tensor, head_dim: int, theta: float, max_len: int,
+            llama3: tuple | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """cos, sin [b, 1, s, head_dim] for each row's own positions [b, s] (< max_len), read
+    from one table of a size fixed by `max_len`: a position's angles never depend on
+    which other rows or positions share the batch."""
+    n = 1 << max(max_len - 1, 1).bit_length()
+    cos, sin = _table(n, head_dim, float(theta), positions.device, llama3)
+    return cos[positions][:, None], sin[positions][:, None]
+
+
 def _rotate_half(x: torch.Tensor) -> torch.Tensor:
     a, b = x.chunk(2, dim=-1)
     return torch.cat([-b, a], dim=-1)

@@ -18,7 +18,6 @@ and the worker processes of the demonstrations. Pure Python unless `--live`.
 from __future__ import annotations
 
 import errno
-import ipaddress
 import json
 import signal
 import socket
@@ -30,6 +29,7 @@ from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from importlib import resources
 from urllib.parse import parse_qs, urlsplit
 
+from tpkit.hosts import allowed_hosts, host_of, is_loopback
 from tpkit.quiz import web_api
 from tpkit.quiz.content import Quiz
 from tpkit.spec.errors import UserError
@@ -50,28 +50,6 @@ HEADERS = {
     "Cache-Control": "no-store",
 }
 LiveRunner = Callable[[int, int, int, str], dict]  # (level, number, tp, lang) -> figures
-
-
-def is_loopback(host: str) -> bool:
-    """True for localhost and loopback addresses (127.0.0.0/8, ::1)."""
-    try:
-        return host == "localhost" or ipaddress.ip_address(host).is_loopback
-    except ValueError:
-        return False
-
-
-def allowed_hosts(host: str) -> set[str] | None:
-    """Host-header names accepted when serving on `host`; None: any (wildcard address)."""
-    if host in ("0.0.0.0", "::", ""):
-        return None
-    return {host, "127.0.0.1", "localhost", "::1"} if is_loopback(host) else {host}
-
-
-def host_of(header: str) -> str:
-    """'127.0.0.1:8765' -> '127.0.0.1'; '[::1]:80' -> '::1'."""
-    if header.startswith("["):
-        return header[1:].split("]", 1)[0]
-    return header.rsplit(":", 1)[0] if header.count(":") == 1 else header
 
 
 class _Live:

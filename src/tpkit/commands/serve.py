@@ -1,0 +1,166 @@
+"""`tpkit serve`: a model at a tensor-parallel layout behind an OpenAI-compatible endpoint.
+
+    tpkit serve --checkpoint hf-dir --tp 2                  # http://127.0.0.1:8000/v1
+    tpkit serve --checkpoint runs/x --max-batch 16 --port 0 # a free port (printed)
+
+CKPT is anything `tpkit generate` takes. This process is rank 0 (the HTTP front, the
+engine, the sampler); `--tp N` starts ranks 1..N-1 as local processes that follow it
+(`tpkit.serve.workers`); under torchrun, rank 0 serves and the others follow.
+SIGTERM, SIGINT or SIGHUP: stop accepting (503), let running requests finish for
+`--drain-seconds`, cancel the rest, stop the workers, exit 128 + the signal. A worker
+that dies: every waiting request gets 503 and the server exits 1 naming the rank.
+"""
+
+from __future__ import annotations
+
+import argparse
+import errno
+import os
+import signal
+import sys
+import threading
+from pathlib import Path
+
+from tpkit.checkpoint.sources import load_model, open_source, source_tokenizer
+from tpkit.commands.common import group
+from tpkit.hosts import is_loopback
+from tpkit.launch import SpawnError
+from tpkit.mesh import ParallelMesh
+from tpkit.model.tokenizer import load_tokenizer
+from tpkit.serve.engine import Engine
+from tpkit.serve.http import HOST, MAX_BODY, App, make_server
+from tpkit.serve.loop import serve_loop
+from tpkit.serve.runner import Runner
+from tpkit.spec.errors import UserError
+from tpkit.spec.transport import add_comm_argument, comm_choice
+
+_SIGNALS = (signal.SIGTERM, signal.SIGINT, signal.SIGHUP)
+
+
+class Stopped(KeyboardInterrupt):
+    """The server stopped on a signal (the CLI exits 128 + `signum`)."""
+
+    def __init__(self, signum: int) -> None:
+        super().__init__(signal.Signals(signum).name)
+        self.signum = signum
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    """Options of `tpkit serve`, under the shared headings (`tpkit.commands.common`)."""
+    group(parser, "model").add_argument(
+        "--checkpoint", required=True, help="tpkit checkpoint dir, run folder (its latest "
+        "valid checkpoint), full .safetensors, or Hugging Face dir")
+    group(parser, "model").add_argument(
+        "--served-model-name", default=None, metavar="NAME",
+        help="the model id clients send (default: the checkpoint folder's name)")
+    p = group(parser, "parallelism")
+    p.add_argument("--tp", type=int, default=1, metavar="N", help="tensor-parallel processes")
+    add_comm_argument(p)
+    g = group(parser, "serving")
+    g.add_argument("--host", default=HOST, help="address to listen on (127.0.0.1: this "
+                   "machine only)")
+    g.add_argument("--port", type=int, default=8000, help="port (0: a free one, printed)")
+    g.add_argument("--max-batch", type=int, default=8, metavar="B",
+                   help="sequences generated at once: KV slots per rank")
+    g.add_argument("--max-len", type=int, default=None, metavar="L",
+                   help="tokens per sequence, prompt included (default: the model's "
+                        "max_seq_len)")
+    g.add_argument("--max-tokens-in-flight", type=int, default=None, metavar="T",
+                   help="prompt + max_tokens summed over the running requests; more waits "
+                        "in the queue (default: max-batch x max-len)")
+    g.add_argument("--max-body-bytes", type=int, default=MAX_BODY, metavar="N",
+                   help="largest request body")
+    g.add_argument("--timeout", type=float, default=30.0, metavar="S",
+                   help="seconds an idle connection is kept")
+    g.add_argument("--drain-seconds", type=float, default=5.0, metavar="S",
+                   help="on SIGTERM, how long running requests may still finish")
+
+
+def _check_args(args: argparse.Namespace) -> None:
+    bad = [f"--{k.replace('_', '-')}={getattr(args, k)} must be >= 1"
+           for k in ("tp", "max_batch") if getattr(args, k) < 1]
+    bad += [f"--{k.replace('_', '-')}={getattr(args, k)} must be >= 1"
+            for k in ("max_len", "max_tokens_in_flight", "max_body_bytes")
+            if getattr(args, k) is not None and getattr(args, k) < 1]
+    if not 0 <= args.port <= 65535:
+        bad.append(f"--port={args.port} must be in [0, 65535]")
+    if args.timeout <= 0 or args.drain_seconds < 0:
+        bad.append("--timeout must be > 0 and --drain-seconds >= 0")
+    if bad:
+        raise UserError("; ".join(bad))
+
+
+def _bind(app: App, host: str, port: int):
+    try:
+        return make_server(app, host, port)
+    except OSError as e:
+        why = (f"port {port} is already in use on {host}; choose another with --port "
+               f"(--port 0 picks a free one)" if e.errno == errno.EADDRINUSE
+               else f"cannot listen on {host}:{port}: {e.strerror or e}")
+        raise UserError(why) from None
+
+
+def run(args: argparse.Namespace) -> int:
+    """Load the model on every rank, serve on rank 0 until a signal or a worker's death."""
+    _check_args(args)
+    comm = comm_choice(getattr(args, "comm", None))
+    source = open_source(args.checkpoint)  # once, before any process
+    if "WORLD_SIZE" in os.environ:  # torchrun: rank 0 serves, the others follow
+        mesh, peers = ParallelMesh.from_env(tp=args.tp, pp=1, comm=comm), None
+        if mesh.rank != 0:
+            model = load_model(source, mesh)
+            Runner(model, args.max_batch, args.max_len or model.config.max_seq_len).follow()
+            return 0
+    else:
+        mesh, peers = None, None
+    name = args.served_model_name or Path(str(args.checkpoint).rstrip("/")).resolve().name
+    app = App(None, name, None,
+              max_body=args.max_body_bytes, timeout=args.timeout)
+    server = _bind(app, args.host, args.port)  # a busy port fails before any loading
+    try:
+        if mesh is None and args.tp > 1:
+            from tpkit.serve.workers import Peers
+
+            peers = Peers(args.tp, source, args.max_batch, args.max_len or 0, comm=comm)
+            mesh = peers.mesh
+        mesh = mesh or ParallelMesh.single()
+        return _serve(args, source, mesh, peers, app, server)
+    finally:
+        server.server_close()
+        if peers is not None:
+            peers.close()
+
+
+def _serve(args, source, mesh: ParallelMesh, peers, app: App, server) -> int:
+    model = load_model(source, mesh)
+    app.tokenizer = load_tokenizer(source_tokenizer(source))
+    app.engine = Engine(model, tokenizer=app.tokenizer, max_batch=args.max_batch,
+                        max_len=args.max_len, max_tokens_in_flight=args.max_tokens_in_flight)
+    stop, got = threading.Event(), []
+
+    def on_signal(signum, _frame):
+        got.append(signum)
+        stop.set()
+
+    previous = {s: signal.signal(s, on_signal) for s in _SIGNALS}
+    host, port = server.server_address[:2]
+    if not is_loopback(args.host):
+        print(f"tpkit serve: warning: --host {args.host} makes the model reachable from "
+              f"other machines (no login, no TLS)", file=sys.stderr)
+    thread = threading.Thread(target=server.serve_forever, name="tpkit-http", daemon=True)
+    thread.start()
+    shown = f"[{host}]" if ":" in host else host
+    print(f"tpkit serve: http://{shown}:{port}/v1 model={app.name!r} tp={mesh.tp_size} "
+          f"max_batch={app.engine.max_batch} max_len={app.engine.max_len}", flush=True)
+    try:
+        line = serve_loop(app.engine, stop, peers, args.drain_seconds)
+    finally:
+        server.shutdown()
+        app.wait_handlers(2.0)  # the answers (503s included) get written
+        for s, h in previous.items():
+            signal.signal(s, h)
+    if line is not None:
+        raise SpawnError(line, run_failed=True)
+    if got:
+        raise Stopped(got[0])
+    return 0

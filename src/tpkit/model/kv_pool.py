@@ -1,0 +1,107 @@
+"""A KV cache preallocated once for a fixed number of sequences (slots), and the two
+forwards of generation over it: the prefill of one sequence and the decode of all.
+
+    pool = KVPool(model, slots=8, max_len=512)   # per layer k, v [8, kv_local, 512, hd]
+    logits = prefill(model, pool, slot=3, ids=[5, 17, 200])   # [V]: after the last token
+    logits = decode(model, pool, tokens, lengths)             # [8, V]: one token per slot
+
+Each rank holds its own heads' keys and values only (split over tp like the qkv
+weights; shared kv heads when num_kv_heads < tp), so the pool costs 1/tp of the
+model's cache on each rank. Nothing grows or moves while generating: a forward writes
+its new keys in place (`layers.attention.KVSlots`) and each slot has its own length
+and positions (0, 1, ... from its own first token: no padding).
+
+Batch invariance (exact, not approximate). A matrix product's rounding depends on its
+shape (on the CPU a 1-row product takes another kernel than an 8-row one, and 2-7
+rows others again), never on the values of the other rows. So the shapes here never
+depend on what else is running: a prefill is one sequence alone ([1, s]); a decode
+runs every slot ([slots, 1]: the free ones compute a dummy token at position 0 that
+nobody reads) and attends over every slot's whole `max_len` under a mask. A
+sequence's logits are then bit for bit the same whatever shares the pool, for a given
+(slots, max_len).
+
+Two tensor-parallel collectives per layer (the two all-reduces) plus one all-gather of
+the last logits per forward; every rank returns the same logits.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from tpkit.comm import all_gather
+from tpkit.layers.attention import KVSlots
+from tpkit.spec.errors import UserError
+
+
+class KVPool:
+    """Keys and values of `slots` sequences of up to `max_len` tokens, for every layer."""
+
+    def __init__(self, model: nn.Module, slots: int, max_len: int,
+                 dtype: torch.dtype | None = None) -> None:
+        if slots < 1 or max_len < 1:
+            raise UserError(f"a KV pool needs slots >= 1 and max_len >= 1 (got slots={slots}, "
+                            f"max_len={max_len})")
+        if max_len > model.config.max_seq_len:
+            raise UserError(f"max_len={max_len} exceeds the model's max_seq_len="
+                            f"{model.config.max_seq_len}")
+        first = next(model.parameters())
+        dtype, device = dtype or first.dtype, first.device
+        self.slots, self.max_len = slots, max_len
+        self.k, self.v = [], []
+        for layer in model.layers.values():
+            a = layer.attn  # this rank's kv heads only
+            shape = (slots, a.local_kv, max_len, a.head_dim)
+            self.k.append(torch.zeros(shape, dtype=dtype, device=device))
+            self.v.append(torch.zeros(shape, dtype=dtype, device=device))
+
+    def views(self, first: int, count: int, starts: torch.Tensor) -> list[KVSlots]:
+        """Slots first..first+count-1 as one forward's per-layer caches (views, no copy)."""
+        return [KVSlots(k[first:first + count], v[first:first + count], starts)
+                for k, v in zip(self.k, self.v)]
+
+    def nbytes(self) -> int:
+        """Bytes of keys and values this rank holds."""
+        return sum(t.numel() * t.element_size() for t in (*self.k, *self.v))
+
+
+PP_ERROR = ("generate runs at pp=1: one sequence's tokens come one at a time, so a "
+            "pipeline would keep all but one stage idle; every tpkit checkpoint loads at "
+            "pp=1 (split the model's memory with tp instead)")
+
+
+def _check(model: nn.Module) -> None:
+    if not (model.is_first_stage and model.is_last_stage):
+        raise UserError(PP_ERROR)
+
+
+@torch.no_grad()
+def _last_logits(model: nn.Module, ids: torch.Tensor, caches: list[KVSlots],
+                 starts: torch.Tensor) -> torch.Tensor:
+    """ids [b, s] through the model with `caches` -> full logits [b, V] of the last token."""
+    h = model.body(ids, kv_caches=caches, position_offset=starts)  # [b, s, h]
+    local = model.logits(h[:, -1:])[:, 0]  # [b, V_pad/tp]
+    return all_gather(local, model.group, dim=-1)[:, :model.config.vocab_size]  # [b, V]
+
+
+def prefill(model: nn.Module, pool: KVPool, slot: int, ids: list[int] | torch.Tensor
+            ) -> torch.Tensor:
+    """Cache sequence `ids` in `slot` (positions 0..s-1); the logits [V] after it."""
+    _check(model)
+    ids = torch.as_tensor(ids, device=pool.k[0].device).reshape(1, -1)  # [1, s]
+    if not 0 < ids.shape[1] <= pool.max_len:
+        raise UserError(f"a prompt of {ids.shape[1]} tokens does not fit a slot of "
+                        f"{pool.max_len}")
+    starts = torch.zeros(1, dtype=torch.long, device=ids.device)
+    return _last_logits(model, ids, pool.views(slot, 1, starts), starts)[0]
+
+
+def decode(model: nn.Module, pool: KVPool, tokens: torch.Tensor, lengths: torch.Tensor
+           ) -> torch.Tensor:
+    """One token per slot: `tokens` [slots] at positions `lengths` [slots] (each slot's
+    cached length; a free slot: any token at 0) -> logits [slots, V]."""
+    _check(model)
+    device = pool.k[0].device
+    tokens = tokens.to(device).reshape(pool.slots, 1)  # [slots, 1]
+    starts = lengths.to(device).reshape(pool.slots)  # [slots]
+    return _last_logits(model, tokens, pool.views(0, pool.slots, starts), starts)

@@ -1,0 +1,11 @@
+"""Serving: continuous batching over a preallocated KV pool (`Engine`), the tp workers
+that follow rank 0 (`runner`, `workers`), and an OpenAI-compatible HTTP front (`http`).
+
+    from tpkit.serve import Engine, SamplingParams
+"""
+
+from tpkit.serve.engine import Engine, TooLong
+from tpkit.serve.params import SamplingParams
+from tpkit.serve.request import Request, RequestFailed
+
+__all__ = ["Engine", "Request", "RequestFailed", "SamplingParams", "TooLong"]

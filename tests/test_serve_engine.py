@@ -1,0 +1,111 @@
+"""The serving engine without HTTP: continuous batching, the KV pool, the sampler.
+
+Math checked: a request's greedy tokens AND the log-probabilities of every chosen token
+are bit for bit the same alone and among 15 others of different lengths (more
+requests than slots, so some wait in the queue and are admitted mid-flight), at tp=1
+and tp=2 (tp=2 equal to tp=1 token for token, log-probs to float32 round-off); a seed
+decides a sampled request whatever shares the batch; top-p keeps the smallest nucleus
+of mass >= p; a request that does not fit the token budget waits, one that can never
+fit is refused; a cancelled request frees its slot.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from checkpoint_helpers import GPT2, LLAMA, fill, random_full
+from tpkit.mesh import ParallelMesh
+from tpkit.model.sampling import filtered
+from tpkit.model.transformer import Transformer
+from tpkit.serve import Engine, SamplingParams, TooLong
+from tpkit.serve.params import StopText
+from tpkit.serve.runner import Runner
+
+SLOTS, MAX_LEN, NEW = 4, 32, 6
+PROMPTS = [torch.randint(0, 257, (n,), generator=torch.Generator().manual_seed(n)).tolist()
+           for n in (1, 7, 2, 19, 4, 11, 3, 24, 5, 9, 13, 6, 16, 8, 21, 10)]  # 16 lengths
+
+
+def _model(mesh, config):
+    model = Transformer(config, mesh)
+    fill(model, random_full(config, seed=5, scale=1.0), mesh)
+    return model
+
+
+def batch_worker(mesh, config, sampled: bool):
+    """Rank 0: every prompt alone, then all 16 at once; the others follow."""
+    model = _model(mesh, config)
+    if mesh.tp_rank != 0:
+        return Runner(model, SLOTS, MAX_LEN).follow()
+    engine = Engine(model, max_batch=SLOTS, max_len=MAX_LEN)
+    params = [SamplingParams(max_tokens=NEW, temperature=0.9 if sampled else 0.0, top_p=0.9,
+                             seed=i) for i in range(len(PROMPTS))]
+    alone = [engine.submit(p, q).result() for p, q in zip(PROMPTS, params)]
+    together = [engine.submit(p, q) for p, q in zip(PROMPTS, params)]
+    seen_queue = len(engine._waiting)  # more requests than slots: some wait
+    together = [r.result() for r in together]
+    engine.runner.lead_stop()
+    return ([(r.tokens, r.logprobs) for r in alone], [(r.tokens, r.logprobs) for r in together],
+            seen_queue, engine.metrics.render())
+
+
+@pytest.mark.timeout(150)
+@pytest.mark.parametrize("config", [LLAMA, GPT2], ids=["llama", "gpt2"])
+def test_greedy_is_the_same_bits_alone_and_in_any_batch(run_tp, config):
+    """16 prompts of 1..24 tokens: alone == together (tokens and log-probs, exactly);
+    Llama (rotary, GQA) at tp=1 and tp=2, GPT-2 (learned positions) at tp=1."""
+    results = {}
+    for tp in (1, 2) if config is LLAMA else (1,):
+        alone, together, queued, metrics = run_tp(batch_worker, tp, config, False)[0]
+        assert together == alone, tp  # bit for bit: the batch never changes a row
+        assert queued == len(PROMPTS), tp  # submitted before any step: all waited
+        assert f'tpkit_requests_total{{finish="length"}} {2 * len(PROMPTS)}' in metrics
+        assert len({tuple(t) for t, _ in alone}) == len(PROMPTS)  # not a degenerate model
+        results[tp] = alone
+    for (t1, lp1), (t2, lp2) in zip(results[1], results.get(2, results[1])):
+        assert t1 == t2  # tp=2 gives tp=1's tokens
+        # the split sums round differently: log p = logit - logsumexp, both ~1e2 here,
+        # so float32 round-off of 1e-5 relative is ~1e-3 absolute
+        assert max(abs(a - b) for a, b in zip(lp1, lp2)) < 1e-3
+
+
+def test_a_seed_decides_a_sampled_request_whatever_the_batch():
+    alone, together, _, _ = batch_worker(ParallelMesh.single(), GPT2, True)
+    assert together == alone
+    assert len({tuple(t) for t, _ in alone}) == len(PROMPTS)
+
+
+def test_top_p_keeps_the_smallest_nucleus():
+    logits = torch.log(torch.tensor([[0.5, 0.3, 0.15, 0.05]]))
+    kept = lambda p: (filtered(logits, 1.0, None, p) > float("-inf")).sum().item()  # noqa: E731
+    assert [kept(p) for p in (0.4, 0.5, 0.79, 0.8, 0.81, 0.96, 1.0)] == [1, 1, 2, 2, 3, 4, 4]
+    assert (filtered(logits, 1.0, 2, None) > float("-inf")).sum() == 2  # top-k
+
+
+def test_stop_text_holds_back_what_may_begin_a_stop():
+    st = StopText(("END", "\n\n"))
+    assert st.add("abc E") == ("abc", False)  # " E" may begin "END": held
+    assert st.add("N") == (" ", False)
+    assert st.add("Dxyz") == ("", True)  # the stop found: nothing of it or after it
+    assert st.text == "abc " and st.flush() == ""
+    free = StopText(())
+    assert free.add("abc") == ("abc", False) and free.flush() == ""
+
+
+def test_budget_queue_refusal_and_cancel():
+    model = _model(ParallelMesh.single(), GPT2)
+    engine = Engine(model, max_batch=2, max_len=MAX_LEN, max_tokens_in_flight=30)
+    with pytest.raises(TooLong, match=f"= 36 exceeds the context of {MAX_LEN}"):
+        engine.submit([1] * 30, SamplingParams(max_tokens=6))
+    with pytest.raises(TooLong, match="max-tokens-in-flight=30"):
+        engine.submit([1] * 26, SamplingParams(max_tokens=6))
+    a = engine.submit([1] * 10, SamplingParams(max_tokens=8))  # 18 of 30
+    b = engine.submit([2] * 10, SamplingParams(max_tokens=8))  # would make 36: waits
+    engine.step()
+    assert a.slot is not None and b.slot is None and len(a.tokens) == 2
+    a.cancel()
+    engine.step()  # a's slot and tokens are free: b runs
+    assert a.finish_reason == "cancelled" and b.slot is not None and len(b.tokens) == 2
+    assert b.result().finish_reason == "length" and len(b.tokens) == 8
+    assert not engine.busy

@@ -1,0 +1,156 @@
+"""`tpkit serve` with the real `openai` client, on a tiny Llama folder with a BPE
+tokenizer and a chat template.
+
+At tp=1 the server runs in this process (the HTTP front and the serving loop in
+threads): a completion, a streamed chat completion whose chunks concatenate to the
+non-streamed text, stop strings, max_tokens, usage counts, 400 / 404 / 413 in OpenAI's
+error shape, /metrics and /health, 16 concurrent requests each equal to its solo output
+and to `tpkit generate`'s, and a client that hangs up freeing its slot.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import socket
+import threading
+import time
+from concurrent.futures import ThreadPoolExecutor
+from urllib.request import urlopen
+
+import openai
+import pytest
+
+from hf_folders import tiny_llama_folder, with_chat_template
+from tpkit.checkpoint.sources import load_model, open_source
+from tpkit.commands import generate as generate_cmd
+from tpkit.mesh import ParallelMesh
+from tpkit.model.tokenizer import ByteTokenizer, load_tokenizer
+from tpkit.serve import Engine
+from tpkit.serve.http import App, make_server
+from tpkit.serve.loop import serve_loop
+from tpkit.serve.openai_api import ApiError, chat_ids
+
+MAX_BATCH = 4
+TEXTS = ["Tensor", "Tensor parallelism splits the weight", "the pipeline sends activations",
+         "layer 7", "Tensor parallelism splits the weight matrices of layer 12 across 4 "
+         "devices; the column-parallel fc1", "devices", "the row-parallel fc2 need one",
+         "stage 3 to stage", "all-reduce", "of layer 33 across 8 devices; the",
+         "column", "splits the weight matrices", "pipeline", "fc1 and the row-parallel",
+         "Tensor parallelism splits the weight matrices of layer", "need one all-reduce, and"]
+
+
+@pytest.fixture(scope="module")
+def folder(tmp_path_factory):
+    """Weights drawn wider than transformers' default: varied greedy text, no repeats."""
+    llama = tiny_llama_folder(tmp_path_factory.mktemp("serve") / "llama", initializer_range=0.3)
+    return with_chat_template(llama)
+
+
+@pytest.fixture(scope="module")
+def server(folder):
+    """A tp=1 server on a free loopback port: (base URL, OpenAI client, engine)."""
+    model = load_model(folder, ParallelMesh.single())
+    tok = load_tokenizer(folder)
+    engine = Engine(model, tokenizer=tok, max_batch=MAX_BATCH)
+    httpd = make_server(App(engine, "llama", tok, timeout=10.0), "127.0.0.1", 0)
+    stop = threading.Event()
+    threads = [threading.Thread(target=httpd.serve_forever, daemon=True),
+               threading.Thread(target=serve_loop, args=(engine, stop), daemon=True)]
+    for t in threads:
+        t.start()
+    url = f"http://127.0.0.1:{httpd.server_address[1]}"
+    yield url, openai.OpenAI(base_url=url + "/v1", api_key="none", max_retries=0,
+                             timeout=60), engine
+    stop.set()
+    httpd.shutdown()
+    httpd.server_close()
+    threads[1].join(timeout=10)
+
+
+def complete(client, prompt, **kw):
+    r = client.completions.create(model="llama", prompt=prompt, temperature=0, **kw)
+    return r.choices[0].text, r.choices[0].finish_reason, r.usage
+
+
+def test_completion_chat_stream_stop_usage(server, folder):
+    url, client, _ = server
+    assert [m.id for m in client.models.list()] == ["llama"]
+    tok = load_tokenizer(folder)
+    text, finish, usage = complete(client, "Tensor parallelism", max_tokens=12)
+    assert finish == "length" and usage.completion_tokens == 12
+    assert usage.prompt_tokens == len(tok.encode("Tensor parallelism"))
+    assert usage.total_tokens == usage.prompt_tokens + 12 and text
+    # a stop string taken from the middle of that (random) text: it ends just before it
+    stop = next(c for c in text[len(text) // 2:] if c != "\ufffd")
+    cut, finish, _ = complete(client, "Tensor parallelism", max_tokens=12, stop=["zzz", stop])
+    assert (cut, finish) == (text[:text.index(stop)], "stop")
+    msgs = [{"role": "user", "content": "Tensor parallelism"}]
+    whole = client.chat.completions.create(model="llama", messages=msgs, max_tokens=10,
+                                           temperature=0)
+    chunks = list(client.chat.completions.create(
+        model="llama", messages=msgs, max_tokens=10, temperature=0, stream=True,
+        stream_options={"include_usage": True}))
+    streamed = "".join(c.choices[0].delta.content or "" for c in chunks if c.choices)
+    assert streamed == whole.choices[0].message.content and streamed
+    assert chunks[-1].usage.completion_tokens == whole.usage.completion_tokens == 10
+    assert [c.choices[0].finish_reason for c in chunks if c.choices][-1] == "length"
+    metrics = urlopen(url + "/metrics").read().decode()
+    for name in ("tpkit_requests_total", "tpkit_time_to_first_token_seconds_bucket",
+                 "tpkit_inter_token_latency_seconds_count", "tpkit_queue_length"):
+        assert name in metrics
+    assert json.loads(urlopen(url + "/health").read()) == {"status": "ok"}
+
+
+def test_errors_in_openai_shape(server):
+    _, client, _ = server
+    with pytest.raises(openai.BadRequestError, match="top_p=7 must be a number in"):
+        complete(client, "Tensor", max_tokens=4, top_p=7)
+    with pytest.raises(openai.BadRequestError, match="n=2"):
+        complete(client, "Tensor", max_tokens=4, n=2)
+    with pytest.raises(openai.NotFoundError, match="model 'gpt-4' is not served here"):
+        client.completions.create(model="gpt-4", prompt="Tensor", max_tokens=4)
+    with pytest.raises(openai.APIStatusError, match="exceeds the context of 128") as e:
+        complete(client, "layer " * 200, max_tokens=4)
+    assert e.value.status_code == 413 and e.value.body["code"] == "context_length_exceeded"
+    with pytest.raises(ApiError, match="no chat template"):  # a byte-level preset has none
+        chat_ids({"messages": [{"role": "user", "content": "x"}]}, ByteTokenizer(),
+                 threading.Lock())
+
+
+def test_16_concurrent_requests_each_equal_to_alone_and_to_generate(server, folder):
+    """Greedy text of 16 prompts of different lengths, sent together (more than the 4
+    slots: some wait) = each sent alone = `tpkit generate`'s."""
+    _, client, _ = server
+    alone = [complete(client, t, max_tokens=16)[0] for t in TEXTS]
+    with ThreadPoolExecutor(len(TEXTS)) as pool:
+        together = list(pool.map(lambda t: complete(client, t, max_tokens=16)[0], TEXTS))
+    assert together == alone and len(set(alone)) > 8
+    args = argparse.Namespace(checkpoint=str(folder), tp=1, prompt=TEXTS, prompt_ids=[],
+                              max_new_tokens=16, temperature=0.0, top_k=None, top_p=None,
+                              seed=0, ignore_eos=False, stop=[], chat=False,
+                              max_batch=MAX_BATCH, max_len=None)
+    result = generate_cmd._worker(ParallelMesh.single(), args, open_source(folder))
+    tok = load_tokenizer(folder)
+    assert [tok.decode(new) for new in result["new"]] == alone
+
+
+def test_a_client_that_hangs_up_frees_its_slot(server):
+    url, _, engine = server
+    before = engine.metrics.requests["cancelled"]
+    host, port = url.split("//")[1].split(":")
+    body = json.dumps({"model": "llama", "prompt": "Tensor", "max_tokens": 100,
+                       "stream": True, "ignore_eos": True, "temperature": 0}).encode()
+    sock = socket.create_connection((host, int(port)), timeout=30)
+    sock.sendall(b"POST /v1/completions HTTP/1.1\r\nHost: 127.0.0.1\r\nContent-Type: "
+                 b"application/json\r\nContent-Length: %d\r\n\r\n%s" % (len(body), body))
+    got = b""
+    while b"data: " not in got:
+        got += sock.recv(4096)
+    assert got.startswith(b"HTTP/1.0 200")
+    sock.close()  # gone mid-stream
+    deadline = time.monotonic() + 30
+    while engine.metrics.requests["cancelled"] == before and time.monotonic() < deadline:
+        time.sleep(0.1)
+    assert engine.metrics.requests["cancelled"] == before + 1
+    assert not engine.busy  # its slot is free

@@ -1,0 +1,189 @@
+"""`tpkit serve --tp 2` as a user runs it (a subprocess on a free loopback port), with the
+`openai` client: 16 concurrent greedy requests each equal to its solo output and to
+tp=1's; SIGTERM with requests in flight (each ends, the server exits 143 within
+seconds, no process left); kill -9 of the rank-1 worker (its requests get 503, the
+server exits 1 with one line naming the rank, no process left).
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import signal
+import subprocess
+import sys
+import threading
+import time
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+
+import openai
+import pytest
+
+from hf_folders import tiny_llama_folder
+from tpkit.checkpoint.sources import open_source
+from tpkit.commands import generate as generate_cmd
+from tpkit.mesh import ParallelMesh
+from tpkit.model.tokenizer import load_tokenizer
+
+SRC = str(Path(__file__).resolve().parents[1] / "src")
+TEXTS = [" ".join(["Tensor parallelism splits the weight"] * (1 + i % 5))[: 4 + 7 * i]
+         for i in range(16)]  # 16 prompts of 4..109 characters
+
+pytestmark = pytest.mark.slow
+
+
+@pytest.fixture(scope="module")
+def folder(tmp_path_factory):
+    return tiny_llama_folder(tmp_path_factory.mktemp("served") / "llama", initializer_range=0.3)
+
+
+def children(pid: int) -> set[int]:
+    """Every process descended from `pid` (from /proc)."""
+    kids: dict[int, list[int]] = {}
+    for stat in Path("/proc").glob("[0-9]*/stat"):
+        try:
+            fields = stat.read_text().rsplit(")", 1)[1].split()
+        except OSError:
+            continue
+        kids.setdefault(int(fields[1]), []).append(int(stat.parent.name))
+    out, todo = set(), [pid]
+    while todo:
+        for k in kids.get(todo.pop(), []):
+            out.add(k)
+            todo.append(k)
+    return out
+
+
+def alive(pids: set[int], within: float = 5.0) -> set[int]:
+    """Those of `pids` still running after `within` seconds (the forkserver and the
+    resource tracker end on their own once the server is gone)."""
+    deadline = time.monotonic() + within
+    while True:
+        left = set()
+        for p in pids:
+            try:
+                if Path(f"/proc/{p}/stat").read_text().rsplit(")", 1)[1].split()[0] != "Z":
+                    left.add(p)
+            except OSError:
+                pass
+        if not left or time.monotonic() > deadline:
+            return {(p, _cmdline(p)) for p in left}
+        time.sleep(0.1)
+
+
+def _cmdline(pid: int) -> bytes:
+    try:
+        return Path(f"/proc/{pid}/cmdline").read_bytes()[:80]
+    except OSError:
+        return b"(gone)"
+
+
+class Served:
+    """`tpkit serve --tp N --port 0` in a subprocess, its URL read from its first line."""
+
+    def __init__(self, folder: Path, tp: int, *extra: str) -> None:
+        self.proc = subprocess.Popen(
+            [sys.executable, "-m", "tpkit", "serve", "--checkpoint", str(folder), "--tp",
+             str(tp), "--port", "0", "--max-batch", "4", *extra],
+            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+            env={**os.environ, "PYTHONPATH": SRC})
+        line = self.proc.stdout.readline()  # printed once the model is loaded
+        assert line.startswith("tpkit serve: http://127.0.0.1:"), (line, self.stderr())
+        self.url = line.split()[2]
+        self.client = openai.OpenAI(base_url=self.url, api_key="none", max_retries=0,
+                                    timeout=60)
+        self.pids = children(self.proc.pid) | {self.proc.pid}
+
+    def stderr(self) -> str:
+        return self.proc.stderr.read() if self.proc.poll() is not None else ""
+
+    def complete(self, prompt: str, **kw) -> str:
+        r = self.client.completions.create(model="llama", prompt=prompt, temperature=0, **kw)
+        return r.choices[0].text
+
+    def stream(self, out: list, **kw) -> None:
+        """A streamed completion; appends ("first",), then ("end", reason) or ("error", e)."""
+        try:
+            s = self.client.completions.create(model="llama", prompt="Tensor", stream=True,
+                                               temperature=0, extra_body={"ignore_eos": True},
+                                               **kw)
+            for c in s:
+                if not out:
+                    out.append(("first",))
+                if c.choices and c.choices[0].finish_reason:
+                    out.append(("end", c.choices[0].finish_reason))
+        except Exception as e:  # noqa: BLE001 - what the client saw is the result
+            out.append(("error", f"{type(e).__name__}: {e}"))
+
+    def kill(self) -> None:
+        for p, _ in alive(self.pids, within=0):
+            os.kill(p, signal.SIGKILL)
+
+
+def _in_flight(served: Served, n: int) -> tuple[list[list], list[threading.Thread]]:
+    outs = [[] for _ in range(n)]
+    threads = [threading.Thread(target=served.stream, args=(o,), kwargs={"max_tokens": 110})
+               for o in outs]
+    for t in threads:
+        t.start()
+    deadline = time.monotonic() + 60
+    while not all(outs) and time.monotonic() < deadline:
+        time.sleep(0.05)
+    assert all(outs), outs  # every request is streaming
+    return outs, threads
+
+
+@pytest.mark.timeout(240)
+def test_tp2_concurrent_equals_alone_and_tp1_then_sigterm(folder):
+    served = Served(folder, 2)
+    try:
+        alone = [served.complete(t, max_tokens=12) for t in TEXTS]
+        with ThreadPoolExecutor(len(TEXTS)) as pool:
+            together = list(pool.map(lambda t: served.complete(t, max_tokens=12), TEXTS))
+        assert together == alone and len(set(alone)) > 8
+        args = argparse.Namespace(checkpoint=str(folder), tp=1, prompt=TEXTS, prompt_ids=[],
+                                  max_new_tokens=12, temperature=0.0, top_k=None, top_p=None,
+                                  seed=0, ignore_eos=False, stop=[], chat=False, max_batch=4,
+                                  max_len=None)
+        tok = load_tokenizer(folder)  # tp=1, in this process: the same text
+        new = generate_cmd._worker(ParallelMesh.single(), args, open_source(folder))["new"]
+        assert [tok.decode(n) for n in new] == alone
+        served.pids |= children(served.proc.pid)
+        outs, threads = _in_flight(served, 3)
+        t0 = time.monotonic()
+        served.proc.send_signal(signal.SIGTERM)
+        assert served.proc.wait(timeout=30) == 128 + signal.SIGTERM
+        took = time.monotonic() - t0
+        for t in threads:
+            t.join(timeout=10)
+        assert all(o[-1][0] in ("end", "error") for o in outs), outs  # each one ended
+        assert took < 15, took  # drain 5 s, then cancel
+        assert "stopped by SIGTERM" in served.stderr()
+        assert not alive(served.pids), alive(served.pids)
+    finally:
+        served.kill()
+
+
+@pytest.mark.timeout(180)
+def test_kill_9_of_a_worker_gives_503_and_one_line(folder):
+    served = Served(folder, 2)
+    try:
+        served.complete("Tensor", max_tokens=2)
+        served.pids |= children(served.proc.pid)
+        outs, threads = _in_flight(served, 2)
+        forkserver = [p for p in served.pids if p in children(served.proc.pid) and
+                      children(p)]  # the workers' parent
+        rank1 = [c for f in forkserver for c in children(f)]
+        assert len(rank1) == 1, (forkserver, rank1)
+        os.kill(rank1[0], signal.SIGKILL)
+        assert served.proc.wait(timeout=60) == 1
+        for t in threads:
+            t.join(timeout=10)
+        assert all(o[-1][0] == "error" and "503" in o[-1][1] or "rank 1 died" in o[-1][1]
+                   for o in outs), outs
+        err = served.stderr()
+        assert "tpkit serve: error: rank 1 died (signal 9)" in err, err
+        assert not alive(served.pids), alive(served.pids)
+    finally:
+        served.kill()
