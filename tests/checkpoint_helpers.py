@@ -49,7 +49,8 @@ def set_grads(model, full_grads: dict[str, torch.Tensor], mesh) -> None:
     src = DictSource(full_grads)
     for n, p in model.named_parameters():
         name = meta_of(p).tied_to or n
-        p.grad = local_slice(src, name, split_of(p), mesh.tp_rank, mesh.tp_size, tuple(p.shape))
+        p.grad = local_slice(src, name, split_of(p), mesh.tp_rank, mesh.tp_size, tuple(p.shape),
+                             rows=meta_of(p).logical_size)
 
 
 def pipeline_logits(model, mesh, ids: torch.Tensor, **kw) -> torch.Tensor | None:

@@ -22,6 +22,7 @@ from checkpoint_helpers import (
 )
 from tpkit.checkpoint import latest
 from tpkit.checkpoint import store as ckpt
+from tpkit.checkpoint.rng import capture_rng, restore_rng
 from tpkit.model.names import EMBED_WEIGHT
 from tpkit.model.transformer import Transformer
 
@@ -97,7 +98,7 @@ def test_manifest_and_files(tmp_path):
 
     mesh = ParallelMesh.single()
     model = Transformer(LLAMA, mesh)
-    rng = ckpt.capture_rng()
+    rng = capture_rng()
     ckpt.save(tmp_path / "a", model, step=7, extra=dict(rng=rng), mesh=mesh)
     m = ckpt.read_manifest(tmp_path / "a")
     assert m["step"] == 7 and m["layout"] == dict(tp=1, pp=1, dp=1)
@@ -109,7 +110,7 @@ def test_manifest_and_files(tmp_path):
     assert sorted(m["files"]) == ["model-tp00-pp00.safetensors", "rank-00000.json"]
     torch.rand(3)
     extra = ckpt.load(tmp_path / "a", model, mesh=mesh)
-    ckpt.restore_rng(extra["rng"])
+    restore_rng(extra["rng"])
     assert torch.equal(extra["rng"]["torch"], rng["torch"])
     assert latest(tmp_path) == tmp_path / "a"
     assert not any(p.name.startswith(".") for p in tmp_path.iterdir())

@@ -20,8 +20,9 @@ import pytest
 import torch
 
 from checkpoint_helpers import LLAMA, fill, gather, local_state, random_full, set_grads
-from tpkit.checkpoint import convert
+from tpkit.checkpoint import convert, retention
 from tpkit.checkpoint import store as ckpt
+from tpkit.checkpoint.manifest import PAUSE_ENV
 from tpkit.commands import convert as convert_cmd
 from tpkit.mesh import ParallelMesh
 from tpkit.model.transformer import Transformer
@@ -116,7 +117,7 @@ ckpt.save(sys.argv[1], model, opt, step=99)
 def test_killed_save_keeps_previous(tmp_path):
     root = tmp_path / "ckpt"
     model, before = saved(root, seed=1)
-    env = dict(os.environ, **{ckpt.PAUSE_ENV: "30"})
+    env = dict(os.environ, **{PAUSE_ENV: "30"})
     proc = subprocess.Popen([sys.executable, "-c", KILLED_SAVE, str(root),
                              str(Path(__file__).parent)], env=env)
     tmp = tmp_path / ".ckpt.tmp"
@@ -220,16 +221,17 @@ def test_prune_keeps_the_newest_complete_checkpoints(tmp_path):
     for step in range(1, 6):
         saved(tmp_path / f"step_{step:06d}", seed=step)
     (tmp_path / ".step_000009.tmp").mkdir()  # a save killed midway: not a checkpoint
-    gone = ckpt.prune(tmp_path, keep=2)
+    gone = retention.prune(tmp_path, keep=2)
     assert [d.name for d in gone] == [f"step_{s:06d}" for s in (1, 2, 3)]
-    assert [read["step"] for read in map(ckpt.read_manifest, ckpt.complete(tmp_path))] == [4, 5]
+    assert [read["step"] for read in map(ckpt.read_manifest, retention.complete(tmp_path))] == [4, 5]
     assert sorted(p.name for p in tmp_path.iterdir()) == [".step_000009.tmp", "step_000004",
                                                           "step_000005"]
-    assert ckpt.prune(tmp_path, keep=0) == [] and len(ckpt.complete(tmp_path)) == 2
+    assert retention.prune(tmp_path, keep=0) == [] and len(retention.complete(tmp_path)) == 2
 
 
 SAVE_FOREVER = """
 import sys
+from tpkit.checkpoint import retention
 from tpkit.checkpoint import store as ckpt
 from tpkit.checkpoint.locate import step_dir
 from tpkit.mesh import ParallelMesh
@@ -241,7 +243,7 @@ while True:  # what training does at every --ckpt-every: save, then drop the old
     step += 1
     path = step_dir(run, step)
     ckpt.save(path, Transformer(LLAMA, ParallelMesh.single(), seed=step), step=step)
-    ckpt.prune(path.parent, keep=2)
+    retention.prune(path.parent, keep=2)
 """
 
 
@@ -289,7 +291,7 @@ def test_kill_at_random_moments_of_saving_never_loses_the_latest_valid(tmp_path)
         assert ckpt.load(found, model)["step"] == step
         want = dict(Transformer(LLAMA, ParallelMesh.single(), seed=step).named_parameters())
         assert all(torch.equal(p, want[n]) for n, p in model.named_parameters())
-        for d in ckpt.complete(run / "checkpoints"):  # nothing whole-looking is damaged
+        for d in retention.complete(run / "checkpoints"):  # nothing whole-looking is damaged
             for name, entry in ckpt.read_manifest(d)["files"].items():
                 ckpt.verify_file(d, name, entry)
         newest = step

@@ -121,7 +121,8 @@ def test_model_with_chunked_loss_equals_plain(run_tp, tp, sp):
         for n, g in p["grads"].items():
             assert max_diff(c["grads"][n], g) <= 1e-5, n
         assert c["whole"] == theory.as_counter(
-            theory.stage(B, S, cfg.hidden, tp, sp, cfg.num_layers, loss_chunk=7))
+            theory.stage(b=B, s=S, h=cfg.hidden, tp=tp, sp=sp, num_layers=cfg.num_layers,
+                         loss_chunk=7))
 
 
 def train_losses(mesh, out: str, chunk: int) -> dict:

@@ -57,7 +57,7 @@ def test_compiled_blocks_equal_eager_and_do_not_recompile(run_tp, tp, chunk):
         for k, g in e["grads"].items():
             assert max_diff(c["grads"][k], g) <= 1e-5, k
         assert c["names"] == e["names"]  # compiled in place: checkpoints see the same names
-        assert c["counts"] == theory.as_counter(theory.stage(B, S, h, tp, False, 3,
+        assert c["counts"] == theory.as_counter(theory.stage(b=B, s=S, h=h, tp=tp, num_layers=3,
                                                              loss_chunk=chunk))
         assert c["graphs"][0] > 0 and e["graphs"] == [0] * 4
         assert c["graphs"][1] == c["graphs"][3], c["graphs"]  # nothing built after step 2

@@ -15,6 +15,7 @@
 from __future__ import annotations
 
 import json
+import shlex
 import sys
 from pathlib import Path
 
@@ -94,11 +95,16 @@ def test_a_small_corpus_trains_with_a_validation_split(tmp_path, capsys):
     named differently with the same vocabulary: a warning, and the run trains."""
     ids = np.random.default_rng(1).integers(0, 256, 20_000)
     data = _shards(tmp_path / "d", ids, tokenizer=str(tmp_path / "bytes-copy"))
-    status, out, err = _cli(capsys, "train", *TINY, "--out", str(tmp_path / "o"), "--data",
-                            data, "--eval-every", "1")
+    run = tmp_path / "run folder"  # a space: the "sample it" line quotes it
+    status, out, err = _cli(capsys, "train", *TINY, "--out", str(run), "--data", data,
+                            "--eval-every", "1")
     assert status == 0, err[-2000:]
     assert f"warning: the data {data} was tokenized with {tmp_path / 'bytes-copy'}" in err
     assert "held-out validation" in out
+    sample = next(line for line in out.splitlines() if line.startswith("sample it:"))
+    argv = shlex.split(sample.removeprefix("sample it:"))
+    assert argv[argv.index("--checkpoint") + 1] == str(run / "checkpoints" / "step_000002")
+    assert "--tp" not in argv  # the run's own tp (1): one the model admits
 
 
 def test_the_split_gives_each_side_a_window():

@@ -61,12 +61,12 @@ def _one_error_line(r: subprocess.CompletedProcess, status: int) -> str:
 @pytest.mark.slow
 @pytest.mark.timeout(900)
 def test_two_runs_into_one_folder_one_runs_the_other_is_refused(tmp_path):
-    """3 trials (started together, each its own folder) of two runs started at the same
+    """2 trials (started together, each its own folder) of two runs started at the same
     moment (seeds 0 and 7); the winner pauses after each checkpoint file, so it still
     holds the folder when the other arrives."""
-    from tpkit.checkpoint import store
+    from tpkit.checkpoint import retention, store
 
-    outs = [tmp_path / f"t{trial}" for trial in range(3)]
+    outs = [tmp_path / f"t{trial}" for trial in range(2)]
     trials = [[_start(*TINY, "--seed", str(seed), "--out", str(out), TPKIT_CKPT_PAUSE_S="0.5")
                for seed in (0, 7)] for out in outs]
     for out, procs in zip(outs, trials):
@@ -79,7 +79,7 @@ def test_two_runs_into_one_folder_one_runs_the_other_is_refused(tmp_path):
             in line[0], line
         rows = [json.loads(r) for r in (out / "metrics.jsonl").read_text().splitlines()]
         assert [r["step"] for r in rows] == [1, 2]
-        (ckpt,) = store.complete(out / "checkpoints")
+        (ckpt,) = retention.complete(out / "checkpoints")
         assert store.read_manifest(ckpt)["extra"]["config"]["seed"] == (0, 7)[won]
         assert (out / ".tpkit-run.lock").read_text() == ""  # released
 
@@ -87,10 +87,10 @@ def test_two_runs_into_one_folder_one_runs_the_other_is_refused(tmp_path):
 def _finite_checkpoints(out: Path) -> list[int]:
     from safetensors.torch import load_file
 
-    from tpkit.checkpoint import store
+    from tpkit.checkpoint import retention, store
 
     steps = []
-    for d in store.complete(out / "checkpoints"):
+    for d in retention.complete(out / "checkpoints"):
         for f in d.glob("*.safetensors"):
             assert all(torch.isfinite(t).all() for t in load_file(f).values()), f
         steps.append(store.read_manifest(d)["step"])
@@ -108,9 +108,11 @@ def test_a_diverging_run_stops_at_the_first_nonfinite_step(tmp_path, capsys):
         assert "step 2: the gradient norm is nan" in line and "stopped before the update" \
             in line, line
         assert _finite_checkpoints(out) == [1]  # the last good one was kept, nothing NaN
-        again = _one_error_line(_here(capsys, *huge, "--tp", str(tp), "--out", str(out),
-                                       "--resume", "auto"), 1)
-        assert "step 2: " in again  # resumed from step 1, the finite one, and stopped again
+    again = _one_error_line(_here(capsys, *huge, "--out", str(tmp_path / "tp1"), "--resume",
+                                  "auto"), 1)
+    assert "step 2: " in again  # resumed from step 1, the finite one, and stopped again
+    line = _one_error_line(_here(capsys, *huge, "--lr", "1e39", "--out", str(out)), 2)
+    assert "lr=1e+39 must be positive and below 1e30" in line, line  # not a torch overflow
     out = tmp_path / "skip"
     line = _one_error_line(_here(capsys, *huge, "--out", str(out), "--on-nonfinite", "skip",
                                   "--nonfinite-skips", "2"), 1)
@@ -171,14 +173,33 @@ def test_storage_errors_are_one_line(tiny_mount, tmp_path, capsys):
     assert sorted(p.name for p in (out / "checkpoints").iterdir()) == ["step_000002"]
 
 
+def _raise(code: int, text: bool):
+    """An OSError, or the text safetensors gives its I/O errors ('... (os error N)')."""
+    if text:
+        from safetensors import SafetensorError
+
+        return SafetensorError(f"Error while serializing: IoError({os.strerror(code)} "
+                               f"(os error {code}))")
+    return OSError(code, os.strerror(code))
+
+
+FAULTS = [("save_file", errno.ENOSPC, True), ("save_file", errno.EDQUOT, False),
+          ("save_file", errno.EROFS, True), ("write_json", errno.ENOSPC, False),
+          ("write_json", errno.EACCES, False), ("write_json", errno.EROFS, False)]
+
+
 @pytest.mark.timeout(120)
-@pytest.mark.parametrize("target", ["save_file", "write_json"])
+@pytest.mark.parametrize("target,code,text", FAULTS,
+                         ids=[f"{t}-{errno.errorcode[c]}" for t, c, _ in FAULTS])
 def test_a_failed_write_at_each_file_is_one_line_and_leaves_no_temporary(tmp_path, monkeypatch,
-                                                                         target):
-    """ENOSPC injected into each kind of write of a save (a shard, a rank record, the
-    manifest): a StorageError naming the file, the previous checkpoint untouched."""
-    from tpkit.checkpoint import store
+                                                                         target, code, text):
+    """A full disk, a quota, a read-only file system or a refused permission injected
+    into each kind of write of a save (the model and optimizer shards; a rank record,
+    the manifest): one StorageError line naming the file, the bytes and the free space,
+    exit 1 (the run failed, not the user), no temporary, the previous checkpoint kept."""
+    from tpkit.checkpoint import manifest, store
     from tpkit.checkpoint.disk import StorageError
+    from tpkit.cli import explain
     from tpkit.mesh import ParallelMesh
     from tpkit.model import Transformer
     from tpkit.spec import get_preset
@@ -189,28 +210,29 @@ def test_a_failed_write_at_each_file_is_one_line_and_leaves_no_temporary(tmp_pat
         p.grad = torch.zeros_like(p)
     opt.step()  # AdamW has state: the optimizer shard is written too
     store.save(tmp_path / "c", model, opt, step=1)
-    real, calls = getattr(store, target), []
+    real, calls = getattr(manifest, target), []  # the writes of a save happen there
 
     for fail_at in range(2):  # model + optimizer shards; rank record + manifest
         def failing(*args, _at=fail_at, **kw):
             calls.append(args[1] if target == "save_file" else args[0])
             if len(calls) - 1 == _at:
-                raise OSError(errno.ENOSPC, "No space left on device")
+                raise _raise(code, text)
             return real(*args, **kw)
 
         calls.clear()
-        monkeypatch.setattr(store, target, failing)
-        with pytest.raises(StorageError, match=r"No space left on device while writing") as e:
+        monkeypatch.setattr(manifest, target, failing)
+        with pytest.raises(StorageError, match=f"{os.strerror(code)} while writing") as e:
             store.save(tmp_path / "c", model, opt, step=2)
         assert Path(str(calls[fail_at])).name in str(e.value) and "free there" in str(e.value)
+        assert explain(e.value) == (str(e.value), 1)
         assert sorted(p.name for p in tmp_path.iterdir()) == ["c"]  # no temporary
         assert store.read_manifest(tmp_path / "c")["step"] == 1
-    monkeypatch.setattr(store, target, real)
+    monkeypatch.setattr(manifest, target, real)
 
 
 @pytest.mark.timeout(60)
 def test_nonfinite_tensors_are_never_written_and_never_loaded(tmp_path):
-    from tpkit.checkpoint import store
+    from tpkit.checkpoint import manifest, store
     from tpkit.checkpoint.finite import NonFiniteCheckpoint
     from tpkit.mesh import ParallelMesh
     from tpkit.model import Transformer
@@ -225,11 +247,32 @@ def test_nonfinite_tensors_are_never_written_and_never_loaded(tmp_path):
         store.save(tmp_path / "c", model, step=2)
     assert store.read_manifest(tmp_path / "c")["step"] == 1
     assert sorted(x.name for x in tmp_path.iterdir()) == ["c"]
-    real = store.first_nonfinite
-    store.first_nonfinite = lambda tensors: None  # as an older tpkit would have written it
+    real = manifest.first_nonfinite  # the check of a save's writes
+    manifest.first_nonfinite = lambda tensors: None  # as an older tpkit would have written it
     try:
         store.save(tmp_path / "nan", model, step=2)
     finally:
-        store.first_nonfinite = real
+        manifest.first_nonfinite = real
     with pytest.raises(store.CheckpointError, match=rf"{name} holds 1 non-finite.*diverged"):
         store.load(tmp_path / "nan", model)
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(900)
+def test_a_rank_killed_in_the_final_save_reports_every_step_completed(tmp_path):
+    from proc_tree import kill, workers
+
+    out = tmp_path / "run"
+    proc = _start(*TINY, "--steps", "3", "--tp", "2", "--out", str(out),
+                  "--collective-timeout", "10", TPKIT_CKPT_PAUSE_S="0.5")
+    try:  # rank 1 wrote its last file of the final save and pauses before the others'
+        last = out / "checkpoints" / ".step_000003.tmp" / "rank-00001.json"
+        while not last.exists():
+            assert proc.poll() is None, proc.communicate()[1][-2000:]
+        kill([workers(proc.pid)[1]])
+        err = proc.communicate(timeout=300)[1]
+    finally:
+        proc.kill()
+    lines = err.strip().splitlines()
+    assert proc.returncode == 1 and len(lines) == 1 and "Traceback" not in err, err[-2000:]
+    assert "rank 1 died (signal 9)" in lines[0] and "last step completed: 3" in lines[0], lines

@@ -43,7 +43,12 @@ def _cfg(out: Path, **kw) -> TrainConfig:
 
 def _train(mesh, cfg: TrainConfig) -> dict:
     r = train(cfg, mesh)
-    return dict(losses=r.losses, theory_ok=r.theory_ok, theory=r.theory, ckpt=r.checkpoint)
+    # the last step's ledger: a prefetched gather was posted before the layer ahead of it
+    # ran, so its span (post -> wait returned) is longer than the time it cost this rank
+    prefetched = sum(1 for x in mesh.ledger.records if x.scope == "fsdp" and
+                     x.op == "all_gather" and x.end - x.start > x.seconds)
+    return dict(losses=r.losses, theory_ok=r.theory_ok, theory=r.theory, ckpt=r.checkpoint,
+                prefetched=prefetched)
 
 
 def _weights(preset: str, ckpt: str) -> dict[str, torch.Tensor]:
@@ -70,6 +75,8 @@ def _compare(run_tp, tmp_path, tp, pp, dp, preset="gpt2-tiny", m=1, **modes):
         got = run_tp(_train, tp, _cfg(tmp_path / name, **kw, **extra), pp=pp, dp=dp)
         assert all(r["theory_ok"] for r in got), got[0]["theory"]  # tp, pp and dp traffic
         assert all(r["losses"] == got[0]["losses"] for r in got)
+        if extra.get("fsdp"):  # the next layer's gather overlapped this one's compute
+            assert all(r["prefetched"] >= 1 for r in got), [r["prefetched"] for r in got]
         worst[name] = (_rel(got[0]["losses"], plain[0]["losses"]),
                        _weight_rel(_weights(preset, got[0]["ckpt"]), ref))
     for name, (loss_rel, weight_rel) in worst.items():

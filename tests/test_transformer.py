@@ -80,7 +80,8 @@ def test_model_equals_tp1(run_tp, preset, tp, sp):
         assert r["counts"]["layers.0"] == theory.as_counter(theory.layer(B, S, h, tp, sp))
         assert r["counts"]["loss"] == theory.as_counter(theory.cross_entropy(B, S, tp))
         # and the whole step: embedding + layers + head + loss, nothing else
-        assert r["whole"] == theory.as_counter(theory.stage(B, S, h, tp, sp, cfg.num_layers))
+        assert r["whole"] == theory.as_counter(theory.stage(b=B, s=S, h=h, tp=tp, sp=sp,
+                                                                num_layers=cfg.num_layers))
 
 
 @pytest.mark.parametrize("kv,tp", [(2, 4), (1, 2), (1, 4), (4, 2)])

@@ -38,11 +38,13 @@ from typing import Any
 from tpkit.comm.failure import DEFAULT_COLLECTIVE_TIMEOUT_S, says_link_failed
 from tpkit.comm.shm_names import remove_segments
 from tpkit.comm.transport import shm_ready
+from tpkit.host_memory import available, gib, make_preferred_oom_victim, oom_kills, peak_rss
 from tpkit.spec.transport import comm_choice
 
 _CTX = None
 _ERROR_GRACE_S = 2.0  # after a rank fails, how long the others get to report theirs
 _STUCK_GRACE_MAX_S = 30.0  # ... after a collective timed out: up to one timeout, capped
+_RSS_EVERY_S = 1.0  # how often the launcher reads its workers' peak RSS
 
 
 class SpawnError(RuntimeError):
@@ -89,6 +91,7 @@ def _context():
 def _worker(rank: int, nprocs: int, port: int, tasks, results, threads: int,
             pg_timeout_s: float, env: dict[str, str], lifeline) -> None:
     watch_launcher(lifeline, env.get("TPKIT_RUN_ID"))
+    make_preferred_oom_victim()  # out of memory, the kernel kills a worker, not the launcher
     import torch
     import torch.distributed as dist
 
@@ -165,6 +168,7 @@ class WorkerPool:
         for p in self._procs:
             p.start()
         lifeline.close()
+        self._oom0, self._rss, self._rss_at = oom_kills(), [0] * self.nprocs, 0.0
 
     def run(self, fn: Callable, *args: Any, mesh: dict | None = None,
             timeout: float | None = None) -> list:
@@ -226,6 +230,7 @@ class WorkerPool:
 
     def _lost(self, done: dict, deadline: float) -> bool:
         """True once a rank died, or the run is past its deadline (raises then)."""
+        self._sample_rss()
         if any(r not in done for r, _ in self._dead_ranks()):
             return True
         if time.monotonic() > deadline:
@@ -263,9 +268,29 @@ class WorkerPool:
         out = []
         for r, p in enumerate(self._procs):
             if p.exitcode is not None:
-                out.append((r, f"signal {-p.exitcode}" if p.exitcode < 0
-                            else f"exit code {p.exitcode}"))
+                how = f"signal {-p.exitcode}" if p.exitcode < 0 else f"exit code {p.exitcode}"
+                out.append((r, how + self._oom_hint(r) if p.exitcode == -9 else how))
         return out
+
+    def _sample_rss(self) -> None:
+        """Remember each live worker's peak RSS (read once a second): a rank the kernel
+        kills for memory takes its own figures with it."""
+        if time.monotonic() - self._rss_at < _RSS_EVERY_S:
+            return
+        self._rss_at = time.monotonic()
+        for r, p in enumerate(self._procs):
+            self._rss[r] = max(self._rss[r], peak_rss(p.pid) or 0)
+
+    def _oom_hint(self, rank: int) -> str:
+        """': killed by the kernel, probably out of memory (...)' when the cgroup counted an
+        OOM kill, or the ranks' RSS had come near what the machine offers."""
+        room = available()
+        near = room is not None and sum(self._rss) > 0.8 * (sum(self._rss) + room[0])
+        if oom_kills() <= self._oom0 and not near:
+            return ""
+        where = f"; {gib(room[0])} available now, {room[1]}" if room else ""
+        return (f": killed by the kernel, probably out of memory (peak RSS {gib(self._rss[rank])}"
+                f" on this rank, {gib(sum(self._rss))} on all ranks{where})")
 
     def close(self, kill: bool = False) -> None:
         """Stop the processes (politely, or at once with kill=True)."""

@@ -62,26 +62,30 @@ class ParallelMesh:
                  world_size: int | None = None, ranks_per_node: int | None = None,
                  strict_locality: bool = False, ledger: Ledger | None = None,
                  device: torch.device | None = None, timeout_s: float | None = None,
-                 comm: str | None = None) -> None:
-        initialized = dist.is_available() and dist.is_initialized()
+                 comm: str | None = None, _virtual: bool = False) -> None:
+        initialized = not _virtual and dist.is_available() and dist.is_initialized()
         self.world_size = world_size if world_size is not None else (
             dist.get_world_size() if initialized else 1)
         self.rank = rank if rank is not None else (dist.get_rank() if initialized else 0)
         check_sizes(self.world_size, tp, pp, dp)
         self.tp_size, self.pp_size, self.dp_size = tp, pp, dp
-        self.ranks_per_node = ranks_per_node or _env_int("LOCAL_WORLD_SIZE") or self.world_size
-        self._check_locality(strict_locality)
+        self.ranks_per_node = ranks_per_node or (
+            None if _virtual else _env_int("LOCAL_WORLD_SIZE")) or self.world_size
+        if not _virtual:
+            self._check_locality(strict_locality)
         self.ledger = ledger or Ledger()
-        self.backend = dist.get_backend() if initialized else "gloo"
-        self.device = device or device_for(self.backend, _env_int("LOCAL_RANK") or 0)
+        self.backend = "none" if _virtual else dist.get_backend() if initialized else "gloo"
+        self.device = torch.device("meta") if _virtual else device or device_for(
+            self.backend, _env_int("LOCAL_RANK") or 0)
         self.coord = coord_of(self.rank, tp, pp)
         self.timeout = timedelta(seconds=timeout_s or DEFAULT_COLLECTIVE_TIMEOUT_S)
-        if self.world_size > 1 and not initialized:
+        if self.world_size > 1 and not initialized and not _virtual:
             raise RuntimeError("ParallelMesh with world_size > 1 needs torch.distributed to be "
                                "initialized first (use ParallelMesh.from_env or tpkit.launch)")
-        self.comm = comm_choice(comm)
-        self._hosts = self._shm_hosts()
-        self.groups = {k: self._make_group(k) for k in ("tp", "pp", "dp", "mp")}
+        self.comm = "gloo" if _virtual else comm_choice(comm)
+        self._hosts = None if _virtual else self._shm_hosts()
+        make = self._no_process_group if _virtual else self._make_group
+        self.groups = {k: make(k) for k in ("tp", "pp", "dp", "mp")}
         self._extra: dict[str, CommGroup | None] = {}
 
     # -- construction ------------------------------------------------------------------
@@ -99,19 +103,8 @@ class ParallelMesh:
         """A mesh with no processes behind it: sizes and coordinates only, for building
         models on the meta device (parameter counts, memory) at any layout. Any
         collective on it raises."""
-        m = cls.__new__(cls)
-        m.world_size, m.rank = tp * pp * dp, rank
-        check_sizes(m.world_size, tp, pp, dp)
-        m.tp_size, m.pp_size, m.dp_size = tp, pp, dp
-        m.ranks_per_node = ranks_per_node or m.world_size
-        m.ledger, m.backend, m.device = Ledger(), "none", torch.device("meta")
-        m.comm, m._hosts = "gloo", None
-        m.coord = coord_of(rank, tp, pp)
-        m.groups, m._extra = {}, {}
-        for kind in ("tp", "pp", "dp", "mp"):
-            ranks = next(g for g in group_ranks(kind, tp, pp, dp) if rank in g)
-            m.groups[kind] = CommGroup(kind, ranks, ranks.index(rank), None, m.ledger)
-        return m
+        return cls(tp, pp, dp, rank=rank, world_size=tp * pp * dp,
+                   ranks_per_node=ranks_per_node, _virtual=True)
 
     @classmethod
     def from_env(cls, tp: int | None = None, pp: int = 1, dp: int | None = None,
@@ -170,6 +163,12 @@ class ParallelMesh:
         hosts: list = [None] * self.world_size
         dist.all_gather_object(hosts, socket.gethostname())
         return hosts
+
+    def _no_process_group(self, kind: str) -> CommGroup:
+        """This rank's group of `kind` with no process group behind it (a virtual mesh)."""
+        ranks = next(g for g in group_ranks(kind, self.tp_size, self.pp_size, self.dp_size)
+                     if self.rank in g)
+        return CommGroup(kind, ranks, ranks.index(self.rank), None, self.ledger)
 
     def _make_group(self, kind: str) -> CommGroup:
         mine = self._group_among(kind, group_ranks(kind, self.tp_size, self.pp_size, self.dp_size),

@@ -9,6 +9,10 @@ optimizer state, conversion, Hugging Face import and export.
     agree.py        every rank agrees before anything changes
     files.py        the files of a sharded checkpoint, the manifest, ShardedSource
     store.py        save / load at any layout, atomic, all ranks agreeing
+    manifest.py     each rank's record, then the manifest, written last
+    retention.py    the complete checkpoints of a folder; pruning the old ones safely
+    codec.py        JSON with tensors (a checkpoint's `extra`), no pickle
+    rng.py          the generators, captured into `extra` and restored
     optim_state.py  optimizer state per parameter (AdamW, ZeRO-1) in and out of files
     convert.py      full file, offline reshard, Hugging Face export
     hf.py           Hugging Face models in and out (the family recipes: tpkit.model.families)

@@ -26,10 +26,10 @@ from torch import nn
 from tpkit.checkpoint.build import empty_model
 from tpkit.checkpoint.files import ShardedSource, rank_file, tensors_digest, verify_file
 from tpkit.checkpoint.hf import write_hf
+from tpkit.checkpoint.manifest import write_manifest, write_record
 from tpkit.checkpoint.optim_state import keys_by_param
 from tpkit.checkpoint.slices import read_local
 from tpkit.checkpoint.sources import FULL_FORMAT, open_source, source_tokenizer
-from tpkit.checkpoint.store import write_manifest, write_record
 from tpkit.mesh import ParallelMesh
 from tpkit.model.tokenizer import copy_tokenizer, export_tokenizer
 from tpkit.sharding import split_of
@@ -94,7 +94,8 @@ def reshard(source: Any, out: str | Path, tp: int, pp: int = 1) -> Path:
             params = _slices(src, model)
             optim = _optim_slices(optim_src, model) if optim_src else {}
             groups = m["optimizer"]["groups"] if optim_src else None
-            write_record(tmp, rank, t, p, tp, config, params, optim, groups, extra)
+            write_record(tmp, model.mesh, config, params=params, optim=optim, groups=groups,
+                         extra=extra)
     folder = source_tokenizer(src)
     if folder is not None:  # the tokenizer travels along, listed in the manifest
         copy_tokenizer(folder, tmp)

@@ -1,4 +1,5 @@
-"""Files of a sharded checkpoint, and reading any slice of a global tensor back.
+"""The files of a sharded checkpoint (names, manifest, sizes and sha256), and
+`ShardedSource`, which reads any slice of a global tensor back out of them.
 
 A checkpoint directory, written at (tp, pp, dp):
 

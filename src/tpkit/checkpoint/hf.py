@@ -19,12 +19,11 @@ from pathlib import Path
 from typing import Any
 
 import torch
-from safetensors import safe_open
 from safetensors.torch import save_file
 from torch import nn
 
 from tpkit.checkpoint.build import build_model
-from tpkit.checkpoint.slices import CheckpointError, DictSource
+from tpkit.checkpoint.slices import CheckpointError, DictSource, open_safetensors
 from tpkit.mesh import ParallelMesh
 from tpkit.model.families import (
     Cut,
@@ -56,6 +55,9 @@ class HFSource:
             raise CheckpointError(f"{where}: no {base!r} among its tensors (prefixes tried: "
                                   f"{list(family.prefixes)})")
         self.names = {n for n in recipes if self.logical_shape(n) is not None}
+        self._extent = {}  # key -> rows its cuts span, in every recipe (fused tensors)
+        for c in (c for rec in recipes.values() for c in rec.cuts if c.rows is not None):
+            self._extent[c.key] = max(self._extent.get(c.key, 0), c.start + c.rows)
 
     def _key(self, k: str) -> str:
         return k[1:] if k.startswith("@") else self.prefix + k
@@ -81,6 +83,30 @@ class HFSource:
             return None
         shapes = [self._shape(c, r.transposed) for c in r.cuts]
         return (sum(s[0] for s in shapes), *shapes[0][1:])
+
+    def missing(self, name: str) -> str:
+        """The file's tensors that tpkit tensor `name` needs and this model lacks."""
+        gone = [self._key(c.key) for c in self.recipes[name].cuts
+                if self._key(c.key) not in self.keys] if name in self.recipes else []
+        return (f"no tensor {', '.join(map(repr, gone))} (tpkit's {name})" if gone
+                else f"has no tensor {name!r}")
+
+    def shape_problem(self, name: str, want: tuple[int, ...]) -> str | None:
+        """The first of the file's tensors behind tpkit tensor `name` (of logical shape
+        `want`) whose shape cannot make it: its name and shape as in the file, and the
+        shape the config implies; None when every one fits."""
+        r = self.recipes[name]
+        fixed = sum(c.rows for c in r.cuts if c.rows is not None)
+        for cut in r.cuts if want else ():
+            key = self._key(cut.key)
+            t = self.tensors[key]
+            have = list(t.get_shape() if hasattr(t, "get_shape") else t.shape)
+            rows = want[0] - fixed if cut.rows is None else self._extent[cut.key]
+            expect = [rows, *want[1:]][::-1] if r.transposed else [rows, *want[1:]]
+            if have != expect:
+                return (f"tensor {key!r} has shape {have}, the model ({self.where}'s "
+                        f"config) expects {expect}")
+        return None
 
     def read(self, name: str, dim: int, start: int, stop: int) -> torch.Tensor:
         """Rows [start, stop) along `dim` of the tpkit tensor, read cut by cut."""
@@ -126,7 +152,7 @@ class _SafetensorsDir:
             if not (root / f).is_file():
                 raise CheckpointError(f"{root / f}: missing (only safetensors are read; "
                                       f"convert pytorch_model.bin with transformers first)")
-            h = safe_open(str(root / f), framework="pt")
+            h = open_safetensors(root / f)  # truncated or foreign: one line naming it
             found.update({k: h for k in h.keys()})
         return found
 

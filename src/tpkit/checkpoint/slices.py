@@ -89,11 +89,7 @@ class FullSource:
         self.names = set(self.f.keys())
 
     def _open(self):
-        try:
-            return safe_open(str(self.path), framework="pt")
-        except Exception as e:  # noqa: BLE001 - safetensors' own error type varies
-            raise CheckpointError(f"{self.path}: not a readable safetensors file "
-                                  f"({str(e).splitlines()[0][:120]})") from None
+        return open_safetensors(self.path)
 
     def __getstate__(self) -> dict:  # picklable (to the ranks): the file is opened again
         return {k: v for k, v in vars(self).items() if k != "f"}
@@ -114,6 +110,16 @@ class FullSource:
         return sl[(slice(None),) * dim + (slice(start, stop),)]
 
 
+def open_safetensors(path: Path):
+    """`safe_open` of a file, or one CheckpointError naming it (truncated, or not a
+    safetensors file at all)."""
+    try:
+        return safe_open(str(path), framework="pt")
+    except Exception as e:  # noqa: BLE001 - safetensors' own error type varies
+        raise CheckpointError(f"{path}: not a readable safetensors file "
+                              f"({str(e).splitlines()[0][:120]})") from None
+
+
 def read_local(model: nn.Module, source: Source, mesh, *, own_only: bool = False,
                state_keys: dict[str, list[str]] | None = None) -> dict[str, torch.Tensor]:
     """This rank's slice (at `mesh`'s tp rank and size) of every parameter of `model`,
@@ -129,16 +135,17 @@ def read_local(model: nn.Module, source: Source, mesh, *, own_only: bool = False
         if owner and own_only:
             continue
         src = owner or name
+        rows = meta_of(p).logical_size  # the vocabulary: rows past it are padding
         if state_keys is None:
             out[name] = local_slice(source, src, split_of(p), mesh.tp_rank, mesh.tp_size,
-                                    tuple(p.shape), source.where).to(p.dtype)
+                                    tuple(p.shape), source.where, rows).to(p.dtype)
             continue
         for key in state_keys.get(src, []):
             full = state_name(src, key)
             scalar = source.logical_shape(full) == ()
             out[state_name(name, key)] = local_slice(
                 source, full, None if scalar else split_of(p), mesh.tp_rank, mesh.tp_size,
-                () if scalar else tuple(p.shape), source.where)
+                () if scalar else tuple(p.shape), source.where, rows)
     return out
 
 
@@ -148,20 +155,31 @@ def state_name(param: str, key: str) -> str:
 
 
 def local_slice(source: Source, name: str, split: TPSplit | None, rank: int, tp: int,
-                shape: tuple[int, ...], where: str = "checkpoint") -> torch.Tensor:
+                shape: tuple[int, ...], where: str = "checkpoint", rows: int | None = None
+                ) -> torch.Tensor:
     """What `rank` of `tp` holds of global tensor `name`: its chunk of every part, each
-    read from `source`; rows past the logical size (vocabulary padding) are zeros."""
+    read from `source`; rows past `rows` (the vocabulary; padding) are zeros. A tensor
+    the source lacks, or of another shape, is one CheckpointError naming it as the
+    source does (a Hugging Face file: its own tensor names and shapes)."""
     logical = source.logical_shape(name)
     if logical is None:
-        raise CheckpointError(f"{where}: has no tensor {name!r}")
+        missing = getattr(source, "missing", None)
+        said = missing(name) if missing else f"has no tensor {name!r}"
+        raise CheckpointError(f"{where}: {said}")
+    full = list(shape)
+    if split is not None:
+        full[split.dim] = sum(split.parts)
+    want = list(full)
+    if rows is not None and want:
+        want[0] = rows
+    problem = getattr(source, "shape_problem", None)
+    if problem is not None and (said := problem(name, tuple(want))):
+        raise CheckpointError(f"{where}: {said}")
+    _check_dims(logical, tuple(full), split, name, where, rows)
     if split is None:
-        _check_dims(logical, shape, None, name, where)
         if not shape:
             return source.read(name, 0, 0, 1).reshape(())
         return source.read(name, 0, 0, shape[0])
-    full = list(shape)
-    full[split.dim] = sum(split.parts)
-    _check_dims(logical, tuple(full), split, name, where)
     pieces = [_padded_read(source, name, split.dim, pc.start, pc.start + pc.size,
                            logical[split.dim]) for pc in split.pieces(rank, tp)]
     return torch.cat(pieces, split.dim) if len(pieces) > 1 else pieces[0]
@@ -179,11 +197,13 @@ def _padded_read(source: Source, name: str, dim: int, a: int, b: int, rows: int
 
 
 def _check_dims(logical: tuple[int, ...], full: tuple[int, ...], split: TPSplit | None,
-                name: str, where: str) -> None:
+                name: str, where: str, rows: int | None = None) -> None:
+    """The source's shape is the model's, but for vocabulary padding (`rows` of dim 0)."""
     ok = len(logical) == len(full)
     for d, (a, b) in enumerate(zip(logical, full)):
-        padded = split is not None and d == split.dim and len(split.parts) == 1
-        ok = ok and (a <= b if padded else a == b)
+        padded = rows is not None and d == 0 and split is not None and split.dim == 0
+        ok = ok and (a == rows if padded else a == b)
     if not ok:
+        want = [rows, *full[1:]] if rows is not None else list(full)
         raise CheckpointError(f"{where}: tensor {name!r} has global shape {list(logical)}, "
-                              f"the model expects {list(full)}")
+                              f"the model expects {want}")

@@ -139,6 +139,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     group(parser, "checkpoints").add_argument(
         "--overwrite", action="store_true",
         help="delete the checkpoints of an earlier run in --out first")
+    group(parser, "reliability").add_argument(
+        "--force", action="store_true",
+        help="run even when the memory estimate (weights, gradients, AdamW, activations of "
+             "every local rank) is more than the machine or its cgroup offers")
 
 
 def config_from_args(args: argparse.Namespace, world: int | None) -> TrainConfig:
@@ -223,8 +227,20 @@ def run(args: argparse.Namespace) -> int:
         if fresh:
             _never_mix_runs(Path(cfg.out), args.overwrite, torchrun)
         load_tokens(cfg.data, cfg.model_config().vocab_size, cfg.tokenizer_id)  # errors now
+        _check_memory(cfg, args.force)
         write_run_config(cfg, cfg.out)
         return _run_local(cfg, comm)
+
+
+def _check_memory(cfg: TrainConfig, force: bool) -> None:
+    """Local ranks on the CPU share this machine's memory: the planner's estimate of
+    their peak against what it offers (`memory_check`), before spawning them."""
+    import torch
+
+    if not torch.cuda.is_available():
+        from tpkit.commands.memory_check import check_fits
+
+        check_fits(cfg, force)
 
 
 def resume_dir(cfg: TrainConfig) -> str | None:
@@ -253,10 +269,10 @@ def _say_resume_changes(cfg: TrainConfig) -> None:
 def _never_mix_runs(out: Path, overwrite: bool, torchrun: bool) -> None:
     """A new run into an --out that holds an earlier run's checkpoints: refuse, naming
     the flags, or (--overwrite) delete them first (rank 0 only, under torchrun)."""
-    from tpkit.checkpoint import store
     from tpkit.checkpoint.locate import run_checkpoints
+    from tpkit.checkpoint.retention import complete, discard
 
-    found = store.complete(run_checkpoints(out))
+    found = complete(run_checkpoints(out))
     if not found:
         return
     if not overwrite:
@@ -265,7 +281,7 @@ def _never_mix_runs(out: Path, overwrite: bool, torchrun: bool) -> None:
                         f"with --overwrite, or choose another --out")
     if not torchrun or os.environ.get("RANK") == "0":
         for d in found:
-            store.discard(d)
+            discard(d)
 
 
 def _run_local(cfg: TrainConfig, comm: str) -> int:

@@ -34,6 +34,7 @@ from tpkit.layers.random import TPRandom
 from tpkit.layers.ring_attention import cp_positions, ring_attention
 from tpkit.layers.rotary import apply_rope, rope_angles, rope_at
 from tpkit.sharding import seed_for, set_meta
+from tpkit.spec.config import ModelConfig
 from tpkit.spec.errors import UserError
 from tpkit.spec.shapes import heads_problems, kv_heads_per_rank
 
@@ -68,7 +69,23 @@ def heads_of_rank(num_heads: int, num_kv_heads: int, tp: int, rank: int
 
 
 class ParallelAttention(nn.Module):
-    """Multi-head / grouped-query / multi-query self-attention, heads split over tp."""
+    """Multi-head / grouped-query / multi-query self-attention, heads split over tp.
+
+    A model builds it from its config (`from_config`: every attention feature of a
+    family is read there); the keywords of `__init__` serve a layer built on its own."""
+
+    @classmethod
+    def from_config(cls, c: ModelConfig, group: CommGroup, *, sequence_parallel: bool = False,
+                    seed: int = 0, out_std: float | None = None, device=None, dtype=None
+                    ) -> ParallelAttention:
+        """The attention of a transformer layer of `c`, split over `group`."""
+        return cls(c.hidden, c.num_heads, group, num_kv_heads=c.kv_heads, bias=c.bias,
+                   causal=c.causal, rope_theta=c.rope_theta if c.position == "rope" else None,
+                   dropout=c.dropout, sequence_parallel=sequence_parallel, init_std=c.init_std,
+                   out_std=out_std, seed=seed, head_dim=c.head_dim, qkv_bias=c.attn_bias,
+                   qk_norm_eps=c.norm_eps if c.qk_norm else None, rotary_dim=c.rope_dim,
+                   sliding_window=c.sliding_window, rope_llama3=c.rope_llama3, device=device,
+                   dtype=dtype)
 
     def __init__(self, hidden: int, num_heads: int, group: CommGroup, *,
                  num_kv_heads: int | None = None, bias: bool = True, causal: bool = True,

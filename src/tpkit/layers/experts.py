@@ -36,6 +36,7 @@ from tpkit.comm import ops
 from tpkit.comm.group import CommGroup
 from tpkit.layers.mlp import GATED, activate
 from tpkit.sharding import TPSplit, master_normal, seed_for, set_meta, shard
+from tpkit.spec.config import ModelConfig
 
 
 def expert_splits(num_experts: int, hidden: int, ffn: int, gated: bool, tp: int,
@@ -70,6 +71,16 @@ def _stacked(full_shape: tuple[int, int], split: TPSplit, group: CommGroup, std:
 
 class ParallelMoE(nn.Module):
     """Top-k routed experts (Mixtral's router: softmax, top-k, renormalized)."""
+
+    @classmethod
+    def from_config(cls, c: ModelConfig, group: CommGroup, *, sequence_parallel: bool = False,
+                    expert_parallel: bool = False, seed: int = 0, out_std: float | None = None,
+                    device=None, dtype=None) -> ParallelMoE:
+        """The experts of a transformer layer of `c` (`num_experts` > 0), over `group`."""
+        return cls(c.hidden, c.ffn, group, num_experts=c.num_experts, top_k=c.experts_per_token,
+                   activation=c.activation, sequence_parallel=sequence_parallel,
+                   expert_parallel=expert_parallel, init_std=c.init_std, out_std=out_std,
+                   seed=seed, device=device, dtype=dtype)
 
     def __init__(self, hidden: int, ffn: int, group: CommGroup, *, num_experts: int,
                  top_k: int = 2, activation: str = "swiglu", sequence_parallel: bool = False,

@@ -21,7 +21,7 @@ from torch import nn
 from tpkit.comm.group import CommGroup
 from tpkit.layers.linear import ColumnParallelLinear, RowParallelLinear
 from tpkit.sharding import seed_for
-from tpkit.spec.config import ACTIVATIONS, GATED
+from tpkit.spec.config import ACTIVATIONS, GATED, ModelConfig
 
 
 def _check_activation(activation: str) -> None:
@@ -47,6 +47,15 @@ def activate(y: torch.Tensor, activation: str) -> torch.Tensor:
 
 class ParallelMLP(nn.Module):
     """Column-parallel fc1 -> activation -> row-parallel fc2 (GELU, ReLU, SwiGLU, GeGLU)."""
+
+    @classmethod
+    def from_config(cls, c: ModelConfig, group: CommGroup, *, sequence_parallel: bool = False,
+                    seed: int = 0, out_std: float | None = None, device=None, dtype=None
+                    ) -> ParallelMLP:
+        """The MLP of a transformer layer of `c`, split over `group`."""
+        return cls(c.hidden, c.ffn, group, activation=c.activation, bias=c.bias,
+                   sequence_parallel=sequence_parallel, init_std=c.init_std, out_std=out_std,
+                   seed=seed, device=device, dtype=dtype)
 
     def __init__(self, hidden: int, ffn: int, group: CommGroup, *, activation: str = "gelu",
                  bias: bool = True, sequence_parallel: bool = False, init_std: float = 0.02,

@@ -41,17 +41,14 @@ class Block(nn.Module):
         self.sequence_parallel, self.p = sp, c.dropout
         norm = dict(kind=c.norm, eps=c.norm_eps, sequence_parallel=sp, offset=c.norm_offset, **kw)
         self.attn_norm = Norm(c.hidden, **norm)
-        self.attn = ParallelAttention(
-            c.hidden, c.num_heads, group, num_kv_heads=c.kv_heads, bias=c.bias, causal=c.causal,
-            rope_theta=c.rope_theta if c.position == "rope" else None, dropout=c.dropout,
-            sequence_parallel=sp, init_std=c.init_std, out_std=out_std,
-            seed=seed_for(seed, f"{layer(layer_index)}.attn"), head_dim=c.head_dim,
-            qkv_bias=c.attn_bias, qk_norm_eps=c.norm_eps if c.qk_norm else None,
-            rotary_dim=c.rope_dim, sliding_window=c.sliding_window, rope_llama3=c.rope_llama3,
-            **kw)
+        name, own = layer(layer_index), dict(sequence_parallel=sp, out_std=out_std, **kw)
+        self.attn = ParallelAttention.from_config(c, group, seed=seed_for(seed, f"{name}.attn"),
+                                                  **own)
         self.mlp_norm = Norm(c.hidden, **norm)
-        self.mlp = _mlp(c, group, sp, out_std, seed_for(seed, f"{layer(layer_index)}.mlp"), kw,
-                        expert_parallel)
+        mlp_seed = seed_for(seed, f"{name}.mlp")
+        self.mlp = ParallelMoE.from_config(c, group, expert_parallel=expert_parallel,
+                                           seed=mlp_seed, **own) if c.num_experts else \
+            ParallelMLP.from_config(c, group, seed=mlp_seed, **own)  # top-k experts, or dense
 
     def forward(self, x: torch.Tensor, attention_mask: torch.Tensor | None = None,
                 rng: TPRandom | None = None, kv_cache: KVSlots | None = None) -> torch.Tensor:
@@ -72,15 +69,3 @@ class Block(nn.Module):
         m = self.mlp(x)
         return self.mlp_norm(x + dropout(m, self.p, self.training, rng, sharded))
 
-
-def _mlp(c: ModelConfig, group: CommGroup, sp: bool, out_std: float, seed: int, kw: dict,
-         expert_parallel: bool) -> nn.Module:
-    """The dense Megatron MLP, or top-k routed experts when `num_experts > 0`."""
-    if c.num_experts:
-        return ParallelMoE(c.hidden, c.ffn, group, num_experts=c.num_experts,
-                           top_k=c.experts_per_token, activation=c.activation,
-                           sequence_parallel=sp, expert_parallel=expert_parallel,
-                           init_std=c.init_std, out_std=out_std, seed=seed, **kw)
-    return ParallelMLP(c.hidden, c.ffn, group, activation=c.activation, bias=c.bias,
-                       sequence_parallel=sp, init_std=c.init_std, out_std=out_std, seed=seed,
-                       **kw)

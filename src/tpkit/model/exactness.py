@@ -104,7 +104,7 @@ def _model_problems(mesh: ParallelMesh, cfg, b: int, s: int, sp: bool) -> list[s
             theory.layer(b, s, h, tp, sp), scope=f"layers.{i}")]
     problems += [f"loss: {p}" for p in mesh.ledger.compare(theory.cross_entropy(b, s, tp),
                                                           scope="loss")]
-    step = theory.stage(b, s, h, tp, sp, cfg.num_layers)  # the whole model, no extras
+    step = theory.stage(b=b, s=s, h=h, tp=tp, sp=sp, num_layers=cfg.num_layers)  # whole model
     got = mesh.ledger.counts(phase="forward") + mesh.ledger.counts(phase="backward")
     if got != theory.as_counter(step):
         problems.append(f"whole step: recorded {dict(got)} != theory "

@@ -83,7 +83,7 @@ class Embeddings(nn.Module):
         x = self.word(ids)  # reduced over tp (all-reduce, or reduce-scatter with SP)
         if self.scale != 1.0:
             x = x * torch.tensor(self.scale, dtype=x.dtype)  # Gemma: sqrt(hidden), in x's dtype
-        s_local, s = x.shape[1], ids.shape[1]
+        s_local = x.shape[1]
         first = self.group.rank * s_local if self.sp else 0  # this rank's sequence slice
         if self.position is not None:  # position_offset: an int, or one per row [b]
             start = torch.as_tensor(position_offset, device=ids.device).reshape(-1, 1)
@@ -95,7 +95,6 @@ class Embeddings(nn.Module):
         if self.token_type is not None:
             tt = token_types if token_types is not None else torch.zeros_like(ids)
             x = x + self.token_type(tt[:, first:first + s_local] if self.sp else tt)
-        del s
         if self.norm is not None:
             x = self.norm(x)
         return dropout(x, self.p, self.training, rng, sharded=self.sp)
@@ -113,7 +112,7 @@ class Transformer(nn.Module):
         tp, pp, v = mesh.tp_size, mesh.pp_size, virtual_stages
         config.check(tp=tp, pp=pp)  # every rank, before any collective
         if loss_chunk < 0:
-            raise ValueError(f"loss_chunk={loss_chunk} must be 0 (off) or a number of tokens")
+            raise UserError(f"loss_chunk={loss_chunk} must be 0 (off) or a number of tokens")
         if chunks_problem(config.num_layers, pp, v):
             raise UserError(f"{config.name}: {chunks_problem(config.num_layers, pp, v)}")
         self.config, self.mesh, self.group = config, mesh, mesh.tp_group
@@ -216,8 +215,8 @@ class Transformer(nn.Module):
 
     def _embed(self, ids, token_types, position_offset: int) -> torch.Tensor:
         if self.sequence_parallel and ids.shape[1] % self.group.size:
-            raise ValueError(f"sequence length {ids.shape[1]} is not divisible by "
-                             f"tp={self.group.size} (sequence parallelism)")
+            raise UserError(f"sequence length {ids.shape[1]} is not divisible by "
+                            f"tp={self.group.size} (sequence parallelism)")
         with self.mesh.ledger.scope("embed"):  # its all-reduce (or reduce-scatter) is named
             return self.embed(ids, token_types, position_offset, self.rng)
 
@@ -248,22 +247,22 @@ class Transformer(nn.Module):
         """BERT's pooler output tanh(W h[:, 0] + b) [b, h] from final hidden states."""
         return torch.tanh(self.pooler(hidden[:, 0]))
 
-    def loss(self, logits: torch.Tensor, labels: torch.Tensor, ignore_index: int = -100,
+    def loss(self, last: torch.Tensor, labels: torch.Tensor, ignore_index: int = -100,
              label_smoothing: float = 0.0) -> torch.Tensor:
         """Mean cross-entropy over non-ignored tokens; identical on every tp rank.
 
-        With `loss_chunk` the first argument is the final hidden states (what the last
-        stage returned) and the head runs inside the chunked loss."""
+        `last`: what the last stage returned, the vocab-parallel logits, or with
+        `loss_chunk` the final hidden states (the head then runs inside the chunked loss)."""
         if self.loss_chunk:
             per_token = chunked_head_cross_entropy(
-                logits, self.head_weight, labels, self.group, self.config.vocab_size,
+                last, self.head_weight, labels, self.group, self.config.vocab_size,
                 chunk=self.loss_chunk, sequence_parallel=self.sequence_parallel,
                 ignore_index=ignore_index, label_smoothing=label_smoothing,
                 compile_backend=self.loss_compile)  # [b, s]
         else:
             with self.mesh.ledger.scope("loss"):
                 per_token = vocab_parallel_cross_entropy(
-                    logits, labels, self.group, self.config.vocab_size,
+                    last, labels, self.group, self.config.vocab_size,
                     ignore_index=ignore_index, label_smoothing=label_smoothing)  # [b, s]
         return per_token.sum() / (labels != ignore_index).sum().clamp(min=1)
 

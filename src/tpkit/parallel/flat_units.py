@@ -52,7 +52,7 @@ class FlatUnit:
     """Parameters sharded as one flat buffer over `group` (dp); see the module doc."""
 
     def __init__(self, name: str, params: list[nn.Parameter], group: CommGroup,
-                 tp_group: CommGroup, pp_size: int) -> None:
+                 tp_group: CommGroup, pp_size: int, shard_is_view: bool = False) -> None:
         self.name, self.group, self.tp_group = name, group, tp_group
         self.params = sorted(params, key=lambda p: p.dim() < 2)  # decayed first (stable)
         n = sum(p.numel() for p in self.params)
@@ -73,7 +73,12 @@ class FlatUnit:
                                                          pp_size).reshape(-1)
                 p.data = self.flat[offset:offset + k].view_as(p)
                 offset += k
-        self.shard = self.flat[self.lo:self.lo + self.per].clone()  # [n/dp] fp32 master
+        # [n/dp] fp32 master: its own copy (FSDP frees the buffer), or with replicated
+        # weights (ZeRO-2) a view of the buffer, updated in place, so no second copy
+        self.shard = self.flat[self.lo:self.lo + self.per]
+        self.shard_is_view = shard_is_view
+        if not shard_is_view:
+            self.shard = self.shard.clone()
         self.norm_w = weights[self.lo:self.lo + self.per].clone()  # [n/dp]
         self.grad_shard: torch.Tensor | None = None
         self.gathered = True
@@ -117,13 +122,15 @@ class FlatUnit:
     def publish(self, scope: str) -> None:
         """After the optimizer step: every rank's updated shard into the full buffer."""
         self._storage().resize_(self.padded * self.flat.element_size())
-        self.flat.copy_(all_gather(self.shard, self.group, dim=0, phase="grads", scope=scope))
+        mine = self.shard.clone() if self.shard_is_view else self.shard  # not read while written
+        self.flat.copy_(all_gather(mine, self.group, dim=0, phase="grads", scope=scope))
         self.gathered = True
 
     @torch.no_grad()
     def take_from_params(self) -> None:
         """The shard re-read from the full buffer (after weights were loaded into it)."""
-        self.shard.copy_(self.flat[self.lo:self.lo + self.per])
+        if not self.shard_is_view:
+            self.shard.copy_(self.flat[self.lo:self.lo + self.per])
 
     def _storage(self):
         return self.flat.untyped_storage()

@@ -38,11 +38,11 @@ class ShardedAdamW:
             self.views.append((d, v))
             decay += [d] if d is not None else []
             plain += [v] if v is not None else []
-        self.params = [[p for u in units for p in u.params if p.dim() >= 2],
-                       [p for u in units for p in u.params if p.dim() < 2]]
-        kept = [(g, ps) for g, ps in ((dict(params=decay, weight_decay=weight_decay), self.params[0]),
-                                      (dict(params=plain, weight_decay=0.0), self.params[1]))
-                if ps]
+        model = ([p for u in units for p in u.params if p.dim() >= 2],  # as param_groups()
+                 [p for u in units for p in u.params if p.dim() < 2])
+        groups = [(dict(params=decay, weight_decay=weight_decay), model[0]),
+                  (dict(params=plain, weight_decay=0.0), model[1])]
+        kept = [(g, ps) for g, ps in groups if ps]
         self.params = [ps for _, ps in kept]  # the model parameters of each group (checkpoints)
         self.inner = torch.optim.AdamW([g for g, _ in kept], **adamw)
 

@@ -39,7 +39,10 @@ from tpkit.comm.group import CommGroup
 
 
 class ZeroAdamW:
-    """AdamW over param groups, its state sharded over a dp group."""
+    """AdamW over param groups, its state sharded over a dp group (ZeRO-1). A
+    `replicated.StepOptimizer`: it reduce-scatters the gradients itself."""
+
+    dp_sharded = True
 
     def __init__(self, param_groups: list[dict], group: CommGroup, **adamw) -> None:
         self.group = group

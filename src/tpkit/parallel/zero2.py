@@ -2,10 +2,12 @@
 
 Rajbhandari et al. 2020, "P_os+g". Like ZeRO-1 (`tpkit.parallel.zero`) each dp rank
 updates only its 1/dp slice of the flattened parameters; unlike it, the full
-gradients never outlive the backward that made them. Parameters are packed into
-buckets (~`bucket_mb` MiB, in the order backward finishes them, last layer first);
-as soon as every parameter of a bucket has its gradient from a micro-batch, the
-bucket is reduce-scattered over dp and its full gradients are dropped:
+gradients never outlive the backward that made them. Parameters are packed into one
+bucket per layer (and one for the embedding, final norm and head; the tied table alone
+with pp > 1); as soon as every parameter of a bucket has its gradient from a
+micro-batch, the bucket is reduce-scattered over dp and its full gradients are dropped,
+so at most one layer's full gradients exist at a time. The weights are views of each
+bucket's flat buffer; this rank's slice of it is what AdamW updates, in place:
 
     micro-batch i backward:  bucket k ready -> reduce_scatter(dp) / dp -> grad shard k += it
     after the last one:      norm and clip on the shards; AdamW on the shards
@@ -32,14 +34,10 @@ class Zero2(ShardedData):
     scope = "zero2"
 
     def __init__(self, model: nn.Module, mesh: ParallelMesh, micro_batches: int,
-                 weight_decay: float, bucket_mb: float = 25.0, **adamw) -> None:
+                 weight_decay: float, **adamw) -> None:
         parts = split_tied(sharded_params(model), model, mesh.pp_size)
-        tied = [ps for n, ps in parts if n == "tied"]
-        order = [p for n, ps in reversed(parts) if n != "tied" for p in reversed(ps)]
-        units = [FlatUnit(f"bucket{i}", ps, mesh.dp_group, mesh.tp_group, mesh.pp_size)
-                 for i, ps in enumerate(_buckets(order, int(bucket_mb * 2**20)))]
-        units += [FlatUnit("tied", ps, mesh.dp_group, mesh.tp_group, mesh.pp_size)
-                  for ps in tied]
+        units = [FlatUnit(n, ps, mesh.dp_group, mesh.tp_group, mesh.pp_size, shard_is_view=True)
+                 for n, ps in parts if ps]
         super().__init__(units, mesh, micro_batches, weight_decay, **adamw)
 
     def unit_backward_done(self, unit: FlatUnit, count: int) -> None:
@@ -57,16 +55,3 @@ class Zero2(ShardedData):
         return [e for u in self.units for e in
                 theory.data_parallel(u.padded, dp, zero2=True, micro_batches=self.micro_batches)]
 
-
-def _buckets(params: list[nn.Parameter], limit: int) -> list[list[nn.Parameter]]:
-    """Consecutive groups of parameters, each at most `limit` bytes (or one parameter)."""
-    out: list[list[nn.Parameter]] = []
-    size = 0
-    for p in params:
-        nbytes = p.numel() * p.element_size()
-        if not out or size + nbytes > limit:
-            out.append([])
-            size = 0
-        out[-1].append(p)
-        size += nbytes
-    return out

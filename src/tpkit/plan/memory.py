@@ -22,14 +22,20 @@ Rajbhandari et al. 2020, section 3.1), with N = dp x cp ranks sharing the weight
                                                          the layers being computed (2 layers:
                                                          the current one and the prefetched
                                                          next) and one layer's full gradients
-    FSDP, after-step      2/N + 2     4/N + 4            12/N       the stage's weights, gathered
+    FSDP, after-step      2/N + 2     4                  12/N       the stage's weights, gathered
                                                          once and kept, and its gradients,
                                                          accumulated unsharded, for the step
+                                                         (one micro-batch: its backward
+                                                         reduce-scatters layer by layer, so
+                                                         one layer's full gradients, as
+                                                         after-forward)
 
 Gradients are fp32 by default, as Megatron-Core keeps them with bf16 training (main
 gradients accumulated and reduced in fp32); `Precision(grad=2)` is bf16 gradients.
 
-Activations: `activations.py`, tensor by tensor, times the micro-batches in flight.
+Activations: `activations.py`, tensor by tensor, times the micro-batches in flight;
+`eager` (tpkit's own block on a CPU or `local` profile: unfused RMSNorm and SwiGLU, k
+and v repeated for GQA) instead of Megatron-Core's fused kernels.
 """
 
 from __future__ import annotations
@@ -113,18 +119,23 @@ def params_per_rank(config: ModelConfig, tp: int, pp: int, stage: int) -> int:
 
 
 def model_state_bytes(params: int, replicas: int, zero: int, prec: Precision,
-                      layer_params: int = 0, keep_gathered: bool = False) -> dict[str, float]:
+                      layer_params: int = 0, keep_gathered: bool = False,
+                      micro_batches: int = 2) -> dict[str, float]:
     """Weights, gradients and optimizer state of `params` parameters on one rank.
 
     `replicas` ranks (dp x cp) share the state as `zero` says (0, 1, 2 or 3 = FSDP);
     FSDP also holds `layer_params` gathered weights for 2 layers and gradients for one,
-    or with `keep_gathered` (after-step) all `params` gathered weights and gradients.
+    or with `keep_gathered` (after-step) all `params` gathered weights and, when gradients
+    accumulate over `micro_batches` > 1, all `params` unsharded gradients (the shards
+    replace them unit by unit in the last backward: at the peak one unit's shard exists
+    beside them, measured by `benchmarks/memory_sharded.py`).
     """
     n = replicas
-    gathered, unsharded_grads = (params, params) if keep_gathered else (2 * layer_params,
-                                                                        layer_params)
+    gathered = params if keep_gathered else 2 * layer_params
     weights = prec.weight * (params / n + gathered if zero >= 3 else params)
-    grads = prec.grad * (params / n + unsharded_grads if zero >= 2 else params)
+    grads = prec.grad * (params / n + layer_params if zero >= 2 else params)
+    if zero >= 3 and keep_gathered and micro_batches > 1:  # the shards are made only as the
+        grads = prec.grad * (params + layer_params / n)  # last backward frees the full ones
     return {"weights": weights, "grads": grads,
             "optimizer": prec.optimizer * params / (n if zero >= 1 else 1)}
 
@@ -142,11 +153,11 @@ def in_flight_micro_batches(pp: int, stage: int, m: int, interleave: int = 1) ->
 
 
 def stage_activation_bytes(c: ModelConfig, seq: int, lay: Layout, stage: int, m: int,
-                           act_bytes: int = 2, flash: bool = True) -> float:
+                           act_bytes: int = 2, flash: bool = True, eager: bool = False) -> float:
     """Activation bytes of one rank of `stage` at the schedule's peak (+ logits on the last)."""
     tp, pp = lay.tp, lay.pp
     per_layer = layer_activation_bytes(c, seq, lay.micro_batch, tp, lay.sp, lay.recompute,
-                                       act_bytes, flash, cp=lay.cp)
+                                       act_bytes, flash, eager, cp=lay.cp)
     layers = layout_stage_layers(c.num_layers, lay)[stage]
     total = per_layer * layers * in_flight_micro_batches(pp, stage, m, lay.interleave)
     if stage == pp - 1:  # fp32 logits of one micro-batch, vocab-parallel (Korthikanti eq. 3)
@@ -155,18 +166,24 @@ def stage_activation_bytes(c: ModelConfig, seq: int, lay: Layout, stage: int, m:
 
 
 def memory_per_device(c: ModelConfig, seq: int, lay: Layout, m: int, prec: Precision,
-                      flash: bool = True) -> dict[str, float]:
+                      flash: bool = True, eager: bool = False) -> dict[str, float]:
     """Peak bytes of the fullest rank, as {weights, grads, optimizer, activations, total}."""
-    worst: dict[str, float] = {}
+    return max(memory_per_stage(c, seq, lay, m, prec, flash, eager), key=lambda p: p["total"])
+
+
+def memory_per_stage(c: ModelConfig, seq: int, lay: Layout, m: int, prec: Precision,
+                     flash: bool = True, eager: bool = False) -> list[dict[str, float]]:
+    """Peak bytes of one rank of each pipeline stage (every tp and dp rank of a stage
+    holds the same), as {weights, grads, optimizer, activations, total}."""
+    out = []
     for stage in range(lay.pp):  # 1F1B: stage i holds p - i micro-batches of its layers
         parts = model_state_bytes(stage_params(c, lay, stage), lay.replicas, lay.zero, prec,
-                                  c.layer_params(lay.tp), lay.keeps_gathered_weights)
+                                  c.layer_params(lay.tp), lay.keeps_gathered_weights, m)
         parts["activations"] = stage_activation_bytes(c, seq, lay, stage, m, prec.activation,
-                                                      flash)
+                                                      flash, eager)
         parts["total"] = sum(parts.values())
-        if parts["total"] > worst.get("total", -1.0):
-            worst = parts
-    return worst
+        out.append(parts)
+    return out
 
 
 def stage_params(c: ModelConfig, lay: Layout, stage: int) -> int:

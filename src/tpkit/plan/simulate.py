@@ -50,6 +50,12 @@ class Cluster:
     flash_attention: bool = True  # False: attention scores hit memory (pre-2022 Megatron)
 
     @property
+    def eager(self) -> bool:
+        """Activations of tpkit's own eager block (a CPU or calibrated `local` profile runs
+        tpkit itself), not Megatron-Core's fused kernels."""
+        return self.hardware.name in ("cpu", "local")
+
+    @property
     def per_node(self) -> int:
         """Devices in one node."""
         return self.devices_per_node or self.hardware.devices_per_node
@@ -196,7 +202,7 @@ def evaluate(c: ModelConfig, seq: int, global_batch: int, lay: Layout, cluster: 
     terms.update(_dp_and_optimizer(c, lay, cluster, hw, prec, m, *windows))
     terms["step_sync"] = _step_sync(c, lay, hw, prec)
     step = sum(terms.values())
-    mem = memory_per_device(c, seq, lay, m, prec, cluster.flash_attention)
+    mem = memory_per_device(c, seq, lay, m, prec, cluster.flash_attention, cluster.eager)
     e = _estimate(c, seq, global_batch, lay, cluster, step, terms, lt, mem, m)
     e.notes["stage_imbalance"] = max(sum(s) for s in stages) / min(sum(s) for s in stages) - 1
     return e

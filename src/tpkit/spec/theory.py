@@ -131,8 +131,9 @@ def head(b: int, s: int, h: int, tp: int, sp: bool = False) -> list[Expect]:
     return [Expect("all_reduce", "backward", b * s * h)]
 
 
-def stage(b: int, s: int, h: int, tp: int, sp: bool, num_layers: int, *, first: bool = True,
-          last: bool = True, recompute: str = "none", loss_chunk: int = 0) -> list[Expect]:
+def stage(*, b: int, s: int, h: int, tp: int, num_layers: int, sp: bool = False,
+          first: bool = True, last: bool = True, recompute: str = "none", loss_chunk: int = 0
+          ) -> list[Expect]:
     """Tensor-parallel traffic of one micro-batch through a pipeline stage holding
     `num_layers` layers (the whole model when first and last)."""
     out = embedding(b, s, h, tp, sp) if first else []
@@ -158,25 +159,26 @@ def cross_entropy(b: int, s: int, tp: int, chunk: int = 0) -> list[Expect]:
     return [Expect("all_reduce", "forward", c, count=3) for c in loss_chunks(b * s, chunk)]
 
 
-def stage_step(hidden: int, b: int, s: int, tp: int, pp: int, sp: bool, m: int, first: bool,
-               last: bool, num_layers: int, chunks: int = 1,
-               recompute: str = "none", loss_chunk: int = 0) -> list[Expect]:
-    """What one training step of m micro-batches must send on a rank's tp and pp groups.
+def stage_step(*, b: int, s: int, h: int, tp: int, pp: int, num_layers: int,
+               micro_batches: int, sp: bool = False, first: bool = True, last: bool = True,
+               chunks: int = 1, recompute: str = "none", loss_chunk: int = 0) -> list[Expect]:
+    """What one training step of m = `micro_batches` must send on a rank's tp and pp
+    groups (keywords as `stage`'s, plus pp, the micro-batches and the stage's chunks).
 
     Per micro-batch: `stage` (embedding on the first stage, 2+2 per layer, head and the
     three cross-entropy all-reduces on the last); and between stages one activation
     forward and its gradient backward, [b, s, h] ([b, s/tp, h] with SP), per chunk of
     the stage (interleaved), except out of the very last chunk and into the very first.
     """
-    one = stage(b, s, hidden, tp, sp, num_layers, first=first, last=last, recompute=recompute,
-                loss_chunk=loss_chunk)
-    act = b * (s // tp if sp else s) * hidden
+    one = stage(b=b, s=s, h=h, tp=tp, num_layers=num_layers, sp=sp, first=first, last=last,
+                recompute=recompute, loss_chunk=loss_chunk)
+    act = b * (s // tp if sp else s) * h
     out, into = chunks - last, chunks - first  # activations leaving / entering the stage
     if pp > 1 and out:
         one += [Expect("send", "forward", act, out), Expect("recv", "backward", act, out)]
     if pp > 1 and into:
         one += [Expect("recv", "forward", act, into), Expect("send", "backward", act, into)]
-    return [Expect(e.op, e.phase, e.numel, e.count * m) for e in one]
+    return [Expect(e.op, e.phase, e.numel, e.count * micro_batches) for e in one]
 
 
 def data_parallel(numel: int, dp: int, zero1: bool = False, *, zero2: bool = False,
@@ -239,16 +241,14 @@ def context_parallel(b: int, s_local: int, kv_local: int, head_dim: int, cp: int
     """One step's ring-attention traffic on a rank's cp group (`tpkit.layers.ring_attention`).
 
     Per layer and micro-batch, with n = b * kv_local * s_local * head_dim (one of k, v):
-    forward (cp-1) hops of k,v (2n sent, 2n received); backward (cp-1) hops of k,v with
-    their gradients (4n) and one hop of the gradients home (2n). Full recompute repeats
-    the forward's hops inside the backward (recorded as forward, like the tp traffic).
+    forward (cp-1) hops of k,v (2n sent, 2n received); backward (cp-1) hops of k,v and
+    cp hops of their gradients dk,dv (2n each; the last brings each home). Full
+    recompute repeats the forward's hops inside the backward (recorded as forward, like
+    the tp traffic).
     """
     if cp == 1:
         return []
     n, count = b * kv_local * s_local * head_dim, num_layers * micro_batches
     fwd = count * (2 if recompute == "full" else 1) * (cp - 1)
-    out = []
-    for op in ("send", "recv"):
-        out += [Expect(op, "forward", 2 * n, fwd), Expect(op, "backward", 4 * n, count * (cp - 1)),
-                Expect(op, "backward", 2 * n, count)]
-    return out
+    return [Expect(op, phase, 2 * n, c) for op in ("send", "recv")
+            for phase, c in (("forward", fwd), ("backward", count * (2 * cp - 1)))]

@@ -10,6 +10,7 @@ any process starts), each error naming the numbers:
 from __future__ import annotations
 
 from dataclasses import asdict, dataclass, fields, replace
+from functools import cached_property
 from pathlib import Path
 
 from tpkit.comm.failure import DEFAULT_COLLECTIVE_TIMEOUT_S
@@ -88,7 +89,12 @@ class TrainConfig:
         return self.from_hf or self.preset
 
     def model_config(self):
-        """The model's `ModelConfig`: the preset's, or the Hugging Face folder's."""
+        """The model's `ModelConfig`: the preset's, or the Hugging Face folder's (its
+        config.json read once per TrainConfig: the value travels with it to the ranks)."""
+        return self._model_config
+
+    @cached_property
+    def _model_config(self):
         from tpkit.spec.config import get_preset
 
         if self.from_hf is None:
@@ -99,8 +105,8 @@ class TrainConfig:
 
         path = Path(self.from_hf) / "config.json"
         if not path.is_file():
-            raise ValueError(f"from_hf={self.from_hf}: no config.json there (not a Hugging "
-                             f"Face model folder)")
+            raise UserError(f"from_hf={self.from_hf}: no config.json there (not a Hugging "
+                            f"Face model folder)")
         return config_from_hf(json.loads(path.read_text()))[1]
 
     @property
@@ -167,8 +173,8 @@ class TrainConfig:
             out.append(f"dtype={self.dtype!r} is not one of {DTYPES}")
         if not 0.0 <= self.val_fraction < 1.0:
             out.append(f"val_fraction={self.val_fraction} must be in [0, 1)")
-        if not self.lr > 0:
-            out.append(f"lr={self.lr} must be positive")
+        if not 0 < self.lr < 1e30:  # AdamW's step lr / (1 - beta1^t) must stay a float32
+            out.append(f"lr={self.lr} must be positive and below 1e30")
         out += _tracker_problems(self.log)
         try:
             model = self.model_config()

@@ -10,11 +10,22 @@ from __future__ import annotations
 
 import math
 
+import torch
 from torch import nn
 
 from tpkit.mesh import ParallelMesh
 from tpkit.parallel.zero import ZeroAdamW
 from tpkit.train.config import TrainConfig
+
+
+class AdamW(torch.optim.AdamW):
+    """torch's AdamW as a `parallel.replicated.StepOptimizer`: whole gradients, summed
+    over dp before it runs, so `reduce_gradients` has nothing to do."""
+
+    dp_sharded = False
+
+    def reduce_gradients(self) -> None:
+        """Nothing: `OverlappedGradSync` summed the gradients over dp already."""
 
 
 def param_groups(model: nn.Module, weight_decay: float) -> list[dict]:
@@ -27,15 +38,14 @@ def param_groups(model: nn.Module, weight_decay: float) -> list[dict]:
     return [g for g in groups if g["params"]]
 
 
-def build_optimizer(model: nn.Module, cfg: TrainConfig, mesh: ParallelMesh):
-    """torch AdamW, or `ZeroAdamW` sharding its state over the dp group with --zero1."""
-    import torch
-
+def build_optimizer(model: nn.Module, cfg: TrainConfig, mesh: ParallelMesh
+                    ) -> AdamW | ZeroAdamW:
+    """AdamW, or `ZeroAdamW` sharding its state over the dp group with --zero1."""
     groups = param_groups(model, cfg.weight_decay)
     kw = dict(lr=cfg.lr, betas=(0.9, cfg.beta2), eps=1e-8)
     if cfg.zero1 and mesh.dp_size > 1:
         return ZeroAdamW(groups, mesh.dp_group, **kw)
-    return torch.optim.AdamW(groups, **kw)
+    return AdamW(groups, **kw)
 
 
 def build_sharding(model: nn.Module, cfg: TrainConfig, mesh: ParallelMesh):

@@ -8,8 +8,11 @@ One process per rank, four tracks each:
                | dW matmul (while the dX all-reduce is in flight) | wait for it
     tp async   the dX all-reduce (or reduce-scatter) of a column-parallel layer's
                backward, from post to completion: it overlaps the dW matmul above
-    pp         pipeline sends and receives (activations forward, gradients backward)
-    dp         gradient buckets all-reduced over data-parallel replicas
+    pp         pipeline sends and receives (activations forward, gradients backward),
+               and the ring attention's k/v hops over the cp group
+    dp         gradient buckets all-reduced over data-parallel replicas; ZeRO-2 and FSDP
+               gathers and reduce-scatters (FSDP prefetches the next layer's gather: it
+               is drawn from its post, overlapping the current layer's compute)
 
 Collectives carry their ledger scope (layers.3.mlp, head, loss, pipeline) and phase;
 compute is what the main thread did between them, named after the collective it led to.
@@ -43,9 +46,13 @@ def _record_events(r: Record, rank: int) -> list[dict]:
         cat = "bubble" if r.op == "recv" else "pp"
         return [_event(label, "pp", r.start, r.end, rank, "pp", **args),
                 _event(f"{cat}: {label}", cat, r.start, r.end, rank, "main", **args)]
+    if r.group == "cp":
+        return [_event(f"cp ring {r.op} ({r.phase})", "pp", r.start, r.end, rank, "pp", **args)]
     if r.group == "dp":
-        return [_event(f"dp bucket {r.op}", "dp", r.start, r.end, rank, "dp", **args),
-                _event(f"wait dp bucket ({r.numel:,})", "dp", wait_from, r.end, rank, "main")]
+        what = f"{r.scope} {r.op} ({r.phase})" if r.scope in ("fsdp", "zero2") else \
+            f"dp bucket {r.op}"
+        return [_event(what, "dp", r.start, r.end, rank, "dp", **args),
+                _event(f"wait {what} ({r.numel:,})", "dp", wait_from, r.end, rank, "main")]
     if r.group == "tp" and hidden > 0:
         return [_event(f"dX {label}", "tp async", r.start, r.end, rank, "tp async", **args),
                 _event(f"dW matmul {r.scope} (dX {r.op} in flight)", "overlap", r.start,

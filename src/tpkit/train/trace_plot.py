@@ -9,7 +9,7 @@ COLORS = {"compute": "#4c72b0", "tp": "#dd8452", "tp async": "#f2b880", "overlap
 LABELS = {"compute": "compute", "tp": "tp collective (blocking)",
           "tp async": "dX all-reduce in flight", "overlap": "dW matmul under it",
           "bubble": "bubble (waiting on a recv)", "pp": "pipeline send/recv",
-          "dp": "dp gradient bucket", "other": "other collective"}
+          "dp": "dp collective (buckets, FSDP gathers)", "other": "other collective"}
 
 
 def plot_step(events: list[dict], path: Path, title: str = "") -> Path:
