@@ -11,6 +11,11 @@ fit is refused; a cancelled request frees its slot.
 
 from __future__ import annotations
 
+import re
+import subprocess
+import sys
+from pathlib import Path
+
 import pytest
 import torch
 
@@ -109,3 +114,21 @@ def test_budget_queue_refusal_and_cancel():
     assert a.finish_reason == "cancelled" and b.slot is not None and len(b.tokens) == 2
     assert b.result().finish_reason == "length" and len(b.tokens) == 8
     assert not engine.busy
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(180)
+def test_readme_engine_example_runs(tmp_path):
+    """README, "Serve it": the Engine example, as written, on a saved llama-t checkpoint."""
+    from tpkit.checkpoint import store
+
+    root = Path(__file__).resolve().parent.parent
+    section = (root / "README.md").read_text().split("## Serve it", 1)[1].split("\n## ", 1)[0]
+    code = re.findall(r"```python\n(.*?)```", section, re.S)[-1]
+    (tmp_path / "engine.py").write_text(code)
+    store.save(tmp_path / "ckpt", _model(ParallelMesh.single(), LLAMA))
+    out = subprocess.run([sys.executable, str(tmp_path / "engine.py"), str(tmp_path / "ckpt")],
+                         capture_output=True, text=True, timeout=170,
+                         env={"PYTHONPATH": str(root / "src"), "PATH": "/usr/bin:/bin"})
+    assert out.returncode == 0, out.stderr[-3000:]
+    assert out.stdout.count("first prompt:") == 8 and "batched = alone" in out.stdout

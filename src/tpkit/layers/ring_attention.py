@@ -11,13 +11,15 @@ while the rank computes attention against the block it holds:
              online softmax (Milakov & Gimelshein 2018): running max m, sum l, output o
     o / l is softmax(q K^T) V over the whole sequence; lse = m + log l is kept.
 
-Backward runs the ring again: the block's k/v travel with the accumulated gradient of
-that block (dk, dv), each rank adding its queries' share; after cp-1 hops one more
-sends every dk/dv back to its owner:
+Backward runs the ring again: the k/v blocks travel as in forward (the next one posted
+before the block math), and each block's gradient (dk, dv) follows one hop behind: a
+rank computes its queries' share of the block it holds while the share accumulated so
+far by the ranks before it is on its way, adds the two and sends the sum on; after cp
+hops every dk, dv is back with its owner:
 
-    per layer and micro-batch:  forward  (cp-1) x send + recv of k,v       (2 n each)
-                                backward (cp-1) x send + recv of k,v,dk,dv (4 n each)
-                                         1 x send + recv of dk,dv home     (2 n)
+    per layer and micro-batch:  forward  (cp-1) x send + recv of k,v            (2 n each)
+                                backward (cp-1) x send + recv of k,v, and
+                                         cp x send + recv of dk,dv              (2 n each)
     n = b * kv_heads/tp * S/cp * head_dim   (`tpkit.spec.theory.context_parallel`)
 
 Grouped-query heads travel unrepeated (kv_local heads), repeated only for the math.
@@ -99,30 +101,47 @@ class _RingAttention(torch.autograd.Function):
     def backward(ctx, do):
         q, k, v, o, lse = ctx.saved_tensors
         group = ctx.group
-        cp, r, g = group.size, group.rank, q.shape[1] // k.shape[1]
-        qpos = cp_positions(q.shape[2], group, device=q.device)
+        cp, r = group.size, group.rank
+        nxt, prev = (r + 1) % cp, (r - 1) % cp
         delta = (do * o).sum(-1, keepdim=True)  # [b, hq, s, 1]
         dq = torch.zeros_like(q)
-        blob = torch.cat([torch.stack([k, v]), torch.zeros(2, *k.shape, dtype=k.dtype,
-                                                           device=k.device)])  # [4, b, hkv, s, d]
+        kv, acc_send = torch.stack([k, v]).contiguous(), None  # [2, b, hkv, s, d]
         for t in range(cp):
-            kpos = cp_positions(q.shape[2], group, (r - t) % cp, q.device)
-            kb, vb = blob[0], blob[1]
-            p = torch.exp(_scores(q, kb, qpos, kpos, g) - lse)  # [b, hq, s, s]
-            vr = vb.repeat_interleave(g, dim=1) if g > 1 else vb
-            kr = kb.repeat_interleave(g, dim=1) if g > 1 else kb
-            dp = torch.matmul(do, vr.transpose(-1, -2))
-            ds = p * (dp - delta) / math.sqrt(q.shape[-1])
-            dq += torch.matmul(ds, kr)
-            dk = torch.matmul(ds.transpose(-1, -2), q)  # [b, hq, s, d]
-            dv = torch.matmul(p.transpose(-1, -2), do)
-            blob[2] += _fold(dk, g)
-            blob[3] += _fold(dv, g)
-            hop = blob if t < cp - 1 else blob[2:].contiguous()  # the last hop: dk, dv home
-            send, recv = _send_recv(hop, group, "backward")
-            send.wait()
-            blob = recv.wait()
-        return dq, blob[0], blob[1], None
+            # posted in the order the previous rank sends: its last gradients, then k/v
+            acc_recv = _post_recv(kv, group, prev) if t > 0 else None
+            hop = _send_recv(kv, group, "backward") if t < cp - 1 else None
+            mine = _block_grads(q, kv, do, lse, delta, dq, group, (r - t) % cp)  # [2, ...]
+            acc = mine if acc_recv is None else acc_recv.wait().add_(mine)
+            if acc_send is not None:
+                acc_send.wait()
+            acc_send = isend(acc, group, nxt, phase="backward", scope="context_parallel")
+            if hop is not None:
+                hop[0].wait()
+                kv = hop[1].wait()
+        home = _post_recv(kv, group, prev).wait()  # dk, dv of this rank's own block
+        acc_send.wait()
+        return dq, home[0], home[1], None
+
+
+def _post_recv(like: torch.Tensor, group: CommGroup, src: int):
+    return irecv(torch.empty_like(like), group, src, phase="backward", scope="context_parallel")
+
+
+def _block_grads(q, kv, do, lse, delta, dq, group: CommGroup, src: int) -> torch.Tensor:
+    """This rank's queries' share of d(k, v) of block `src` [2, b, hkv, s, d]; adds the
+    block's share of dq into `dq`."""
+    g = q.shape[1] // kv.shape[2]
+    qpos = cp_positions(q.shape[2], group, device=q.device)
+    kpos = cp_positions(q.shape[2], group, src, q.device)
+    kb, vb = kv[0], kv[1]
+    p = torch.exp(_scores(q, kb, qpos, kpos, g) - lse)  # [b, hq, s, s]
+    vr = vb.repeat_interleave(g, dim=1) if g > 1 else vb
+    kr = kb.repeat_interleave(g, dim=1) if g > 1 else kb
+    ds = p * (torch.matmul(do, vr.transpose(-1, -2)) - delta) / math.sqrt(q.shape[-1])
+    dq += torch.matmul(ds, kr)
+    dk = torch.matmul(ds.transpose(-1, -2), q)  # [b, hq, s, d]
+    dv = torch.matmul(p.transpose(-1, -2), do)
+    return torch.stack([_fold(dk, g), _fold(dv, g)])
 
 
 def _fold(x: torch.Tensor, g: int) -> torch.Tensor:

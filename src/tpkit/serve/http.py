@@ -188,9 +188,10 @@ class Handler(BaseHTTPRequestHandler):
         self.end_headers()
         self.close_connection = True  # the body ends when the connection does
         try:
-            self._sse(api.chunk(rid, name, None, None, chat, created, first=True))
+            if chat:  # the assistant's role comes first
+                self._sse(api.chunk(rid, name, None, None, chat, created, first=True))
             for ev in self._events(req):
-                if ev[0] == "token" and ev[2]:
+                if ev[0] == "token":  # one chunk per token (its text may be held back: "")
                     self._sse(api.chunk(rid, name, ev[2], None, chat, created))
                 elif ev[0] == "done":
                     self._sse(api.chunk(rid, name, None, ev[1], chat, created))

@@ -241,16 +241,14 @@ def context_parallel(b: int, s_local: int, kv_local: int, head_dim: int, cp: int
     """One step's ring-attention traffic on a rank's cp group (`tpkit.layers.ring_attention`).
 
     Per layer and micro-batch, with n = b * kv_local * s_local * head_dim (one of k, v):
-    forward (cp-1) hops of k,v (2n sent, 2n received); backward (cp-1) hops of k,v with
-    their gradients (4n) and one hop of the gradients home (2n). Full recompute repeats
-    the forward's hops inside the backward (recorded as forward, like the tp traffic).
+    forward (cp-1) hops of k,v (2n sent, 2n received); backward (cp-1) hops of k,v and
+    cp hops of their gradients dk,dv (2n each; the last brings each home). Full
+    recompute repeats the forward's hops inside the backward (recorded as forward, like
+    the tp traffic).
     """
     if cp == 1:
         return []
     n, count = b * kv_local * s_local * head_dim, num_layers * micro_batches
     fwd = count * (2 if recompute == "full" else 1) * (cp - 1)
-    out = []
-    for op in ("send", "recv"):
-        out += [Expect(op, "forward", 2 * n, fwd), Expect(op, "backward", 4 * n, count * (cp - 1)),
-                Expect(op, "backward", 2 * n, count)]
-    return out
+    return [Expect(op, phase, 2 * n, c) for op in ("send", "recv")
+            for phase, c in (("forward", fwd), ("backward", count * (2 * cp - 1)))]

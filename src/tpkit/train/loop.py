@@ -137,8 +137,8 @@ def train(cfg: TrainConfig, mesh: ParallelMesh, model: torch.nn.Module | None = 
             row = run_step(ctx, loader, step)
             span = (t_step, time.perf_counter())
             if cfg.check_replicas and (step + 1) % cfg.check_replicas == 0:
-                with mesh.ledger.paused():  # not part of the step's theory
-                    check_replicas(model, mesh.tp_group, step + 1)
+                with mesh.ledger.paused(), data.full_params():  # not part of the theory
+                    check_replicas(model, mesh.tp_group, step + 1)  # FSDP: gathered first
             train_s += row["step_s"]
             if step > start or cfg.steps == start + 1:
                 idle, busy = idle + row["idle_s"], busy + row["step_s"] - row["idle_s"]
