@@ -156,14 +156,15 @@ def main() -> None:
     args = p.parse_args()
     sizes = QUICK_SIZES if args.quick else SIZES
     budget = args.budget or (0.3 if args.quick else 1.0)
-    rows, why = [], None
+    rows, why = [], {}
     for n in (int(r) for r in args.ranks.split(",")):
         got = spawn(_worker, n, sizes, budget, mesh=dict(tp=n, comm="shm"), threads=1,
                     timeout=3600, env={"LOCAL_SIZE": str(n)})[0]  # DeepSpeed's shm needs it
         rows += got[:-1]
-        why = why or got[-1]["deepspeed"]
-    if why:
-        print(f"DeepSpeed skipped: {why}")
+        if got[-1]["deepspeed"]:
+            why[n] = got[-1]["deepspeed"]
+    for n, reason in why.items():
+        print(f"DeepSpeed skipped at {n} ranks: {reason}")
     verdict = report(rows)
     path = write_json("collectives", dict(environment=environment(), rows=rows,
                                           deepspeed_skipped=why, verdict=verdict))
