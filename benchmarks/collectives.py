@@ -74,8 +74,10 @@ def _calls(op: str, group, x: torch.Tensor, ds) -> dict:
             "gloo": lambda: reduce_scatter(whole, gloo, 0)}
 
 
-def _time(fns: dict, budget_s: float) -> dict[str, float]:
-    """Median seconds per call of each contender, in alternating blocks."""
+def _time(fns: dict, budget_s: float, ledger) -> dict[str, float]:
+    """Median seconds per call of each contender, in alternating blocks. The ledger
+    records every call (as in a run) and is emptied before each block: millions of
+    records kept would make the garbage collector's passes part of the figures."""
     for f in fns.values():
         f()
     t0 = time.perf_counter()
@@ -91,6 +93,7 @@ def _time(fns: dict, budget_s: float) -> dict[str, float]:
     for b in range(blocks):
         names = list(fns)[b % len(fns):] + list(fns)[:b % len(fns)]
         for name in names:
+            ledger.clear()
             dist.barrier()
             t0 = time.perf_counter()
             for _ in range(reps[0]):
@@ -108,7 +111,7 @@ def _worker(mesh, sizes: list[int], budget_s: float) -> list[dict] | None:
             x = torch.randn(max(nbytes // 4, 1))
             fns = _calls(op, mesh.tp_group, x, ds if op == "all_reduce" else None)
             rows.append(dict(op=op, nbytes=nbytes, ranks=mesh.world_size,
-                             us={k: 1e6 * v for k, v in _time(fns, budget_s).items()}))
+                             us={k: 1e6 * v for k, v in _time(fns, budget_s, mesh.ledger).items()}))
     return [*rows, {"deepspeed": why}] if mesh.rank == 0 else None
 
 
@@ -156,14 +159,15 @@ def main() -> None:
     args = p.parse_args()
     sizes = QUICK_SIZES if args.quick else SIZES
     budget = args.budget or (0.3 if args.quick else 1.0)
-    rows, why = [], None
+    rows, why = [], {}
     for n in (int(r) for r in args.ranks.split(",")):
         got = spawn(_worker, n, sizes, budget, mesh=dict(tp=n, comm="shm"), threads=1,
                     timeout=3600, env={"LOCAL_SIZE": str(n)})[0]  # DeepSpeed's shm needs it
         rows += got[:-1]
-        why = why or got[-1]["deepspeed"]
-    if why:
-        print(f"DeepSpeed skipped: {why}")
+        if got[-1]["deepspeed"]:
+            why[n] = got[-1]["deepspeed"]
+    for n, reason in why.items():
+        print(f"DeepSpeed skipped at {n} ranks: {reason}")
     verdict = report(rows)
     path = write_json("collectives", dict(environment=environment(), rows=rows,
                                           deepspeed_skipped=why, verdict=verdict))

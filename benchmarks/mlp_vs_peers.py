@@ -12,9 +12,11 @@ input gradient before they are timed. Both ranks run every tp=2 contender in
 lockstep (a barrier before each run); times are rank 0's; each figure is the
 median over many interleaved rounds.
 
-    .venv/bin/python benchmarks/mlp_vs_peers.py [--quick] [--budget SECONDS]
+    .venv/bin/python benchmarks/mlp_vs_peers.py [--quick] [--budget SECONDS] [--comm gloo]
 
-Writes bench-results/mlp_vs_peers.json.
+tpkit's groups use shared memory by default (`--comm auto`); `--comm gloo` gives the
+figures of tpkit on gloo (DTensor always runs on gloo). Writes
+bench-results/mlp_vs_peers.json (mlp_vs_peers-gloo.json with --comm gloo).
 """
 
 from __future__ import annotations
@@ -51,7 +53,9 @@ from tpkit.layers import ParallelMLP
 
 TP = 2
 OURS, BARE, PEER, SINGLE = "tpkit tp=2", "tpkit tp=2 no ledger", "DTensor tp=2", "tp=1"
-TARGETS = dict(vs_dtensor_all=1.0, vs_dtensor_latency=1.3, tp2_vs_tp1_compute=1.8)
+TARGETS = dict(vs_dtensor_all=1.0, vs_dtensor_latency=1.3, tp2_vs_tp1_compute=1.8,
+               tp2_vs_tp1_8_tokens=1.5, tp2_vs_tp1_64_tokens=1.7, ledger_latency_ms=0.1,
+               ledger_compute_fraction=0.01)
 
 
 @dataclass(frozen=True)
@@ -170,7 +174,20 @@ def verdicts(rows: list[dict]) -> dict:
     lat = [r["ratios"]["ours_vs_dtensor"] for r in rows if r["shape"]["regime"] == "latency"]
     comp = [r["ratios"]["tp2_vs_tp1"] for r in rows if r["shape"]["regime"] == "compute"]
     t = TARGETS
+    at = {r["tokens"]: r["ratios"]["tp2_vs_tp1"] for r in rows}
+    led_lat = [r["ledger_overhead_ms"] for r in rows if r["shape"]["regime"] == "latency"]
+    led_comp = [r["ledger_overhead_ms"] / r["median_ms"][BARE] for r in rows
+                if r["shape"]["regime"] == "compute"]
     return dict(
+        tp2_vs_tp1_8_tokens=dict(target=t["tp2_vs_tp1_8_tokens"], worst=at.get(8),
+                                 met=8 in at and at[8] >= t["tp2_vs_tp1_8_tokens"]),
+        tp2_vs_tp1_64_tokens=dict(target=t["tp2_vs_tp1_64_tokens"], worst=at.get(64),
+                                  met=64 in at and at[64] >= t["tp2_vs_tp1_64_tokens"]),
+        ledger_latency_ms=dict(target=t["ledger_latency_ms"], worst=max(led_lat, default=None),
+                               met=bool(led_lat) and max(led_lat) <= t["ledger_latency_ms"]),
+        ledger_compute_fraction=dict(
+            target=t["ledger_compute_fraction"], worst=max(led_comp, default=None),
+            met=bool(led_comp) and max(led_comp) <= t["ledger_compute_fraction"]),
         never_slower_than_dtensor=dict(target=t["vs_dtensor_all"], worst=min(vs),
                                        met=min(vs) >= t["vs_dtensor_all"]),
         latency_vs_dtensor=dict(target=t["vs_dtensor_latency"], worst=min(lat, default=None),
@@ -193,7 +210,7 @@ def report(rows: list[dict], verdict: dict) -> None:
                       f"{q['ours_vs_dtensor']:.2f}x", f"{q['tp2_vs_tp1']:.2f}x",
                       f"{q['dtensor_tp2_vs_tp1']:.2f}x", f"{r['ledger_overhead_ms']:+.3f}",
                       f"{r['comm_ms']:.3f}", f"{r['others_cores_median']:.2f}"])
-    print_table("MLP forward+backward, gloo, 1 thread per rank (medians; ratios: higher = "
+    print_table("MLP forward+backward, 1 thread per rank (medians; ratios: higher = "
                 "tpkit tp=2 faster)", cols, table)
     print("  comm ms: tpkit's time inside its two all-reduces (ledger), waiting included.\n"
           "  others' cores: CPU taken by other programs while timing (median over blocks); "
@@ -202,23 +219,28 @@ def report(rows: list[dict], verdict: dict) -> None:
         if r["used"] != "clean rounds only":
             print(f"  WARNING {r['shape']}: {r['used']}; its figures are skewed")
     for name, v in verdict.items():
-        worst = "n/a" if v["worst"] is None else f"{v['worst']:.2f}x"
-        print(f"  {name:<28} target >= {v['target']:.1f}x  worst {worst:>6}  "
+        worst = "n/a" if v["worst"] is None else f"{v['worst']:.3f}"
+        print(f"  {name:<28} target {v['target']}  worst {worst:>6}  "
               f"{'MET' if v['met'] else 'MISSED'}")
 
 
 def main() -> int:
-    args = parser(__doc__.splitlines()[0]).parse_args()
+    p = parser(__doc__.splitlines()[0])
+    p.add_argument("--comm", choices=["auto", "shm", "gloo"], default="auto",
+                   help="transport of tpkit's tp group (default: auto, shared memory here)")
+    args = p.parse_args()
     shapes = QUICK_SHAPES if args.quick else SHAPES
     budgets = {k: (args.budget or v) / (4 if args.quick and args.budget is None else 1)
                for k, v in BUDGET_S.items()}
     t0 = time.perf_counter()
-    rows = spawn(run_all, TP, shapes, budgets, mesh=dict(tp=TP), threads=1, timeout=1200)[0]
+    rows = spawn(run_all, TP, shapes, budgets, mesh=dict(tp=TP, comm=args.comm), threads=1,
+                 timeout=1200)[0]
     rows = [add_ratios(r) for r in rows]
     verdict = verdicts(rows)
     report(rows, verdict)
-    path = write_json("mlp_vs_peers", dict(
-        benchmark="mlp_vs_peers", quick=args.quick, tp=TP, backend="gloo", threads_per_rank=1,
+    name = "mlp_vs_peers" + ("-gloo" if args.comm == "gloo" else "")
+    path = write_json(name, dict(
+        benchmark="mlp_vs_peers", quick=args.quick, tp=TP, comm=args.comm, threads_per_rank=1,
         activation="gelu", timing="rank 0, median over interleaved rounds, barrier before each",
         targets=TARGETS, verdict=verdict, env=environment(),
         total_wall_s=time.perf_counter() - t0, results=rows))

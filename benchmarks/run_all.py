@@ -20,7 +20,8 @@ from pathlib import Path
 
 HERE = Path(__file__).resolve().parent
 SCRIPTS = {"mlp": "mlp_vs_peers.py", "block": "block_vs_peers.py",
-           "bubble": "pipeline_bubble.py"}
+           "bubble": "pipeline_bubble.py", "collectives": "collectives.py",
+           "ledger": "ledger_overhead.py", "decode": "decode.py"}
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -1,9 +1,9 @@
 """`tpkit serve` under load: N concurrent clients (1, 4, 16, 32) streaming completions of
 mixed prompt lengths from a GPT-2 124M-class model (random weights, a Hugging Face
-folder), against transformers' own batched `generate` on the same folder, in one run.
+folder; or SmolLM2-135M's shapes, 9 heads, for tp=3), against transformers' own batched `generate` on the same folder, in one run.
 
     PYTHONPATH=src python benchmarks/serve_load.py [--tp 1,2] [--clients 1,4,16,32]
-        [--max-tokens 16] [--out bench-results/serve_load.json]
+        [--max-tokens 16] [--model gpt2|smollm2] [--out bench-results/serve_load.json]
 
 Each client sends its requests one after the other (closed loop), two per client (four
 at least) per concurrency level; every request asks for exactly `--max-tokens` tokens
@@ -37,22 +37,30 @@ THREADS = 1  # torch threads per process: on a shared, loaded machine, 2 threads
 # process are many times slower than 1 (every small op waits for a descheduled thread)
 
 
-def make_folder(out: Path) -> Path:
-    """A random GPT-2 124M (transformers' own init, seed 0), saved as a HF folder."""
+SMOLLM2_135M = dict(hidden_size=576, intermediate_size=1536, num_hidden_layers=30,
+                    num_attention_heads=9, num_key_value_heads=3, vocab_size=49152,
+                    max_position_embeddings=2048, rope_theta=100000.0,
+                    tie_word_embeddings=True)  # SmolLM2-135M's shapes: 9 heads, 3 kv heads
+
+
+def make_folder(out: Path, kind: str) -> Path:
+    """A random GPT-2 124M or SmolLM2-135M-shaped Llama (transformers' own init, seed 0),
+    saved as a HF folder."""
     import torch
     import transformers
 
     if (out / "config.json").is_file():
         return out
     torch.manual_seed(0)
-    model = transformers.GPT2LMHeadModel(transformers.GPT2Config())
+    model = transformers.GPT2LMHeadModel(transformers.GPT2Config()) if kind == "gpt2" else \
+        transformers.LlamaForCausalLM(transformers.LlamaConfig(**SMOLLM2_135M))
     model.save_pretrained(str(out))
     return out
 
 
-def prompts(n: int, seed: int = 0) -> list[list[int]]:
+def prompts(n: int, vocab: int, seed: int = 0) -> list[list[int]]:
     rng = random.Random(seed)
-    return [[rng.randrange(50257) for _ in range(rng.choice(LENGTHS))] for _ in range(n)]
+    return [[rng.randrange(vocab) for _ in range(rng.choice(LENGTHS))] for _ in range(n)]
 
 
 def per_level(clients: int) -> int:
@@ -132,7 +140,7 @@ def transformers_levels(folder: Path, levels: list[int], work, max_tokens: int) 
     import transformers
 
     torch.set_num_threads(THREADS)  # as each tpkit rank
-    model = transformers.GPT2LMHeadModel.from_pretrained(str(folder)).eval()
+    model = transformers.AutoModelForCausalLM.from_pretrained(str(folder)).eval()
     out = {}
     for n in levels:
         level = work[:per_level(n)]
@@ -162,13 +170,15 @@ def main() -> None:
     ap.add_argument("--tp", default="1,2", help="tpkit tp sizes (default 1,2)")
     ap.add_argument("--clients", default="1,4,16,32", help="concurrency levels")
     ap.add_argument("--max-tokens", type=int, default=16, help="new tokens per request")
+    ap.add_argument("--model", choices=["gpt2", "smollm2"], default="gpt2",
+                    help="GPT-2 124M, or SmolLM2-135M's shapes (9 heads: tp=3 works)")
     ap.add_argument("--folder", default=None, help="HF folder (default: a temporary one)")
     ap.add_argument("--out", default="bench-results/serve_load.json", help="JSON results")
     args = ap.parse_args()
     levels = [int(x) for x in args.clients.split(",")]
-    work = prompts(per_level(max(levels)))
+    work = prompts(per_level(max(levels)), 50257 if args.model == "gpt2" else 49152)
     tmp = tempfile.TemporaryDirectory()
-    folder = make_folder(Path(args.folder or tmp.name) / "gpt2-124m-random")
+    folder = make_folder(Path(args.folder or tmp.name) / f"{args.model}-random", args.model)
     load0 = open("/proc/loadavg").read().split()[:3]
     rows = {f"tpkit tp={tp}": serve_levels(folder, int(tp), levels, work, args.max_tokens)
             for tp in args.tp.split(",")}

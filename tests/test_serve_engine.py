@@ -27,7 +27,7 @@ from tpkit.serve import Engine, SamplingParams, TooLong
 from tpkit.serve.params import StopText
 from tpkit.serve.runner import Runner
 
-SLOTS, MAX_LEN, NEW = 4, 32, 6
+SLOTS, MAX_LEN, NEW, CHUNK = 4, 32, 6, 2  # decode in 2 chunks of 2 slots
 PROMPTS = [torch.randint(0, 257, (n,), generator=torch.Generator().manual_seed(n)).tolist()
            for n in (1, 7, 2, 19, 4, 11, 3, 24, 5, 9, 13, 6, 16, 8, 21, 10)]  # 16 lengths
 
@@ -42,8 +42,8 @@ def batch_worker(mesh, config, sampled: bool):
     """Rank 0: every prompt alone, then all 16 at once; the others follow."""
     model = _model(mesh, config)
     if mesh.tp_rank != 0:
-        return Runner(model, SLOTS, MAX_LEN).follow()
-    engine = Engine(model, max_batch=SLOTS, max_len=MAX_LEN)
+        return Runner(model, SLOTS, MAX_LEN, CHUNK).follow()
+    engine = Engine(model, max_batch=SLOTS, max_len=MAX_LEN, decode_chunk=CHUNK)
     params = [SamplingParams(max_tokens=NEW, temperature=0.9 if sampled else 0.0, top_p=0.9,
                              seed=i) for i in range(len(PROMPTS))]
     alone = [engine.submit(p, q).result() for p, q in zip(PROMPTS, params)]

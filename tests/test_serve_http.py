@@ -135,6 +135,24 @@ def test_16_concurrent_requests_each_equal_to_alone_and_to_generate(server, fold
     assert [tok.decode(new) for new in result["new"]] == alone
 
 
+def test_generate_chat_and_stop_equal_the_server(server, folder):
+    """`tpkit generate --chat --stop` prints what /v1/chat/completions answers."""
+    _, client, _ = server
+    msgs = [{"role": "user", "content": "the pipeline"}]
+    whole = client.chat.completions.create(model="llama", messages=msgs, max_tokens=12,
+                                           temperature=0).choices[0].message.content
+    stop = next(c for c in whole[len(whole) // 2:] if c != "\ufffd")
+    cut = client.chat.completions.create(model="llama", messages=msgs, max_tokens=12,
+                                         temperature=0, stop=[stop]).choices[0]
+    assert (cut.message.content, cut.finish_reason) == (whole[:whole.index(stop)], "stop")
+    args = argparse.Namespace(checkpoint=str(folder), tp=1, prompt=["the pipeline"],
+                              prompt_ids=[], max_new_tokens=12, temperature=0.0, top_k=None,
+                              top_p=None, seed=0, ignore_eos=False, stop=[stop], chat=True,
+                              max_batch=MAX_BATCH, max_len=None)
+    result = generate_cmd._worker(ParallelMesh.single(), args, open_source(folder))
+    assert result["texts"] == [cut.message.content]
+
+
 def test_a_client_that_hangs_up_frees_its_slot(server):
     url, _, engine = server
     before = engine.metrics.requests["cancelled"]

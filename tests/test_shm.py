@@ -233,6 +233,7 @@ def test_without_the_kernels_auto_warns_once_and_shm_refuses(monkeypatch, capsys
 
     monkeypatch.setenv("TPKIT_SHM_DISABLE", "1")
     shm_build.load.cache_clear()
+    transport._warn_once.cache_clear()  # once per process: this test's process
     try:
         assert [transport.shm_ready("auto", 0) for _ in range(3)] == [False] * 3
         assert transport.shm_ready("auto", 1) is False  # other ranks: silent
@@ -240,6 +241,7 @@ def test_without_the_kernels_auto_warns_once_and_shm_refuses(monkeypatch, capsys
             transport.shm_ready("shm", 0)
     finally:
         shm_build.load.cache_clear()
+        transport._warn_once.cache_clear()
     assert capsys.readouterr().err == ("tpkit: warning: shared-memory transport unavailable "
                                        "(TPKIT_SHM_DISABLE=1); all groups use gloo\n")
 
@@ -250,18 +252,20 @@ def test_verify_passes_on_shared_memory_and_on_gloo_without_the_kernels(monkeypa
     """`tpkit verify --comm shm` at tp 1, 2, 4 (an error if shm could not be used), then
     a run without the kernels: exact on gloo, with one warning line from the launcher."""
     from tpkit.cli import main
-    from tpkit.comm import shm_build
+    from tpkit.comm import shm_build, transport
 
     assert main(["verify", "--preset", "gpt2-tiny", "--layers", "1", "--seq", "8", "--tp",
                  "1,2,4", "--comm", "shm"]) == 0
     assert "OK: every tp matches tp=1" in capsys.readouterr().out
     monkeypatch.setenv("TPKIT_SHM_DISABLE", "1")
     shm_build.load.cache_clear()
+    transport._warn_once.cache_clear()
     try:
         assert main(["verify", "--component", "mlp", "--tp", "1,2", "--hidden", "32", "--seq",
                      "8"]) == 0
     finally:
         shm_build.load.cache_clear()
+        transport._warn_once.cache_clear()
     out = capsys.readouterr()
     assert "OK: every tp matches tp=1" in out.out
     assert out.err.count("shared-memory transport unavailable") == 1, out.err

@@ -7,6 +7,7 @@
 - A rank killed (SIGKILL) or stopped (SIGSTOP) mid-run: the run stops within the
   collective timeout with one line naming that rank, what the others were waiting in
   (collective, group, scope) and the last step completed.
+Either way nothing of the run is left in /dev/shm (its groups talk through shared memory).
 """
 
 from __future__ import annotations
@@ -27,12 +28,23 @@ SRC = str(Path(__file__).resolve().parents[1] / "src")
 
 
 def _start_train(out: Path, *extra: str) -> subprocess.Popen:
-    env = dict(os.environ, PYTHONPATH=SRC + os.pathsep + os.environ.get("PYTHONPATH", ""))
+    env = dict(os.environ, PYTHONPATH=SRC + os.pathsep + os.environ.get("PYTHONPATH", ""),
+               TPKIT_RUN_ID=_run_prefix(out))
     cmd = [sys.executable, "-m", "tpkit", "train", "--preset", "gpt2-tiny", "--tp", "2",
            "--pp", "2", "--steps", "100000", "--seq", "32", "--global-batch", "8",
            "--micro-batches", "2", "--out", str(out), "--no-progress", *extra]
     return subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
                             env=env)
+
+
+def _run_prefix(out: Path) -> str:
+    """The start of the run id of this test's launcher (in its shared-memory names)."""
+    return "shut" + str(abs(hash(str(out))) % 10**6)
+
+
+def _no_shared_memory_left(out: Path) -> None:
+    left = [p.name for p in Path("/dev/shm").glob(f"tpkit-*-{_run_prefix(out)}*")]
+    assert left == [], left
 
 
 def _wait_steps(proc: subprocess.Popen, out: Path, steps: int, timeout: float = 400) -> None:
@@ -84,6 +96,7 @@ def test_a_signal_to_the_launcher_leaves_no_process(sig, tmp_path):
         assert err.strip().splitlines()[-1] == f"tpkit train: stopped by {sig}", err
         assert "leaked semaphore" not in err and "Traceback" not in err, err
     _newest_checkpoint_verifies(tmp_path)
+    _no_shared_memory_left(tmp_path)
 
 
 @pytest.mark.slow
@@ -109,3 +122,4 @@ def test_a_dead_or_stuck_rank_stops_the_run_with_one_line(sig, says, tmp_path):
     assert line.index(says) < line.index(" then rank "), line
     assert re.search(r"then rank \d: \w+ over \w+ \[[\d, ]+\] \(scope [^,]+, \w+\)", line), line
     assert "last step completed: " in line and "none" not in line.split("completed: ")[1]
+    _no_shared_memory_left(tmp_path)

@@ -1,4 +1,5 @@
-"""The one place where tpkit calls torch.distributed. Every call is recorded in the ledger.
+"""The one place where tpkit communicates (torch.distributed or shared memory). Every
+call is recorded in the ledger.
 
 All functions take a `CommGroup`; on a group of one rank they return at once and
 record nothing (nothing was sent). A group whose ranks share a host carries a
@@ -26,7 +27,7 @@ from tpkit.comm.shm import ShmChannel, ShmPeerLost
 # torch 2.13 renamed the tensor forms (`*_into_tensor` -> `*_single`); accept both.
 _all_gather_single = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
 _reduce_scatter_single = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
-
+_REDUCE_OPS = {"sum": dist.ReduceOp.SUM, "max": dist.ReduceOp.MAX, "min": dist.ReduceOp.MIN}
 
 
 def _graph_break(fn):
@@ -44,8 +45,6 @@ def _graph_break(fn):
         return fn(*args, **kwargs)
 
     return call
-
-_REDUCE_OPS = {"sum": dist.ReduceOp.SUM, "max": dist.ReduceOp.MAX, "min": dist.ReduceOp.MIN}
 
 
 def _real(group: CommGroup) -> None:

@@ -1,8 +1,9 @@
 // tpkit's shared-memory collectives for the ranks of one host (called through ctypes).
 //
-// One POSIX shm segment per group: a header with one cache line per rank (arrival
-// counters, pid, a signature of the call), then two buffers of `chunk` bytes per rank
-// (double buffering). Round s of a collective uses buffer s % 2 of every rank:
+// One POSIX shm segment per group: one cache line per rank (arrival counters, pid, call
+// signature, futex word), two buffers of `chunk` bytes per rank (double buffering),
+// then one mailbox per (src, dst) for point-to-point. Round s of a collective uses
+// buffer s % 2 of every rank:
 //
 //   write my piece into my buffer -> seq[me] = s -> wait until every seq >= s -> read
 //
@@ -12,10 +13,9 @@
 // every rank gets the same bits whichever rank computed them. Above `split` bytes an
 // all-reduce is a reduce-scatter (rank j sums slice j into its own buffer) then an
 // all-gather (seq2 is the second arrival counter). A waiting rank spins briefly, then
-// yields, then sleeps; it checks its peers' pids every 100 ms (a dead or zombie peer
-// ends the wait) and gives up after the timeout. Return codes: 0 done, 1 a peer died,
+// yields, then sleeps on a futex its peer wakes; it checks its peers' pids every 100 ms
+// (a dead or zombie peer ends the wait) and gives up after the timeout. Return codes: 0 done, 1 a peer died,
 // 2 timed out, 3 the ranks called different collectives; `who` is the peer's index.
-// Point-to-point messages go through one mailbox per (src, dst) after the buffers.
 #include <atomic>
 #include <cerrno>
 #include <cstdint>
@@ -24,7 +24,9 @@
 #include <fcntl.h>
 #include <sched.h>
 #include <signal.h>
+#include <linux/futex.h>
 #include <sys/mman.h>
+#include <sys/syscall.h>
 #include <sys/stat.h>
 #include <time.h>
 #include <unistd.h>
@@ -36,7 +38,7 @@ namespace {
 constexpr uint64_t kMagic = 0x74706b6974736d31ULL;  // "tpkitsm1"
 constexpr int kMaxRanks = 64;
 constexpr size_t kHeader = 64 * (kMaxRanks + 1);
-constexpr double kSpinS = 5e-6, kYieldS = 1e-4;  // how a wait spins, then yields, then sleeps
+constexpr double kSpinS = 5e-6, kYieldS = 1e-4;  // a wait spins, then yields, then sleeps
 constexpr uint64_t kEntries = 256;  // messages a point-to-point mailbox holds
 
 struct alignas(64) Slot {
@@ -45,6 +47,8 @@ struct alignas(64) Slot {
   std::atomic<uint64_t> sig[2];  // what it called in its latest rounds (by parity: a peer
                                  // may be one round ahead, never two)
   std::atomic<int32_t> pid;
+  std::atomic<uint32_t> wake;      // bumped after each publish while someone sleeps on it
+  std::atomic<uint32_t> sleepers;  // ranks in futex_wait on `wake`
 };
 
 struct Header {
@@ -121,26 +125,42 @@ inline void relax() {
 #endif
 }
 
-// Wait until counter c (of peer j) reaches s: spin for 5 us (pause), yield the core until
-// 100 us, then sleep 20 us doubling to 1 ms, so a descheduled peer never has a core
-// burnt for it. Every 100 ms: is the peer alive, is the wait past the timeout?
+long futex(std::atomic<uint32_t>* word, int op, uint32_t value, const timespec* t) {
+  return syscall(SYS_futex, reinterpret_cast<uint32_t*>(word), op, value, t, nullptr, 0);
+}
+
+// After rank r published a counter: wake whoever sleeps on it (a syscall only then).
+void notify(Slot& me) {
+  std::atomic_thread_fence(std::memory_order_seq_cst);  // publish before reading sleepers
+  if (me.sleepers.load(std::memory_order_seq_cst) == 0) return;
+  me.wake.fetch_add(1, std::memory_order_seq_cst);
+  futex(&me.wake, FUTEX_WAKE, INT32_MAX, nullptr);
+}
+
+// Wait until counter c (published by peer j) reaches s: spin for 5 us (pause), yield
+// the core until 100 us, then sleep in the kernel (futex, woken by the peer's publish:
+// no core burnt, no wake-up latency). Every 100 ms: is the peer alive, is the wait past
+// the timeout?
 int wait_until(const Group& g, const std::atomic<uint64_t>& c, uint64_t s, int j, int* who) {
-  double start = 0, next_check = 0;
-  long tries = 0, pause_ns = 20000;
+  Slot& p = g.h->slots[j];
+  double start = 0;
+  long tries = 0;
   while (c.load(std::memory_order_acquire) < s) {
-    if ((++tries & 31) != 0 && tries < 100000) { relax(); continue; }
+    if ((++tries & 31) != 0) { relax(); continue; }
     double t = now();
-    if (start == 0) start = t, next_check = t + 0.1;
+    if (start == 0) start = t;
     if (t - start < kSpinS) { relax(); continue; }
     if (t - start < kYieldS) { sched_yield(); continue; }
-    timespec ts{0, pause_ns};
-    nanosleep(&ts, nullptr);
-    pause_ns = pause_ns < 1000000 ? 2 * pause_ns : 1000000;
-    if (t >= next_check) {
-      next_check = t + 0.1;
-      if (!alive(g.h->slots[j].pid.load())) { *who = j; return 1; }
-      if (t - start > g.timeout_s) { *who = j; return 2; }
+    p.sleepers.fetch_add(1, std::memory_order_seq_cst);
+    uint32_t w = p.wake.load(std::memory_order_seq_cst);
+    if (c.load(std::memory_order_seq_cst) < s) {
+      timespec ts{0, 100000000};  // 100 ms
+      futex(&p.wake, FUTEX_WAIT, w, &ts);
     }
+    p.sleepers.fetch_sub(1, std::memory_order_seq_cst);
+    if (c.load(std::memory_order_acquire) >= s) break;
+    if (!alive(p.pid.load())) { *who = j; return 1; }
+    if (now() - start > g.timeout_s) { *who = j; return 2; }
   }
   return 0;
 }
@@ -163,8 +183,10 @@ int arrive(const Group& g, int which, uint64_t s, uint64_t sig, int* who) {
   if (which == 1) {
     me.sig[s & 1].store(sig, std::memory_order_relaxed);
     me.seq.store(s, std::memory_order_release);
+    notify(me);
   } else {
     me.seq2.store(s, std::memory_order_release);
+    notify(me);
   }
   int rc = wait_all(g, which, s, who);
   if (rc || which != 1) return rc;
@@ -348,6 +370,7 @@ int tpk_send(void* base, int rank, const void* x, size_t nbytes, int dst, double
   }
   m->entry[k % kEntries] = (uint64_t(nbytes) << 1) | (fits ? 0 : 1);
   m->written.store(k + 1, std::memory_order_release);
+  notify(g.h->slots[rank]);
   return fits ? 0 : 4;
 }
 
@@ -364,6 +387,7 @@ int tpk_recv(void* base, int rank, void* x, size_t nbytes, int src, double timeo
   if ((e >> 1) != nbytes) { *who = src; return 3; }
   if (e & 1) {
     m->read.store(k + 1, std::memory_order_release);
+    notify(g.h->slots[rank]);
     return 4;
   }
   uint64_t at = m->bytes_read.load(std::memory_order_relaxed);
@@ -372,6 +396,7 @@ int tpk_recv(void* base, int rank, void* x, size_t nbytes, int src, double timeo
   memcpy(static_cast<char*>(x) + first, ring(m), nbytes - first);
   m->bytes_read.store(at + nbytes, std::memory_order_release);
   m->read.store(k + 1, std::memory_order_release);
+  notify(g.h->slots[rank]);
   return 0;
 }
 

@@ -33,6 +33,13 @@ DTYPES = {torch.float32: 0, torch.bfloat16: 1, torch.float16: 2}
 REDUCE_OPS = {"sum": 0, "max": 1, "min": 2}
 
 
+_csize = ctypes.c_size_t
+
+
+def _ptr(x: torch.Tensor) -> ctypes.c_void_p:
+    return ctypes.c_void_p(x.data_ptr())
+
+
 class ShmPeerLost(RuntimeError):
     """A shared-memory collective whose peer `peer` (index in the group) died or is silent."""
 
@@ -48,6 +55,9 @@ class ShmChannel:
                  timeout_s: float, name: str) -> None:
         self._lib, self._base, self._size = lib, base, size
         self.rank, self.nranks, self.timeout_s, self.name = rank, nranks, timeout_s, name
+        # the arguments that never change, as ctypes objects once (see shm_build)
+        self._b, self._t = ctypes.c_void_p(base), ctypes.c_double(timeout_s)
+        self._split = ctypes.c_size_t(SPLIT_BYTES)
         self._posted: dict[int, deque] = {}  # src -> receives posted, not yet taken
         self._who = ctypes.c_int(-1)
         self._who_ref = ctypes.byref(self._who)
@@ -94,35 +104,35 @@ class ShmChannel:
     def all_reduce(self, x: torch.Tensor, op: str = "sum") -> torch.Tensor:
         """Reduce `x` over the group in place (rank-order sum, float accumulation)."""
         buf = x if x.is_contiguous() else x.contiguous()
-        self._check(self._lib.tpk_all_reduce(self._base, self.rank, buf.data_ptr(), buf.numel(),
-                                             DTYPES[x.dtype], REDUCE_OPS[op], SPLIT_BYTES,
-                                             self.timeout_s, self._who_ref), "all_reduce")
+        self._check(self._lib.tpk_all_reduce(self._b, self.rank, _ptr(buf), _csize(buf.numel()),
+                                             DTYPES[x.dtype], REDUCE_OPS[op], self._split,
+                                             self._t, self._who_ref), "all_reduce")
         if buf is not x:
             x.copy_(buf)
         return x
 
     def all_gather(self, out: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
         """out (contiguous, nranks * x.numel()) = every rank's contiguous `x`, in rank order."""
-        self._check(self._lib.tpk_all_gather(self._base, self.rank, x.data_ptr(), out.data_ptr(),
-                                             x.numel() * x.element_size(), self.timeout_s,
+        self._check(self._lib.tpk_all_gather(self._b, self.rank, _ptr(x), _ptr(out),
+                                             _csize(x.numel() * x.element_size()), self._t,
                                              self._who_ref), "all_gather")
         return out
 
     def reduce_scatter(self, out: torch.Tensor, inp: torch.Tensor, op: str = "sum"
                        ) -> torch.Tensor:
         """out = this rank's chunk of the sum of every rank's contiguous `inp`."""
-        self._check(self._lib.tpk_reduce_scatter(self._base, self.rank, inp.data_ptr(),
-                                                 out.data_ptr(), out.numel(), DTYPES[out.dtype],
-                                                 REDUCE_OPS[op], self.timeout_s, self._who_ref),
+        self._check(self._lib.tpk_reduce_scatter(self._b, self.rank, _ptr(inp), _ptr(out),
+                                                 _csize(out.numel()), DTYPES[out.dtype],
+                                                 REDUCE_OPS[op], self._t, self._who_ref),
                     "reduce_scatter")
         return out
 
     def broadcast(self, x: torch.Tensor, src: int) -> torch.Tensor:
         """Copy group rank `src`'s `x` into every rank's `x`, in place."""
         buf = x if x.is_contiguous() else x.contiguous()
-        self._check(self._lib.tpk_broadcast(self._base, self.rank, buf.data_ptr(),
-                                            buf.numel() * buf.element_size(), src,
-                                            self.timeout_s, self._who_ref), "broadcast")
+        self._check(self._lib.tpk_broadcast(self._b, self.rank, _ptr(buf),
+                                            _csize(buf.numel() * buf.element_size()), src,
+                                            self._t, self._who_ref), "broadcast")
         if buf is not x:
             x.copy_(buf)
         return x
@@ -131,18 +141,16 @@ class ShmChannel:
         """Post contiguous `x` to group rank `dst` and return at once: True if it went
         into the mailbox, False if there was no room (send it over the process group:
         the receiver has been told to take it there)."""
-        rc = self._lib.tpk_send(self._base, self.rank, x.data_ptr(),
-                                x.numel() * x.element_size(), dst, self.timeout_s,
-                                self._who_ref)
+        rc = self._lib.tpk_send(self._b, self.rank, _ptr(x), _csize(x.numel() * x.element_size()),
+                                dst, self._t, self._who_ref)
         self._check(rc, "send")
         return rc == 0
 
     def recv(self, x: torch.Tensor, src: int) -> bool:
         """Receive group rank `src`'s next message into contiguous `x`: True if done, False
         if it comes over the process group (receive it there)."""
-        rc = self._lib.tpk_recv(self._base, self.rank, x.data_ptr(),
-                                x.numel() * x.element_size(), src, self.timeout_s,
-                                self._who_ref)
+        rc = self._lib.tpk_recv(self._b, self.rank, _ptr(x), _csize(x.numel() * x.element_size()),
+                                src, self._t, self._who_ref)
         self._check(rc, "recv")
         return rc == 0
 

@@ -3,7 +3,7 @@ forwards of generation over it: the prefill of one sequence and the decode of al
 
     pool = KVPool(model, slots=8, max_len=512)   # per layer k, v [8, kv_local, 512, hd]
     logits = prefill(model, pool, slot=3, ids=[5, 17, 200])   # [V]: after the last token
-    logits = decode(model, pool, tokens, lengths)             # [8, V]: one token per slot
+    logits = decode(model, pool, tokens, lengths)             # [8, V]: a token per busy slot
 
 Each rank holds its own heads' keys and values only (split over tp like the qkv
 weights; shared kv heads when num_kv_heads < tp), so the pool costs 1/tp of the
@@ -38,16 +38,16 @@ class KVPool:
     """Keys and values of `slots` sequences of up to `max_len` tokens, for every layer."""
 
     def __init__(self, model: nn.Module, slots: int, max_len: int,
-                 dtype: torch.dtype | None = None) -> None:
-        if slots < 1 or max_len < 1:
-            raise UserError(f"a KV pool needs slots >= 1 and max_len >= 1 (got slots={slots}, "
-                            f"max_len={max_len})")
+                 dtype: torch.dtype | None = None, chunk: int = 8) -> None:
+        if slots < 1 or max_len < 1 or chunk < 1:
+            raise UserError(f"a KV pool needs slots, max_len and chunk >= 1 (got slots={slots}, "
+                            f"max_len={max_len}, chunk={chunk})")
         if max_len > model.config.max_seq_len:
             raise UserError(f"max_len={max_len} exceeds the model's max_seq_len="
                             f"{model.config.max_seq_len}")
         first = next(model.parameters())
         dtype, device = dtype or first.dtype, first.device
-        self.slots, self.max_len = slots, max_len
+        self.slots, self.max_len, self.chunk = slots, max_len, min(chunk, slots)
         self.k, self.v = [], []
         for layer in model.layers.values():
             a = layer.attn  # this rank's kv heads only
@@ -98,10 +98,22 @@ def prefill(model: nn.Module, pool: KVPool, slot: int, ids: list[int] | torch.Te
 
 def decode(model: nn.Module, pool: KVPool, tokens: torch.Tensor, lengths: torch.Tensor
            ) -> torch.Tensor:
-    """One token per slot: `tokens` [slots] at positions `lengths` [slots] (each slot's
-    cached length; a free slot: any token at 0) -> logits [slots, V]."""
+    """One token per busy slot: `tokens` [slots] (-1 for a free slot) at positions
+    `lengths` [slots] (each slot's cached length) -> logits [slots, V] (rows of free
+    slots: zeros or a dummy's)."""
     _check(model)
     device = pool.k[0].device
-    tokens = tokens.to(device).reshape(pool.slots, 1)  # [slots, 1]
-    starts = lengths.to(device).reshape(pool.slots)  # [slots]
-    return _last_logits(model, tokens, pool.views(0, pool.slots, starts), starts)
+    tokens, lengths = tokens.to(device).reshape(-1), lengths.to(device).reshape(-1)
+    out = None
+    for first in range(0, pool.slots, pool.chunk):
+        rows = slice(first, min(first + pool.chunk, pool.slots))
+        if not bool((tokens[rows] >= 0).any()):
+            continue  # nobody here: skipped (the shapes of the others do not change)
+        ids = tokens[rows].clamp(min=0)[:, None]  # [chunk, 1]
+        logits = _last_logits(model, ids, pool.views(first, ids.shape[0], lengths[rows]),
+                              lengths[rows])  # [chunk, V]
+        if out is None:
+            out = logits.new_zeros(pool.slots, logits.shape[1])
+        out[rows] = logits
+    assert out is not None, "decode with no busy slot"
+    return out

@@ -11,11 +11,12 @@ Every `step()`:
        tokens in flight (prompt + max_tokens of every running request) stay within
        `max_tokens_in_flight`; each is prefilled alone into its slot and gets its
        first token (a request that does not fit waits; nothing running is evicted);
-    3. decodes one token for every running request at once, each at its own position;
+    3. decodes one token for every running request at once, each at its own position
+       (in fixed chunks of `decode_chunk` slots; a chunk with no request is skipped);
     4. finishes those that hit max_tokens, an end-of-sequence token or a stop string.
 So a short request never waits for a long one to finish, and a request's tokens do
 not depend on what else runs: the shapes of every forward are fixed by (max_batch,
-max_len) alone (`tpkit.model.kv_pool`), greedy output is bit for bit the same
+max_len, decode_chunk) alone (`tpkit.model.kv_pool`), greedy output is bit for bit the same
 whatever the batch, and sampling uses the request's own seeded generator.
 
 On tp ranks > 0 the same forwards run under `Runner.follow`; only this object (rank 0)
@@ -49,9 +50,9 @@ class Engine:
 
     def __init__(self, model: nn.Module, *, tokenizer=None, max_batch: int = 8,
                  max_len: int | None = None, max_tokens_in_flight: int | None = None,
-                 runner: Runner | None = None) -> None:
+                 decode_chunk: int = 8, runner: Runner | None = None) -> None:
         max_len = max_len or model.config.max_seq_len
-        self.runner = runner or Runner(model, max_batch, max_len)
+        self.runner = runner or Runner(model, max_batch, max_len, decode_chunk)
         self.model, self.tokenizer = model, tokenizer
         self.max_batch, self.max_len = self.runner.slots, self.runner.pool.max_len
         self.budget = max_tokens_in_flight or self.max_batch * self.max_len
@@ -121,7 +122,7 @@ class Engine:
             self._take(req, self.runner.lead_prefill(req.slot, req.prompt))
         active = [r for r in self._running.values() if not r.done]
         if active:
-            tokens = torch.zeros(self.max_batch, dtype=torch.long)
+            tokens = torch.full((self.max_batch,), -1, dtype=torch.long)  # -1: a free slot
             lengths = torch.zeros(self.max_batch, dtype=torch.long)
             for r in active:
                 tokens[r.slot] = r.tokens[-1]

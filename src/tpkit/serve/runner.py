@@ -7,7 +7,7 @@ One step of the group, as rank 0 broadcasts it over the tp group (through
 
     header int64 [3 + 2*slots] = [op, slot, n, tokens[slots], lengths[slots]]
         op PREFILL: then ids int64 [n] (a second broadcast) -> prefill(slot, ids)
-        op DECODE : decode(tokens, lengths)      (one token for every slot)
+        op DECODE : decode(tokens, lengths)      (a token per busy slot; -1: free)
         op IDLE   : nothing (a heartbeat, so an idle worker's wait never times out)
         op STOP   : the followers return
 
@@ -30,9 +30,9 @@ PREFILL, DECODE, IDLE, STOP = 1, 2, 3, 4
 class Runner:
     """The model and its KV pool on one rank; `lead_*` on rank 0, `follow` elsewhere."""
 
-    def __init__(self, model: nn.Module, slots: int, max_len: int) -> None:
+    def __init__(self, model: nn.Module, slots: int, max_len: int, chunk: int = 8) -> None:
         self.model, self.group = model.eval(), model.group
-        self.pool = KVPool(model, slots, max_len)
+        self.pool = KVPool(model, slots, max_len, chunk=chunk)  # decode: chunks of slots
         self.device = self.pool.k[0].device
         self.steps = 0
 
