@@ -14,6 +14,20 @@ def cuda_available() -> bool:
     return torch.cuda.is_available()
 
 
+def gpu_names() -> list[str]:
+    """The names of the visible CUDA devices, in index order (empty on a CPU machine)."""
+    if not cuda_available():
+        return []
+    return [torch.cuda.get_device_name(i) for i in range(torch.cuda.device_count())]
+
+
+def device_name(device: torch.device) -> str:
+    """A device's name as its driver gives it ("NVIDIA H100 80GB HBM3"), "cpu" for the CPU."""
+    if device.type == "cuda":
+        return torch.cuda.get_device_name(device)
+    return "cpu"
+
+
 def default_backend() -> str:
     """nccl when CUDA is available, else gloo."""
     return "nccl" if cuda_available() else "gloo"

@@ -180,10 +180,9 @@ def trackers(cfg: TrainConfig, mesh):
 
     if mesh.rank != 0:
         return None
-    import torch
+    from tpkit.device import device_name
 
-    name = torch.cuda.get_device_name(mesh.device) if mesh.device.type == "cuda" else "cpu"
-    profile = profile_of_device(name)
+    profile = profile_of_device(device_name(mesh.device))
     peak = profile.accelerator.peak_flops * mesh.world_size if profile else None
     return Trackers(cfg, flops_per_token(cfg), peak)
 
@@ -235,9 +234,9 @@ def run(args: argparse.Namespace) -> int:
 def _check_memory(cfg: TrainConfig, force: bool) -> None:
     """Local ranks on the CPU share this machine's memory: the planner's estimate of
     their peak against what it offers (`memory_check`), before spawning them."""
-    import torch
+    from tpkit.device import cuda_available
 
-    if not torch.cuda.is_available():
+    if not cuda_available():
         from tpkit.commands.memory_check import check_fits
 
         check_fits(cfg, force)

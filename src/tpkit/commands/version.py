@@ -58,7 +58,9 @@ def _nccl() -> str:
 
     if not dist.is_nccl_available():
         return "not built (a CPU build of torch)" if torch.version.cuda is None else "not built"
-    return f"available ({torch.cuda.device_count()} GPU(s) visible)"
+    from tpkit.device import gpu_names
+
+    return f"available ({len(gpu_names())} GPU(s) visible)"
 
 
 def _shm() -> str:
@@ -89,9 +91,9 @@ def transports() -> list[tuple[str, str]]:
 def _devices() -> str:
     import torch
 
-    gpus = torch.cuda.device_count() if torch.cuda.is_available() else 0
-    names = [torch.cuda.get_device_name(i) for i in range(gpus)]
-    return ", ".join(["cpu"] + names) + f"; {torch.get_num_threads()} CPU threads"
+    from tpkit.device import gpu_names
+
+    return ", ".join(["cpu"] + gpu_names()) + f"; {torch.get_num_threads()} CPU threads"
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:

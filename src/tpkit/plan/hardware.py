@@ -260,7 +260,7 @@ _DEVICE_PROFILES = (("b200", "b200"), ("h200", "h200"), ("h100", "h100"),
 
 
 def profile_of_device(device_name: str) -> Hardware | None:
-    """The built-in profile of a GPU named like `torch.cuda.get_device_name()` ('NVIDIA
+    """The built-in profile of a GPU named as its driver names it ('NVIDIA
     H100 80GB HBM3' -> h100), 'cpu' -> the calibrated local profile if there is one;
     None when unknown (utilisation is then not reported against a peak)."""
     name = device_name.lower()
