@@ -79,7 +79,8 @@ def watch_launcher(lifeline, run_id: str | None = None) -> None:
     threading.Thread(target=wait, name="tpkit-launcher-watch", daemon=True).start()
 
 
-def _context():
+def mp_context():
+    """The forkserver context every tpkit worker process starts from (torch preloaded)."""
     global _CTX  # the multiprocessing context, created once per process (not parallel state)
     if _CTX is None:
         _CTX = mp.get_context("forkserver")
@@ -88,8 +89,10 @@ def _context():
     return _CTX
 
 
-def _worker(rank: int, nprocs: int, port: int, tasks, results, threads: int,
-            pg_timeout_s: float, env: dict[str, str], lifeline) -> None:
+def worker_main(rank: int, nprocs: int, port: int, tasks, results, threads: int,
+                pg_timeout_s: float, env: dict[str, str], lifeline) -> None:
+    """A worker process: join the group of `nprocs` at `port`, then run each task from
+    `tasks` and put its result (or its error) on `results`; dies with the launcher."""
     watch_launcher(lifeline, env.get("TPKIT_RUN_ID"))
     make_preferred_oom_victim()  # out of memory, the kernel kills a worker, not the launcher
     import torch
@@ -152,7 +155,7 @@ class WorkerPool:
     def _start(self) -> None:
         import torch.distributed as dist
 
-        ctx = _context()
+        ctx = mp_context()
         self._store = dist.TCPStore("127.0.0.1", 0, self.nprocs + 1, is_master=True,
                                     wait_for_workers=False)
         port = self._store.port
@@ -161,7 +164,7 @@ class WorkerPool:
         self._results = ctx.Queue()
         self._tasks = [ctx.Queue() for _ in range(self.nprocs)]
         lifeline, self._lifeline = ctx.Pipe(duplex=False)  # workers read, only we hold w
-        self._procs = [ctx.Process(target=_worker, daemon=True,
+        self._procs = [ctx.Process(target=worker_main, daemon=True,
                                    args=(r, self.nprocs, port, self._tasks[r], self._results,
                                          self.threads, self.pg_timeout_s, env, lifeline))
                        for r in range(self.nprocs)]
@@ -181,7 +184,7 @@ class WorkerPool:
         if not self._procs:
             self._start()
         if mesh is not None:
-            mesh = _with_transport(mesh)
+            mesh = with_transport(mesh)
         self._task_id += 1
         blob = pickle.dumps((fn, args, mesh))
         for q in self._tasks:
@@ -323,7 +326,7 @@ class WorkerPool:
             pass
 
 
-def _with_transport(mesh: dict) -> dict:
+def with_transport(mesh: dict) -> dict:
     """The mesh's transport, decided here once for all ranks: an error before any rank
     runs (--comm shm without kernels), or gloo with one warning line from the launcher."""
     comm = comm_choice(mesh.get("comm"))

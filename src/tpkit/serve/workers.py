@@ -25,7 +25,7 @@ import torch.distributed as dist
 
 from tpkit.checkpoint.sources import load_model
 from tpkit.comm.shm_names import remove_segments
-from tpkit.launch import _context, _with_transport, _worker
+from tpkit.launch import mp_context, with_transport, worker_main
 from tpkit.mesh import ParallelMesh
 from tpkit.serve.runner import Runner
 
@@ -43,10 +43,10 @@ class Peers:
     def __init__(self, tp: int, source, slots: int, max_len: int, *, comm: str | None = None,
                  timeout_s: float = 300.0) -> None:
         self.tp = tp
-        mesh_kw = _with_transport(dict(tp=tp, comm=comm))  # shared memory between us, or gloo
+        mesh_kw = with_transport(dict(tp=tp, comm=comm))  # shared memory between us, or gloo
         self.run_id = os.environ.get("TPKIT_RUN_ID", "") + uuid.uuid4().hex[:8]
         os.environ["TPKIT_RUN_ID"] = self.run_id  # rank 0 names the segments: this run's
-        ctx = _context()
+        ctx = mp_context()
         threads = max(1, (os.cpu_count() or 1) // tp)
         torch.set_num_threads(threads)
         store = dist.TCPStore("127.0.0.1", 0, tp, is_master=True, wait_for_workers=False,
@@ -54,7 +54,7 @@ class Peers:
         self._results = ctx.Queue()
         tasks = [ctx.Queue() for _ in range(1, tp)]
         lifeline, self._lifeline = ctx.Pipe(duplex=False)  # they read; only we hold the end
-        self.procs = [ctx.Process(target=_worker, daemon=True, name=f"tpkit-serve-rank{r}",
+        self.procs = [ctx.Process(target=worker_main, daemon=True, name=f"tpkit-serve-rank{r}",
                                   args=(r, tp, store.port, tasks[r - 1], self._results,
                                         threads, timeout_s, {"TPKIT_RUN_ID": self.run_id},
                                         lifeline))
