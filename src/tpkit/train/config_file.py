@@ -24,7 +24,7 @@ import os
 import sys
 from dataclasses import fields
 from pathlib import Path
-from typing import TYPE_CHECKING
+from typing import Any
 
 from tpkit.spec.errors import UserError
 
@@ -33,8 +33,9 @@ if sys.version_info >= (3, 11):
 else:  # pragma: no cover
     import tomli as tomllib
 
-if TYPE_CHECKING:
-    from tpkit.train.config import TrainConfig
+# A tpkit.train.config.TrainConfig: not imported, since config imports this module (read
+# through dataclasses.fields, so any dataclass of the same fields would do).
+TrainConfig = Any
 
 RUN_CONFIG = "config.toml"  # in the run folder: what it ran
 SECTIONS: dict[str, tuple[str, ...]] = {  # section -> its TrainConfig fields, in this order
