@@ -21,11 +21,12 @@ from torch import nn
 from tpkit.comm import all_gather
 from tpkit.comm.flat import unpack
 from tpkit.parallel.flat_units import FlatUnit
+from tpkit.parallel.shard_optim import OverShards
 
 MOMENTS = ("exp_avg", "exp_avg_sq")
 
 
-class ShardedAdamW:
+class ShardedAdamW(OverShards):
     """torch AdamW over the decayed / undecayed views of each unit's shard."""
 
     def __init__(self, units: list[FlatUnit], weight_decay: float, **adamw) -> None:
@@ -46,11 +47,6 @@ class ShardedAdamW:
         self.params = [ps for _, ps in kept]  # the model parameters of each group (checkpoints)
         self.inner = torch.optim.AdamW([g for g, _ in kept], **adamw)
 
-    @property
-    def param_groups(self) -> list[dict]:
-        """The inner optimizer's groups (set `lr` here)."""
-        return self.inner.param_groups
-
     @torch.no_grad()
     def step(self) -> None:
         """AdamW on every shard that received gradients (the views read the grad shard)."""
@@ -70,14 +66,6 @@ class ShardedAdamW:
             for view in views:
                 if view is not None:
                     view.grad = None
-
-    def state_dict(self) -> dict:
-        """This rank's shard of the optimizer state."""
-        return self.inner.state_dict()
-
-    def load_state_dict(self, state: dict) -> None:
-        """Restore a shard saved by `state_dict` (same layout)."""
-        self.inner.load_state_dict(state)
 
     @torch.no_grad()
     def full_state(self) -> dict[nn.Parameter, dict[str, torch.Tensor]]:

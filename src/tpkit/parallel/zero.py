@@ -36,9 +36,10 @@ from torch import nn
 from tpkit.comm import all_gather, reduce_scatter
 from tpkit.comm.flat import pack, unpack, unpack_into
 from tpkit.comm.group import CommGroup
+from tpkit.parallel.shard_optim import OverShards
 
 
-class ZeroAdamW:
+class ZeroAdamW(OverShards):
     """AdamW over param groups, its state sharded over a dp group (ZeRO-1). A
     `replicated.StepOptimizer`: it reduce-scatters the gradients itself."""
 
@@ -55,11 +56,6 @@ class ZeroAdamW:
             shards.append({**{k: v for k, v in g.items() if k != "params"}, "params": [master]})
         self.inner = torch.optim.AdamW(shards, **adamw)
         self._reduced = False
-
-    @property
-    def param_groups(self) -> list[dict]:
-        """The inner optimizer's groups (set `lr` here)."""
-        return self.inner.param_groups
 
     def _padded_len(self, params: list[nn.Parameter]) -> int:
         n = sum(p.numel() for p in params)
@@ -117,14 +113,6 @@ class ZeroAdamW:
         for params in self.params:
             for p in params:
                 p.grad = None
-
-    def state_dict(self) -> dict:
-        """This rank's shard of the optimizer state."""
-        return self.inner.state_dict()
-
-    def load_state_dict(self, state: dict) -> None:
-        """Restore a shard saved by `state_dict` (same dp layout)."""
-        self.inner.load_state_dict(state)
 
     @torch.no_grad()
     def full_state(self) -> dict[nn.Parameter, dict[str, torch.Tensor]]:
