@@ -139,6 +139,26 @@ def worker_main(rank: int, nprocs: int, port: int, tasks, results, threads: int,
         dist.destroy_process_group()
 
 
+def start_workers(ranks: range, world: int, port: int, threads: int, pg_timeout_s: float,
+                  env: dict[str, str], name: str | None = None) -> tuple[list, list, Any, Any]:
+    """One `worker_main` process per rank in `ranks` of a group of `world` that meets at
+    the TCPStore on `port`. Returns (processes, their task queues, the results queue,
+    the lifeline's write end: the workers exit when it closes, or when we die)."""
+    ctx = mp_context()
+    results = ctx.Queue()
+    tasks = [ctx.Queue() for _ in ranks]
+    lifeline, keep = ctx.Pipe(duplex=False)  # workers read, only we hold the write end
+    procs = [ctx.Process(target=worker_main, daemon=True,
+                         name=None if name is None else f"{name}{r}",
+                         args=(r, world, port, q, results, threads, pg_timeout_s, env,
+                               lifeline))
+             for r, q in zip(ranks, tasks)]
+    for p in procs:
+        p.start()
+    lifeline.close()
+    return procs, tasks, results, keep
+
+
 class WorkerPool:
     """N gloo processes kept alive between runs; `run` executes one function on all."""
 
@@ -155,22 +175,13 @@ class WorkerPool:
     def _start(self) -> None:
         import torch.distributed as dist
 
-        ctx = mp_context()
         self._store = dist.TCPStore("127.0.0.1", 0, self.nprocs + 1, is_master=True,
                                     wait_for_workers=False)
-        port = self._store.port
         self.run_id = os.environ.get("TPKIT_RUN_ID", "") + uuid.uuid4().hex[:8]
         env = {**self.env, "TPKIT_RUN_ID": self.run_id}
-        self._results = ctx.Queue()
-        self._tasks = [ctx.Queue() for _ in range(self.nprocs)]
-        lifeline, self._lifeline = ctx.Pipe(duplex=False)  # workers read, only we hold w
-        self._procs = [ctx.Process(target=worker_main, daemon=True,
-                                   args=(r, self.nprocs, port, self._tasks[r], self._results,
-                                         self.threads, self.pg_timeout_s, env, lifeline))
-                       for r in range(self.nprocs)]
-        for p in self._procs:
-            p.start()
-        lifeline.close()
+        self._procs, self._tasks, self._results, self._lifeline = start_workers(
+            range(self.nprocs), self.nprocs, self._store.port, self.threads,
+            self.pg_timeout_s, env)
         self._oom0, self._rss, self._rss_at = oom_kills(), [0] * self.nprocs, 0.0
 
     def run(self, fn: Callable, *args: Any, mesh: dict | None = None,

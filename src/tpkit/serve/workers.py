@@ -25,7 +25,7 @@ import torch.distributed as dist
 
 from tpkit.checkpoint.sources import load_model
 from tpkit.comm.shm_names import remove_segments
-from tpkit.launch import mp_context, with_transport, worker_main
+from tpkit.launch import start_workers, with_transport
 from tpkit.mesh import ParallelMesh
 from tpkit.serve.runner import Runner
 
@@ -46,22 +46,13 @@ class Peers:
         mesh_kw = with_transport(dict(tp=tp, comm=comm))  # shared memory between us, or gloo
         self.run_id = os.environ.get("TPKIT_RUN_ID", "") + uuid.uuid4().hex[:8]
         os.environ["TPKIT_RUN_ID"] = self.run_id  # rank 0 names the segments: this run's
-        ctx = mp_context()
         threads = max(1, (os.cpu_count() or 1) // tp)
         torch.set_num_threads(threads)
         store = dist.TCPStore("127.0.0.1", 0, tp, is_master=True, wait_for_workers=False,
                               timeout=timedelta(seconds=timeout_s))
-        self._results = ctx.Queue()
-        tasks = [ctx.Queue() for _ in range(1, tp)]
-        lifeline, self._lifeline = ctx.Pipe(duplex=False)  # they read; only we hold the end
-        self.procs = [ctx.Process(target=worker_main, daemon=True, name=f"tpkit-serve-rank{r}",
-                                  args=(r, tp, store.port, tasks[r - 1], self._results,
-                                        threads, timeout_s, {"TPKIT_RUN_ID": self.run_id},
-                                        lifeline))
-                      for r in range(1, tp)]
-        for p in self.procs:
-            p.start()
-        lifeline.close()
+        self.procs, tasks, self._results, self._lifeline = start_workers(
+            range(1, tp), tp, store.port, threads, timeout_s, {"TPKIT_RUN_ID": self.run_id},
+            name="tpkit-serve-rank")
         job = pickle.dumps((follow_worker, (source, slots, max_len), mesh_kw))
         for q in tasks:
             q.put((1, job))
