@@ -97,8 +97,8 @@ BUDGET_S = dict(latency=5.0, middle=8.0, compute=20.0)  # seconds of timed round
 
 def config_of(shape: Shape) -> ModelConfig:
     """tpkit's config for this shape: Llama-style, no bias, no GQA, no dropout."""
-    return ModelConfig(hidden=shape.h, num_heads=shape.heads, num_kv_heads=shape.heads,
-                       ffn_hidden=shape.ffn, num_layers=1, norm="rmsnorm", activation="swiglu",
+    return ModelConfig(hidden=shape.h, num_heads=shape.heads, kv_heads=shape.heads,
+                       ffn=shape.ffn, num_layers=1, norm="rmsnorm", activation="swiglu",
                        position="rope", bias=False, max_seq_len=shape.s)
 
 

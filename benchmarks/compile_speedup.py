@@ -12,7 +12,6 @@ other programs ran are kept anyway and the figure says so.
 from __future__ import annotations
 
 import time
-from dataclasses import replace
 
 import torch
 
@@ -24,9 +23,9 @@ from tpkit.spec import get_preset
 
 
 def model_config(a):
-    return replace(get_preset("gpt2-tiny"), name="gpt2-bench", hidden=a.hidden,
-                   num_layers=a.layers, num_heads=a.hidden // 64, max_seq_len=a.seq,
-                   vocab_size=a.vocab, dropout=0.0)
+    return get_preset("gpt2-tiny").with_(
+        name="gpt2-bench", hidden=a.hidden, num_layers=a.layers, num_heads=a.hidden // 64,
+        max_seq_len=a.seq, vocab_size=a.vocab, dropout=0.0)
 
 
 def fwd_bwd(model, ids) -> float:

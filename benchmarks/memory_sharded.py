@@ -34,7 +34,7 @@ import torch
 
 from common import environment, parser, print_table, write_json
 
-MODEL = dict(hidden=256, ffn_hidden=1024, num_layers=4, num_heads=8, num_kv_heads=2,
+MODEL = dict(hidden=256, ffn=1024, num_layers=4, num_heads=8, kv_heads=2,
              name="llama-tiny-wide")
 SEQ, B = 128, 4
 LAYOUTS = [  # name, dp, cp, train flags

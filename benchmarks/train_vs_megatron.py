@@ -20,7 +20,6 @@ from __future__ import annotations
 
 import statistics
 import warnings
-from dataclasses import replace
 
 import torch
 import torch.distributed as dist
@@ -35,9 +34,9 @@ TP, VOCAB = 2, 8192
 
 
 def gpt_config(a):
-    return replace(get_preset("gpt2-tiny"), name="gpt-bench", hidden=a.hidden,
-                   num_layers=a.layers, num_heads=a.hidden // 64, max_seq_len=a.seq,
-                   vocab_size=VOCAB, activation="gelu_exact", dropout=0.0)
+    return get_preset("gpt2-tiny").with_(
+        name="gpt-bench", hidden=a.hidden, num_layers=a.layers, num_heads=a.hidden // 64,
+        max_seq_len=a.seq, vocab_size=VOCAB, activation="gelu_exact", dropout=0.0)
 
 
 class _CpuBuffer:

@@ -19,7 +19,7 @@ from tpkit.sharding import full_state_dict, meta_of, split_of
 from tpkit.spec.config import ModelConfig
 
 LLAMA = ModelConfig(name="llama-t", vocab_size=257, hidden=64, num_layers=4, num_heads=8,
-                    num_kv_heads=2, ffn_hidden=160, max_seq_len=64, norm="rmsnorm",
+                    kv_heads=2, ffn=160, max_seq_len=64, norm="rmsnorm",
                     activation="swiglu", position="rope", tie_embeddings=False, bias=False)
 GPT2 = ModelConfig(name="gpt2-t", vocab_size=257, hidden=64, num_layers=4, num_heads=4,
                    max_seq_len=64)

@@ -39,8 +39,8 @@ def measured_saved_bytes(cfg, b: int, s: int) -> int:
 @pytest.mark.parametrize("name,changes", [
     ("gpt2-tiny", {}),                                  # LayerNorm, GeLU, MHA
     ("llama-tiny", {}),                                 # RMSNorm, SwiGLU, GQA 8:2, RoPE
-    ("llama-tiny", dict(hidden=128, ffn_hidden=352)),   # another SwiGLU ratio
-    ("gpt2-tiny", dict(num_kv_heads=1)),                # MQA
+    ("llama-tiny", dict(hidden=128, ffn=352)),   # another SwiGLU ratio
+    ("gpt2-tiny", dict(kv_heads=1)),                # MQA
 ])
 def test_formula_matches_the_tensors_the_block_saves(name, changes):
     cfg = get_preset(name).with_(**changes)

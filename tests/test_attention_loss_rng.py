@@ -13,13 +13,14 @@ from tpkit.layers.cross_entropy import vocab_parallel_cross_entropy
 from tpkit.layers.random import TPRandom, dropout
 from tpkit.mesh import ParallelMesh
 from tpkit.spec import theory
+from tpkit.spec.config import ModelConfig
 
 B, S, H = 2, 6, 32
 
 
 def attend(mesh, opts, x, mask, gy):
     torch.manual_seed(0)
-    a = ParallelAttention(H, 4, mesh.tp_group, seed=11, **opts)
+    a = ParallelAttention(ModelConfig(hidden=H, num_heads=4, **opts), mesh.tp_group, seed=11)
     xi = x.clone().requires_grad_(True)
     y = a(xi, mask)
     y.backward(gy)
@@ -32,8 +33,8 @@ def attend(mesh, opts, x, mask, gy):
 
 @pytest.mark.parametrize("opts,padded", [
     (dict(causal=True), False), (dict(causal=False), True), (dict(causal=True), True),
-    (dict(rope_theta=10000.0, num_kv_heads=2, bias=False), True),
-    (dict(rope_theta=10000.0, num_kv_heads=1), False)])
+    (dict(position="rope", kv_heads=2, bias=False), True),
+    (dict(position="rope", kv_heads=1), False)])
 def test_attention_equals_tp1(run_tp, opts, padded):
     g = torch.Generator().manual_seed(3)
     x, gy = torch.randn(B, S, H, generator=g), torch.randn(B, S, H, generator=g)

@@ -19,7 +19,7 @@ from tpkit.spec import ModelConfig, get_preset, theory
 B, S = 2, 12
 # 6 heads, 3 kv heads, a vocabulary no tp divides: runs at tp = 1, 2 (kv split 3:... no), 3
 ODD = ModelConfig(name="odd", vocab_size=250, hidden=48, num_layers=2, num_heads=6,
-                  num_kv_heads=3, ffn_hidden=96, max_seq_len=32)
+                  kv_heads=3, ffn=96, max_seq_len=32)
 
 
 def run_model(mesh, cfg: ModelConfig, sp: bool, ids, labels, recompute=False):
@@ -86,8 +86,8 @@ def test_model_equals_tp1(run_tp, preset, tp, sp):
 
 @pytest.mark.parametrize("kv,tp", [(2, 4), (1, 2), (1, 4), (4, 2)])
 def test_grouped_query_kv_heads_split_or_replicated(run_tp, kv, tp):
-    """num_kv_heads < tp: ranks share kv heads and their gradients are summed."""
-    cfg = replace(get_preset("llama-tiny"), num_layers=1, num_kv_heads=kv)
+    """kv_heads < tp: ranks share kv heads and their gradients are summed."""
+    cfg = replace(get_preset("llama-tiny"), num_layers=1, kv_heads=kv)
     ids, labels = batch(cfg, 1)
     ref = run_model(ParallelMesh.single(), cfg, False, ids, labels)
     results = run_tp(run_model, tp, cfg, False, ids, labels)
@@ -143,10 +143,10 @@ def test_parameter_bytes_per_rank_follow_the_formula(run_tp):
 
 def bad_configs(mesh):
     out = []
-    for cfg, sp, seq in [(replace(get_preset("gpt2-tiny"), num_heads=6, hidden=60), False, 8),
-                         (replace(get_preset("llama-tiny"), num_kv_heads=4, num_heads=12,
-                                  hidden=96), False, 8),
-                         (replace(get_preset("gpt2-tiny"), hidden=66), False, 8),
+    for cfg, sp, seq in [(get_preset("gpt2-tiny").with_(num_heads=6, hidden=60), False, 8),
+                         (get_preset("llama-tiny").with_(kv_heads=4, num_heads=12,
+                                                             hidden=96), False, 8),
+                         (get_preset("gpt2-tiny").with_(hidden=66), False, 8),
                          (get_preset("gpt2-tiny"), True, 6)]:
         mesh.ledger.clear()
         try:
@@ -167,7 +167,7 @@ def test_bad_configs_fail_on_every_rank_before_any_collective(run_tp):
         assert "hidden=66 is not divisible by num_heads=4" in errors[2]
         assert "sequence length 6 is not divisible by tp=4" in errors[3]
     for rank_errors in run_tp(bad_configs, 3):
-        assert "num_kv_heads=4 is neither a multiple nor a divisor of tp=3" in rank_errors[1][0]
+        assert "kv_heads=4 is neither a multiple nor a divisor of tp=3" in rank_errors[1][0]
         assert rank_errors[1][1] == 0
 
 

@@ -5,7 +5,7 @@ guessing from names. A split is along one `dim`, in logical `parts` (a fused
 gate+up weight has two parts, a fused qkv weight three), and each part is cut into
 `chunks` pieces: chunks == tp means every rank owns its own piece; chunks < tp means
 groups of tp/chunks ranks hold the same piece (grouped-query kv heads when
-num_kv_heads < tp); chunks == 1 means the part is replicated.
+kv_heads < tp); chunks == 1 means the part is replicated.
 
     fused [gate; up] weight, tp=2 (rows = dim 0):     rank 0        rank 1
       gate rows 0..f-1   -> chunks of f/2            gate[:f/2]    gate[f/2:]

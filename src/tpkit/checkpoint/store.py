@@ -48,6 +48,8 @@ from tpkit.mesh import ParallelMesh
 from tpkit.model.tokenizer import copy_tokenizer
 from tpkit.parallel.zero import ZeroAdamW
 from tpkit.sharding import meta_of, split_of
+from tpkit.spec.config import ModelConfig
+from tpkit.spec.errors import UserError
 
 __all__ = ["CheckpointError", "load", "read_manifest", "save"]
 
@@ -156,6 +158,10 @@ def _check_config(root: Path, manifest: dict, model: nn.Module) -> None:
     if config is None or saved is None:
         return
     mine = config.to_dict()
+    try:  # by its current names, derived values filled in (earlier manifests: None)
+        saved = ModelConfig.from_dict(saved).to_dict()
+    except (UserError, TypeError) as e:
+        raise CheckpointError(f"{root / MANIFEST}: its model config is unreadable: {e}") from None
     diffs = [f"{k}={saved.get(k)!r} in the checkpoint, {mine.get(k)!r} in the model"
              for k in sorted(set(mine) | set(saved))
              if k not in IGNORED_CONFIG and saved.get(k) != mine.get(k)]

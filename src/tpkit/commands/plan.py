@@ -100,15 +100,15 @@ def model_from_args(a: argparse.Namespace) -> ModelConfig:
                if v is None]
     if missing:
         raise PlanError(f"give --preset, or a custom model with {' '.join(missing)} (and --seq)")
-    return ModelConfig(name="custom", max_seq_len=a.seq or 2048, num_kv_heads=a.kv_heads,
-                       ffn_hidden=a.ffn, activation="swiglu" if a.swiglu else "gelu", **custom)
+    return ModelConfig(name="custom", max_seq_len=a.seq or 2048, kv_heads=a.kv_heads,
+                       ffn=a.ffn, activation="swiglu" if a.swiglu else "gelu", **custom)
 
 
 def request_from_args(a: argparse.Namespace) -> Request:
     """Model, cluster and pinned choices from the command line."""
     cfg = model_from_args(a)
     if a.preset and (a.kv_heads or a.ffn):
-        cfg = cfg.with_(num_kv_heads=a.kv_heads or cfg.num_kv_heads, ffn_hidden=a.ffn or cfg.ffn)
+        cfg = cfg.with_(kv_heads=a.kv_heads or cfg.kv_heads, ffn=a.ffn or cfg.ffn)
     seq = a.seq or min(cfg.max_seq_len, 4096)
     if seq > cfg.max_seq_len:
         cfg = cfg.with_(max_seq_len=seq)

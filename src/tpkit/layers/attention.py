@@ -6,16 +6,16 @@
         local scaled-dot-product attention: heads never talk to each other
     --> out (row-parallel) --g--> one all-reduce -> [b, s, h]
 
-Grouped-query attention: with num_kv_heads >= tp the kv heads are split like the
-query heads; with num_kv_heads < tp (tp a multiple of kv) groups of tp/kv ranks hold
+Grouped-query attention: with kv_heads >= tp the kv heads are split like the
+query heads; with kv_heads < tp (tp a multiple of kv) groups of tp/kv ranks hold
 the same kv head — the one their query heads read — and `finalize_tp_grads` sums
 its gradient over them. MQA (1 kv head) is the case kv = 1.
 
 Per-family options, all per head (so they commute with the split): a head width
 decoupled from hidden / heads (`head_dim`, Qwen3, Gemma), a bias on q, k, v only
-(`qkv_bias`, Qwen2), RMSNorm over each head's q and k (`qk_norm_eps`, Qwen3: one
+(`attn_bias`, Qwen2), RMSNorm over each head's q and k (`qk_norm`, Qwen3: one
 weight shared by every head, so each rank's gradient is partial and tagged for the
-tp sum), rotary on the first `rotary_dim` dims (GPT-NeoX), Llama 3.1's rotary frequency
+tp sum), rotary on the first `rope_dim` dims (GPT-NeoX), Llama 3.1's rotary frequency
 scaling (`rope_llama3`), a sliding window (Mistral).
 """
 
@@ -57,77 +57,60 @@ class KVSlots:
     starts: torch.Tensor
 
 
-def heads_of_rank(num_heads: int, num_kv_heads: int, tp: int, rank: int
+def heads_of_rank(num_heads: int, kv_heads: int, tp: int, rank: int
                   ) -> tuple[list[int], list[int]]:
     """(query heads, kv heads) that `rank` of `tp` owns."""
     q = list(range(rank * num_heads // tp, (rank + 1) * num_heads // tp))
-    if num_kv_heads >= tp:
-        kv = list(range(rank * num_kv_heads // tp, (rank + 1) * num_kv_heads // tp))
+    if kv_heads >= tp:
+        kv = list(range(rank * kv_heads // tp, (rank + 1) * kv_heads // tp))
     else:
-        kv = [rank * num_kv_heads // tp]
+        kv = [rank * kv_heads // tp]
     return q, kv
 
 
 class ParallelAttention(nn.Module):
     """Multi-head / grouped-query / multi-query self-attention, heads split over tp.
 
-    A model builds it from its config (`from_config`: every attention feature of a
-    family is read there); the keywords of `__init__` serve a layer built on its own."""
+    Built from a model's config: every attention feature of a family is read here, from
+    `c` (a layer on its own: `ParallelAttention(ModelConfig(hidden=64, num_heads=4), g)`)."""
 
-    @classmethod
-    def from_config(cls, c: ModelConfig, group: CommGroup, *, sequence_parallel: bool = False,
-                    seed: int = 0, out_std: float | None = None, device=None, dtype=None
-                    ) -> ParallelAttention:
-        """The attention of a transformer layer of `c`, split over `group`."""
-        return cls(c.hidden, c.num_heads, group, num_kv_heads=c.kv_heads, bias=c.bias,
-                   causal=c.causal, rope_theta=c.rope_theta if c.position == "rope" else None,
-                   dropout=c.dropout, sequence_parallel=sequence_parallel, init_std=c.init_std,
-                   out_std=out_std, seed=seed, head_dim=c.head_dim, qkv_bias=c.attn_bias,
-                   qk_norm_eps=c.norm_eps if c.qk_norm else None, rotary_dim=c.rope_dim,
-                   sliding_window=c.sliding_window, rope_llama3=c.rope_llama3, device=device,
-                   dtype=dtype)
-
-    def __init__(self, hidden: int, num_heads: int, group: CommGroup, *,
-                 num_kv_heads: int | None = None, bias: bool = True, causal: bool = True,
-                 rope_theta: float | None = None, dropout: float = 0.0,
-                 sequence_parallel: bool = False, init_std: float = 0.02,
-                 out_std: float | None = None, seed: int = 0, head_dim: int | None = None,
-                 qkv_bias: bool | None = None, qk_norm_eps: float | None = None,
-                 rotary_dim: int | None = None, sliding_window: int | None = None,
-                 rope_llama3: tuple | None = None, device=None, dtype=None) -> None:
+    def __init__(self, c: ModelConfig, group: CommGroup, *, sequence_parallel: bool = False,
+                 seed: int = 0, out_std: float | None = None, device=None, dtype=None) -> None:
         super().__init__()
-        tp, kv = group.size, num_kv_heads or num_heads
-        if head_dim is None and hidden % num_heads:
-            raise ValueError(f"hidden={hidden} is not divisible by num_heads={num_heads}")
+        tp, kv, hidden, num_heads = group.size, c.kv_heads, c.hidden, c.num_heads
+        if "head_dim" in c.derived and hidden % num_heads:
+            raise UserError(f"hidden={hidden} is not divisible by num_heads={num_heads}")
         if heads_problems(num_heads, kv, tp):
             raise UserError("; ".join(heads_problems(num_heads, kv, tp)))
-        self.hidden, self.num_heads, self.num_kv_heads, self.group = hidden, num_heads, kv, group
-        self.head_dim = hd = head_dim or hidden // num_heads
+        self.hidden, self.num_heads, self.kv_heads, self.group = hidden, num_heads, kv, group
+        self.head_dim = hd = c.head_dim
         self.local_heads = num_heads // tp
         self.local_kv = kv_heads_per_rank(kv, tp)
-        self.causal, self.rope_theta, self.dropout = causal, rope_theta, dropout
-        self.rotary_dim, self.sliding_window = rotary_dim or hd, sliding_window
-        self.rope_llama3 = rope_llama3
+        self.causal, self.dropout = c.causal, c.dropout
+        self.rope_theta = c.rope_theta if c.position == "rope" else None
+        self.rope_dim, self.sliding_window, self.rope_llama3 = (c.rope_dim, c.sliding_window,
+                                                                c.rope_llama3)
         self.cp: CommGroup | None = None  # context parallel: ring attention over this group
         kv_chunks = tp if kv >= tp else kv
         kw = dict(device=device, dtype=dtype)
         self.qkv = ColumnParallelLinear(
-            hidden, (num_heads + 2 * kv) * hd, group, bias=bias if qkv_bias is None else qkv_bias,
+            hidden, (num_heads + 2 * kv) * hd, group, bias=c.attn_bias,
             partition_sizes=[num_heads * hd, kv * hd, kv * hd],
             partition_chunks=[tp, kv_chunks, kv_chunks], sequence_parallel=sequence_parallel,
-            init_std=init_std, seed=seed_for(seed, "qkv"), **kw)
-        self.out = RowParallelLinear(num_heads * hd, hidden, group, bias=bias,
+            init_std=c.init_std, seed=seed_for(seed, "qkv"), **kw)
+        self.out = RowParallelLinear(num_heads * hd, hidden, group, bias=c.bias,
                                      sequence_parallel=sequence_parallel,
-                                     init_std=out_std or init_std, seed=seed_for(seed, "out"), **kw)
+                                     init_std=out_std or c.init_std, seed=seed_for(seed, "out"),
+                                     **kw)
         self.q_norm = self.k_norm = None
-        if qk_norm_eps is not None:
-            self.q_norm, self.k_norm = (Norm(hd, "rmsnorm", qk_norm_eps, **kw) for _ in range(2))
+        if c.qk_norm:
+            self.q_norm, self.k_norm = (Norm(hd, "rmsnorm", c.norm_eps, **kw) for _ in range(2))
             for p in (self.q_norm.weight, self.k_norm.weight):  # one [hd] weight for all heads,
                 set_meta(p, sequence_parallel=True)  # each rank's heads: a partial gradient, tp sum
 
     def owned_heads(self) -> tuple[list[int], list[int]]:
         """(query heads, kv heads) this rank computes."""
-        return heads_of_rank(self.num_heads, self.num_kv_heads, self.group.size, self.group.rank)
+        return heads_of_rank(self.num_heads, self.kv_heads, self.group.size, self.group.rank)
 
     def forward(self, x: torch.Tensor, attention_mask: torch.Tensor | None = None,
                 rng: TPRandom | None = None, kv_cache: KVSlots | None = None) -> torch.Tensor:
@@ -163,10 +146,10 @@ class ParallelAttention(nn.Module):
         return self.out(y)  # [b, s, h] summed over tp
 
     def _angles(self, s: int, device, ring: bool):
-        """cos, sin [s, rotary_dim] of this rank's positions (global ones under cp)."""
+        """cos, sin [s, rope_dim] of this rank's positions (global ones under cp)."""
         if not ring:
-            return rope_angles(s, self.rotary_dim, self.rope_theta, 0, device, self.rope_llama3)
-        cos, sin = rope_angles(s * self.cp.size, self.rotary_dim, self.rope_theta, 0, device,
+            return rope_angles(s, self.rope_dim, self.rope_theta, 0, device, self.rope_llama3)
+        cos, sin = rope_angles(s * self.cp.size, self.rope_dim, self.rope_theta, 0, device,
                                self.rope_llama3)  # [S, rd]
         pos = cp_positions(s, self.cp, device=device)  # [s] global positions
         return cos[pos], sin[pos]
@@ -180,7 +163,7 @@ class ParallelAttention(nn.Module):
         b, s, L = q.shape[0], q.shape[2], cache.k.shape[2]
         pos = cache.starts[:, None] + torch.arange(s, device=q.device)  # [b, s]
         if self.rope_theta is not None:
-            cos, sin = rope_at(pos, self.rotary_dim, self.rope_theta, L, self.rope_llama3)
+            cos, sin = rope_at(pos, self.rope_dim, self.rope_theta, L, self.rope_llama3)
             q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)  # [b, 1, s, rd] angles
         rows = torch.arange(b, device=q.device)[:, None]  # [b, 1]
         cache.k[rows, :, pos] = k.transpose(1, 2)  # [b, s, kv_local, hd] into the slots

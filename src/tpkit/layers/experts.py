@@ -50,7 +50,7 @@ def expert_splits(num_experts: int, hidden: int, ffn: int, gated: bool, tp: int,
         return (TPSplit(0, (num_experts * width,), (tp,)),
                 TPSplit(0, (num_experts * hidden,), (tp,)))
     if ffn % tp:
-        raise ValueError(f"ffn_hidden={ffn} is not divisible by tp={tp}")
+        raise ValueError(f"ffn={ffn} is not divisible by tp={tp}")
     parts = width // ffn * num_experts
     return TPSplit(0, (ffn,) * parts, (tp,) * parts), TPSplit(1, (ffn,), (tp,))
 

@@ -5,7 +5,7 @@ the data flowing through them, so each rank's gradient is a partial sum:
 
 - with sequence parallelism, norm weights (and row-parallel biases) act on this
   rank's [b, s/tp, h] slice only: their gradients are summed over the tp group;
-- grouped-query kv heads replicated over tp (num_kv_heads < tp): the ranks sharing
+- grouped-query kv heads replicated over tp (kv_heads < tp): the ranks sharing
   a kv head each hold the gradient from their own query heads: summed over sharers;
 - weights replicated but fed by split work: the per-head q/k norms (each rank
   normalizes its own heads) and a mixture-of-experts router (its gradient comes

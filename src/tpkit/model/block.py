@@ -42,8 +42,7 @@ class Block(nn.Module):
         norm = dict(kind=c.norm, eps=c.norm_eps, sequence_parallel=sp, offset=c.norm_offset, **kw)
         self.attn_norm = Norm(c.hidden, **norm)
         name, own = layer(layer_index), dict(sequence_parallel=sp, out_std=out_std, **kw)
-        self.attn = ParallelAttention.from_config(c, group, seed=seed_for(seed, f"{name}.attn"),
-                                                  **own)
+        self.attn = ParallelAttention(c, group, seed=seed_for(seed, f"{name}.attn"), **own)
         self.mlp_norm = Norm(c.hidden, **norm)
         mlp_seed = seed_for(seed, f"{name}.mlp")
         self.mlp = ParallelMoE.from_config(c, group, expert_parallel=expert_parallel,

@@ -6,7 +6,7 @@ forwards of generation over it: the prefill of one sequence and the decode of al
     logits = decode(model, pool, tokens, lengths)             # [8, V]: a token per busy slot
 
 Each rank holds its own heads' keys and values only (split over tp like the qkv
-weights; shared kv heads when num_kv_heads < tp), so the pool costs 1/tp of the
+weights; shared kv heads when kv_heads < tp), so the pool costs 1/tp of the
 model's cache on each rank. Nothing grows or moves while generating: a forward writes
 its new keys in place (`layers.attention.KVSlots`) and each slot has its own length
 and positions (0, 1, ... from its own first token: no padding).

@@ -8,7 +8,7 @@
     (with ZeRO-1 each holds its slice and zeros elsewhere: then summed over dp too).
 
 A part of a split held by several ranks (grouped-query kv heads with
-num_kv_heads < tp: `chunks` < tp) appears tp/chunks times in the tp sum, so it is
+kv_heads < tp: `chunks` < tp) appears tp/chunks times in the tp sum, so it is
 weighted by chunks/tp. One all-reduce of one float over the tp x pp group.
 """
 

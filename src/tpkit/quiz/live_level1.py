@@ -15,6 +15,7 @@ from tpkit.quiz import live_charts as C
 from tpkit.quiz import live_ranks as R
 from tpkit.quiz.live_common import Spawner, max_diff, median_of_slowest, x_input
 from tpkit.quiz.live_text import Say
+from tpkit.spec.config import ModelConfig
 from tpkit.spec.grid import rank_grid
 from tpkit.spec.shapes import kv_heads_per_rank
 from tpkit.spec.theory import ring_steps
@@ -128,7 +129,8 @@ def demo_heads(live: Spawner, tp: int = 2, hidden: int = 64, num_heads: int = 8,
     ranks = live.spawn(R.attention_heads, x, hidden, num_heads, num_kv_heads, tp=tp)
     from tpkit.layers.attention import ParallelAttention
 
-    ref = ParallelAttention(hidden, num_heads, CommGroup.single(), num_kv_heads=num_kv_heads)
+    ref = ParallelAttention(ModelConfig(hidden=hidden, num_heads=num_heads,
+                                        kv_heads=num_kv_heads), CommGroup.single())
     with torch.no_grad():
         y_ref = ref(x)
     say = Say(lang, "heads")

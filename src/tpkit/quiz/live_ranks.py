@@ -13,6 +13,7 @@ import torch
 
 from tpkit.comm import all_reduce
 from tpkit.layers import ColumnColumnMLP, ParallelMLP, RowParallelLinear
+from tpkit.spec.config import ModelConfig
 
 
 def mlp_weights(mesh, hidden: int, ffn: int) -> dict:
@@ -56,7 +57,8 @@ def attention_heads(mesh, x: torch.Tensor, hidden: int, heads: int, kv: int) -> 
     """Heads this rank owns, its weight shapes, and the attention output."""
     from tpkit.layers.attention import ParallelAttention
 
-    attn = ParallelAttention(hidden, heads, mesh.tp_group, num_kv_heads=kv)
+    attn = ParallelAttention(ModelConfig(hidden=hidden, num_heads=heads, kv_heads=kv),
+                             mesh.tp_group)
     q, k = attn.owned_heads()
     with torch.no_grad():
         y = attn(x)  # [b, s, h] after one all-reduce

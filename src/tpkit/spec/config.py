@@ -7,7 +7,7 @@ collective, so a bad layout never hangs and never fails deep inside a forward.
 
 from __future__ import annotations
 
-from dataclasses import asdict, dataclass, replace
+from dataclasses import dataclass, field, fields, replace
 
 from tpkit.spec import shapes
 from tpkit.spec.errors import UserError
@@ -21,15 +21,22 @@ POSITIONS = ("learned", "rope")
 @dataclass(frozen=True)
 class ModelConfig:
     """Shape and flavour of a transformer (GPT-2, Llama, BERT and the Hugging Face
-    families of `tpkit.model.families`: each flag below is one block feature)."""
+    families of `tpkit.checkpoint.families`: each flag below is one block feature).
+
+    One name per concept, and the field holds the value in use: `kv_heads`, `ffn`,
+    `head_dim`, `rope_dim` and `attn_bias` may be left out (None), and are then derived
+    at construction from the fields they follow (`ModelConfig(hidden=60).ffn == 240`).
+    `with_(...)` derives them again from the changed fields (`gpt2-tiny.with_(hidden=60)`
+    has ffn 240), unless a value is given; `dataclasses.replace` keeps every value as it
+    is. `derived` names those that were derived."""
 
     name: str = "custom"
     vocab_size: int = 256
     hidden: int = 64
     num_layers: int = 2
     num_heads: int = 4
-    num_kv_heads: int | None = None  # None: = num_heads (no GQA); 1: MQA
-    ffn_hidden: int | None = None  # None: 4 * hidden
+    kv_heads: int | None = None  # key/value heads; None: = num_heads (no GQA); 1: MQA
+    ffn: int | None = None  # width of the MLP's inner layer; None: 4 * hidden
     max_seq_len: int = 128
     norm: str = "layernorm"  # layernorm | rmsnorm
     activation: str = "gelu"  # gelu (tanh, GPT-2) | gelu_exact (erf) | swiglu | geglu | relu
@@ -47,43 +54,29 @@ class ModelConfig:
     norm_eps: float = 1e-5
     init_std: float = 0.02
     family: str = ""  # the Hugging Face model_type it exports to ("": none)
-    head_size: int | None = None  # None: hidden / num_heads (Qwen3, Gemma decouple it)
-    qkv_bias: bool | None = None  # None: = bias (Qwen2: bias on q, k, v only)
+    head_dim: int | None = None  # width of a head; None: hidden / num_heads (Qwen3, Gemma
+    # decouple it)
+    attn_bias: bool | None = None  # bias on q, k, v; None: = bias (Qwen2: on q, k, v only)
     qk_norm: bool = False  # RMSNorm over each head's q and k before rotary (Qwen3)
     norm_offset: float = 0.0  # norms scale by (offset + weight): Gemma's (1 + w)
     embed_scale: float = 1.0  # embeddings times this (Gemma: sqrt(hidden))
     parallel_residual: bool = False  # x + attn(norm1(x)) + mlp(norm2(x)) (GPT-NeoX)
-    rotary_dim: int | None = None  # rotary on each head's first dims only (GPT-NeoX)
+    rope_dim: int | None = None  # dims of each head that rotary rotates; None: head_dim
+    # (GPT-NeoX rotates the first ones only)
     sliding_window: int | None = None  # a query sees the last `window` keys (Mistral)
     num_experts: int = 0  # > 0: a mixture-of-experts MLP, top-k routed (Mixtral)
     experts_per_token: int = 2
     pooler: bool = False  # BERT's tanh(W h[:, 0] + b) on the last stage
+    derived: frozenset[str] = field(default=frozenset(), init=False, repr=False,
+                                    compare=False)  # the fields above that were left out
 
-    # -- derived -----------------------------------------------------------------------
-    @property
-    def kv_heads(self) -> int:
-        """Number of key/value heads (== num_heads without GQA)."""
-        return self.num_kv_heads or self.num_heads
-
-    @property
-    def ffn(self) -> int:
-        """Width of the MLP's inner layer."""
-        return self.ffn_hidden or 4 * self.hidden
-
-    @property
-    def head_dim(self) -> int:
-        """Width of one attention head (hidden / num_heads unless decoupled)."""
-        return self.head_size or self.hidden // self.num_heads
-
-    @property
-    def rope_dim(self) -> int:
-        """Dimensions of each head that rotary embeddings rotate."""
-        return self.rotary_dim or self.head_dim
-
-    @property
-    def attn_bias(self) -> bool:
-        """Bias on the q, k, v projections."""
-        return self.bias if self.qkv_bias is None else self.qkv_bias
+    def __post_init__(self) -> None:
+        derived = []
+        for name, rule in _DERIVE.items():  # in order: rope_dim follows head_dim
+            if getattr(self, name) is None:
+                object.__setattr__(self, name, rule(self))
+                derived.append(name)
+        object.__setattr__(self, "derived", frozenset(derived))
 
     @property
     def gated(self) -> bool:
@@ -104,17 +97,19 @@ class ModelConfig:
         return shapes.padded_vocab(self.vocab_size, tp)
 
     def with_(self, **changes) -> ModelConfig:
-        """A copy with some fields changed."""
-        return replace(self, **changes)
+        """A copy with some fields changed; the derived ones are derived again."""
+        return replace(self, **{**dict.fromkeys(self.derived), **changes})
 
     def to_dict(self) -> dict:
-        """Plain dict (for manifests and JSON)."""
-        return asdict(self)
+        """Plain dict of every field, derived values included (for manifests and JSON)."""
+        return {f.name: getattr(self, f.name) for f in fields(self) if f.init}
 
     @classmethod
     def from_dict(cls, d: dict) -> ModelConfig:
-        """Inverse of `to_dict`; unknown keys are an error naming them."""
-        unknown = set(d) - set(cls.__dataclass_fields__)
+        """Inverse of `to_dict`; unknown keys are an error naming them. Reads the names
+        that earlier manifests used (`num_kv_heads`, `ffn_hidden`, ...)."""
+        d = {_OLD_NAMES.get(k, k): v for k, v in d.items()}
+        unknown = set(d) - {f.name for f in fields(cls) if f.init}
         if unknown:
             raise UserError(f"unknown ModelConfig fields: {sorted(unknown)}")
         if d.get("rope_llama3") is not None:  # JSON gives a list
@@ -179,9 +174,9 @@ def _check_shape(c: ModelConfig, **_) -> list[str]:
     bad = [f"{k}={getattr(c, k)} must be positive" for k in
            ("vocab_size", "hidden", "num_layers", "num_heads", "max_seq_len")
            if getattr(c, k) < 1]
-    if not bad and c.head_size is None and c.hidden % c.num_heads:
+    if not bad and "head_dim" in c.derived and c.hidden % c.num_heads:
         bad.append(f"hidden={c.hidden} is not divisible by num_heads={c.num_heads} "
-                   f"(and no head_size is given)")
+                   f"(and no head_dim is given)")
     if not bad and c.position == "rope" and (c.rope_dim % 2 or c.rope_dim > c.head_dim):
         bad.append(f"rotary dims={c.rope_dim} must be even and <= head_dim={c.head_dim}")
     return bad
@@ -192,7 +187,7 @@ def _check_heads(c: ModelConfig, tp: int, **_) -> list[str]:
 
 
 def _check_ffn(c: ModelConfig, tp: int, **_) -> list[str]:
-    return [f"ffn_hidden={c.ffn} is not divisible by tp={tp}"] if c.ffn % tp else []
+    return [f"ffn={c.ffn} is not divisible by tp={tp}"] if c.ffn % tp else []
 
 
 def _check_pipeline(c: ModelConfig, pp: int, **_) -> list[str]:
@@ -227,6 +222,19 @@ def _check_experts(c: ModelConfig, **_) -> list[str]:
     return []
 
 
+# How a left-out field follows the others (a zero stands in for a shape that
+# `_check_shape` refuses anyway: no error while constructing it).
+_DERIVE = {
+    "kv_heads": lambda c: c.num_heads,
+    "ffn": lambda c: 4 * c.hidden,
+    "head_dim": lambda c: c.hidden // c.num_heads if c.num_heads > 0 else 0,
+    "rope_dim": lambda c: c.head_dim,
+    "attn_bias": lambda c: c.bias,
+}
+_OLD_NAMES = {"num_kv_heads": "kv_heads", "ffn_hidden": "ffn", "head_size": "head_dim",
+              "rotary_dim": "rope_dim", "qkv_bias": "attn_bias"}
+
+
 def _gpt2(name: str, h: int, layers: int, heads: int, **kw) -> ModelConfig:
     return ModelConfig(name=name, vocab_size=kw.pop("vocab_size", 50257), hidden=h,
                        num_layers=layers, num_heads=heads, max_seq_len=kw.pop("max_seq_len", 1024),
@@ -235,7 +243,7 @@ def _gpt2(name: str, h: int, layers: int, heads: int, **kw) -> ModelConfig:
 
 def _llama(name: str, h: int, layers: int, heads: int, kv: int, ffn: int, **kw) -> ModelConfig:
     return ModelConfig(name=name, vocab_size=kw.pop("vocab_size", 32000), hidden=h,
-                       num_layers=layers, num_heads=heads, num_kv_heads=kv, ffn_hidden=ffn,
+                       num_layers=layers, num_heads=heads, kv_heads=kv, ffn=ffn,
                        max_seq_len=kw.pop("max_seq_len", 4096), norm="rmsnorm",
                        activation="swiglu", position="rope", tie_embeddings=False, bias=False,
                        family="llama", **kw)

@@ -31,9 +31,9 @@ def padded_vocab(vocab_size: int, tp: int) -> int:
     return -(-vocab_size // (8 * tp)) * 8 * tp
 
 
-def kv_heads_per_rank(num_kv_heads: int, tp: int) -> int:
+def kv_heads_per_rank(kv_heads: int, tp: int) -> int:
     """kv heads one rank holds: kv/tp when tp divides them, else 1 (shared by tp/kv ranks)."""
-    return num_kv_heads // tp if num_kv_heads >= tp else 1
+    return kv_heads // tp if kv_heads >= tp else 1
 
 
 def cp_chunks(seq: int, cp: int, rank: int) -> list[tuple[int, int]]:
@@ -49,15 +49,15 @@ def cp_chunks(seq: int, cp: int, rank: int) -> list[tuple[int, int]]:
     return [(rank * c, (rank + 1) * c), (mirror * c, (mirror + 1) * c)]
 
 
-def heads_problems(num_heads: int, num_kv_heads: int, tp: int) -> list[str]:
+def heads_problems(num_heads: int, kv_heads: int, tp: int) -> list[str]:
     """Why query and kv heads cannot be split over tp ranks (empty: they can): query heads
     split evenly; kv heads divide the query heads and are split or shared over tp."""
     out = [f"num_heads={num_heads} is not divisible by tp={tp}"] if num_heads % tp else []
-    kv = num_kv_heads
+    kv = kv_heads
     if kv < 1 or num_heads % kv:
-        return out + [f"num_heads={num_heads} is not a multiple of num_kv_heads={kv}"]
+        return out + [f"num_heads={num_heads} is not a multiple of kv_heads={kv}"]
     if kv % tp and tp % kv:
-        return out + [f"num_kv_heads={kv} is neither a multiple nor a divisor of tp={tp}"]
+        return out + [f"kv_heads={kv} is neither a multiple nor a divisor of tp={tp}"]
     return out
 
 

@@ -67,14 +67,16 @@ def with_family(c: ModelConfig) -> ModelConfig:
     return replace(c, family=kind)
 
 
-_FAMILY_FEATURES = ("head_size", "qkv_bias", "qk_norm", "norm_offset", "embed_scale",
-                    "parallel_residual", "rotary_dim", "rope_llama3", "sliding_window",
-                    "num_experts")  # set by one family's adapter only: never guessed
+_FAMILY_FEATURES = ("qk_norm", "norm_offset", "embed_scale", "parallel_residual",
+                    "rope_llama3", "sliding_window", "num_experts")  # set by one family's
+# adapter only: never guessed (nor a head width, q/k/v bias or rotary width of its own)
 
 
 def _plain_family(c: ModelConfig) -> str:
     defaults = ModelConfig()
-    if any(getattr(c, f) != getattr(defaults, f) for f in _FAMILY_FEATURES):
+    if any(getattr(c, f) != getattr(defaults, f) for f in _FAMILY_FEATURES) or (
+            c.head_dim * c.num_heads != c.hidden or c.attn_bias != c.bias
+            or c.rope_dim != c.head_dim):
         return ""
     if not c.causal and c.embed_norm and not c.pre_norm:
         return "bert"

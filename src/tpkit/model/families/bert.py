@@ -24,7 +24,7 @@ def from_hf(hf: dict, keys: set[str]) -> ModelConfig:
     return ModelConfig(
         name="hf-bert", family="bert", vocab_size=hf["vocab_size"], hidden=hf["hidden_size"],
         num_layers=hf["num_hidden_layers"], num_heads=hf["num_attention_heads"],
-        ffn_hidden=hf["intermediate_size"], max_seq_len=hf["max_position_embeddings"],
+        ffn=hf["intermediate_size"], max_seq_len=hf["max_position_embeddings"],
         causal=False, type_vocab_size=hf["type_vocab_size"], pre_norm=False,
         embed_norm=True, activation="gelu_exact", norm_eps=hf.get("layer_norm_eps", 1e-12),
         pooler=any(k.endswith("pooler.dense.weight") for k in keys))

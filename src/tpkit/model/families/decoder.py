@@ -20,16 +20,14 @@ def decoder_config(hf: dict, **flags) -> ModelConfig:
     heads, hidden = hf["num_attention_heads"], hf["hidden_size"]
     head_dim = hf.get("head_dim") or hidden // heads
     _, theta, factor = rope_of(hf)
-    decoupled = hidden % heads or head_dim != hidden // heads
     fields = dict(
         name=f"hf-{hf['model_type']}", family=hf["model_type"], vocab_size=hf["vocab_size"],
         hidden=hidden, num_layers=hf["num_hidden_layers"], num_heads=heads,
-        num_kv_heads=hf.get("num_key_value_heads") or heads, ffn_hidden=hf["intermediate_size"],
+        kv_heads=hf.get("num_key_value_heads") or heads, ffn=hf["intermediate_size"],
         max_seq_len=hf["max_position_embeddings"], norm="rmsnorm", activation="swiglu",
         position="rope", rope_theta=theta, tie_embeddings=hf.get("tie_word_embeddings", False),
         bias=False, norm_eps=hf.get("rms_norm_eps", 1e-6),
-        head_size=head_dim if decoupled else None,
-        rotary_dim=int(head_dim * factor) if factor != 1.0 else None)
+        head_dim=head_dim, rope_dim=int(head_dim * factor))
     return ModelConfig(**{**fields, **flags})
 
 

@@ -18,7 +18,7 @@ def from_hf(hf: dict, keys: set[str]) -> ModelConfig:
                     "unscaled attention": not hf.get("scale_attn_weights", True)})
     return ModelConfig(
         name="hf-gpt2", family="gpt2", vocab_size=hf["vocab_size"], hidden=hf["n_embd"],
-        num_layers=hf["n_layer"], num_heads=hf["n_head"], ffn_hidden=hf.get("n_inner"),
+        num_layers=hf["n_layer"], num_heads=hf["n_head"], ffn=hf.get("n_inner"),
         max_seq_len=hf["n_positions"], activation=act,
         tie_embeddings=hf.get("tie_word_embeddings", True),
         norm_eps=hf.get("layer_norm_epsilon", 1e-5))

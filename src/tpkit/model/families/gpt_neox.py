@@ -37,9 +37,9 @@ def from_hf(hf: dict, keys: set[str]) -> ModelConfig:
     return ModelConfig(
         name="hf-gpt_neox", family="gpt_neox", vocab_size=hf["vocab_size"],
         hidden=hf["hidden_size"], num_layers=hf["num_hidden_layers"],
-        num_heads=hf["num_attention_heads"], ffn_hidden=hf["intermediate_size"],
+        num_heads=hf["num_attention_heads"], ffn=hf["intermediate_size"],
         max_seq_len=hf["max_position_embeddings"], activation="gelu_exact", position="rope",
-        rope_theta=theta, rotary_dim=int(hd * factor), norm_eps=hf.get("layer_norm_eps", 1e-5),
+        rope_theta=theta, rope_dim=int(hd * factor), norm_eps=hf.get("layer_norm_eps", 1e-5),
         tie_embeddings=hf.get("tie_word_embeddings", False),
         parallel_residual=hf.get("use_parallel_residual", True))
 

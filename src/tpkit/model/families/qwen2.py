@@ -11,7 +11,7 @@ from tpkit.spec.config import ModelConfig
 def from_hf(hf: dict, keys: set[str]) -> ModelConfig:
     """Qwen2 config.json -> ModelConfig."""
     refuse("qwen2", decoder_problems(hf))
-    return decoder_config(hf, qkv_bias=True)
+    return decoder_config(hf, attn_bias=True)
 
 
 def to_hf(c: ModelConfig) -> dict:
