@@ -18,8 +18,8 @@ import torch
 from common import Contender, environment, parser, print_table, round_robin, write_json
 from tpkit.launch import spawn
 from tpkit.model import Transformer
-from tpkit.model.compile import compile_blocks, compiled_graphs
 from tpkit.spec import get_preset
+from tpkit.train.compile import compile_blocks, compiled_graphs
 
 
 def model_config(a):

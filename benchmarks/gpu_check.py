@@ -27,7 +27,7 @@ from pathlib import Path
 
 import torch
 
-from tpkit.device import best_device
+from tpkit.host.device import best_device
 from tpkit.mesh import ParallelMesh
 from tpkit.model import Transformer
 from tpkit.spec import get_preset

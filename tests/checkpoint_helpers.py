@@ -12,10 +12,10 @@ import torch
 from tpkit.checkpoint.build import copy_in
 from tpkit.checkpoint.slices import DictSource, local_slice, read_local
 from tpkit.comm import all_gather, recv, send
+from tpkit.layers.sharding import full_state_dict, meta_of, split_of
 from tpkit.mesh import ParallelMesh
 from tpkit.model.names import VOCAB_PADDED
 from tpkit.model.transformer import Transformer
-from tpkit.sharding import full_state_dict, meta_of, split_of
 from tpkit.spec.config import ModelConfig
 
 LLAMA = ModelConfig(name="llama-t", vocab_size=257, hidden=64, num_layers=4, num_heads=8,

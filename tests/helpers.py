@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import torch
 
-from tpkit.sharding import full_state_dict, shard, split_of, splits_of
+from tpkit.layers.sharding import full_state_dict, shard, split_of, splits_of
 
 
 def shard_state_dict(module: torch.nn.Module, full: dict[str, torch.Tensor], rank: int,

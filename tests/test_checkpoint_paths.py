@@ -205,7 +205,7 @@ def test_the_tokenizer_is_part_of_the_checkpoint(tmp_path):
     from hf_folders import train_tokenizer
     from tpkit.checkpoint.convert import reshard
     from tpkit.checkpoint.sources import source_tokenizer
-    from tpkit.model.tokenizer import load_tokenizer
+    from tpkit.checkpoint.tokenizer import load_tokenizer
 
     tok = train_tokenizer(tmp_path / "tok")
     run, mesh = tmp_path / "run", ParallelMesh.single()

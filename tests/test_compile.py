@@ -16,8 +16,8 @@ import torch
 
 from helpers import max_diff
 from tpkit.model import Transformer
-from tpkit.model.compile import compile_blocks, compiled_graphs
 from tpkit.spec import get_preset, theory
+from tpkit.train.compile import compile_blocks, compiled_graphs
 
 B, S = 2, 16
 

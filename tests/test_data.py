@@ -9,7 +9,7 @@ import numpy as np
 import pytest
 import torch
 
-from tpkit.model.tokenizer import ByteTokenizer
+from tpkit.checkpoint.tokenizer import ByteTokenizer
 from tpkit.train.data import (
     TokenLoader,
     embedded_text,

@@ -24,7 +24,7 @@ from functools import partial
 import torch
 from tpkit.mesh import ParallelMesh
 from tpkit.model import Transformer
-from tpkit.model.exactness import model_case
+from tpkit.check.exactness import model_case
 from tpkit.spec import get_preset
 build = partial(Transformer, get_preset("gpt2-tiny"), seed=1, dtype=torch.float32)
 r = model_case(ParallelMesh.single(), dict(batch=2, seq=16, sp=False), build)

@@ -16,11 +16,11 @@ import torch
 from checkpoint_helpers import GPT2, LLAMA, fill, random_full
 from tpkit.checkpoint import load_model
 from tpkit.checkpoint import store as ckpt
+from tpkit.checkpoint.tokenizer import ByteTokenizer
 from tpkit.comm import all_gather
 from tpkit.commands.generate import run
 from tpkit.mesh import ParallelMesh
 from tpkit.model.generate import PP_ERROR, generate, pad_left
-from tpkit.model.tokenizer import ByteTokenizer
 from tpkit.model.transformer import Transformer
 from tpkit.spec.errors import UserError
 
@@ -161,7 +161,7 @@ def test_byte_level_is_the_configs_to_say():
     256 ids or more takes bytes; a Hugging Face import has a tokenizer of its own."""
     from dataclasses import replace
 
-    from tpkit.model.families import config_from_hf
+    from tpkit.checkpoint.families import config_from_hf
     from tpkit.spec.config import get_preset
 
     hf = dict(model_type="llama", vocab_size=300, hidden_size=64, num_hidden_layers=2,

@@ -221,7 +221,7 @@ def test_verify_hf_names_what_it_cannot_read(tmp_path, capsys):
 
 
 def test_unsupported_family_names_the_supported(tmp_path):
-    from tpkit.model.families import config_from_hf
+    from tpkit.checkpoint.families import config_from_hf
 
     with pytest.raises(ValueError, match="'t5' is not supported; supported: bert, gemma, gpt2"):
         config_from_hf({"model_type": "t5"})
@@ -235,7 +235,7 @@ def test_a_config_without_family_exports_as_its_plain_shape_or_is_refused():
     a config with one family's feature is never guessed."""
     from dataclasses import replace
 
-    from tpkit.model.families import with_family
+    from tpkit.checkpoint.families import with_family
     from tpkit.spec import get_preset
 
     for preset, kind in (("gpt2-tiny", "gpt2"), ("llama-tiny", "llama")):

@@ -21,8 +21,8 @@ from helpers import (
     splits_of,
 )
 from tpkit.layers import ColumnColumnMLP, ColumnParallelLinear, ParallelMLP, RowParallelLinear
+from tpkit.layers.sharding import shard, unshard
 from tpkit.mesh import ParallelMesh
-from tpkit.sharding import shard, unshard
 from tpkit.spec import theory
 
 B, S, H, FFN = 2, 4, 16, 32

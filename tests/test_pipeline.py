@@ -11,8 +11,8 @@ import math
 import pytest
 import torch
 
+from tpkit.layers.sharding import meta_of
 from tpkit.parallel.data_parallel import tied_params
-from tpkit.sharding import meta_of
 from tpkit.spec.theory import bubble_theory
 from tpkit.train.config import TrainConfig
 from tpkit.train.loop import train, train_model

@@ -14,9 +14,9 @@ import pytest
 import torch
 
 from hf_folders import TEXT, tiny_llama_folder, train_tokenizer
+from tpkit.checkpoint.tokenizer import load_tokenizer
 from tpkit.cli import main
 from tpkit.commands.prepare_data import prepare
-from tpkit.model.tokenizer import load_tokenizer
 from tpkit.train.config import TrainConfig
 from tpkit.train.data import TokenLoader, load_tokens, split_tokens, tokenizer_folder
 from tpkit.train.tokens import ShardWriter, TokenStream, dtype_for, open_shards

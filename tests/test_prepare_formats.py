@@ -13,9 +13,9 @@ import numpy as np
 import pytest
 
 from hf_folders import train_tokenizer
+from tpkit.checkpoint.tokenizer import load_tokenizer
 from tpkit.cli import main
 from tpkit.commands.prepare_data import prepare
-from tpkit.model.tokenizer import load_tokenizer
 from tpkit.spec.errors import UserError
 from tpkit.train.tokens import open_shards
 

@@ -2,8 +2,8 @@
 
 from __future__ import annotations
 
+from tpkit.checkpoint.families import supported
 from tpkit.cli import main
-from tpkit.model.families import supported
 from tpkit.spec.config import PRESETS
 
 
@@ -20,7 +20,7 @@ def test_family_adapters_load_without_torch():
     import subprocess
     import sys
 
-    code = ("import sys, tpkit.model.families as f; f.config_from_hf({'model_type': 'qwen2', "
+    code = ("import sys, tpkit.checkpoint.families as f; f.config_from_hf({'model_type': 'qwen2', "
             "'hidden_size': 64, 'num_attention_heads': 4, 'num_hidden_layers': 2, "
             "'intermediate_size': 96, 'vocab_size': 101, 'max_position_embeddings': 64}); "
             "print('torch' in sys.modules)")

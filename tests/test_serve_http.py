@@ -23,9 +23,9 @@ import pytest
 
 from hf_folders import tiny_llama_folder, with_chat_template
 from tpkit.checkpoint.sources import load_model, open_source
+from tpkit.checkpoint.tokenizer import ByteTokenizer, load_tokenizer
 from tpkit.commands import generate as generate_cmd
 from tpkit.mesh import ParallelMesh
-from tpkit.model.tokenizer import ByteTokenizer, load_tokenizer
 from tpkit.serve import Engine
 from tpkit.serve.http import App, make_server
 from tpkit.serve.loop import serve_loop

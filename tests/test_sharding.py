@@ -12,8 +12,8 @@ import pytest
 import torch
 
 from tpkit.comm.flat import pack, unpack, unpack_into
+from tpkit.layers.sharding import ParamMeta, TPSplit, meta_of, set_meta, shard, unshard
 from tpkit.model.names import EMBED_WEIGHT
-from tpkit.sharding import ParamMeta, TPSplit, meta_of, set_meta, shard, unshard
 
 QKV = TPSplit(0, (8, 2, 2), (2, 1, 1))
 

@@ -10,10 +10,10 @@ import pytest
 import torch
 
 from helpers import gather_grads, max_diff
+from tpkit.layers.sharding import TPSplit, split_of, splits_of
 from tpkit.mesh import ParallelMesh
 from tpkit.model import Transformer
 from tpkit.model.names import VOCAB_PADDED
-from tpkit.sharding import TPSplit, split_of, splits_of
 from tpkit.spec import ModelConfig, get_preset, theory
 
 B, S = 2, 12

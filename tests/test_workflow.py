@@ -22,13 +22,13 @@ import transformers
 
 from hf_folders import TEXT, tiny_llama_folder
 from tpkit.checkpoint import load_model
+from tpkit.checkpoint.tokenizer import load_tokenizer
 from tpkit.cli import main
 from tpkit.comm import all_gather
 from tpkit.commands import generate as generate_cmd
 from tpkit.commands.train import add_arguments, config_from_args, resume_dir
 from tpkit.mesh import ParallelMesh
 from tpkit.model.generate import generate, pad_left
-from tpkit.model.tokenizer import load_tokenizer
 from tpkit.spec.errors import UserError
 from tpkit.train.loop import train
 

@@ -29,7 +29,7 @@ import threading
 from typing import NoReturn
 
 from tpkit.commands.common import HelpFormatter, explain_parse_error, suggest
-from tpkit.exit_now import exit_now
+from tpkit.host.exit import exit_now
 from tpkit.spec.errors import RunFailed, UserError
 
 COMMANDS: dict[str, tuple[str, str]] = {

@@ -38,7 +38,7 @@ from typing import Any
 from tpkit.comm.failure import DEFAULT_COLLECTIVE_TIMEOUT_S, says_link_failed
 from tpkit.comm.shm_names import remove_segments
 from tpkit.comm.transport import shm_ready
-from tpkit.host_memory import available, gib, make_preferred_oom_victim, oom_kills, peak_rss
+from tpkit.host.memory import available, gib, make_preferred_oom_victim, oom_kills, peak_rss
 from tpkit.spec.transport import comm_choice
 
 _CTX = None
@@ -85,7 +85,7 @@ def mp_context():
     if _CTX is None:
         _CTX = mp.get_context("forkserver")
         _CTX.set_forkserver_preload(["torch", "torch.distributed", "tpkit.launch",
-                                   "tpkit.forkserver_exit"])
+                                   "tpkit.host.forkserver_exit"])
     return _CTX
 
 

@@ -35,7 +35,7 @@ from tpkit.comm.incarnation import agree_prefix
 from tpkit.comm.ledger import Ledger
 from tpkit.comm.shm import ShmChannel
 from tpkit.comm.transport import on_one_host, shm_ready, shm_wanted
-from tpkit.device import default_backend, device_for
+from tpkit.host.device import default_backend, device_for
 from tpkit.spec.errors import UserError
 from tpkit.spec.grid import check_sizes, coord_of, group_ranks, locality_problem, rank_grid
 from tpkit.spec.transport import comm_choice
@@ -93,7 +93,7 @@ class ParallelMesh:
     def single(cls, ledger: Ledger | None = None, device: torch.device | str | None = None
                ) -> ParallelMesh:
         """A one-process mesh (tp = pp = dp = 1): the single-device reference, on the CPU
-        unless `device` says otherwise (e.g. `tpkit.device.best_device()`)."""
+        unless `device` says otherwise (e.g. `tpkit.host.device.best_device()`)."""
         return cls(1, 1, 1, rank=0, world_size=1, ledger=ledger,
                    device=torch.device(device) if device is not None else None)
 

@@ -15,14 +15,26 @@ optimizer state, conversion, Hugging Face import and export.
     rng.py          the generators, captured into `extra` and restored
     optim_state.py  optimizer state per parameter (AdamW, ZeRO-1) in and out of files
     convert.py      full file, offline reshard, Hugging Face export
-    hf.py           Hugging Face models in and out (the family recipes: tpkit.model.families)
+    hf.py           Hugging Face models in and out
+    families/       the Hugging Face family adapters: pure-Python recipes, one per family
     hf_check.py     a Hugging Face model at any tp against transformers itself
-"""
+    tokenizer.py    a model folder's tokenizer (Hugging Face), or tpkit's bytes; copied along
 
-from tpkit.checkpoint.locate import CheckpointWarning, latest, locate
-from tpkit.checkpoint.slices import CheckpointError
-from tpkit.checkpoint.sources import load_model, open_source
-from tpkit.checkpoint.store import load, save
+The names below resolve on first use: `tpkit.checkpoint.families` and `.tokenizer` load
+without torch.
+"""
 
 __all__ = ["CheckpointError", "CheckpointWarning", "latest", "load", "load_model", "locate",
            "open_source", "save"]
+
+_HOMES = {"CheckpointWarning": "locate", "latest": "locate", "locate": "locate",
+          "CheckpointError": "slices", "load_model": "sources", "open_source": "sources",
+          "load": "store", "save": "store"}
+
+
+def __getattr__(name: str):
+    if name in _HOMES:
+        import importlib
+
+        return getattr(importlib.import_module(f"tpkit.checkpoint.{_HOMES[name]}"), name)
+    raise AttributeError(f"module 'tpkit.checkpoint' has no attribute {name!r}")

@@ -30,9 +30,9 @@ from tpkit.checkpoint.manifest import write_manifest, write_record
 from tpkit.checkpoint.optim_state import keys_by_param
 from tpkit.checkpoint.slices import read_local
 from tpkit.checkpoint.sources import FULL_FORMAT, open_source, source_tokenizer
+from tpkit.checkpoint.tokenizer import copy_tokenizer, export_tokenizer
+from tpkit.layers.sharding import split_of
 from tpkit.mesh import ParallelMesh
-from tpkit.model.tokenizer import copy_tokenizer, export_tokenizer
-from tpkit.sharding import split_of
 from tpkit.spec.config import ModelConfig
 
 

@@ -32,7 +32,7 @@ import torch
 from safetensors import safe_open
 
 from tpkit.checkpoint.slices import CheckpointError, FullSource
-from tpkit.sharding import TPSplit, unshard
+from tpkit.layers.sharding import TPSplit, unshard
 from tpkit.spec.config import ModelConfig
 
 MANIFEST = "manifest.json"

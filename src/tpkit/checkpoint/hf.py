@@ -1,4 +1,4 @@
-"""Hugging Face models in and out, for every family of `tpkit.model.families`.
+"""Hugging Face models in and out, for every family of `tpkit.checkpoint.families`.
 
     model = from_pretrained("path/to/hf-dir", mesh)   # each rank reads only its slices
     to_hf(model, "out-dir")                           # a directory `transformers` loads
@@ -23,9 +23,7 @@ from safetensors.torch import save_file
 from torch import nn
 
 from tpkit.checkpoint.build import build_model
-from tpkit.checkpoint.slices import CheckpointError, DictSource, open_safetensors
-from tpkit.mesh import ParallelMesh
-from tpkit.model.families import (
+from tpkit.checkpoint.families import (
     Cut,
     Family,
     Recipe,
@@ -34,8 +32,10 @@ from tpkit.model.families import (
     of_config,
     with_family,
 )
+from tpkit.checkpoint.slices import CheckpointError, DictSource, open_safetensors
+from tpkit.layers.sharding import meta_of
+from tpkit.mesh import ParallelMesh
 from tpkit.model.names import EMBED_WEIGHT
-from tpkit.sharding import meta_of
 from tpkit.spec.config import ModelConfig
 
 CONFIG_FILE = "config.json"  # what makes a directory a Hugging Face model

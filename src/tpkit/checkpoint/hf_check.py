@@ -22,7 +22,7 @@ import torch.nn.functional as F
 
 from tpkit.checkpoint.hf import HFSource, checkpoint_names, from_pretrained, hf_source
 from tpkit.comm import all_gather
-from tpkit.sharding import full_state_dict, meta_of, splits_of
+from tpkit.layers.sharding import full_state_dict, meta_of, splits_of
 from tpkit.spec import theory
 from tpkit.spec.config import ModelConfig
 

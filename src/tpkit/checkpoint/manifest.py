@@ -36,7 +36,7 @@ from tpkit.checkpoint.files import (
 )
 from tpkit.checkpoint.finite import NonFiniteCheckpoint, first_nonfinite
 from tpkit.checkpoint.finite import describe as describe_nonfinite
-from tpkit.model.tokenizer import TOKENIZER_FILES
+from tpkit.checkpoint.tokenizer import TOKENIZER_FILES
 
 PAUSE_ENV = "TPKIT_CKPT_PAUSE_S"  # tests: sleep after each file, to kill a save midway
 

@@ -20,8 +20,8 @@ from torch import nn
 
 from tpkit.checkpoint.files import MANIFEST, CheckpointError, ShardedSource
 from tpkit.checkpoint.slices import read_local, state_name
+from tpkit.layers.sharding import split_of
 from tpkit.mesh import ParallelMesh
-from tpkit.sharding import split_of
 
 State = dict[nn.Parameter, dict[str, torch.Tensor]]
 

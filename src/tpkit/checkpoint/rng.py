@@ -7,7 +7,7 @@ import random
 
 import torch
 
-from tpkit.device import rng_state, set_rng_state
+from tpkit.host.device import rng_state, set_rng_state
 
 
 def capture_rng(device: torch.device | None = None) -> dict:

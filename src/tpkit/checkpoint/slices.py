@@ -23,7 +23,7 @@ import torch
 from safetensors import safe_open
 from torch import nn
 
-from tpkit.sharding import TPSplit, meta_of, split_of
+from tpkit.layers.sharding import TPSplit, meta_of, split_of
 from tpkit.spec.config import ModelConfig
 from tpkit.spec.errors import UserError
 

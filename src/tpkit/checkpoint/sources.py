@@ -29,8 +29,8 @@ from tpkit.checkpoint.files import ShardedSource, read_manifest, verify_file, ve
 from tpkit.checkpoint.hf import hf_source, memory_source
 from tpkit.checkpoint.locate import FULL, SHARDED, Located, locate
 from tpkit.checkpoint.slices import CheckpointError, FullSource, Source
+from tpkit.checkpoint.tokenizer import TOKENIZER_FILES, has_tokenizer
 from tpkit.mesh import ParallelMesh
-from tpkit.model.tokenizer import TOKENIZER_FILES, has_tokenizer
 from tpkit.spec.config import ModelConfig
 from tpkit.spec.errors import UserError
 

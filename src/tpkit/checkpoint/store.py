@@ -44,10 +44,10 @@ from tpkit.checkpoint.finite import describe as describe_nonfinite
 from tpkit.checkpoint.finite import first_nonfinite
 from tpkit.checkpoint.manifest import write_manifest, write_record
 from tpkit.checkpoint.slices import read_local
+from tpkit.checkpoint.tokenizer import copy_tokenizer
+from tpkit.layers.sharding import meta_of, split_of
 from tpkit.mesh import ParallelMesh
-from tpkit.model.tokenizer import copy_tokenizer
 from tpkit.parallel.zero import ZeroAdamW
-from tpkit.sharding import meta_of, split_of
 from tpkit.spec.config import ModelConfig
 from tpkit.spec.errors import UserError
 

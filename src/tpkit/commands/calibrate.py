@@ -13,7 +13,7 @@
 
 A "device" of the local profile is one process with one thread (how `tpkit.launch` runs
 tests with `threads=1`). The profile goes to ~/.cache/tpkit/local.toml (or --out) and
-`tpkit plan --hardware local` reads it. The measuring is `tpkit.measure` (torch, local
+`tpkit plan --hardware local` reads it. The measuring is `tpkit.check.measure` (torch, local
 processes); the fits are pure Python (`tpkit.plan.fit`).
 """
 
@@ -24,7 +24,7 @@ import os
 import time
 from pathlib import Path
 
-from tpkit.measure import (
+from tpkit.check.measure import (
     measure_all_reduce,
     measure_matmul,
     measure_memory_bandwidth,

@@ -8,7 +8,7 @@ gets the same tokens from both).
     tpkit generate --checkpoint runs/x --prompt "a" --prompt "bcd"     # a batch of two
     tpkit generate --checkpoint hf-dir --chat --prompt "Hi" --stop "\n" --top-p 0.9 --temperature 0.7
 
-Text goes through the model folder's own tokenizer (`tpkit.model.tokenizer`; byte level
+Text goes through the model folder's own tokenizer (`tpkit.checkpoint.tokenizer`; byte level
 for tpkit's presets); one prompt streams as its tokens arrive, several are generated
 together (continuous batching, `--max-batch` at once). Tokens per second go to stderr
 at the end.
@@ -24,9 +24,9 @@ import time
 from contextlib import nullcontext
 
 from tpkit.checkpoint.sources import load_model, open_source, source_tokenizer
+from tpkit.checkpoint.tokenizer import ByteTokenizer, load_tokenizer
 from tpkit.commands.common import group
 from tpkit.mesh import ParallelMesh
-from tpkit.model.tokenizer import ByteTokenizer, load_tokenizer
 from tpkit.serve import Engine, SamplingParams
 from tpkit.serve.openai_api import ApiError, chat_ids
 from tpkit.serve.runner import Runner

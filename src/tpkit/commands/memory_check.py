@@ -5,7 +5,7 @@ gradients, AdamW state, the activations of the micro-batches in flight, the logi
 the last stage), at the run's own precision (fp32 on CPU: 4 + 4 + 8 bytes a parameter)
 and layout; the local ranks share one machine, so the run needs their sum plus what
 each process costs before its first tensor (Python + torch, `PROCESS_BYTES`). Above
-what the machine or its cgroup offers (`tpkit.host_memory.available`), one line:
+what the machine or its cgroup offers (`tpkit.host.memory.available`), one line:
 
     this run needs about 13.1 GiB (2 processes; the fullest rank 6.3 GiB: weights 1.5,
     gradients 1.5, AdamW 3.1, activations 0.1), 5.8 GiB is available (cgroup ...);
@@ -21,7 +21,7 @@ from __future__ import annotations
 
 from dataclasses import replace
 
-from tpkit.host_memory import available, gib
+from tpkit.host.memory import available, gib
 from tpkit.plan.layout import Layout
 from tpkit.plan.memory import Precision, memory_per_stage
 from tpkit.spec.errors import UserError

@@ -60,7 +60,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 @lru_cache(maxsize=2)
 def tokenizer(where: str):
     """The tokenizer of a model folder, or 'bytes' (loaded once per process)."""
-    from tpkit.model.tokenizer import ByteTokenizer, has_tokenizer, load_tokenizer
+    from tpkit.checkpoint.tokenizer import ByteTokenizer, has_tokenizer, load_tokenizer
 
     if where == "bytes":
         return ByteTokenizer()

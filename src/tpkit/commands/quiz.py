@@ -66,7 +66,7 @@ def run(args: argparse.Namespace) -> int:
     """Run the quiz; 0 on success, 2 on a bad scripted answer."""
     quiz = load_quiz()
     if args.web:
-        from tpkit.exit_now import exit_now
+        from tpkit.host.exit import exit_now
         from tpkit.quiz.web import serve
 
         # serve returns once a signal stopped it and its workers are gone: end at once

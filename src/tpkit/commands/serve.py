@@ -22,11 +22,11 @@ import threading
 from pathlib import Path
 
 from tpkit.checkpoint.sources import load_model, open_source, source_tokenizer
+from tpkit.checkpoint.tokenizer import load_tokenizer
 from tpkit.commands.common import group
-from tpkit.hosts import is_loopback
+from tpkit.host.addresses import is_loopback
 from tpkit.launch import SpawnError
 from tpkit.mesh import ParallelMesh
-from tpkit.model.tokenizer import load_tokenizer
 from tpkit.serve.engine import Engine
 from tpkit.serve.http import HOST, MAX_BODY, App, make_server
 from tpkit.serve.loop import serve_loop

@@ -180,7 +180,7 @@ def trackers(cfg: TrainConfig, mesh):
 
     if mesh.rank != 0:
         return None
-    from tpkit.device import device_name
+    from tpkit.host.device import device_name
 
     profile = profile_of_device(device_name(mesh.device))
     peak = profile.accelerator.peak_flops * mesh.world_size if profile else None
@@ -234,7 +234,7 @@ def run(args: argparse.Namespace) -> int:
 def _check_memory(cfg: TrainConfig, force: bool) -> None:
     """Local ranks on the CPU share this machine's memory: the planner's estimate of
     their peak against what it offers (`memory_check`), before spawning them."""
-    from tpkit.device import cuda_available
+    from tpkit.host.device import cuda_available
 
     if not cuda_available():
         from tpkit.commands.memory_check import check_fits
@@ -284,7 +284,7 @@ def _never_mix_runs(out: Path, overwrite: bool, torchrun: bool) -> None:
 
 
 def _run_local(cfg: TrainConfig, comm: str) -> int:
-    from tpkit.device import best_device
+    from tpkit.host.device import best_device
     from tpkit.launch import spawn
     from tpkit.mesh import ParallelMesh
 

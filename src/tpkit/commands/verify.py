@@ -9,7 +9,7 @@ forward + backward on the same batch, and compare everything with tp=1.
 
 Prints per tp the max abs difference of outputs (logits), loss and gathered
 gradients against tp=1, the ledger per layer next to the theory, and the parameter
-bytes per rank; exits non-zero on any mismatch. The work is `tpkit.model.exactness`.
+bytes per rank; exits non-zero on any mismatch. The work is `tpkit.check.exactness`.
 """
 
 from __future__ import annotations
@@ -20,9 +20,7 @@ from functools import partial
 
 import torch
 
-from tpkit.comm.report import human_bytes
-from tpkit.commands.common import group
-from tpkit.model.exactness import (
+from tpkit.check.exactness import (
     LOSS_ULPS,
     TOL,
     TPResult,
@@ -32,6 +30,8 @@ from tpkit.model.exactness import (
     model_case,
     sweep,
 )
+from tpkit.comm.report import human_bytes
+from tpkit.commands.common import group
 from tpkit.spec.errors import UserError
 from tpkit.spec.transport import add_comm_argument, comm_choice
 

@@ -58,7 +58,7 @@ def _nccl() -> str:
 
     if not dist.is_nccl_available():
         return "not built (a CPU build of torch)" if torch.version.cuda is None else "not built"
-    from tpkit.device import gpu_names
+    from tpkit.host.device import gpu_names
 
     return f"available ({len(gpu_names())} GPU(s) visible)"
 
@@ -91,7 +91,7 @@ def transports() -> list[tuple[str, str]]:
 def _devices() -> str:
     import torch
 
-    from tpkit.device import gpu_names
+    from tpkit.host.device import gpu_names
 
     return ", ".join(["cpu"] + gpu_names()) + f"; {torch.get_num_threads()} CPU threads"
 

@@ -33,7 +33,7 @@ from tpkit.layers.norm import Norm
 from tpkit.layers.random import TPRandom
 from tpkit.layers.ring_attention import cp_positions, ring_attention
 from tpkit.layers.rotary import apply_rope, rope_angles, rope_at
-from tpkit.sharding import seed_for, set_meta
+from tpkit.layers.sharding import seed_for, set_meta
 from tpkit.spec.config import ModelConfig
 from tpkit.spec.errors import UserError
 from tpkit.spec.shapes import heads_problems, kv_heads_per_rank

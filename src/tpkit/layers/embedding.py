@@ -18,7 +18,7 @@ from torch import nn
 
 from tpkit.comm import ops
 from tpkit.comm.group import CommGroup
-from tpkit.sharding import TPSplit, master_normal, set_meta, shard
+from tpkit.layers.sharding import TPSplit, master_normal, set_meta, shard
 from tpkit.spec.errors import UserError
 from tpkit.spec.shapes import padded_vocab
 

@@ -35,7 +35,7 @@ from torch import nn
 from tpkit.comm import ops
 from tpkit.comm.group import CommGroup
 from tpkit.layers.mlp import GATED, activate
-from tpkit.sharding import TPSplit, master_normal, seed_for, set_meta, shard
+from tpkit.layers.sharding import TPSplit, master_normal, seed_for, set_meta, shard
 from tpkit.spec.config import ModelConfig
 
 

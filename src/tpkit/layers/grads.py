@@ -23,7 +23,7 @@ from torch import nn
 from tpkit.comm import all_reduce
 from tpkit.comm.flat import all_reduce_flat
 from tpkit.comm.group import CommGroup
-from tpkit.sharding import meta_of
+from tpkit.layers.sharding import meta_of
 
 
 def finalize_tp_grads(module: nn.Module, group: CommGroup) -> None:

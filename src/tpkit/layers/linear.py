@@ -23,7 +23,7 @@ from torch import nn
 from tpkit.comm import collectives as C
 from tpkit.comm import ops
 from tpkit.comm.group import CommGroup
-from tpkit.sharding import TPSplit, master_normal, set_meta, shard
+from tpkit.layers.sharding import TPSplit, master_normal, set_meta, shard
 
 
 class _ColumnLinear(torch.autograd.Function):

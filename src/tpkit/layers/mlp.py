@@ -20,7 +20,7 @@ from torch import nn
 
 from tpkit.comm.group import CommGroup
 from tpkit.layers.linear import ColumnParallelLinear, RowParallelLinear
-from tpkit.sharding import seed_for
+from tpkit.layers.sharding import seed_for
 from tpkit.spec.config import ACTIVATIONS, GATED, ModelConfig
 
 

@@ -14,7 +14,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from tpkit.sharding import set_meta
+from tpkit.layers.sharding import set_meta
 from tpkit.spec.config import NORMS
 
 

@@ -18,7 +18,7 @@ from contextlib import contextmanager
 
 import torch
 
-from tpkit.device import rng_state, set_rng_state
+from tpkit.host.device import rng_state, set_rng_state
 
 _TP_SEED_OFFSET = 2718
 

@@ -1,8 +1,10 @@
-"""Models: the `Transformer` (one definition; tp=1 is the reference), Hugging Face I/O,
-and the Hugging Face family adapters (`tpkit.model.families`, pure Python).
+"""The model as an nn.Module: `Transformer` (one definition; tp=1 is the reference), its
+layers (`Block`), the parameter names other packages use (`names`, pure Python), and
+generation: the preallocated KV cache (`kv_pool`), the sampler and `Transformer.generate`.
 
-The configuration and presets live in `tpkit.spec` (pure Python). `Transformer` is
-imported on first use, so `tpkit.model.families` loads without torch.
+Reading and writing weights (checkpoints, Hugging Face, the family adapters, tokenizers)
+is `tpkit.checkpoint`'s; the configuration and presets live in `tpkit.spec`. `Transformer`
+is imported on first use, so `tpkit.model.names` loads without torch.
 """
 
 __all__ = ["Transformer"]

@@ -22,8 +22,8 @@ from tpkit.layers.experts import ParallelMoE
 from tpkit.layers.mlp import ParallelMLP
 from tpkit.layers.norm import Norm
 from tpkit.layers.random import TPRandom, dropout
+from tpkit.layers.sharding import seed_for
 from tpkit.model.names import layer
-from tpkit.sharding import seed_for
 from tpkit.spec.config import ModelConfig
 
 

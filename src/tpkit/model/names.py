@@ -3,7 +3,7 @@ these, and every table that maps other names onto them (the Hugging Face family
 recipes) writes them from here.
 
 Every other use finds a parameter by walking `named_parameters()` and reading its
-`tpkit.sharding.ParamMeta`; these are looked up by name (tied embeddings across
+`tpkit.layers.sharding.ParamMeta`; these are looked up by name (tied embeddings across
 pipeline stages, vocabulary padding, BERT's optional pooler, the family recipes).
 """
 

@@ -32,10 +32,10 @@ from tpkit.layers.linear import column_parallel_linear
 from tpkit.layers.norm import Norm
 from tpkit.layers.random import TPRandom, checkpointed, dropout
 from tpkit.layers.ring_attention import cp_positions
+from tpkit.layers.sharding import TPSplit, master_normal, seed_for, set_meta, shard
 from tpkit.model import names
 from tpkit.model.block import Block
 from tpkit.model.names import EMBED_WEIGHT
-from tpkit.sharding import TPSplit, master_normal, seed_for, set_meta, shard
 from tpkit.spec.config import ModelConfig
 from tpkit.spec.errors import UserError
 from tpkit.spec.shapes import chunks_problem, stage_layer_range
@@ -121,7 +121,7 @@ class Transformer(nn.Module):
         # > 0: the last stage returns its final hidden states and `loss` runs the head and
         # the cross-entropy `loss_chunk` tokens at a time (tpkit.layers.chunked_loss)
         self.loss_chunk = loss_chunk
-        self.loss_compile: str | None = None  # a backend: set by tpkit.model.compile
+        self.loss_compile: str | None = None  # a backend: set by tpkit.train.compile
         self.chunk_layers = [stage_layer_range(config.num_layers, pp * v, c * pp + mesh.pp_rank)
                              for c in range(v)]  # chunk c = virtual stage c*pp + pp_rank
         self.layer_range = self.chunk_layers[0] if v == 1 else \

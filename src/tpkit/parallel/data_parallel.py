@@ -28,9 +28,9 @@ from tpkit.comm import all_reduce
 from tpkit.comm.collectives import Pending, all_reduce_async
 from tpkit.comm.flat import all_reduce_flat, pack, unpack_into
 from tpkit.comm.group import CommGroup
+from tpkit.layers.sharding import meta_of
 from tpkit.mesh import ParallelMesh
 from tpkit.model.names import EMBED_WEIGHT
-from tpkit.sharding import meta_of
 from tpkit.spec.grid import Coord, rank_of
 
 

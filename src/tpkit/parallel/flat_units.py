@@ -29,7 +29,7 @@ from tpkit.comm.collectives import Pending, all_gather_async
 from tpkit.comm.flat import pack
 from tpkit.comm.group import CommGroup
 from tpkit.layers.grads import finalize_param_grads
-from tpkit.sharding import meta_of
+from tpkit.layers.sharding import meta_of
 
 
 def norm_weight(p: nn.Parameter, tp_size: int, tp_rank: int, pp_size: int) -> torch.Tensor:

@@ -20,8 +20,8 @@ import torch
 from torch import nn
 
 from tpkit.comm import all_reduce
+from tpkit.layers.sharding import meta_of
 from tpkit.mesh import ParallelMesh
-from tpkit.sharding import meta_of
 
 
 def local_sq_norm(model: nn.Module, tp_size: int, tp_rank: int, pp_size: int) -> torch.Tensor:

@@ -18,7 +18,7 @@ from torch import nn
 
 from tpkit.comm import all_gather, all_reduce
 from tpkit.comm.group import CommGroup
-from tpkit.sharding import split_of
+from tpkit.layers.sharding import split_of
 
 
 class ReplicaMismatch(RuntimeError):

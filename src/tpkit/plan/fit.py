@@ -3,7 +3,7 @@
     matmul      1/rate = 1/peak + (d_half/peak) (1/d)          (the planner's GEMM model)
     all-reduce  t = 2(p-1) alpha + 2(p-1)/p n / B               (the ring model)
 
-The measuring itself needs torch and processes, so it lives in `tpkit.measure`, and the
+The measuring itself needs torch and processes, so it lives in `tpkit.check.measure`, and the
 `tpkit calibrate` command joins the two: `tpkit.plan` imports no torch.
 """
 

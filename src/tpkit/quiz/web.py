@@ -29,7 +29,7 @@ from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from importlib import resources
 from urllib.parse import parse_qs, urlsplit
 
-from tpkit.hosts import allowed_hosts, host_of, is_loopback
+from tpkit.host.addresses import allowed_hosts, host_of, is_loopback
 from tpkit.quiz import web_api
 from tpkit.quiz.content import Quiz
 from tpkit.spec.errors import UserError

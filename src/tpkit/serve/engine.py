@@ -32,8 +32,8 @@ from collections import deque
 import torch
 from torch import nn
 
+from tpkit.checkpoint.tokenizer import TextStream
 from tpkit.model.sampling import sample
-from tpkit.model.tokenizer import TextStream
 from tpkit.serve.metrics import Metrics
 from tpkit.serve.params import SamplingParams, StopText
 from tpkit.serve.request import Request, RequestFailed

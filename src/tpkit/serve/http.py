@@ -30,7 +30,7 @@ from http import HTTPStatus
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from urllib.parse import urlsplit
 
-from tpkit.hosts import allowed_hosts, host_of
+from tpkit.host.addresses import allowed_hosts, host_of
 from tpkit.serve import openai_api as api
 from tpkit.serve.engine import Engine, TooLong
 from tpkit.serve.request import Request, RequestFailed

@@ -38,7 +38,7 @@ def embedded_text() -> str:
 
 def encode_bytes(text: str) -> np.ndarray:
     """The byte tokenizer's ids of `text` (`model.tokenizer.ByteTokenizer`), as uint16."""
-    from tpkit.model.tokenizer import ByteTokenizer
+    from tpkit.checkpoint.tokenizer import ByteTokenizer
 
     return ByteTokenizer.array(text)
 
@@ -124,7 +124,7 @@ def tokenizer_folder(data: str | Path | None) -> Path | None:
     """The tokenizer folder a `prepare-data` folder was made with (None: bytes/unknown)."""
     import json
 
-    from tpkit.model.tokenizer import has_tokenizer
+    from tpkit.checkpoint.tokenizer import has_tokenizer
 
     index = Path(data) / INDEX if data is not None else None
     if index is None or not index.is_file():

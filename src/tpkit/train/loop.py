@@ -81,7 +81,7 @@ def train_model(cfg: TrainConfig, mesh: ParallelMesh,
                         virtual_stages=cfg.virtual_stages, loss_chunk=cfg.loss_chunk,
                         dtype=dtype)
     if cfg.compile:
-        from tpkit.model.compile import compile_blocks
+        from tpkit.train.compile import compile_blocks
 
         compile_blocks(model, cfg.compile_backend)
     return model

@@ -3,7 +3,7 @@
 
 from __future__ import annotations
 
-from tpkit.model.families.base import Family, Recipe, head, norm_pair, refuse, whole
+from tpkit.checkpoint.families.base import Family, Recipe, head, norm_pair, refuse, whole
 from tpkit.model.names import EMBED_WEIGHT, FINAL_NORM, POSITION_WEIGHT, layer
 from tpkit.spec.config import ModelConfig
 

@@ -16,7 +16,7 @@ import importlib
 import pkgutil
 from dataclasses import replace
 
-from tpkit.model.families.base import Cut, Family, Recipe
+from tpkit.checkpoint.families.base import Cut, Family, Recipe
 from tpkit.spec.config import PRESETS, ModelConfig
 from tpkit.spec.errors import UserError
 

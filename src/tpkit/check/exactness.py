@@ -19,9 +19,9 @@ from dataclasses import dataclass, field
 import torch
 from torch import nn
 
+from tpkit.layers.sharding import full_state_dict, splits_of
 from tpkit.mesh import ParallelMesh
 from tpkit.model.names import VOCAB_PADDED
-from tpkit.sharding import full_state_dict, splits_of
 from tpkit.spec import theory
 
 TOL = {"float32": 1e-5, "bfloat16": 5e-2}  # max |difference| accepted against tp=1

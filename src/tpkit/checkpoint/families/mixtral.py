@@ -9,8 +9,13 @@ from __future__ import annotations
 
 from functools import partial
 
-from tpkit.model.families.base import Family, Recipe, refuse, stacked, whole
-from tpkit.model.families.decoder import decoder_config, decoder_hf, decoder_problems, decoder_table
+from tpkit.checkpoint.families.base import Family, Recipe, refuse, stacked, whole
+from tpkit.checkpoint.families.decoder import (
+    decoder_config,
+    decoder_hf,
+    decoder_problems,
+    decoder_table,
+)
 from tpkit.spec.config import ModelConfig
 
 

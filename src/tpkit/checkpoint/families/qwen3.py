@@ -3,8 +3,13 @@ decoupled from hidden / heads."""
 
 from __future__ import annotations
 
-from tpkit.model.families.base import Family, refuse
-from tpkit.model.families.decoder import decoder_config, decoder_hf, decoder_problems, decoder_table
+from tpkit.checkpoint.families.base import Family, refuse
+from tpkit.checkpoint.families.decoder import (
+    decoder_config,
+    decoder_hf,
+    decoder_problems,
+    decoder_table,
+)
 from tpkit.spec.config import ModelConfig
 
 

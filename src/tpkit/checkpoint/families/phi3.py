@@ -6,8 +6,8 @@ from __future__ import annotations
 
 from functools import partial
 
-from tpkit.model.families.base import Family, refuse
-from tpkit.model.families.decoder import (
+from tpkit.checkpoint.families.base import Family, refuse
+from tpkit.checkpoint.families.decoder import (
     decoder_config,
     decoder_hf,
     decoder_problems,

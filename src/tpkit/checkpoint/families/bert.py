@@ -3,7 +3,7 @@ token types, exact (erf) GELU, and a pooler when the checkpoint has one."""
 
 from __future__ import annotations
 
-from tpkit.model.families.base import Family, Recipe, norm_pair, refuse, stacked, whole
+from tpkit.checkpoint.families.base import Family, Recipe, norm_pair, refuse, stacked, whole
 from tpkit.model.names import (
     EMBED_NORM,
     EMBED_WEIGHT,

@@ -11,7 +11,7 @@ its heads' q (or k, v) reads only those rows of the fused tensor.
 
 from __future__ import annotations
 
-from tpkit.model.families.base import (
+from tpkit.checkpoint.families.base import (
     Cut,
     Family,
     Recipe,

@@ -1,0 +1,11 @@
+"""The machine this process runs on, and how its processes end.
+
+    device.py           the one place that touches `torch.cuda`: backend, device per rank
+    memory.py           what the machine or its cgroup offers, OOM kills, peak RSS
+    exit.py             end a process once its work is cleaned up, without the teardown
+    forkserver_exit.py  the same for the multiprocessing forkserver (preloaded there)
+    addresses.py        which Host headers a local HTTP server accepts (quiz, serve)
+
+Nothing here imports the rest of tpkit; only `device.py` imports torch (this package's
+`__init__` imports nothing, so `tpkit.cli` reaches `exit.py` without torch).
+"""
