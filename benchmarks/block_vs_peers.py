@@ -1,7 +1,7 @@
 """One Llama-style transformer layer, forward + backward at tp=2 on gloo (one thread per
 rank): tpkit against PyTorch DTensor and against Megatron-Core, alternated in one run.
 
-    tpkit          tpkit.model.Block: fused qkv (column) -> attention -> out (row) -g->,
+    tpkit          tpkit.model.block.Block: fused qkv (column) -> attention -> out (row) -g->,
                    fused gate/up (column) -> SwiGLU -> down (row) -g->; 2 all-reduces
                    forward, 2 backward
     no ledger      the same model with ledger recording off (its overhead, measured)

@@ -30,7 +30,7 @@ from tpkit.checkpoint import (
 )
 from tpkit.checkpoint import store as ckpt
 from tpkit.checkpoint.convert import to_full, to_hf
-from tpkit.checkpoint.locate import FULL, HF, SHARDED, sharded_dir, step_dir
+from tpkit.checkpoint.paths import FULL, HF, SHARDED, sharded_dir, step_dir
 from tpkit.cli import main
 from tpkit.mesh import ParallelMesh
 from tpkit.model.transformer import Transformer

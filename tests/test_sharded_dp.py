@@ -24,7 +24,7 @@ import pytest
 import torch
 
 from tpkit.checkpoint import store
-from tpkit.checkpoint.locate import step_dir
+from tpkit.checkpoint.paths import step_dir
 from tpkit.mesh import ParallelMesh
 from tpkit.model import Transformer
 from tpkit.spec import get_preset

@@ -2,7 +2,7 @@
 a rank's slices read by one loop, a model built by one builder, sharded checkpoints,
 optimizer state, conversion, Hugging Face import and export.
 
-    locate.py       what a path is; a run folder's latest valid checkpoint
+    paths.py        what a path is; a run folder's latest valid checkpoint
     sources.py      open_source(path) -> a Source; load_model(source, mesh) (`tpkit.load`)
     slices.py       Source, CheckpointError, read_local: this rank's slice of every parameter
     build.py        build_model(config, mesh, source): meta -> allocate -> load
@@ -27,7 +27,7 @@ without torch.
 __all__ = ["CheckpointError", "CheckpointWarning", "latest", "load", "load_model", "locate",
            "open_source", "save"]
 
-_HOMES = {"CheckpointWarning": "locate", "latest": "locate", "locate": "locate",
+_HOMES = {"CheckpointWarning": "paths", "latest": "paths", "locate": "paths",
           "CheckpointError": "slices", "load_model": "sources", "open_source": "sources",
           "load": "store", "save": "store"}
 

@@ -25,7 +25,7 @@ from collections.abc import Iterator
 from contextlib import contextmanager
 from pathlib import Path
 
-from tpkit.checkpoint.locate import RUN_CHECKPOINTS
+from tpkit.checkpoint.paths import RUN_CHECKPOINTS
 from tpkit.spec.errors import RunFailed
 
 STORAGE_ERRNOS = (errno.ENOSPC, errno.EDQUOT, errno.EROFS, errno.EACCES, errno.EPERM)

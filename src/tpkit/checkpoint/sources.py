@@ -27,7 +27,7 @@ from torch import nn
 from tpkit.checkpoint.build import build_model
 from tpkit.checkpoint.files import ShardedSource, read_manifest, verify_file, verify_full
 from tpkit.checkpoint.hf import hf_source, memory_source
-from tpkit.checkpoint.locate import FULL, SHARDED, Located, locate
+from tpkit.checkpoint.paths import FULL, SHARDED, Located, locate
 from tpkit.checkpoint.slices import CheckpointError, FullSource, Source
 from tpkit.checkpoint.tokenizer import TOKENIZER_FILES, has_tokenizer
 from tpkit.mesh import ParallelMesh

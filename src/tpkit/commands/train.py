@@ -245,7 +245,7 @@ def _check_memory(cfg: TrainConfig, force: bool) -> None:
 def resume_dir(cfg: TrainConfig) -> str | None:
     """The checkpoint directory `cfg.resume` names: "auto", the newest valid one in
     --out (None: a fresh run); a run folder, its latest valid checkpoint."""
-    from tpkit.checkpoint.locate import latest, run_checkpoints, sharded_dir
+    from tpkit.checkpoint.paths import latest, run_checkpoints, sharded_dir
 
     if cfg.resume == "auto":
         found = latest(run_checkpoints(cfg.out))
@@ -268,7 +268,7 @@ def _say_resume_changes(cfg: TrainConfig) -> None:
 def _never_mix_runs(out: Path, overwrite: bool, torchrun: bool) -> None:
     """A new run into an --out that holds an earlier run's checkpoints: refuse, naming
     the flags, or (--overwrite) delete them first (rank 0 only, under torchrun)."""
-    from tpkit.checkpoint.locate import run_checkpoints
+    from tpkit.checkpoint.paths import run_checkpoints
     from tpkit.checkpoint.retention import complete, discard
 
     found = complete(run_checkpoints(out))

@@ -198,7 +198,7 @@ def save_checkpoint(cfg: TrainConfig, mesh: ParallelMesh, model, opt, loader: To
     """Sharded checkpoint at out/checkpoints/step_N: weights, AdamW (or ZeRO-1) state,
     and in `extra` the loader position, the step and this rank's generator states."""
     from tpkit.checkpoint import retention, store
-    from tpkit.checkpoint.locate import step_dir
+    from tpkit.checkpoint.paths import step_dir
     from tpkit.checkpoint.rng import capture_rng
 
     path = step_dir(cfg.out, step)
