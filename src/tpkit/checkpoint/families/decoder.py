@@ -15,7 +15,7 @@ from tpkit.model.names import EMBED_WEIGHT, FINAL_NORM_WEIGHT, layer
 from tpkit.spec.config import ModelConfig
 
 
-def decoder_config(hf: dict, **flags) -> ModelConfig:
+def config(hf: dict, **flags) -> ModelConfig:
     """The fields every Llama-style config.json has; `flags` set the family's features."""
     heads, hidden = hf["num_attention_heads"], hf["hidden_size"]
     head_dim = hf.get("head_dim") or hidden // heads
@@ -31,8 +31,8 @@ def decoder_config(hf: dict, **flags) -> ModelConfig:
     return ModelConfig(**{**fields, **flags})
 
 
-def decoder_problems(hf: dict, act: str = "silu", ropes: tuple[str, ...] = ("default",)
-                     ) -> dict[str, object]:
+def problems(hf: dict, act: str = "silu", ropes: tuple[str, ...] = ("default",)
+             ) -> dict[str, object]:
     """Options of a Llama-style config that tpkit does not implement (empty values: fine)."""
     rope_type = rope_of(hf)[0]
     layers = set(hf.get("layer_types") or ["full_attention"])
@@ -43,7 +43,7 @@ def decoder_problems(hf: dict, act: str = "silu", ropes: tuple[str, ...] = ("def
             hf.get("use_sliding_window") else None}
 
 
-def decoder_hf(c: ModelConfig, model_type: str, arch: str, **extra) -> dict:
+def to_hf(c: ModelConfig, model_type: str, arch: str, **extra) -> dict:
     """The config.json fields every Llama-style family has, plus `extra`."""
     return dict(model_type=model_type, architectures=[arch], hidden_size=c.hidden,
                 intermediate_size=c.ffn, num_hidden_layers=c.num_layers,
@@ -70,7 +70,7 @@ def dense_mlp(fused: bool = False) -> MlpTable:
 SEPARATE_MLP = dense_mlp()
 
 
-def decoder_table(c: ModelConfig, *, fused_qkv: bool = False,
+def table(c: ModelConfig, *, fused_qkv: bool = False,
                   mlp: MlpTable = SEPARATE_MLP) -> dict[str, Recipe]:
     """tpkit name -> Recipe for a Llama-style model (keys below the base prefix)."""
     out = {EMBED_WEIGHT: whole("embed_tokens.weight"),

@@ -3,13 +3,8 @@ sqrt(hidden), a head width decoupled from hidden (256 in the released sizes), ti
 
 from __future__ import annotations
 
+from tpkit.checkpoint.families import decoder
 from tpkit.checkpoint.families.base import Family, refuse
-from tpkit.checkpoint.families.decoder import (
-    decoder_config,
-    decoder_hf,
-    decoder_problems,
-    decoder_table,
-)
 from tpkit.spec.config import ModelConfig
 
 ACT = "gelu_pytorch_tanh"  # transformers maps Gemma's legacy "gelu" to it too
@@ -18,18 +13,18 @@ ACT = "gelu_pytorch_tanh"  # transformers maps Gemma's legacy "gelu" to it too
 def from_hf(hf: dict, keys: set[str]) -> ModelConfig:
     """Gemma config.json -> ModelConfig."""
     hf = dict(hf, hidden_act=ACT if hf.get("hidden_act") in ("gelu", None) else hf["hidden_act"])
-    refuse("gemma", decoder_problems(hf, act=ACT) | {
+    refuse("gemma", decoder.problems(hf, act=ACT) | {
         "attention bias": hf.get("attention_bias"),
         "bidirectional attention": hf.get("use_bidirectional_attention")})
-    return decoder_config(hf, activation="geglu", norm_offset=1.0,
+    return decoder.config(hf, activation="geglu", norm_offset=1.0,
                           embed_scale=hf["hidden_size"] ** 0.5,
                           tie_embeddings=hf.get("tie_word_embeddings", True))
 
 
 def to_hf(c: ModelConfig) -> dict:
     """ModelConfig -> config.json."""
-    return decoder_hf(c, "gemma", "GemmaForCausalLM", hidden_act=ACT)
+    return decoder.to_hf(c, "gemma", "GemmaForCausalLM", hidden_act=ACT)
 
 
 FAMILY = Family("gemma", ("gemma",), "GeGLU (tanh), RMSNorm (1 + w), embeddings * sqrt(hidden), head_dim 256-style",
-                from_hf, to_hf, decoder_table)
+                from_hf, to_hf, decoder.table)

@@ -3,13 +3,8 @@ attention; Mistral's sliding window)."""
 
 from __future__ import annotations
 
+from tpkit.checkpoint.families import decoder
 from tpkit.checkpoint.families.base import Family, llama3_of, refuse
-from tpkit.checkpoint.families.decoder import (
-    decoder_config,
-    decoder_hf,
-    decoder_problems,
-    decoder_table,
-)
 from tpkit.spec.config import ModelConfig
 
 ARCH = {"llama": "LlamaForCausalLM", "mistral": "MistralForCausalLM"}
@@ -17,17 +12,17 @@ ARCH = {"llama": "LlamaForCausalLM", "mistral": "MistralForCausalLM"}
 
 def from_hf(hf: dict, keys: set[str]) -> ModelConfig:
     """Llama / Mistral config.json -> ModelConfig."""
-    refuse(hf["model_type"], decoder_problems(hf, ropes=("default", "llama3")) |
+    refuse(hf["model_type"], decoder.problems(hf, ropes=("default", "llama3")) |
            {"attention bias": hf.get("attention_bias")})
-    return decoder_config(hf, sliding_window=hf.get("sliding_window"), rope_llama3=llama3_of(hf))
+    return decoder.config(hf, sliding_window=hf.get("sliding_window"), rope_llama3=llama3_of(hf))
 
 
 def to_hf(c: ModelConfig) -> dict:
     """ModelConfig -> config.json."""
     extra = dict(sliding_window=c.sliding_window) if c.family == "mistral" else {}
-    return decoder_hf(c, c.family, ARCH[c.family], **extra)
+    return decoder.to_hf(c, c.family, ARCH[c.family], **extra)
 
 
 FAMILY = Family("llama", tuple(ARCH),
                 "RMSNorm, SwiGLU, rotary (+ Llama 3.1 scaling), GQA; Mistral: sliding window",
-                from_hf, to_hf, decoder_table)
+                from_hf, to_hf, decoder.table)

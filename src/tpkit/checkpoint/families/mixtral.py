@@ -9,27 +9,22 @@ from __future__ import annotations
 
 from functools import partial
 
+from tpkit.checkpoint.families import decoder
 from tpkit.checkpoint.families.base import Family, Recipe, refuse, stacked, whole
-from tpkit.checkpoint.families.decoder import (
-    decoder_config,
-    decoder_hf,
-    decoder_problems,
-    decoder_table,
-)
 from tpkit.spec.config import ModelConfig
 
 
 def from_hf(hf: dict, keys: set[str]) -> ModelConfig:
     """Mixtral config.json -> ModelConfig."""
-    refuse("mixtral", decoder_problems(hf) | {"router jitter": hf.get("router_jitter_noise")})
-    return decoder_config(hf, sliding_window=hf.get("sliding_window"),
+    refuse("mixtral", decoder.problems(hf) | {"router jitter": hf.get("router_jitter_noise")})
+    return decoder.config(hf, sliding_window=hf.get("sliding_window"),
                           num_experts=hf["num_local_experts"],
                           experts_per_token=hf.get("num_experts_per_tok", 2))
 
 
 def to_hf(c: ModelConfig) -> dict:
     """ModelConfig -> config.json."""
-    return decoder_hf(c, "mixtral", "MixtralForCausalLM", sliding_window=c.sliding_window,
+    return decoder.to_hf(c, "mixtral", "MixtralForCausalLM", sliding_window=c.sliding_window,
                       num_local_experts=c.num_experts, num_experts_per_tok=c.experts_per_token,
                       router_jitter_noise=0.0)
 
@@ -45,4 +40,4 @@ def experts(c: ModelConfig, h: str) -> dict[str, Recipe]:
 
 
 FAMILY = Family("mixtral", ("mixtral",), "Mistral attention + top-2 mixture of experts, each expert tp-split",
-                from_hf, to_hf, partial(decoder_table, mlp=experts))
+                from_hf, to_hf, partial(decoder.table, mlp=experts))

@@ -6,30 +6,24 @@ from __future__ import annotations
 
 from functools import partial
 
+from tpkit.checkpoint.families import decoder
 from tpkit.checkpoint.families.base import Family, refuse
-from tpkit.checkpoint.families.decoder import (
-    decoder_config,
-    decoder_hf,
-    decoder_problems,
-    decoder_table,
-    dense_mlp,
-)
 from tpkit.spec.config import ModelConfig
 
 
 def from_hf(hf: dict, keys: set[str]) -> ModelConfig:
     """Phi-3 config.json -> ModelConfig."""
-    refuse("phi3", decoder_problems(hf))
-    return decoder_config(hf, sliding_window=hf.get("sliding_window"))
+    refuse("phi3", decoder.problems(hf))
+    return decoder.config(hf, sliding_window=hf.get("sliding_window"))
 
 
 def to_hf(c: ModelConfig) -> dict:
     """ModelConfig -> config.json."""
-    return decoder_hf(c, "phi3", "Phi3ForCausalLM", sliding_window=c.sliding_window,
+    return decoder.to_hf(c, "phi3", "Phi3ForCausalLM", sliding_window=c.sliding_window,
                       original_max_position_embeddings=c.max_seq_len,
                       pad_token_id=None)  # Phi3Config's default 32000 may lie past the vocab
 
 
 FAMILY = Family("phi3", ("phi3",), "Llama-style with fused qkv_proj and gate_up_proj, read slice by slice",
                 from_hf, to_hf,
-                partial(decoder_table, fused_qkv=True, mlp=dense_mlp(fused=True)))
+                partial(decoder.table, fused_qkv=True, mlp=decoder.dense_mlp(fused=True)))

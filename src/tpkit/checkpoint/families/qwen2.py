@@ -3,26 +3,21 @@ tied embeddings."""
 
 from __future__ import annotations
 
+from tpkit.checkpoint.families import decoder
 from tpkit.checkpoint.families.base import Family, refuse
-from tpkit.checkpoint.families.decoder import (
-    decoder_config,
-    decoder_hf,
-    decoder_problems,
-    decoder_table,
-)
 from tpkit.spec.config import ModelConfig
 
 
 def from_hf(hf: dict, keys: set[str]) -> ModelConfig:
     """Qwen2 config.json -> ModelConfig."""
-    refuse("qwen2", decoder_problems(hf))
-    return decoder_config(hf, attn_bias=True)
+    refuse("qwen2", decoder.problems(hf))
+    return decoder.config(hf, attn_bias=True)
 
 
 def to_hf(c: ModelConfig) -> dict:
     """ModelConfig -> config.json."""
-    return decoder_hf(c, "qwen2", "Qwen2ForCausalLM", use_sliding_window=False)
+    return decoder.to_hf(c, "qwen2", "Qwen2ForCausalLM", use_sliding_window=False)
 
 
 FAMILY = Family("qwen2", ("qwen2",), "Llama + bias on q, k, v; tied embeddings in the small sizes",
-                from_hf, to_hf, decoder_table)
+                from_hf, to_hf, decoder.table)

@@ -3,26 +3,21 @@ decoupled from hidden / heads."""
 
 from __future__ import annotations
 
+from tpkit.checkpoint.families import decoder
 from tpkit.checkpoint.families.base import Family, refuse
-from tpkit.checkpoint.families.decoder import (
-    decoder_config,
-    decoder_hf,
-    decoder_problems,
-    decoder_table,
-)
 from tpkit.spec.config import ModelConfig
 
 
 def from_hf(hf: dict, keys: set[str]) -> ModelConfig:
     """Qwen3 config.json -> ModelConfig."""
-    refuse("qwen3", decoder_problems(hf) | {"attention bias": hf.get("attention_bias")})
-    return decoder_config(hf, qk_norm=True)
+    refuse("qwen3", decoder.problems(hf) | {"attention bias": hf.get("attention_bias")})
+    return decoder.config(hf, qk_norm=True)
 
 
 def to_hf(c: ModelConfig) -> dict:
     """ModelConfig -> config.json."""
-    return decoder_hf(c, "qwen3", "Qwen3ForCausalLM", use_sliding_window=False)
+    return decoder.to_hf(c, "qwen3", "Qwen3ForCausalLM", use_sliding_window=False)
 
 
 FAMILY = Family("qwen3", ("qwen3",), "Llama + RMSNorm on each head's q and k; head_dim decoupled from hidden",
-                from_hf, to_hf, decoder_table)
+                from_hf, to_hf, decoder.table)
