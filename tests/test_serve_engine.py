@@ -75,6 +75,18 @@ def test_greedy_is_the_same_bits_alone_and_in_any_batch(run_tp, config):
         assert max(abs(a - b) for a, b in zip(lp1, lp2)) < 1e-3
 
 
+def test_a_request_is_the_same_bits_whatever_the_pool_length():
+    """Each row attends over its own cached keys only: the pool's max_len (how much of
+    every slot is empty) changes no bit of a request (Llama: rotary, GQA)."""
+    model = _model(ParallelMesh.single(), LLAMA)
+    got = []
+    for max_len in (MAX_LEN, 2 * MAX_LEN):
+        engine = Engine(model, max_batch=SLOTS, max_len=max_len, decode_chunk=CHUNK)
+        reqs = [engine.submit(p, SamplingParams(max_tokens=NEW)) for p in PROMPTS[:6]]
+        got.append([(r.result().tokens, r.result().logprobs) for r in reqs])
+    assert got[0] == got[1]
+
+
 def test_a_seed_decides_a_sampled_request_whatever_the_batch():
     alone, together, _, _ = batch_worker(ParallelMesh.single(), GPT2, True)
     assert together == alone

@@ -2,7 +2,7 @@
 folder, full file or Hugging Face directory, opened once here: `checkpoint.open_source`,
 `checkpoint.load_model`) and sample from it with the serving engine (`tpkit.serve.Engine`:
 the same preallocated KV cache, sampler and stop strings as `tpkit serve`, so a prompt
-gets the same tokens from both).
+gets the same tokens from both at the same `--max-batch`).
 
     tpkit generate --checkpoint hf-dir --tp 2 --prompt "The capital of France is"
     tpkit generate --checkpoint runs/x --prompt "a" --prompt "bcd"     # a batch of two
@@ -131,8 +131,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     g.add_argument("--seed", type=int, default=0, help="seed of the sampling")
     g.add_argument("--ignore-eos", action="store_true",
                    help="do not stop at the tokenizer's end-of-sequence token")
-    g.add_argument("--max-batch", type=int, default=8, metavar="B",
-                   help="sequences generated at once (KV slots, as in tpkit serve)")
+    g.add_argument("--max-batch", type=int, default=None, metavar="B",
+                   help="sequences generated at once (KV slots, as in tpkit serve; "
+                        "default: the number of prompts, at most 8)")
     g.add_argument("--max-len", type=int, default=None, metavar="L",
                    help="tokens per sequence, prompt included (default: the model's "
                         "max_seq_len)")
@@ -162,6 +163,8 @@ def _check_args(args: argparse.Namespace) -> None:
         bad.append(f"--top-k={args.top_k} must be >= 0 (0: off)")
     if args.top_p is not None and not 0 < args.top_p <= 1:
         bad.append(f"--top-p={args.top_p} must be in (0, 1]")
+    if args.max_batch is None:  # slots for the prompts given: no row computed for nobody
+        args.max_batch = min(8, len(args.prompt_ids or args.prompt))
     if args.max_batch < 1 or (args.max_len is not None and args.max_len < 1):
         bad.append("--max-batch and --max-len must be >= 1")
     if bad:

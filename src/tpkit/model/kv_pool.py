@@ -15,10 +15,10 @@ Batch invariance (exact, not approximate). A matrix product's rounding depends o
 shape (on the CPU a 1-row product takes another kernel than an 8-row one, and 2-7
 rows others again), never on the values of the other rows. So the shapes here never
 depend on what else is running: a prefill is one sequence alone ([1, s]); a decode
-runs every slot ([slots, 1]: the free ones compute a dummy token at position 0 that
-nobody reads) and attends over every slot's whole `max_len` under a mask. A
-sequence's logits are then bit for bit the same whatever shares the pool, for a given
-(slots, max_len).
+runs every slot of a chunk ([chunk, 1]: the free ones compute a dummy token at
+position 0 that nobody reads), and each row attends over its own cached keys only,
+row by row (`layers.attention`). A sequence's logits are then bit for bit the same
+whatever shares the pool, for a given (slots, chunk) — and whatever `max_len`.
 
 Two tensor-parallel collectives per layer (the two all-reduces) plus one all-gather of
 the last logits per forward; every rank returns the same logits.
