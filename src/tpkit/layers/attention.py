@@ -158,11 +158,12 @@ class ParallelAttention(nn.Module):
         """Write this call's keys/values into the slots; each row attends over its own
         cached keys only (positions up to its last token), one row at a time.
 
-        Row by row, on exactly its own keys: a row's computation then depends on its own
-        tokens and length alone, never on the other rows, where it sits, how full the
-        pool is or its `max_len` (the CPU's fused attention splits its work over threads
-        by batch row, and a product over the whole slot would read max_len keys for every
-        token: 20 of 70 ms of a GPT-2 decode step at max_len 1024)."""
+        One fused attention per row, on exactly its own keys: a row's computation then
+        depends on its own tokens and length alone, never on the other rows, where it
+        sits, how full the pool is or its `max_len` (batched, the CPU's fused attention
+        would split its work over threads by batch row; and a product over the whole
+        slot would read max_len keys for every token: 20 of 70 ms of a GPT-2 decode step
+        at max_len 1024)."""
         b, s, L = q.shape[0], q.shape[2], cache.k.shape[2]
         pos = cache.starts[:, None] + torch.arange(s, device=q.device)  # [b, s]
         if self.rope_theta is not None:
@@ -171,21 +172,18 @@ class ParallelAttention(nn.Module):
         rows = torch.arange(b, device=q.device)[:, None]  # [b, 1]
         cache.k[rows, :, pos] = k.transpose(1, 2)  # [b, s, kv_local, hd] into the slots
         cache.v[rows, :, pos] = v.transpose(1, 2)
-        nkv, g, hd = cache.k.shape[1], q.shape[1] // cache.k.shape[1], q.shape[3]
-        qg = (q * hd ** -0.5).reshape(b, nkv, g * s, hd)  # a kv head's g query heads
-        window = self.sliding_window
+        window, gqa = self.sliding_window, q.shape[1] != cache.k.shape[1]
         out = []
         for i, start in enumerate(cache.starts.tolist()):
-            lo = max(0, start - window + 1) if window else 0  # keys lo..start+s-1
-            keys, values = cache.k[i, :, lo:start + s], cache.v[i, :, lo:start + s]
-            att = qg[i] @ keys.transpose(-1, -2)  # [kv_local, g*s, n]
+            lo, end = (max(0, start - window + 1) if window else 0), start + s  # its keys
+            keep = None
             if s > 1 or window:  # causal inside the call, and the window
-                j, p = torch.arange(lo, start + s, device=q.device), pos[i][:, None]  # [n], [s, 1]
+                j, p = torch.arange(lo, end, device=q.device), pos[i][:, None]  # [n], [s, 1]
                 keep = (j <= p) & (j > p - window) if window else j <= p  # [s, n]
-                att = att.masked_fill(~keep.repeat(g, 1), float("-inf"))
-            att = att.float().softmax(-1).to(q.dtype)
-            out.append((att @ values).view(nkv * g, s, hd))
-        return torch.stack(out)  # [b, nh/tp, s, hd]
+            out.append(F.scaled_dot_product_attention(
+                q[i:i + 1], cache.k[i:i + 1, :, lo:end], cache.v[i:i + 1, :, lo:end], keep,
+                enable_gqa=gqa))  # [1, nh/tp, s, hd]
+        return torch.cat(out)  # [b, nh/tp, s, hd]
 
     def _attend(self, q, k, v, attention_mask, rng):
         s, t = q.shape[2], k.shape[2]
