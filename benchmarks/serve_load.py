@@ -3,7 +3,8 @@ mixed prompt lengths from a GPT-2 124M-class model (random weights, a Hugging Fa
 folder; or SmolLM2-135M's shapes, 9 heads, for tp=3), against transformers' own batched `generate` on the same folder, in one run.
 
     PYTHONPATH=src python benchmarks/serve_load.py [--tp 1,2] [--clients 1,4,16,32]
-        [--max-tokens 16] [--model gpt2|smollm2] [--out bench-results/serve_load.json]
+        [--max-tokens 16] [--model gpt2|smollm2] [--decode-chunk 8[,1]]
+        [--out bench-results/serve_load.json]
 
 Each client sends its requests one after the other (closed loop), two per client (four
 at least) per concurrency level; every request asks for exactly `--max-tokens` tokens
@@ -118,11 +119,13 @@ def load_level(port: int, clients: int, work: list[list[int]], max_tokens: int) 
                 ttft_p99=pct(ttft, .99), itl_p50=pct(itl, .5), itl_p99=pct(itl, .99))
 
 
-def serve_levels(folder: Path, tp: int, levels: list[int], work, max_tokens: int) -> dict:
+def serve_levels(folder: Path, tp: int, levels: list[int], work, max_tokens: int,
+                 chunk: int) -> dict:
     proc = subprocess.Popen(
         [sys.executable, "-m", "tpkit", "serve", "--checkpoint", str(folder), "--tp", str(tp),
          "--port", "0", "--max-batch", str(max(levels)), "--max-len",
-         str(max(LENGTHS) + max_tokens), "--served-model-name", "gpt2"],
+         str(max(LENGTHS) + max_tokens), "--decode-chunk", str(chunk),
+         "--served-model-name", "gpt2"],
         stdout=subprocess.PIPE, text=True,
         env={**os.environ, "PYTHONPATH": str(ROOT / "src"), "OMP_NUM_THREADS": str(THREADS)})
     try:
@@ -170,6 +173,8 @@ def main() -> None:
     ap.add_argument("--tp", default="1,2", help="tpkit tp sizes (default 1,2)")
     ap.add_argument("--clients", default="1,4,16,32", help="concurrency levels")
     ap.add_argument("--max-tokens", type=int, default=16, help="new tokens per request")
+    ap.add_argument("--decode-chunk", default="8", help="tpkit serve --decode-chunk values "
+                    "(default 8; e.g. 8,1)")
     ap.add_argument("--model", choices=["gpt2", "smollm2"], default="gpt2",
                     help="GPT-2 124M, or SmolLM2-135M's shapes (9 heads: tp=3 works)")
     ap.add_argument("--folder", default=None, help="HF folder (default: a temporary one)")
@@ -180,8 +185,10 @@ def main() -> None:
     tmp = tempfile.TemporaryDirectory()
     folder = make_folder(Path(args.folder or tmp.name) / f"{args.model}-random", args.model)
     load0 = open("/proc/loadavg").read().split()[:3]
-    rows = {f"tpkit tp={tp}": serve_levels(folder, int(tp), levels, work, args.max_tokens)
-            for tp in args.tp.split(",")}
+    chunks = [int(c) for c in args.decode_chunk.split(",")]
+    rows = {f"tpkit tp={tp}" + (f" chunk={c}" if len(chunks) > 1 else ""):
+            serve_levels(folder, int(tp), levels, work, args.max_tokens, c)
+            for tp in args.tp.split(",") for c in chunks}
     rows["transformers generate (batched)"] = transformers_levels(folder, levels, work,
                                                                  args.max_tokens)
     load1 = open("/proc/loadavg").read().split()[:3]

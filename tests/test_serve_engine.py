@@ -38,12 +38,12 @@ def _model(mesh, config):
     return model
 
 
-def batch_worker(mesh, config, sampled: bool):
+def batch_worker(mesh, config, sampled: bool, chunk: int = CHUNK):
     """Rank 0: every prompt alone, then all 16 at once; the others follow."""
     model = _model(mesh, config)
     if mesh.tp_rank != 0:
-        return Runner(model, SLOTS, MAX_LEN, CHUNK).follow()
-    engine = Engine(model, max_batch=SLOTS, max_len=MAX_LEN, decode_chunk=CHUNK)
+        return Runner(model, SLOTS, MAX_LEN, chunk).follow()
+    engine = Engine(model, max_batch=SLOTS, max_len=MAX_LEN, decode_chunk=chunk)
     params = [SamplingParams(max_tokens=NEW, temperature=0.9 if sampled else 0.0, top_p=0.9,
                              seed=i) for i in range(len(PROMPTS))]
     alone = [engine.submit(p, q).result() for p, q in zip(PROMPTS, params)]
@@ -90,6 +90,8 @@ def test_a_request_is_the_same_bits_whatever_the_pool_length():
 def test_a_seed_decides_a_sampled_request_whatever_the_batch():
     alone, together, _, _ = batch_worker(ParallelMesh.single(), GPT2, True)
     assert together == alone
+    one, together_one, _, _ = batch_worker(ParallelMesh.single(), GPT2, True, 1)
+    assert together_one == one  # every slot decoded alone: invariant too
     assert len({tuple(t) for t, _ in alone}) == len(PROMPTS)
 
 

@@ -145,7 +145,7 @@ def test_tp2_concurrent_equals_alone_and_tp1_then_sigterm(folder):
         args = argparse.Namespace(checkpoint=str(folder), tp=1, prompt=TEXTS, prompt_ids=[],
                                   max_new_tokens=12, temperature=0.0, top_k=None, top_p=None,
                                   seed=0, ignore_eos=False, stop=[], chat=False, max_batch=4,
-                                  max_len=None)
+                                  max_len=None, decode_chunk=8)
         tok = load_tokenizer(folder)  # tp=1, in this process: the same text
         new = generate_cmd._worker(ParallelMesh.single(), args, open_source(folder))["new"]
         assert [tok.decode(n) for n in new] == alone
@@ -167,7 +167,9 @@ def test_tp2_concurrent_equals_alone_and_tp1_then_sigterm(folder):
 
 @pytest.mark.timeout(180)
 def test_kill_9_of_a_worker_gives_503_and_one_line(folder):
-    served = Served(folder, 2)
+    # --decode-chunk reaches rank 1: run with another chunk than rank 0's, its forwards
+    # would not match and the requests would fail before the kill
+    served = Served(folder, 2, "--decode-chunk", "1")
     try:
         served.complete("Tensor", max_tokens=2)
         served.pids |= children(served.proc.pid)

@@ -56,7 +56,7 @@ def _worker(mesh: ParallelMesh, args: argparse.Namespace, source) -> dict | None
     model = load_model(source, mesh)
     max_len = args.max_len or model.config.max_seq_len
     if mesh.tp_rank != 0:
-        Runner(model, args.max_batch, max_len).follow()
+        Runner(model, args.max_batch, max_len, args.decode_chunk).follow()
         return None
     try:
         return _lead(args, source, model, max_len)
@@ -72,7 +72,8 @@ def _lead(args: argparse.Namespace, source, model, max_len: int) -> dict:
                         f"{vocab}) is not a byte-level model; copy its tokenizer files "
                         f"there or pass --prompt-ids")
     prompts = _prompts(args, tok)
-    engine = Engine(model, tokenizer=tok, max_batch=args.max_batch, max_len=max_len)
+    engine = Engine(model, tokenizer=tok, max_batch=args.max_batch, max_len=max_len,
+                    decode_chunk=args.decode_chunk)
     params = SamplingParams(max_tokens=max(args.max_new_tokens, 1),
                             temperature=args.temperature, top_k=args.top_k or 0,
                             top_p=args.top_p or 1.0, seed=args.seed, stop=tuple(args.stop),
@@ -134,6 +135,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     g.add_argument("--max-batch", type=int, default=None, metavar="B",
                    help="sequences generated at once (KV slots, as in tpkit serve; "
                         "default: the number of prompts, at most 8)")
+    g.add_argument("--decode-chunk", type=int, default=8, metavar="C",
+                   help="slots decoded together in one forward: 8 serves many clients best, 1 "
+                        "decodes each sequence alone (fastest with one or two at a time); "
+                        "whichever, a request's tokens never depend on what else runs")
     g.add_argument("--max-len", type=int, default=None, metavar="L",
                    help="tokens per sequence, prompt included (default: the model's "
                         "max_seq_len)")
@@ -165,8 +170,9 @@ def _check_args(args: argparse.Namespace) -> None:
         bad.append(f"--top-p={args.top_p} must be in (0, 1]")
     if args.max_batch is None:  # slots for the prompts given: no row computed for nobody
         args.max_batch = min(8, len(args.prompt_ids or args.prompt))
-    if args.max_batch < 1 or (args.max_len is not None and args.max_len < 1):
-        bad.append("--max-batch and --max-len must be >= 1")
+    if min(args.max_batch, args.decode_chunk) < 1 or (args.max_len is not None
+                                                        and args.max_len < 1):
+        bad.append("--max-batch, --decode-chunk and --max-len must be >= 1")
     if bad:
         raise UserError("; ".join(bad))
 

@@ -65,6 +65,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     g.add_argument("--max-len", type=int, default=None, metavar="L",
                    help="tokens per sequence, prompt included (default: the model's "
                         "max_seq_len)")
+    g.add_argument("--decode-chunk", type=int, default=8, metavar="C",
+                   help="slots decoded together in one forward: 8 serves many clients best, 1 "
+                        "decodes each sequence alone (fastest with one or two at a time); "
+                        "whichever, a request's tokens never depend on what else runs")
     g.add_argument("--max-tokens-in-flight", type=int, default=None, metavar="T",
                    help="prompt + max_tokens summed over the running requests; more waits "
                         "in the queue (default: max-batch x max-len)")
@@ -78,7 +82,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 def _check_args(args: argparse.Namespace) -> None:
     bad = [f"--{k.replace('_', '-')}={getattr(args, k)} must be >= 1"
-           for k in ("tp", "max_batch") if getattr(args, k) < 1]
+           for k in ("tp", "max_batch", "decode_chunk") if getattr(args, k) < 1]
     bad += [f"--{k.replace('_', '-')}={getattr(args, k)} must be >= 1"
             for k in ("max_len", "max_tokens_in_flight", "max_body_bytes")
             if getattr(args, k) is not None and getattr(args, k) < 1]
@@ -109,7 +113,8 @@ def run(args: argparse.Namespace) -> int:
         mesh, peers = ParallelMesh.from_env(tp=args.tp, pp=1, comm=comm), None
         if mesh.rank != 0:
             model = load_model(source, mesh)
-            Runner(model, args.max_batch, args.max_len or model.config.max_seq_len).follow()
+            Runner(model, args.max_batch, args.max_len or model.config.max_seq_len,
+                   args.decode_chunk).follow()
             return 0
     else:
         mesh, peers = None, None
@@ -121,7 +126,8 @@ def run(args: argparse.Namespace) -> int:
         if mesh is None and args.tp > 1:
             from tpkit.serve.workers import Peers
 
-            peers = Peers(args.tp, source, args.max_batch, args.max_len or 0, comm=comm)
+            peers = Peers(args.tp, source, args.max_batch, args.max_len or 0,
+                          args.decode_chunk, comm=comm)
             mesh = peers.mesh
         mesh = mesh or ParallelMesh.single()
         return _serve(args, source, mesh, peers, app, server)
@@ -135,7 +141,8 @@ def _serve(args, source, mesh: ParallelMesh, peers, app: App, server) -> int:
     model = load_model(source, mesh)
     app.tokenizer = load_tokenizer(source_tokenizer(source))
     app.engine = Engine(model, tokenizer=app.tokenizer, max_batch=args.max_batch,
-                        max_len=args.max_len, max_tokens_in_flight=args.max_tokens_in_flight)
+                        max_len=args.max_len, max_tokens_in_flight=args.max_tokens_in_flight,
+                        decode_chunk=args.decode_chunk)
     stop, got = threading.Event(), []
 
     def on_signal(signum, _frame):
