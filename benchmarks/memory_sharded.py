@@ -28,7 +28,6 @@ ratio against the unsharded run of the same number of processes, in this run).
 from __future__ import annotations
 
 import statistics
-from dataclasses import replace
 
 import torch
 
@@ -55,7 +54,7 @@ def model_config():
     """The widened llama-tiny."""
     from tpkit.spec import get_preset
 
-    return replace(get_preset("llama-tiny"), **MODEL)
+    return get_preset("llama-tiny").with_(**MODEL)  # head_dim follows hidden: 32
 
 
 def _storages(tensors) -> int:

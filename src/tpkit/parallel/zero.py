@@ -48,11 +48,9 @@ class ZeroAdamW(OverShards):
     def __init__(self, param_groups: list[dict], group: CommGroup, **adamw) -> None:
         self.group = group
         self.params = [list(g["params"]) for g in param_groups]
-        shards = []
+        shards = []  # one slice per group: filled for the update only (see `step`)
         for g, params in zip(param_groups, self.params):
-            lo, hi, _ = self._bounds(params)
-            flat = pack([p.detach() for p in params])
-            master = nn.Parameter(_padded(flat, self._padded_len(params))[lo:hi].clone())
+            master = nn.Parameter(params[0].detach().new_empty(0))
             shards.append({**{k: v for k, v in g.items() if k != "params"}, "params": [master]})
         self.inner = torch.optim.AdamW(shards, **adamw)
         self._reduced = False
@@ -92,21 +90,25 @@ class ZeroAdamW(OverShards):
     def step(self) -> None:
         """Update this rank's slice, then all-gather the slices into every parameter.
 
-        The slice is re-read from the parameters first, so weights loaded (or changed)
-        since the last step are the ones updated.
+        The slice is read from the parameters for the update and released after it: the
+        parameters are the weights (fp32 ones, or `train.master`'s fp32 masters of a bf16
+        model), so a copy kept between steps would be a second copy of 1/dp of them.
         """
         if not self._reduced:
             self.reduce_gradients()
         for params, shard_group in zip(self.params, self.inner.param_groups):
-            shard_group["params"][0].copy_(self._flat([p.detach() for p in params], params))
+            master = shard_group["params"][0]
+            master.data = self._flat([p.detach() for p in params], params).clone()  # [n/dp]
             grads = [p.grad if p.grad is not None else torch.zeros_like(p) for p in params]
-            shard_group["params"][0].grad = self._flat(grads, params).clone()  # [n/dp]
+            master.grad = self._flat(grads, params).clone()  # [n/dp]
         self.inner.step()
         self._reduced = False
         for params, shard_group in zip(self.params, self.inner.param_groups):
-            mine = shard_group["params"][0].detach()  # [n/dp]
-            flat = all_gather(mine, self.group, dim=0, phase="grads", scope="zero1")  # [n]
+            master = shard_group["params"][0]
+            flat = all_gather(master.detach(), self.group, dim=0, phase="grads",
+                              scope="zero1")  # [n]
             unpack_into(flat, params)
+            master.data, master.grad = master.data.new_empty(0), None  # until the next step
 
     def zero_grad(self, set_to_none: bool = True) -> None:
         """Forget the gradients of the model parameters."""
