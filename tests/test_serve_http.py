@@ -3,7 +3,8 @@ tokenizer and a chat template.
 
 At tp=1 the server runs in this process (the HTTP front and the serving loop in
 threads): a completion, a streamed chat completion whose chunks concatenate to the
-non-streamed text, stop strings, max_tokens, usage counts, 400 / 404 / 413 in OpenAI's
+non-streamed text, stop strings, max_tokens, usage counts, log-probabilities equal to
+transformers' (completion and chat, streamed too), 400 / 404 / 413 in OpenAI's
 error shape, /metrics and /health, 16 concurrent requests each equal to its solo output
 and to `tpkit generate`'s, and a client that hangs up freeing its slot.
 """
@@ -29,7 +30,7 @@ from tpkit.mesh import ParallelMesh
 from tpkit.serve import Engine
 from tpkit.serve.http import App, make_server
 from tpkit.serve.loop import serve_loop
-from tpkit.serve.openai_api import ApiError, chat_ids
+from tpkit.serve.openai_api import ApiError, chat_ids, token_text
 
 MAX_BATCH = 4
 TEXTS = ["Tensor", "Tensor parallelism splits the weight", "the pipeline sends activations",
@@ -100,6 +101,68 @@ def test_completion_chat_stream_stop_usage(server, folder):
                  "tpkit_inter_token_latency_seconds_count", "tpkit_queue_length"):
         assert name in metrics
     assert json.loads(urlopen(url + "/health").read()) == {"status": "ok"}
+
+
+def _transformers_steps(folder, prompt: str, n: int, k: int) -> list[tuple[str, float, list]]:
+    """transformers' greedy steps: (token text, its log-probability, the k likeliest)."""
+    import torch
+    import transformers
+
+    tok = load_tokenizer(folder)
+    model = transformers.AutoModelForCausalLM.from_pretrained(str(folder)).eval()
+    ids, out = tok.encode(prompt), []
+    text = lambda i: token_text(tok.token_bytes(int(i)))  # noqa: E731
+    with torch.no_grad():
+        for _ in range(n):
+            logp = torch.log_softmax(model(torch.tensor([ids])).logits[0, -1].float(), -1)
+            values, top = logp.topk(k)
+            out.append((text(top[0]), float(values[0]),
+                        [(text(i), float(v)) for i, v in zip(top, values)]))
+            ids.append(int(top[0]))
+    return out
+
+
+def test_logprobs_equal_transformers_in_both_apis_and_streamed(server, folder):
+    """A completion's `logprobs: 3` and a chat's `logprobs` + `top_logprobs: 3`: every
+    chosen token's log-probability and its 3 likeliest, as transformers computes them
+    (to 1e-4), streamed too (the chunks' log-probabilities are the whole answer's)."""
+    _, client, _ = server
+    prompt, n = "Tensor parallelism", 8
+    ref = _transformers_steps(folder, prompt, n, 3)
+    r = client.completions.create(model="llama", prompt=prompt, max_tokens=n, temperature=0,
+                                  logprobs=3, extra_body={"ignore_eos": True})
+    lp = r.choices[0].logprobs
+    assert lp.tokens == [t for t, _, _ in ref]
+    assert max(abs(a - b) for a, (_, b, _) in zip(lp.token_logprobs, ref)) < 1e-4
+    for got, (_, _, top) in zip(lp.top_logprobs, ref):
+        assert list(got) == [t for t, _ in top]  # the likeliest first
+        assert max(abs(got[t] - v) for t, v in top) < 1e-4
+    assert lp.text_offset == [sum(map(len, lp.tokens[:i])) for i in range(n)]
+    chunks = list(client.completions.create(model="llama", prompt=prompt, max_tokens=n,
+                                            temperature=0, logprobs=3, stream=True,
+                                            extra_body={"ignore_eos": True}))
+    streamed = [x for c in chunks if c.choices[0].logprobs
+                for x in c.choices[0].logprobs.token_logprobs]
+    assert streamed == lp.token_logprobs
+    msgs = [{"role": "user", "content": "Tensor parallelism"}]
+    chat = client.chat.completions.create(model="llama", messages=msgs, max_tokens=4,
+                                          temperature=0, logprobs=True, top_logprobs=3)
+    content = chat.choices[0].logprobs.content
+    assert len(content) == chat.usage.completion_tokens == 4
+    for c in content:
+        assert c.token == c.top_logprobs[0].token and c.logprob == c.top_logprobs[0].logprob
+        assert len(c.top_logprobs) == 3
+    joined = b"".join(bytes(c.bytes) for c in content).decode("utf-8", errors="replace")
+    assert joined == chat.choices[0].message.content  # the tokens' bytes make the text
+    plain = client.chat.completions.create(model="llama", messages=msgs, max_tokens=2,
+                                           temperature=0)
+    assert plain.choices[0].logprobs is None
+    for bad, param in ((dict(logprobs=21), "logprobs"),):
+        with pytest.raises(openai.BadRequestError, match=param):
+            client.completions.create(model="llama", prompt="x", max_tokens=1, **bad)
+    with pytest.raises(openai.BadRequestError, match="top_logprobs needs logprobs=true"):
+        client.chat.completions.create(model="llama", messages=msgs, max_tokens=1,
+                                       top_logprobs=2)
 
 
 def test_errors_in_openai_shape(server):

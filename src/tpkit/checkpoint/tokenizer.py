@@ -14,6 +14,7 @@ that `AutoTokenizer` loads and that maps text to exactly the same ids.
 from __future__ import annotations
 
 import json
+import re
 import shutil
 from pathlib import Path
 from typing import Any, Protocol
@@ -39,6 +40,8 @@ class Tokenizer(Protocol):
 
     def decode(self, ids: list[int]) -> str: ...
 
+    def token_bytes(self, token: int) -> bytes: ...
+
 
 class ByteTokenizer:
     """UTF-8 bytes as token ids 0..255 (ids >= 256 decode to nothing)."""
@@ -52,6 +55,10 @@ class ByteTokenizer:
     def decode(self, ids: list[int]) -> str:
         """Bytes back to text; invalid UTF-8 replaced by U+FFFD."""
         return bytes(i for i in ids if 0 <= i < 256).decode("utf-8", errors="replace")
+
+    def token_bytes(self, token: int) -> bytes:
+        """The byte a token stands for (none for ids >= 256)."""
+        return bytes([token]) if 0 <= token < 256 else b""
 
     @staticmethod
     def array(text: str) -> np.ndarray:
@@ -74,6 +81,7 @@ class HFTokenizer:
         self.eos_ids = [eos] if isinstance(eos, int) else list(eos or [])
         self.pad_id = next((i for i in (gen.get("pad_token_id"), self.hf.pad_token_id,
                                         *self.eos_ids) if i is not None), 0)
+        self._byte_level: bool | None = None  # decided on first use (`token_bytes`)
 
     def encode(self, text: str, special: bool = True) -> list[int]:
         """Token ids of `text`; `special`: with the BOS/EOS the tokenizer adds to a prompt."""
@@ -82,6 +90,24 @@ class HFTokenizer:
     def decode(self, ids: list[int]) -> str:
         """Text of `ids`, special tokens left out."""
         return self.hf.decode(ids, skip_special_tokens=True)
+
+    def token_bytes(self, token: int) -> bytes:
+        """The bytes one token stands for (a piece of a UTF-8 character, maybe; none for a
+        special token): byte-level BPE symbols mapped back to bytes, SentencePiece's
+        <0xNN> byte tokens and its word pieces (U+2581 a space)."""
+        if token in self.hf.all_special_ids:
+            return b""
+        sym = self.hf.convert_ids_to_tokens(token) or ""
+        if (m := re.fullmatch(r"<0x([0-9A-Fa-f]{2})>", sym)) is not None:
+            return bytes([int(m.group(1), 16)])
+        if self._byte_level is None:  # a fast tokenizer says how it decodes
+            backend = getattr(self.hf, "backend_tokenizer", None)
+            d = (json.loads(backend.to_str()).get("decoder") or {}) if backend else {}
+            self._byte_level = "ByteLevel" in {x.get("type") for x in [d, *d.get("decoders", [])]}
+        if self._byte_level:
+            back = {c: b for b, c in _bytes_to_unicode().items()}
+            return bytes(back[c] for c in sym if c in back)
+        return sym.replace("\u2581", " ").encode("utf-8")
 
 
 def has_tokenizer(folder: str | Path) -> bool:

@@ -161,14 +161,18 @@ class Engine:
         """The next token of `req` from its full logits [V]; finish it if it ends here."""
         p = req.params
         tok = int(sample(logits[None], p.temperature, p.top_k, p.top_p, req.gen)[0, 0])
-        logprob = float(torch.log_softmax(logits.float(), -1)[tok])
+        logp = torch.log_softmax(logits.float(), -1)  # [V]
+        logprob, top = float(logp[tok]), None
+        if p.logprobs is not None:
+            values, ids = logp.topk(p.logprobs)
+            top = list(zip(ids.tolist(), values.tolist()))
         piece = ""
         if req.stream is not None:
             with self.tokenizer_lock:
                 piece = req.stream.push([tok])
         shown, hit = req.stop_text.add(piece)
         before = req.last_at
-        req.push(tok, logprob, shown)
+        req.push(tok, logprob, shown, top)
         if before is not None:
             with self.metrics.lock:
                 self.metrics.itl.observe(req.last_at - before)

@@ -71,7 +71,7 @@ class App:
             raise api.ApiError(404, f"model {body.get('model')!r} is not served here "
                                     f"(GET /v1/models: {self.name!r})", "model")
         chat = path == "/v1/chat/completions"
-        params = api.sampling(body)
+        params = api.sampling(body, chat)
         lock = self.engine.tokenizer_lock
         ids = api.chat_ids(body, self.tokenizer, lock) if chat else \
             api.prompt_ids(body, self.tokenizer, lock)
@@ -141,7 +141,8 @@ class Handler(BaseHTTPRequestHandler):
             if ev[0] == "error":
                 return self._error(api.ApiError(ev[1], ev[2]))
         self._json(200, api.completion(rid, self.app.name, req.text, req.finish_reason,
-                                       req.usage, chat, self.app.created))
+                                       req.usage, chat, self.app.created,
+                                       self._logprobs(req, chat, 0, len(req.tokens))))
 
     # -- reading and waiting -----------------------------------------------------------
     def _body(self) -> dict:
@@ -190,9 +191,16 @@ class Handler(BaseHTTPRequestHandler):
         try:
             if chat:  # the assistant's role comes first
                 self._sse(api.chunk(rid, name, None, None, chat, created, first=True))
+            i, offset = 0, 0  # the token of the next token event; completion characters
             for ev in self._events(req):
                 if ev[0] == "token":  # one chunk per token (its text may be held back: "")
-                    self._sse(api.chunk(rid, name, ev[2], None, chat, created))
+                    block = None
+                    if ev[1] is not None:  # token i (a None: text held back until the end)
+                        block = self._logprobs(req, chat, i, i + 1, offset)
+                        offset += len("".join((block or {}).get("tokens", ())))
+                        i += 1
+                    self._sse(api.chunk(rid, name, ev[2], None, chat, created,
+                                        logprobs=block))
                 elif ev[0] == "done":
                     self._sse(api.chunk(rid, name, None, ev[1], chat, created))
                     if usage:
@@ -203,6 +211,14 @@ class Handler(BaseHTTPRequestHandler):
             self.wfile.flush()
         except (ConnectionError, TimeoutError, OSError):
             req.cancel()  # the client went away: its slot is freed at the next step
+
+    def _logprobs(self, req: Request, chat: bool, lo: int, hi: int, offset: int = 0
+                  ) -> dict | None:
+        """Tokens lo..hi-1's log-probabilities in the API's shape (None: not asked for)."""
+        if req.params.logprobs is None:
+            return None
+        return api.logprobs_block(chat, req.tokens[lo:hi], req.logprobs[lo:hi], req.top[lo:hi],
+                                  self.app.tokenizer, self.app.engine.tokenizer_lock, offset)
 
     def _sse(self, payload: dict) -> None:
         self.wfile.write(b"data: " + json.dumps(payload, ensure_ascii=False).encode() + b"\n\n")

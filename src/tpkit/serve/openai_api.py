@@ -19,7 +19,7 @@ TYPES = {400: "invalid_request_error", 404: "not_found_error", 413: "invalid_req
 CODES = {404: "model_not_found", 413: "context_length_exceeded"}
 KNOWN = {"model", "prompt", "messages", "max_tokens", "max_completion_tokens", "temperature",
          "top_p", "top_k", "seed", "stop", "n", "stream", "stream_options", "user",
-         "ignore_eos", "presence_penalty", "frequency_penalty", "logprobs"}
+         "ignore_eos", "presence_penalty", "frequency_penalty", "logprobs", "top_logprobs"}
 
 
 class ApiError(Exception):
@@ -35,8 +35,11 @@ class ApiError(Exception):
                           "param": self.param, "code": CODES.get(self.status)}}
 
 
-def sampling(body: dict) -> SamplingParams:
-    """SamplingParams from a request body (OpenAI's defaults: temperature 1, top_p 1)."""
+def sampling(body: dict, chat: bool = False) -> SamplingParams:
+    """SamplingParams from a request body (OpenAI's defaults: temperature 1, top_p 1).
+
+    Log-probabilities as each API asks for them: a completion's `logprobs: k`, a chat's
+    `logprobs: true` with `top_logprobs: k`."""
     unknown = sorted(set(body) - KNOWN)
     if unknown:
         raise ApiError(400, f"unsupported parameters: {', '.join(unknown)}", unknown[0])
@@ -50,14 +53,62 @@ def sampling(body: dict) -> SamplingParams:
     if not isinstance(stop, list | tuple):
         raise ApiError(400, f"stop={stop!r} must be a string or a list of strings", "stop")
     max_tokens = body.get("max_completion_tokens", body.get("max_tokens"))
+    logprobs = _logprobs(body, chat)
     try:
         return SamplingParams(
             max_tokens=16 if max_tokens is None else max_tokens,
             temperature=_or(body.get("temperature"), 1.0), top_p=_or(body.get("top_p"), 1.0),
             top_k=_or(body.get("top_k"), 0), seed=body.get("seed"), stop=tuple(stop),
-            ignore_eos=bool(body.get("ignore_eos", False)))
+            ignore_eos=bool(body.get("ignore_eos", False)), logprobs=logprobs)
     except UserError as e:
         raise ApiError(400, str(e), str(e).split("=")[0]) from None
+
+
+def _logprobs(body: dict, chat: bool) -> int | None:
+    lp, top = body.get("logprobs"), body.get("top_logprobs")
+    if not chat:
+        if top is not None:
+            raise ApiError(400, "top_logprobs is a chat parameter: a completion takes "
+                                "logprobs=k", "top_logprobs")
+        return lp
+    if lp not in (None, True, False):
+        raise ApiError(400, f"logprobs={lp!r} must be true or false (the alternatives: "
+                            f"top_logprobs=k)", "logprobs")
+    if top is not None and not lp:
+        raise ApiError(400, "top_logprobs needs logprobs=true", "top_logprobs")
+    return (0 if top is None else top) if lp else None
+
+
+def token_text(raw: bytes) -> str:
+    """A token as the API shows it: its text, or (a piece of a UTF-8 character, which is
+    no text) `bytes:\\xe2\\x80`, as OpenAI writes those."""
+    try:
+        return raw.decode("utf-8")
+    except UnicodeDecodeError:
+        return "bytes:" + "".join(f"\\x{b:02x}" for b in raw)
+
+
+def logprobs_block(chat: bool, tokens: list[int], logprobs: list[float],
+                   top: list[list[tuple[int, float]]], tokenizer, lock, offset: int = 0
+                   ) -> dict:
+    """The `logprobs` of a choice (or of a streamed chunk's tokens), in each API's shape:
+    chat `{"content": [{token, logprob, bytes, top_logprobs}]}`, completion `{tokens,
+    token_logprobs, top_logprobs, text_offset}`. A token's text: `token_text`; `offset`:
+    characters of the completion before the first of these tokens."""
+    with lock:
+        raw = {t: tokenizer.token_bytes(t) for t in {*tokens, *(i for k in top for i, _ in k)}}
+    text = {t: token_text(b) for t, b in raw.items()}
+    if chat:
+        entry = lambda t, lp: {"token": text[t], "logprob": lp,  # noqa: E731
+                               "bytes": list(raw[t])}
+        return {"content": [{**entry(t, lp), "top_logprobs": [entry(i, v) for i, v in k]}
+                            for t, lp, k in zip(tokens, logprobs, top)]}
+    offsets = []
+    for t in tokens:
+        offsets.append(offset)
+        offset += len(text[t])
+    return {"tokens": [text[t] for t in tokens], "token_logprobs": logprobs,
+            "top_logprobs": [{text[i]: v for i, v in k} for k in top], "text_offset": offsets}
 
 
 def _or(x, default):
@@ -99,9 +150,9 @@ def chat_ids(body: dict, tokenizer, lock) -> list[int]:
 
 
 def completion(rid: str, model: str, text: str, finish: str | None, usage: dict | None,
-               chat: bool, created: int) -> dict:
+               chat: bool, created: int, logprobs: dict | None = None) -> dict:
     """A whole (non-streamed) completion or chat completion."""
-    choice = {"index": 0, "logprobs": None, "finish_reason": finish}
+    choice = {"index": 0, "logprobs": logprobs, "finish_reason": finish}
     if chat:
         choice["message"] = {"role": "assistant", "content": text}
     else:
@@ -111,9 +162,9 @@ def completion(rid: str, model: str, text: str, finish: str | None, usage: dict 
 
 
 def chunk(rid: str, model: str, text: str | None, finish: str | None, chat: bool,
-          created: int, first: bool = False) -> dict:
+          created: int, first: bool = False, logprobs: dict | None = None) -> dict:
     """One streamed chunk (`data: {...}`): a piece of text, or the finish reason."""
-    choice: dict = {"index": 0, "logprobs": None, "finish_reason": finish}
+    choice: dict = {"index": 0, "logprobs": logprobs, "finish_reason": finish}
     if chat:
         delta = {"role": "assistant", "content": ""} if first else {}
         if text:

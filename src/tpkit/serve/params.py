@@ -10,13 +10,16 @@ from dataclasses import dataclass, field
 
 from tpkit.spec.errors import UserError
 
+MAX_LOGPROBS = 20  # alternatives per token, as OpenAI's top_logprobs
+
 
 @dataclass(frozen=True)
 class SamplingParams:
     """max_tokens new tokens at most; greedy at temperature 0, else sampled with top-k
     (0: off), top-p (1: off) and a seed (None: a fresh one); generation ends at the first
     `stop` string (not included in the text) or end-of-sequence token unless
-    `ignore_eos`."""
+    `ignore_eos`. `logprobs`: None, or k: each chosen token's log-probability under the
+    model (before temperature) and the k likeliest tokens' (0 <= k <= 20)."""
 
     max_tokens: int = 16
     temperature: float = 0.0
@@ -25,6 +28,7 @@ class SamplingParams:
     seed: int | None = None
     stop: tuple[str, ...] = field(default_factory=tuple)
     ignore_eos: bool = False
+    logprobs: int | None = None
 
     def __post_init__(self) -> None:
         bad = []
@@ -38,6 +42,9 @@ class SamplingParams:
             bad.append(f"top_k={self.top_k!r} must be an integer >= 0 (0: off)")
         if self.seed is not None and not isinstance(self.seed, int):
             bad.append(f"seed={self.seed!r} must be an integer")
+        if self.logprobs is not None and (not isinstance(self.logprobs, int) or isinstance(
+                self.logprobs, bool) or not 0 <= self.logprobs <= MAX_LOGPROBS):
+            bad.append(f"logprobs={self.logprobs!r} must be an integer in [0, {MAX_LOGPROBS}]")
         if not all(isinstance(s, str) and s for s in self.stop):
             bad.append(f"stop={list(self.stop)!r} must be non-empty strings")
         if bad:

@@ -46,6 +46,7 @@ class Request:
         self.engine, self.id, self.prompt, self.params = engine, rid, prompt, params
         self.tokens: list[int] = []
         self.logprobs: list[float] = []  # of each chosen token under the model (no temperature)
+        self.top: list[list[tuple[int, float]]] = []  # the k likeliest, if params.logprobs
         self.text = ""
         self.finish_reason: str | None = None
         self.error: RequestFailed | None = None
@@ -107,12 +108,16 @@ class Request:
         return self.finish_reason is not None or self.error is not None
 
     # -- engine side -------------------------------------------------------------------
-    def push(self, token: int, logprob: float, shown: str) -> None:
-        """A new token and the text it makes safe to show."""
+    def push(self, token: int, logprob: float, shown: str,
+             top: list[tuple[int, float]] | None = None) -> None:
+        """A new token, its log-probability (and the likeliest tokens' when asked), and
+        the text it makes safe to show."""
         now = time.perf_counter()
         self.first_at = self.first_at or now
         self.tokens.append(token)
         self.logprobs.append(logprob)
+        if top is not None:
+            self.top.append(top)
         self.text += shown
         self.last_at = now
         self.events.put(("token", token, shown))
