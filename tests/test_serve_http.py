@@ -165,6 +165,41 @@ def test_logprobs_equal_transformers_in_both_apis_and_streamed(server, folder):
                                        top_logprobs=2)
 
 
+def _transformers_scores(folder, ids: list[int]) -> list[tuple[float, float]]:
+    """For each of ids[1:]: (its log-probability after the ones before, the likeliest's)."""
+    import torch
+    import transformers
+
+    model = transformers.AutoModelForCausalLM.from_pretrained(str(folder)).eval()
+    with torch.no_grad():
+        logp = torch.log_softmax(model(torch.tensor([ids])).logits[0, :-1].float(), -1)
+    return [(float(logp[t, i]), float(logp[t].max())) for t, i in enumerate(ids[1:])]
+
+
+def test_echo_scores_the_prompt_as_lm_eval_asks(server, folder):
+    """lm-evaluation-harness's loglikelihood request (`local-completions`): the prompt as
+    token ids, echo, logprobs=1, max_tokens=1. Each prompt token's log-probability (the
+    first: null) and the likeliest one's, as transformers computes them (to 1e-4); the
+    text is the prompt's, then the completion's."""
+    _, client, _ = server
+    tok = load_tokenizer(folder)
+    ids = tok.encode("Tensor parallelism splits the weight matrices")
+    r = client.completions.create(model="llama", prompt=[ids], max_tokens=1, temperature=0,
+                                  logprobs=1, echo=True, seed=1234)
+    lp, ref = r.choices[0].logprobs, _transformers_scores(folder, ids)
+    assert len(lp.token_logprobs) == len(ids) + 1 and lp.token_logprobs[0] is None
+    assert lp.top_logprobs[0] is None
+    assert max(abs(a - b) for a, (b, _) in zip(lp.token_logprobs[1:len(ids)], ref)) < 1e-4
+    assert max(abs(max(t.values()) - m) for t, (_, m) in zip(lp.top_logprobs[1:], ref)) < 1e-4
+    assert r.choices[0].text.startswith(tok.decode(ids)) and r.usage.completion_tokens == 1
+    alone = client.completions.create(model="llama", prompt=[ids], max_tokens=1,
+                                      temperature=0, logprobs=1)  # no echo: the same token
+    assert alone.choices[0].logprobs.token_logprobs == lp.token_logprobs[-1:]
+    with pytest.raises(openai.BadRequestError, match="echo"):
+        client.completions.create(model="llama", prompt="x", max_tokens=1, echo=True,
+                                  stream=True)
+
+
 def test_errors_in_openai_shape(server):
     _, client, _ = server
     with pytest.raises(openai.BadRequestError, match="top_p=7 must be a number in"):

@@ -171,7 +171,18 @@ def test_kill_9_of_a_worker_gives_503_and_one_line(folder):
     # would not match and the requests would fail before the kill
     served = Served(folder, 2, "--decode-chunk", "1")
     try:
-        served.complete("Tensor", max_tokens=2)
+        ids = load_tokenizer(folder).encode("Tensor parallelism splits")  # echo at tp=2:
+        r = served.client.completions.create(  # rank 1 scores every position too
+            model="llama", prompt=[ids], max_tokens=1, temperature=0, logprobs=1, echo=True)
+        got = r.choices[0].logprobs.token_logprobs
+        import torch
+        import transformers
+
+        hf = transformers.AutoModelForCausalLM.from_pretrained(str(folder)).eval()
+        with torch.no_grad():
+            logp = torch.log_softmax(hf(torch.tensor([ids])).logits[0, :-1], -1)
+        ref = [float(logp[t, i]) for t, i in enumerate(ids[1:])]
+        assert got[0] is None and max(abs(a - b) for a, b in zip(got[1:len(ids)], ref)) < 1e-4
         served.pids |= children(served.proc.pid)
         outs, threads = _in_flight(served, 2)
         forkserver = [p for p in served.pids if p in children(served.proc.pid) and

@@ -77,23 +77,32 @@ def _check(model: nn.Module) -> None:
 
 @torch.no_grad()
 def _last_logits(model: nn.Module, ids: torch.Tensor, caches: list[KVSlots],
-                 starts: torch.Tensor) -> torch.Tensor:
-    """ids [b, s] through the model with `caches` -> full logits [b, V] of the last token."""
+                 starts: torch.Tensor, every: bool = False) -> torch.Tensor:
+    """ids [b, s] through the model with `caches` -> full logits [b, V] of the last token
+    (`every`: [b, s, V], of every position; the last one computed as without `every`)."""
     h = model.body(ids, kv_caches=caches, position_offset=starts)  # [b, s, h]
-    local = model.logits(h[:, -1:])[:, 0]  # [b, V_pad/tp]
-    return all_gather(local, model.group, dim=-1)[:, :model.config.vocab_size]  # [b, V]
+    V = model.config.vocab_size
+    last = all_gather(model.logits(h[:, -1:])[:, 0], model.group, dim=-1)[:, :V]  # [b, V]
+    if not every:
+        return last
+    if h.shape[1] == 1:
+        return last[:, None]
+    rest = all_gather(model.logits(h[:, :-1]), model.group, dim=-1)[..., :V]  # [b, s-1, V]
+    return torch.cat([rest, last[:, None]], dim=1)  # [b, s, V]
 
 
-def prefill(model: nn.Module, pool: KVPool, slot: int, ids: list[int] | torch.Tensor
-            ) -> torch.Tensor:
-    """Cache sequence `ids` in `slot` (positions 0..s-1); the logits [V] after it."""
+def prefill(model: nn.Module, pool: KVPool, slot: int, ids: list[int] | torch.Tensor,
+            every: bool = False) -> torch.Tensor:
+    """Cache sequence `ids` in `slot` (positions 0..s-1); the logits [V] after it (`every`:
+    [s, V], after each of its tokens: the prompt's own log-probabilities, for `echo`; the
+    last row is bit for bit the one without `every`)."""
     _check(model)
     ids = torch.as_tensor(ids, device=pool.k[0].device).reshape(1, -1)  # [1, s]
     if not 0 < ids.shape[1] <= pool.max_len:
         raise UserError(f"a prompt of {ids.shape[1]} tokens does not fit a slot of "
                         f"{pool.max_len}")
     starts = torch.zeros(1, dtype=torch.long, device=ids.device)
-    return _last_logits(model, ids, pool.views(slot, 1, starts), starts)[0]
+    return _last_logits(model, ids, pool.views(slot, 1, starts), starts, every)[0]
 
 
 def decode(model: nn.Module, pool: KVPool, tokens: torch.Tensor, lengths: torch.Tensor

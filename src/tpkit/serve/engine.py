@@ -119,7 +119,12 @@ class Engine:
                 self._end(req, "cancelled")
         admitted = self._admit()
         for req in admitted:
-            self._take(req, self.runner.lead_prefill(req.slot, req.prompt))
+            if req.params.echo and req.params.logprobs is not None:  # the prompt's too
+                logits = self.runner.lead_prefill(req.slot, req.prompt, every=True)  # [s, V]
+                self._score_prompt(req, logits[:-1])
+                self._take(req, logits[-1])
+            else:
+                self._take(req, self.runner.lead_prefill(req.slot, req.prompt))
         active = [r for r in self._running.values() if not r.done]
         if active:
             tokens = torch.full((self.max_batch,), -1, dtype=torch.long)  # -1: a free slot
@@ -156,6 +161,15 @@ class Engine:
                 self._running[req.slot] = req
                 out.append(req)
         return out
+
+    def _score_prompt(self, req: Request, logits: torch.Tensor) -> None:
+        """Log-probabilities of prompt tokens 1..s-1 from the logits [s-1, V] before them."""
+        logp = torch.log_softmax(logits.float(), -1)  # [s-1, V]
+        chosen = logp.gather(1, torch.tensor(req.prompt[1:], device=logp.device)[:, None])
+        req.prompt_logprobs = [None, *chosen[:, 0].tolist()]
+        k = req.params.logprobs or 0
+        values, ids = logp.topk(k, dim=-1)  # [s-1, k]
+        req.prompt_top = [None, *(list(zip(i, v)) for i, v in zip(ids.tolist(), values.tolist()))]
 
     def _take(self, req: Request, logits: torch.Tensor) -> None:
         """The next token of `req` from its full logits [V]; finish it if it ends here."""

@@ -140,9 +140,20 @@ class Handler(BaseHTTPRequestHandler):
         for ev in self._events(req):
             if ev[0] == "error":
                 return self._error(api.ApiError(ev[1], ev[2]))
-        self._json(200, api.completion(rid, self.app.name, req.text, req.finish_reason,
-                                       req.usage, chat, self.app.created,
-                                       self._logprobs(req, chat, 0, len(req.tokens))))
+        text, logprobs = req.text, self._logprobs(req, chat, 0, len(req.tokens))
+        if req.params.echo:  # the prompt first (its own log-probabilities, if asked)
+            with self.app.engine.tokenizer_lock:
+                shown = self.app.tokenizer.decode(req.prompt)
+            text = shown + text
+            if logprobs is not None:
+                before = api.logprobs_block(chat, req.prompt, req.prompt_logprobs,
+                                            req.prompt_top, self.app.tokenizer,
+                                            self.app.engine.tokenizer_lock)
+                after = self._logprobs(req, chat, 0, len(req.tokens),
+                                       offset=sum(map(len, before["tokens"])))
+                logprobs = {k: before[k] + after[k] for k in before}
+        self._json(200, api.completion(rid, self.app.name, text, req.finish_reason,
+                                       req.usage, chat, self.app.created, logprobs))
 
     # -- reading and waiting -----------------------------------------------------------
     def _body(self) -> dict:

@@ -19,7 +19,8 @@ TYPES = {400: "invalid_request_error", 404: "not_found_error", 413: "invalid_req
 CODES = {404: "model_not_found", 413: "context_length_exceeded"}
 KNOWN = {"model", "prompt", "messages", "max_tokens", "max_completion_tokens", "temperature",
          "top_p", "top_k", "seed", "stop", "n", "stream", "stream_options", "user",
-         "ignore_eos", "presence_penalty", "frequency_penalty", "logprobs", "top_logprobs"}
+         "ignore_eos", "presence_penalty", "frequency_penalty", "logprobs", "top_logprobs",
+         "echo"}
 
 
 class ApiError(Exception):
@@ -53,13 +54,16 @@ def sampling(body: dict, chat: bool = False) -> SamplingParams:
     if not isinstance(stop, list | tuple):
         raise ApiError(400, f"stop={stop!r} must be a string or a list of strings", "stop")
     max_tokens = body.get("max_completion_tokens", body.get("max_tokens"))
-    logprobs = _logprobs(body, chat)
+    logprobs, echo = _logprobs(body, chat), body.get("echo", False)
+    if echo not in (True, False) or (echo and (chat or body.get("stream"))):
+        raise ApiError(400, f"echo={echo!r}: a completion (not chat, not streamed) may echo "
+                            f"its prompt (echo=true)", "echo")
     try:
         return SamplingParams(
             max_tokens=16 if max_tokens is None else max_tokens,
             temperature=_or(body.get("temperature"), 1.0), top_p=_or(body.get("top_p"), 1.0),
             top_k=_or(body.get("top_k"), 0), seed=body.get("seed"), stop=tuple(stop),
-            ignore_eos=bool(body.get("ignore_eos", False)), logprobs=logprobs)
+            ignore_eos=bool(body.get("ignore_eos", False)), logprobs=logprobs, echo=echo)
     except UserError as e:
         raise ApiError(400, str(e), str(e).split("=")[0]) from None
 
@@ -88,15 +92,17 @@ def token_text(raw: bytes) -> str:
         return "bytes:" + "".join(f"\\x{b:02x}" for b in raw)
 
 
-def logprobs_block(chat: bool, tokens: list[int], logprobs: list[float],
-                   top: list[list[tuple[int, float]]], tokenizer, lock, offset: int = 0
+def logprobs_block(chat: bool, tokens: list[int], logprobs: list[float | None],
+                   top: list[list[tuple[int, float]] | None], tokenizer, lock, offset: int = 0
                    ) -> dict:
     """The `logprobs` of a choice (or of a streamed chunk's tokens), in each API's shape:
     chat `{"content": [{token, logprob, bytes, top_logprobs}]}`, completion `{tokens,
-    token_logprobs, top_logprobs, text_offset}`. A token's text: `token_text`; `offset`:
-    characters of the completion before the first of these tokens."""
+    token_logprobs, top_logprobs, text_offset}` (an echoed prompt's first token: null,
+    nothing came before it). A token's text: `token_text`; `offset`: characters of the
+    text before the first of these tokens."""
     with lock:
-        raw = {t: tokenizer.token_bytes(t) for t in {*tokens, *(i for k in top for i, _ in k)}}
+        raw = {t: tokenizer.token_bytes(t)
+               for t in {*tokens, *(i for k in top if k for i, _ in k)}}
     text = {t: token_text(b) for t, b in raw.items()}
     if chat:
         entry = lambda t, lp: {"token": text[t], "logprob": lp,  # noqa: E731
@@ -108,7 +114,8 @@ def logprobs_block(chat: bool, tokens: list[int], logprobs: list[float],
         offsets.append(offset)
         offset += len(text[t])
     return {"tokens": [text[t] for t in tokens], "token_logprobs": logprobs,
-            "top_logprobs": [{text[i]: v for i, v in k} for k in top], "text_offset": offsets}
+            "top_logprobs": [None if k is None else {text[i]: v for i, v in k} for k in top],
+            "text_offset": offsets}
 
 
 def _or(x, default):

@@ -19,7 +19,8 @@ class SamplingParams:
     (0: off), top-p (1: off) and a seed (None: a fresh one); generation ends at the first
     `stop` string (not included in the text) or end-of-sequence token unless
     `ignore_eos`. `logprobs`: None, or k: each chosen token's log-probability under the
-    model (before temperature) and the k likeliest tokens' (0 <= k <= 20)."""
+    model (before temperature) and the k likeliest tokens' (0 <= k <= 20); with `echo`,
+    the prompt's tokens' too."""
 
     max_tokens: int = 16
     temperature: float = 0.0
@@ -29,6 +30,7 @@ class SamplingParams:
     stop: tuple[str, ...] = field(default_factory=tuple)
     ignore_eos: bool = False
     logprobs: int | None = None
+    echo: bool = False
 
     def __post_init__(self) -> None:
         bad = []

@@ -47,6 +47,8 @@ class Request:
         self.tokens: list[int] = []
         self.logprobs: list[float] = []  # of each chosen token under the model (no temperature)
         self.top: list[list[tuple[int, float]]] = []  # the k likeliest, if params.logprobs
+        self.prompt_logprobs: list[float | None] = []  # with echo: None, then each prompt
+        self.prompt_top: list[list[tuple[int, float]] | None] = []  # token's after the ones before
         self.text = ""
         self.finish_reason: str | None = None
         self.error: RequestFailed | None = None

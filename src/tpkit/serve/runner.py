@@ -7,6 +7,7 @@ One step of the group, as rank 0 broadcasts it over the tp group (through
 
     header int64 [3 + 2*slots] = [op, slot, n, tokens[slots], lengths[slots]]
         op PREFILL: then ids int64 [n] (a second broadcast) -> prefill(slot, ids)
+        op SCORE  : the same, with the logits of every position (a request's `echo`)
         op DECODE : decode(tokens, lengths)      (a token per busy slot; -1: free)
         op IDLE   : nothing (a heartbeat, so an idle worker's wait never times out)
         op STOP   : the followers return
@@ -24,7 +25,7 @@ from torch import nn
 from tpkit.comm import broadcast
 from tpkit.model.kv_pool import KVPool, decode, prefill
 
-PREFILL, DECODE, IDLE, STOP = 1, 2, 3, 4
+PREFILL, DECODE, IDLE, STOP, SCORE = 1, 2, 3, 4, 5
 
 
 class Runner:
@@ -50,13 +51,14 @@ class Runner:
             h[3 + self.slots:] = lengths
         return broadcast(h, self.group, 0, scope="serve.plan")
 
-    def lead_prefill(self, slot: int, ids: list[int]) -> torch.Tensor:
-        """Rank 0: prefill `ids` into `slot` on every rank; the logits [V]."""
-        self._header(PREFILL, slot, len(ids))
+    def lead_prefill(self, slot: int, ids: list[int], every: bool = False) -> torch.Tensor:
+        """Rank 0: prefill `ids` into `slot` on every rank; the logits [V] (`every`: [s, V],
+        after each token)."""
+        self._header(SCORE if every else PREFILL, slot, len(ids))
         t = broadcast(torch.tensor(ids, dtype=torch.long, device=self.device), self.group, 0,
                       scope="serve.plan")
         self.steps += 1
-        return prefill(self.model, self.pool, slot, t)
+        return prefill(self.model, self.pool, slot, t, every)
 
     def lead_decode(self, tokens: torch.Tensor, lengths: torch.Tensor) -> torch.Tensor:
         """Rank 0: one token for every slot on every rank; the logits [slots, V]."""
@@ -87,10 +89,10 @@ class Runner:
             op, slot, n = (int(v) for v in h[:3])
             if op == STOP:
                 return self.steps
-            if op == PREFILL:
+            if op in (PREFILL, SCORE):
                 ids = broadcast(torch.zeros(n, dtype=torch.long, device=self.device),
                                 self.group, 0, scope="serve.plan")
-                prefill(self.model, self.pool, slot, ids)
+                prefill(self.model, self.pool, slot, ids, every=op == SCORE)
                 self.steps += 1
             elif op == DECODE:
                 decode(self.model, self.pool, h[3:3 + s], h[3 + s:])
