@@ -20,8 +20,9 @@ from tpkit.model import Transformer
 from tpkit.parallel import (
     interleaved_order,
 )
+from tpkit.plan.memory import in_flight_micro_batches
 from tpkit.spec import get_preset
-from tpkit.spec.theory import bubble_theory
+from tpkit.spec.theory import bubble_theory, peak_in_flight
 from tpkit.train.config import TrainConfig
 from tpkit.train.loop import train
 
@@ -55,6 +56,21 @@ def test_order_never_deadlocks_and_leaves_the_theoretical_bubble():
                                              for i in range(m))
                 got = _simulated_bubble(p, v, m)
                 assert abs(got - bubble_theory(p, m, v)) < 1e-9, (p, v, m, got)
+
+
+def test_the_planners_in_flight_count_is_the_schedules():
+    """Walk each stage's program: the most chunk activations it holds at once is
+    `peak_in_flight`, and the planner's micro-batches in flight are that over v (the
+    1F1B case, v = 1, is measured in a real run: tests/test_pipeline.py)."""
+    for p, v, m in [(2, 2, 2), (3, 2, 6), (4, 3, 8), (4, 2, 4), (16, 8, 32), (8, 4, 8)]:
+        for s in range(p):
+            held = peak = 0
+            for kind, _, _ in interleaved_order(s, p, v, m):
+                held += 1 if kind == "F" else -1
+                peak = max(peak, held)
+            assert peak == peak_in_flight(s, p, v, m), (p, v, m, s)
+            assert in_flight_micro_batches(p, s, m, v) == peak / v
+    assert peak_in_flight(1, 16, 8, 32) == 141  # the 405B layout of docs/planner.md
 
 
 # -- equivalence with the single-process run ----------------------------------------------

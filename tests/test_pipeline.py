@@ -13,7 +13,7 @@ import torch
 
 from tpkit.layers.sharding import meta_of
 from tpkit.parallel.data_parallel import tied_params
-from tpkit.spec.theory import bubble_theory
+from tpkit.spec.theory import bubble_theory, peak_in_flight
 from tpkit.train.config import TrainConfig
 from tpkit.train.loop import train, train_model
 
@@ -45,6 +45,9 @@ def test_gpipe_and_1f1b_agree_and_send_what_theory_says(run_tp, tmp_path):
     assert [rank[("gpipe", 4)]["max_inflight"] for rank in per_rank] == [4, 4, 4, 4]
     assert [rank[("1f1b", 4)]["max_inflight"] for rank in per_rank] == [4, 3, 2, 1]
     assert [rank[("1f1b", 2)]["max_inflight"] for rank in per_rank] == [2, 2, 2, 1]
+    for m in (4, 2):  # what the planner prices (spec.theory.peak_in_flight), measured
+        assert [rank[("1f1b", m)]["max_inflight"] for rank in per_rank] == \
+            [peak_in_flight(s, 4, 1, m) for s in range(4)]
     for run in r.values():  # measured idle/busy, next to the theory (not asserted equal)
         assert run["bubble"] > 0 and math.isfinite(run["bubble"])
     assert f["bubble_theory"] == bubble_theory(4, 4) == 0.75

@@ -44,6 +44,7 @@ import torch
 from tpkit.parallel.p2p import StageLink
 from tpkit.spec.errors import UserError
 from tpkit.spec.shapes import interleave_problem
+from tpkit.spec.theory import warmup_forwards
 
 
 class StageModel(Protocol):
@@ -138,7 +139,7 @@ def one_f_one_b(model: StageModel, link: StageLink, micro: list[MicroBatch],
     """1F1B: p-s-1 warm-up forwards, steady one-forward-one-backward, cool-down."""
     stats, t0, idle0 = StepStats(), time.perf_counter(), link.idle_s
     m, scale = len(micro), 1.0 / len(micro)
-    warmup = min(link.stages - link.stage - 1, m)
+    warmup = warmup_forwards(link.stage, link.stages, 1, m)
     inflight: deque = deque()
     for i in range(warmup):
         inflight.append(_forward(model, link, micro[i], scale, stats, autocast))
@@ -163,7 +164,7 @@ def interleaved_order(stage: int, stages: int, chunks: int, m: int
     """The program of one stage under interleaved 1F1B: ("F" | "B", chunk, micro-batch)."""
     p, v, total = stages, chunks, m * chunks
     at = partial(_slot, p, v)
-    warmup = min((p - stage - 1) * 2 + (v - 1) * p if v > 1 else p - stage - 1, total)
+    warmup = warmup_forwards(stage, p, v, m)
     ops = [("F", *at(k, False)) for k in range(warmup)]
     for k in range(total - warmup):
         ops += [("F", *at(k + warmup, False)), ("B", *at(k, True))]

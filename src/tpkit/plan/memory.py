@@ -44,6 +44,7 @@ from dataclasses import dataclass
 
 from tpkit.plan.activations import layer_activation_bytes
 from tpkit.plan.layout import Layout
+from tpkit.spec import theory
 from tpkit.spec.config import ModelConfig
 from tpkit.spec.shapes import layers_per_stage
 
@@ -141,15 +142,13 @@ def model_state_bytes(params: int, replicas: int, zero: int, prec: Precision,
 
 
 def in_flight_micro_batches(pp: int, stage: int, m: int, interleave: int = 1) -> float:
-    """Micro-batches whose activations stage `stage` holds at the 1F1B peak.
-
-    Stage i of p holds min(p - i, m) micro-batches; the interleaved schedule adds
-    (p - 1)/(p v) of a stage's worth on the first stage (Narayanan et al. 2021, sec. 2.2.2).
+    """Micro-batches whose activations stage `stage` holds at the schedule's peak, in
+    whole-stage units: the chunk forwards the schedule itself holds at once
+    (`spec.theory.peak_in_flight`), over its v chunks. 1F1B: min(p - i, m); interleaved,
+    p + (p - 2i - 1)/v (at most m): Narayanan et al.'s p (1 + (p - 1)/(p v)) on the first
+    stage (sec. 2.2.2), and more than that figure scaled by (p - i)/p on the others.
     """
-    held = min(pp - stage, m)
-    if interleave > 1 and pp > 1:
-        held *= 1 + (pp - 1) / (pp * interleave)
-    return held
+    return theory.peak_in_flight(stage, pp, interleave, m) / interleave
 
 
 def stage_activation_bytes(c: ModelConfig, seq: int, lay: Layout, stage: int, m: int,

@@ -36,6 +36,22 @@ def bubble_theory(stages: int, micro_batches: int, virtual_stages: int = 1) -> f
     return (stages - 1) / (virtual_stages * micro_batches)
 
 
+def warmup_forwards(stage: int, stages: int, chunks: int, micro_batches: int) -> int:
+    """Chunk forwards a stage runs before its first backward under 1F1B (chunks = 1:
+    p - s - 1) or interleaved 1F1B (2 (p - s - 1) + (v - 1) p), at most all of them."""
+    p, v = stages, chunks
+    warmup = (p - stage - 1) * 2 + (v - 1) * p if v > 1 else p - stage - 1
+    return min(warmup, micro_batches * v)
+
+
+def peak_in_flight(stage: int, stages: int, chunks: int, micro_batches: int) -> int:
+    """Chunk forwards whose activations a stage holds at once, at the schedule's peak:
+    the warm-up, plus the first steady forward before its backward (the schedule runs
+    `tpkit.parallel.schedules`; the planner prices its memory from this)."""
+    return min(warmup_forwards(stage, stages, chunks, micro_batches) + 1,
+               micro_batches * chunks)
+
+
 def ring_factor(op: str, p: int) -> float:
     """Share of the tensor's bytes each rank sends for `op` over a ring of p ranks:
     2(p-1)/p for an all-reduce, (p-1)/p for the others; 0 with one rank."""
