@@ -4,6 +4,7 @@ folder; or SmolLM2-135M's shapes, 9 heads, for tp=3), against transformers' own 
 
     PYTHONPATH=src python benchmarks/serve_load.py [--tp 1,2] [--clients 1,4,16,32]
         [--max-tokens 16] [--model gpt2|smollm2] [--decode-chunk 8[,1]]
+        [--prefill-per-step 256[,0]]
         [--out bench-results/serve_load.json]
 
 Each client sends its requests one after the other (closed loop), two per client (four
@@ -120,11 +121,12 @@ def load_level(port: int, clients: int, work: list[list[int]], max_tokens: int) 
 
 
 def serve_levels(folder: Path, tp: int, levels: list[int], work, max_tokens: int,
-                 chunk: int) -> dict:
+                 chunk: int, prefill: int | None) -> dict:
     proc = subprocess.Popen(
         [sys.executable, "-m", "tpkit", "serve", "--checkpoint", str(folder), "--tp", str(tp),
          "--port", "0", "--max-batch", str(max(levels)), "--max-len",
          str(max(LENGTHS) + max_tokens), "--decode-chunk", str(chunk),
+         *(["--prefill-per-step", str(prefill)] if prefill is not None else []),
          "--served-model-name", "gpt2"],
         stdout=subprocess.PIPE, text=True,
         env={**os.environ, "PYTHONPATH": str(ROOT / "src"), "OMP_NUM_THREADS": str(THREADS)})
@@ -175,6 +177,8 @@ def main() -> None:
     ap.add_argument("--max-tokens", type=int, default=16, help="new tokens per request")
     ap.add_argument("--decode-chunk", default="8", help="tpkit serve --decode-chunk values "
                     "(default 8; e.g. 8,1)")
+    ap.add_argument("--prefill-per-step", default=None, help="tpkit serve --prefill-per-step "
+                    "values (default: the server's; e.g. 256,0)")
     ap.add_argument("--model", choices=["gpt2", "smollm2"], default="gpt2",
                     help="GPT-2 124M, or SmolLM2-135M's shapes (9 heads: tp=3 works)")
     ap.add_argument("--folder", default=None, help="HF folder (default: a temporary one)")
@@ -186,9 +190,12 @@ def main() -> None:
     folder = make_folder(Path(args.folder or tmp.name) / f"{args.model}-random", args.model)
     load0 = open("/proc/loadavg").read().split()[:3]
     chunks = [int(c) for c in args.decode_chunk.split(",")]
-    rows = {f"tpkit tp={tp}" + (f" chunk={c}" if len(chunks) > 1 else ""):
-            serve_levels(folder, int(tp), levels, work, args.max_tokens, c)
-            for tp in args.tp.split(",") for c in chunks}
+    prefills = [int(x) for x in args.prefill_per_step.split(",")] if args.prefill_per_step \
+        else [None]
+    rows = {f"tpkit tp={tp}" + (f" chunk={c}" if len(chunks) > 1 else "")
+            + (f" prefill={f}" if len(prefills) > 1 else ""):
+            serve_levels(folder, int(tp), levels, work, args.max_tokens, c, f)
+            for tp in args.tp.split(",") for c in chunks for f in prefills}
     rows["transformers generate (batched)"] = transformers_levels(folder, levels, work,
                                                                  args.max_tokens)
     load1 = open("/proc/loadavg").read().split()[:3]

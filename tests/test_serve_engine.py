@@ -26,6 +26,7 @@ from tpkit.model.transformer import Transformer
 from tpkit.serve import Engine, SamplingParams, TooLong
 from tpkit.serve.params import StopText
 from tpkit.serve.runner import Runner
+from tpkit.spec.errors import UserError
 
 SLOTS, MAX_LEN, NEW, CHUNK = 4, 32, 6, 2  # decode in 2 chunks of 2 slots
 PROMPTS = [torch.randint(0, 257, (n,), generator=torch.Generator().manual_seed(n)).tolist()
@@ -85,6 +86,29 @@ def test_a_request_is_the_same_bits_whatever_the_pool_length():
         reqs = [engine.submit(p, SamplingParams(max_tokens=NEW)) for p in PROMPTS[:6]]
         got.append([(r.result().tokens, r.result().logprobs) for r in reqs])
     assert got[0] == got[1]
+
+
+def test_prefill_per_step_spreads_admissions_and_changes_no_bit():
+    """At most `prefill_per_step` prompt tokens are prefilled in a step (a longer prompt
+    alone), the running requests decoding in between; every request's bits unchanged."""
+    model = _model(ParallelMesh.single(), GPT2)
+    prompts = PROMPTS[:4]  # 1, 7, 2 and 19 tokens
+    got, admitted = [], []
+    for limit in (0, 8):
+        engine = Engine(model, max_batch=SLOTS, max_len=MAX_LEN, decode_chunk=CHUNK,
+                        prefill_per_step=limit)
+        reqs = [engine.submit(p, SamplingParams(max_tokens=NEW)) for p in prompts]
+        counts = []
+        while engine.busy:
+            before = len(engine._waiting)
+            engine.step()
+            counts.append(before - len(engine._waiting))
+        admitted.append(counts[:3])
+        got.append([(r.result().tokens, r.result().logprobs) for r in reqs])
+    assert admitted == [[4, 0, 0], [2, 1, 1]]  # 1 + 7 <= 8; 2; 19 > 8, alone
+    assert got[0] == got[1]
+    with pytest.raises(UserError, match="prefill_per_step=-1 must be >= 0"):
+        Engine(model, max_batch=SLOTS, max_len=MAX_LEN, prefill_per_step=-1)
 
 
 def test_a_seed_decides_a_sampled_request_whatever_the_batch():

@@ -27,7 +27,7 @@ from tpkit.commands.common import group
 from tpkit.host.addresses import is_loopback
 from tpkit.launch import SpawnError
 from tpkit.mesh import ParallelMesh
-from tpkit.serve.engine import Engine
+from tpkit.serve.engine import PREFILL_PER_STEP, Engine
 from tpkit.serve.http import HOST, MAX_BODY, App, make_server
 from tpkit.serve.loop import serve_loop
 from tpkit.serve.runner import Runner
@@ -69,6 +69,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                    help="slots decoded together in one forward: 8 serves many clients best, 1 "
                         "decodes each sequence alone (fastest with one or two at a time); "
                         "whichever, a request's tokens never depend on what else runs")
+    g.add_argument("--prefill-per-step", type=int, default=PREFILL_PER_STEP, metavar="T",
+                   help="prompt tokens prefilled per step, at most (a longer prompt alone; "
+                        "0: no limit): the running requests decode in between")
     g.add_argument("--max-tokens-in-flight", type=int, default=None, metavar="T",
                    help="prompt + max_tokens summed over the running requests; more waits "
                         "in the queue (default: max-batch x max-len)")
@@ -86,6 +89,8 @@ def _check_args(args: argparse.Namespace) -> None:
     bad += [f"--{k.replace('_', '-')}={getattr(args, k)} must be >= 1"
             for k in ("max_len", "max_tokens_in_flight", "max_body_bytes")
             if getattr(args, k) is not None and getattr(args, k) < 1]
+    if args.prefill_per_step < 0:
+        bad.append(f"--prefill-per-step={args.prefill_per_step} must be >= 0 (0: no limit)")
     if not 0 <= args.port <= 65535:
         bad.append(f"--port={args.port} must be in [0, 65535]")
     if args.timeout <= 0 or args.drain_seconds < 0:
@@ -142,6 +147,7 @@ def _serve(args, source, mesh: ParallelMesh, peers, app: App, server) -> int:
     app.tokenizer = load_tokenizer(source_tokenizer(source))
     app.engine = Engine(model, tokenizer=app.tokenizer, max_batch=args.max_batch,
                         max_len=args.max_len, max_tokens_in_flight=args.max_tokens_in_flight,
+                        prefill_per_step=args.prefill_per_step,
                         decode_chunk=args.decode_chunk)
     stop, got = threading.Event(), []
 

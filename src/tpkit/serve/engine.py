@@ -7,9 +7,10 @@ as Orca and vLLM do it).
 
 Every `step()`:
     1. drops the requests that were cancelled (their slot is free again);
-    2. admits waiting requests, first come first served, while a slot is free and the
+    2. admits waiting requests, first come first served, while a slot is free, the
        tokens in flight (prompt + max_tokens of every running request) stay within
-       `max_tokens_in_flight`; each is prefilled alone into its slot and gets its
+       `max_tokens_in_flight` and this step's prompts within `prefill_per_step` tokens
+       (one at least; 0: no limit); each is prefilled alone into its slot and gets its
        first token (a request that does not fit waits; nothing running is evicted);
     3. decodes one token for every running request at once, each at its own position
        (in fixed chunks of `decode_chunk` slots; a chunk with no request is skipped);
@@ -40,6 +41,10 @@ from tpkit.serve.request import Request, RequestFailed
 from tpkit.serve.runner import Runner
 from tpkit.spec.errors import UserError
 
+PREFILL_PER_STEP = 256  # prompt tokens: at 16 clients of GPT-2 124M (2 cores), against no
+# limit, the median time to first token and the 99th-percentile gap between tokens about
+# halve, the slowest first token comes 15% later, throughput within 2% (docs/benchmarks.md)
+
 
 class TooLong(UserError):
     """A request that can never fit the context or the server's budget (HTTP 413)."""
@@ -50,12 +55,16 @@ class Engine:
 
     def __init__(self, model: nn.Module, *, tokenizer=None, max_batch: int = 8,
                  max_len: int | None = None, max_tokens_in_flight: int | None = None,
-                 decode_chunk: int = 8, runner: Runner | None = None) -> None:
+                 decode_chunk: int = 8, prefill_per_step: int = PREFILL_PER_STEP,
+                 runner: Runner | None = None) -> None:
         max_len = max_len or model.config.max_seq_len
         self.runner = runner or Runner(model, max_batch, max_len, decode_chunk)
         self.model, self.tokenizer = model, tokenizer
         self.max_batch, self.max_len = self.runner.slots, self.runner.pool.max_len
         self.budget = max_tokens_in_flight or self.max_batch * self.max_len
+        if prefill_per_step < 0:
+            raise UserError(f"prefill_per_step={prefill_per_step} must be >= 0 (0: no limit)")
+        self.prefill_per_step = prefill_per_step
         self.eos = set(getattr(tokenizer, "eos_ids", None) or [])
         self.metrics = Metrics()
         self.tokenizer_lock = threading.Lock()  # HF tokenizers are not safe across threads
@@ -139,7 +148,7 @@ class Engine:
         return bool(admitted or active)
 
     def _admit(self) -> list[Request]:
-        out = []
+        out, prefill = [], 0  # admitted, and their prompt tokens
         with self._lock:
             while self._waiting:
                 req = self._waiting[0]
@@ -151,6 +160,10 @@ class Engine:
                 held = sum(len(r.prompt) + r.params.max_tokens for r in self._running.values())
                 if not free or held + len(req.prompt) + req.params.max_tokens > self.budget:
                     break  # first come, first served: it waits, and those behind it
+                if out and self.prefill_per_step and \
+                        prefill + len(req.prompt) > self.prefill_per_step:
+                    break  # the next step: the running requests decode in between
+                prefill += len(req.prompt)
                 self._waiting.popleft()
                 req.slot = free[0]
                 seed = req.params.seed if req.params.seed is not None else \
