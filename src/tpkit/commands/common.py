@@ -37,6 +37,20 @@ def group(parser: argparse.ArgumentParser, key: str) -> argparse._ArgumentGroup:
     return parser.add_argument_group(title)
 
 
+def add_pool_arguments(g: argparse._ArgumentGroup, max_batch: int | None, batch_help: str
+                       ) -> None:
+    """The serving engine's KV pool, as `tpkit generate` and `tpkit serve` both take it:
+    --max-batch (default and help per command), --max-len, --decode-chunk."""
+    g.add_argument("--max-batch", type=int, default=max_batch, metavar="B", help=batch_help)
+    g.add_argument("--max-len", type=int, default=None, metavar="L",
+                   help="tokens per sequence, prompt included (default: the model's "
+                        "max_seq_len)")
+    g.add_argument("--decode-chunk", type=int, default=8, metavar="C",
+                   help="slots decoded together in one forward: 8 serves many clients best, 1 "
+                        "decodes each sequence alone (fastest with one or two at a time); "
+                        "whichever, a request's tokens never depend on what else runs")
+
+
 def shown(value) -> str:
     """A default as --help prints it: lists comma-joined, an empty one as 'none'."""
     if isinstance(value, (list, tuple)):

@@ -25,7 +25,7 @@ from contextlib import nullcontext
 
 from tpkit.checkpoint.sources import load_model, open_source, source_tokenizer
 from tpkit.checkpoint.tokenizer import ByteTokenizer, load_tokenizer
-from tpkit.commands.common import group
+from tpkit.commands.common import add_pool_arguments, group
 from tpkit.mesh import ParallelMesh
 from tpkit.serve import Engine, SamplingParams
 from tpkit.serve.openai_api import ApiError, chat_ids
@@ -132,16 +132,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     g.add_argument("--seed", type=int, default=0, help="seed of the sampling")
     g.add_argument("--ignore-eos", action="store_true",
                    help="do not stop at the tokenizer's end-of-sequence token")
-    g.add_argument("--max-batch", type=int, default=None, metavar="B",
-                   help="sequences generated at once (KV slots, as in tpkit serve; "
-                        "default: the number of prompts, at most 8)")
-    g.add_argument("--decode-chunk", type=int, default=8, metavar="C",
-                   help="slots decoded together in one forward: 8 serves many clients best, 1 "
-                        "decodes each sequence alone (fastest with one or two at a time); "
-                        "whichever, a request's tokens never depend on what else runs")
-    g.add_argument("--max-len", type=int, default=None, metavar="L",
-                   help="tokens per sequence, prompt included (default: the model's "
-                        "max_seq_len)")
+    add_pool_arguments(g, None, "sequences generated at once (KV slots, as in tpkit serve; "
+                                "default: the number of prompts, at most 8)")
     add_comm_argument(group(parser, "parallelism"))
 
 

@@ -23,7 +23,7 @@ from pathlib import Path
 
 from tpkit.checkpoint.sources import load_model, open_source, source_tokenizer
 from tpkit.checkpoint.tokenizer import load_tokenizer
-from tpkit.commands.common import group
+from tpkit.commands.common import add_pool_arguments, group
 from tpkit.host.addresses import is_loopback
 from tpkit.launch import SpawnError
 from tpkit.mesh import ParallelMesh
@@ -60,15 +60,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     g.add_argument("--host", default=HOST, help="address to listen on (127.0.0.1: this "
                    "machine only)")
     g.add_argument("--port", type=int, default=8000, help="port (0: a free one, printed)")
-    g.add_argument("--max-batch", type=int, default=8, metavar="B",
-                   help="sequences generated at once: KV slots per rank")
-    g.add_argument("--max-len", type=int, default=None, metavar="L",
-                   help="tokens per sequence, prompt included (default: the model's "
-                        "max_seq_len)")
-    g.add_argument("--decode-chunk", type=int, default=8, metavar="C",
-                   help="slots decoded together in one forward: 8 serves many clients best, 1 "
-                        "decodes each sequence alone (fastest with one or two at a time); "
-                        "whichever, a request's tokens never depend on what else runs")
+    add_pool_arguments(g, 8, "sequences generated at once: KV slots per rank")
     g.add_argument("--prefill-per-step", type=int, default=PREFILL_PER_STEP, metavar="T",
                    help="prompt tokens prefilled per step, at most (a longer prompt alone; "
                         "0: no limit): the running requests decode in between")
