@@ -1,6 +1,6 @@
 """The machine this process runs on, and how its processes end.
 
-    device.py           the one place that touches `torch.cuda`: backend, device per rank
+    device.py           the one place that touches CUDA: backend, device per rank
     memory.py           what the machine or its cgroup offers, OOM kills, peak RSS
     exit.py             end a process once its work is cleaned up, without the teardown
     forkserver_exit.py  the same for the multiprocessing forkserver (preloaded there)
