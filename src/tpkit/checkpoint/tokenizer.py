@@ -16,6 +16,7 @@ from __future__ import annotations
 import json
 import re
 import shutil
+from functools import cache
 from pathlib import Path
 from typing import Any, Protocol
 
@@ -105,7 +106,7 @@ class HFTokenizer:
             d = (json.loads(backend.to_str()).get("decoder") or {}) if backend else {}
             self._byte_level = "ByteLevel" in {x.get("type") for x in [d, *d.get("decoders", [])]}
         if self._byte_level:
-            back = {c: b for b, c in _bytes_to_unicode().items()}
+            back = _unicode_to_bytes()
             return bytes(back[c] for c in sym if c in back)
         return sym.replace("\u2581", " ").encode("utf-8")
 
@@ -147,6 +148,12 @@ def _bytes_to_unicode() -> dict[int, str]:
     return chars
 
 
+@cache
+def _unicode_to_bytes() -> dict[str, int]:
+    """The inverse: the byte each stand-in character means."""
+    return {c: b for b, c in _bytes_to_unicode().items()}
+
+
 def save_byte_tokenizer(folder: str | Path) -> Path:
     """Write a byte-level `tokenizer.json` (+ config) into `folder`: AutoTokenizer loads it
     and encodes text to its UTF-8 bytes, exactly as `ByteTokenizer`."""
@@ -154,7 +161,7 @@ def save_byte_tokenizer(folder: str | Path) -> Path:
     from tokenizers import decoders, models, pre_tokenizers
     from transformers import PreTrainedTokenizerFast
 
-    vocab = {c: b for b, c in _bytes_to_unicode().items()}  # one token per byte, no merges
+    vocab = _unicode_to_bytes()  # one token per byte, no merges
     tok = RustTokenizer(models.BPE(vocab=vocab, merges=[]))
     tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False)
     tok.decoder = decoders.ByteLevel()

@@ -180,19 +180,15 @@ class Engine:
         logp = torch.log_softmax(logits.float(), -1)  # [s-1, V]
         chosen = logp.gather(1, torch.tensor(req.prompt[1:], device=logp.device)[:, None])
         req.prompt_logprobs = [None, *chosen[:, 0].tolist()]
-        k = req.params.logprobs or 0
-        values, ids = logp.topk(k, dim=-1)  # [s-1, k]
-        req.prompt_top = [None, *(list(zip(i, v)) for i, v in zip(ids.tolist(), values.tolist()))]
+        req.prompt_top = [None, *_likeliest(logp, req.params.logprobs or 0)]
 
     def _take(self, req: Request, logits: torch.Tensor) -> None:
         """The next token of `req` from its full logits [V]; finish it if it ends here."""
         p = req.params
         tok = int(sample(logits[None], p.temperature, p.top_k, p.top_p, req.gen)[0, 0])
         logp = torch.log_softmax(logits.float(), -1)  # [V]
-        logprob, top = float(logp[tok]), None
-        if p.logprobs is not None:
-            values, ids = logp.topk(p.logprobs)
-            top = list(zip(ids.tolist(), values.tolist()))
+        logprob = float(logp[tok])
+        top = _likeliest(logp[None], p.logprobs)[0] if p.logprobs is not None else None
         piece = ""
         if req.stream is not None:
             with self.tokenizer_lock:
@@ -251,3 +247,9 @@ class Engine:
         """New submissions get 503; what was submitted runs on."""
         with self._lock:
             self.accepting = False
+
+
+def _likeliest(logp: torch.Tensor, k: int) -> list[list[tuple[int, float]]]:
+    """The k likeliest (token, log-probability) of each row of logp [n, V], likeliest first."""
+    values, ids = logp.topk(k, dim=-1)  # [n, k]
+    return [list(zip(i, v)) for i, v in zip(ids.tolist(), values.tolist())]
