@@ -50,3 +50,10 @@ def run_tp(pools):
         return pools.run(fn, tp * pp * dp, *args, mesh=dict(tp=tp, pp=pp, dp=dp))
 
     return run
+
+
+@pytest.fixture(autouse=True)
+def _in_own_folder(tmp_path_factory, monkeypatch):
+    """Every test runs in a fresh empty working folder: a default `--out runs/train`, a run
+    lock or a log lands there, never in the repository (or a user's earlier run there)."""
+    monkeypatch.chdir(tmp_path_factory.mktemp("cwd"))

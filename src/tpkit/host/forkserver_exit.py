@@ -40,5 +40,6 @@ def _exit_now(pid: int) -> None:
         os._exit(0)
 
 
-if _imported_by_forkserver():
+ACTIVE = _imported_by_forkserver()  # True in the forkserver (and the workers it forks)
+if ACTIVE:
     atexit.register(_exit_now, os.getpid())  # registered last, so it runs first
