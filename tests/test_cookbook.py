@@ -1,6 +1,6 @@
 """docs/cookbook.md runs as written: every ```bash and ```python block, in order, in a
-fresh folder (`tpkit ...` lines through the real CLI entry `tpkit.cli.main`, `python
-tests/...` lines as that script, Python blocks as code). Then checked: the JSONL file's
+fresh folder (`.venv/bin/tpkit ...` lines through the real CLI entry `tpkit.cli.main`,
+`.venv/bin/python tests/...` lines as that script, Python blocks as code). Then checked: the JSONL file's
 documents are in index.json, the tp=2 run and its resume with a new learning rate have
 one metrics row and one TensorBoard loss point per step, the resume named its changes,
 the run folder keeps the new config, and the export is a folder transformers loads."""
@@ -29,9 +29,9 @@ def blocks() -> list[tuple[str, str]]:
 
 def _run_line(line: str, monkeypatch) -> None:
     argv = shlex.split(line)
-    if argv[0] == "tpkit":
+    if argv[0] == ".venv/bin/tpkit":
         assert main(argv[1:]) == 0, line
-    elif argv[0] == "python" and argv[1].startswith("tests/"):
+    elif argv[0] == ".venv/bin/python" and argv[1].startswith("tests/"):
         monkeypatch.setattr(sys, "argv", [str(ROOT / argv[1]), *argv[2:]])
         runpy.run_path(str(ROOT / argv[1]), run_name="__main__")
     else:
