@@ -1,6 +1,6 @@
-"""Tensor-parallel text generation over a preallocated KV cache, one prompt or a batch.
-
-    tpkit generate --checkpoint runs/demo/checkpoints/step_000200 --tp 2 --prompt "Tensor"
+"""Tensor-parallel text generation over a preallocated KV cache, one prompt or a batch:
+what `model.generate(...)` of the Python API runs (`tpkit.load(path, mesh)` gives the
+model). The commands `tpkit generate` and `tpkit serve` run on `tpkit.serve.Engine`.
 
 Each prompt gets its own slot of a `KVPool` (`tpkit.model.kv_pool`): each rank keeps
 the keys and values of *its own* heads only, split over tp exactly like the qkv
@@ -29,7 +29,7 @@ from tpkit.model.kv_pool import decode as decode_slots
 from tpkit.model.sampling import sample
 from tpkit.spec.errors import UserError
 
-__all__ = ["PP_ERROR", "generate", "pad_left", "pick"]
+__all__ = ["PP_ERROR", "generate", "pad_left"]
 
 
 def pad_left(prompts: list[list[int]], pad_id: int = 0, device=None
@@ -87,10 +87,3 @@ def generate(model: nn.Module, ids: torch.Tensor, max_new_tokens: int, *,
             if bool(done.all()):
                 break
     return out
-
-
-def pick(logits: torch.Tensor, temperature: float, top_k: int | None,
-         gen: torch.Generator) -> torch.Tensor:
-    """Next token [b, 1] from full logits [b, V] (`tpkit.model.sampling.sample`)."""
-    return sample(logits, temperature, top_k, None, gen)
-

@@ -136,10 +136,6 @@ class FlatUnit:
         return self.flat.untyped_storage()
 
     # -- gradients -------------------------------------------------------------------------
-    def has_grads(self) -> bool:
-        """Did some parameter of the unit receive a gradient since the last reduce?"""
-        return any(p.grad is not None for p in self.params)
-
     @torch.no_grad()
     def reduce(self, scope: str) -> None:
         """tp sums, then reduce-scatter the packed gradients over dp, averaged, into the

@@ -97,16 +97,6 @@ def mlp(b: int, s: int, h: int, tp: int, sp: bool = False) -> list[Expect]:
     return parallel_block(b, s, h, tp, sp)
 
 
-def column_column_mlp(b: int, s: int, h: int, ffn: int, tp: int) -> list[Expect]:
-    """Both matrices split by columns (quiz answer 2's wrong option): fc1's output must
-    be all-gathered before fc2 can use it (b*s*ffn), fc2's output gathered again
-    (b*s*h), and backward both replicated inputs need their gradients all-reduced."""
-    if tp == 1:
-        return []
-    return [Expect("all_gather", "forward", b * s * ffn), Expect("all_gather", "forward", b * s * h),
-            Expect("all_reduce", "backward", b * s * ffn), Expect("all_reduce", "backward", b * s * h)]
-
-
 def attention(b: int, s: int, h: int, tp: int, sp: bool = False) -> list[Expect]:
     """Heads split over tp: the same traffic as the MLP."""
     return parallel_block(b, s, h, tp, sp)
