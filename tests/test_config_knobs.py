@@ -90,4 +90,4 @@ def test_files_written_before_still_read():
 def test_every_knob_has_a_flag_and_help():
     flags = [k.option for k in knobs(TrainConfig)]
     assert len(set(flags)) == len(flags) and all(k.help for k in knobs(TrainConfig))
-    assert "--no-progress" in flags
+    assert "--no-progress" in flags and "--trackers" in flags and "--log" not in flags

@@ -3,7 +3,7 @@
     tpkit train --preset gpt2-tiny --tp 2 --pp 2 --steps 300          # 4 local gloo processes
     torchrun --nnodes 2 --nproc_per_node 8 -m tpkit train --tp 8 --pp 2 ...   # one per GPU
 
-Without RANK in the environment the command spawns `--nproc` (default tp*pp*dp*cp)
+Without RANK in the environment the command spawns `--processes` (default tp*pp*dp*cp)
 local gloo processes with `tpkit.launch.spawn`; under torchrun every process runs
 the loop on the mesh from the environment (tp innermost: a tp group stays on one
 node; a layout that breaks that is warned about, with the reason). Configuration
@@ -52,7 +52,7 @@ def add_arguments(parser: argparse.ArgumentParser, cls: type | None = None) -> N
                      help="print the effective config (defaults, --config, flags) as TOML, "
                           "checked as a run checks it, and exit")
     group(parser, "parallelism").add_argument(
-        "--nproc", type=int, metavar="N",
+        "--processes", type=int, metavar="N",
         help="local processes to spawn (default: tp*pp*dp*cp; under torchrun: its own)")
     add_comm_argument(group(parser, "parallelism"))
     group(parser, "checkpoint").add_argument(
@@ -107,7 +107,7 @@ def flops_per_token(cfg: TrainConfig) -> float:
 
 
 def trackers(cfg: TrainConfig, mesh):
-    """The run's trackers (`--log`), with MFU's numerator and, when this device has a
+    """The run's trackers (`--trackers`), with MFU's numerator and, when this device has a
     known profile (a GPU the planner knows, a CPU after `tpkit calibrate`), its peak."""
     from tpkit.plan.hardware import profile_of_device
     from tpkit.train.trackers import Trackers
@@ -137,9 +137,9 @@ def run(args: argparse.Namespace) -> int:
     """Train; 0 on success. A configuration, data or checkpoint error raises UserError
     (one line on stderr and exit status 2, from `tpkit.cli`), before any process starts."""
     torchrun = "RANK" in os.environ and "WORLD_SIZE" in os.environ
-    world = int(os.environ["WORLD_SIZE"]) if torchrun else args.nproc
+    world = int(os.environ["WORLD_SIZE"]) if torchrun else args.processes
     if world is not None and world < 1:
-        raise UserError(f"--nproc={world} must be a positive number of processes")
+        raise UserError(f"--processes={world} must be a positive number of processes")
     cfg = config_from_args(args, world)
     cfg.check(world or cfg.world_size)
     if args.print_config:

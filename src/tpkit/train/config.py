@@ -142,8 +142,8 @@ class TrainConfig:
                             path=True)
     log: str = LOGGING.knob(
         "auto", "experiment trackers, comma-separated: tensorboard, wandb, mlflow, trackio "
-        "(offline, under --out), or none; auto: tensorboard when it is installed",
-        metavar="LIST", check=_trackers_check)
+        "(offline, under --out), or none; auto: tensorboard when it is installed (the key "
+        "log of a --config file)", flag="--trackers", metavar="LIST", check=_trackers_check)
     trace: str | None = LOGGING.knob(
         None, "write the last step's per-rank timeline here: trace.json (Perfetto / "
         "chrome://tracing) and step.png (also copied into the run folder) (default: none)",
