@@ -2,12 +2,12 @@
 `Section.knob`, with its default, help, choices, checks and resume rule; its type is
 the field's annotation. Everything else is generated from the declarations:
 
-    OPTIMIZER = Section("optimizer", "AdamW and its learning rate schedule")
-    lr: float = OPTIMIZER.knob(3e-3, "peak learning rate", check=POSITIVE)
+    OPTIMIZER = Section("optimizer", "AdamW and its learning rate")
+    warmup: int = OPTIMIZER.knob(10, "warmup steps", check=COUNT)     # in TrainConfig
 
-    tpkit train --help         a group per section, titled by its name: --lr X  peak ...
-    [optimizer] lr = 3e-3      the TOML section (`tpkit.train.config_file`)
-    lr=0.0 must be positive    `problems` of a value (type, choices, check)
+    tpkit train --help                   optimizer:   --warmup N  warmup steps (default: 10)
+    [optimizer] warmup = 10              its key in a file (`tpkit.train.config_file`)
+    warmup=-1 must be an integer >= 0    its check (`TrainConfig.problems`, exit 2)
 
 A bool knob is a flag: --name when its default is False, --no-name when True.
 """
@@ -99,8 +99,8 @@ class Knob:
 
     def typed(self, value):
         """`value` as this knob holds it: an integer given for a float knob, a float."""
-        return float(value) if self.kind is float and self.fits(value) and value is not None \
-            else value
+        exact = self.kind is not float or value is None or not self.fits(value)
+        return value if exact else float(value)
 
     def type_problem(self, value) -> str | None:
         """'name='five' is not an integer' when `value` is not of this knob's type."""
