@@ -50,8 +50,8 @@ def _cases(root: Path, port: int) -> list[tuple[list[str], str]]:
     return [
         (["train", "--tp", "two"], "argument --tp: invalid int value: 'two'"),
         (["train", "--no-such-flag"], "unrecognized arguments: --no-such-flag"),
-        (train + ["--nproc", "0"], "--nproc=0 must be a positive number"),
-        (train + ["--nproc", "-1"], "--nproc=-1 must be a positive number"),
+        (train + ["--processes", "0"], "--processes=0 must be a positive number"),
+        (train + ["--processes", "-1"], "--processes=-1 must be a positive number"),
         (train + ["--warmup", "-1"], "warmup=-1 must be an integer >= 0"),
         (train + ["--ckpt-every", "-1"], "ckpt_every=-1 must be an integer >= 0"),
         (train + ["--clip", "-1"], "clip=-1.0 must be a number >= 0"),

@@ -13,8 +13,8 @@ import pytest
 
 from tpkit.cli import main
 from tpkit.spec.errors import UserError
-from tpkit.train.config import TrainConfig
-from tpkit.train.config_file import SECTIONS, read_toml, resume_changes, to_toml
+from tpkit.train.config import SECTIONS, TrainConfig
+from tpkit.train.config_file import read_toml, resume_changes, to_toml
 
 EXAMPLES = Path(__file__).resolve().parents[1] / "examples"
 
@@ -74,9 +74,9 @@ def test_resume_names_the_changes_and_refuses_another_model():
 def test_the_run_folder_keeps_its_config_and_a_resume_says_what_changed(tmp_path, capsys):
     out = tmp_path / "run"
     argv = ["train", "--steps", "2", "--seq", "16", "--global-batch", "2", "--warmup", "1",
-            "--val-fraction", "0", "--no-progress", "--log", "none", "--out", str(out)]
+            "--val-fraction", "0", "--no-progress", "--trackers", "none", "--out", str(out)]
     assert main(argv) == 0
-    kept = read_toml(out / "config.toml", {f.name for f in fields(TrainConfig)})
+    kept = read_toml(out / "config.toml", TrainConfig)
     assert kept["steps"] == 2 and kept["seq"] == 16 and kept["out"] == str(out)
     capsys.readouterr()
     assert main(argv[:2] + ["3", "--lr", "1e-3", "--resume", str(out)] + argv[3:]) == 0

@@ -1,4 +1,4 @@
-"""Clean shutdown and dead ranks, through the real `tpkit train --nproc 4` (tp=2 x pp=2).
+"""Clean shutdown and dead ranks, through the real `tpkit train --processes 4` (tp=2 x pp=2).
 
 - SIGTERM, SIGHUP, SIGINT to the launcher only: it kills and waits for its workers and
   exits with 128 + the signal; SIGKILL to the launcher: each worker notices its lifeline

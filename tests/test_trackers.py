@@ -92,7 +92,7 @@ def test_wandb_mlflow_trackio_offline_get_the_losses(tmp_path, monkeypatch, caps
     out = tmp_path / "run"
     assert main(["train", "--steps", "2", "--seq", "16", "--global-batch", "2", "--warmup", "1",
                  "--val-fraction", "0", "--no-progress", "--out", str(out),
-                 "--log", "wandb,mlflow,trackio"]) == 0
+                 "--trackers", "wandb,mlflow,trackio"]) == 0
     losses = [r["loss"] for r in _rows(out)]
     (record,) = (out / "wandb").glob("offline-run-*/run-*.wandb")
     assert b"train/loss" in record.read_bytes()

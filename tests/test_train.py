@@ -93,7 +93,7 @@ def test_toml_config_mirrors_flags(tmp_path):
     cfg = config_from_args(parser.parse_args(["--config", str(toml), "--lr", "2e-3"]), None)
     assert (cfg.preset, cfg.tp, cfg.pp, cfg.micro_batches, cfg.zero1, cfg.schedule, cfg.lr) == \
         ("llama-tiny", 2, 2, 4, True, "gpipe", 2e-3)  # the flag overrides the file
-    cfg = config_from_args(parser.parse_args(["--tp", "2", "--nproc", "8"]), 8)
+    cfg = config_from_args(parser.parse_args(["--tp", "2", "--processes", "8"]), 8)
     assert cfg.dp == 4  # what the processes leave over
     toml.write_text("tp = 2\nmicro_batchez = 4\n")
     with pytest.raises(ValueError, match="unknown key .micro_batchez.; did you mean .micro_batches."):

@@ -1,4 +1,4 @@
-"""What the options of every `tpkit` command share: the headings they are listed under,
+"""What the options of every `tpkit` command share: the groups they are listed under,
 a help formatter that shows each default (and choices as {a,b,c}), and the close-match
 suggestion for a misspelt command, flag or choice.
 
@@ -16,25 +16,16 @@ import difflib
 import re
 from collections.abc import Iterable
 
-HEADINGS = {  # key -> the heading printed by --help, in this order
-    "model": "model",
-    "parallelism": "parallelism",
-    "batch": "batch and optimizer",
-    "data": "data",
-    "checkpoints": "checkpoints",
-    "logging": "logging and output",
-    "reliability": "reliability",
-}
 
-
-def group(parser: argparse.ArgumentParser, key: str) -> argparse._ArgumentGroup:
-    """The argument group of heading `key` (a key of HEADINGS, or a heading of its own),
-    created on first use: several modules may add flags under one heading."""
-    title = HEADINGS.get(key, key)
+def group(parser: argparse.ArgumentParser, title: str, about: str | None = None
+          ) -> argparse._ArgumentGroup:
+    """The argument group headed `title`, created on first use (with the line `about`
+    under it): several modules may add flags under one heading. `tpkit train`'s are the
+    sections of its config ([model], [parallelism], ...), which the other commands share."""
     for g in parser._action_groups:
         if g.title == title:
             return g
-    return parser.add_argument_group(title)
+    return parser.add_argument_group(title, about)
 
 
 def add_pool_arguments(g: argparse._ArgumentGroup, max_batch: int | None, batch_help: str

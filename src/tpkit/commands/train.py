@@ -3,7 +3,7 @@
     tpkit train --preset gpt2-tiny --tp 2 --pp 2 --steps 300          # 4 local gloo processes
     torchrun --nnodes 2 --nproc_per_node 8 -m tpkit train --tp 8 --pp 2 ...   # one per GPU
 
-Without RANK in the environment the command spawns `--nproc` (default tp*pp*dp)
+Without RANK in the environment the command spawns `--processes` (default tp*pp*dp*cp)
 local gloo processes with `tpkit.launch.spawn`; under torchrun every process runs
 the loop on the mesh from the environment (tp innermost: a tp group stays on one
 node; a layout that breaks that is warned about, with the reason). Configuration
@@ -17,126 +17,45 @@ import os
 import sys
 from collections.abc import Iterator
 from contextlib import ExitStack, contextmanager
-from dataclasses import fields
 from pathlib import Path
 from typing import TYPE_CHECKING
 
-from tpkit.commands.common import HEADINGS, group, says_default, shown
-from tpkit.parallel.schedules import SCHEDULES
+from tpkit.commands.common import group, says_default, shown
 from tpkit.spec.errors import UserError
-from tpkit.spec.theory import FSDP_RESHARD
 from tpkit.spec.transport import add_comm_argument, comm_choice
-from tpkit.train.config import DTYPES, NONFINITE_POLICIES, TrainConfig
+from tpkit.train.config import TrainConfig
 from tpkit.train.config_file import (
     read_toml,
     resume_changes,
     saved_config,
-    section_of,
     to_toml,
     write_run_config,
 )
+from tpkit.train.config_knobs import Knob, knobs, sections
 from tpkit.train.run_log import report_file
 
 if TYPE_CHECKING:
     from tpkit.train.report import RunSummary
 
-_FLAGS = {  # field -> (type, 'store_true' or a tuple of choices; help); heading: its section
-    "preset": (str, "model preset (`tpkit presets` lists them)"),
-    "from_hf": (str, "fine-tune a Hugging Face model folder (its config, weights; its "
-                     "tokenizer goes into the checkpoints) (default: none, the preset)"),
-    "tp": (int, "tensor-parallel size"), "pp": (int, "pipeline stages"),
-    "dp": (int, "data-parallel replicas (default: what the processes leave over)"),
-    "steps": (int, "optimizer steps"),
-    "micro_batches": (int, "micro-batches per step and replica"),
-    "global_batch": (int, "sequences per step, all replicas together"),
-    "seq": (int, "sequence length"), "lr": (float, "peak learning rate"),
-    "min_lr": (float, "final learning rate (default: lr/10)"),
-    "warmup": (int, "warmup steps"), "weight_decay": (float, "AdamW weight decay"),
-    "clip": (float, "clip the global gradient norm to this (0: off)"),
-    "sp": ("store_true", "sequence parallelism"),
-    "zero1": ("store_true", "shard the optimizer state over dp (ZeRO-1)"),
-    "zero2": ("store_true", "shard the gradients and the optimizer state over dp, weights "
-                            "replicated (ZeRO-2): each micro-batch's gradients are "
-                            "reduce-scattered in buckets as backward finishes them"),
-    "fsdp": ("store_true", "fully sharded data parallel (ZeRO-3): weights, gradients and "
-                           "optimizer state sharded over dp, one flat unit per layer, "
-                           "all-gathered just before use (composes with --tp and --pp)"),
-    "cp": (int, "context-parallel ranks per sequence: load-balanced chunks, ring attention "
-                "(k/v passed point-to-point); the processes are tp*pp*dp*cp"),
-    "fsdp_reshard": (FSDP_RESHARD, "with --fsdp, when gathered weights are freed: after-forward "
-                                   "(gathered again for backward) or after-step (kept for the "
-                                   "step: one gather and one reduce-scatter per step)"),
-    "schedule": (tuple(SCHEDULES), "pipeline schedule"),
-    "virtual_stages": (int, "model chunks per stage, for --schedule interleaved"),
-    "dtype": (DTYPES, "compute dtype (bfloat16: autocast)"),
-    "recompute": ("store_true", "recompute activations in backward"),
-    "master_weights": ("store_true", "with --dtype bfloat16: bf16 weights and activations, fp32 "
-                                     "master weights and gradient sums (Megatron's recipe)"),
-    "compile": ("store_true", "torch.compile each transformer block (collectives stay eager, "
-                              "as graph breaks); prints the compile time"),
-    "compile_backend": (str, "torch.compile backend for --compile"),
-    "loss_chunk": (int, "head + cross-entropy this many tokens at a time: the logits of the "
-                        "whole micro-batch never exist (0: off)"),
-    "data": (str, "text file, directory of .txt, .bin of uint16 tokens, or a `tpkit "
-                  "prepare-data` folder (default: Python's own documentation, embedded)"),
-    "val_fraction": (float, "held-out fraction of the data"),
-    "eval_every": (int, "validation every N steps"),
-    "ckpt_every": (int, "checkpoint every N steps (and always at the end; 0: only there)"),
-    "out": (str, "the run folder (config.toml, metrics.jsonl, loss.png, checkpoints/, tb/)"),
-    "log": (str, "experiment trackers, comma-separated: tensorboard, wandb, mlflow, trackio "
-                 "(offline, under --out), or none; auto: tensorboard when it is installed"),
-    "seed": (int, "seed of weights and data order"),
-    "trace": (str, "write the last step's per-rank timeline here: trace.json (Perfetto / "
-                   "chrome://tracing) and step.png (also copied into the run folder) "
-                   "(default: none)"),
-    "resume": (str, "continue from a checkpoint, or a run folder (its latest valid one); "
-                    "auto: from the newest valid checkpoint in --out if there is one "
-                    "(restarts) (default: none, a new run)"),
-    "keep_checkpoints": (int, "newest complete checkpoints to keep (0: all)"),
-    "check_replicas": (int, "every N steps, check that replicated parameters are identical "
-                            "on every tp rank (0: off)"),
-    "collective_timeout": (float, "seconds a collective may wait for a dead or stuck rank "
-                                  "before the run stops, naming it"),
-    "on_nonfinite": (NONFINITE_POLICIES, "a NaN/inf loss or gradient norm: stop the run "
-                                         "(exit 1, naming the step) or skip the step's update"),
-    "nonfinite_skips": (int, "with --on-nonfinite skip: stop after this many non-finite "
-                             "steps in a row"),
-}
-_METAVARS = {"preset": "NAME", "from_hf": "DIR", "compile_backend": "NAME", "data": "PATH",
-             "out": "DIR", "log": "LIST", "trace": "DIR", "resume": "PATH"}
-_HEADING = {"model": "model", "parallelism": "parallelism", "training": "batch",
-            "optimizer": "batch", "data": "data", "checkpoint": "checkpoints",
-            "logging": "logging", "reliability": "reliability"}  # TOML section -> heading
 
-
-def add_arguments(parser: argparse.ArgumentParser) -> None:
-    """The flags of `tpkit train` (each mirrors a TrainConfig field and TOML key), under
-    the headings of `tpkit.commands.common`, each with the field's default."""
-    defaults = {f.name: f.default for f in fields(TrainConfig)}
-    for key in HEADINGS:  # the headings in their order, whoever adds to them later
-        group(parser, key)
-    for name, (kind, text) in _FLAGS.items():
-        flag, where = "--" + name.replace("_", "-"), group(parser, _HEADING[section_of(name)])
-        if defaults[name] is not None and not says_default(text) and kind != "store_true":
-            text += f" (default: {shown(defaults[name])})"
-        if kind == "store_true":
-            where.add_argument(flag, action="store_true", default=argparse.SUPPRESS, help=text)
-        elif isinstance(kind, tuple):
-            where.add_argument(flag, choices=kind, default=argparse.SUPPRESS, help=text)
-        else:
-            where.add_argument(flag, type=kind, default=argparse.SUPPRESS, help=text,
-                               metavar=_METAVARS.get(name, "N" if kind is int else "X"))
+def add_arguments(parser: argparse.ArgumentParser, cls: type | None = None) -> None:
+    """The flags of `tpkit train`: one per knob of TrainConfig (or `cls`), in a group per
+    section titled by its name, each help with its default; then the command's own."""
+    cls = cls or TrainConfig
+    for name, ks in sections(cls).items():
+        where = group(parser, name, ks[0].section.about)
+        for k in ks:
+            _add_knob(where, k)
     parser.add_argument("--config", help="TOML file, sectioned ([model], [parallelism], ...) or "
                                       "flat; the flags given override it (default: none)")
     parser.add_argument("--print-config", action="store_true",
-                     help="print the effective config (defaults, --config, flags) as TOML "
-                          "and exit")
+                     help="print the effective config (defaults, --config, flags) as TOML, "
+                          "checked as a run checks it, and exit")
     group(parser, "parallelism").add_argument(
-        "--nproc", type=int, help="local processes to spawn (default: tp*pp*dp)")
+        "--processes", type=int, metavar="N",
+        help="local processes to spawn (default: tp*pp*dp*cp; under torchrun: its own)")
     add_comm_argument(group(parser, "parallelism"))
-    group(parser, "logging").add_argument("--no-progress", action="store_true",
-                                          help="no progress bar")
-    group(parser, "checkpoints").add_argument(
+    group(parser, "checkpoint").add_argument(
         "--overwrite", action="store_true",
         help="delete the checkpoints of an earlier run in --out first")
     group(parser, "reliability").add_argument(
@@ -145,13 +64,28 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
              "every local rank) is more than the machine or its cgroup offers")
 
 
+def _add_knob(where: argparse._ArgumentGroup, k: Knob) -> None:
+    """The flag of knob `k`: given, it overrides the file (default: SUPPRESS)."""
+    flag, text = k.option, k.help
+    if k.kind is bool:
+        where.add_argument(flag, dest=k.name, action="store_false" if k.default else
+                           "store_true", default=argparse.SUPPRESS, help=text)
+        return
+    if k.default is not None and not says_default(text):
+        text += f" (default: {shown(k.default)})"
+    if k.choices is not None:
+        where.add_argument(flag, dest=k.name, choices=k.choices, default=argparse.SUPPRESS,
+                           help=text)
+    else:
+        where.add_argument(flag, dest=k.name, type=k.kind, default=argparse.SUPPRESS,
+                           help=text, metavar=k.metavar or ("N" if k.kind is int else "X"))
+
+
 def config_from_args(args: argparse.Namespace, world: int | None) -> TrainConfig:
     """TrainConfig from the TOML file (if any) overridden by the flags given."""
-    names = {f.name for f in fields(TrainConfig)}
+    names = {k.name for k in knobs(TrainConfig)}
     given = {k: v for k, v in vars(args).items() if k in names}
-    if getattr(args, "no_progress", False):
-        given["progress"] = False
-    from_file = read_toml(args.config, names) if getattr(args, "config", None) else {}
+    from_file = read_toml(args.config, TrainConfig) if getattr(args, "config", None) else {}
     cfg = TrainConfig(**{**from_file, **given})
     rest = cfg.tp * cfg.pp * cfg.cp
     if "dp" not in given and "dp" not in from_file and world and world % rest == 0:
@@ -173,7 +107,7 @@ def flops_per_token(cfg: TrainConfig) -> float:
 
 
 def trackers(cfg: TrainConfig, mesh):
-    """The run's trackers (`--log`), with MFU's numerator and, when this device has a
+    """The run's trackers (`--trackers`), with MFU's numerator and, when this device has a
     known profile (a GPU the planner knows, a CPU after `tpkit calibrate`), its peak."""
     from tpkit.plan.hardware import profile_of_device
     from tpkit.train.trackers import Trackers
@@ -203,15 +137,15 @@ def run(args: argparse.Namespace) -> int:
     """Train; 0 on success. A configuration, data or checkpoint error raises UserError
     (one line on stderr and exit status 2, from `tpkit.cli`), before any process starts."""
     torchrun = "RANK" in os.environ and "WORLD_SIZE" in os.environ
-    world = int(os.environ["WORLD_SIZE"]) if torchrun else args.nproc
+    world = int(os.environ["WORLD_SIZE"]) if torchrun else args.processes
     if world is not None and world < 1:
-        raise UserError(f"--nproc={world} must be a positive number of processes")
+        raise UserError(f"--processes={world} must be a positive number of processes")
     cfg = config_from_args(args, world)
+    cfg.check(world or cfg.world_size)
     if args.print_config:
         print(to_toml(cfg, "the effective configuration: defaults, --config, then the flags"),
               end="")
         return 0
-    cfg.check(world or cfg.world_size)
     fresh = not cfg.resume  # "auto" with nothing to resume is no fresh run either
     cfg = cfg.with_(resume=resume_dir(cfg))  # chosen once, here
     _say_resume_changes(cfg)

@@ -4,7 +4,7 @@
     tpkit 0.1.0 (python 3.11.7)
       torch          2.13.0+cpu
       transformers   5.24.0
-      tensorboard    2.21.0          (--log tensorboard)
+      tensorboard    2.21.0          (--trackers tensorboard)
       ...
     transports:
       gloo           available (CPU processes)
@@ -25,8 +25,8 @@ from importlib import metadata
 
 PACKAGES = (  # (distribution, what needs it)
     ("torch", ""), ("transformers", "--from-hf, tokenizers"),
-    ("tensorboard", "--log tensorboard"), ("wandb", "--log wandb"),
-    ("mlflow", "--log mlflow"), ("trackio", "--log trackio"),
+    ("tensorboard", "--trackers tensorboard"), ("wandb", "--trackers wandb"),
+    ("mlflow", "--trackers mlflow"), ("trackio", "--trackers trackio"),
     ("pyarrow", "prepare-data .parquet"), ("datasets", "prepare-data of a save_to_disk folder"),
 )
 

@@ -9,69 +9,161 @@ any process starts), each error naming the numbers:
 
 from __future__ import annotations
 
-from dataclasses import asdict, dataclass, fields, replace
+from dataclasses import asdict, dataclass, replace
 from functools import cached_property
 from pathlib import Path
 
 from tpkit.comm.failure import DEFAULT_COLLECTIVE_TIMEOUT_S
+from tpkit.parallel.schedules import CHUNKED, SCHEDULES, schedule_problems
 from tpkit.spec.errors import UserError
 from tpkit.spec.shapes import chunks_problem, interleave_problem
+from tpkit.spec.theory import FSDP_RESHARD
+from tpkit.train.config_knobs import (
+    AT_LEAST_0,
+    COUNT,
+    POSITIVE_INT,
+    Check,
+    Section,
+    knob_problems,
+    sections,
+)
 
 DTYPES = ("float32", "bfloat16")
 NONFINITE_POLICIES = ("stop", "skip")  # what a NaN/inf step does (tpkit.train.nonfinite)
 
+MODEL = Section("model", "what is trained, and how it computes")
+PARALLEL = Section("parallelism", "the layout: tp*pp*dp*cp processes")
+TRAINING = Section("training", "steps and batch")
+OPTIMIZER = Section("optimizer", "AdamW and its learning rate")
+DATA = Section("data", "the text, and the validation held out of it")
+CHECKPOINT = Section("checkpoint", "when checkpoints are written, how many are kept, resume")
+LOGGING = Section("logging", "the run folder and what it records")
+RELIABILITY = Section("reliability", "checks and failures")
+ANOTHER_MODEL = "another model"
+
+
+def _trackers_check(name: str, value: str) -> list[str]:
+    from tpkit.train.trackers import problems
+
+    return problems(value)
+
 
 @dataclass(frozen=True)
 class TrainConfig:
-    """A training run: model, layout, batch, optimizer, data, outputs."""
+    """A training run: each field a knob (`tpkit.train.config_knobs`), which is also its
+    flag, TOML key and --help line, in its section."""
 
-    preset: str = "gpt2-tiny"
-    from_hf: str | None = None  # a Hugging Face model folder to fine-tune (instead of preset)
-    tp: int = 1
-    pp: int = 1
-    dp: int = 1
-    steps: int = 100
-    micro_batches: int = 1  # per step and dp replica (pipeline micro-batches / accumulation)
-    global_batch: int = 8  # sequences per step, all replicas together
-    seq: int = 64
-    lr: float = 3e-3
-    min_lr: float | None = None  # None: lr / 10
-    warmup: int = 10
-    weight_decay: float = 0.1
-    beta2: float = 0.95
-    clip: float = 1.0  # 0: no clipping
-    sp: bool = False  # sequence parallelism
-    zero1: bool = False
-    zero2: bool = False  # gradients and AdamW state sharded over dp (tpkit.parallel.zero2)
-    fsdp: bool = False  # weights too, one flat unit per layer (tpkit.parallel.fsdp)
-    fsdp_reshard: str = "after-forward"  # or after-step: keep gathered weights for the step
-    cp: int = 1  # context parallel: each sequence over cp ranks, ring attention
-    schedule: str = "1f1b"  # a key of tpkit.parallel.schedules.SCHEDULES
-    virtual_stages: int = 1  # model chunks per stage (interleaved 1F1B)
-    dtype: str = "float32"  # bfloat16: autocast of the forward
-    recompute: bool = False
-    master_weights: bool = False  # with dtype bfloat16: bf16 model, fp32 masters (train/master)
-    compile: bool = False  # torch.compile each transformer block (collectives: graph breaks)
-    compile_backend: str = "inductor"
-    loss_chunk: int = 0  # > 0: head + cross-entropy this many tokens at a time (chunked loss)
-    data: str | None = None  # None: the embedded corpus (Python's own documentation)
-    val_fraction: float = 0.05
-    eval_every: int = 50
-    eval_batches: int = 2
-    ckpt_every: int = 0  # 0: only at the end
-    keep_checkpoints: int = 3  # newest complete checkpoints kept in out/checkpoints (0: all)
-    check_replicas: int = 0  # every N steps: replicated parameters equal on every tp rank
-    out: str = "runs/train"
-    log: str = "auto"  # trackers: tensorboard,wandb,mlflow,trackio | none | auto (train/trackers)
-    seed: int = 0
-    trace: str | None = None  # a folder: the last step's per-rank timeline (tpkit.train.trace)
-    resume: str | None = None  # a checkpoint directory (`tpkit train` resolves a run folder, "auto")
-    collective_timeout: float = DEFAULT_COLLECTIVE_TIMEOUT_S  # s a collective may wait
-    on_nonfinite: str = "stop"  # a NaN/inf loss or grad norm: stop the run, or skip the step
-    nonfinite_skips: int = 3  # with on_nonfinite="skip": stop after this many in a row
-    progress: bool = True
-    plot: bool = True
-    checkpoint: bool = True
+    preset: str = MODEL.knob("gpt2-tiny", "model preset (`tpkit presets` lists them)",
+                             metavar="NAME", fixed=ANOTHER_MODEL)
+    from_hf: str | None = MODEL.knob(
+        None, "fine-tune a Hugging Face model folder (its config, weights; its tokenizer "
+        "goes into the checkpoints) (default: none, the preset)", metavar="DIR", path=True,
+        fixed=ANOTHER_MODEL)
+    dtype: str = MODEL.knob("float32", "compute dtype (bfloat16: autocast)", choices=DTYPES)
+    master_weights: bool = MODEL.knob(
+        False, "with --dtype bfloat16: bf16 weights and activations, fp32 master weights "
+        "and gradient sums (Megatron's recipe)")
+    recompute: bool = MODEL.knob(False, "recompute activations in backward")
+    compile: bool = MODEL.knob(False, "torch.compile each transformer block (collectives "
+                                      "stay eager, as graph breaks); prints the compile time")
+    compile_backend: str = MODEL.knob("inductor", "torch.compile backend for --compile",
+                                      metavar="NAME")
+    loss_chunk: int = MODEL.knob(
+        0, "head + cross-entropy this many tokens at a time: the logits of the whole "
+        "micro-batch never exist (0: off)",
+        check=Check(lambda v: v >= 0, "must be 0 (off) or a positive number of tokens"))
+
+    tp: int = PARALLEL.knob(1, "tensor-parallel size", check=POSITIVE_INT)
+    pp: int = PARALLEL.knob(1, "pipeline stages", check=POSITIVE_INT)
+    dp: int = PARALLEL.knob(1, "data-parallel replicas (default: what the processes leave "
+                               "over)", check=POSITIVE_INT)
+    sp: bool = PARALLEL.knob(False, "sequence parallelism")
+    zero1: bool = PARALLEL.knob(False, "shard the optimizer state over dp (ZeRO-1)")
+    zero2: bool = PARALLEL.knob(
+        False, "shard the gradients and the optimizer state over dp, weights replicated "
+        "(ZeRO-2): each micro-batch's gradients are reduce-scattered in buckets as "
+        "backward finishes them")
+    fsdp: bool = PARALLEL.knob(
+        False, "fully sharded data parallel (ZeRO-3): weights, gradients and optimizer "
+        "state sharded over dp, one flat unit per layer, all-gathered just before use "
+        "(composes with --tp and --pp)")
+    fsdp_reshard: str = PARALLEL.knob(
+        "after-forward", "with --fsdp, when gathered weights are freed: after-forward "
+        "(gathered again for backward) or after-step (kept for the step: one gather and "
+        "one reduce-scatter per step)", choices=FSDP_RESHARD)
+    cp: int = PARALLEL.knob(1, "context-parallel ranks per sequence: load-balanced chunks, "
+                               "ring attention (k/v passed point-to-point); the processes "
+                               "are tp*pp*dp*cp", check=POSITIVE_INT)
+    schedule: str = PARALLEL.knob("1f1b", "pipeline schedule", choices=SCHEDULES)
+    virtual_stages: int = PARALLEL.knob(
+        1, "model chunks per stage, for --schedule interleaved", check=POSITIVE_INT)
+
+    steps: int = TRAINING.knob(100, "optimizer steps", check=POSITIVE_INT)
+    micro_batches: int = TRAINING.knob(  # pipeline micro-batches / gradient accumulation
+        1, "micro-batches per step and replica", check=POSITIVE_INT)
+    global_batch: int = TRAINING.knob(8, "sequences per step, all replicas together",
+                                      check=POSITIVE_INT)
+    seq: int = TRAINING.knob(64, "sequence length", check=POSITIVE_INT,
+                             fixed="the data loader's windows")
+    seed: int = TRAINING.knob(0, "seed of weights and data order",
+                              fixed="the data loader's order")
+
+    lr: float = OPTIMIZER.knob(3e-3, "peak learning rate", check=Check(  # AdamW's step
+        lambda v: 0 < v < 1e30, "must be positive and below 1e30"))  # lr/(1-beta1^t): float32
+    min_lr: float | None = OPTIMIZER.knob(None, "final learning rate (default: lr/10)",
+                                          check=AT_LEAST_0)
+    warmup: int = OPTIMIZER.knob(10, "warmup steps", check=COUNT)
+    weight_decay: float = OPTIMIZER.knob(0.1, "AdamW weight decay", check=AT_LEAST_0)
+    beta2: float = OPTIMIZER.knob(0.95, "AdamW's beta2")
+    clip: float = OPTIMIZER.knob(1.0, "clip the global gradient norm to this (0: off)",
+                                 check=AT_LEAST_0)
+
+    data: str | None = DATA.knob(
+        None, "text file, directory of .txt, .bin of uint16 tokens, or a `tpkit "
+        "prepare-data` folder (default: Python's own documentation, embedded)",
+        metavar="PATH", path=True, fixed="the data loader's position")
+    val_fraction: float = DATA.knob(0.05, "held-out fraction of the data", check=Check(
+        lambda v: 0.0 <= v < 1.0, "must be in [0, 1)"), fixed="the data loader's windows")
+    eval_every: int = DATA.knob(50, "validation every N steps", check=COUNT)
+    eval_batches: int = DATA.knob(2, "batches per validation", check=COUNT)
+
+    ckpt_every: int = CHECKPOINT.knob(
+        0, "checkpoint every N steps (and always at the end; 0: only there)", check=COUNT)
+    keep_checkpoints: int = CHECKPOINT.knob(
+        3, "newest complete checkpoints to keep (0: all)", check=COUNT)
+    resume: str | None = CHECKPOINT.knob(  # `tpkit train` resolves it to a checkpoint folder
+        None, "continue from a checkpoint, or a run folder (its latest valid one); auto: "
+        "from the newest valid checkpoint in --out if there is one (restarts) (default: "
+        "none, a new run)", metavar="PATH", path=True, noted=False)
+    checkpoint: bool = CHECKPOINT.knob(True, "write no checkpoint, not even the last")
+
+    out: str = LOGGING.knob("runs/train", "the run folder (config.toml, metrics.jsonl, "
+                                          "loss.png, checkpoints/, tb/)", metavar="DIR",
+                            path=True)
+    log: str = LOGGING.knob(
+        "auto", "experiment trackers, comma-separated: tensorboard, wandb, mlflow, trackio "
+        "(offline, under --out), or none; auto: tensorboard when it is installed (the key "
+        "log of a --config file)", flag="--trackers", metavar="LIST", check=_trackers_check)
+    trace: str | None = LOGGING.knob(
+        None, "write the last step's per-rank timeline here: trace.json (Perfetto / "
+        "chrome://tracing) and step.png (also copied into the run folder) (default: none)",
+        metavar="DIR", path=True)
+    progress: bool = LOGGING.knob(True, "no progress bar", noted=False)
+    plot: bool = LOGGING.knob(True, "no loss.png", noted=False)
+
+    check_replicas: int = RELIABILITY.knob(
+        0, "every N steps, check that replicated parameters are identical on every tp rank "
+        "(0: off)", check=COUNT)
+    collective_timeout: float = RELIABILITY.knob(
+        DEFAULT_COLLECTIVE_TIMEOUT_S, "seconds a collective may wait for a dead or stuck "
+        "rank before the run stops, naming it",
+        check=Check(lambda v: v > 0, "must be a positive number of seconds"))
+    on_nonfinite: str = RELIABILITY.knob(
+        "stop", "a NaN/inf loss or gradient norm: stop the run (exit 1, naming the step) or "
+        "skip the step's update", choices=NONFINITE_POLICIES)
+    nonfinite_skips: int = RELIABILITY.knob(
+        3, "with --on-nonfinite skip: stop after this many non-finite steps in a row",
+        check=POSITIVE_INT)
 
     @property
     def micro_batch_size(self) -> int:
@@ -131,24 +223,11 @@ class TrainConfig:
         the field names (dashes allowed), then override (`tpkit.train.config_file`)."""
         from tpkit.train.config_file import read_toml
 
-        return cls(**{**read_toml(path, {f.name for f in fields(cls)}), **overrides})
+        return cls(**{**read_toml(path, cls), **overrides})
 
     def problems(self) -> list[str]:
         """Every reason this run cannot start; empty when it can."""
-        out = [f"{k}={getattr(self, k)} must be a positive integer"
-               for k in ("tp", "pp", "dp", "steps", "micro_batches", "global_batch", "seq",
-                         "virtual_stages", "cp")
-               if not isinstance(getattr(self, k), int) or getattr(self, k) < 1]
-        out += [f"{k}={getattr(self, k)} must be an integer >= 0"
-                for k in ("warmup", "ckpt_every", "keep_checkpoints", "check_replicas",
-                          "eval_every", "eval_batches")
-                if not isinstance(getattr(self, k), int) or getattr(self, k) < 0]
-        out += [f"{k}={getattr(self, k)} must be a number >= 0"
-                for k in ("clip", "weight_decay", "min_lr")
-                if getattr(self, k) is not None and not getattr(self, k) >= 0]
-        if not self.collective_timeout > 0:
-            out.append(f"collective_timeout={self.collective_timeout} must be a positive "
-                       f"number of seconds")
+        out = knob_problems(self)  # each value: its type, choices and check
         if out:
             return out
         if self.global_batch % (self.dp * self.micro_batches):
@@ -156,26 +235,11 @@ class TrainConfig:
                        f"= {self.dp}*{self.micro_batches} = {self.dp * self.micro_batches}")
         out += self._schedule_problems()
         out += self._sharding_problems()
-        if not isinstance(self.loss_chunk, int) or self.loss_chunk < 0:
-            out.append(f"loss_chunk={self.loss_chunk} must be 0 (off) or a positive number "
-                       f"of tokens")
         if self.master_weights and self.dtype != "bfloat16":
             out.append(f"master_weights needs dtype='bfloat16' (bf16 weights with fp32 "
                        f"masters), not {self.dtype!r}")
         if self.compile:
             out += _backend_problems(self.compile_backend)
-        if self.on_nonfinite not in NONFINITE_POLICIES:
-            out.append(f"on_nonfinite={self.on_nonfinite!r} is not one of "
-                       f"{NONFINITE_POLICIES}")
-        if not isinstance(self.nonfinite_skips, int) or self.nonfinite_skips < 1:
-            out.append(f"nonfinite_skips={self.nonfinite_skips} must be a positive integer")
-        if self.dtype not in DTYPES:
-            out.append(f"dtype={self.dtype!r} is not one of {DTYPES}")
-        if not 0.0 <= self.val_fraction < 1.0:
-            out.append(f"val_fraction={self.val_fraction} must be in [0, 1)")
-        if not 0 < self.lr < 1e30:  # AdamW's step lr / (1 - beta1^t) must stay a float32
-            out.append(f"lr={self.lr} must be positive and below 1e30")
-        out += _tracker_problems(self.log)
         try:
             model = self.model_config()
         except ValueError as e:
@@ -212,13 +276,9 @@ class TrainConfig:
                       if on]
 
     def _sharding_problems(self) -> list[str]:
-        from tpkit.spec.theory import FSDP_RESHARD
-
         chosen = [k for k in ("zero1", "zero2", "fsdp") if getattr(self, k)]
         out = [f"choose one of {' / '.join(chosen)} (each shards more than the one before)"] \
             if len(chosen) > 1 else []
-        if self.fsdp_reshard not in FSDP_RESHARD:
-            out.append(f"fsdp_reshard={self.fsdp_reshard!r} is not one of {FSDP_RESHARD}")
         sharded = "fsdp" if self.fsdp else "zero2" if self.zero2 else None
         if sharded and self.master_weights:
             out.append(f"{sharded} with master_weights is not supported: the shards are the "
@@ -230,8 +290,6 @@ class TrainConfig:
         return out
 
     def _schedule_problems(self) -> list[str]:
-        from tpkit.parallel.schedules import CHUNKED, schedule_problems
-
         problems = schedule_problems(self.schedule, self.virtual_stages)
         if problems or self.schedule != CHUNKED:
             return problems
@@ -249,15 +307,12 @@ class TrainConfig:
             raise UserError("; ".join(problems))
 
 
-def _tracker_problems(log: str) -> list[str]:
-    from tpkit.train.trackers import problems
-
-    return problems(log)
-
-
 def _backend_problems(backend: str) -> list[str]:
     """torch.compile's backends, checked before any process starts."""
     from torch._dynamo import list_backends
 
     known = list_backends(exclude_tags=())
     return [] if backend in known else [f"compile_backend={backend!r} is not one of {known}"]
+
+
+SECTIONS = {name: tuple(k.name for k in ks) for name, ks in sections(TrainConfig).items()}

@@ -9,11 +9,13 @@
     [logging]          out = "runs/llama"   log = "tensorboard"
     [reliability]      collective_timeout = 300.0
 
-Every key is a `TrainConfig` field (dashes allowed), in its section or at the top level
-(the flat files of earlier versions still read). An unknown key or section, or a key
-in the wrong section, is one error naming it and the nearest valid one. A run keeps
-the file of what it ran (`config.toml` in its folder, written atomically), and a
-resumed run names what changed since (`resume_changes`), refusing what cannot work.
+Every key is a knob of `TrainConfig` (`tpkit.train.config_knobs`: its section, type and
+resume rule are declared with it), dashes allowed, in its section or at the top level
+(the flat files of earlier versions still read). An unknown key or section, a key in
+the wrong section or a value of the wrong type is one error naming it (and the nearest
+valid one). A run keeps the file of what it ran (`config.toml` in its folder, written
+atomically), and a resumed run names what changed since (`resume_changes`), refusing
+what cannot work.
 """
 
 from __future__ import annotations
@@ -22,46 +24,17 @@ import difflib
 import json
 import os
 import sys
-from dataclasses import fields
 from pathlib import Path
-from typing import Any
 
 from tpkit.spec.errors import UserError
+from tpkit.train.config_knobs import Knob, knobs, sections
 
 if sys.version_info >= (3, 11):
     import tomllib
 else:  # pragma: no cover
     import tomli as tomllib
 
-# A tpkit.train.config.TrainConfig: not imported, since config imports this module (read
-# through dataclasses.fields, so any dataclass of the same fields would do).
-TrainConfig = Any
-
 RUN_CONFIG = "config.toml"  # in the run folder: what it ran
-SECTIONS: dict[str, tuple[str, ...]] = {  # section -> its TrainConfig fields, in this order
-    "model": ("preset", "from_hf", "dtype", "master_weights", "recompute", "compile",
-              "compile_backend", "loss_chunk"),
-    "parallelism": ("tp", "pp", "dp", "sp", "zero1", "zero2", "fsdp", "fsdp_reshard", "cp", "schedule",
-                    "virtual_stages"),
-    "training": ("steps", "micro_batches", "global_batch", "seq", "seed"),
-    "optimizer": ("lr", "min_lr", "warmup", "weight_decay", "beta2", "clip"),
-    "data": ("data", "val_fraction", "eval_every", "eval_batches"),
-    "checkpoint": ("ckpt_every", "keep_checkpoints", "resume", "checkpoint"),
-    "logging": ("out", "log", "trace", "progress", "plot"),
-    "reliability": ("check_replicas", "collective_timeout", "on_nonfinite", "nonfinite_skips"),
-}
-FALLBACK = "training"  # a field no section lists (tests/test_config_file.py says which)
-# what a resumed run may not change, and why
-FIXED_ON_RESUME = {
-    "preset": "another model", "from_hf": "another model",
-    "seq": "the data loader's windows", "seed": "the data loader's order",
-    "data": "the data loader's position", "val_fraction": "the data loader's windows",
-}
-
-
-def section_of(name: str) -> str:
-    """The section a field belongs to."""
-    return next((s for s, names in SECTIONS.items() if name in names), FALLBACK)
 
 
 def nearest(word: str, options, shape: str = "'{}'") -> str:
@@ -70,8 +43,9 @@ def nearest(word: str, options, shape: str = "'{}'") -> str:
     return f"; did you mean {shape.format(close[0])}?" if close else ""
 
 
-def read_toml(path: str | Path, known: set[str]) -> dict:
-    """The flat {field: value} of a TOML file, sectioned or flat; one error for a bad key."""
+def read_toml(path: str | Path, cls: type) -> dict:
+    """The flat {field: value} of a TOML file of `cls`'s knobs (TrainConfig), sectioned or
+    flat, each value of its knob's type; one error for a bad key, section or value."""
     p = Path(path)
     if not p.is_file():
         raise UserError(f"config file {p} does not exist")
@@ -79,13 +53,14 @@ def read_toml(path: str | Path, known: set[str]) -> dict:
         raw = tomllib.loads(p.read_text())
     except tomllib.TOMLDecodeError as e:
         raise UserError(f"{p}: not valid TOML ({e})") from None
+    known, names = {k.name: k for k in knobs(cls)}, sections(cls)
     out: dict = {}
     for key, value in raw.items():
         if isinstance(value, dict):
             items = [(k, v, key) for k, v in value.items()]
-            if key not in SECTIONS:
-                raise UserError(f"{p}: unknown section [{key}]{nearest(key, SECTIONS, '[{}]')} "
-                                f"(sections: {', '.join(SECTIONS)})")
+            if key not in names:
+                raise UserError(f"{p}: unknown section [{key}]{nearest(key, names, '[{}]')} "
+                                f"(sections: {', '.join(names)})")
         else:
             items = [(key, value, None)]
         for k, v, section in items:
@@ -93,15 +68,20 @@ def read_toml(path: str | Path, known: set[str]) -> dict:
     return out
 
 
-def _put(out: dict, p: Path, name: str, value, section: str | None, known: set[str]) -> None:
+def _put(out: dict, p: Path, name: str, value, section: str | None,
+         known: dict[str, Knob]) -> None:
     where = f"[{section}] " if section else ""
     if name not in known:
         raise UserError(f"{p}: unknown key {where}{name!r}{nearest(name, known)}")
-    if section is not None and section_of(name) != section:
-        raise UserError(f"{p}: {name!r} belongs in [{section_of(name)}], not [{section}]")
+    knob = known[name]
+    if section is not None and knob.section.name != section:
+        raise UserError(f"{p}: {name!r} belongs in [{knob.section.name}], not [{section}]")
     if name in out:
         raise UserError(f"{p}: {name!r} is given twice")
-    out[name] = value
+    bad = knob.type_problem(value)
+    if bad:
+        raise UserError(f"{p}: {where}{bad}")
+    out[name] = knob.typed(value)
 
 
 def _value(v) -> str:
@@ -113,22 +93,19 @@ def _value(v) -> str:
     return json.dumps(str(v))
 
 
-def to_toml(cfg: TrainConfig, header: str = "") -> str:
-    """The config as sectioned TOML (an unset field as a comment); `read_toml` reads it
-    back to the same config."""
-    values = cfg.to_dict()
+def to_toml(cfg: object, header: str = "") -> str:
+    """A config (TrainConfig: a dataclass of knobs) as sectioned TOML, an unset knob as a
+    comment; `read_toml` reads it back to the same config."""
     lines = [f"# {line}" for line in header.splitlines()]
-    sections = {s: [] for s in SECTIONS}
-    for f in fields(cfg):
-        sections.setdefault(section_of(f.name), []).append(f.name)
-    for section, names in sections.items():
+    for section, ks in sections(type(cfg)).items():
         lines += ["" if lines else None, f"[{section}]"]
-        lines += [f"{n} = {_value(values[n])}" if values[n] is not None else f"# {n} = (unset)"
-                  for n in names]
+        values = [(k.name, getattr(cfg, k.name)) for k in ks]
+        lines += [f"{n} = {_value(v)}" if v is not None else f"# {n} = (unset)"
+                  for n, v in values]
     return "\n".join(line for line in lines if line is not None) + "\n"
 
 
-def write_run_config(cfg: TrainConfig, folder: str | Path) -> Path:
+def write_run_config(cfg: object, folder: str | Path) -> Path:
     """`folder/config.toml` of what this run runs, written whole or not at all."""
     folder = Path(folder)
     folder.mkdir(parents=True, exist_ok=True)
@@ -139,24 +116,26 @@ def write_run_config(cfg: TrainConfig, folder: str | Path) -> Path:
     return path
 
 
-def resume_changes(saved: dict, cfg: TrainConfig) -> list[str]:
-    """'key: old -> new' for every field that differs from the `saved` config (resume and
-    output flags aside); a change in FIXED_ON_RESUME is one UserError naming it."""
-    now = cfg.to_dict()
-    changed = [k for k in now if k in saved and saved[k] != now[k]
-               and k not in ("resume", "progress", "plot")]
-    for k in changed:
-        if k in FIXED_ON_RESUME and not _same_path(k, saved[k], now[k]):
-            raise UserError(f"--resume: the checkpoint was trained with {k}={saved[k]!r}, this "
-                            f"run has {k}={now[k]!r}; {FIXED_ON_RESUME[k]} cannot continue it "
+def resume_changes(saved: dict, cfg: object) -> list[str]:
+    """'key: old -> new' for every knob that differs from the `saved` config (those a
+    resume does not note aside: resume and output flags); a change of a knob fixed on
+    resume (another model, another data order) is one UserError naming it."""
+    changed = [(k, saved[k.name], getattr(cfg, k.name)) for k in knobs(type(cfg))
+               if k.noted and k.name in saved and not _same(k, saved[k.name],
+                                                            getattr(cfg, k.name))]
+    for k, old, new in changed:
+        if k.fixed:
+            raise UserError(f"--resume: the checkpoint was trained with {k.name}={old!r}, "
+                            f"this run has {k.name}={new!r}; {k.fixed} cannot continue it "
                             f"(start a new run with --out elsewhere)")
-    return [f"{k}: {saved[k]!r} -> {now[k]!r}" for k in changed
-            if not (k in FIXED_ON_RESUME and _same_path(k, saved[k], now[k]))]
+    return [f"{k.name}: {old!r} -> {new!r}" for k, old, new in changed]
 
 
-def _same_path(key: str, old, new) -> bool:
-    """from_hf and data written another way (./x and x) are the same."""
-    if key not in ("from_hf", "data") or old is None or new is None:
+def _same(knob: Knob, old, new) -> bool:
+    """Equal; for a path, written either way (./x and x)."""
+    if old == new:
+        return True
+    if not knob.path or old is None or new is None:
         return False
     return Path(old).resolve() == Path(new).resolve()
 

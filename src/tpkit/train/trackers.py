@@ -1,7 +1,7 @@
 """Experiment tracking: each step's metrics into TensorBoard, Weights & Biases, MLflow or
 trackio, through their own libraries, on rank 0, under the run folder, offline.
 
-    tpkit train --log tensorboard,wandb ...     (default `auto`: tensorboard when installed)
+    tpkit train --trackers tensorboard,wandb ...     (default `auto`: tensorboard when installed)
 
     out/tb/        TensorBoard event file (`tensorboard --logdir out/tb`)
     out/wandb/     W&B offline run (WANDB_MODE=offline unless set: `wandb sync` uploads it)
@@ -43,7 +43,7 @@ def chosen(spec: str | None) -> list[str]:
 
 
 def problems(spec: str | None) -> list[str]:
-    """Why `--log spec` cannot work: an unknown tracker, or one not installed."""
+    """Why `--trackers spec` cannot work: an unknown tracker, or one not installed."""
     out = []
     for name in chosen(spec):
         if name not in TRACKERS:
@@ -51,7 +51,7 @@ def problems(spec: str | None) -> list[str]:
                        f"(trackers: {', '.join(TRACKERS)}, or none)")
         elif not installed(name):
             out.append(f"log={spec!r}: the {name} package is not installed "
-                       f"(pip install {name}, or --log none)")
+                       f"(pip install {name}, or --trackers none)")
     return out
 
 
