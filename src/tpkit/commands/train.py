@@ -77,8 +77,9 @@ _FLAGS = {  # field -> (type, 'store_true' or a tuple of choices; help); heading
     "compile_backend": (str, "torch.compile backend for --compile"),
     "loss_chunk": (int, "head + cross-entropy this many tokens at a time: the logits of the "
                         "whole micro-batch never exist (0: off)"),
-    "data": (str, "text file, directory of .txt, .bin of uint16 tokens, or a `tpkit "
-                  "prepare-data` folder (default: Python's own documentation, embedded)"),
+    "data": (str, "UTF-8 text file, directory of .txt, .bin of uint16 tokens, a `tpkit "
+                  "prepare-data` folder, or .jsonl / .parquet / a datasets folder (tokenized "
+                  "as prepare-data does) (default: Python's own documentation, embedded)"),
     "val_fraction": (float, "held-out fraction of the data"),
     "eval_every": (int, "validation every N steps"),
     "ckpt_every": (int, "checkpoint every N steps (and always at the end; 0: only there)"),
