@@ -75,13 +75,20 @@ def test_train_reads_jsonl_parquet_and_datasets_as_prepare_data_writes_them(file
                                         f"than global_batch=4")
 
 
-def test_train_names_prepare_data_for_another_field(files, capsys):
+def test_train_names_the_prepare_data_to_run(files, capsys):
     (files / "body.jsonl").write_text(json.dumps({"body": "x" * 200}) + "\n")
     status, err = _cli(capsys, *TRAIN, "--data", str(files / "body.jsonl"), "--out",
                        str(files / "run-body"))
     _one_line(status, err, "train", "body.jsonl line 1: no field 'text' (fields: ['body']); "
                                     "train reads the field 'text'; for another, run `tpkit "
-                                    "prepare-data")
+                                    f"prepare-data {files / 'body.jsonl'} --tokenizer bytes "
+                                    "--out DIR --text-field NAME`, then train on --data DIR")
+    status, err = _cli(capsys, *TRAIN, "--data", str(files / "docs.parquet"), "--out",
+                       str(files / "run-124m"), "--preset", "gpt2-124m")  # vocab 50257
+    _one_line(status, err, "train", f"data {files / 'docs.parquet'} (.parquet) needs the "
+                                    "model's tokenizer, which tpkit does not know here: run "
+                                    f"`tpkit prepare-data {files / 'docs.parquet'} --tokenizer "
+                                    "TOKENIZER --out DIR` with the model's tokenizer")
 
 
 @pytest.mark.parametrize("name, data, offset", [

@@ -190,9 +190,9 @@ class TrainConfig:
         return out
 
     def _from_hf_problems(self) -> list[str]:
-        from tpkit.train.tokens import INDEX
+        from tpkit.train.data import read_by_the_model
 
-        if self.from_hf is None or (self.data and (Path(self.data) / INDEX).is_file()):
+        if self.from_hf is None or read_by_the_model(self.data):
             return []
         return [f"from_hf={self.from_hf} trains on ids of its own tokenizer, but data="
                 f"{self.data} would be read as bytes: run `tpkit prepare-data TEXT_FILES "

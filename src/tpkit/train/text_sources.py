@@ -55,16 +55,24 @@ class Fields:
         return self.chat or self.text
 
 
+def documents_kind(path: Path) -> str | None:
+    """DATASETS, JSONL or PARQUET: a path read as documents of a field; None otherwise."""
+    if path.is_dir():
+        datasets = (path / "dataset_info.json").is_file() or (path / "dataset_dict.json").is_file()
+        return DATASETS if datasets else None
+    return _SUFFIXES.get(path.suffix.lower())
+
+
 def kind_of(path: Path) -> str:
     """A path's kind: a `datasets` folder, .jsonl, .parquet, else plain UTF-8 text."""
     if path.is_dir():
-        if (path / "dataset_info.json").is_file() or (path / "dataset_dict.json").is_file():
+        if documents_kind(path) == DATASETS:
             return DATASETS
         raise UserError(f"{path} is a directory but not a `datasets` save_to_disk folder "
                         f"(no dataset_info.json); give its text files instead")
     if not path.is_file():
         raise FileNotFoundError(f"input {path} does not exist")
-    return _SUFFIXES.get(path.suffix.lower(), TEXT)
+    return documents_kind(path) or TEXT
 
 
 def open_sources(paths: list[str], fields: Fields) -> list[Source]:
