@@ -176,6 +176,11 @@ def test_a_folder_that_is_not_prepared_data_is_refused_and_kept(tmp_path, capsys
     _refused(*_prepare(capsys, src, afile), f"--out {afile} is a regular file, not a folder")
     _refused(*_prepare(capsys, tmp_path / "missing.jsonl", tmp_path / "new"), "does not exist")
     assert not (tmp_path / "new").exists()  # nothing created for a refused input
+    broken = tmp_path / "broken.jsonl"
+    broken.write_text('{"text": "fine"}\n{"text": \n')  # found while writing, under the lock
+    _refused(*_prepare(capsys, broken, tmp_path / "new"), "broken.jsonl line 2: not JSON")
+    assert sorted(p.name for p in tmp_path.iterdir()) == \
+        ["a.jsonl", "afile", "broken.jsonl", "mine", "run"]  # no folder, no sibling left
 
 
 def test_prepared_data_is_replaced_whole_and_only_with_overwrite(tmp_path, capsys):

@@ -51,12 +51,12 @@ def replacing(out: Path, overwrite: bool = False) -> Iterator[Path]:
     if out.exists() and not out.is_dir():
         raise UserError(f"--out {out} is a regular file, not a folder: give a folder "
                         f"(created if missing) for the shards and index.json")
-    created, swapped = not out.exists(), False
-    if not created:
+    if out.is_dir():
         check_destination(out, overwrite)  # before a lock file is added (again once locked)
+    created, swapped = _make(out), False
     check_writable(out)
-    try:
-        with hold(out):
+    with hold(out):
+        try:
             check_destination(out, overwrite)
             remove_leftovers(out)
             new = _fresh(sibling(out), out)
@@ -67,9 +67,18 @@ def replacing(out: Path, overwrite: bool = False) -> Iterator[Path]:
                     swapped = True
             finally:
                 remove_own(new)  # the unfinished folder, or (swapped) the old contents
-    finally:
-        if created and not swapped:  # it holds only our lock: as it was, absent
-            remove_own(out, quiet=True)
+        finally:
+            if created and not swapped:  # made by this run, it holds only its lock: gone
+                remove_own(out, quiet=True)
+
+
+def _make(out: Path) -> bool:
+    """Create `out`; True when this call did (not another run, nor an earlier one)."""
+    try:
+        out.mkdir(parents=True)
+        return True
+    except OSError:  # there already, or not creatable (`check_writable` says why)
+        return False
 
 
 def _fresh(new: Path, out: Path) -> Path:
