@@ -109,7 +109,7 @@ def test_cli_summary_and_progress_with_tokens_per_second(inputs, tmp_path, capsy
 @pytest.mark.slow
 @pytest.mark.timeout(240)
 def test_workers_give_the_same_shards(inputs, tmp_path, monkeypatch):
-    import tpkit.commands.prepare_data as pd
+    import tpkit.train.tokenizing as pd
 
     root, _ = inputs
     monkeypatch.setattr(pd, "BATCH_BYTES", 64)  # many batches, spread over the workers

@@ -119,8 +119,9 @@ class TrainConfig:
                                  check=AT_LEAST_0)
 
     data: str | None = DATA.knob(
-        None, "text file, directory of .txt, .bin of uint16 tokens, or a `tpkit "
-        "prepare-data` folder (default: Python's own documentation, embedded)",
+        None, "UTF-8 text file, directory of .txt, .bin of uint16 tokens, a `tpkit "
+        "prepare-data` folder, or .jsonl / .parquet / a datasets folder (tokenized as "
+        "prepare-data does) (default: Python's own documentation, embedded)",
         metavar="PATH", path=True, fixed="the data loader's position")
     val_fraction: float = DATA.knob(0.05, "held-out fraction of the data", check=Check(
         lambda v: 0.0 <= v < 1.0, "must be in [0, 1)"), fixed="the data loader's windows")
@@ -254,9 +255,9 @@ class TrainConfig:
         return out
 
     def _from_hf_problems(self) -> list[str]:
-        from tpkit.train.tokens import INDEX
+        from tpkit.train.data import read_by_the_model
 
-        if self.from_hf is None or (self.data and (Path(self.data) / INDEX).is_file()):
+        if self.from_hf is None or read_by_the_model(self.data):
             return []
         return [f"from_hf={self.from_hf} trains on ids of its own tokenizer, but data="
                 f"{self.data} would be read as bytes: run `tpkit prepare-data TEXT_FILES "
