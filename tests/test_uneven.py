@@ -141,3 +141,61 @@ def test_heads_dealt_as_evenly_as_possible():
     assert [len(heads_of_rank(14, 2, 4, r)[0]) for r in range(4)] == [4, 4, 3, 3]
     assert [heads_of_rank(14, 2, 4, r)[1] for r in range(4)] == [[0], [0, 1], [1], [1]]
     assert [len(heads_of_rank(12, 12, 5, r)[0]) for r in range(5)] == [3, 3, 2, 2, 2]
+
+
+# -- training: tp=2 x pp=2 on 9 heads / 3 kv heads and ffn 99, resumed bit for bit -------
+def _train(mesh, cfg, model_cfg) -> list[float]:
+    from tpkit.model import Transformer
+    from tpkit.train.loop import train
+
+    return train(cfg, mesh, Transformer(model_cfg, mesh, seed=cfg.seed)).losses
+
+
+@pytest.mark.timeout(180)
+def test_uneven_training_at_tp2_pp2_resumes_bit_for_bit(run_tp, tmp_path):
+    from tpkit.spec import get_preset
+    from tpkit.train.config import TrainConfig
+
+    model = get_preset("gpt2-tiny").with_(num_layers=2, num_heads=9, kv_heads=3, head_dim=8,
+                                          ffn=99)
+    base = dict(preset="gpt2-tiny", steps=6, micro_batches=2, global_batch=8, seq=16, lr=3e-3,
+                warmup=2, clip=0.5, val_fraction=0.0, progress=False, plot=False, tp=2, pp=2)
+    whole = run_tp(_train, 2, TrainConfig(**base, out=str(tmp_path / "a"), checkpoint=True,
+                                          ckpt_every=3), model, pp=2)
+    losses = whole[0]
+    assert all(r == losses for r in whole) and losses[-1] < losses[0]
+    step3 = tmp_path / "a" / "checkpoints" / "step_000003"
+    again = run_tp(_train, 2, TrainConfig(**base, out=str(tmp_path / "b"), checkpoint=False,
+                                          resume=str(step3)), model, pp=2)
+    assert again[0] == losses[3:]  # bit for bit: same layout, same reductions
+    other = run_tp(_train, 3, TrainConfig(**{**base, "tp": 3, "pp": 1}, out=str(tmp_path / "c"),
+                                          checkpoint=False, resume=str(step3)), model)
+    assert max(abs(a - b) / b for a, b in zip(other[0], losses[3:])) <= 1e-4  # 3 + 3 + 3 heads
+
+
+# -- the planner: the largest rank sets the step time and the memory --------------------
+def test_planner_charges_the_largest_rank():
+    from tpkit.plan import get_hardware
+    from tpkit.plan.memory import Precision
+    from tpkit.plan.reasons import explain
+    from tpkit.plan.simulate import Cluster, Layout, evaluate, layer_times
+    from tpkit.spec import get_preset
+
+    smol = get_preset("llama3.2-1b").with_(num_heads=9, kv_heads=3, head_dim=64, hidden=576,
+                                           ffn=1536, num_layers=30)  # SmolLM2-135M's shape
+    assert smol.tp_shares(2)["attention"] == 5 / 9
+    assert smol.tp_shares(3) == {"attention": 1 / 3, "gemm": 1 / 3}
+    assert smol.layer_params(2) == smol.layer_params(2, rank=0) > smol.layer_params(2, rank=1)
+    cluster = Cluster(get_hardware("h100"), nodes=1, devices_per_node=2)
+    even, uneven = (evaluate(smol.with_(num_heads=n), 2048, 8, Layout(2, 1, 1, 1), cluster)
+                    for n in (8, 9))  # 8 heads: the same 4 b s^2 h attention, split evenly
+    assert uneven.notes["tp_imbalance"] == pytest.approx(1 / 9) and even.notes[
+        "tp_imbalance"] == 0
+    bf16 = Precision.for_dtype("bfloat16")
+    lt = {n: layer_times(smol.with_(num_heads=n), 2048, Layout(2, 1, 1, 1), cluster.profile,
+                         bf16) for n in (8, 9)}
+    assert lt[9]["attention_fwd"] > 1.05 * lt[8]["attention_fwd"]
+    assert uneven.step_time_s > even.step_time_s
+    why = explain(uneven, even, smol, 2048, cluster)
+    assert "tp=2 on 9 heads: the larger rank does 5/9 of the attention, 11% above an even " \
+        "split" in why, why
