@@ -155,6 +155,12 @@ class ParallelAttention(nn.Module):
         y = y.transpose(1, 2).reshape(b, s, nq * hd)  # [b, s, h/tp]
         return self.out(y)  # [b, s, h] summed over tp
 
+    @property
+    def ring_heads(self) -> int:
+        """Key/value heads this rank sends around a context-parallel ring: its kv heads,
+        or one per query head where its query range does not line up with the groups."""
+        return self.local_kv if self.kv_index is None else self.local_heads
+
     def for_queries(self, k: torch.Tensor) -> torch.Tensor:
         """[b, kv_local, t, hd] -> [b, nq, t, hd]: the kv head each local query head reads
         (grouped-query: each kv head serves nq/nkv of them, or, where the query range
