@@ -102,12 +102,11 @@ class TPSplit:
 
     def part_shared(self, part: int, tp: int) -> bool:
         """Whether some rows of `part` are held by several ranks (the same on every rank)."""
-        return any(pc.part == part and pc.holders > 1 for r in range(tp)
-                   for pc in self.pieces(r, tp))
+        return part in _shared_parts(self, tp)
 
     def shared(self, tp: int) -> bool:
         """True when some rows are held by several ranks (their gradient needs a sum)."""
-        return any(self.part_shared(i, tp) for i in range(len(self.parts)))
+        return bool(_shared_parts(self, tp))
 
     def pieces(self, rank: int, tp: int) -> Iterator[Piece]:
         """What rank `rank` of `tp` holds, part by part, in the order of its shard."""
@@ -151,3 +150,8 @@ def _pieces(split: TPSplit, rank: int, tp: int) -> tuple[Piece, ...]:
                              holders))
         part_start, local_start = part_start + size, local_start + k
     return tuple(out)
+
+
+@lru_cache(maxsize=4096)
+def _shared_parts(split: TPSplit, tp: int) -> frozenset[int]:
+    return frozenset(pc.part for r in range(tp) for pc in _pieces(split, r, tp) if pc.holders > 1)
