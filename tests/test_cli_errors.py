@@ -63,7 +63,7 @@ def _cases(root: Path, port: int) -> list[tuple[list[str], str]]:
         (["verify", "--preset", "gpt2-tiny", "--tp", "0,2"], "tp=0 must be a positive"),
         (["verify", "--preset", "gpt2-tiny", "--seq", "4096"],
          "sequence length 4096 exceeds max_seq_len=128"),
-        (gen + ["--tp", "3", "--prompt-ids", "1"], "num_heads=4 is not divisible by tp=3"),
+        (gen + ["--tp", "5", "--prompt-ids", "1"], "tp=5 is more than num_heads=4"),
         (gen + ["--prompt-ids", "1,999"], "token ids [999] are outside the model's vocabulary"),
         (gen + ["--prompt-ids", "1", "--temperature", "nan"], "--temperature=nan must be"),
         (gen + ["--prompt-ids", "1", "--temperature", "-1"], "--temperature=-1.0 must be"),

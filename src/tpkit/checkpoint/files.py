@@ -58,13 +58,12 @@ def rank_file(rank: int) -> str:
 # -- split tags as JSON -----------------------------------------------------------------
 def split_to_json(split: TPSplit | None) -> dict | None:
     """A split tag as plain JSON (None: replicated)."""
-    return None if split is None else dict(dim=split.dim, parts=list(split.parts),
-                                           chunks=list(split.chunks))
+    return None if split is None else split.to_json()
 
 
-def split_from_json(d: dict | None) -> TPSplit | None:
-    """Inverse of `split_to_json`."""
-    return None if d is None else TPSplit(d["dim"], tuple(d["parts"]), tuple(d["chunks"]))
+def split_from_json(d: dict | None, tp: int) -> TPSplit | None:
+    """Inverse of `split_to_json`, for a checkpoint saved at `tp` (older manifests)."""
+    return None if d is None else TPSplit.from_json(d, tp)
 
 
 # -- durable writes ---------------------------------------------------------------------
@@ -182,7 +181,7 @@ class ShardedSource:
     def read(self, name: str, dim: int, start: int, stop: int) -> torch.Tensor:
         """Rows [start, stop) along `dim`, from the files of the ranks that hold them."""
         meta = self.tensors[name]
-        split, stage = split_from_json(meta["split"]), meta["stage"]
+        split, stage = split_from_json(meta["split"], self.tp), meta["stage"]
         if split is None or self.tp == 1:
             return self._local(0, stage, name, dim, start, stop)
         if split.dim != dim:  # unusual: gather the whole tensor, then cut

@@ -112,6 +112,11 @@ def _compute(e, best, c, cluster, extra) -> str:
     lay, b = e.layout, best.layout
     if lay.recompute == "full" and b.recompute != "full":
         return f"full recomputation re-runs every forward: +{_ms(extra)} per step"
+    if e.notes.get("tp_imbalance", 0) > best.notes.get("tp_imbalance", 0) + 0.01:
+        heads = -(-c.num_heads // lay.tp)
+        return (f"tp={lay.tp} on {c.num_heads} heads: the larger rank does {heads}/"
+                f"{c.num_heads} of the attention, {e.notes['tp_imbalance']:.0%} above an even "
+                f"split: +{_ms(extra)} per step")
     if lay.tp > b.tp:
         eff = cost.gemm_efficiency(cluster.hardware.accelerator, c.hidden / lay.tp)
         return (f"tp={lay.tp} leaves {c.hidden // lay.tp}-wide GEMMs that run at {eff:.0%} of "
