@@ -73,7 +73,7 @@ def locate(path: str | Path, *, optimizer: bool = False) -> Located:
     aside = path.parent / f".{path.name}.old"  # a save killed between its two renames
     if not path.exists() and (aside / MANIFEST).is_file():
         return Located(SHARDED, aside)
-    if _is_checkpoint(path):
+    if is_checkpoint(path):
         return Located(SHARDED, path)
     if path.is_file():
         return Located(FULL, path)
@@ -87,6 +87,17 @@ def locate(path: str | Path, *, optimizer: bool = False) -> Located:
     raise CheckpointError(f"{path}: not a checkpoint: neither a tpkit checkpoint "
                           f"({MANIFEST}), a run folder ({RUN_CHECKPOINTS}/step_*), a full "
                           f".safetensors file, nor a Hugging Face directory ({CONFIG_FILE})")
+
+
+def enclosing_checkpoints(path: str | Path) -> str | None:
+    """'the checkpoint X' or 'the checkpoints folder X' that `path` lies strictly inside
+    (X holds a checkpoint: a run's retention there deletes what is not its own), or None."""
+    for up in Path(path).resolve().parents:
+        if is_checkpoint(up):
+            return f"the checkpoint {up}"
+        if up.name == RUN_CHECKPOINTS and any(is_checkpoint(d) for d in up.iterdir()):
+            return f"the checkpoints folder {up}"
+    return None
 
 
 def sharded_dir(path: str | Path) -> Path:
@@ -159,13 +170,13 @@ def _candidates(root: Path) -> list[tuple[tuple[int, str], Path, str | None]]:
     out = []
     for folder in (root, root / RUN_CHECKPOINTS):
         for d in sorted(folder.iterdir()) if folder.is_dir() else []:
-            if not d.name.startswith(".") and _is_checkpoint(d):
+            if not d.name.startswith(".") and is_checkpoint(d):
                 step, problem = _check(d)
                 out.append(((step, d.name), d, problem))
     return out
 
 
-def _is_checkpoint(d: Path) -> bool:
+def is_checkpoint(d: Path) -> bool:
     """A directory a save wrote (complete or not): it has a manifest or rank 0's record."""
     return (d / MANIFEST).is_file() or (d / rank_file(0)).is_file()
 

@@ -212,19 +212,18 @@ def run(args: argparse.Namespace) -> int:
               end="")
         return 0
     cfg.check(world or cfg.world_size)
-    fresh = not cfg.resume  # "auto" with nothing to resume is no fresh run either
     cfg = cfg.with_(resume=resume_dir(cfg))  # chosen once, here
-    _say_resume_changes(cfg)
+    note = _resume_changes(cfg)
     comm = comm_choice(getattr(args, "comm", None))
     if torchrun:
-        return _run_torchrun(cfg, args.overwrite, comm, fresh)
+        return _run_torchrun(cfg, args.overwrite, comm, note)
     from tpkit.train.data import load_tokens
     from tpkit.train.run_folder import check_writable, hold
 
     check_writable(Path(cfg.out))  # one line, before any process is spawned
     with hold(Path(cfg.out)):  # one run per folder, from here until the run ends
-        if fresh:
-            _never_mix_runs(Path(cfg.out), args.overwrite, torchrun)
+        _never_mix_runs(Path(cfg.out), cfg.resume, args.overwrite, torchrun)
+        _say(note)  # once the folder is known to be this run's
         load_tokens(cfg.data, cfg.model_config().vocab_size, cfg.tokenizer_id)  # errors now
         _check_memory(cfg, args.force)
         write_run_config(cfg, cfg.out)
@@ -253,33 +252,30 @@ def resume_dir(cfg: TrainConfig) -> str | None:
     return cfg.resume and str(sharded_dir(cfg.resume))
 
 
-def _say_resume_changes(cfg: TrainConfig) -> None:
-    """A resumed run (`cfg.resume`: the checkpoint directory `resume_dir` chose): print
-    what differs from the checkpoint's config; a change that cannot work (another model,
-    another data order) is a UserError."""
+def _resume_changes(cfg: TrainConfig) -> str | None:
+    """A resumed run (`cfg.resume`: the checkpoint directory `resume_dir` chose): the
+    line saying what differs from the checkpoint's config (`_say` prints it once the
+    folder is known to be this run's); a change that cannot work (another model,
+    another data order) is a UserError, now."""
     saved = saved_config(cfg.resume) if cfg.resume else None
-    if saved is None:
-        return
-    changes = resume_changes(saved, cfg)  # raises on every rank
-    if changes and os.environ.get("RANK", "0") == "0":
-        print(f"resuming {cfg.resume} with changes: " + "; ".join(changes), file=sys.stderr)
+    changes = resume_changes(saved, cfg) if saved is not None else []  # raises on every rank
+    return f"resuming {cfg.resume} with changes: " + "; ".join(changes) if changes else None
 
 
-def _never_mix_runs(out: Path, overwrite: bool, torchrun: bool) -> None:
-    """A new run into an --out that holds an earlier run's checkpoints: refuse, naming
-    the flags, or (--overwrite) delete them first (rank 0 only, under torchrun)."""
-    from tpkit.checkpoint.paths import run_checkpoints
-    from tpkit.checkpoint.retention import complete, discard
+def _say(note: str | None) -> None:
+    if note and os.environ.get("RANK", "0") == "0":
+        print(note, file=sys.stderr)
 
-    found = complete(run_checkpoints(out))
-    if not found:
-        return
-    if not overwrite:
-        raise UserError(f"--out {out} holds an earlier run (checkpoints up to "
-                        f"{found[-1].name}); continue it with --resume {out}, start over "
-                        f"with --overwrite, or choose another --out")
-    if not torchrun or os.environ.get("RANK") == "0":
-        for d in found:
+
+def _never_mix_runs(out: Path, resume: str | None, overwrite: bool, torchrun: bool) -> None:
+    """An --out that holds another run's checkpoints: refuse, naming both runs, or (a new
+    run with --overwrite) delete them first, rank 0 only under torchrun
+    (`run_folder.earlier_runs`)."""
+    from tpkit.checkpoint.retention import discard
+    from tpkit.train.run_folder import earlier_runs
+
+    for d in earlier_runs(out, resume, overwrite):
+        if not torchrun or os.environ.get("RANK") == "0":
             discard(d)
 
 
@@ -347,14 +343,14 @@ def _folder_held_by_rank0(out: Path, rank: int) -> Iterator[None]:
         yield
 
 
-def _run_torchrun(cfg: TrainConfig, overwrite: bool, comm: str, fresh: bool) -> int:
+def _run_torchrun(cfg: TrainConfig, overwrite: bool, comm: str, note: str | None) -> int:
     from tpkit.mesh import ParallelMesh
 
     mesh = ParallelMesh.from_env(tp=cfg.tp, pp=cfg.pp, dp=cfg.dp * cfg.cp,  # cp: in dp
                                  timeout_s=cfg.collective_timeout, comm=comm)
     with _folder_held_by_rank0(Path(cfg.out), mesh.rank):
-        if fresh:
-            _never_mix_runs(Path(cfg.out), overwrite, True)
+        _never_mix_runs(Path(cfg.out), cfg.resume, overwrite, True)
+        _say(note)
         if mesh.rank == 0:
             write_run_config(cfg, cfg.out)
         return _train_torchrun(cfg, mesh)
