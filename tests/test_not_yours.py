@@ -88,15 +88,17 @@ def test_convert_never_replaces_what_it_did_not_write(runs, tmp_path, capsys):
                    f"and is not a " in line and "nothing there is replaced" in line, line
     line = refused(capsys, "convert", run, str(user), "--to", "full")
     assert f"{user}: a folder; --to full writes one file" in line, line
+    newest = f"{run}/checkpoints/step_000004"
     line = refused(capsys, "convert", run, str(runs), "--to", "sharded")
-    assert f"{runs}: holds the source {run}" in line, line
-    line = refused(capsys, "convert", run, f"{run}/tp2", "--tp", "2")
-    assert f"{run}/tp2: is or lies inside the source {run}" in line, line
-    line = refused(capsys, "convert", f"{run}/checkpoints/step_000004", run)
-    assert "holds the source" in line, line
+    assert f"{runs}: holds the source {newest}" in line, line
+    line = refused(capsys, "convert", newest, f"{newest}/tp2", "--tp", "2")
+    assert f"{newest}/tp2: is or lies inside the source {newest}" in line, line
+    line = refused(capsys, "convert", newest, run)
+    assert f"{run}: holds the source {newest}" in line, line
     line = refused(capsys, "convert", str(runs / "run2"), f"{run}/checkpoints/tp2")
     assert f"lies inside the checkpoints folder {runs.resolve()}/run1/checkpoints" in line
     assert tree(tmp_path) == before and tree(runs) == parent  # nothing lost, no temporary
+    assert cli(capsys, "convert", run, f"{run}/model.safetensors", "--to", "full")[0] == 0
 
 
 @pytest.mark.timeout(120)

@@ -82,10 +82,10 @@ def to_full(source: Any, out: str | Path, *, overwrite: bool = False) -> Path:
 
 
 def _origins(source: Any, src) -> list[Path]:
-    """The paths a conversion reads: what was given, and where it was found."""
-    given = [Path(source)] if isinstance(source, str | Path) else []
+    """The path a conversion reads (a run folder: its checkpoint, so that a destination
+    beside it in the run folder is fine, one holding it is not)."""
     found = getattr(src, "root", None) or getattr(src, "path", None)
-    return given + ([Path(found)] if found is not None else [])
+    return [Path(found)] if isinstance(found, str | Path) else []
 
 
 def reshard(source: Any, out: str | Path, tp: int, pp: int = 1, *,

@@ -109,8 +109,9 @@ def temporary(dest: Path) -> Path:
 @contextmanager
 def new_artifact(dest: str | Path, kind: str, *, overwrite: bool = False,
                  sources: Iterable[str | Path] = ()) -> Iterator[Path]:
-    """Check `dest` (`check_not_nested`, `check_dest`), yield its temporary (a folder, or for FULL a file
-    name) to write, then rename it into place; on any error remove the temporary."""
+    """Check `dest` (`check_not_nested`, `check_dest`), yield its temporary (a folder,
+    or for FULL a file name) to write, then rename it into place; on any error remove
+    the temporary."""
     dest = Path(dest)
     check_not_nested(dest, sources)
     check_dest(dest, kind, overwrite=overwrite)
