@@ -212,11 +212,11 @@ def run(args: argparse.Namespace) -> int:
               end="")
         return 0
     cfg.check(world or cfg.world_size)
+    comm = comm_choice(getattr(args, "comm", None))
+    if torchrun:  # rank 0 chooses the checkpoint to resume there
+        return _run_torchrun(cfg, args.overwrite, comm)
     cfg = cfg.with_(resume=resume_dir(cfg))  # chosen once, here
     note = _resume_changes(cfg)
-    comm = comm_choice(getattr(args, "comm", None))
-    if torchrun:
-        return _run_torchrun(cfg, args.overwrite, comm, note)
     from tpkit.train.data import load_tokens
     from tpkit.train.run_folder import check_writable, hold
 
@@ -321,33 +321,46 @@ def cross_node_price(tp: int, pp: int, dp: int, ranks_per_node: int) -> str | No
     return f"Predicted on H100 nodes with InfiniBand: {said}" if said else None
 
 
-@contextmanager
-def _folder_held_by_rank0(out: Path, rank: int) -> Iterator[None]:
-    """Under torchrun: rank 0 checks and locks --out; every rank learns its verdict (one
-    broadcast) and raises the same line, so no rank starts while another refused."""
+def _decided_by_rank0(rank: int, fn, *args):
+    """Under torchrun: rank 0 runs `fn(*args)` (a check, a choice); every rank gets its
+    result, or raises its UserError line (one broadcast), so no rank goes on while
+    another refused and all go on with the same answer."""
     import torch.distributed as dist
 
+    said = [None, None]
+    if rank == 0:
+        try:
+            said[0] = fn(*args)
+        except UserError as e:
+            said[1] = str(e)
+    dist.broadcast_object_list(said, src=0)
+    if said[1] is not None:
+        raise UserError(said[1])
+    return said[0]
+
+
+@contextmanager
+def _folder_held_by_rank0(out: Path, rank: int) -> Iterator[None]:
+    """Under torchrun: rank 0 checks and locks --out (`_decided_by_rank0`)."""
     from tpkit.train.run_folder import check_writable, hold
 
     with ExitStack() as stack:
-        said = [None]
-        if rank == 0:
-            try:
-                check_writable(out)
-                stack.enter_context(hold(out))
-            except UserError as e:
-                said = [str(e)]
-        dist.broadcast_object_list(said, src=0)
-        if said[0] is not None:
-            raise UserError(said[0])
+        def take() -> None:
+            check_writable(out)
+            stack.enter_context(hold(out))
+
+        _decided_by_rank0(rank, take)
         yield
 
 
-def _run_torchrun(cfg: TrainConfig, overwrite: bool, comm: str, note: str | None) -> int:
+def _run_torchrun(cfg: TrainConfig, overwrite: bool, comm: str) -> int:
     from tpkit.mesh import ParallelMesh
 
     mesh = ParallelMesh.from_env(tp=cfg.tp, pp=cfg.pp, dp=cfg.dp * cfg.cp,  # cp: in dp
                                  timeout_s=cfg.collective_timeout, comm=comm)
+    # rank 0 chooses the checkpoint to resume (hashing the newest once, not every rank)
+    cfg = cfg.with_(resume=_decided_by_rank0(mesh.rank, resume_dir, cfg))
+    note = _resume_changes(cfg)
     with _folder_held_by_rank0(Path(cfg.out), mesh.rank):
         _never_mix_runs(Path(cfg.out), cfg.resume, overwrite, True)
         _say(note)
