@@ -154,8 +154,8 @@ def test_a_run_folder_belongs_to_one_run(tmp_path, capsys):
         assert f"--out {inside} is or lies inside the " in line, line
     user = _user_folder(tmp_path / "user")
     line = refused(capsys, *TRAIN, "--steps", "2", "--out", str(user))
-    assert f"--out {user} holds files that are not a tpkit run's (chapters/, thesis.txt; " \
-           f"2 entries)" in line, line
+    assert f"--out {user} holds files that are not a tpkit run's (chapters/, thesis.txt)" \
+        in line, line
     assert tree(a) == held and not (user / "config.toml").exists()
     assert cli(capsys, *TRAIN, "--steps", "3", "--resume", str(a), "--out", str(b))[0] == 0
     assert _manifests(b)[3]["run"] == run_a  # a resumed run keeps its id

@@ -72,7 +72,7 @@ def check_dest(dest: str | Path, kind: str, *, overwrite: bool) -> None:
     if mine is not None:
         raise UserError(f"{dest}: a {WHAT[mine]}, not a {WHAT[kind]}: not replaced, "
                         f"--overwrite or not; choose another destination")
-    held = "a file" if not dest.is_dir() else f"a folder holding {_listing(dest)}"
+    held = "a file" if not dest.is_dir() else f"a folder holding {listing(dest)}"
     raise UserError(f"{dest}: exists, {held}, and is not a {WHAT[kind]}: nothing there is "
                     f"replaced, --overwrite or not; choose a new name or an empty folder")
 
@@ -95,7 +95,8 @@ def check_not_nested(dest: Path, sources: Iterable[str | Path]) -> None:
                         f"write it elsewhere")
 
 
-def _listing(folder: Path, most: int = 3) -> str:
+def listing(folder: Path, most: int = 3) -> str:
+    """'a/, b.txt, c.txt, ... (7 entries)': what a folder holds, for an error line."""
     names = sorted(p.name + ("/" if p.is_dir() else "") for p in folder.iterdir())
     more = f", ... ({len(names)} entries)" if len(names) > most else ""
     return ", ".join(names[:most]) + more

@@ -31,6 +31,7 @@ from collections.abc import Iterator
 from contextlib import contextmanager
 from pathlib import Path
 
+from tpkit.checkpoint.dest import listing
 from tpkit.checkpoint.disk import remove_leftovers
 from tpkit.checkpoint.paths import (
     RUN_CHECKPOINTS,
@@ -55,10 +56,8 @@ def check_writable(out: Path) -> None:
         raise UserError(f"--out {out} is or lies inside {around}: that run's retention "
                         f"would delete this run; choose another --out")
     if out.is_dir() and any(out.iterdir()) and not is_run_folder(out):
-        names = sorted(p.name + "/" * p.is_dir() for p in out.iterdir())
         raise UserError(f"--out {out} holds files that are not a tpkit run's "
-                        f"({', '.join(names[:3])}{', ...' if len(names) > 3 else ''}; "
-                        f"{len(names)} entries): a run writes config.toml, metrics.jsonl and "
+                        f"({listing(out)}): a run writes config.toml, metrics.jsonl and "
                         f"checkpoints/ there; choose a new or empty folder")
     try:
         out.mkdir(parents=True, exist_ok=True)
