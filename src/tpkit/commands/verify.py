@@ -100,6 +100,7 @@ def run(args: argparse.Namespace) -> int:
     the ledger matches theory."""
     from tpkit.checkpoint import open_source
 
+    _one_model(args)
     if args.hf:
         return _run_hf(args)
     component = args.component or ("model" if args.preset or args.checkpoint else "mlp")
@@ -118,6 +119,20 @@ def run(args: argparse.Namespace) -> int:
     ref, rows = compare_tps(case, opts, tps, build, args.timeout, comm=comm)
     return _report(rows, tps, TOL[args.dtype], loss_bound(ref["loss"], args.dtype), "tp=1",
                    args.dtype)
+
+
+def _one_model(args: argparse.Namespace) -> None:
+    """--preset, --checkpoint and --hf each name the model (a checkpoint and a Hugging
+    Face folder carry their own config): a UserError when more than one is given, or
+    --layers (a preset's override) without --preset."""
+    given = [f"--{k} {v}" for k in ("preset", "checkpoint", "hf") if (v := getattr(args, k))]
+    if len(given) > 1:
+        raise UserError(f"{' and '.join(given)}: each names the model to verify (a "
+                        f"checkpoint or a Hugging Face folder brings its own config); "
+                        f"give one of them")
+    if args.layers and not args.preset:
+        raise UserError(f"--layers {args.layers} overrides a preset's layer count: it needs "
+                        f"--preset (a checkpoint's model is verified as it was saved)")
 
 
 def _check_args(args: argparse.Namespace, component: str) -> list[int]:
