@@ -27,6 +27,7 @@ from functools import lru_cache
 
 from tpkit.commands.common import group
 from tpkit.spec.errors import UserError
+from tpkit.spec.words import plural
 from tpkit.train.text_sources import Fields, Source, documents, open_sources
 
 BATCH_BYTES = 1 << 20  # text handed to the tokenizer (or a worker) at a time
@@ -181,7 +182,8 @@ def run(args: argparse.Namespace) -> int:
     """Prepare the token shards; bad input is a UserError (one line, exit 2, `tpkit.cli`)."""
     index = prepare(args.files, args.tokenizer, args.out, args.dtype, args.shard_tokens,
                     not args.no_progress, args.text_field, args.chat_field, args.workers)
-    print(f"{index['documents']:,} documents, {index['tokens']:,} tokens ({index['dtype']}, "
-          f"vocab_size={index['vocab_size']}) in {len(index['shards'])} shard(s) "
+    print(f"{plural(index['documents'], 'document', fmt=',')}, "
+          f"{plural(index['tokens'], 'token', fmt=',')} ({index['dtype']}, "
+          f"vocab_size={index['vocab_size']}) in {plural(len(index['shards']), 'shard')} "
           f"under {args.out}")
     return 0

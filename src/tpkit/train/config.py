@@ -180,8 +180,8 @@ class TrainConfig:
             model = self.model_config()
         except ValueError as e:
             return out + [str(e)]
-        out += [f"{model.name}: {p}" for p in
-                model.problems(tp=self.tp, pp=self.pp, sp=self.sp, seq=self.seq)]
+        said = model.problem_line(tp=self.tp, pp=self.pp, sp=self.sp, seq=self.seq)
+        out += [said] if said else []
         out += self._from_hf_problems()
         out += self._context_problems(model)
         chunks = chunks_problem(model.num_layers, self.pp, self.virtual_stages)
