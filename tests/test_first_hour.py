@@ -1,15 +1,23 @@
 """The first hour of a new user, through the real CLI: what a command says must be true
 and read in the user's terms.
 
-Checked: counts read '1 prompt', '8 micro-batches'; an unknown preset gets the nearest
-names; a tp the model refuses is one line naming it once and the tp sizes that work.
+Checked: a reader of stdout gone (`| head -1`) ends presets, version, plan and the quiz
+quietly with status 141, no traceback and nothing at the interpreter's exit; tpkit's own
+warnings read `tpkit <command>: warning: ...`, one line (the library's formatter
+untouched); `convert` names the checkpoint a run folder gave; counts read '1 prompt', '8
+micro-batches'; an unknown preset gets the nearest names; a tp the model refuses is one
+line naming it once and the tp sizes that work; the quiz scores `--answers` by the
+seed's numbering under --shuffle, and `quiz --web` stopped by SIGTERM exits 143.
 """
 
 from __future__ import annotations
 
+import fcntl
 import os
+import signal
 import subprocess
 import sys
+import warnings
 from pathlib import Path
 
 import pytest
@@ -26,6 +34,79 @@ SEED_ANSWERS = "1,2,3,4,1,2,3,4"  # the seed quiz's right options, numbered as i
 def _tpkit(*argv: str, **kw) -> subprocess.CompletedProcess:
     return subprocess.run([sys.executable, "-m", "tpkit", *argv], capture_output=True,
                           text=True, env=ENV, timeout=300, **kw)
+
+
+# -- 2. a closed pipe -----------------------------------------------------------------------
+def _reader_gone(argv: list[str], first_line: bool) -> tuple[int, str, str]:
+    """Run `tpkit argv` into a real pipe whose reader goes away: before the command starts,
+    or (`first_line`) after reading its first line, byte by byte, from a pipe of one page
+    (so the rest cannot all be written before the reader goes)."""
+    r, w = os.pipe()
+    fcntl.fcntl(w, fcntl.F_SETPIPE_SZ, 4096)
+    if not first_line:
+        os.close(r)
+    proc = subprocess.Popen([sys.executable, "-m", "tpkit", *argv], stdout=w,
+                            stderr=subprocess.PIPE, env=ENV)
+    os.close(w)
+    line = b""
+    if first_line:
+        while not line.endswith(b"\n"):
+            byte = os.read(r, 1)
+            if not byte:
+                break
+            line += byte
+        os.close(r)
+    err = proc.communicate(timeout=300)[1].decode()
+    return proc.returncode, line.decode(), err
+
+
+@pytest.mark.timeout(600)
+@pytest.mark.parametrize("argv", [
+    ["presets"], ["version"], ["quiz", "--answers", SEED_ANSWERS],
+    ["plan", "--preset", "gpt2-124m", "--nodes", "1", "--gpus-per-node", "2",
+     "--hardware", "h100"]], ids=lambda a: a[0])
+def test_a_reader_gone_ends_the_command_quietly(argv):
+    status, _, err = _reader_gone(argv, first_line=False)
+    assert status == 141, err
+    assert "Traceback" not in err and "BrokenPipe" not in err and "Exception" not in err, err
+
+
+@pytest.mark.timeout(300)
+def test_head_1_of_the_quiz():
+    status, line, err = _reader_gone(["quiz", "--level", "2", "--answers", SEED_ANSWERS],
+                                     first_line=True)
+    assert line == "Question 1/8\n" and status == 141, (line, err)
+    assert "Traceback" not in err and "BrokenPipe" not in err, err
+
+
+# -- 3. warnings, 11. convert names what it read ------------------------------------------
+@pytest.mark.timeout(300)
+def test_warning_is_one_line_and_convert_says_what_it_read(tmp_path):
+    from tpkit.checkpoint import store
+    from tpkit.checkpoint.paths import step_dir
+    from tpkit.mesh import ParallelMesh
+    from tpkit.model import Transformer
+    from tpkit.spec import get_preset
+
+    model = Transformer(get_preset("gpt2-tiny"), ParallelMesh.single(), seed=0)
+    run = tmp_path / "run"
+    for step in (2, 4):
+        store.save(step_dir(run, step), model, step=step)
+    shard = step_dir(run, 4) / "model-tp00-pp00.safetensors"
+    shard.write_bytes(shard.read_bytes()[:-8])  # the newest is damaged: skipped, warned
+    r = _tpkit("convert", str(run), str(tmp_path / "full.safetensors"), "--to", "full")
+    assert r.returncode == 0, r.stderr
+    assert r.stdout.splitlines()[0] == f"read {step_dir(run, 2)}"
+    said = r.stderr.strip().splitlines()
+    assert len(said) == 1 and said[0].startswith("tpkit convert: warning: "), r.stderr
+    assert "step_000004: skipped, damaged" in said[0] and ".py:" not in r.stderr
+
+
+def test_the_library_keeps_pythons_warning_format(capsys):
+    before = warnings.formatwarning
+    assert main(["presets"]) == 0
+    assert warnings.formatwarning is before
+    capsys.readouterr()
 
 
 # -- 6. plurals, 8. did you mean a preset, 9. a tp the model refuses ------------------------
@@ -55,3 +136,25 @@ def test_a_refused_tp_names_the_model_once_and_the_tp_that_work(capsys):
     err = capsys.readouterr().err.splitlines()
     assert len(err) == 1 and err[0].count("gpt2-tiny:") == 1, err
     assert err[0].endswith(f"(the tp sizes that work: {number_ranges(works)})"), err
+
+
+# -- 12. the quiz ----------------------------------------------------------------------------
+@pytest.mark.parametrize("seed", [[], ["--seed", "0"], ["--seed", "1"], ["--seed", "7"]])
+def test_answers_are_numbered_as_in_the_seed_quiz_under_shuffle(seed, capsys):
+    for _ in range(1 if seed else 8):  # no seed: the real random shuffle, 8 sittings
+        assert main(["quiz", "--answers", SEED_ANSWERS, "--shuffle", *seed]) == 0
+        out = capsys.readouterr().out.splitlines()
+        assert out[-1] == "Score: 8/8", out[-12:]
+
+
+@pytest.mark.timeout(120)
+def test_the_web_quiz_stopped_by_sigterm_exits_128_plus_15():
+    proc = subprocess.Popen([sys.executable, "-m", "tpkit", "quiz", "--web", "--port", "0"],
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=ENV)
+    try:
+        assert "http://" in proc.stdout.readline()  # serving: its handlers are in place
+        proc.send_signal(signal.SIGTERM)
+        assert proc.wait(timeout=30) == 128 + signal.SIGTERM, proc.stderr.read()
+    finally:
+        if proc.poll() is None:
+            proc.kill()

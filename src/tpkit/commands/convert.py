@@ -12,6 +12,7 @@ from __future__ import annotations
 import argparse
 
 from tpkit.checkpoint.convert import reshard, to_full, to_hf
+from tpkit.checkpoint.paths import locate
 from tpkit.commands.common import group
 
 
@@ -30,13 +31,15 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
-    """Convert; print what was written. Errors (a CheckpointError, a UserError) name the
+    """Convert; print the checkpoint read and what was written. Errors (a CheckpointError, a UserError) name the
     file and the problem, on one line, from `tpkit.cli`."""
+    source = locate(args.source)  # a run folder: its latest valid checkpoint
+    print(f"read {source.path}")
     if args.to == "full":
-        out = to_full(args.source, args.dest)
+        out = to_full(source, args.dest)
     elif args.to == "hf":
-        out = to_hf(args.source, args.dest)
+        out = to_hf(source, args.dest)
     else:
-        out = reshard(args.source, args.dest, args.tp, args.pp)
+        out = reshard(source, args.dest, args.tp, args.pp)
     print(f"wrote {out}")
     return 0
