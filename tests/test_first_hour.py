@@ -1,22 +1,27 @@
 """The first hour of a new user, through the real CLI: what a command says must be true
 and read in the user's terms.
 
-Checked: a reader of stdout gone (`| head -1`) ends presets, version, plan and the quiz
-quietly with status 141, no traceback and nothing at the interpreter's exit; tpkit's own
-warnings read `tpkit <command>: warning: ...`, one line (the library's formatter
-untouched); `convert` names the checkpoint a run folder gave; counts read '1 prompt', '8
-micro-batches'; an unknown preset gets the nearest names; a tp the model refuses is one
-line naming it once and the tp sizes that work; the quiz scores `--answers` by the
-seed's numbering under --shuffle, and `quiz --web` stopped by SIGTERM exits 143.
+Checked: `tpkit version` finds the mlflow that `--log mlflow` imports (any distribution
+of the module); a reader of stdout gone (`| head -1`) ends presets, version, plan and
+the quiz quietly with status 141, no traceback and nothing at the interpreter's exit;
+tpkit's own warnings read `tpkit <command>: warning: ...`, one line (the library's
+formatter untouched); `convert` names the checkpoint a run folder gave; `generate
+--chat` without a chat template says to drop --chat (the server keeps its endpoint
+words); counts read '1 prompt', '8 micro-batches'; an unknown preset gets the nearest
+names; a tp the model refuses is one line naming it once and the tp sizes that work;
+`dir(tpkit)` lists the lazy names without importing torch; the quiz scores `--answers`
+by the seed's numbering under --shuffle, and `quiz --web` stopped by SIGTERM exits 143.
 """
 
 from __future__ import annotations
 
 import fcntl
+import importlib
 import os
 import signal
 import subprocess
 import sys
+import threading
 import warnings
 from pathlib import Path
 
@@ -34,6 +39,30 @@ SEED_ANSWERS = "1,2,3,4,1,2,3,4"  # the seed quiz's right options, numbered as i
 def _tpkit(*argv: str, **kw) -> subprocess.CompletedProcess:
     return subprocess.run([sys.executable, "-m", "tpkit", *argv], capture_output=True,
                           text=True, env=ENV, timeout=300, **kw)
+
+
+# -- 1. tpkit version ---------------------------------------------------------------------
+def test_version_finds_the_module_that_log_mlflow_imports(capsys):
+    assert main(["version"]) == 0
+    line = next(x for x in capsys.readouterr().out.splitlines() if x.split()[:1] == ["mlflow"])
+    assert ("not installed" in line) == (importlib.util.find_spec("mlflow") is None), line
+
+
+def test_a_module_from_a_distribution_of_another_name(tmp_path, monkeypatch):
+    """`mlflow` installed by mlflow-skinny: the version of the distribution that has it."""
+    from tpkit.commands.version import module_version
+
+    (tmp_path / "fakemod").mkdir()
+    (tmp_path / "fakemod" / "__init__.py").write_text("")
+    info = tmp_path / "fakemod_skinny-1.2.3.dist-info"
+    info.mkdir()
+    (info / "METADATA").write_text("Metadata-Version: 2.1\nName: fakemod-skinny\n"
+                                   "Version: 1.2.3\n")
+    (info / "top_level.txt").write_text("fakemod\n")
+    monkeypatch.syspath_prepend(str(tmp_path))
+    importlib.invalidate_caches()
+    assert module_version("fakemod") == "fakemod-skinny 1.2.3"
+    assert module_version("no_such_module_here") is None
 
 
 # -- 2. a closed pipe -----------------------------------------------------------------------
@@ -109,6 +138,39 @@ def test_the_library_keeps_pythons_warning_format(capsys):
     capsys.readouterr()
 
 
+# -- 4. generate --chat in CLI words, 6. plurals --------------------------------------------
+@pytest.fixture(scope="module")
+def tiny(tmp_path_factory) -> Path:
+    from tpkit.checkpoint import store
+    from tpkit.mesh import ParallelMesh
+    from tpkit.model import Transformer
+    from tpkit.spec import get_preset
+
+    path = tmp_path_factory.mktemp("tiny") / "gpt2-tiny"
+    store.save(path, Transformer(get_preset("gpt2-tiny"), ParallelMesh.single(), seed=0),
+               step=1)
+    return path
+
+
+def test_chat_without_a_template_says_what_to_do_in_cli_terms(tiny, capsys):
+    from tpkit.checkpoint.tokenizer import ByteTokenizer
+    from tpkit.serve.openai_api import ApiError, chat_ids
+
+    assert main(["generate", "--checkpoint", str(tiny), "--chat", "--prompt", "hi"]) == 2
+    err = capsys.readouterr().err.strip()
+    assert err.startswith("tpkit generate: error: --chat: ") and "drop --chat" in err, err
+    assert "/v1/" not in err
+    with pytest.raises(ApiError, match="use /v1/completions with a prompt instead"):
+        chat_ids({"messages": [{"role": "user", "content": "x"}]}, ByteTokenizer(),
+                 threading.Lock())
+
+
+def test_one_prompt_is_one_prompt(tiny, capsys):
+    assert main(["generate", "--checkpoint", str(tiny), "--prompt", "hi",
+                 "--max-new-tokens", "1"]) == 0
+    assert "[1 token (1 prompt) in " in capsys.readouterr().err
+
+
 # -- 6. plurals, 8. did you mean a preset, 9. a tp the model refuses ------------------------
 def test_plural_and_number_ranges():
     assert [plural(1, "prompt"), plural(2, "micro-batch"), plural(0, "process"),
@@ -136,6 +198,15 @@ def test_a_refused_tp_names_the_model_once_and_the_tp_that_work(capsys):
     err = capsys.readouterr().err.splitlines()
     assert len(err) == 1 and err[0].count("gpt2-tiny:") == 1, err
     assert err[0].endswith(f"(the tp sizes that work: {number_ranges(works)})"), err
+
+
+# -- 10. dir(tpkit) ---------------------------------------------------------------------------
+def test_dir_lists_the_lazy_names_without_importing_torch():
+    code = ("import sys, tpkit; names = dir(tpkit); "
+            "print(all(n in names for n in tpkit.__all__), 'torch' in sys.modules)")
+    r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=ENV,
+                       timeout=60)
+    assert r.stdout.split() == ["True", "False"], r.stdout + r.stderr
 
 
 # -- 12. the quiz ----------------------------------------------------------------------------
