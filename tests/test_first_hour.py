@@ -7,14 +7,17 @@ the quiz quietly with status 141, no traceback and nothing at the interpreter's 
 tpkit's own warnings read `tpkit <command>: warning: ...`, one line (the library's
 formatter untouched); `convert` names the checkpoint a run folder gave; `generate
 --chat` without a chat template says to drop --chat (the server keeps its endpoint
-words); counts read '1 prompt', '8 micro-batches'; an unknown preset gets the nearest
-names; a tp the model refuses is one line naming it once and the tp sizes that work;
-`dir(tpkit)` lists the lazy names without importing torch; the quiz scores `--answers`
-by the seed's numbering under --shuffle, and `quiz --web` stopped by SIGTERM exits 143.
+words); the train summary names cp and the micro-batches, which default to what the
+pipeline needs (a flag or the TOML file still wins); counts read '1 prompt', '8
+micro-batches'; an unknown preset gets the nearest names; a tp the model refuses is one
+line naming it once and the tp sizes that work; `dir(tpkit)` lists the lazy names
+without importing torch; the quiz scores `--answers` by the seed's numbering under
+--shuffle, and `quiz --web` stopped by SIGTERM exits 143.
 """
 
 from __future__ import annotations
 
+import argparse
 import fcntl
 import importlib
 import os
@@ -169,6 +172,51 @@ def test_one_prompt_is_one_prompt(tiny, capsys):
     assert main(["generate", "--checkpoint", str(tiny), "--prompt", "hi",
                  "--max-new-tokens", "1"]) == 0
     assert "[1 token (1 prompt) in " in capsys.readouterr().err
+
+
+# -- 5. cp in the summary, 7. the micro-batches a pipeline needs ----------------------------
+def _config(*flags: str, world: int | None = None):
+    from tpkit.commands.train import add_arguments, config_from_args
+
+    parser = argparse.ArgumentParser()
+    add_arguments(parser)
+    return config_from_args(parser.parse_args(list(flags)), world)
+
+
+def test_micro_batches_default_to_what_the_pipeline_needs(tmp_path):
+    assert _config().micro_batches == 1  # pp=1: one
+    for flags, world in ((["--pp", "2"], None), (["--pp", "2", "--global-batch", "6"], None),
+                         (["--pp", "4", "--global-batch", "64"], None),
+                         (["--pp", "2", "--global-batch", "12"], 4),
+                         (["--pp", "2", "--schedule", "interleaved", "--virtual-stages", "2",
+                           "--global-batch", "6"], None)):
+        cfg = _config(*flags, world=world)
+        assert cfg.micro_batches > 1 and cfg.problems() == [], (flags, cfg.micro_batches)
+        assert cfg.micro_batches <= 4 * cfg.pp
+    assert _config("--pp", "2", "--micro-batches", "1").micro_batches == 1  # a flag wins
+    toml = tmp_path / "run.toml"
+    toml.write_text("[parallelism]\npp = 2\n[training]\nmicro_batches = 2\n")
+    assert _config("--config", str(toml)).micro_batches == 2  # so does the file
+
+
+def _train(mesh, cfg):
+    from tpkit.train.loop import train
+
+    return train(cfg, mesh)
+
+
+@pytest.mark.timeout(300)
+def test_the_summary_names_cp_and_the_micro_batches(run_tp, tmp_path):
+    from tpkit.train.report import report
+
+    cfg = _config("--pp", "2", "--cp", "2", "--steps", "1", "--seq", "32", "--nproc", "4",
+                  "--out", str(tmp_path / "run"), world=4)
+    cfg = cfg.with_(progress=False, plot=False, checkpoint=False, val_fraction=0.0,
+                    log="none")
+    result = run_tp(_train, 1, cfg, pp=2, dp=2)[0]
+    first = report(result, []).splitlines()[0]
+    assert f"tp=1 x pp=2 x dp=1 x cp=2 (1f1b, {cfg.micro_batches} micro-batches of " in first
+    assert cfg.micro_batches == 8 and result.bubble_theory == 1 / 8
 
 
 # -- 6. plurals, 8. did you mean a preset, 9. a tp the model refuses ------------------------

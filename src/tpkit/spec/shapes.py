@@ -6,6 +6,8 @@
                      8 rows (GEMMs on odd widths such as GPT-2's 50257 are slow on GPUs)
     kv heads         split like the query heads when tp divides them; with fewer kv heads
                      than ranks (GQA, MQA) each rank keeps the one its query heads read
+    micro-batches    by default, up to 4 per pipeline stage that divide the batch of a
+                     replica: 8 sequences over pp=2 -> 8 micro-batches, bubble 1/8
 
 The runtime (layers, model, checkpoints) and the planner both import these.
 """
@@ -78,3 +80,18 @@ def interleave_problem(micro_batches: int, pp: int) -> str | None:
     if micro_batches % pp:
         return f"micro_batches={micro_batches} is not a multiple of pp={pp} (interleaved 1F1B)"
     return None
+
+
+MICRO_BATCHES_PER_STAGE = 4  # the default's aim: a 1F1B bubble (p-1)/m below 1/4
+
+
+def default_micro_batches(pp: int, per_replica: int, interleaved: bool = False) -> int:
+    """The micro-batches a step of `per_replica` sequences (global batch / dp) is cut into
+    when none are asked: 1 at pp=1; over pp stages the most, up to 4 per stage, that
+    divide `per_replica` (so global_batch stays divisible by dp * micro-batches), and
+    for the interleaved schedule a multiple of pp; 1 when none does."""
+    if pp <= 1 or per_replica < 1:
+        return 1
+    fits = [m for m in range(1, min(per_replica, MICRO_BATCHES_PER_STAGE * pp) + 1)
+            if per_replica % m == 0 and not (interleaved and interleave_problem(m, pp))]
+    return max(fits, default=1)
