@@ -8,7 +8,7 @@ tpkit's own warnings read `tpkit <command>: warning: ...`, one line (the library
 formatter untouched); `convert` names the checkpoint a run folder gave; `generate
 --chat` without a chat template says to drop --chat (the server keeps its endpoint
 words); the train summary names cp and the micro-batches, which default to what the
-pipeline needs (a flag or the TOML file still wins); counts read '1 prompt', '8
+pipeline needs (a flag or the TOML file still wins); counts read '1 prompt', '4
 micro-batches'; an unknown preset gets the nearest names; a tp the model refuses is one
 line naming it once and the tp sizes that work; `dir(tpkit)` lists the lazy names
 without importing torch; the quiz scores `--answers` by the seed's numbering under
@@ -184,6 +184,8 @@ def _config(*flags: str, world: int | None = None):
 
 
 def test_micro_batches_default_to_what_the_pipeline_needs(tmp_path):
+    from tpkit.spec.shapes import MICRO_BATCHES_PER_STAGE
+
     assert _config().micro_batches == 1  # pp=1: one
     for flags, world in ((["--pp", "2"], None), (["--pp", "2", "--global-batch", "6"], None),
                          (["--pp", "4", "--global-batch", "64"], None),
@@ -192,7 +194,7 @@ def test_micro_batches_default_to_what_the_pipeline_needs(tmp_path):
                            "--global-batch", "6"], None)):
         cfg = _config(*flags, world=world)
         assert cfg.micro_batches > 1 and cfg.problems() == [], (flags, cfg.micro_batches)
-        assert cfg.micro_batches <= 4 * cfg.pp
+        assert cfg.micro_batches <= MICRO_BATCHES_PER_STAGE * cfg.pp
     assert _config("--pp", "2", "--micro-batches", "1").micro_batches == 1  # a flag wins
     toml = tmp_path / "run.toml"
     toml.write_text("[parallelism]\npp = 2\n[training]\nmicro_batches = 2\n")
@@ -216,7 +218,7 @@ def test_the_summary_names_cp_and_the_micro_batches(run_tp, tmp_path):
     result = run_tp(_train, 1, cfg, pp=2, dp=2)[0]
     first = report(result, []).splitlines()[0]
     assert f"tp=1 x pp=2 x dp=1 x cp=2 (1f1b, {cfg.micro_batches} micro-batches of " in first
-    assert cfg.micro_batches == 8 and result.bubble_theory == 1 / 8
+    assert cfg.micro_batches == 4 and result.bubble_theory == 1 / 4
 
 
 # -- 6. plurals, 8. did you mean a preset, 9. a tp the model refuses ------------------------

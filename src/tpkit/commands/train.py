@@ -50,7 +50,7 @@ _FLAGS = {  # field -> (type, 'store_true' or a tuple of choices; help); heading
     "dp": (int, "data-parallel replicas (default: what the processes leave over)"),
     "steps": (int, "optimizer steps"),
     "micro_batches": (int, "micro-batches per step and replica (default: 1 at pp=1; with "
-                           "pipeline stages, up to 4 per stage that divide global_batch/dp)"),
+                           "pipeline stages, up to 2 per stage that divide global_batch/dp)"),
     "global_batch": (int, "sequences per step, all replicas together"),
     "seq": (int, "sequence length"), "lr": (float, "peak learning rate"),
     "min_lr": (float, "final learning rate (default: lr/10)"),
