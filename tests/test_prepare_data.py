@@ -87,7 +87,7 @@ def test_cli(corpus, tmp_path, capsys):
     assert main(["prepare-data", str(corpus / "b.txt"), "--tokenizer", "bytes", "--out",
                  str(out), "--no-progress"]) == 0
     n = len(("column-parallel, row-parallel é\n" * 40).encode())
-    assert f"{n:,} tokens (uint16, vocab_size=256) in 1 shard(s)" in capsys.readouterr().out
+    assert f"{n:,} tokens (uint16, vocab_size=256) in 1 shard" in capsys.readouterr().out
     assert main(["prepare-data", str(corpus / "b.txt"), "--tokenizer", str(tmp_path),
                  "--out", str(out)]) == 2
     assert "no tokenizer files" in capsys.readouterr().err

@@ -4,7 +4,8 @@ Server: only the page's files are served (traversal refused, encoded too), the H
 header must name the address served, POST bodies are bounded (413) and must be JSON
 (400), unknown questions/levels/languages get 404/400 with a message, 200 concurrent
 requests are all answered, idle connections time out, a vanished client is not a
-traceback, and `tpkit quiz --web --live` leaves no process behind on SIGTERM or SIGINT.
+traceback, and `tpkit quiz --web --live` leaves no process behind on SIGTERM or SIGINT
+(exiting 128 + the signal, as every command).
 Browser: Debian's chromium via Playwright, at 1280 px and 390x844, in both languages
 and both levels: answers hidden before choosing, a chart for every demonstration,
 nothing wider than the page, no console error. It fails (never skips) when chromium
@@ -286,7 +287,7 @@ def test_non_loopback_host_warns():
         assert url.startswith("http://127.0.0.1:")
     finally:
         proc.send_signal(signal.SIGINT)
-        assert proc.wait(timeout=30) == 0
+        assert proc.wait(timeout=30) == 128 + signal.SIGINT
     assert "warning: --host 0.0.0.0" in proc.stderr.read()
 
 
@@ -303,7 +304,7 @@ def test_signal_stops_the_server_and_every_child(sig):
         family = descendants(proc.pid)
         assert len(family) >= 2  # forkserver, workers, resource tracker
         proc.send_signal(sig)
-        assert proc.wait(timeout=10) == 0
+        assert proc.wait(timeout=10) == 128 + sig
         assert wait_gone(family, 10)[1] == []  # every child stopped within 10 s
     finally:
         if proc.poll() is None:

@@ -17,6 +17,7 @@ from __future__ import annotations
 import argparse
 
 from tpkit.checkpoint.convert import reshard, to_full, to_hf
+from tpkit.checkpoint.paths import locate
 from tpkit.commands.common import group
 
 
@@ -38,13 +39,15 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
-    """Convert; print what was written. Errors (a CheckpointError, a UserError) name the
-    file and the problem, on one line, from `tpkit.cli`."""
+    """Convert; print the checkpoint read and what was written. Errors (a CheckpointError,
+    a UserError) name the file and the problem, on one line, from `tpkit.cli`."""
+    source = locate(args.source, optimizer=args.to == "sharded")  # a run folder: its latest valid checkpoint
+    print(f"read {source.path}")
     if args.to == "full":
-        out = to_full(args.source, args.dest, overwrite=args.overwrite)
+        out = to_full(source, args.dest, overwrite=args.overwrite)
     elif args.to == "hf":
-        out = to_hf(args.source, args.dest, overwrite=args.overwrite)
+        out = to_hf(source, args.dest, overwrite=args.overwrite)
     else:
-        out = reshard(args.source, args.dest, args.tp, args.pp, overwrite=args.overwrite)
+        out = reshard(source, args.dest, args.tp, args.pp, overwrite=args.overwrite)
     print(f"wrote {out}")
     return 0

@@ -32,6 +32,7 @@ from tpkit.serve.openai_api import ApiError, chat_ids
 from tpkit.serve.runner import Runner
 from tpkit.spec.errors import UserError
 from tpkit.spec.transport import add_comm_argument, comm_choice
+from tpkit.spec.words import plural
 
 
 def _prompts(args: argparse.Namespace, tok) -> list[list[int]]:
@@ -41,7 +42,8 @@ def _prompts(args: argparse.Namespace, tok) -> list[list[int]]:
         return [_prompt_ids(p) for p in args.prompt_ids]
     if args.chat:
         try:
-            return [chat_ids({"messages": [{"role": "user", "content": p}]}, tok, nullcontext())
+            return [chat_ids({"messages": [{"role": "user", "content": p}]}, tok, nullcontext(),
+                             instead="drop --chat to send the prompt as it is")
                     for p in args.prompt]
         except ApiError as e:
             raise UserError(f"--chat: {e.message}") from None
@@ -188,7 +190,7 @@ def run(args: argparse.Namespace) -> int:
     if not result["streamed"]:
         print("\n\n".join(result["texts"]))
     n = sum(len(r) for r in result["new"])
-    print(f"[{n} tokens ({len(result['new'])} prompts) in "
+    print(f"[{plural(n, 'token')} ({plural(len(result['new']), 'prompt')}) in "
           f"{result['seconds']:.2f} s: {n / max(result['seconds'], 1e-9):.1f} tokens/s, "
           f"tp={args.tp}]", file=sys.stderr)
     return 0

@@ -30,6 +30,7 @@ from contextlib import contextmanager
 from pathlib import Path
 
 from tpkit.commands.common import group
+from tpkit.spec.words import plural
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -112,7 +113,8 @@ def run(args: argparse.Namespace) -> int:
     index = prepare(args.files, args.tokenizer, args.out, args.dtype, args.shard_tokens,
                     not args.no_progress, args.text_field, args.chat_field, args.workers,
                     args.overwrite)
-    print(f"{index['documents']:,} documents, {index['tokens']:,} tokens ({index['dtype']}, "
-          f"vocab_size={index['vocab_size']}) in {len(index['shards'])} shard(s) "
+    print(f"{plural(index['documents'], 'document', fmt=',')}, "
+          f"{plural(index['tokens'], 'token', fmt=',')} ({index['dtype']}, "
+          f"vocab_size={index['vocab_size']}) in {plural(len(index['shards']), 'shard')} "
           f"under {args.out}")
     return 0

@@ -21,8 +21,11 @@ from pathlib import Path
 from typing import TYPE_CHECKING
 
 from tpkit.commands.common import group, says_default, shown
+from tpkit.parallel.schedules import CHUNKED
 from tpkit.spec.errors import UserError
+from tpkit.spec.shapes import default_micro_batches
 from tpkit.spec.transport import add_comm_argument, comm_choice
+from tpkit.spec.words import plural
 from tpkit.train.config import TrainConfig
 from tpkit.train.config_file import (
     read_toml,
@@ -90,7 +93,18 @@ def config_from_args(args: argparse.Namespace, world: int | None) -> TrainConfig
     rest = cfg.tp * cfg.pp * cfg.cp
     if "dp" not in given and "dp" not in from_file and world and world % rest == 0:
         cfg = cfg.with_(dp=world // rest)
+    if "micro_batches" not in given and "micro_batches" not in from_file:
+        cfg = cfg.with_(micro_batches=_default_micro_batches(cfg))
     return cfg
+
+
+def _default_micro_batches(cfg: TrainConfig) -> int:
+    """What the pipeline needs (`spec.shapes.default_micro_batches`); 1 when the batch
+    does not divide over dp (the config's check then says so)."""
+    sizes = (cfg.pp, cfg.dp, cfg.global_batch)
+    if not all(isinstance(n, int) and n > 0 for n in sizes) or cfg.global_batch % cfg.dp:
+        return 1
+    return default_micro_batches(cfg.pp, cfg.global_batch // cfg.dp, cfg.schedule == CHUNKED)
 
 
 def _worker(mesh, cfg: TrainConfig) -> RunSummary:
@@ -239,7 +253,7 @@ def _merge_trace(cfg: TrainConfig) -> None:
     from tpkit.train.trace import merge
 
     title = (f"{cfg.preset} tp={cfg.tp} pp={cfg.pp} dp={cfg.dp}, {cfg.schedule}, "
-             f"{cfg.micro_batches} micro-batches: the last step")
+             f"{plural(cfg.micro_batches, 'micro-batch')}: the last step")
     path = merge(cfg.trace, cfg.world_size, title, png_copy=Path(cfg.out) / "trace.png")
     print(f"timeline {path} (open in ui.perfetto.dev), {path.parent / 'step.png'}")
 

@@ -30,6 +30,7 @@ from importlib import resources
 from urllib.parse import parse_qs, urlsplit
 
 from tpkit.host.addresses import allowed_hosts, host_of, is_loopback
+from tpkit.host.exit import Stopped
 from tpkit.quiz import web_api
 from tpkit.quiz.content import Quiz
 from tpkit.spec.errors import UserError
@@ -175,7 +176,8 @@ def make_server(quiz: Quiz, port: int = 0, lang: str = "en", live: LiveRunner | 
 
 def serve(quiz: Quiz, port: int = 8765, lang: str = "en", live: bool = False,
           host: str = HOST, comm: str | None = None) -> int:
-    """Serve until SIGINT, SIGTERM or SIGHUP; prints the URL. Returns the exit code."""
+    """Serve until SIGINT, SIGTERM or SIGHUP; prints the URL. Returns the exit code:
+    128 + the signal's number, as every command stopped by a signal."""
     try:
         server = make_server(quiz, port, lang, None, host)
     except OSError as e:
@@ -199,12 +201,13 @@ def serve(quiz: Quiz, port: int = 8765, lang: str = "en", live: bool = False,
     shown = f"[{shown}]" if ":" in shown else shown
     stops = (signal.SIGINT, signal.SIGTERM, signal.SIGHUP)
     previous = {s: signal.signal(s, _interrupt) for s in stops}  # before the URL is shown
+    status = 0
     try:
         print(f"tpkit quiz: http://{shown}:{server.server_address[1]}/?lang={lang} "
               f"(Ctrl-C to stop)", flush=True)
         server.serve_forever()
-    except KeyboardInterrupt:
-        pass
+    except KeyboardInterrupt as e:
+        status = 128 + getattr(e, "signum", signal.SIGINT)
     finally:
         for s in stops:  # a second signal must not cut the clean-up short
             signal.signal(s, signal.SIG_IGN)
@@ -213,8 +216,8 @@ def serve(quiz: Quiz, port: int = 8765, lang: str = "en", live: bool = False,
             session.close()
         for s, handler in previous.items():
             signal.signal(s, handler)
-    return 0
+    return status
 
 
 def _interrupt(signum: int, frame) -> None:
-    raise KeyboardInterrupt(f"signal {signum}")
+    raise Stopped(signum)

@@ -137,8 +137,11 @@ def prompt_ids(body: dict, tokenizer, lock) -> list[int]:
                         "(one prompt per request)", "prompt")
 
 
-def chat_ids(body: dict, tokenizer, lock) -> list[int]:
-    """The messages of a chat request rendered by the tokenizer's own chat template."""
+def chat_ids(body: dict, tokenizer, lock,
+             instead: str = "use /v1/completions with a prompt instead") -> list[int]:
+    """The messages of a chat request rendered by the tokenizer's own chat template; a
+    tokenizer without one is an ApiError saying what to do `instead` (in the caller's
+    terms: the server's endpoint, the CLI's flag)."""
     msgs = body.get("messages")
     if not isinstance(msgs, list) or not msgs or not all(
             isinstance(m, dict) and isinstance(m.get("role"), str) and
@@ -147,8 +150,8 @@ def chat_ids(body: dict, tokenizer, lock) -> list[int]:
                        "messages")
     hf = getattr(tokenizer, "hf", None)
     if hf is None or not getattr(hf, "chat_template", None):
-        raise ApiError(400, "this model's tokenizer has no chat template: use "
-                            "/v1/completions with a prompt instead", "messages")
+        raise ApiError(400, f"this model's tokenizer has no chat template: {instead}",
+                       "messages")
     with lock:
         ids = hf.apply_chat_template([{"role": m["role"], "content": m["content"]}
                                       for m in msgs], add_generation_prompt=True,

@@ -11,6 +11,7 @@ from dataclasses import dataclass, field, fields, replace
 
 from tpkit.spec import shapes
 from tpkit.spec.errors import UserError
+from tpkit.spec.words import number_ranges, suggest
 
 NORMS = ("layernorm", "rmsnorm")
 ACTIVATIONS = ("gelu", "gelu_exact", "swiglu", "geglu", "relu")  # gelu: tanh; exact: erf (BERT)
@@ -176,9 +177,28 @@ class ModelConfig:
     # -- validation ----------------------------------------------------------------------
     def check(self, tp: int = 1, pp: int = 1, sp: bool = False, seq: int | None = None) -> None:
         """Raise UserError naming the numbers if this model cannot run at (tp, pp, sp)."""
+        said = self.problem_line(tp=tp, pp=pp, sp=sp, seq=seq)
+        if said:
+            raise UserError(said)
+
+    def problem_line(self, tp: int = 1, pp: int = 1, sp: bool = False,
+                     seq: int | None = None) -> str | None:
+        """`problems` as one line, the model named once; when tp is one of the causes,
+        the tp sizes this model can run at. None when it can run."""
         problems = self.problems(tp=tp, pp=pp, sp=sp, seq=seq)
-        if problems:
-            raise UserError(f"{self.name}: " + "; ".join(problems))
+        if not problems:
+            return None
+        line = f"{self.name}: " + "; ".join(problems)
+        if problems != self.problems(tp=1, pp=pp, sp=sp, seq=seq):
+            sizes = self.tp_sizes(sp=sp, seq=seq)
+            line += f" (the tp sizes that work: {number_ranges(sizes)})" if sizes else ""
+        return line
+
+    def tp_sizes(self, sp: bool = False, seq: int | None = None) -> list[int]:
+        """The tensor-parallel sizes `problems` admits (at pp=1), up to num_heads (a larger
+        tp would leave a rank without a query head)."""
+        return [t for t in range(1, self.num_heads + 1)
+                if not self.problems(tp=t, sp=sp, seq=seq)]
 
     def problems(self, tp: int = 1, pp: int = 1, sp: bool = False,
                  seq: int | None = None) -> list[str]:
@@ -302,4 +322,5 @@ def get_preset(name: str) -> ModelConfig:
     try:
         return PRESETS[name]
     except KeyError:
-        raise UserError(f"unknown preset {name!r}; known: {', '.join(PRESETS)}") from None
+        raise UserError(f"unknown preset {name!r}{suggest(name, PRESETS, n=2)} (known: "
+                        f"{', '.join(PRESETS)})") from None

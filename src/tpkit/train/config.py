@@ -100,7 +100,8 @@ class TrainConfig:
 
     steps: int = TRAINING.knob(100, "optimizer steps", check=POSITIVE_INT)
     micro_batches: int = TRAINING.knob(  # pipeline micro-batches / gradient accumulation
-        1, "micro-batches per step and replica", check=POSITIVE_INT)
+        1, "micro-batches per step and replica (default: 1 at pp=1; with pipeline "
+        "stages, up to 2 per stage that divide global_batch/dp)", check=POSITIVE_INT)
     global_batch: int = TRAINING.knob(8, "sequences per step, all replicas together",
                                       check=POSITIVE_INT)
     seq: int = TRAINING.knob(64, "sequence length", check=POSITIVE_INT,
@@ -245,8 +246,8 @@ class TrainConfig:
             model = self.model_config()
         except ValueError as e:
             return out + [str(e)]
-        out += [f"{model.name}: {p}" for p in
-                model.problems(tp=self.tp, pp=self.pp, sp=self.sp, seq=self.seq)]
+        said = model.problem_line(tp=self.tp, pp=self.pp, sp=self.sp, seq=self.seq)
+        out += [said] if said else []
         out += self._from_hf_problems()
         out += self._context_problems(model)
         chunks = chunks_problem(model.num_layers, self.pp, self.virtual_stages)
