@@ -22,6 +22,8 @@ import pytest
 from tpkit.checkpoint.sources import open_source
 from tpkit.commands import generate as generate_cmd
 from tpkit.mesh import ParallelMesh
+from tpkit.serve import engine as engine_module
+from tpkit.serve import openai_api as api
 from tpkit.serve.http import App, make_server
 
 CHAT = [{"role": "user", "content": "Tensor parallelism"}]
@@ -130,9 +132,10 @@ def folder(chat_llama):
 
 def test_a_request_the_engine_fails_on_fails_alone(server, monkeypatch):
     """A seed torch cannot take (2^64: "Overflow when unpacking long long", which used
-    to end the server) put on one request after the edge checked it, as a bug would:
-    that request gets a 500 (streamed: an error event), the stream beside it ends with
-    its normal text, the next request is answered."""
+    to end the server) put on one request after the edge checked it, as a bug would,
+    and a sampler that fails for another (at temperature 0.4321): each gets a 500
+    (streamed: an error event), the stream beside them ends with its normal text, the
+    next request is answered."""
     _, client, engine = server
     kw = dict(max_tokens=60, temperature=0, extra_body={"ignore_eos": True})
     alone, errors = text_of(client, **kw), engine.metrics.requests["error"]
@@ -144,6 +147,14 @@ def test_a_request_the_engine_fails_on_fails_alone(server, monkeypatch):
         return submit(ids, params)
 
     monkeypatch.setattr(engine, "submit", unchecked)
+    sample = engine_module.sample
+
+    def failing(logits, temperature, *args):
+        if temperature == 0.4321:
+            raise FloatingPointError("probability tensor contains inf or nan")
+        return sample(logits, temperature, *args)
+
+    monkeypatch.setattr(engine_module, "sample", failing)
     out: list = []
     thread = stream_into(client, out, **kw)
     with pytest.raises(openai.InternalServerError, match="Overflow") as e:
@@ -152,10 +163,36 @@ def test_a_request_the_engine_fails_on_fails_alone(server, monkeypatch):
     with pytest.raises(openai.APIError, match="Overflow"):
         list(client.completions.create(model="llama", prompt="x", stream=True, seed=4321,
                                        temperature=0.7, max_tokens=4))
+    with pytest.raises(openai.InternalServerError, match="inf or nan"):
+        text_of(client, max_tokens=4, temperature=0.4321)
     thread.join(timeout=120)
     assert "".join(out) == alone
-    assert engine.metrics.requests["error"] == errors + 2
+    assert engine.metrics.requests["error"] == errors + 3
     assert text_of(client, **kw) == alone
+
+
+def test_an_error_while_writing_an_answer_is_that_request_s_500(server, monkeypatch):
+    """A bug met while writing one answer (its log-probabilities, here): a 500 in
+    OpenAI's shape, or mid-stream an error event, and its generation cancelled; the
+    next request is answered."""
+    _, client, engine = server
+
+    def broken(*args, **kw):
+        raise RuntimeError("a bug in writing log-probabilities")
+
+    monkeypatch.setattr(api, "logprobs_block", broken)
+    kw = dict(model="llama", prompt="Tensor", max_tokens=40, logprobs=1,
+              extra_body={"ignore_eos": True})
+    with pytest.raises(openai.InternalServerError, match="a bug in writing") as e:
+        client.completions.create(**kw)
+    assert e.value.body["type"] == "internal_error"
+    with pytest.raises(openai.APIError, match="a bug in writing"):
+        list(client.completions.create(stream=True, **kw))
+    monkeypatch.undo()
+    deadline = time.monotonic() + 30
+    while engine.busy and time.monotonic() < deadline:  # the stream's slot is freed
+        time.sleep(0.05)
+    assert not engine.busy and text_of(client, max_tokens=4, temperature=0)
 
 
 def test_wildcard_host_keeps_an_allowlist_and_browsers_need_an_allowed_origin(server):
