@@ -8,7 +8,10 @@ engine, the sampler); `--tp N` starts ranks 1..N-1 as local processes that follo
 (`tpkit.serve.workers`); under torchrun, rank 0 serves and the others follow.
 SIGTERM, SIGINT or SIGHUP: stop accepting (503), let running requests finish for
 `--drain-seconds`, cancel the rest, stop the workers, exit 128 + the signal. A worker
-that dies: every waiting request gets 503 and the server exits 1 naming the rank.
+that dies: every waiting request gets 503 and the server exits 1 naming the rank; a
+request the server fails on gets 500 alone. Whatever `--host`, the Host header must be
+one of the server's names (`--allowed-host` adds one), and a browser page of another
+origin is refused unless `--allow-origin` names it.
 """
 
 from __future__ import annotations

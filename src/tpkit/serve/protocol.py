@@ -77,6 +77,8 @@ def parse_json(raw: bytes) -> dict:
         body = json.loads(text, parse_constant=_no_constant)
     except json.JSONDecodeError as e:
         raise ApiError(400, f"the body is not JSON: {e}") from None
+    except RecursionError:  # the scan let through what the parser could not (invalid JSON)
+        raise ApiError(400, f"the body nests deeper than {MAX_DEPTH} levels") from None
     if not isinstance(body, dict):
         raise ApiError(400, "the body must be a JSON object")
     return body
