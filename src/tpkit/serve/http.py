@@ -104,7 +104,6 @@ class Handler(BaseHTTPRequestHandler):
 
     def setup(self) -> None:
         self.timeout = self.app.timeout  # an idle connection gives its thread back
-        self._started, self._req = False, None  # response headers sent; the Request
         super().setup()
 
     def do_OPTIONS(self) -> None:  # noqa: N802 - a browser's preflight
@@ -135,7 +134,7 @@ class Handler(BaseHTTPRequestHandler):
         self._error(api.ApiError(404, f"no such path: GET {path}"))
 
     def do_POST(self) -> None:  # noqa: N802
-        self._started, self._req = False, None
+        self._started, self._req = False, None  # response headers sent; the Request
         if self._refused("POST"):
             return
         self.app.enter()
