@@ -165,7 +165,7 @@ def timing(rounds: int, steps: int) -> None:
         for i in range(len(TIMED)):
             name, dp, cp, flags = TIMED[(r + i) % len(TIMED)]
             got = spawn(_worker, dp * cp, name, dp, cp, {**flags, "global": 8}, steps,
-                        mesh=dict(dp=dp * cp), threads=1)
+                        mesh=dict(dp=dp, cp=cp), threads=1)
             times[name].append(statistics.median(x["step_s"] for x in got))
     base = statistics.median(times["none"])
     rows = [[name, f"{statistics.median(t) * 1e3:.0f}", f"{statistics.median(t) / base:.2f}"]
@@ -190,7 +190,7 @@ def main() -> None:
     rows, out = [], []
     base: dict[int, float] = {}
     for name, dp, cp, flags in LAYOUTS:
-        got = spawn(_worker, dp * cp, name, dp, cp, flags, steps, mesh=dict(dp=dp * cp),
+        got = spawn(_worker, dp * cp, name, dp, cp, flags, steps, mesh=dict(dp=dp, cp=cp),
                     threads=1)
         peak = {k: max(r["peak"][k] for r in got) for k in TERMS}
         want = predicted(dp, cp, flags)

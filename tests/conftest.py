@@ -48,10 +48,11 @@ def pools():
 
 @pytest.fixture(scope="session")
 def run_tp(pools):
-    """run_tp(fn, tp, *args, pp=1, dp=1) -> per-rank results of fn(mesh, *args)."""
+    """run_tp(fn, tp, *args, pp=1, dp=1, cp=1) -> per-rank results of fn(mesh, *args)."""
 
-    def run(fn, tp, *args, pp: int = 1, dp: int = 1):
-        return pools.run(fn, tp * pp * dp, *args, mesh=dict(tp=tp, pp=pp, dp=dp))
+    def run(fn, tp, *args, pp: int = 1, dp: int = 1, cp: int = 1):
+        mesh = dict(tp=tp, pp=pp, dp=dp, **(dict(cp=cp) if cp > 1 else {}))
+        return pools.run(fn, tp * pp * dp * cp, *args, mesh=mesh)
 
     return run
 

@@ -53,7 +53,7 @@ def _compare(run_tp, tmp_path, preset: str, tp: int, dp: int, cp: int, sp: bool 
              pp: int = 1, **extra):
     kw = dict(preset=preset, tp=tp, pp=pp, dp=dp, sp=sp, micro_batches=pp)
     base = run_tp(_train, tp, _cfg(tmp_path / "base", **kw), pp=pp, dp=dp)
-    got = run_tp(_train, tp, _cfg(tmp_path / "cp", **kw, cp=cp, **extra), pp=pp, dp=dp * cp)
+    got = run_tp(_train, tp, _cfg(tmp_path / "cp", **kw, cp=cp, **extra), pp=pp, dp=dp, cp=cp)
     assert all(r["theory_ok"] for r in got), got[0]["theory"]  # tp and cp traffic
     assert all(r["losses"] == got[0]["losses"] for r in got)
     loss_rel = max(abs(a - b) / b for a, b in zip(got[0]["losses"], base[0]["losses"]))
@@ -73,12 +73,12 @@ def test_chunks_are_mirrored_and_cover_the_sequence():
 
 @pytest.mark.timeout(180)
 def test_ring_attention_forward_and_backward_equal_full_attention(pools):
-    results = pools.run(_ring_vs_full, 4, mesh=dict(tp=1, pp=1, dp=4))
+    results = pools.run(_ring_vs_full, 4, mesh=dict(tp=1, pp=1, dp=1, cp=4))
     assert all(r < 1e-6 for r in results), results
 
 
 def _ring_vs_full(mesh) -> float:
-    """cp=4 ring over the dp group: output and q/k/v gradients vs one causal softmax."""
+    """cp=4 ring over the mesh's cp group: output and q/k/v gradients vs one causal softmax."""
     import torch.nn.functional as F
 
     from tpkit.layers.ring_attention import ring_attention
@@ -91,9 +91,9 @@ def _ring_vs_full(mesh) -> float:
     full = F.scaled_dot_product_attention(q, k.repeat_interleave(2, 1),
                                           v.repeat_interleave(2, 1), is_causal=True)
     full.backward(dy)
-    pos = cp_positions(s // 4, mesh.dp_group)
+    pos = cp_positions(s // 4, mesh.cp_group)
     mine = [t.detach()[:, :, pos].clone().requires_grad_(True) for t in (q, k, v)]
-    out = ring_attention(*mine, mesh.dp_group)
+    out = ring_attention(*mine, mesh.cp_group)
     out.backward(dy[:, :, pos])
     pairs = [(out, full[:, :, pos])] + [(m.grad, t.grad[:, :, pos]) for m, t in zip(mine, (q, k, v))]
     return max(((x - y).abs().max() / y.abs().max()).item() for x, y in pairs)

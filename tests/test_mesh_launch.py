@@ -32,6 +32,35 @@ def test_grid_is_tp_innermost_and_groups_partition_the_world(tp, pp, dp):
     # pp groups step by tp, dp groups by tp*pp
     assert group_ranks("pp", tp, pp, dp)[0] == tuple(range(0, tp * pp, tp))
     assert group_ranks("dp", tp, pp, dp)[0] == tuple(range(0, world, tp * pp))
+    assert group_ranks("dp_cp", tp, pp, dp) == group_ranks("dp", tp, pp, dp)  # cp=1
+
+
+@pytest.mark.parametrize("tp,pp,dp,cp", [(1, 1, 2, 2), (2, 1, 1, 2), (2, 2, 2, 2), (1, 2, 1, 4)])
+def test_cp_sits_right_outside_tp_and_dp_cp_holds_the_same_weights(tp, pp, dp, cp):
+    world = tp * pp * dp * cp
+    for r in range(world):  # rank = ((dp * pp + pp_i) * cp + cp_i) * tp + tp_i
+        c = coord_of(r, tp, pp, cp)
+        assert r == ((c.dp * pp + c.pp) * cp + c.cp) * tp + c.tp
+    for kind, size in (("tp", tp), ("cp", cp), ("pp", pp), ("dp", dp), ("dp_cp", dp * cp),
+                       ("mp", tp * pp)):
+        groups = group_ranks(kind, tp, pp, dp, cp)
+        assert sorted(r for g in groups for r in g) == list(range(world)), kind
+        assert all(len(g) == size for g in groups), kind
+    assert group_ranks("cp", tp, pp, dp, cp)[0] == tuple(range(0, tp * cp, tp))  # tp apart
+    for g in group_ranks("dp_cp", tp, pp, dp, cp):  # same (pp, tp); replica * cp + cp index
+        coords = [coord_of(r, tp, pp, cp) for r in g]
+        assert len({(c.pp, c.tp) for c in coords}) == 1
+        assert [c.dp * cp + c.cp for c in coords] == list(range(dp * cp))
+
+
+def test_cp_mesh_on_real_processes(pools):
+    facts = pools.run(_mesh_facts, 4, mesh=dict(tp=1, pp=2, dp=1, cp=2))
+    assert [f["cp"] for f in facts] == [(0, 1), (0, 1), (2, 3), (2, 3)]
+    assert [f["cp_rank"] for f in facts] == [0, 1, 0, 1]
+    assert [f["pp"] for f in facts] == [(0, 2), (1, 3), (0, 2), (1, 3)]
+    assert [f["dp_cp"] for f in facts] == [(0, 1), (0, 1), (2, 3), (2, 3)]
+    assert [f["dp"] for f in facts] == [(0,), (1,), (2,), (3,)]
+    assert facts[0]["layout"] == dict(tp=1, pp=2, dp=1, cp=2)
 
 
 def test_sizes_must_multiply_to_world():
@@ -39,6 +68,9 @@ def test_sizes_must_multiply_to_world():
         check_sizes(4, 2, 2, 2)
     with pytest.raises(ValueError, match="world_size=1"):
         ParallelMesh(2, 1, 1)
+    with pytest.raises(ValueError, match=r"tp\*pp\*dp\*cp = 1\*1\*2\*2 = 4 does not equal "
+                                         r"world_size=2"):
+        check_sizes(2, 1, 1, 2, 2)
 
 
 def test_tp_group_spanning_nodes_warns_with_reason_or_errors():
@@ -60,14 +92,16 @@ def test_train_command_prices_a_tp_group_spanning_nodes_with_the_planner():
 def _mesh_without_groups(tp, per_node, strict):
     # the locality check runs before any process group is touched
     m = ParallelMesh.__new__(ParallelMesh)
-    m.tp_size, m.pp_size, m.dp_size, m.ranks_per_node = tp, 4 // tp, 1, per_node
+    m.tp_size, m.pp_size, m.dp_size, m.cp_size, m.ranks_per_node = tp, 4 // tp, 1, 1, per_node
     m._check_locality(strict)
     return m
 
 
 def _mesh_facts(mesh):
     return dict(rank=mesh.rank, tp=mesh.tp_group.ranks, pp=mesh.pp_group.ranks,
-                dp=mesh.dp_group.ranks, tp_rank=mesh.tp_rank, pp_rank=mesh.pp_rank)
+                dp=mesh.dp_group.ranks, tp_rank=mesh.tp_rank, pp_rank=mesh.pp_rank,
+                cp=mesh.cp_group.ranks, cp_rank=mesh.cp_rank, dp_cp=mesh.dp_cp_group.ranks,
+                layout=mesh.layout)
 
 
 def test_groups_on_real_processes(pools):

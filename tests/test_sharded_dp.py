@@ -162,5 +162,5 @@ def test_the_planners_command_runs(run_tp, tmp_path, capsys, ask, flag):
     assert (cfg.fsdp and cfg.dp > 1) if flag == "fsdp" else cfg.cp == 2, line
     cfg = cfg.with_(steps=2, out=str(tmp_path / "run"), progress=False, plot=False,
                     checkpoint=False, val_fraction=0.0)
-    got = run_tp(_train, cfg.tp, cfg, pp=cfg.pp, dp=cfg.dp * cfg.cp)
+    got = run_tp(_train, cfg.tp, cfg, pp=cfg.pp, dp=cfg.dp, cp=cfg.cp)
     assert all(r["theory_ok"] for r in got) and len(got[0]["losses"]) == 2

@@ -387,12 +387,13 @@ def spawn(fn: Callable, nprocs: int, *args: Any, timeout: float = 120.0,
 
 
 def spawn_ranks(fn: Callable, n: int, *args: Any, tp: int | None = None, pp: int = 1,
-                dp: int = 1, **kw: Any) -> list:
+                dp: int = 1, cp: int = 1, **kw: Any) -> list:
     """`fn(mesh, *args)` on `n` fresh local processes, `mesh` being this rank's
-    `ParallelMesh` of (tp, pp, dp) (tp: what pp and dp leave, all of `n` by default);
-    returns the per-rank results. This is `tpkit.spawn`; `kw` as `spawn` takes them."""
-    from tpkit.spec.grid import check_sizes
+    `ParallelMesh` of (tp, pp, dp, cp) (tp: what the others leave, all of `n` by
+    default); returns the per-rank results. This is `tpkit.spawn`; `kw` as `spawn`
+    takes them."""
+    from tpkit.spec.grid import check_sizes, world_of
 
-    tp = tp or n // (pp * dp)
-    check_sizes(n, tp, pp, dp)  # a UserError naming the numbers, before any process
-    return spawn(fn, n, *args, mesh=dict(tp=tp, pp=pp, dp=dp), **kw)
+    tp = tp or n // world_of(1, pp, dp, cp)
+    check_sizes(n, tp, pp, dp, cp)  # a UserError naming the numbers, before any process
+    return spawn(fn, n, *args, mesh=dict(tp=tp, pp=pp, dp=dp, cp=cp), **kw)

@@ -28,10 +28,10 @@ def attempt(fn: Callable, *args: Any) -> BaseException | None:
 
 
 def agree(mesh: ParallelMesh, ok: bool) -> bool:
-    """True when every rank says ok (a barrier over the whole world: mp, then dp)."""
+    """True when every rank says ok (a barrier over the whole world: mp, then dp x cp)."""
     flag = torch.tensor([1.0 if ok else 0.0], device=mesh.device)
     all_reduce(flag, mesh.mp_group, op="min", phase="checkpoint")
-    all_reduce(flag, mesh.dp_group, op="min", phase="checkpoint")
+    all_reduce(flag, mesh.dp_cp_group, op="min", phase="checkpoint")
     return bool(flag.item() == 1.0)
 
 

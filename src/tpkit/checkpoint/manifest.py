@@ -36,6 +36,7 @@ from tpkit.checkpoint.files import (
 from tpkit.checkpoint.finite import NonFiniteCheckpoint, first_nonfinite
 from tpkit.checkpoint.finite import describe as describe_nonfinite
 from tpkit.checkpoint.tokenizer import TOKENIZER_FILES
+from tpkit.spec.grid import world_of
 
 PAUSE_ENV = "TPKIT_CKPT_PAUSE_S"  # tests: sleep after each file, to kill a save midway
 
@@ -83,7 +84,7 @@ def write_manifest(tmp: Path, config: dict | None, optimizer: str | None, step: 
     """Merge the per-rank records in `tmp` into the manifest (written last). Every file
     in `tmp` is listed with its checksum, the tokenizer's too; `run`: the id of the
     training run that wrote it (`retention`: a run folder belongs to one run)."""
-    world = layout["tp"] * layout["pp"] * layout["dp"]
+    world = world_of(**layout)  # {"tp", "pp", "dp"} and "cp" when > 1
     records = [json.loads((tmp / rank_file(r)).read_text()) for r in range(world)]
     files, tensors, optim_tensors = {}, {}, {}
     for r, rec in enumerate(records):

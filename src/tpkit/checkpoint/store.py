@@ -132,7 +132,7 @@ def load(path: str | Path, model: nn.Module, optimizer: Optimizer | None = None,
 def _write_rank(tmp: Path, model: nn.Module, optimizer, state: optim_state.State | None,
                 extra: dict | None, mesh: ParallelMesh) -> None:
     params, optim, groups = {}, {}, None
-    if mesh.dp_rank == 0:  # dp replicas hold the same shards: replica 0 writes them
+    if mesh.dp_cp_rank == 0:  # dp x cp ranks hold the same shards: the first writes them
         params = {n: (q.detach(), split_of(q)) for n, q in _own_params(model).items()}
         if optimizer is not None:
             optim = optim_state.state_tensors(_own_params(model), state)
@@ -192,5 +192,5 @@ def _stage(source: ShardedSource, model: nn.Module, optimizer, mesh: ParallelMes
     record = json.loads(verify_file(root, fname, manifest["files"].get(fname)).read_text())
     extra = decode(record["extra"])
     extra.setdefault("step", manifest["step"])
-    extra["layout"] = manifest["layout"]  # the one record of it: {"tp", "pp", "dp"}
+    extra["layout"] = manifest["layout"]  # the one record of it: {"tp", "pp", "dp"} (+ "cp")
     return params, staged_optim, extra

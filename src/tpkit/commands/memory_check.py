@@ -52,7 +52,7 @@ def estimate(cfg: TrainConfig) -> tuple[float, dict[str, float]]:
     lay = layout_of(cfg)
     stages = memory_per_stage(cfg.model_config(), cfg.seq, lay, cfg.micro_batches,
                               precision_of(cfg), eager=True)  # tpkit's own block runs here
-    ranks_per_stage = lay.tp * lay.dp * lay.cp
+    ranks_per_stage = lay.devices // lay.pp
     total = sum(s["total"] for s in stages) * ranks_per_stage + PROCESS_BYTES * lay.devices
     return total, max(stages, key=lambda s: s["total"])
 

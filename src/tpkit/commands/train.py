@@ -23,6 +23,7 @@ from typing import TYPE_CHECKING
 from tpkit.commands.common import group, says_default, shown
 from tpkit.parallel.schedules import CHUNKED
 from tpkit.spec.errors import UserError
+from tpkit.spec.grid import dp_left, locality_problem
 from tpkit.spec.shapes import default_micro_batches
 from tpkit.spec.transport import add_comm_argument, comm_choice
 from tpkit.spec.words import plural
@@ -90,9 +91,9 @@ def config_from_args(args: argparse.Namespace, world: int | None) -> TrainConfig
     given = {k: v for k, v in vars(args).items() if k in names}
     from_file = read_toml(args.config, TrainConfig) if getattr(args, "config", None) else {}
     cfg = TrainConfig(**{**from_file, **given})
-    rest = cfg.tp * cfg.pp * cfg.cp
-    if "dp" not in given and "dp" not in from_file and world and world % rest == 0:
-        cfg = cfg.with_(dp=world // rest)
+    dp = dp_left(world, cfg.tp, cfg.pp, cfg.cp) if world else None
+    if "dp" not in given and "dp" not in from_file and dp:
+        cfg = cfg.with_(dp=dp)
     if "micro_batches" not in given and "micro_batches" not in from_file:
         cfg = cfg.with_(micro_batches=_default_micro_batches(cfg))
     return cfg
@@ -237,7 +238,7 @@ def _run_local(cfg: TrainConfig, comm: str) -> int:
         results = [_worker(ParallelMesh.single(device=best_device()), cfg)]
     else:
         threads = max(1, (os.cpu_count() or 1) // n)
-        results = spawn(_worker, n, cfg, mesh=dict(tp=cfg.tp, pp=cfg.pp, dp=cfg.dp * cfg.cp,
+        results = spawn(_worker, n, cfg, mesh=dict(tp=cfg.tp, pp=cfg.pp, dp=cfg.dp, cp=cfg.cp,
                                                    comm=comm),
                         threads=threads, timeout=7 * 24 * 3600.0,
                         collective_timeout=cfg.collective_timeout)
@@ -258,12 +259,12 @@ def _merge_trace(cfg: TrainConfig) -> None:
     print(f"timeline {path} (open in ui.perfetto.dev), {path.parent / 'step.png'}")
 
 
-def cross_node_price(tp: int, pp: int, dp: int, ranks_per_node: int) -> str | None:
+def cross_node_price(tp: int, pp: int, dp: int, ranks_per_node: int, cp: int = 1
+                     ) -> str | None:
     """The planner's price of tp groups that span nodes (`TopologyWarning` says why), or None."""
     from tpkit.plan.topology import cross_node_penalty
-    from tpkit.spec.grid import locality_problem
 
-    if locality_problem(tp, pp, dp, ranks_per_node) is None:
+    if locality_problem(tp, pp, dp, ranks_per_node, cp) is None:
         return None
     said = cross_node_penalty(None, tp, ranks_per_node, hardware="h100")
     return f"Predicted on H100 nodes with InfiniBand: {said}" if said else None
@@ -304,7 +305,7 @@ def _folder_held_by_rank0(out: Path, rank: int) -> Iterator[None]:
 def _run_torchrun(cfg: TrainConfig, overwrite: bool, comm: str) -> int:
     from tpkit.mesh import ParallelMesh
 
-    mesh = ParallelMesh.from_env(tp=cfg.tp, pp=cfg.pp, dp=cfg.dp * cfg.cp,  # cp: in dp
+    mesh = ParallelMesh.from_env(tp=cfg.tp, pp=cfg.pp, dp=cfg.dp, cp=cfg.cp,
                                  timeout_s=cfg.collective_timeout, comm=comm)
     # rank 0 chooses the checkpoint to resume (hashing the newest once, not every rank)
     cfg = cfg.with_(resume=_decided_by_rank0(mesh.rank, resume_dir, cfg))
@@ -326,7 +327,8 @@ def _train_torchrun(cfg: TrainConfig, mesh) -> int:
     # writes the text and its newline separately, so two ranks' lines could run together
     sys.stdout.write(f"rank {mesh.rank}: {mesh!r}, tp group {list(mesh.tp_group.ranks)}\n")
     sys.stdout.flush()
-    price = cross_node_price(mesh.tp_size, mesh.pp_size, mesh.dp_size, mesh.ranks_per_node)
+    price = cross_node_price(mesh.tp_size, mesh.pp_size, mesh.dp_size, mesh.ranks_per_node,
+                             mesh.cp_size)
     if price and mesh.rank == 0:  # the mesh warned of the problem; the planner prices it
         print(price, file=sys.stderr, flush=True)
     result = train(cfg, mesh, trackers=trackers(cfg, mesh))

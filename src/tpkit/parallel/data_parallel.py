@@ -1,7 +1,7 @@
 """Gradient synchronisation after backward: tied embeddings across stages, then dp.
 
 Data parallelism (each dp replica a different slice of the batch): after the last
-micro-batch every gradient is averaged over `mesh.dp_group`. Gradients are packed
+micro-batch every gradient is averaged over `mesh.dp_cp_group`. Gradients are packed
 into flat buckets (~`bucket_mb` MiB each) so that a model of many small tensors
 costs a few all-reduces, not one per parameter:
 
@@ -31,7 +31,7 @@ from tpkit.comm.group import CommGroup
 from tpkit.layers.sharding import meta_of
 from tpkit.mesh import ParallelMesh
 from tpkit.model.names import EMBED_WEIGHT
-from tpkit.spec.grid import Coord, rank_of
+from tpkit.spec.grid import tied_pairs
 
 
 def allreduce_grads(params: list[nn.Parameter], group: CommGroup, *, average: bool = True,
@@ -113,7 +113,7 @@ def _buckets(grads: list[torch.Tensor], limit: int) -> list[list[torch.Tensor]]:
 
 
 def tied_embedding_group(mesh: ParallelMesh, tied: bool) -> CommGroup | None:
-    """This rank's {first stage, last stage} group (same tp, dp index), or None.
+    """This rank's {first stage, last stage} group (same tp, cp, dp index), or None.
 
     Collective: every rank must call it with the same `tied` (the model's
     tie_embeddings); with pp > 1 each rank then creates every group in the same
@@ -121,9 +121,7 @@ def tied_embedding_group(mesh: ParallelMesh, tied: bool) -> CommGroup | None:
     """
     if mesh.pp_size == 1 or not tied:
         return None
-    tp, pp = mesh.tp_size, mesh.pp_size
-    pairs = [(rank_of(Coord(d, 0, t), tp, pp), rank_of(Coord(d, pp - 1, t), tp, pp))
-             for d in range(mesh.dp_size) for t in range(tp)]
+    pairs = tied_pairs(mesh.tp_size, mesh.pp_size, mesh.dp_size, mesh.cp_size)
     return mesh.extra_group("tied-embedding", "tied", pairs)
 
 

@@ -36,7 +36,7 @@ from tpkit.spec import theory
 
 
 class FullyShardedData(ShardedData):
-    """FSDP over `mesh.dp_group` for this rank's stage of `model` (see the module doc)."""
+    """FSDP over `mesh.dp_cp_group` for this rank's stage of `model` (see the module doc)."""
 
     scope = "fsdp"
 
@@ -46,7 +46,7 @@ class FullyShardedData(ShardedData):
             raise ValueError(f"fsdp reshard={reshard!r} is not one of {theory.FSDP_RESHARD}")
         self.reshard, self.model = reshard, model
         parts = split_tied(sharded_params(model), model, mesh.pp_size)
-        units = [FlatUnit(n, ps, mesh.dp_group, mesh.tp_group, mesh.pp_size)
+        units = [FlatUnit(n, ps, mesh.dp_cp_group, mesh.tp_group, mesh.pp_size)
                  for n, ps in parts if ps]
         super().__init__(units, mesh, micro_batches, weight_decay, **adamw)
         self.layer_unit = {n: u for n, u in zip((n for n, ps in parts if ps), units)}
@@ -143,7 +143,7 @@ class FullyShardedData(ShardedData):
 
     def expected(self) -> list[theory.Expect]:
         """`theory.fully_sharded` of each unit's padded flat buffer."""
-        dp, m = self.mesh.dp_size, self.micro_batches
+        dp, m = self.mesh.dp_cp_size, self.micro_batches
         return [e for u in self.units for e in theory.fully_sharded(u.padded, dp, m, self.reshard)]
 
 

@@ -49,7 +49,7 @@ def global_grad_norm(model: nn.Module, mesh: ParallelMesh, dp_sharded: bool = Fa
     sq = local_sq_norm(model, mesh.tp_size, mesh.tp_rank, mesh.pp_size).to(mesh.device)
     all_reduce(sq, mesh.mp_group, phase="grads", scope="grad_norm")
     if dp_sharded:
-        all_reduce(sq, mesh.dp_group, phase="grads", scope="grad_norm")
+        all_reduce(sq, mesh.dp_cp_group, phase="grads", scope="grad_norm")
     return math.sqrt(sq.item())
 
 

@@ -37,7 +37,6 @@ import torch
 from tpkit.comm import isend, recv
 from tpkit.comm.group import CommGroup
 from tpkit.mesh import ParallelMesh
-from tpkit.spec.grid import group_ranks
 
 
 class StageLink:
@@ -116,5 +115,4 @@ def ring_backward_group(mesh: ParallelMesh) -> CommGroup:
     pp = mesh.pp_group
     if pp.size == 1:
         return pp
-    return mesh.extra_group("pp-backward", "pp",
-                            group_ranks("pp", mesh.tp_size, mesh.pp_size, mesh.dp_size))
+    return mesh.extra_group("pp-backward", "pp", mesh.all_groups("pp"))

@@ -44,7 +44,7 @@ class ReplicatedData:
                  micro_batches: int) -> None:
         self.model, self.mesh, self.optimizer = model, mesh, optimizer
         params = [] if optimizer.dp_sharded else list(model.parameters())
-        self.sync = OverlappedGradSync(params, mesh.dp_group, micro_batches)
+        self.sync = OverlappedGradSync(params, mesh.dp_cp_group, micro_batches)
 
     def arm(self) -> None:
         """Before the schedule: start listening for the last micro-batch's gradients."""

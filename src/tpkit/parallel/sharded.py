@@ -99,7 +99,7 @@ class ShardedData:
         for u in self.units:
             sq += u.sq_norm()
         all_reduce(sq, self.mesh.mp_group, phase="grads", scope="grad_norm")
-        all_reduce(sq, self.mesh.dp_group, phase="grads", scope="grad_norm")
+        all_reduce(sq, self.mesh.dp_cp_group, phase="grads", scope="grad_norm")
         return math.sqrt(sq.item())
 
     def clip(self, norm: float, max_norm: float) -> float:

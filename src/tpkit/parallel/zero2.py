@@ -29,14 +29,14 @@ from tpkit.spec import theory
 
 
 class Zero2(ShardedData):
-    """ZeRO-2 over `mesh.dp_group` for this rank's stage of `model`."""
+    """ZeRO-2 over `mesh.dp_cp_group` for this rank's stage of `model`."""
 
     scope = "zero2"
 
     def __init__(self, model: nn.Module, mesh: ParallelMesh, micro_batches: int,
                  weight_decay: float, **adamw) -> None:
         parts = split_tied(sharded_params(model), model, mesh.pp_size)
-        units = [FlatUnit(n, ps, mesh.dp_group, mesh.tp_group, mesh.pp_size, shard_is_view=True)
+        units = [FlatUnit(n, ps, mesh.dp_cp_group, mesh.tp_group, mesh.pp_size, shard_is_view=True)
                  for n, ps in parts if ps]
         super().__init__(units, mesh, micro_batches, weight_decay, **adamw)
 
@@ -51,7 +51,7 @@ class Zero2(ShardedData):
 
     def expected(self) -> list[theory.Expect]:
         """m reduce-scatters and one all-gather of each padded bucket."""
-        dp = self.mesh.dp_size
+        dp = self.mesh.dp_cp_size
         return [e for u in self.units for e in
                 theory.data_parallel(u.padded, dp, zero2=True, micro_batches=self.micro_batches)]
 

@@ -87,7 +87,7 @@ def megatron_flags(lay: Layout, seq: int, global_batch: int, num_layers: int,
         f.append(f"--use-megatron-fsdp --data-parallel-sharding-strategy "
                  f"{MEGATRON_SHARDING[lay.zero]} --use-distributed-optimizer "
                  f"--no-gradient-accumulation-fusion")
-    elif lay.dp * lay.cp > 1:
+    elif lay.replicas > 1:
         f.append("--overlap-grad-reduce")
     f += ["--grad-reduce-in-bf16"] if grad_bytes == 2 else []
     f += ["--attention-backend flash"] if flash else []

@@ -1,6 +1,7 @@
 """A layout: how one training run is split over devices, and the names of its choices.
 
-    devices = tp x cp x pp x dp      (Megatron's order: tp innermost, then cp, dp, pp)
+    devices = tp x cp x pp x dp      (the rank grid of `tpkit.spec.grid`: tp innermost,
+                                      then cp, pp, dp)
 
 Data-parallel sharding (`zero`), as Rajbhandari et al. 2020 (ZeRO) number the stages
 and as the two common implementations call them:
@@ -35,6 +36,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from tpkit.spec.grid import weight_replicas, world_of
 from tpkit.spec.theory import FSDP_RESHARD
 
 ZERO_NAMES = {0: "none", 1: "ZeRO-1", 2: "ZeRO-2", 3: "FSDP"}
@@ -64,12 +66,12 @@ class Layout:
     @property
     def devices(self) -> int:
         """tp x cp x pp x dp."""
-        return self.tp * self.cp * self.pp * self.dp
+        return world_of(self.tp, self.pp, self.dp, self.cp)
 
     @property
     def replicas(self) -> int:
         """Ranks that hold the same weights and reduce gradients together: dp x cp."""
-        return self.dp * self.cp
+        return weight_replicas(self.dp, self.cp)
 
     @property
     def zero1(self) -> bool:

@@ -24,6 +24,7 @@ from tpkit.plan.reasons import explain
 from tpkit.plan.simulate import Cluster, Estimate, Layout, evaluate
 from tpkit.spec.config import ModelConfig
 from tpkit.spec.errors import UserError
+from tpkit.spec.grid import weight_replicas, world_of
 from tpkit.spec.theory import RECOMPUTE
 
 MICRO_BATCHES = (1, 2, 4, 8, 16, 32)
@@ -71,7 +72,7 @@ def _degrees(req: Request, rejected: dict[str, str]) -> list[tuple[int, int, int
             continue
         for cp in _options(req, "cp", _cp_sizes(req.seq, n // tp)):
             for pp in _options(req, "pp", divisors(n // tp // cp) if n % (tp * cp) == 0 else [1]):
-                dp = n // (tp * cp * pp)
+                dp = n // world_of(tp, pp, 1, cp)
                 why = _cp_problem(req.seq, cp) or _degree_problem(req, tp, cp, pp, dp)
                 if why:
                     rejected.setdefault(f"tp={tp} cp={cp} pp={pp}", why)
@@ -97,7 +98,7 @@ def _cp_problem(seq: int, cp: int) -> str | None:
 
 def _degree_problem(req: Request, tp: int, cp: int, pp: int, dp: int) -> str | None:
     n, layers = req.cluster.devices, req.config.num_layers
-    if tp * cp * pp * dp != n:
+    if world_of(tp, pp, dp, cp) != n:
         return f"tp*cp*pp = {tp}*{cp}*{pp} does not divide {n} devices"
     if pp > layers:
         return f"pp={pp} stages is more than num_layers={layers}"
@@ -132,7 +133,7 @@ def _variants(req: Request, degrees: tuple[int, int, int, int], mb: int,
               m: int) -> list[Layout]:
     tp, cp, pp, dp = degrees
     sps = [False, True] if tp > 1 and (req.seq // cp) % tp == 0 else [False]
-    zeros = list(ZERO_NAMES) if dp * cp > 1 else [0]
+    zeros = list(ZERO_NAMES) if weight_replicas(dp, cp) > 1 else [0]
     chunks = [1] + ([2] if pp > 1 and m % pp == 0 and req.config.num_layers % (2 * pp) == 0
                     else [])
     ends = [False] + ([True] if lighter_end_layers(req.config.num_layers, pp) else [])

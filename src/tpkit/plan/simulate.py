@@ -34,6 +34,7 @@ from tpkit.plan.memory import (
 )
 from tpkit.spec import theory
 from tpkit.spec.config import ModelConfig
+from tpkit.spec.grid import group_stride
 
 __all__ = ["Cluster", "Estimate", "Layout", "evaluate", "layer_times", "tp_collectives"]
 
@@ -144,7 +145,7 @@ def ring_attention_time(c: ModelConfig, seq: int, lay: Layout, hw: Hardware,
     if lay.cp == 1:
         return 0.0
     chunk = 2 * lay.micro_batch * seq // lay.cp * kv_heads_per_rank(c, lay.tp) * c.head_dim
-    link = cost.link_for(lay.tp * lay.cp, hw, stride=lay.tp)
+    link = cost.link_for(lay.tp * lay.cp, hw, stride=group_stride("cp", lay.tp, lay.pp, lay.cp))
     return (lay.cp - 1) * cost.p2p_time(chunk * prec.activation, link)
 
 
@@ -221,8 +222,10 @@ def _p2p_per_step(c: ModelConfig, seq: int, lay: Layout, hw: Hardware, prec: Pre
 
 
 def replica_link(lay: Layout, hw: Hardware):
-    """The link of the dp x cp group that reduces gradients (tp, cp, pp, dp from inside out)."""
-    return cost.link_for(lay.devices, hw, stride=lay.tp if lay.cp > 1 else lay.tp * lay.pp)
+    """The link of the dp x cp group that reduces gradients (`tpkit.spec.grid`: tp, cp,
+    pp, dp from inside out; its nearest members are cp neighbours when cp > 1)."""
+    nearest = "cp" if lay.cp > 1 else "dp"
+    return cost.link_for(lay.devices, hw, stride=group_stride(nearest, lay.tp, lay.pp, lay.cp))
 
 
 def _dp_and_optimizer(c: ModelConfig, lay: Layout, cluster: Cluster, hw: Hardware,

@@ -16,6 +16,7 @@ from pathlib import Path
 from tpkit.comm.failure import DEFAULT_COLLECTIVE_TIMEOUT_S
 from tpkit.parallel.schedules import CHUNKED, SCHEDULES, schedule_problems
 from tpkit.spec.errors import UserError
+from tpkit.spec.grid import world_of
 from tpkit.spec.shapes import chunks_problem, interleave_problem
 from tpkit.spec.theory import FSDP_RESHARD
 from tpkit.train.config_knobs import (
@@ -175,7 +176,7 @@ class TrainConfig:
     @property
     def world_size(self) -> int:
         """tp * pp * dp * cp."""
-        return self.tp * self.pp * self.dp * self.cp
+        return world_of(self.tp, self.pp, self.dp, self.cp)
 
     @property
     def model_name(self) -> str:

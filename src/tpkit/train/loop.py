@@ -47,17 +47,17 @@ from tpkit.train.trackers import Trackers
 def prepare(cfg: TrainConfig, mesh: ParallelMesh) -> tuple[TokenLoader, TokenLoader | None]:
     """Every check that can fail, before any collective: config, layout, data."""
     cfg.check(mesh.world_size)
-    got = (mesh.tp_size, mesh.pp_size, mesh.dp_size)
-    if got != (cfg.tp, cfg.pp, cfg.dp * cfg.cp):  # cp ranks sit in the mesh's dp dimension
-        raise ValueError(f"mesh (tp, pp, dp) = {got} does not match the config "
-                         f"{(cfg.tp, cfg.pp, cfg.dp * cfg.cp)} (tp, pp, dp*cp)")
+    got = (mesh.tp_size, mesh.pp_size, mesh.dp_size, mesh.cp_size)
+    if got != (cfg.tp, cfg.pp, cfg.dp, cfg.cp):
+        raise ValueError(f"mesh (tp, pp, dp, cp) = {got} does not match the config "
+                         f"{(cfg.tp, cfg.pp, cfg.dp, cfg.cp)}")
     tokens = load_tokens(cfg.data, cfg.model_config().vocab_size, cfg.tokenizer_id,
                          warn=mesh.rank == 0)  # every rank checks; one says a warning
     train_tok, val_tok = split_tokens(tokens, cfg.val_fraction, window=cfg.seq + 1)
     split = (f" (of {len(tokens):,} tokens, {len(train_tok):,} for training and "
              f"{len(val_tok):,} held out by --val-fraction {cfg.val_fraction})")
-    kw = dict(seq=cfg.seq, global_batch=cfg.global_batch, dp_rank=mesh.dp_rank // cfg.cp,
-              dp_size=cfg.dp, seed=cfg.seed, split=split)  # a replica's cp ranks: same rows
+    kw = dict(seq=cfg.seq, global_batch=cfg.global_batch, dp_rank=mesh.dp_rank,
+              dp_size=mesh.dp_size, seed=cfg.seed, split=split)  # a replica's cp ranks: same rows
     loader = TokenLoader(train_tok, **kw, name="training")
     val = TokenLoader(val_tok, **kw, shuffle=False, name="validation", min_windows=1) \
         if cfg.val_fraction > 0 else None
@@ -92,9 +92,9 @@ def build_context(cfg: TrainConfig, mesh: ParallelMesh, model: torch.nn.Module,
     """(the StepContext of this run, its ZeRO-2 / FSDP sharding or None, the first step):
     optimizer, dp protocol, pipeline link, resumed state, master weights."""
     tied = tied_embedding_group(mesh, model.config.tie_embeddings)
-    cp_group = context.context_group(mesh, cfg.cp)  # ring attention (tpkit.parallel.context)
+    cp_group = mesh.cp_group if mesh.cp_size > 1 else None  # each rank its s/cp tokens
     if cp_group:
-        context.enable(model, cp_group)
+        context.enable(model, cp_group)  # ring attention (tpkit.parallel.context)
     sharding = build_sharding(model, cfg, mesh)  # ZeRO-2 / FSDP (tpkit.parallel.sharded)
     opt = sharding.optimizer if sharding else build_optimizer(model, cfg, mesh)
     data = sharding or ReplicatedData(model, mesh, opt, cfg.micro_batches)
@@ -176,7 +176,8 @@ def _write_trace(cfg: TrainConfig, mesh: ParallelMesh, records, span) -> None:
     """This rank's timeline of the last step (`tpkit.train.trace`; merged by the command)."""
     from tpkit.train import trace
 
-    title = f"rank {mesh.rank} (pp {mesh.pp_rank}, tp {mesh.tp_rank}, dp {mesh.dp_rank})"
+    cp = f", cp {mesh.cp_rank}" if mesh.cp_size > 1 else ""
+    title = f"rank {mesh.rank} (pp {mesh.pp_rank}, tp {mesh.tp_rank}, dp {mesh.dp_rank}{cp})"
     trace.write_rank(cfg.trace, mesh.rank, title, trace.step_events(records, *span, mesh.rank))
 
 
@@ -303,7 +304,8 @@ def _theory_tables(cfg: TrainConfig, mesh: ParallelMesh, model, sharding
     rows = theory_rows(mesh.ledger, expects)
     tables = theory_table(rows, f"{_where(mesh)}: tp/pp traffic of one step vs theory")
     if sharding:  # the dp traffic of ZeRO-2 / FSDP against tpkit.spec.theory
-        rows_dp = sharded_rows(mesh.ledger, sharding.expected(), sharding.scope)
+        rows_dp = sharded_rows(mesh.ledger, sharding.expected(), sharding.scope,
+                               mesh.dp_cp_group.name)
         tables += "\n" + theory_table(rows_dp, f"{_where(mesh)}: {sharding.scope} dp traffic "
                                               f"of one step vs theory")
         rows = rows + rows_dp

@@ -40,18 +40,18 @@ def param_groups(model: nn.Module, weight_decay: float) -> list[dict]:
 
 def build_optimizer(model: nn.Module, cfg: TrainConfig, mesh: ParallelMesh
                     ) -> AdamW | ZeroAdamW:
-    """AdamW, or `ZeroAdamW` sharding its state over the dp group with --zero1."""
+    """AdamW, or `ZeroAdamW` sharding its state over the dp x cp group with --zero1."""
     groups = param_groups(model, cfg.weight_decay)
     kw = dict(lr=cfg.lr, betas=(0.9, cfg.beta2), eps=1e-8)
-    if cfg.zero1 and mesh.dp_size > 1:
-        return ZeroAdamW(groups, mesh.dp_group, **kw)
+    if cfg.zero1 and mesh.dp_cp_size > 1:
+        return ZeroAdamW(groups, mesh.dp_cp_group, **kw)
     return AdamW(groups, **kw)
 
 
 def build_sharding(model: nn.Module, cfg: TrainConfig, mesh: ParallelMesh):
-    """`Zero2` (--zero2) or `FullyShardedData` (--fsdp) over the dp group, or None (neither
+    """`Zero2` (--zero2) or `FullyShardedData` (--fsdp) over the dp x cp group, or None (neither
     asked, or dp=1: nothing to shard over). Its `.optimizer` is the run's optimizer."""
-    if mesh.dp_size == 1 or not (cfg.zero2 or cfg.fsdp):
+    if mesh.dp_cp_size == 1 or not (cfg.zero2 or cfg.fsdp):
         return None
     from tpkit.parallel.fsdp import FullyShardedData
     from tpkit.parallel.zero2 import Zero2

@@ -114,11 +114,11 @@ def evaluate(ctx: StepContext, loader: TokenLoader) -> float:
 
 
 def replica_mean(value: float | None, mesh: ParallelMesh) -> float:
-    """The last stage's value, averaged over dp replicas, known on every rank."""
+    """The last stage's value, averaged over the dp x cp ranks, known on every rank."""
     t = torch.tensor([value if value is not None else 0.0], dtype=torch.float64,
                      device=mesh.device)
     if mesh.tp_rank != 0:
         t.zero_()  # every tp rank of the last stage holds it; count one
     all_reduce(t, mesh.mp_group, phase="metrics", scope="metrics")
-    all_reduce(t, mesh.dp_group, phase="metrics", scope="metrics")
-    return t.item() / mesh.dp_size
+    all_reduce(t, mesh.dp_cp_group, phase="metrics", scope="metrics")
+    return t.item() / mesh.dp_cp_size

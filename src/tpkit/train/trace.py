@@ -48,7 +48,7 @@ def _record_events(r: Record, rank: int) -> list[dict]:
                 _event(f"{cat}: {label}", cat, r.start, r.end, rank, "main", **args)]
     if r.group == "cp":
         return [_event(f"cp ring {r.op} ({r.phase})", "pp", r.start, r.end, rank, "pp", **args)]
-    if r.group == "dp":
+    if r.group in ("dp", "dp_cp"):  # the gradients' group (dp x cp ranks with cp > 1)
         what = f"{r.scope} {r.op} ({r.phase})" if r.scope in ("fsdp", "zero2") else \
             f"dp bucket {r.op}"
         return [_event(what, "dp", r.start, r.end, rank, "dp", **args),
