@@ -19,7 +19,7 @@ from common import Contender, environment, parser, print_table, round_robin, wri
 from tpkit.launch import spawn
 from tpkit.model import Transformer
 from tpkit.spec import get_preset
-from tpkit.train.compile import compile_blocks, compiled_graphs
+from tpkit.train.compile import compiled_graphs
 
 
 def model_config(a):
@@ -42,9 +42,9 @@ def worker(mesh, a) -> dict:
     cfg = model_config(a)
     ids = torch.randint(0, cfg.vocab_size, (a.batch, a.seq),
                         generator=torch.Generator().manual_seed(0))
-    models = {n: Transformer(cfg, mesh, seed=1, loss_chunk=a.loss_chunk)
+    models = {n: Transformer(cfg, mesh, seed=1, loss_chunk=a.loss_chunk,
+                             compile_backend=a.backend if n == "compiled" else None)
               for n in ("eager", "compiled")}
-    compile_blocks(models["compiled"], a.backend)
     first = {}
     for name, m in models.items():  # the check (and, compiled, the compilation)
         t0 = time.perf_counter()

@@ -17,7 +17,7 @@ import torch
 from helpers import max_diff
 from tpkit.model import Transformer
 from tpkit.spec import get_preset, theory
-from tpkit.train.compile import compile_blocks, compiled_graphs
+from tpkit.train.compile import compiled_graphs
 
 B, S = 2, 16
 
@@ -28,9 +28,10 @@ def steps(mesh, compiled: bool, n: int, chunk: int = 0) -> dict:
     torch._dynamo.reset()
     counters.clear()  # a pool process keeps them from earlier tests
     cfg = replace(get_preset("gpt2-tiny"), num_layers=3)
-    model = Transformer(cfg, mesh, seed=5, loss_chunk=chunk)
-    if compiled:
-        assert compile_blocks(model, backend="aot_eager") == 3
+    model = Transformer(cfg, mesh, seed=5, loss_chunk=chunk,
+                        compile_backend="aot_eager" if compiled else None)
+    compiled_blocks = [b for b in model.layers.values() if b._compiled_call_impl is not None]
+    assert len(compiled_blocks) == (3 if compiled else 0)
     gen = torch.Generator().manual_seed(0)
     graphs, losses = [], []
     for _ in range(n):

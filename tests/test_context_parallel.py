@@ -71,6 +71,19 @@ def test_chunks_are_mirrored_and_cover_the_sequence():
         cp_chunks(12, 4, 0)
 
 
+def test_a_model_built_on_a_cp_mesh_rings_over_its_cp_group():
+    """The builder takes the cp group from the mesh: nothing patches a built model."""
+    from tpkit.layers.attention import ParallelAttention
+
+    for cp in (1, 2):
+        mesh = ParallelMesh.virtual(tp=2, pp=1, dp=1, rank=2 * cp - 1, cp=cp)  # the last
+        model = Transformer(get_preset("llama-tiny"), mesh, device="meta")
+        attn = [m for m in model.modules() if isinstance(m, ParallelAttention)]
+        want = mesh.cp_group if cp > 1 else None
+        assert attn and all(m.cp is want for m in attn) and model.embed.cp is want
+    assert want.ranks == (1, 3) and mesh.cp_rank == 1
+
+
 @pytest.mark.timeout(180)
 def test_ring_attention_forward_and_backward_equal_full_attention(pools):
     results = pools.run(_ring_vs_full, 4, mesh=dict(tp=1, pp=1, dp=1, cp=4))

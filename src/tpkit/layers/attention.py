@@ -86,7 +86,8 @@ class ParallelAttention(nn.Module):
     `c` (a layer on its own: `ParallelAttention(ModelConfig(hidden=64, num_heads=4), g)`)."""
 
     def __init__(self, c: ModelConfig, group: CommGroup, *, sequence_parallel: bool = False,
-                 seed: int = 0, out_std: float | None = None, device=None, dtype=None) -> None:
+                 seed: int = 0, out_std: float | None = None, cp: CommGroup | None = None,
+                 device=None, dtype=None) -> None:
         super().__init__()
         tp, kv, hidden, num_heads = group.size, c.kv_heads, c.hidden, c.num_heads
         if "head_dim" in c.derived and hidden % num_heads:
@@ -102,7 +103,7 @@ class ParallelAttention(nn.Module):
         self.rope_theta = c.rope_theta if c.position == "rope" else None
         self.rope_dim, self.sliding_window, self.rope_llama3 = (c.rope_dim, c.sliding_window,
                                                                 c.rope_llama3)
-        self.cp: CommGroup | None = None  # context parallel: ring attention over this group
+        self.cp = cp  # context parallel: ring attention over this group (None: off)
         kw = dict(device=device, dtype=dtype)
         self.qkv = ColumnParallelLinear(
             hidden, (num_heads + 2 * kv) * hd, group, bias=c.attn_bias,

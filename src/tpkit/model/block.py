@@ -32,7 +32,7 @@ class Block(nn.Module):
 
     def __init__(self, config: ModelConfig, group: CommGroup, *, layer_index: int,
                  sequence_parallel: bool = False, seed: int = 0, expert_parallel: bool = False,
-                 device=None, dtype=None) -> None:
+                 cp: CommGroup | None = None, device=None, dtype=None) -> None:
         super().__init__()
         c, sp = config, sequence_parallel
         out_std = c.init_std / (2 * c.num_layers) ** 0.5  # GPT-2's scaled residual init
@@ -42,7 +42,8 @@ class Block(nn.Module):
         norm = dict(kind=c.norm, eps=c.norm_eps, sequence_parallel=sp, offset=c.norm_offset, **kw)
         self.attn_norm = Norm(c.hidden, **norm)
         name, own = layer(layer_index), dict(sequence_parallel=sp, out_std=out_std, **kw)
-        self.attn = ParallelAttention(c, group, seed=seed_for(seed, f"{name}.attn"), **own)
+        self.attn = ParallelAttention(c, group, seed=seed_for(seed, f"{name}.attn"), cp=cp,
+                                      **own)  # cp: ring attention over that group
         self.mlp_norm = Norm(c.hidden, **norm)
         mlp_seed = seed_for(seed, f"{name}.mlp")
         self.mlp = ParallelMoE.from_config(c, group, expert_parallel=expert_parallel,

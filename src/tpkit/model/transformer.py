@@ -54,7 +54,8 @@ def replicated_linear(c: ModelConfig, seed: int, name: str, kw: dict) -> nn.Line
 class Embeddings(nn.Module):
     """Word (vocab-parallel) + learned positions + token types; replicated extras."""
 
-    def __init__(self, c: ModelConfig, group, sp: bool, seed: int, device=None, dtype=None):
+    def __init__(self, c: ModelConfig, group, sp: bool, seed: int, cp=None, device=None,
+                 dtype=None):
         super().__init__()
         kw = dict(device=device, dtype=dtype)
         self.word = VocabParallelEmbedding(c.vocab_size, c.hidden, group, sequence_parallel=sp,
@@ -67,7 +68,7 @@ class Embeddings(nn.Module):
             if c.type_vocab_size else None
         self.norm = Norm(c.hidden, c.norm, c.norm_eps, sequence_parallel=sp, **kw) \
             if c.embed_norm else None
-        self.cp = None  # context parallel group: this rank's tokens keep global positions
+        self.cp = cp  # context parallel group: this rank's tokens keep global positions
 
     @staticmethod
     def _table(n, c, seed, name, sp, kw):
@@ -101,13 +102,18 @@ class Embeddings(nn.Module):
 
 
 class Transformer(nn.Module):
-    """GPT-2, Llama and BERT style transformers, tensor- and pipeline-parallel."""
+    """GPT-2, Llama and BERT style transformers, tensor- and pipeline-parallel.
+
+    Built complete from its arguments: on a mesh with cp > 1 every layer's attention is a
+    ring over `mesh.cp_group` and the embedding uses the tokens' global positions
+    (`tpkit.parallel.context`); `compile_backend` (`tpkit train --compile`) compiles each
+    block in place and the chunked loss's element-wise work (`tpkit.train.compile`)."""
 
     def __init__(self, config: ModelConfig, mesh, *, seed: int = 0,
                  sequence_parallel: bool = False, recompute: bool = False,
                  device: torch.device | str | None = None, dtype: torch.dtype | None = None,
                  virtual_stages: int = 1, expert_parallel: bool = False,
-                 loss_chunk: int = 0) -> None:
+                 loss_chunk: int = 0, compile_backend: str | None = None) -> None:
         super().__init__()
         tp, pp, v = mesh.tp_size, mesh.pp_size, virtual_stages
         config.check(tp=tp, pp=pp)  # every rank, before any collective
@@ -121,7 +127,7 @@ class Transformer(nn.Module):
         # > 0: the last stage returns its final hidden states and `loss` runs the head and
         # the cross-entropy `loss_chunk` tokens at a time (tpkit.layers.chunked_loss)
         self.loss_chunk = loss_chunk
-        self.loss_compile: str | None = None  # a backend: set by tpkit.train.compile
+        self.loss_compile = compile_backend  # the chunked loss's element-wise work too
         self.chunk_layers = [stage_layer_range(config.num_layers, pp * v, c * pp + mesh.pp_rank)
                              for c in range(v)]  # chunk c = virtual stage c*pp + pp_rank
         self.layer_range = self.chunk_layers[0] if v == 1 else \
@@ -131,12 +137,15 @@ class Transformer(nn.Module):
         kw = dict(device=device, dtype=dtype)
         self.rng = TPRandom(seed, mesh.tp_rank, torch.device(device) if str(device) != "meta"
                             else None)
+        cp = mesh.cp_group if mesh.cp_size > 1 else None  # ring attention, global positions
         if self.is_first_stage:
-            self.embed = Embeddings(config, self.group, sequence_parallel, seed, **kw)
+            self.embed = Embeddings(config, self.group, sequence_parallel, seed, cp, **kw)
         self.layers = nn.ModuleDict({
             str(i): Block(config, self.group, layer_index=i, sequence_parallel=sequence_parallel,
-                          seed=seed, expert_parallel=expert_parallel, **kw)
+                          seed=seed, expert_parallel=expert_parallel, cp=cp, **kw)
             for i in self.layer_range})  # chunk by chunk
+        for block in self.layers.values() if compile_backend else ():
+            block.compile(backend=compile_backend)  # in place: names, state dicts unchanged
         if self.is_last_stage:  # post-norm stacks end normalized: no final norm
             self.final_norm = Norm(config.hidden, config.norm, config.norm_eps,
                                    sequence_parallel=sequence_parallel,

@@ -2,7 +2,8 @@
 
 The cp ranks are a dimension of the mesh of their own (`ParallelMesh(tp, pp, dp, cp)`,
 cp right outside tp in `tpkit.spec.grid`): `mesh.cp_group` is this rank's ring, and
-`enable` turns on ring attention in every layer and global positions in the embedding:
+the model built on the mesh uses it (ring attention in every layer, global positions
+in the embedding):
 
     tp=1, pp=1, dp=2, cp=2:   ranks 0 1 | 2 3      cp groups (0 1), (2 3)
                               replica 0 | 1        dp x cp group (0 1 2 3)
@@ -23,15 +24,6 @@ from torch import nn
 from tpkit.comm.group import CommGroup
 from tpkit.layers.attention import ParallelAttention
 from tpkit.spec.shapes import cp_chunks
-
-
-def enable(model: nn.Module, group: CommGroup) -> None:
-    """Ring attention in every layer, global positions in the embedding."""
-    for m in model.modules():
-        if isinstance(m, ParallelAttention):
-            m.cp = group
-    if getattr(model, "is_first_stage", False):
-        model.embed.cp = group
 
 
 def local_chunks(ids: torch.Tensor, labels: torch.Tensor, group: CommGroup | None

@@ -1,4 +1,5 @@
-"""`tpkit train --compile`: torch.compile of each transformer block, in place.
+"""`tpkit train --compile`: torch.compile of each transformer block, in place, when the
+model is built (`Transformer(..., compile_backend=backend)`).
 
     Block: norm -> [qkv: f] -> attention core -> [out: g] -> residual -> norm -> [fc1: f]
            -> act -> [fc2: g] -> residual
@@ -16,21 +17,11 @@ With the chunked loss (`loss_chunk`), its per-chunk element-wise work over the
 [c, V/tp] logits (mask, shift, exp, sums; in backward the softmax minus the target)
 is compiled too, the three all-reduces between as graph breaks. The plain loss is not:
 it is one autograd.Function that Dynamo cannot trace past a collective.
+
+Compilation itself happens at the first forward.
 """
 
 from __future__ import annotations
-
-import torch
-
-
-def compile_blocks(model: torch.nn.Module, backend: str = "inductor") -> int:
-    """Compile each block of `model.layers` in place (names and state dicts unchanged),
-    and the chunked loss's element-wise work; returns how many blocks. Compilation
-    itself happens at the first forward."""
-    for block in model.layers.values():
-        block.compile(backend=backend)
-    model.loss_compile = backend
-    return len(model.layers)
 
 
 def compiled_graphs() -> int:

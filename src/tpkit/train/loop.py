@@ -67,7 +67,8 @@ def prepare(cfg: TrainConfig, mesh: ParallelMesh) -> tuple[TokenLoader, TokenLoa
 def train_model(cfg: TrainConfig, mesh: ParallelMesh,
                 dtype: torch.dtype | None = None) -> torch.nn.Module:
     """The model (preset, or Hugging Face folder), this rank's stage and shard of it
-    (`checkpoint.build.build_model`, the one builder).
+    (`checkpoint.build.build_model`, the one builder), built complete: ring attention
+    over the mesh's cp group, compiled blocks with `compile`.
 
     With `from_hf` each rank reads only its slices of the folder's weights (unless it
     resumes: the checkpoint's weights replace them anyway). With `dtype` (the bf16
@@ -79,11 +80,7 @@ def train_model(cfg: TrainConfig, mesh: ParallelMesh,
     model = build_model(cfg.model_config(), mesh, open_source(cfg.from_hf) if hf else None,
                         seed=cfg.seed, sequence_parallel=cfg.sp, recompute=cfg.recompute,
                         virtual_stages=cfg.virtual_stages, loss_chunk=cfg.loss_chunk,
-                        dtype=dtype)
-    if cfg.compile:
-        from tpkit.train.compile import compile_blocks
-
-        compile_blocks(model, cfg.compile_backend)
+                        dtype=dtype, compile_backend=cfg.compile_backend if cfg.compile else None)
     return model
 
 
@@ -93,8 +90,6 @@ def build_context(cfg: TrainConfig, mesh: ParallelMesh, model: torch.nn.Module,
     optimizer, dp protocol, pipeline link, resumed state, master weights."""
     tied = tied_embedding_group(mesh, model.config.tie_embeddings)
     cp_group = mesh.cp_group if mesh.cp_size > 1 else None  # each rank its s/cp tokens
-    if cp_group:
-        context.enable(model, cp_group)  # ring attention (tpkit.parallel.context)
     sharding = build_sharding(model, cfg, mesh)  # ZeRO-2 / FSDP (tpkit.parallel.sharded)
     opt = sharding.optimizer if sharding else build_optimizer(model, cfg, mesh)
     data = sharding or ReplicatedData(model, mesh, opt, cfg.micro_batches)
@@ -106,8 +101,6 @@ def build_context(cfg: TrainConfig, mesh: ParallelMesh, model: torch.nn.Module,
         start = resume(cfg, mesh, model, opt, loader) if cfg.resume else 0
     mixed = MasterWeights(model, train_model(cfg, mesh, half).train()) \
         if cfg.master_weights else None  # forward/backward in bf16, the rest on fp32 masters
-    if mixed and cp_group:
-        context.enable(mixed.compute, cp_group)
     autocast = torch.autocast(mesh.device.type, dtype=torch.bfloat16) \
         if cfg.dtype == "bfloat16" and not mixed else None
     ctx = StepContext(cfg, mesh, data.stage_model(model), link, opt, data, tied, mixed,
