@@ -215,7 +215,7 @@ def test_the_summary_names_cp_and_the_micro_batches(run_tp, tmp_path):
                   "--out", str(tmp_path / "run"), world=4)
     cfg = cfg.with_(progress=False, plot=False, checkpoint=False, val_fraction=0.0,
                     log="none")
-    result = run_tp(_train, 1, cfg, pp=2, dp=2)[0]
+    result = run_tp(_train, 1, cfg, pp=2, cp=2)[0]
     first = report(result, []).splitlines()[0]
     assert f"tp=1 x pp=2 x dp=1 x cp=2 (1f1b, {cfg.micro_batches} micro-batches of " in first
     assert cfg.micro_batches == 4 and result.bubble_theory == 1 / 4

@@ -215,7 +215,7 @@ def test_context_parallel_with_uneven_kv_groups_equals_cp1(run_tp, tmp_path):
                 warmup=1, val_fraction=0.0, progress=False, plot=False, checkpoint=False, tp=2)
     plain = run_tp(_train_checked, 2, TrainConfig(**base, out=str(tmp_path / "a")), model)
     ring = run_tp(_train_checked, 2, TrainConfig(**base, cp=2, out=str(tmp_path / "b")), model,
-                  dp=2)
+                  cp=2)
     assert all(ok for _, ok in ring), "ledger = theory under cp"
     rel = max(abs(a - b) / b for a, b in zip(ring[0][0], plain[0][0]))
     assert rel <= 1e-6, rel
