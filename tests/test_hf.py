@@ -14,9 +14,9 @@ import transformers  # the `hf` extra, installed by `make test`: never skipped
 
 from tpkit.checkpoint import store as ckpt
 from tpkit.checkpoint.convert import to_hf  # checkpoints too
-from tpkit.checkpoint.hf import from_pretrained
 from tpkit.comm import all_gather
 from tpkit.mesh import ParallelMesh
+from tpkit.weights.hf import from_pretrained
 
 V = 101
 IDS = torch.randint(0, V, (2, 7), generator=torch.Generator().manual_seed(0))
@@ -110,7 +110,7 @@ def test_export_loads_in_transformers(run_tp, hf_models, tmp_path, kind):
 
 
 def test_unsupported_config_is_named(tmp_path):
-    from tpkit.checkpoint.hf import config_from_hf
+    from tpkit.weights.hf import config_from_hf
 
     with pytest.raises(ValueError, match="model_type 't5' is not supported; supported: .*llama"):
         config_from_hf(dict(model_type="t5"))

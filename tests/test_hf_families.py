@@ -17,10 +17,10 @@ from safetensors.torch import load_file
 
 from tpkit.checkpoint import convert
 from tpkit.checkpoint import store as ckpt
-from tpkit.checkpoint.hf import from_pretrained
-from tpkit.checkpoint.hf_check import compare, gather, reference, tp_case
 from tpkit.comm import all_gather
 from tpkit.model.kv_pool import KVPool
+from tpkit.weights.hf import from_pretrained
+from tpkit.weights.hf_check import compare, gather, reference, tp_case
 
 SMALL = dict(num_hidden_layers=2, hidden_size=64, intermediate_size=96, vocab_size=101,
              max_position_embeddings=64)
@@ -221,7 +221,7 @@ def test_verify_hf_names_what_it_cannot_read(tmp_path, capsys):
 
 
 def test_unsupported_family_names_the_supported(tmp_path):
-    from tpkit.checkpoint.families import config_from_hf
+    from tpkit.weights.families import config_from_hf
 
     with pytest.raises(ValueError, match="'t5' is not supported; supported: bert, gemma, gpt2"):
         config_from_hf({"model_type": "t5"})
@@ -235,8 +235,8 @@ def test_a_config_without_family_exports_as_its_plain_shape_or_is_refused():
     a config with one family's feature is never guessed."""
     from dataclasses import replace
 
-    from tpkit.checkpoint.families import with_family
     from tpkit.spec import get_preset
+    from tpkit.weights.families import with_family
 
     for preset, kind in (("gpt2-tiny", "gpt2"), ("llama-tiny", "llama")):
         assert with_family(replace(get_preset(preset), family="")).family == kind

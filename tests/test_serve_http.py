@@ -23,14 +23,14 @@ import openai
 import pytest
 
 from hf_folders import tiny_llama_folder, with_chat_template
-from tpkit.checkpoint.sources import load_model, open_source
-from tpkit.checkpoint.tokenizer import ByteTokenizer, load_tokenizer
 from tpkit.commands import generate as generate_cmd
 from tpkit.mesh import ParallelMesh
 from tpkit.serve import Engine
 from tpkit.serve.http import App, make_server
 from tpkit.serve.loop import serve_loop
 from tpkit.serve.openai_api import ApiError, chat_ids, token_text
+from tpkit.weights.sources import load_model, open_source
+from tpkit.weights.tokenizer import ByteTokenizer, load_tokenizer
 
 MAX_BATCH = 4
 TEXTS = ["Tensor", "Tensor parallelism splits the weight", "the pipeline sends activations",

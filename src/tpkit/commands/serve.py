@@ -21,8 +21,6 @@ import sys
 import threading
 from pathlib import Path
 
-from tpkit.checkpoint.sources import load_model, open_source, source_tokenizer
-from tpkit.checkpoint.tokenizer import load_tokenizer
 from tpkit.commands.common import add_pool_arguments, group
 from tpkit.host.addresses import is_loopback
 from tpkit.launch import SpawnError
@@ -33,6 +31,8 @@ from tpkit.serve.loop import serve_loop
 from tpkit.serve.runner import Runner
 from tpkit.spec.errors import UserError
 from tpkit.spec.transport import add_comm_argument, comm_choice
+from tpkit.weights.sources import load_model, open_source, source_tokenizer
+from tpkit.weights.tokenizer import load_tokenizer
 
 _SIGNALS = (signal.SIGTERM, signal.SIGINT, signal.SIGHUP)
 

@@ -195,7 +195,7 @@ class TrainConfig:
             return get_preset(self.preset)
         import json
 
-        from tpkit.checkpoint.families import config_from_hf
+        from tpkit.weights.families import config_from_hf
 
         path = Path(self.from_hf) / "config.json"
         if not path.is_file():

@@ -24,21 +24,21 @@ import torch
 import torch.distributed
 from torch import nn
 
-from tpkit.checkpoint.build import build_model
-from tpkit.checkpoint.files import (
+from tpkit.mesh import ParallelMesh
+from tpkit.spec.config import ModelConfig
+from tpkit.spec.errors import CheckpointError, UserError
+from tpkit.weights.build import build_model
+from tpkit.weights.files import (
     FULL_FORMAT,
     ShardedSource,
     read_manifest,
     verify_file,
     verify_full,
 )
-from tpkit.checkpoint.hf import hf_source, memory_source
-from tpkit.checkpoint.paths import FULL, SHARDED, Located, locate
-from tpkit.checkpoint.slices import CheckpointError, FullSource, Source
-from tpkit.checkpoint.tokenizer import TOKENIZER_FILES, has_tokenizer
-from tpkit.mesh import ParallelMesh
-from tpkit.spec.config import ModelConfig
-from tpkit.spec.errors import UserError
+from tpkit.weights.hf import hf_source, memory_source
+from tpkit.weights.paths import FULL, SHARDED, Located, locate
+from tpkit.weights.slices import FullSource, Source
+from tpkit.weights.tokenizer import TOKENIZER_FILES, has_tokenizer
 
 
 def open_source(source: Any, config: ModelConfig | None = None) -> Source:

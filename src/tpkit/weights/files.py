@@ -32,9 +32,10 @@ from typing import Any
 import torch
 from safetensors import safe_open
 
-from tpkit.checkpoint.slices import CheckpointError, FullSource
 from tpkit.layers.sharding import TPSplit, unshard
 from tpkit.spec.config import ModelConfig
+from tpkit.spec.errors import CheckpointError
+from tpkit.weights.slices import FullSource
 
 MANIFEST = "manifest.json"
 FORMAT = "tpkit-checkpoint"

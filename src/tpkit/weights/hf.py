@@ -1,4 +1,4 @@
-"""Hugging Face models in and out, for every family of `tpkit.checkpoint.families`.
+"""Hugging Face models in and out, for every family of `tpkit.weights.families`.
 
     model = from_pretrained("path/to/hf-dir", mesh)   # each rank reads only its slices
     tpkit.checkpoint.convert.to_hf(model_or_checkpoint, "out-dir")  # transformers loads it
@@ -21,8 +21,13 @@ import torch
 from safetensors.torch import save_file
 from torch import nn
 
-from tpkit.checkpoint.build import build_model
-from tpkit.checkpoint.families import (
+from tpkit.layers.sharding import meta_of
+from tpkit.mesh import ParallelMesh
+from tpkit.model.names import EMBED_WEIGHT
+from tpkit.spec.config import ModelConfig
+from tpkit.spec.errors import CheckpointError
+from tpkit.weights.build import build_model
+from tpkit.weights.families import (
     Cut,
     Family,
     Recipe,
@@ -31,11 +36,7 @@ from tpkit.checkpoint.families import (
     of_config,
     with_family,
 )
-from tpkit.checkpoint.slices import CheckpointError, DictSource, open_safetensors
-from tpkit.layers.sharding import meta_of
-from tpkit.mesh import ParallelMesh
-from tpkit.model.names import EMBED_WEIGHT
-from tpkit.spec.config import ModelConfig
+from tpkit.weights.slices import DictSource, open_safetensors
 
 CONFIG_FILE = "config.json"  # what makes a directory a Hugging Face model
 HF_WEIGHTS = "model.safetensors"  # the one weights file of an export

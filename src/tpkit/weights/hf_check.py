@@ -20,11 +20,11 @@ from pathlib import Path
 import torch
 import torch.nn.functional as F
 
-from tpkit.checkpoint.hf import HFSource, checkpoint_names, from_pretrained, hf_source
 from tpkit.comm import all_gather
 from tpkit.layers.sharding import full_state_dict, meta_of, splits_of
 from tpkit.spec import theory
 from tpkit.spec.config import ModelConfig
+from tpkit.weights.hf import HFSource, checkpoint_names, from_pretrained, hf_source
 
 
 def sample_ids(config: ModelConfig, batch: int, seq: int, seed: int = 0) -> torch.Tensor:
