@@ -1,6 +1,6 @@
 """Hugging Face models in and out, for every family of `tpkit.weights.families`.
 
-    model = from_pretrained("path/to/hf-dir", mesh)   # each rank reads only its slices
+    model = tpkit.load("path/to/hf-dir", mesh)        # each rank reads only its slices
     tpkit.checkpoint.convert.to_hf(model_or_checkpoint, "out-dir")  # transformers loads it
 
 The family adapters (pure Python) say how a config.json maps to a `ModelConfig` and
@@ -22,11 +22,9 @@ from safetensors.torch import save_file
 from torch import nn
 
 from tpkit.layers.sharding import meta_of
-from tpkit.mesh import ParallelMesh
 from tpkit.model.names import EMBED_WEIGHT
 from tpkit.spec.config import ModelConfig
 from tpkit.spec.errors import CheckpointError
-from tpkit.weights.build import build_model
 from tpkit.weights.families import (
     Cut,
     Family,
@@ -204,19 +202,6 @@ def hf_source(path_or_model: Any) -> HFSource:
     hf, tensors, where = open_hf(path_or_model)
     fam, config = config_from_hf(hf, set(tensors.keys()))
     return HFSource(tensors, fam, fam.table(config), where, config)
-
-
-def from_pretrained(path_or_model: Any, mesh: ParallelMesh | None = None, *,
-                    dtype: torch.dtype | None = None, sequence_parallel: bool = False,
-                    expert_parallel: bool = False) -> nn.Module:
-    """A tpkit Transformer holding a Hugging Face model's weights, this rank's slices only.
-
-    `path_or_model`: a local directory (config.json + safetensors) or a loaded
-    `transformers` model. BERT models keep their pooler (`model.pooled(h)`) if present.
-    """
-    source = hf_source(path_or_model)
-    return build_model(source.config, mesh or ParallelMesh.single(), source, dtype=dtype,
-                       sequence_parallel=sequence_parallel, expert_parallel=expert_parallel)
 
 
 def memory_source(source: Any, config: ModelConfig | None = None) -> DictSource:
