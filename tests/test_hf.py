@@ -117,3 +117,15 @@ def test_unsupported_config_is_named(tmp_path):
     with pytest.raises(Exception, match="config.json"):
         load_model(tmp_path, ParallelMesh.single())
 
+
+def test_train_reads_a_folder_as_the_loader_does(hf_models, tmp_path):
+    """`--from-hf`'s ModelConfig is the loader's (config.json with the tensor names: a
+    BERT keeps its pooler), and a folder without config.json is one line naming it."""
+    from tpkit.train.config import TrainConfig
+
+    path = hf_models["bert"][0]
+    config = TrainConfig(from_hf=path).model_config()
+    assert config == load_model(path).config and config.pooler
+    problems = TrainConfig(from_hf=str(tmp_path)).problems()
+    assert any(p.startswith(f"from_hf={tmp_path}: {tmp_path / 'config.json'}: missing")
+               for p in problems), problems

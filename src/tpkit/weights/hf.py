@@ -204,6 +204,12 @@ def hf_source(path_or_model: Any) -> HFSource:
     return HFSource(tensors, fam, fam.table(config), where, config)
 
 
+def hf_config(path: str | Path) -> ModelConfig:
+    """The ModelConfig of a Hugging Face directory, as every reader of it sees it: its
+    config.json read with its tensor names (safetensors headers only, no weights)."""
+    return hf_source(path).config
+
+
 def memory_source(source: Any, config: ModelConfig | None = None) -> DictSource:
     """A Source over a tp=1 model or a dict of full tensors (padding cut)."""
     if isinstance(source, dict):
