@@ -67,7 +67,7 @@ def prepare(cfg: TrainConfig, mesh: ParallelMesh) -> tuple[TokenLoader, TokenLoa
 def train_model(cfg: TrainConfig, mesh: ParallelMesh,
                 dtype: torch.dtype | None = None) -> torch.nn.Module:
     """The model (preset, or Hugging Face folder), this rank's stage and shard of it
-    (`checkpoint.build.build_model`, the one builder).
+    (`weights.build.build_model`, the one builder).
 
     With `from_hf` each rank reads only its slices of the folder's weights (unless it
     resumes: the checkpoint's weights replace them anyway). With `dtype` (the bf16
