@@ -67,7 +67,9 @@ def _cases(root: Path, port: int) -> list[tuple[list[str], str]]:
         (gen + ["--prompt-ids", "1,999"], "token ids [999] are outside the model's vocabulary"),
         (gen + ["--prompt-ids", "1", "--temperature", "nan"], "--temperature=nan must be"),
         (gen + ["--prompt-ids", "1", "--temperature", "-1"], "--temperature=-1.0 must be"),
-        (gen + ["--prompt-ids", "1", "--top-k", "-3"], "--top-k=-3 must be >= 0"),
+        (gen + ["--prompt-ids", "1", "--top-k", "-3"], "--top-k=-3 must be an integer >= 0"),
+        (gen + ["--prompt-ids", "1", "--seed", str(1 << 64)],  # the server's bound too
+         f"--seed={1 << 64} must be a 64-bit integer"),
         (gen + ["--prompt-ids", "1", "--max-new-tokens", "-1"], "--max-new-tokens=-1 must"),
         (["generate", "--checkpoint", str(root / "run"), "--prompt-ids", "1"],
          "neither a tpkit checkpoint"),

@@ -211,7 +211,7 @@ def _train(mesh, cfg):
 def test_the_summary_names_cp_and_the_micro_batches(run_tp, tmp_path):
     from tpkit.train.report import report
 
-    cfg = _config("--pp", "2", "--cp", "2", "--steps", "1", "--seq", "32", "--nproc", "4",
+    cfg = _config("--pp", "2", "--cp", "2", "--steps", "1", "--seq", "32", "--processes", "4",
                   "--out", str(tmp_path / "run"), world=4)
     cfg = cfg.with_(progress=False, plot=False, checkpoint=False, val_fraction=0.0,
                     log="none")
