@@ -9,14 +9,14 @@ from __future__ import annotations
 
 import torch
 
-from tpkit.checkpoint.build import copy_in
-from tpkit.checkpoint.slices import DictSource, local_slice, read_local
 from tpkit.comm import all_gather, recv, send
 from tpkit.layers.sharding import full_state_dict, meta_of, split_of
 from tpkit.mesh import ParallelMesh
 from tpkit.model.names import VOCAB_PADDED
 from tpkit.model.transformer import Transformer
 from tpkit.spec.config import ModelConfig
+from tpkit.weights.build import copy_in
+from tpkit.weights.slices import DictSource, local_slice, read_local
 
 LLAMA = ModelConfig(name="llama-t", vocab_size=257, hidden=64, num_layers=4, num_heads=8,
                     kv_heads=2, ffn=160, max_seq_len=64, norm="rmsnorm",

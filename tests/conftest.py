@@ -83,11 +83,11 @@ def openai_server(chat_llama):
     and serving loop in threads: (base URL, OpenAI client, engine)."""
     import openai
 
-    from tpkit.checkpoint.sources import load_model
-    from tpkit.checkpoint.tokenizer import load_tokenizer
     from tpkit.serve import Engine
     from tpkit.serve.http import App, make_server
     from tpkit.serve.loop import serve_loop
+    from tpkit.weights.sources import load_model
+    from tpkit.weights.tokenizer import load_tokenizer
 
     model = load_model(chat_llama, ParallelMesh.single())
     tok = load_tokenizer(chat_llama)

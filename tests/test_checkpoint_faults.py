@@ -233,7 +233,7 @@ SAVE_FOREVER = """
 import sys
 from tpkit.checkpoint import retention
 from tpkit.checkpoint import store as ckpt
-from tpkit.checkpoint.paths import step_dir
+from tpkit.weights.paths import step_dir
 from tpkit.mesh import ParallelMesh
 from tpkit.model.transformer import Transformer
 sys.path.insert(0, sys.argv[3])
@@ -250,7 +250,7 @@ while True:  # what training does at every --ckpt-every: save, then drop the old
 def _newest_step(run: Path) -> int:
     """The step of the newest valid checkpoint (-1: none yet), read while saves and prunes
     go on: the one found may be pruned before its manifest is read (then look again)."""
-    from tpkit.checkpoint.paths import latest
+    from tpkit.weights.paths import latest
 
     while True:
         found = latest(run)
@@ -271,7 +271,7 @@ def test_kill_at_random_moments_of_saving_never_loses_the_latest_valid(tmp_path)
     weights, no step goes backwards, and every complete checkpoint left verifies."""
     import random
 
-    from tpkit.checkpoint.paths import latest
+    from tpkit.weights.paths import latest
 
     run, rng, newest = tmp_path / "run", random.Random(0), 0
     for _ in range(20):

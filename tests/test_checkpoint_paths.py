@@ -30,10 +30,10 @@ from tpkit.checkpoint import (
 )
 from tpkit.checkpoint import store as ckpt
 from tpkit.checkpoint.convert import to_full, to_hf
-from tpkit.checkpoint.paths import FULL, HF, SHARDED, sharded_dir, step_dir
 from tpkit.cli import main
 from tpkit.mesh import ParallelMesh
 from tpkit.model.transformer import Transformer
+from tpkit.weights.paths import FULL, HF, SHARDED, sharded_dir, step_dir
 
 STEPS = (2, 4)  # checkpoints of the run folder; the weights of step s are random_full(seed=s)
 
@@ -125,7 +125,7 @@ def flip_two_bytes(d: Path) -> None:
 
 def hashing_worker(mesh, source):
     """The files this rank hashed while loading `source` (opened by the parent)."""
-    from tpkit.checkpoint import files
+    from tpkit.weights import files
 
     real, hashed = files.file_entry, []
     files.file_entry = lambda path: hashed.append(path.name) or real(path)
@@ -142,7 +142,7 @@ def test_a_flipped_byte_in_the_newest_falls_back_and_is_hashed_once(paths, tmp_p
     """Sizes intact, two bytes flipped: the run folder's newest is skipped with one warning
     naming the file and the checkpoint used; the previous one, hashed while choosing it,
     is not hashed again by this process nor by the ranks it travels to."""
-    from tpkit.checkpoint import files
+    from tpkit.weights import files
 
     run = _damaged_run(paths, tmp_path, flip_two_bytes)
     _save(step_dir(run, 1), 1)  # one more to fall back to: step 2 is hashed when chosen
@@ -259,8 +259,8 @@ def test_train_resumes_from_a_run_folder(tmp_path, capsys):
 def test_the_tokenizer_is_part_of_the_checkpoint(tmp_path):
     from hf_folders import train_tokenizer
     from tpkit.checkpoint.convert import reshard
-    from tpkit.checkpoint.sources import source_tokenizer
-    from tpkit.checkpoint.tokenizer import load_tokenizer
+    from tpkit.weights.sources import source_tokenizer
+    from tpkit.weights.tokenizer import load_tokenizer
 
     tok = train_tokenizer(tmp_path / "tok")
     run, mesh = tmp_path / "run", ParallelMesh.single()

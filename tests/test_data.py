@@ -9,7 +9,6 @@ import numpy as np
 import pytest
 import torch
 
-from tpkit.checkpoint.tokenizer import ByteTokenizer
 from tpkit.train.data import (
     TokenLoader,
     embedded_text,
@@ -17,6 +16,7 @@ from tpkit.train.data import (
     micro_batches,
     split_tokens,
 )
+from tpkit.weights.tokenizer import ByteTokenizer
 
 
 def _batches(mesh, n: int) -> list:

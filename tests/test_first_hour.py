@@ -115,10 +115,10 @@ def test_head_1_of_the_quiz():
 @pytest.mark.timeout(300)
 def test_warning_is_one_line_and_convert_says_what_it_read(tmp_path):
     from tpkit.checkpoint import store
-    from tpkit.checkpoint.paths import step_dir
     from tpkit.mesh import ParallelMesh
     from tpkit.model import Transformer
     from tpkit.spec import get_preset
+    from tpkit.weights.paths import step_dir
 
     model = Transformer(get_preset("gpt2-tiny"), ParallelMesh.single(), seed=0)
     run = tmp_path / "run"
@@ -156,8 +156,8 @@ def tiny(tmp_path_factory) -> Path:
 
 
 def test_chat_without_a_template_says_what_to_do_in_cli_terms(tiny, capsys):
-    from tpkit.checkpoint.tokenizer import ByteTokenizer
     from tpkit.serve.openai_api import ApiError, chat_ids
+    from tpkit.weights.tokenizer import ByteTokenizer
 
     assert main(["generate", "--checkpoint", str(tiny), "--chat", "--prompt", "hi"]) == 2
     err = capsys.readouterr().err.strip()

@@ -16,13 +16,13 @@ import torch
 from checkpoint_helpers import GPT2, LLAMA, fill, random_full
 from tpkit.checkpoint import load_model
 from tpkit.checkpoint import store as ckpt
-from tpkit.checkpoint.tokenizer import ByteTokenizer
 from tpkit.comm import all_gather
 from tpkit.commands.generate import run
 from tpkit.mesh import ParallelMesh
 from tpkit.model.generate import PP_ERROR, generate, pad_left
 from tpkit.model.transformer import Transformer
 from tpkit.spec.errors import UserError
+from tpkit.weights.tokenizer import ByteTokenizer
 
 PROMPT = torch.tensor([[5, 17, 200, 3, 99]])
 
@@ -161,8 +161,8 @@ def test_byte_level_is_the_configs_to_say():
     256 ids or more takes bytes; a Hugging Face import has a tokenizer of its own."""
     from dataclasses import replace
 
-    from tpkit.checkpoint.families import config_from_hf
     from tpkit.spec.config import get_preset
+    from tpkit.weights.families import config_from_hf
 
     hf = dict(model_type="llama", vocab_size=300, hidden_size=64, num_hidden_layers=2,
               num_attention_heads=4, num_key_value_heads=2, intermediate_size=96,

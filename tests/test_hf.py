@@ -14,9 +14,9 @@ import transformers  # the `hf` extra, installed by `make test`: never skipped
 
 from tpkit.checkpoint import store as ckpt
 from tpkit.checkpoint.convert import to_hf  # checkpoints too
-from tpkit.checkpoint.hf import from_pretrained
 from tpkit.comm import all_gather
 from tpkit.mesh import ParallelMesh
+from tpkit.weights.sources import load_model
 
 V = 101
 IDS = torch.randint(0, V, (2, 7), generator=torch.Generator().manual_seed(0))
@@ -73,7 +73,7 @@ def tpkit_out(model, mesh, kind: str) -> dict:
 
 
 def import_worker(mesh, path, kind):
-    return tpkit_out(from_pretrained(path, mesh).eval(), mesh, kind)
+    return tpkit_out(load_model(path, mesh).eval(), mesh, kind)
 
 
 @pytest.mark.slow
@@ -89,7 +89,7 @@ def test_import_matches_transformers(run_tp, hf_models, kind):
 
 
 def save_worker(mesh, path, dest):
-    ckpt.save(dest, from_pretrained(path, mesh), mesh=mesh)
+    ckpt.save(dest, load_model(path, mesh), mesh=mesh)
 
 
 @pytest.mark.slow
@@ -98,7 +98,7 @@ def save_worker(mesh, path, dest):
 def test_export_loads_in_transformers(run_tp, hf_models, tmp_path, kind):
     path, ref = hf_models[kind]
     cls = type(make(kind))
-    model = from_pretrained(path, ParallelMesh.single())
+    model = load_model(path, ParallelMesh.single())
     run_tp(save_worker, 2, path, str(tmp_path / "ckpt"), pp=2)  # sharded at (tp=2, pp=2)
     for src in (model, tmp_path / "ckpt"):
         out = tmp_path / f"hf-{type(src).__name__}"
@@ -110,9 +110,22 @@ def test_export_loads_in_transformers(run_tp, hf_models, tmp_path, kind):
 
 
 def test_unsupported_config_is_named(tmp_path):
-    from tpkit.checkpoint.hf import config_from_hf
+    from tpkit.weights.hf import config_from_hf
 
     with pytest.raises(ValueError, match="model_type 't5' is not supported; supported: .*llama"):
         config_from_hf(dict(model_type="t5"))
     with pytest.raises(Exception, match="config.json"):
-        from_pretrained(tmp_path, ParallelMesh.single())
+        load_model(tmp_path, ParallelMesh.single())
+
+
+def test_train_reads_a_folder_as_the_loader_does(hf_models, tmp_path):
+    """`--from-hf`'s ModelConfig is the loader's (config.json with the tensor names: a
+    BERT keeps its pooler), and a folder without config.json is one line naming it."""
+    from tpkit.train.config import TrainConfig
+
+    path = hf_models["bert"][0]
+    config = TrainConfig(from_hf=path).model_config()
+    assert config == load_model(path).config and config.pooler
+    problems = TrainConfig(from_hf=str(tmp_path)).problems()
+    assert any(p.startswith(f"from_hf={tmp_path}: {tmp_path / 'config.json'}: missing")
+               for p in problems), problems

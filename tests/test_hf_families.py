@@ -17,10 +17,10 @@ from safetensors.torch import load_file
 
 from tpkit.checkpoint import convert
 from tpkit.checkpoint import store as ckpt
-from tpkit.checkpoint.hf import from_pretrained
-from tpkit.checkpoint.hf_check import compare, gather, reference, tp_case
 from tpkit.comm import all_gather
 from tpkit.model.kv_pool import KVPool
+from tpkit.weights.hf_check import compare, gather, reference, tp_case
+from tpkit.weights.sources import load_model
 
 SMALL = dict(num_hidden_layers=2, hidden_size=64, intermediate_size=96, vocab_size=101,
              max_position_embeddings=64)
@@ -95,12 +95,12 @@ def test_mixtral_expert_parallel_matches_transformers(run_tp, saved):
 
 
 def save_worker(mesh, path, dest, ep=False):
-    ckpt.save(dest, from_pretrained(path, mesh, expert_parallel=ep), mesh=mesh)
+    ckpt.save(dest, load_model(path, mesh, expert_parallel=ep), mesh=mesh)
 
 
 def reload_worker(mesh, path, ckpt_dir, ids):
     """Logits of a tensor-parallel model loaded from a checkpoint written expert-parallel."""
-    model = from_pretrained(path, mesh)
+    model = load_model(path, mesh)
     with torch.no_grad():
         for p in model.parameters():
             p.zero_()
@@ -137,23 +137,23 @@ def test_export_from_a_sharded_checkpoint_is_bit_identical(run_tp, saved, tmp_pa
 @pytest.mark.parametrize("kind", FAMILIES)
 def test_export_is_bit_identical(saved, tmp_path, kind):
     original = load_file(f"{saved[kind]}/model.safetensors")
-    convert.to_hf(from_pretrained(saved[kind]), tmp_path / "out")
+    convert.to_hf(load_model(saved[kind]), tmp_path / "out")
     exported = load_file(tmp_path / "out" / "model.safetensors")
     assert sorted(exported) == sorted(original)
     assert all(torch.equal(exported[k], original[k]) for k in original), kind
     hf_params = sum(p.numel() for p in make(kind).parameters())
-    assert from_pretrained(saved[kind]).config.num_params() == hf_params, kind  # spec's count
+    assert load_model(saved[kind]).config.num_params() == hf_params, kind  # spec's count
     back = type(make(kind)).from_pretrained(tmp_path / "out").eval()
     again = type(make(kind)).from_pretrained(saved[kind]).eval()
     with torch.no_grad():
         assert torch.equal(back(IDS).logits, again(IDS).logits), kind
         # a live transformers model reads the same (Mixtral: its fused in-memory experts)
-        assert torch.equal(from_pretrained(again)(IDS), from_pretrained(saved[kind])(IDS)), kind
+        assert torch.equal(load_model(again)(IDS), load_model(saved[kind])(IDS)), kind
 
 
 def cached_worker(mesh, path, ids):
     """Logits of the last 3 positions, computed one token at a time with a KV cache."""
-    model = from_pretrained(path, mesh).eval()
+    model = load_model(path, mesh).eval()
     pool = KVPool(model, slots=ids.shape[0], max_len=ids.shape[1] + 5)  # a slot per row
     with torch.no_grad():
         starts = torch.zeros(ids.shape[0], dtype=torch.long)
@@ -175,7 +175,7 @@ def test_kv_cache_decoding_equals_the_full_forward(run_tp, saved, kind):
 
 def route_worker(mesh, path, ids, ep):
     """tpkit's routing at layer 0 on the hidden states its MoE receives."""
-    model = from_pretrained(path, mesh, expert_parallel=ep).eval()
+    model = load_model(path, mesh, expert_parallel=ep).eval()
     seen = {}
     moe = model.layers["0"].mlp
     moe.register_forward_pre_hook(lambda m, a: seen.setdefault("x", a[0].detach()))
@@ -221,7 +221,7 @@ def test_verify_hf_names_what_it_cannot_read(tmp_path, capsys):
 
 
 def test_unsupported_family_names_the_supported(tmp_path):
-    from tpkit.checkpoint.families import config_from_hf
+    from tpkit.weights.families import config_from_hf
 
     with pytest.raises(ValueError, match="'t5' is not supported; supported: bert, gemma, gpt2"):
         config_from_hf({"model_type": "t5"})
@@ -235,8 +235,8 @@ def test_a_config_without_family_exports_as_its_plain_shape_or_is_refused():
     a config with one family's feature is never guessed."""
     from dataclasses import replace
 
-    from tpkit.checkpoint.families import with_family
     from tpkit.spec import get_preset
+    from tpkit.weights.families import with_family
 
     for preset, kind in (("gpt2-tiny", "gpt2"), ("llama-tiny", "llama")):
         assert with_family(replace(get_preset(preset), family="")).family == kind

@@ -13,8 +13,8 @@ import pytest
 import torch
 
 from hf_folders import uneven_folder
-from tpkit.checkpoint.hf_check import compare, gather, reference, tp_case
 from tpkit.cli import main
+from tpkit.weights.hf_check import compare, gather, reference, tp_case
 
 
 @pytest.fixture(scope="module")

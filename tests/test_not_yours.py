@@ -25,10 +25,10 @@ import pytest
 from checkpoint_helpers import LLAMA, fill, random_full
 from tpkit.checkpoint import CheckpointWarning, retention
 from tpkit.checkpoint import store as ckpt
-from tpkit.checkpoint.paths import step_dir
 from tpkit.cli import main
 from tpkit.mesh import ParallelMesh
 from tpkit.model.transformer import Transformer
+from tpkit.weights.paths import step_dir
 
 TRAIN = ["train", "--preset", "gpt2-tiny", "--global-batch", "2", "--micro-batches", "1",
          "--seq", "16", "--val-fraction", "0", "--no-progress", "--ckpt-every", "1"]

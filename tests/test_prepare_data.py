@@ -15,12 +15,12 @@ import pytest
 import torch
 
 from hf_folders import TEXT, tiny_llama_folder, train_tokenizer
-from tpkit.checkpoint.tokenizer import load_tokenizer
 from tpkit.cli import main
 from tpkit.commands.prepare_data import prepare
 from tpkit.train.config import TrainConfig
 from tpkit.train.data import TokenLoader, load_tokens, split_tokens, tokenizer_folder
 from tpkit.train.tokens import ShardWriter, TokenStream, dtype_for, open_shards
+from tpkit.weights.tokenizer import load_tokenizer
 
 
 @pytest.fixture(scope="module")

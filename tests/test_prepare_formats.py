@@ -13,11 +13,11 @@ import numpy as np
 import pytest
 
 from hf_folders import train_tokenizer
-from tpkit.checkpoint.tokenizer import load_tokenizer
 from tpkit.cli import main
 from tpkit.commands.prepare_data import prepare
 from tpkit.spec.errors import UserError
 from tpkit.train.tokens import open_shards
+from tpkit.weights.tokenizer import load_tokenizer
 
 DOCS = ["Tensor parallelism splits the weight matrices.", "",  # an empty row: no document
         "The column-parallel fc1 and the row-parallel fc2 need one all-reduce.",

@@ -2,9 +2,9 @@
 
 from __future__ import annotations
 
-from tpkit.checkpoint.families import supported
 from tpkit.cli import main
 from tpkit.spec.config import PRESETS
+from tpkit.weights.families import supported
 
 
 def test_presets_lists_presets_and_families(capsys):
@@ -20,7 +20,7 @@ def test_family_adapters_load_without_torch():
     import subprocess
     import sys
 
-    code = ("import sys, tpkit.checkpoint.families as f; f.config_from_hf({'model_type': 'qwen2', "
+    code = ("import sys, tpkit.weights.families as f; f.config_from_hf({'model_type': 'qwen2', "
             "'hidden_size': 64, 'num_attention_heads': 4, 'num_hidden_layers': 2, "
             "'intermediate_size': 96, 'vocab_size': 101, 'max_position_embeddings': 64}); "
             "print('torch' in sys.modules)")

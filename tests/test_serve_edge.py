@@ -19,12 +19,12 @@ import time
 import openai
 import pytest
 
-from tpkit.checkpoint.sources import open_source
 from tpkit.commands import generate as generate_cmd
 from tpkit.mesh import ParallelMesh
 from tpkit.serve import engine as engine_module
 from tpkit.serve import openai_api as api
 from tpkit.serve.http import App, make_server
+from tpkit.weights.sources import open_source
 
 CHAT = [{"role": "user", "content": "Tensor parallelism"}]
 BAD = [  # (path, body: dict or raw bytes, param, words of the message)

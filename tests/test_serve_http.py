@@ -22,11 +22,11 @@ from urllib.request import urlopen
 import openai
 import pytest
 
-from tpkit.checkpoint.sources import open_source
-from tpkit.checkpoint.tokenizer import ByteTokenizer, load_tokenizer
 from tpkit.commands import generate as generate_cmd
 from tpkit.mesh import ParallelMesh
 from tpkit.serve.openai_api import ApiError, chat_ids, token_text
+from tpkit.weights.sources import open_source
+from tpkit.weights.tokenizer import ByteTokenizer, load_tokenizer
 
 MAX_BATCH = 4  # conftest.SERVE_SLOTS: the server's engine
 TEXTS = ["Tensor", "Tensor parallelism splits the weight", "the pipeline sends activations",

@@ -21,10 +21,10 @@ import openai
 import pytest
 
 from hf_folders import tiny_llama_folder
-from tpkit.checkpoint.sources import open_source
-from tpkit.checkpoint.tokenizer import load_tokenizer
 from tpkit.commands import generate as generate_cmd
 from tpkit.mesh import ParallelMesh
+from tpkit.weights.sources import open_source
+from tpkit.weights.tokenizer import load_tokenizer
 
 SRC = str(Path(__file__).resolve().parents[1] / "src")
 TEXTS = [" ".join(["Tensor parallelism splits the weight"] * (1 + i % 5))[: 4 + 7 * i]

@@ -24,12 +24,12 @@ import pytest
 import torch
 
 from tpkit.checkpoint import store
-from tpkit.checkpoint.paths import step_dir
 from tpkit.mesh import ParallelMesh
 from tpkit.model import Transformer
 from tpkit.spec import get_preset
 from tpkit.train.config import TrainConfig
 from tpkit.train.loop import train
+from tpkit.weights.paths import step_dir
 
 STEPS = 5
 

@@ -66,7 +66,7 @@ def _kill_all(proc: subprocess.Popen, seen: list[int]) -> None:
 
 def _newest_checkpoint_verifies(out: Path) -> None:
     from tpkit.checkpoint import latest, store
-    from tpkit.checkpoint.files import verify_file
+    from tpkit.weights.files import verify_file
 
     newest = latest(out / "checkpoints")
     assert newest is not None

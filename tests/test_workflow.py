@@ -22,7 +22,6 @@ import transformers
 
 from hf_folders import TEXT, tiny_llama_folder
 from tpkit.checkpoint import load_model
-from tpkit.checkpoint.tokenizer import load_tokenizer
 from tpkit.cli import main
 from tpkit.comm import all_gather
 from tpkit.commands import generate as generate_cmd
@@ -31,6 +30,7 @@ from tpkit.mesh import ParallelMesh
 from tpkit.model.generate import generate, pad_left
 from tpkit.spec.errors import UserError
 from tpkit.train.loop import train
+from tpkit.weights.tokenizer import load_tokenizer
 
 PROMPTS = ["Tensor parallelism splits", "the pipeline sends activations from stage 2 to",
            "one all-reduce"]

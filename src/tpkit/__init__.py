@@ -25,7 +25,7 @@ __version__ = "0.1.0"
 
 _LAZY = {  # public name -> (module, name in it)
     "ParallelMesh": ("tpkit.mesh", "ParallelMesh"),
-    "load": ("tpkit.checkpoint.sources", "load_model"),
+    "load": ("tpkit.weights.sources", "load_model"),
     "spawn": ("tpkit.launch", "spawn_ranks"),
 }
 

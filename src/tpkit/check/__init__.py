@@ -6,5 +6,5 @@ this machine.
                    all-reduce over local processes); the fits are pure Python (`tpkit.plan.fit`)
 
 (The Hugging Face check, any tp against transformers itself, lives with the weights:
-`tpkit.checkpoint.hf_check`.)
+`tpkit.weights.hf_check`.)
 """

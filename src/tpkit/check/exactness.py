@@ -6,7 +6,7 @@ backward, outputs, loss and gathered gradients compared, the ledger held to the 
     rows = compare_tps(model_case, opts, [1, 2], build=build)  # build(mesh) -> model
 
 `build` is any picklable callable making this rank's model (a preset with a seed, a
-checkpoint through `tpkit.checkpoint.load_model`): every tp must hold the same logical
+checkpoint through `tpkit.weights.sources.load_model`): every tp must hold the same logical
 weights. `opts` holds batch, seq, dtype, sp (and hidden, ffn, activation for the MLP).
 """
 

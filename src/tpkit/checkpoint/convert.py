@@ -26,25 +26,25 @@ from typing import Any
 from safetensors.torch import save_file
 from torch import nn
 
-from tpkit.checkpoint.build import empty_model
 from tpkit.checkpoint.dest import new_artifact
-from tpkit.checkpoint.files import (
+from tpkit.checkpoint.manifest import write_manifest, write_record
+from tpkit.checkpoint.optim_state import keys_by_param
+from tpkit.layers.sharding import split_of
+from tpkit.mesh import ParallelMesh
+from tpkit.spec.config import ModelConfig
+from tpkit.weights.build import empty_model
+from tpkit.weights.files import (
     FULL_FORMAT,
     ShardedSource,
     rank_file,
     tensors_digest,
     verify_file,
 )
-from tpkit.checkpoint.hf import write_hf
-from tpkit.checkpoint.manifest import write_manifest, write_record
-from tpkit.checkpoint.optim_state import keys_by_param
-from tpkit.checkpoint.paths import FULL, HF, SHARDED
-from tpkit.checkpoint.slices import read_local
-from tpkit.checkpoint.sources import open_source, source_tokenizer
-from tpkit.checkpoint.tokenizer import copy_tokenizer, export_tokenizer
-from tpkit.layers.sharding import split_of
-from tpkit.mesh import ParallelMesh
-from tpkit.spec.config import ModelConfig
+from tpkit.weights.hf import write_hf
+from tpkit.weights.paths import FULL, HF, SHARDED
+from tpkit.weights.slices import read_local
+from tpkit.weights.sources import open_source, source_tokenizer
+from tpkit.weights.tokenizer import copy_tokenizer, export_tokenizer
 
 
 def meta_model(config: ModelConfig, tp: int, pp: int, rank: int) -> nn.Module:

@@ -25,11 +25,11 @@ from collections.abc import Iterable, Iterator
 from contextlib import contextmanager
 from pathlib import Path
 
-from tpkit.checkpoint.files import FULL_FORMAT, CheckpointError, fsync_path, read_manifest
-from tpkit.checkpoint.hf import CONFIG_FILE, HF_WEIGHTS, written_by_tpkit
-from tpkit.checkpoint.paths import FULL, HF, SHARDED, enclosing_checkpoints
-from tpkit.checkpoint.slices import open_safetensors
-from tpkit.spec.errors import UserError
+from tpkit.spec.errors import CheckpointError, UserError
+from tpkit.weights.files import FULL_FORMAT, fsync_path, read_manifest
+from tpkit.weights.hf import CONFIG_FILE, HF_WEIGHTS, written_by_tpkit
+from tpkit.weights.paths import FULL, HF, SHARDED, enclosing_checkpoints
+from tpkit.weights.slices import open_safetensors
 
 WHAT = {SHARDED: "sharded tpkit checkpoint", FULL: "tpkit full safetensors file",
         HF: "Hugging Face folder exported by tpkit"}

@@ -25,8 +25,8 @@ from collections.abc import Iterator
 from contextlib import contextmanager
 from pathlib import Path
 
-from tpkit.checkpoint.paths import RUN_CHECKPOINTS
 from tpkit.spec.errors import RunFailed
+from tpkit.weights.paths import RUN_CHECKPOINTS
 
 STORAGE_ERRNOS = (errno.ENOSPC, errno.EDQUOT, errno.EROFS, errno.EACCES, errno.EPERM)
 LEFTOVER_SUFFIXES = (".tmp", ".deleting")  # hidden `.step_N.tmp`: a save that was killed

@@ -21,7 +21,10 @@ import torch
 from safetensors.torch import save_file
 
 from tpkit.checkpoint.disk import writing
-from tpkit.checkpoint.files import (
+from tpkit.checkpoint.finite import NonFiniteCheckpoint, first_nonfinite
+from tpkit.checkpoint.finite import describe as describe_nonfinite
+from tpkit.spec.grid import world_of
+from tpkit.weights.files import (
     FORMAT,
     MANIFEST,
     VERSION,
@@ -33,10 +36,7 @@ from tpkit.checkpoint.files import (
     split_to_json,
     write_json,
 )
-from tpkit.checkpoint.finite import NonFiniteCheckpoint, first_nonfinite
-from tpkit.checkpoint.finite import describe as describe_nonfinite
-from tpkit.checkpoint.tokenizer import TOKENIZER_FILES
-from tpkit.spec.grid import world_of
+from tpkit.weights.tokenizer import TOKENIZER_FILES
 
 PAUSE_ENV = "TPKIT_CKPT_PAUSE_S"  # tests: sleep after each file, to kill a save midway
 

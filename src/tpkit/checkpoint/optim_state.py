@@ -18,10 +18,11 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from tpkit.checkpoint.files import MANIFEST, CheckpointError, ShardedSource
-from tpkit.checkpoint.slices import read_local, state_name
 from tpkit.layers.sharding import split_of
 from tpkit.mesh import ParallelMesh
+from tpkit.spec.errors import CheckpointError
+from tpkit.weights.files import MANIFEST, ShardedSource
+from tpkit.weights.slices import read_local, state_name
 
 State = dict[nn.Parameter, dict[str, torch.Tensor]]
 

@@ -21,7 +21,8 @@ import shutil
 import uuid
 from pathlib import Path
 
-from tpkit.checkpoint.files import MANIFEST, CheckpointError, read_manifest
+from tpkit.spec.errors import CheckpointError
+from tpkit.weights.files import MANIFEST, read_manifest
 
 
 def new_run_id() -> str:

@@ -28,30 +28,23 @@ import torch
 from torch import nn
 
 from tpkit.checkpoint import optim_state
-from tpkit.checkpoint.agree import attempt, raise_unless_all
-from tpkit.checkpoint.build import copy_in
 from tpkit.checkpoint.codec import decode, encode
 from tpkit.checkpoint.dest import check_dest, install
 from tpkit.checkpoint.disk import writing
-from tpkit.checkpoint.files import (
-    MANIFEST,
-    CheckpointError,
-    ShardedSource,
-    rank_file,
-    read_manifest,
-    verify_file,
-)
 from tpkit.checkpoint.finite import describe as describe_nonfinite
 from tpkit.checkpoint.finite import first_nonfinite
 from tpkit.checkpoint.manifest import write_manifest, write_record
-from tpkit.checkpoint.paths import SHARDED
-from tpkit.checkpoint.slices import read_local
-from tpkit.checkpoint.tokenizer import copy_tokenizer
 from tpkit.layers.sharding import meta_of, split_of
 from tpkit.mesh import ParallelMesh
 from tpkit.parallel.zero import ZeroAdamW
 from tpkit.spec.config import ModelConfig
-from tpkit.spec.errors import UserError
+from tpkit.spec.errors import CheckpointError, UserError
+from tpkit.weights.agree import attempt, raise_unless_all
+from tpkit.weights.build import copy_in
+from tpkit.weights.files import MANIFEST, ShardedSource, rank_file, read_manifest, verify_file
+from tpkit.weights.paths import SHARDED
+from tpkit.weights.slices import read_local
+from tpkit.weights.tokenizer import copy_tokenizer
 
 __all__ = ["CheckpointError", "load", "read_manifest", "save"]
 

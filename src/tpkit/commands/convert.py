@@ -17,8 +17,8 @@ from __future__ import annotations
 import argparse
 
 from tpkit.checkpoint.convert import reshard, to_full, to_hf
-from tpkit.checkpoint.paths import locate
 from tpkit.commands.common import group
+from tpkit.weights.paths import locate
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:

@@ -8,7 +8,7 @@ gets the same tokens from both at the same `--max-batch`).
     tpkit generate --checkpoint runs/x --prompt "a" --prompt "bcd"     # a batch of two
     tpkit generate --checkpoint hf-dir --chat --prompt "Hi" --stop "\n" --top-p 0.9 --temperature 0.7
 
-Text goes through the model folder's own tokenizer (`tpkit.checkpoint.tokenizer`; byte level
+Text goes through the model folder's own tokenizer (`tpkit.weights.tokenizer`; byte level
 for tpkit's presets); one prompt streams as its tokens arrive, several are generated
 together (continuous batching, `--max-batch` at once). Tokens per second go to stderr
 at the end.
@@ -22,8 +22,6 @@ import sys
 import time
 from contextlib import nullcontext
 
-from tpkit.checkpoint.sources import load_model, open_source, source_tokenizer
-from tpkit.checkpoint.tokenizer import ByteTokenizer, load_tokenizer
 from tpkit.commands.common import add_pool_arguments, group
 from tpkit.mesh import ParallelMesh
 from tpkit.model.sampling import GREEDY_BELOW
@@ -34,6 +32,8 @@ from tpkit.serve.runner import Runner
 from tpkit.spec.errors import UserError
 from tpkit.spec.transport import add_comm_argument, comm_choice
 from tpkit.spec.words import plural
+from tpkit.weights.sources import load_model, open_source, source_tokenizer
+from tpkit.weights.tokenizer import ByteTokenizer, load_tokenizer
 
 
 def _prompts(args: argparse.Namespace, tok) -> list[list[int]]:

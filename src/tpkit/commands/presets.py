@@ -28,7 +28,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 def run(args: argparse.Namespace) -> int:
     """Print both lists."""
-    from tpkit.checkpoint.families import BY_MODEL_TYPE, presets_of
+    from tpkit.weights.families import BY_MODEL_TYPE, presets_of
 
     print("presets (--preset NAME):")
     print(f"  {'name':<12} {'family':<8} {'params':>7}  {'h':>6} {'layers':>6} {'heads':>5}"

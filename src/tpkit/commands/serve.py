@@ -23,8 +23,6 @@ import threading
 from pathlib import Path
 from typing import TYPE_CHECKING
 
-from tpkit.checkpoint.sources import load_model, open_source, source_tokenizer
-from tpkit.checkpoint.tokenizer import load_tokenizer
 from tpkit.commands.common import add_pool_arguments, group
 from tpkit.host.exit import Stopped
 from tpkit.host.web import ALLOWED_HOST_HELP, HOST, listen, warn_if_exposed
@@ -36,6 +34,8 @@ from tpkit.serve.openai_api import MAX_BODY
 from tpkit.serve.runner import Runner
 from tpkit.spec.errors import UserError
 from tpkit.spec.transport import add_comm_argument, comm_choice
+from tpkit.weights.sources import load_model, open_source, source_tokenizer
+from tpkit.weights.tokenizer import load_tokenizer
 
 if TYPE_CHECKING:
     from tpkit.serve.http import App

@@ -193,7 +193,7 @@ def _check_memory(cfg: TrainConfig, force: bool) -> None:
 def resume_dir(cfg: TrainConfig) -> str | None:
     """The checkpoint directory `cfg.resume` names: "auto", the newest valid one in
     --out (None: a fresh run); a run folder, its latest valid checkpoint."""
-    from tpkit.checkpoint.paths import latest, run_checkpoints, sharded_dir
+    from tpkit.weights.paths import latest, run_checkpoints, sharded_dir
 
     if cfg.resume == "auto":
         found = latest(run_checkpoints(cfg.out))

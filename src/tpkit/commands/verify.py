@@ -83,11 +83,11 @@ def _builder(args: argparse.Namespace):
     preset's (seed 1, `--layers` if given)."""
     dtype = getattr(torch, args.dtype)
     if args.checkpoint:
-        from tpkit.checkpoint import load_model
+        from tpkit.weights.sources import load_model
 
         return partial(load_model, args.checkpoint, dtype=dtype, sequence_parallel=args.sp)
-    from tpkit.checkpoint.build import build_model
     from tpkit.spec import get_preset
+    from tpkit.weights.build import build_model
 
     cfg = get_preset(args.preset)
     if args.layers:
@@ -98,7 +98,7 @@ def _builder(args: argparse.Namespace):
 def run(args: argparse.Namespace) -> int:
     """Run the comparison; 0 when every tp matches tp=1 (or transformers, with --hf) and
     the ledger matches theory."""
-    from tpkit.checkpoint import open_source
+    from tpkit.weights.sources import open_source
 
     _one_model(args)
     if args.hf:
@@ -167,8 +167,8 @@ def _refuse(cfg, tps: list[int], args: argparse.Namespace) -> None:
 
 def _run_hf(args: argparse.Namespace) -> int:
     """--hf DIR: the model at every tp against transformers (float32), ledger vs theory."""
-    from tpkit.checkpoint import hf_check
-    from tpkit.checkpoint.hf import hf_source
+    from tpkit.weights import hf_check
+    from tpkit.weights.hf import hf_source
 
     if args.dtype != "float32":
         raise UserError("--hf compares with transformers in float32 only")

@@ -2,9 +2,9 @@
 layers (`Block`), the parameter names other packages use (`names`, pure Python), and
 generation: the preallocated KV cache (`kv_pool`), the sampler and `Transformer.generate`.
 
-Reading and writing weights (checkpoints, Hugging Face, the family adapters, tokenizers)
-is `tpkit.checkpoint`'s; the configuration and presets live in `tpkit.spec`. `Transformer`
-is imported on first use, so `tpkit.model.names` loads without torch.
+Reading weights (Hugging Face, the family adapters, tokenizers) is `tpkit.weights`'s, run
+checkpoints `tpkit.checkpoint`'s; the configuration and presets live in `tpkit.spec`.
+`Transformer` is imported on first use, so `tpkit.model.names` loads without torch.
 """
 
 __all__ = ["Transformer"]

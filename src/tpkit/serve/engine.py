@@ -37,13 +37,13 @@ from collections import deque
 import torch
 from torch import nn
 
-from tpkit.checkpoint.tokenizer import TextStream
 from tpkit.model.sampling import sample
 from tpkit.serve.metrics import Metrics
 from tpkit.serve.params import SamplingParams, StopText
 from tpkit.serve.request import Request, RequestFailed
 from tpkit.serve.runner import Runner
 from tpkit.spec.errors import UserError
+from tpkit.weights.tokenizer import TextStream
 
 PREFILL_PER_STEP = 256  # prompt tokens: at 16 clients of GPT-2 124M (2 cores), against no
 # limit, the median time to first token and the 99th-percentile gap between tokens about

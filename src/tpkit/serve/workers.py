@@ -23,11 +23,11 @@ from datetime import timedelta
 import torch
 import torch.distributed as dist
 
-from tpkit.checkpoint.sources import load_model
 from tpkit.comm.shm_names import remove_segments
 from tpkit.launch import start_workers, with_transport
 from tpkit.mesh import ParallelMesh
 from tpkit.serve.runner import Runner
+from tpkit.weights.sources import load_model
 
 
 def follow_worker(mesh: ParallelMesh, source, slots: int, max_len: int, chunk: int) -> int:

@@ -22,7 +22,7 @@ POSITIONS = ("learned", "rope")
 @dataclass(frozen=True)
 class ModelConfig:
     """Shape and flavour of a transformer (GPT-2, Llama, BERT and the Hugging Face
-    families of `tpkit.checkpoint.families`: each flag below is one block feature).
+    families of `tpkit.weights.families`: each flag below is one block feature).
 
     One name per concept, and the field holds the value in use: `kv_heads`, `ffn`,
     `head_dim`, `rope_dim` and `attn_bias` may be left out (None), and are then derived

@@ -185,7 +185,8 @@ class TrainConfig:
 
     def model_config(self):
         """The model's `ModelConfig`: the preset's, or the Hugging Face folder's (its
-        config.json read once per TrainConfig: the value travels with it to the ranks)."""
+        config.json and tensor names read once per TrainConfig, by `tpkit.weights.hf`, the
+        reader every load uses: the value travels with it to the ranks)."""
         return self._model_config
 
     @cached_property
@@ -194,15 +195,12 @@ class TrainConfig:
 
         if self.from_hf is None:
             return get_preset(self.preset)
-        import json
+        from tpkit.weights.hf import hf_config
 
-        from tpkit.checkpoint.families import config_from_hf
-
-        path = Path(self.from_hf) / "config.json"
-        if not path.is_file():
-            raise UserError(f"from_hf={self.from_hf}: no config.json there (not a Hugging "
-                            f"Face model folder)")
-        return config_from_hf(json.loads(path.read_text()))[1]
+        try:
+            return hf_config(self.from_hf)
+        except UserError as e:  # no config.json, an unsupported family, missing weights
+            raise UserError(f"from_hf={self.from_hf}: {e}") from e
 
     @property
     def tokenizer_id(self) -> str | None:

@@ -142,7 +142,7 @@ def _same(knob: Knob, old, new) -> bool:
 
 def saved_config(checkpoint: str | Path) -> dict | None:
     """The TrainConfig a checkpoint was written with (its manifest), or None."""
-    from tpkit.checkpoint.files import MANIFEST
+    from tpkit.weights.files import MANIFEST
 
     path = Path(checkpoint) / MANIFEST
     try:

@@ -40,7 +40,7 @@ def embedded_text() -> str:
 
 def encode_bytes(text: str) -> np.ndarray:
     """The byte tokenizer's ids of `text` (`model.tokenizer.ByteTokenizer`), as uint16."""
-    from tpkit.checkpoint.tokenizer import ByteTokenizer
+    from tpkit.weights.tokenizer import ByteTokenizer
 
     return ByteTokenizer.array(text)
 
@@ -162,7 +162,7 @@ def tokenizer_folder(data: str | Path | None) -> Path | None:
     """The tokenizer folder a `prepare-data` folder was made with (None: bytes/unknown)."""
     import json
 
-    from tpkit.checkpoint.tokenizer import has_tokenizer
+    from tpkit.weights.tokenizer import has_tokenizer
 
     index = Path(data) / INDEX if data is not None else None
     if index is None or not index.is_file():

@@ -67,14 +67,14 @@ def prepare(cfg: TrainConfig, mesh: ParallelMesh) -> tuple[TokenLoader, TokenLoa
 def train_model(cfg: TrainConfig, mesh: ParallelMesh,
                 dtype: torch.dtype | None = None) -> torch.nn.Module:
     """The model (preset, or Hugging Face folder), this rank's stage and shard of it
-    (`checkpoint.build.build_model`, the one builder), built complete: ring attention
+    (`weights.build.build_model`, the one builder), built complete: ring attention
     over the mesh's cp group, compiled blocks with `compile`.
 
     With `from_hf` each rank reads only its slices of the folder's weights (unless it
     resumes: the checkpoint's weights replace them anyway). With `dtype` (the bf16
     compute copy of master weights) its weights are left to `MasterWeights`."""
-    from tpkit.checkpoint.build import build_model
-    from tpkit.checkpoint.sources import open_source
+    from tpkit.weights.build import build_model
+    from tpkit.weights.sources import open_source
 
     hf = cfg.from_hf is not None and not cfg.resume and dtype is None
     model = build_model(cfg.model_config(), mesh, open_source(cfg.from_hf) if hf else None,
@@ -202,8 +202,8 @@ def save_checkpoint(cfg: TrainConfig, mesh: ParallelMesh, model, opt, loader: To
     and in `extra` the loader position, the step and this rank's generator states;
     then retention, of this run's (`run_id`) checkpoints only."""
     from tpkit.checkpoint import retention, store
-    from tpkit.checkpoint.paths import step_dir
     from tpkit.checkpoint.rng import capture_rng
+    from tpkit.weights.paths import step_dir
 
     path = step_dir(cfg.out, step)
     rng = dict(capture_rng(mesh.device), tp=model.rng.state, device=mesh.device.type)

@@ -33,14 +33,14 @@ from pathlib import Path
 
 from tpkit.checkpoint.dest import listing
 from tpkit.checkpoint.disk import remove_leftovers
-from tpkit.checkpoint.paths import (
+from tpkit.checkpoint.retention import complete, others, run_of
+from tpkit.spec.errors import UserError
+from tpkit.weights.paths import (
     RUN_CHECKPOINTS,
     enclosing_checkpoints,
     is_checkpoint,
     run_checkpoints,
 )
-from tpkit.checkpoint.retention import complete, others, run_of
-from tpkit.spec.errors import UserError
 
 LOCK_FILE = ".tpkit-run.lock"
 _READ_TRIES = 20  # the holder writes its record just after taking the lock

@@ -28,7 +28,7 @@ BATCH_BYTES = 1 << 20  # text handed to the tokenizer (or a worker) at a time
 @lru_cache(maxsize=2)
 def tokenizer(where: str):
     """The tokenizer of a model folder, or 'bytes' (loaded once per process)."""
-    from tpkit.checkpoint.tokenizer import ByteTokenizer, has_tokenizer, load_tokenizer
+    from tpkit.weights.tokenizer import ByteTokenizer, has_tokenizer, load_tokenizer
 
     if where == "bytes":
         return ByteTokenizer()

@@ -1,6 +1,6 @@
-"""Hugging Face models in and out, for every family of `tpkit.checkpoint.families`.
+"""Hugging Face models in and out, for every family of `tpkit.weights.families`.
 
-    model = from_pretrained("path/to/hf-dir", mesh)   # each rank reads only its slices
+    model = tpkit.load("path/to/hf-dir", mesh)        # each rank reads only its slices
     tpkit.checkpoint.convert.to_hf(model_or_checkpoint, "out-dir")  # transformers loads it
 
 The family adapters (pure Python) say how a config.json maps to a `ModelConfig` and
@@ -21,8 +21,11 @@ import torch
 from safetensors.torch import save_file
 from torch import nn
 
-from tpkit.checkpoint.build import build_model
-from tpkit.checkpoint.families import (
+from tpkit.layers.sharding import meta_of
+from tpkit.model.names import EMBED_WEIGHT
+from tpkit.spec.config import ModelConfig
+from tpkit.spec.errors import CheckpointError
+from tpkit.weights.families import (
     Cut,
     Family,
     Recipe,
@@ -31,11 +34,7 @@ from tpkit.checkpoint.families import (
     of_config,
     with_family,
 )
-from tpkit.checkpoint.slices import CheckpointError, DictSource, open_safetensors
-from tpkit.layers.sharding import meta_of
-from tpkit.mesh import ParallelMesh
-from tpkit.model.names import EMBED_WEIGHT
-from tpkit.spec.config import ModelConfig
+from tpkit.weights.slices import DictSource, open_safetensors
 
 CONFIG_FILE = "config.json"  # what makes a directory a Hugging Face model
 HF_WEIGHTS = "model.safetensors"  # the one weights file of an export
@@ -205,17 +204,10 @@ def hf_source(path_or_model: Any) -> HFSource:
     return HFSource(tensors, fam, fam.table(config), where, config)
 
 
-def from_pretrained(path_or_model: Any, mesh: ParallelMesh | None = None, *,
-                    dtype: torch.dtype | None = None, sequence_parallel: bool = False,
-                    expert_parallel: bool = False) -> nn.Module:
-    """A tpkit Transformer holding a Hugging Face model's weights, this rank's slices only.
-
-    `path_or_model`: a local directory (config.json + safetensors) or a loaded
-    `transformers` model. BERT models keep their pooler (`model.pooled(h)`) if present.
-    """
-    source = hf_source(path_or_model)
-    return build_model(source.config, mesh or ParallelMesh.single(), source, dtype=dtype,
-                       sequence_parallel=sequence_parallel, expert_parallel=expert_parallel)
+def hf_config(path: str | Path) -> ModelConfig:
+    """The ModelConfig of a Hugging Face directory, as every reader of it sees it: its
+    config.json read with its tensor names (safetensors headers only, no weights)."""
+    return hf_source(path).config
 
 
 def memory_source(source: Any, config: ModelConfig | None = None) -> DictSource:

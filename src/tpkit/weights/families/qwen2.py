@@ -3,9 +3,9 @@ tied embeddings."""
 
 from __future__ import annotations
 
-from tpkit.checkpoint.families import decoder
-from tpkit.checkpoint.families.base import Family, refuse
 from tpkit.spec.config import ModelConfig
+from tpkit.weights.families import decoder
+from tpkit.weights.families.base import Family, refuse
 
 
 def from_hf(hf: dict, keys: set[str]) -> ModelConfig:

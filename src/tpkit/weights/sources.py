@@ -24,27 +24,30 @@ import torch
 import torch.distributed
 from torch import nn
 
-from tpkit.checkpoint.build import build_model
-from tpkit.checkpoint.files import (
+from tpkit.mesh import ParallelMesh
+from tpkit.spec.config import ModelConfig
+from tpkit.spec.errors import CheckpointError, UserError
+from tpkit.weights.build import build_model
+from tpkit.weights.files import (
     FULL_FORMAT,
     ShardedSource,
     read_manifest,
     verify_file,
     verify_full,
 )
-from tpkit.checkpoint.hf import hf_source, memory_source
-from tpkit.checkpoint.paths import FULL, SHARDED, Located, locate
-from tpkit.checkpoint.slices import CheckpointError, FullSource, Source
-from tpkit.checkpoint.tokenizer import TOKENIZER_FILES, has_tokenizer
-from tpkit.mesh import ParallelMesh
-from tpkit.spec.config import ModelConfig
-from tpkit.spec.errors import UserError
+from tpkit.weights.hf import hf_source, memory_source
+from tpkit.weights.paths import FULL, SHARDED, Located, locate
+from tpkit.weights.slices import FullSource, Source
+from tpkit.weights.tokenizer import TOKENIZER_FILES, has_tokenizer
 
 
 def open_source(source: Any, config: ModelConfig | None = None) -> Source:
     """The open Source of any path `locate` accepts (or of what `locate` returned), or of
-    a tp=1 model or a dict of full tensors (with `config`). An open source is returned
-    as it is."""
+    a tp=1 model or a dict of full tensors (with `config`), or of a live `transformers`
+    model. An open source is returned as it is."""
+    if isinstance(source, nn.Module) and not isinstance(getattr(source, "config", None),
+                                                        ModelConfig):
+        return hf_source(source)  # a transformers model: its tensors through its family
     if isinstance(source, nn.Module | dict):
         return memory_source(source, config)
     if not isinstance(source, str | Path | Located):
@@ -68,18 +71,20 @@ def _open_full(path: Path, config: ModelConfig | None) -> FullSource:
 
 
 def load_model(source: Any, mesh: ParallelMesh | None = None, *, tp: int | None = None,
-               dtype: torch.dtype | None = None, sequence_parallel: bool = False
-               ) -> nn.Module:
-    """The model holding the weights of `source` (an open source, or any path `locate`
-    accepts: opened here), at `mesh`'s layout, each rank reading only its slices. Call
-    on every rank of the mesh. No mesh: one process, or (`tp`) this rank of torchrun's
-    or `tpkit.spawn`'s processes. This is `tpkit.load`."""
+               dtype: torch.dtype | None = None, sequence_parallel: bool = False,
+               expert_parallel: bool = False) -> nn.Module:
+    """The model holding the weights of `source` (an open source, any path `locate`
+    accepts, or a live `transformers` model: opened here), at `mesh`'s layout, each rank
+    reading only its slices. Call on every rank of the mesh. No mesh: one process, or
+    (`tp`) this rank of torchrun's or `tpkit.spawn`'s processes. `expert_parallel`: a
+    mixture of experts' experts spread whole over tp. BERT models keep their pooler
+    (`model.pooled(h)`) if present. This is `tpkit.load`."""
     if mesh is not None and tp not in (None, mesh.tp_size):
         raise UserError(f"tp={tp} but the mesh has tp={mesh.tp_size}: give one of them")
     mesh = mesh or _mesh_for(tp)
     source = open_source(source)
     return build_model(source.config, mesh, source, dtype=dtype,
-                       sequence_parallel=sequence_parallel)
+                       sequence_parallel=sequence_parallel, expert_parallel=expert_parallel)
 
 
 def _mesh_for(tp: int | None) -> ParallelMesh:

@@ -16,10 +16,10 @@ from typing import Any
 import torch
 from torch import nn
 
-from tpkit.checkpoint.agree import raise_unless_all
-from tpkit.checkpoint.slices import Source, read_local
 from tpkit.mesh import ParallelMesh
 from tpkit.spec.config import ModelConfig
+from tpkit.weights.agree import raise_unless_all
+from tpkit.weights.slices import Source, read_local
 
 
 def build_model(config: ModelConfig, mesh: ParallelMesh, source: Source | None = None,

@@ -20,11 +20,12 @@ from pathlib import Path
 import torch
 import torch.nn.functional as F
 
-from tpkit.checkpoint.hf import HFSource, checkpoint_names, from_pretrained, hf_source
 from tpkit.comm import all_gather
 from tpkit.layers.sharding import full_state_dict, meta_of, splits_of
 from tpkit.spec import theory
 from tpkit.spec.config import ModelConfig
+from tpkit.weights.hf import HFSource, checkpoint_names, hf_source
+from tpkit.weights.sources import load_model
 
 
 def sample_ids(config: ModelConfig, batch: int, seq: int, seed: int = 0) -> torch.Tensor:
@@ -63,7 +64,7 @@ def reference(path: str | Path, ids: torch.Tensor) -> dict:
 def tp_case(mesh, path: str, ids: torch.Tensor, sp: bool = False, ep: bool = False) -> dict:
     """On each rank: load `path` at the mesh's tp (with sequence parallelism if `sp`,
     experts spread whole over tp if `ep`), forward + backward, ledger vs theory."""
-    model = from_pretrained(path, mesh, sequence_parallel=sp, expert_parallel=ep).train()
+    model = load_model(path, mesh, sequence_parallel=sp, expert_parallel=ep).train()
     c, tp = model.config, mesh.tp_size
     mesh.ledger.clear()
     out = model(ids) if c.causal else model.hidden_states(ids)

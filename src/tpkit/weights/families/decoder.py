@@ -10,9 +10,9 @@ from __future__ import annotations
 
 from collections.abc import Callable
 
-from tpkit.checkpoint.families.base import Recipe, head, rope_of, rope_to_hf, stacked, whole
 from tpkit.model.names import EMBED_WEIGHT, FINAL_NORM_WEIGHT, layer
 from tpkit.spec.config import ModelConfig
+from tpkit.weights.families.base import Recipe, head, rope_of, rope_to_hf, stacked, whole
 
 
 def config(hf: dict, **flags) -> ModelConfig:

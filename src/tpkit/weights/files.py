@@ -13,7 +13,7 @@ Every tensor is described by its global shape (`shape`, padded vocabulary includ
 its `logical` shape (without padding) and its split tag. Reading a slice for a new
 layout goes through `Source.read(name, dim, start, stop)` — the rows [start, stop) of
 the logical global tensor along `dim` — so a rank reads only what it will hold,
-from a sharded checkpoint, one full file, or a Hugging Face model (`checkpoint.hf`).
+from a sharded checkpoint, one full file, or a Hugging Face model (`weights.hf`).
 
     global rows of a fused part, written at tp=2, read at tp=4 by rank 1:
       part q: [ chunk0 (rank 0) | chunk1 (rank 1) ]      rank 1 wants q rows [c/2, c)
@@ -32,9 +32,10 @@ from typing import Any
 import torch
 from safetensors import safe_open
 
-from tpkit.checkpoint.slices import CheckpointError, FullSource
 from tpkit.layers.sharding import TPSplit, unshard
 from tpkit.spec.config import ModelConfig
+from tpkit.spec.errors import CheckpointError
+from tpkit.weights.slices import FullSource
 
 MANIFEST = "manifest.json"
 FORMAT = "tpkit-checkpoint"

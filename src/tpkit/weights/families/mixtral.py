@@ -9,9 +9,9 @@ from __future__ import annotations
 
 from functools import partial
 
-from tpkit.checkpoint.families import decoder
-from tpkit.checkpoint.families.base import Family, Recipe, refuse, stacked, whole
 from tpkit.spec.config import ModelConfig
+from tpkit.weights.families import decoder
+from tpkit.weights.families.base import Family, Recipe, refuse, stacked, whole
 
 
 def from_hf(hf: dict, keys: set[str]) -> ModelConfig:

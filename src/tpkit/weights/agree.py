@@ -13,9 +13,9 @@ from typing import Any
 
 import torch
 
-from tpkit.checkpoint.slices import CheckpointError
 from tpkit.comm import all_reduce
 from tpkit.mesh import ParallelMesh
+from tpkit.spec.errors import CheckpointError
 
 
 def attempt(fn: Callable, *args: Any) -> BaseException | None:

@@ -16,9 +16,9 @@ import importlib
 import pkgutil
 from dataclasses import replace
 
-from tpkit.checkpoint.families.base import Cut, Family, Recipe
 from tpkit.spec.config import PRESETS, ModelConfig
 from tpkit.spec.errors import UserError
+from tpkit.weights.families.base import Cut, Family, Recipe
 
 _SHARED = ("base", "decoder")
 

@@ -2,8 +2,8 @@
 
 A `Source` serves rows [start, stop) of a *logical* global tensor (vocabulary
 padding excluded) along one dimension: a sharded tpkit checkpoint
-(`tpkit.checkpoint.files.ShardedSource`), one full safetensors file, a dict in memory,
-or a Hugging Face model (`tpkit.checkpoint.hf.HFSource`). An open source also says
+(`tpkit.weights.files.ShardedSource`), one full safetensors file, a dict in memory,
+or a Hugging Face model (`tpkit.weights.hf.HFSource`). An open source also says
 what it holds: `config` (its ModelConfig), `names` (its tensors), `where` (for errors).
 
     staged = read_local(model, source, mesh)   # name -> this rank's slice, every parameter
@@ -25,25 +25,7 @@ from torch import nn
 
 from tpkit.layers.sharding import TPSplit, meta_of, split_of
 from tpkit.spec.config import ModelConfig
-from tpkit.spec.errors import UserError
-
-
-class CheckpointError(UserError, RuntimeError):
-    """A checkpoint is missing, damaged, or does not fit the model; names the file.
-
-    `peer_failed=True`: this rank is fine, another rank failed (its error is the one
-    to show)."""
-
-    def __init__(self, message: str, *, peer_failed: bool = False) -> None:
-        super().__init__(message)
-        self.peer_failed = peer_failed
-
-    def __reduce__(self):
-        return (_checkpoint_error, (str(self), self.peer_failed))
-
-
-def _checkpoint_error(message: str, peer_failed: bool) -> CheckpointError:
-    return CheckpointError(message, peer_failed=peer_failed)
+from tpkit.spec.errors import CheckpointError
 
 
 # -- reading slices ---------------------------------------------------------------------

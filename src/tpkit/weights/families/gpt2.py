@@ -3,9 +3,9 @@
 
 from __future__ import annotations
 
-from tpkit.checkpoint.families.base import Family, Recipe, head, norm_pair, refuse, whole
 from tpkit.model.names import EMBED_WEIGHT, FINAL_NORM, POSITION_WEIGHT, layer
 from tpkit.spec.config import ModelConfig
+from tpkit.weights.families.base import Family, Recipe, head, norm_pair, refuse, whole
 
 ACTS = {"gelu_new": "gelu", "gelu_pytorch_tanh": "gelu", "relu": "relu"}
 

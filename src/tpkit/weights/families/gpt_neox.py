@@ -11,7 +11,9 @@ its heads' q (or k, v) reads only those rows of the fused tensor.
 
 from __future__ import annotations
 
-from tpkit.checkpoint.families.base import (
+from tpkit.model.names import EMBED_WEIGHT, FINAL_NORM, layer
+from tpkit.spec.config import ModelConfig
+from tpkit.weights.families.base import (
     Cut,
     Family,
     Recipe,
@@ -22,8 +24,6 @@ from tpkit.checkpoint.families.base import (
     rope_to_hf,
     whole,
 )
-from tpkit.model.names import EMBED_WEIGHT, FINAL_NORM, layer
-from tpkit.spec.config import ModelConfig
 
 
 def from_hf(hf: dict, keys: set[str]) -> ModelConfig:

@@ -3,9 +3,9 @@ attention; Mistral's sliding window)."""
 
 from __future__ import annotations
 
-from tpkit.checkpoint.families import decoder
-from tpkit.checkpoint.families.base import Family, llama3_of, refuse
 from tpkit.spec.config import ModelConfig
+from tpkit.weights.families import decoder
+from tpkit.weights.families.base import Family, llama3_of, refuse
 
 ARCH = {"llama": "LlamaForCausalLM", "mistral": "MistralForCausalLM"}
 

@@ -28,23 +28,19 @@ import warnings
 from dataclasses import dataclass
 from pathlib import Path
 
-from tpkit.checkpoint.files import (
+from tpkit.spec.errors import CheckpointError, CheckpointWarning
+from tpkit.weights.files import (
     MANIFEST,
-    CheckpointError,
     first_mismatch,
     is_optim_file,
     rank_file,
     read_manifest,
     size_problem,
 )
-from tpkit.checkpoint.hf import CONFIG_FILE
+from tpkit.weights.hf import CONFIG_FILE
 
 RUN_CHECKPOINTS = "checkpoints"  # the folder of checkpoints inside a run folder
 SHARDED, FULL, HF = "sharded", "full", "hf"
-
-
-class CheckpointWarning(UserWarning):
-    """A newer checkpoint in a run folder was skipped because it is damaged."""
 
 
 @dataclass(frozen=True)

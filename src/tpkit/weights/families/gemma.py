@@ -3,9 +3,9 @@ sqrt(hidden), a head width decoupled from hidden (256 in the released sizes), ti
 
 from __future__ import annotations
 
-from tpkit.checkpoint.families import decoder
-from tpkit.checkpoint.families.base import Family, refuse
 from tpkit.spec.config import ModelConfig
+from tpkit.weights.families import decoder
+from tpkit.weights.families.base import Family, refuse
 
 ACT = "gelu_pytorch_tanh"  # transformers maps Gemma's legacy "gelu" to it too
 

@@ -3,7 +3,6 @@ token types, exact (erf) GELU, and a pooler when the checkpoint has one."""
 
 from __future__ import annotations
 
-from tpkit.checkpoint.families.base import Family, Recipe, norm_pair, refuse, stacked, whole
 from tpkit.model.names import (
     EMBED_NORM,
     EMBED_WEIGHT,
@@ -13,6 +12,7 @@ from tpkit.model.names import (
     layer,
 )
 from tpkit.spec.config import ModelConfig
+from tpkit.weights.families.base import Family, Recipe, norm_pair, refuse, stacked, whole
 
 
 def from_hf(hf: dict, keys: set[str]) -> ModelConfig:
