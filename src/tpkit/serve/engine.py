@@ -12,13 +12,20 @@ Every `step()`:
        `max_tokens_in_flight` and this step's prompts within `prefill_per_step` tokens
        (one at least; 0: no limit); each is prefilled alone into its slot and gets its
        first token (a request that does not fit waits; nothing running is evicted);
-    3. decodes one token for every running request at once, each at its own position
-       (in fixed chunks of `decode_chunk` slots; a chunk with no request is skipped);
+    3. decodes one token for every running request at once, each at its own position;
     4. finishes those that hit max_tokens, an end-of-sequence token or a stop string.
-So a short request never waits for a long one to finish, and a request's tokens do
-not depend on what else runs: the shapes of every forward are fixed by (max_batch,
-max_len, decode_chunk) alone (`tpkit.model.kv_pool`), greedy output is bit for bit the same
-whatever the batch, and sampling uses the request's own seeded generator.
+So a short request never waits for a long one to finish. Sampling uses the request's
+own seeded generator.
+
+How a decode runs is `decode_chunk` (`tpkit.model.kv_pool`):
+- None (the default, `tpkit serve` without --batch-invariant): one forward of the
+  running requests' rows only, so one client pays for one row, eight for eight. A
+  request's greedy tokens may then differ with what else runs where two tokens' logits
+  are within rounding of each other (a 1-row product rounds otherwise than an 8-row).
+- C (batch invariant: `--batch-invariant --decode-chunk C`): every decode runs fixed
+  chunks of C slots (free ones padded; a chunk with no request is skipped), so the
+  shapes of every forward are fixed by (max_batch, max_len, C) alone and a request's
+  tokens and log-probabilities are bit for bit the same whatever the batch.
 
 On tp ranks > 0 the same forwards run under `Runner.follow`; only this object (rank 0)
 holds requests, the tokenizer and the sampler.
@@ -55,7 +62,7 @@ class Engine:
 
     def __init__(self, model: nn.Module, *, tokenizer=None, max_batch: int = 8,
                  max_len: int | None = None, max_tokens_in_flight: int | None = None,
-                 decode_chunk: int = 8, prefill_per_step: int = PREFILL_PER_STEP,
+                 decode_chunk: int | None = None, prefill_per_step: int = PREFILL_PER_STEP,
                  runner: Runner | None = None) -> None:
         max_len = max_len or model.config.max_seq_len
         self.runner = runner or Runner(model, max_batch, max_len, decode_chunk)

@@ -31,9 +31,10 @@ PREFILL, DECODE, IDLE, STOP, SCORE = 1, 2, 3, 4, 5
 class Runner:
     """The model and its KV pool on one rank; `lead_*` on rank 0, `follow` elsewhere."""
 
-    def __init__(self, model: nn.Module, slots: int, max_len: int, chunk: int = 8) -> None:
+    def __init__(self, model: nn.Module, slots: int, max_len: int, chunk: int | None = None
+                 ) -> None:
         self.model, self.group = model.eval(), model.group
-        self.pool = KVPool(model, slots, max_len, chunk=chunk)  # decode: chunks of slots
+        self.pool = KVPool(model, slots, max_len, chunk=chunk)  # None: the busy slots
         self.device = self.pool.k[0].device
         self.steps = 0
 
