@@ -30,7 +30,11 @@ returned are float32 whatever the dtype (the head's product stays in the model's
 dtype, the softmax and sampling that follow read float32).
 
 Two tensor-parallel collectives per layer (the two all-reduces) plus one all-gather of
-the last logits per forward; every rank returns the same logits.
+the last logits per forward; every rank returns the same logits. A greedy decode
+(`decode(..., greedy=True)`) gathers each rank's best instead of its logits: per row
+(its largest logit, that token, the log-sum-exp of its shard), [b, 3] float32 from each
+rank instead of [b, V/tp]; the token is the first largest over the ranks (so torch's
+argmax of the whole row, bit for bit), its log-probability max - logsumexp(ranks').
 """
 
 from __future__ import annotations
@@ -89,12 +93,34 @@ def _check(model: nn.Module) -> None:
         raise UserError(PP_ERROR)
 
 
+def _greedy(model: nn.Module, h: torch.Tensor) -> torch.Tensor:
+    """Final hidden [b, 1, h] -> [b, 2] float32 (greedy token, its log-probability) from
+    each rank's shard of the logits, gathering [b, 3] per rank (module docstring)."""
+    local = model.logits(h)[:, 0].float()  # [b, V_pad/tp]
+    n, tp, V = local.shape[-1], model.group.size, model.config.vocab_size
+    first = model.group.rank * n  # the shard's first token id
+    pad = torch.arange(first, first + n, device=local.device) >= V  # vocabulary padding
+    local = local.masked_fill(pad, float("-inf"))
+    best, idx = local.max(-1)  # [b]: the first largest of the shard
+    mine = torch.stack([best, (idx + first).to(best.dtype), local.logsumexp(-1)], -1)
+    every = all_gather(mine, model.group, dim=-1).view(-1, tp, 3)  # [b, tp, 3]
+    vals = every[..., 0]
+    win = (vals == vals.max(-1, keepdim=True).values).to(torch.int8).argmax(-1)  # first rank
+    rows = torch.arange(vals.shape[0], device=vals.device)
+    top = every[rows, win]  # [b, 3]
+    return torch.stack([top[:, 1], top[:, 0] - every[..., 2].logsumexp(-1)], -1)  # [b, 2]
+
+
 @torch.no_grad()
 def _last_logits(model: nn.Module, ids: torch.Tensor, caches: list[KVSlots],
-                 starts: torch.Tensor, every: bool = False) -> torch.Tensor:
+                 starts: torch.Tensor, every: bool = False, greedy: bool = False
+                 ) -> torch.Tensor:
     """ids [b, s] through the model with `caches` -> full logits [b, V] of the last token
-    (`every`: [b, s, V], of every position; the last one computed as without `every`)."""
+    (`every`: [b, s, V], of every position; the last one computed as without `every`;
+    `greedy`: [b, 2], its greedy token and log-probability, `_greedy`)."""
     h = model.body(ids, kv_caches=caches, position_offset=starts)  # [b, s, h]
+    if greedy:
+        return _greedy(model, h[:, -1:])
     V = model.config.vocab_size
     last = all_gather(model.logits(h[:, -1:])[:, 0], model.group, dim=-1)[:, :V].float()
     if not every:
@@ -119,12 +145,13 @@ def prefill(model: nn.Module, pool: KVPool, slot: int, ids: list[int] | torch.Te
     return _last_logits(model, ids, pool.views(slot, 1, starts), starts, every)[0]
 
 
-def decode(model: nn.Module, pool: KVPool, tokens: torch.Tensor, lengths: torch.Tensor
-           ) -> torch.Tensor:
+def decode(model: nn.Module, pool: KVPool, tokens: torch.Tensor, lengths: torch.Tensor,
+           greedy: bool = False) -> torch.Tensor:
     """One token per busy slot: `tokens` [slots] (-1 for a free slot) at positions
     `lengths` [slots] (each slot's cached length) -> logits [slots, V] (rows of free
-    slots: zeros or a dummy's). The busy slots in one forward, or (`pool.chunk`) every
-    slot of each chunk holding a busy one."""
+    slots: zeros or a dummy's; `greedy`: [slots, 2], each slot's greedy token and its
+    log-probability, gathered from the shards). The busy slots in one forward, or
+    (`pool.chunk`) every slot of each chunk holding a busy one."""
     _check(model)
     device = pool.k[0].device
     tokens, lengths = tokens.to(device).reshape(-1), lengths.to(device).reshape(-1)
@@ -132,7 +159,7 @@ def decode(model: nn.Module, pool: KVPool, tokens: torch.Tensor, lengths: torch.
     assert busy.numel(), "decode with no busy slot"
     if pool.chunk is None:
         logits = _last_logits(model, tokens[busy][:, None], pool.rows(busy, lengths[busy]),
-                              lengths[busy])  # [n, V]
+                              lengths[busy], greedy=greedy)  # [n, V] (greedy: [n, 2])
         out = logits.new_zeros(pool.slots, logits.shape[1])
         out[busy] = logits
         return out
@@ -143,7 +170,7 @@ def decode(model: nn.Module, pool: KVPool, tokens: torch.Tensor, lengths: torch.
             continue  # nobody here: skipped (the shapes of the others do not change)
         ids = tokens[rows].clamp(min=0)[:, None]  # [chunk, 1]
         logits = _last_logits(model, ids, pool.views(first, ids.shape[0], lengths[rows]),
-                              lengths[rows])  # [chunk, V]
+                              lengths[rows], greedy=greedy)  # [chunk, V] (greedy: [chunk, 2])
         if out is None:
             out = logits.new_zeros(pool.slots, logits.shape[1])
         out[rows] = logits

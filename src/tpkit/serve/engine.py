@@ -148,9 +148,14 @@ class Engine:
             for r in active:
                 tokens[r.slot] = r.tokens[-1]
                 lengths[r.slot] = len(r.prompt) + len(r.tokens) - 1  # positions cached
-            logits = self.runner.lead_decode(tokens, lengths)  # [max_batch, V]
+            greedy = self.model.group.size > 1 and all(  # the shards' best, not their logits
+                r.params.temperature <= 0 and r.params.logprobs is None for r in active)
+            logits = self.runner.lead_decode(tokens, lengths, greedy)  # [max_batch, V or 2]
             for r in active:
-                self._take(r, logits[r.slot])
+                if greedy:
+                    self._push(r, int(logits[r.slot, 0]), float(logits[r.slot, 1]), None)
+                else:
+                    self._take(r, logits[r.slot])
         self._account(len(active))
         return bool(admitted or active)
 
@@ -194,8 +199,12 @@ class Engine:
         p = req.params
         tok = int(sample(logits[None], p.temperature, p.top_k, p.top_p, req.gen)[0, 0])
         logp = torch.log_softmax(logits.float(), -1)  # [V]
-        logprob = float(logp[tok])
         top = _likeliest(logp[None], p.logprobs)[0] if p.logprobs is not None else None
+        self._push(req, tok, float(logp[tok]), top)
+
+    def _push(self, req: Request, tok: int, logprob: float, top) -> None:
+        """Give `req` its next token; finish it if it ends here."""
+        p = req.params
         piece = ""
         if req.stream is not None:
             with self.tokenizer_lock:
