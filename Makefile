@@ -16,7 +16,7 @@ $(BIN)/python:
 # torch first, pinned: the CPU build (a bare `torch` would pull a multi-GB CUDA build).
 $(STAMP): pyproject.toml | $(BIN)/python
 	$(BIN)/pip install -q torch==2.13.0
-	$(BIN)/pip install -q -e '.[dev,hf,web,track,data]'
+	$(BIN)/pip install -q -e '.[dev,hf,web,track,data,serve]'
 	$(BIN)/python -c 'import tpkit.comm.shm_build as b; b.main()'   # shm kernels (g++, < 1 s)
 	touch $(STAMP)
 

@@ -23,6 +23,8 @@ LLAMA = ModelConfig(name="llama-t", vocab_size=257, hidden=64, num_layers=4, num
                     activation="swiglu", position="rope", tie_embeddings=False, bias=False)
 GPT2 = ModelConfig(name="gpt2-t", vocab_size=257, hidden=64, num_layers=4, num_heads=4,
                    max_seq_len=64)
+# 9 heads / 3 kv heads, ffn 99: uneven at every tp but 3 (kv 1 on both ranks at tp=2)
+SMOL = LLAMA.with_(name="smol-t", hidden=72, num_heads=9, kv_heads=3, ffn=99)
 
 
 def random_full(config: ModelConfig, seed: int = 1, scale: float = 0.1

@@ -4,9 +4,13 @@ Starting a process costs seconds (importing torch); a pool runs many checks.
 `run_tp(fn, tp, *args)` runs `fn(mesh, *args)` on `tp` ranks (a ParallelMesh with
 tp=tp) and returns the per-rank results; tp=1 runs in this process on
 `ParallelMesh.single()` — the very same code, with a group of one.
+`openai_server`: `tpkit serve`'s HTTP front and serving loop at tp=1 in this process,
+shared by the files that test it through HTTP.
 """
 
 from __future__ import annotations
+
+import threading
 
 import pytest
 
@@ -57,3 +61,46 @@ def _in_own_folder(tmp_path_factory, monkeypatch):
     """Every test runs in a fresh empty working folder: a default `--out runs/train`, a run
     lock or a log lands there, never in the repository (or a user's earlier run there)."""
     monkeypatch.chdir(tmp_path_factory.mktemp("cwd"))
+
+
+SERVE_SLOTS = 4  # of the openai_server's engine
+
+
+@pytest.fixture(scope="session")
+def chat_llama(tmp_path_factory):
+    """A tiny Llama folder with a BPE tokenizer and a chat template, its weights drawn
+    wider than transformers' default: varied greedy text, no repeats."""
+    from hf_folders import tiny_llama_folder, with_chat_template
+
+    llama = tiny_llama_folder(tmp_path_factory.mktemp("serve") / "llama", initializer_range=0.3)
+    return with_chat_template(llama)
+
+
+@pytest.fixture(scope="session")
+def openai_server(chat_llama):
+    """A tp=1 server of `chat_llama` as "llama" on a free loopback port, its HTTP front
+    and serving loop in threads: (base URL, OpenAI client, engine)."""
+    import openai
+
+    from tpkit.checkpoint.sources import load_model
+    from tpkit.checkpoint.tokenizer import load_tokenizer
+    from tpkit.serve import Engine
+    from tpkit.serve.http import App, make_server
+    from tpkit.serve.loop import serve_loop
+
+    model = load_model(chat_llama, ParallelMesh.single())
+    tok = load_tokenizer(chat_llama)
+    engine = Engine(model, tokenizer=tok, max_batch=SERVE_SLOTS, decode_chunk=8)  # invariant
+    httpd = make_server(App(engine, "llama", tok, timeout=10.0), "127.0.0.1", 0)
+    stop = threading.Event()
+    threads = [threading.Thread(target=httpd.serve_forever, daemon=True),
+               threading.Thread(target=serve_loop, args=(engine, stop), daemon=True)]
+    for t in threads:
+        t.start()
+    url = f"http://127.0.0.1:{httpd.server_address[1]}"
+    yield url, openai.OpenAI(base_url=url + "/v1", api_key="none", max_retries=0,
+                             timeout=60), engine
+    stop.set()
+    httpd.shutdown()
+    httpd.server_close()
+    threads[1].join(timeout=10)

@@ -50,6 +50,38 @@ def tiny_llama_folder(folder: Path, seed: int = 0, **config) -> Path:
     return folder
 
 
+# Heads no tp divides, kept tiny: SmolLM2-135M's 9 heads / 3 kv heads (head_dim 8) and
+# Qwen2.5-0.5B's 14 heads / 2 kv heads (head_dim 4), ffn widths tp does not divide
+SMOL = dict(num_hidden_layers=2, hidden_size=72, num_attention_heads=9, num_key_value_heads=3,
+            intermediate_size=99, tie_word_embeddings=True)
+QWEN14 = dict(num_hidden_layers=2, hidden_size=56, num_attention_heads=14, num_key_value_heads=2,
+              intermediate_size=74, tie_word_embeddings=False)
+
+
+def uneven_folder(folder: Path, family: str = "llama", seed: int = 0) -> Path:
+    """A random SmolLM2-shaped Llama (`SMOL`) or Qwen2.5-shaped Qwen2 (`QWEN14`) with a
+    tokenizer, its weights drawn wide (std 0.2) so that greedy tokens are clear winners."""
+    import torch
+    import transformers
+
+    folder.mkdir(parents=True, exist_ok=True)
+    tok = train_tokenizer(folder)
+    torch.manual_seed(seed)
+    shape = SMOL if family == "llama" else QWEN14
+    make = {"llama": (transformers.LlamaConfig, transformers.LlamaForCausalLM),
+            "qwen2": (transformers.Qwen2Config, transformers.Qwen2ForCausalLM)}[family]
+    model = make[1](make[0](**shape, vocab_size=len(tok), max_position_embeddings=64,
+                            bos_token_id=tok.bos_token_id, eos_token_id=tok.eos_token_id,
+                            pad_token_id=tok.pad_token_id))
+    g = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            base = 1.0 if "norm" in name else 0.0
+            p.copy_(base + 0.2 * torch.randn(p.shape, generator=g))
+    model.save_pretrained(str(folder))
+    return folder
+
+
 CHAT_TEMPLATE = ("{% for m in messages %}<s>{{ m['role'] }}\n{{ m['content'] }}</s>\n"
                  "{% endfor %}{% if add_generation_prompt %}<s>assistant\n{% endif %}")
 

@@ -159,7 +159,7 @@ def test_convert_full_and_offline_reshard(run_tp, tmp_path):
     want = run_tp(train_save, 2, str(tmp_path / "c22"), pp=2)
     full = convert.to_full(tmp_path / "c22", tmp_path / "full.safetensors")
     args = argparse.Namespace(source=str(tmp_path / "c22"), dest=str(tmp_path / "c41"),
-                              to="sharded", tp=4, pp=1)
+                              to="sharded", tp=4, pp=1, overwrite=False)
     assert convert_cmd.run(args) == 0  # keeps the optimizer state
     convert.reshard(full, tmp_path / "f12", tp=1, pp=2)  # weights only
     v = LLAMA.vocab_size
@@ -172,7 +172,7 @@ def test_convert_full_and_offline_reshard(run_tp, tmp_path):
     for n, t in gather(want, v, "opt").items():
         assert torch.equal(got[n], t), n
     bad = argparse.Namespace(source=str(tmp_path / "nowhere"), dest=str(tmp_path / "x"),
-                             to="full", tp=1, pp=1)
+                             to="full", tp=1, pp=1, overwrite=False)
     with pytest.raises(ckpt.CheckpointError, match="nowhere"):  # one line, from tpkit.cli
         convert_cmd.run(bad)
 

@@ -115,6 +115,61 @@ def test_run_folder_with_damaged_newest_loads_the_previous(paths, tmp_path, dama
         locate(run)
 
 
+def flip_two_bytes(d: Path) -> None:
+    f = d / "model-tp00-pp00.safetensors"
+    data = bytearray(f.read_bytes())
+    for i in (len(data) // 2, len(data) // 2 + 1):
+        data[i] ^= 0x10
+    f.write_bytes(bytes(data))
+
+
+def hashing_worker(mesh, source):
+    """The files this rank hashed while loading `source` (opened by the parent)."""
+    from tpkit.checkpoint import files
+
+    real, hashed = files.file_entry, []
+    files.file_entry = lambda path: hashed.append(path.name) or real(path)
+    try:
+        local_state(load_model(source, mesh), mesh)
+    finally:
+        files.file_entry = real
+    return hashed
+
+
+@pytest.mark.timeout(120)
+def test_a_flipped_byte_in_the_newest_falls_back_and_is_hashed_once(paths, tmp_path, run_tp,
+                                                                   monkeypatch):
+    """Sizes intact, two bytes flipped: the run folder's newest is skipped with one warning
+    naming the file and the checkpoint used; the previous one, hashed while choosing it,
+    is not hashed again by this process nor by the ranks it travels to."""
+    from tpkit.checkpoint import files
+
+    run = _damaged_run(paths, tmp_path, flip_two_bytes)
+    _save(step_dir(run, 1), 1)  # one more to fall back to: step 2 is hashed when chosen
+    hashed = []
+    real = files.file_entry
+    monkeypatch.setattr(files, "file_entry", lambda path: hashed.append(path) or real(path))
+    with pytest.warns(CheckpointWarning) as said:
+        source = open_source(run)
+    assert [str(w.message) for w in said] == [
+        f"{step_dir(run, 4)}: skipped, damaged (model-tp00-pp00.safetensors: checksum "
+        f"mismatch (sha256 differs from manifest.json): the file is corrupted); using "
+        f"{step_dir(run, 2)}"]
+    assert source.root == step_dir(run, 2)
+    chose = len(hashed)
+    _assert_weights_of([local_state(load_model(source), ParallelMesh.single())], 2)
+    assert len(hashed) == chose  # read, not hashed again
+    results = run_tp(weights_worker, 2, source)
+    _assert_weights_of(results, 2)
+    assert run_tp(hashing_worker, 2, source) == [[], []]  # the ranks trust what was hashed
+    for step in (2, 1):  # the last one has nothing to fall back to: its reader says it
+        flip_two_bytes(step_dir(run, step))
+    with pytest.warns(CheckpointWarning) as said, pytest.raises(
+            CheckpointError, match="step_000001/model-tp00-pp00.safetensors: checksum mismatch"):
+        load_model(run, ParallelMesh.single())
+    assert [str(w.message).split(":")[0] for w in said] == [str(step_dir(run, s)) for s in (4, 2)]
+
+
 def test_a_path_that_is_none_of_these_is_one_line(tmp_path):
     (tmp_path / "empty").mkdir()
     (tmp_path / "notes.txt").write_text("not a model")
@@ -150,7 +205,8 @@ def test_generate_takes_a_run_folder(paths, capsys):
         args = argparse.Namespace(checkpoint=str(path), tp=1, prompt=[], prompt_ids=["1,2,3"],
                                   max_new_tokens=6, temperature=0.0, top_k=None, seed=0,
                                   ignore_eos=False, top_p=None,
-                              stop=[], chat=False, max_batch=8, max_len=None, decode_chunk=8)
+                              stop=[], chat=False, max_batch=8, max_len=None, decode_chunk=8,
+                              batch_invariant=True, dtype="float32")
         assert run(args) == 0
         outs.append(capsys.readouterr().out)
     assert outs[0] == outs[1] and len(outs[0].split()) == 6
@@ -226,8 +282,10 @@ def test_the_tokenizer_is_part_of_the_checkpoint(tmp_path):
     data[len(data) // 2] ^= 1
     (newest / "tokenizer.json").write_bytes(bytes(data))
     with pytest.raises(CheckpointError, match=r"step_000004/tokenizer.json: checksum mismatch"):
-        source_tokenizer(run)
-    assert source_tokenizer(step_dir(run, 2)) == step_dir(run, 2)
+        source_tokenizer(newest)
+    with pytest.warns(CheckpointWarning, match=r"step_000004: skipped, damaged \(tokenizer.json: "
+                                               r"checksum mismatch.*using .*step_000002"):
+        assert source_tokenizer(run) == step_dir(run, 2)  # the run folder: the one before
     # no tokenizer saved: None (tpkit's presets read bytes)
     ckpt.save(tmp_path / "plain", model, mesh=mesh)
     assert source_tokenizer(tmp_path / "plain") is None

@@ -17,7 +17,7 @@ from safetensors.torch import load_file
 
 from tpkit.checkpoint import convert
 from tpkit.checkpoint import store as ckpt
-from tpkit.checkpoint.hf import from_pretrained, to_hf
+from tpkit.checkpoint.hf import from_pretrained
 from tpkit.checkpoint.hf_check import compare, gather, reference, tp_case
 from tpkit.comm import all_gather
 from tpkit.model.kv_pool import KVPool
@@ -137,7 +137,7 @@ def test_export_from_a_sharded_checkpoint_is_bit_identical(run_tp, saved, tmp_pa
 @pytest.mark.parametrize("kind", FAMILIES)
 def test_export_is_bit_identical(saved, tmp_path, kind):
     original = load_file(f"{saved[kind]}/model.safetensors")
-    to_hf(from_pretrained(saved[kind]), tmp_path / "out")
+    convert.to_hf(from_pretrained(saved[kind]), tmp_path / "out")
     exported = load_file(tmp_path / "out" / "model.safetensors")
     assert sorted(exported) == sorted(original)
     assert all(torch.equal(exported[k], original[k]) for k in original), kind

@@ -21,7 +21,7 @@ from helpers import (
     splits_of,
 )
 from tpkit.layers import ColumnColumnMLP, ColumnParallelLinear, ParallelMLP, RowParallelLinear
-from tpkit.layers.sharding import shard, unshard
+from tpkit.layers.sharding import TPSplit, shard, unshard
 from tpkit.mesh import ParallelMesh
 from tpkit.spec import theory
 
@@ -30,12 +30,14 @@ TPS = [1, 2, 4]
 
 
 def build(kind: str, group, opts: dict):
+    opts = dict(opts)
+    ffn = opts.pop("ffn", FFN)  # 29: split unevenly at every tp (15 + 14, 8 + 7 + 7 + 7)
     if kind == "column":
-        return ColumnParallelLinear(H, FFN, group, seed=3, **opts)
+        return ColumnParallelLinear(H, ffn, group, seed=3, **opts)
     if kind == "row":
-        return RowParallelLinear(FFN, H, group, seed=3, **opts)
+        return RowParallelLinear(ffn, H, group, seed=3, **opts)
     if kind == "mlp":
-        return ParallelMLP(H, FFN, group, seed=3, **opts)
+        return ParallelMLP(H, ffn, group, seed=3, **opts)
     if kind == "colcol":
         return ColumnColumnMLP(H, FFN, group, seed=3, **opts)
     raise ValueError(kind)
@@ -44,7 +46,7 @@ def build(kind: str, group, opts: dict):
 def in_features(kind: str, opts: dict, tp: int, rank: int, x: torch.Tensor) -> torch.Tensor:
     """The input a rank feeds: row-parallel with input_is_parallel takes its slice."""
     if kind == "row" and opts.get("input_is_parallel", True) and tp > 1:
-        return x.chunk(tp, dim=-1)[rank].contiguous()
+        return shard(x, TPSplit.even(2, x.shape[-1]), rank, tp)  # its columns, even or not
     return x
 
 
@@ -70,6 +72,9 @@ CASES = [
     ("row", {}), ("row", {"input_is_parallel": False}), ("row", {"bias": False}),
     ("mlp", {"activation": "gelu"}), ("mlp", {"activation": "swiglu"}),
     ("mlp", {"activation": "relu", "bias": False}),
+    ("column", {"ffn": 29}), ("column", {"ffn": 29, "partition_sizes": [17, 12]}),
+    ("row", {"ffn": 29}), ("mlp", {"activation": "swiglu", "ffn": 29}),
+    ("mlp", {"activation": "gelu", "ffn": 29}),
 ]
 
 
@@ -78,12 +83,13 @@ def test_sharded_equals_tp1(run_tp, kind, opts):
     torch.manual_seed(0)
     ref = build(kind, ParallelMesh.single().tp_group, opts)
     full = random_full_state(ref)
-    x_dim = FFN if kind == "row" else H
+    ffn = opts.get("ffn", FFN)
+    x_dim = ffn if kind == "row" else H
     x = torch.randn(B, S, x_dim)
-    out_dim = FFN if kind == "column" else H
+    out_dim = ffn if kind == "column" else H
     gy = torch.randn(B, S, out_dim)
     r1 = fwd_bwd(ParallelMesh.single(), kind, opts, full, x, gy, same_init=False)
-    for tp in TPS[1:]:
+    for tp in [2, 3, 4] if "ffn" in opts else TPS[1:]:
         results = run_tp(fwd_bwd, tp, kind, opts, full, x, gy, False)
         ys = [r["y"] for r in results]
         y = ys[0] if ys[0].shape == r1["y"].shape else unshard(
@@ -172,11 +178,12 @@ def test_row_parallel_partials_sum_to_the_tp1_output(run_tp):
 
 def bad_layers(mesh):
     errors = []
-    for make in (lambda g: ColumnParallelLinear(16, 30, g),
-                 lambda g: ColumnParallelLinear(16, 32, g, partition_sizes=[10, 22]),
+    for make in (lambda g: ColumnParallelLinear(16, 3, g),
+                 lambda g: ColumnParallelLinear(16, 32, g, partition_sizes=[31, 1]),
                  lambda g: ColumnParallelLinear(16, 32, g, partition_sizes=[16, 8]),
-                 lambda g: RowParallelLinear(30, 16, g),
-                 lambda g: ParallelMLP(16, 30, g)):
+                 lambda g: RowParallelLinear(3, 16, g),
+                 lambda g: ParallelMLP(16, 2, g),
+                 lambda g: ColumnParallelLinear(16, 30, g, gather_output=True)):
         try:
             make(mesh.tp_group)
             errors.append(None)
@@ -190,8 +197,10 @@ def test_bad_sizes_fail_on_every_rank_before_any_collective(run_tp):
         results = run_tp(bad_layers, tp)
         for errors, n_records in results:
             assert n_records == 0
-            assert errors[0] == "out_features=30 is not divisible by tp=4"
-            assert "partition size=10 is not divisible by tp=4" in errors[1]
+            each = "cannot be dealt over tp=4 (each rank needs one at least)"
+            assert errors[0] == f"ColumnParallelLinear: 3 units of size 1 {each}"
+            assert errors[1] == f"ColumnParallelLinear: 1 units of size 1 {each}"
             assert "partition_sizes [16, 8] sum to 24, not out_features=32" in errors[2]
-            assert errors[3] == "in_features=30 is not divisible by tp=4"
-            assert "30 is not divisible by tp=4" in errors[4]
+            assert errors[3] == f"RowParallelLinear: 3 units of size 1 {each}"
+            assert f"2 units of size 1 {each}" in errors[4]
+            assert errors[5] == "gather_output needs the split sizes [30] to divide by tp=4"

@@ -169,8 +169,8 @@ def test_model_that_fits_nowhere_names_the_numbers():
 def test_indivisible_request_names_the_numbers():
     c = get_preset("gpt2-124m")  # 12 heads
     cluster = Cluster(get_hardware("h100"), nodes=1, devices_per_node=8)
-    with pytest.raises(PlanError, match="num_heads=12 is not divisible by tp=8"):
-        plan(Request(c, 1024, 7, cluster, {"tp": 8}))
+    with pytest.raises(PlanError, match="tp=8 is more than num_heads=4"):
+        plan(Request(c.with_(num_heads=4), 1024, 7, cluster, {"tp": 8}))
     with pytest.raises(PlanError, match="global batch 7 is not divisible by dp="):
         plan(Request(c, 1024, 7, cluster, {"tp": 4, "pp": 1}))
 

@@ -4,7 +4,8 @@ Checked: the shards hold exactly the tokenizer's ids of each file (+ EOS after e
 across shard boundaries; uint16 when the vocabulary fits, uint32 otherwise, and a
 vocabulary too large for a forced dtype is an error naming both numbers; the loader
 reads the same batches from the memory map as from the ids in memory; a model whose
-vocabulary is smaller than the data's ids, or a damaged shard, is refused by name.
+vocabulary is smaller than the data's ids, or a damaged shard, is refused by name;
+`train --from-hf --data x.jsonl` reads the ids prepare-data writes with that tokenizer.
 """
 
 from __future__ import annotations
@@ -86,7 +87,7 @@ def test_cli(corpus, tmp_path, capsys):
     assert main(["prepare-data", str(corpus / "b.txt"), "--tokenizer", "bytes", "--out",
                  str(out), "--no-progress"]) == 0
     n = len(("column-parallel, row-parallel é\n" * 40).encode())
-    assert f"{n:,} tokens (uint16, vocab_size=256) in 1 shard(s)" in capsys.readouterr().out
+    assert f"{n:,} tokens (uint16, vocab_size=256) in 1 shard" in capsys.readouterr().out
     assert main(["prepare-data", str(corpus / "b.txt"), "--tokenizer", str(tmp_path),
                  "--out", str(out)]) == 2
     assert "no tokenizer files" in capsys.readouterr().err
@@ -102,3 +103,24 @@ def test_the_data_names_its_tokenizer_and_from_hf_needs_shards(corpus, tmp_path)
     assert any("would be read as bytes: run `tpkit prepare-data" in p for p in cfg.problems())
     assert cfg.with_(data=str(tmp_path / "d")).problems() == []
     assert cfg.model_config().vocab_size == 300 and cfg.model_name == str(hf)
+
+
+def test_from_hf_trains_on_a_jsonl_tokenized_as_prepare_data_does(corpus, tmp_path, capsys):
+    """`--from-hf HF --data x.jsonl`: the model's tokenizer, one EOS after each document,
+    the ids prepare-data writes (the count in the 'too short' line is theirs)."""
+    import json
+
+    hf = tiny_llama_folder(tmp_path / "hf")
+    docs = ["column-parallel fc1", "row-parallel fc2 é"]
+    src = tmp_path / "x.jsonl"
+    src.write_text("".join(json.dumps({"text": d}) + "\n" for d in docs))
+    prepare([str(src)], str(hf), str(tmp_path / "d"), progress=False)
+    want = list(open_shards(tmp_path / "d")[0])
+    tok = load_tokenizer(hf)
+    assert want == [t for d in docs for t in tok.encode(d, special=False) + tok.eos_ids[:1]]
+    assert load_tokens(src, 300, str(hf)).tolist() == want  # what every rank reads
+    assert main(["train", "--from-hf", str(hf), "--data", str(src), "--seq", "32",
+                 "--global-batch", "4", "--val-fraction", "0", "--steps", "1",
+                 "--no-progress", "--out", str(tmp_path / "run")]) == 2
+    assert f"training data has {len(want)} tokens = 0 windows of seq=32" in \
+        capsys.readouterr().err

@@ -102,14 +102,14 @@ def test_cli_summary_and_progress_with_tokens_per_second(inputs, tmp_path, capsy
                  "--out", str(tmp_path)]) == 0
     out = capsys.readouterr().out
     n = sum(len(d.encode()) for d in DOCS)  # bytes: no end-of-sequence token
-    assert f"4 documents, {n:,} tokens (uint16, vocab_size=256) in 1 shard(s)" in out
+    assert f"4 documents, {n:,} tokens (uint16, vocab_size=256) in 1 shard" in out
     assert "tok/s" in out
 
 
 @pytest.mark.slow
 @pytest.mark.timeout(240)
 def test_workers_give_the_same_shards(inputs, tmp_path, monkeypatch):
-    import tpkit.commands.prepare_data as pd
+    import tpkit.train.tokenizing as pd
 
     root, _ = inputs
     monkeypatch.setattr(pd, "BATCH_BYTES", 64)  # many batches, spread over the workers

@@ -4,7 +4,8 @@ Server: only the page's files are served (traversal refused, encoded too), the H
 header must name the address served, POST bodies are bounded (413) and must be JSON
 (400), unknown questions/levels/languages get 404/400 with a message, 200 concurrent
 requests are all answered, idle connections time out, a vanished client is not a
-traceback, and `tpkit quiz --web --live` leaves no process behind on SIGTERM or SIGINT.
+traceback, and `tpkit quiz --web --live` leaves no process behind on SIGTERM or SIGINT
+(exiting 128 + the signal, as every command).
 Browser: Debian's chromium via Playwright, at 1280 px and 390x844, in both languages
 and both levels: answers hidden before choosing, a chart for every demonstration,
 nothing wider than the page, no console error. It fails (never skips) when chromium
@@ -111,11 +112,14 @@ def test_foreign_host_header_is_refused(server):
 
 
 def test_host_check_follows_the_chosen_host():
-    from tpkit.quiz.web import allowed_hosts, host_of
+    from tpkit.host.addresses import allowed_hosts, host_of
 
     assert allowed_hosts("127.0.0.1") >= {"127.0.0.1", "localhost"}
     assert allowed_hosts("192.168.1.5") == {"192.168.1.5"}  # no loopback names then
-    assert allowed_hosts("0.0.0.0") is None
+    assert allowed_hosts("192.168.1.5", ["Quiz.LAN"]) == {"192.168.1.5", "quiz.lan"}
+    everywhere = allowed_hosts("0.0.0.0")  # still a list: this machine's names
+    assert {"localhost", "127.0.0.1", "::1", socket.gethostname().lower()} <= everywhere
+    assert "evil.example" not in everywhere
     assert host_of("[::1]:8765") == "::1" and host_of("localhost:80") == "localhost"
     srv = _serve(host="127.0.0.2")
     try:
@@ -126,6 +130,25 @@ def test_host_check_follows_the_chosen_host():
             resp = conn.getresponse()
             resp.read()
             assert resp.status == status, host
+    finally:
+        _stop(srv)
+
+
+def test_wildcard_host_keeps_an_allowlist_and_posts_come_from_the_page():
+    """--host 0.0.0.0: the machine's own names pass, another (DNS rebinding) gets 403;
+    a POST from another origin, or not JSON (a browser's "simple" request), is refused."""
+    srv = _serve(host="0.0.0.0")
+    try:
+        port, answer = srv.server_address[1], json.dumps({"level": 1, "number": 1,
+                                                          "choice": 1}).encode()
+        for host, status in (("evil.example", 403), (socket.gethostname(), 200),
+                             (f"localhost:{port}", 200)):
+            assert get(srv, "/api/quiz", host=host)[0] == status, host
+        own = {"Content-Type": "application/json", "Origin": f"http://127.0.0.1:{port}"}
+        for headers, status in ((own, 200), ({**own, "Origin": "http://evil.example"}, 403),
+                                ({"Content-Type": "text/plain"}, 415), ({}, 415)):
+            got = get(srv, "/api/answer", method="POST", body=answer, headers=headers)
+            assert got[0] == status, (headers, got)
     finally:
         _stop(srv)
 
@@ -286,7 +309,7 @@ def test_non_loopback_host_warns():
         assert url.startswith("http://127.0.0.1:")
     finally:
         proc.send_signal(signal.SIGINT)
-        assert proc.wait(timeout=30) == 0
+        assert proc.wait(timeout=30) == 128 + signal.SIGINT
     assert "warning: --host 0.0.0.0" in proc.stderr.read()
 
 
@@ -303,7 +326,7 @@ def test_signal_stops_the_server_and_every_child(sig):
         family = descendants(proc.pid)
         assert len(family) >= 2  # forkserver, workers, resource tracker
         proc.send_signal(sig)
-        assert proc.wait(timeout=10) == 0
+        assert proc.wait(timeout=10) == 128 + sig
         assert wait_gone(family, 10)[1] == []  # every child stopped within 10 s
     finally:
         if proc.poll() is None:

@@ -22,17 +22,13 @@ from urllib.request import urlopen
 import openai
 import pytest
 
-from hf_folders import tiny_llama_folder, with_chat_template
-from tpkit.checkpoint.sources import load_model, open_source
+from tpkit.checkpoint.sources import open_source
 from tpkit.checkpoint.tokenizer import ByteTokenizer, load_tokenizer
 from tpkit.commands import generate as generate_cmd
 from tpkit.mesh import ParallelMesh
-from tpkit.serve import Engine
-from tpkit.serve.http import App, make_server
-from tpkit.serve.loop import serve_loop
 from tpkit.serve.openai_api import ApiError, chat_ids, token_text
 
-MAX_BATCH = 4
+MAX_BATCH = 4  # conftest.SERVE_SLOTS: the server's engine
 TEXTS = ["Tensor", "Tensor parallelism splits the weight", "the pipeline sends activations",
          "layer 7", "Tensor parallelism splits the weight matrices of layer 12 across 4 "
          "devices; the column-parallel fc1", "devices", "the row-parallel fc2 need one",
@@ -42,31 +38,14 @@ TEXTS = ["Tensor", "Tensor parallelism splits the weight", "the pipeline sends a
 
 
 @pytest.fixture(scope="module")
-def folder(tmp_path_factory):
-    """Weights drawn wider than transformers' default: varied greedy text, no repeats."""
-    llama = tiny_llama_folder(tmp_path_factory.mktemp("serve") / "llama", initializer_range=0.3)
-    return with_chat_template(llama)
+def folder(chat_llama):
+    return chat_llama
 
 
 @pytest.fixture(scope="module")
-def server(folder):
-    """A tp=1 server on a free loopback port: (base URL, OpenAI client, engine)."""
-    model = load_model(folder, ParallelMesh.single())
-    tok = load_tokenizer(folder)
-    engine = Engine(model, tokenizer=tok, max_batch=MAX_BATCH, decode_chunk=8)  # invariant
-    httpd = make_server(App(engine, "llama", tok, timeout=10.0), "127.0.0.1", 0)
-    stop = threading.Event()
-    threads = [threading.Thread(target=httpd.serve_forever, daemon=True),
-               threading.Thread(target=serve_loop, args=(engine, stop), daemon=True)]
-    for t in threads:
-        t.start()
-    url = f"http://127.0.0.1:{httpd.server_address[1]}"
-    yield url, openai.OpenAI(base_url=url + "/v1", api_key="none", max_retries=0,
-                             timeout=60), engine
-    stop.set()
-    httpd.shutdown()
-    httpd.server_close()
-    threads[1].join(timeout=10)
+def server(openai_server):
+    """(base URL, OpenAI client, engine) of conftest's in-process server."""
+    return openai_server
 
 
 def complete(client, prompt, **kw):

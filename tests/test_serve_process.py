@@ -1,6 +1,6 @@
 """`tpkit serve --tp 2` as a user runs it (a subprocess on a free loopback port), with the
 `openai` client: 16 concurrent greedy requests each equal to its solo output and to
-tp=1's; SIGTERM with requests in flight (each ends, the server exits 143 within
+tp=1's; a seed of 2^64 refused (400) and a temperature of 1e-300 greedy; SIGTERM with requests in flight (each ends, the server exits 143 within
 seconds, no process left); kill -9 of the rank-1 worker (its requests get 503, the
 server exits 1 with one line naming the rank, no process left).
 """
@@ -150,6 +150,12 @@ def test_tp2_concurrent_equals_alone_and_tp1_then_sigterm(folder):
         tok = load_tokenizer(folder)  # tp=1, in this process: the same text
         new = generate_cmd._worker(ParallelMesh.single(), args, open_source(folder))["new"]
         assert [tok.decode(n) for n in new] == alone
+        # what used to end the server (a traceback, exit): a 400, and greedy
+        with pytest.raises(openai.BadRequestError, match="seed=18446744073709551616"):
+            served.complete(TEXTS[3], max_tokens=12, seed=1 << 64)
+        tiny = served.client.completions.create(model="llama", prompt=TEXTS[3], max_tokens=12,
+                                                temperature=1e-300, seed=5)
+        assert tiny.choices[0].text == alone[3]
         served.pids |= children(served.proc.pid)
         outs, threads = _in_flight(served, 3)
         t0 = time.monotonic()

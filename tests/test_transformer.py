@@ -20,6 +20,15 @@ B, S = 2, 12
 # 6 heads, 3 kv heads, a vocabulary no tp divides: runs at tp = 1, 2 (kv split 3:... no), 3
 ODD = ModelConfig(name="odd", vocab_size=250, hidden=48, num_layers=2, num_heads=6,
                   kv_heads=3, ffn=96, max_seq_len=32)
+# shapes tp does not divide, split unevenly: SmolLM2-135M's 9 heads / 3 kv heads (kv 1
+# on both ranks at tp=2), ffn 100; Qwen2.5-0.5B's 14 heads / 2 kv (at tp=4: 4, 4, 3, 3
+# heads, rank 1 holds both kv heads)
+SMOL = ModelConfig(name="smol", vocab_size=250, hidden=72, num_layers=2, num_heads=9,
+                   kv_heads=3, ffn=100, max_seq_len=32, norm="rmsnorm", activation="swiglu",
+                   position="rope", bias=False, tie_embeddings=True)
+QWEN = SMOL.with_(name="qwen", hidden=56, num_heads=14, kv_heads=2, ffn=74, attn_bias=True,
+                  tie_embeddings=False)
+SHAPES = {"odd": ODD, "smol": SMOL, "qwen": QWEN}
 
 
 def run_model(mesh, cfg: ModelConfig, sp: bool, ids, labels, recompute=False):
@@ -64,12 +73,14 @@ def batch(cfg, seed=0):
 
 CASES = [("gpt2-tiny", 2, False), ("gpt2-tiny", 4, False), ("gpt2-tiny", 2, True),
          ("gpt2-tiny", 4, True), ("llama-tiny", 2, False), ("llama-tiny", 4, True),
-         ("bert-tiny", 2, False), ("bert-tiny", 4, True), ("odd", 3, False), ("odd", 3, True)]
+         ("bert-tiny", 2, False), ("bert-tiny", 4, True), ("odd", 3, False), ("odd", 3, True),
+         ("odd", 4, False), ("smol", 2, False), ("smol", 3, False), ("smol", 4, True),
+         ("qwen", 4, False), ("qwen", 3, True)]
 
 
 @pytest.mark.parametrize("preset,tp,sp", CASES)
 def test_model_equals_tp1(run_tp, preset, tp, sp):
-    cfg = ODD if preset == "odd" else replace(get_preset(preset), num_layers=2)
+    cfg = SHAPES[preset] if preset in SHAPES else replace(get_preset(preset), num_layers=2)
     ids, labels = batch(cfg)
     ref = run_model(ParallelMesh.single(), cfg, False, ids, labels)
     results = run_tp(run_model, tp, cfg, sp, ids, labels)
@@ -84,24 +95,29 @@ def test_model_equals_tp1(run_tp, preset, tp, sp):
                                                                 num_layers=cfg.num_layers))
 
 
-@pytest.mark.parametrize("kv,tp", [(2, 4), (1, 2), (1, 4), (4, 2)])
-def test_grouped_query_kv_heads_split_or_replicated(run_tp, kv, tp):
-    """kv_heads < tp: ranks share kv heads and their gradients are summed."""
-    cfg = replace(get_preset("llama-tiny"), num_layers=1, kv_heads=kv)
+@pytest.mark.parametrize("shape,kv,tp", [("llama-tiny", 2, 4), ("llama-tiny", 1, 2),
+                                         ("llama-tiny", 1, 4), ("llama-tiny", 4, 2),
+                                         ("smol", 3, 2), ("qwen", 2, 4)])
+def test_grouped_query_kv_heads_split_or_replicated(run_tp, shape, kv, tp):
+    """kv heads read by several ranks' query heads (kv_heads < tp, or query ranges that
+    straddle a kv group): every holder keeps them, their gradients summed over holders."""
+    cfg = replace(SHAPES.get(shape) or get_preset(shape), num_layers=1, kv_heads=kv)
     ids, labels = batch(cfg, 1)
     ref = run_model(ParallelMesh.single(), cfg, False, ids, labels)
     results = run_tp(run_model, tp, cfg, False, ids, labels)
     compare(cfg, ref, results)
-    split = results[0]["splits"]["layers.0.attn.qkv.weight"]
-    assert split.chunks == (tp, min(kv, tp), min(kv, tp))
-    if kv < tp:  # sharers hold identical gradients for their kv head after finalize
-        hd, nq = cfg.head_dim, cfg.num_heads // tp
-        for a in range(tp):
-            for b in range(tp):
-                if a * kv // tp == b * kv // tp:
-                    ga = results[a]["grads"]["layers.0.attn.qkv.weight"][nq * hd:]
-                    gb = results[b]["grads"]["layers.0.attn.qkv.weight"][nq * hd:]
-                    assert torch.equal(ga, gb)
+    name = "layers.0.attn.qkv.weight"
+    split = results[0]["splits"][name]
+    assert split == TPSplit.heads(cfg.num_heads, kv, cfg.head_dim)
+    held: dict[int, list[torch.Tensor]] = {}  # global row -> each holder's gradient of it
+    for r, res in enumerate(results):
+        for pc in split.pieces(r, tp):
+            if pc.holders > 1:
+                held.setdefault(pc.start, []).append(res["grads"][name][
+                    pc.local_start:pc.local_start + pc.size])
+    assert bool(held) == (kv < tp or shape != "llama-tiny")
+    for start, grads in held.items():
+        assert len(grads) > 1 and all(torch.equal(g, grads[0]) for g in grads), start
 
 
 def test_sequence_parallel_sends_the_same_bytes(run_tp):
@@ -143,7 +159,7 @@ def test_parameter_bytes_per_rank_follow_the_formula(run_tp):
 
 def bad_configs(mesh):
     out = []
-    for cfg, sp, seq in [(get_preset("gpt2-tiny").with_(num_heads=6, hidden=60), False, 8),
+    for cfg, sp, seq in [(get_preset("gpt2-tiny").with_(num_heads=3, hidden=60), False, 8),
                          (get_preset("llama-tiny").with_(kv_heads=4, num_heads=12,
                                                              hidden=96), False, 8),
                          (get_preset("gpt2-tiny").with_(hidden=66), False, 8),
@@ -162,19 +178,18 @@ def test_bad_configs_fail_on_every_rank_before_any_collective(run_tp):
     for rank_errors in run_tp(bad_configs, 4):
         errors = [e for e, _ in rank_errors]
         assert all(n == 0 for e, n in rank_errors if e is not None)
-        assert "num_heads=6 is not divisible by tp=4" in errors[0]
+        assert "tp=4 is more than num_heads=3 (each rank needs one query head" in errors[0]
         assert errors[1] is None  # 4 kv heads at tp=4: one each
         assert "hidden=66 is not divisible by num_heads=4" in errors[2]
         assert "sequence length 6 is not divisible by tp=4" in errors[3]
-    for rank_errors in run_tp(bad_configs, 3):
-        assert "kv_heads=4 is neither a multiple nor a divisor of tp=3" in rank_errors[1][0]
-        assert rank_errors[1][1] == 0
+    for rank_errors in run_tp(bad_configs, 3):  # 12 heads / 4 kv at tp=3: kv 1, 2 shared
+        assert rank_errors[1] == (None, None)
 
 
 def test_split_tags_describe_fused_qkv():
     m = Transformer(get_preset("llama-tiny"), ParallelMesh.single())
     s = splits_of(m)["layers.0.attn.qkv.weight"]
-    assert s == TPSplit(0, (64, 16, 16), (1, 1, 1))
+    assert s == TPSplit(0, (64, 16, 16), (8, 2, 2), (0, 8, 8)) == TPSplit.heads(8, 2, 8)
 
 
 def test_published_presets_build_on_the_meta_device_at_their_layouts():

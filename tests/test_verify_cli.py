@@ -19,7 +19,19 @@ def test_verify_mlp_and_model_pass(capsys):
     assert "reduce_scatter" in out and "all_gather" in out
 
 
-def test_verify_reports_a_layout_the_model_does_not_admit(capsys):
+def test_verify_refuses_a_layout_the_model_does_not_admit_before_running(capsys):
+    """More ranks than heads: one line naming the numbers, exit 2, no process started
+    and no "MISMATCH" (a refusal is not a difference)."""
+    assert main(["verify", "--preset", "gpt2-tiny", "--tp", "2,5", "--layers", "1",
+                 "--seq", "8"]) == 2
+    out = capsys.readouterr()
+    assert "tp=5 is more than num_heads=4" in out.err and "MISMATCH" not in out.out + out.err
+    assert "tpkit verify" not in out.out  # nothing ran
+
+
+@pytest.mark.timeout(120)
+def test_verify_runs_heads_and_widths_tp_does_not_divide(capsys):
+    """gpt2-tiny's 4 heads at tp=3 (2 + 1 + 1), ffn 256 at tp=3 (86 + 85 + 85)."""
     assert main(["verify", "--preset", "gpt2-tiny", "--tp", "3", "--layers", "1",
-                 "--seq", "8"]) == 1
-    assert "num_heads=4 is not divisible by tp=3" in capsys.readouterr().out
+                 "--seq", "8"]) == 0
+    assert "OK: every tp matches tp=1" in capsys.readouterr().out

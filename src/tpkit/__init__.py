@@ -16,7 +16,8 @@ The Python entry points (README, "Use it from Python"):
 imported only by the modules that need it, so `tpkit.spec` and `tpkit.plan` run
 anywhere in milliseconds. The names below are resolved on first use by the module
 `__getattr__`, which is kept for that reason only: importing them here would import
-torch, and every `import tpkit.plan` runs this file first.
+torch, and every `import tpkit.plan` runs this file first; `__dir__` lists them, so
+`dir(tpkit)` and tab completion show them without importing anything.
 """
 
 __all__ = ["ParallelMesh", "load", "spawn"]
@@ -36,3 +37,7 @@ def __getattr__(name: str):
         module, attr = _LAZY[name]
         return getattr(importlib.import_module(module), attr)
     raise AttributeError(f"module 'tpkit' has no attribute {name!r}")
+
+
+def __dir__() -> list[str]:
+    return sorted(set(globals()) | set(_LAZY))

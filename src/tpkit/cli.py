@@ -10,7 +10,11 @@ preset, port; any `tpkit.spec.errors.UserError`) prints one line,
 
 and exits with status 2; a failed run (a rank died, a collective timed out) prints
 one line and exits 1; anything else is a bug and keeps its traceback. `--debug` (or
-TPKIT_DEBUG=1) shows the traceback of user mistakes too.
+TPKIT_DEBUG=1) shows the traceback of user mistakes too. tpkit's own warnings read
+`tpkit <command>: warning: <text>`, one line (the library's keep Python's format).
+
+A closed pipe (`tpkit presets | head -1`) ends a command quietly, as it ends Unix
+tools: no traceback, exit status 128 + SIGPIPE = 141.
 
 SIGTERM, SIGHUP and SIGINT stop a command cleanly: its worker processes are killed
 and waited for, and it exits with 128 + the signal number, at once (the exit handlers
@@ -26,11 +30,14 @@ import os
 import signal
 import sys
 import threading
+import warnings
+from collections.abc import Callable
 from typing import NoReturn
 
-from tpkit.commands.common import HelpFormatter, explain_parse_error, suggest
-from tpkit.host.exit import exit_now
+from tpkit.commands.common import HelpFormatter, explain_parse_error
+from tpkit.host.exit import CLOSED_PIPE, Stopped, exit_now, quiet_stdout
 from tpkit.spec.errors import RunFailed, UserError
+from tpkit.spec.words import suggest
 
 COMMANDS: dict[str, tuple[str, str]] = {
     "verify": ("tpkit.commands.verify", "check sharded layers/models against tp=1 (outputs, grads, ledger)"),
@@ -53,14 +60,6 @@ _USER_OS_TYPES = (FileNotFoundError, PermissionError, IsADirectoryError, NotADir
                   FileExistsError)
 _USER_OS_ERRORS = (errno.ENOENT, errno.EACCES, errno.EPERM, errno.EISDIR, errno.ENOTDIR,
                    errno.EADDRINUSE, errno.EADDRNOTAVAIL, errno.EEXIST, errno.ENOSPC)
-
-
-class Stopped(KeyboardInterrupt):
-    """SIGTERM, SIGHUP (or SIGINT) reached this process: unwind, stopping every child."""
-
-    def __init__(self, signum: int) -> None:
-        super().__init__(signal.Signals(signum).name)
-        self.signum = signum
 
 
 _STOP_SIGNALS = (signal.SIGTERM, signal.SIGHUP, signal.SIGINT)
@@ -128,8 +127,30 @@ def _first_line(e: BaseException) -> str:
 
 
 def main(argv: list[str] | None = None) -> int:
-    """Entry point of the `tpkit` console script."""
-    argv = list(sys.argv[1:] if argv is None else argv)
+    """Entry point of the `tpkit` console script: the command's exit status. A closed
+    pipe (`tpkit presets | head -1`) ends it quietly, as it ends Unix tools: no
+    traceback, status 128 + SIGPIPE."""
+    try:
+        status = _main(list(sys.argv[1:] if argv is None else argv))
+        sys.stdout.flush()  # a reader gone shows here, not in the interpreter's last flush
+        return status
+    except (Exception, SystemExit) as e:
+        if not closed_pipe(e):
+            raise
+    quiet_stdout()
+    return CLOSED_PIPE
+
+
+def closed_pipe(e: BaseException) -> bool:
+    """Whether `e` is (or, from a rank, carries) a write to a pipe whose reader is gone,
+    or the exit a library chose on one (rich's console: SystemExit(1))."""
+    if isinstance(e, SystemExit):
+        return isinstance(e.__context__, BrokenPipeError)
+    original = getattr(e, "original", None)  # SpawnError: what the failing rank raised
+    return isinstance(e, BrokenPipeError) or isinstance(original, BrokenPipeError)
+
+
+def _main(argv: list[str]) -> int:
     if not argv or argv[0] in ("-h", "--help"):
         print(_usage())
         return 0 if argv else 2
@@ -143,6 +164,30 @@ def main(argv: list[str] | None = None) -> int:
         print(f"tpkit: error: unknown command {name!r}{suggest(name, COMMANDS)} "
               f"(one of {', '.join(COMMANDS)})", file=sys.stderr)
         return USER_MISTAKE
+    previous = warnings.formatwarning
+    warnings.formatwarning = _warning_line(name, previous)
+    try:
+        return _command(name, argv[1:])
+    finally:
+        warnings.formatwarning = previous
+
+
+def _warning_line(name: str, other: Callable) -> Callable:
+    """A `warnings.formatwarning` that shows tpkit's own warnings (a category defined in
+    tpkit: a damaged checkpoint skipped, a tp group across nodes) as one line, `tpkit
+    <command>: warning: <text>`, not Python's `/path/x.py:12: CheckpointWarning: ...`
+    and its source line; any other warning as `other` shows it."""
+
+    def format_warning(message, category, filename, lineno, line=None) -> str:
+        if category.__module__.partition(".")[0] == "tpkit":
+            return f"tpkit {name}: warning: {message}\n"
+        return other(message, category, filename, lineno, line)
+
+    return format_warning
+
+
+def _command(name: str, argv: list[str]) -> int:
+    """Import, parse and run one command, its failures said in one line."""
     module_name, desc = COMMANDS[name]
     try:
         module = importlib.import_module(module_name)
@@ -156,7 +201,7 @@ def main(argv: list[str] | None = None) -> int:
     module.add_arguments(parser)
     parser.add_argument("--debug", action="store_true",
                         help="print the traceback of user mistakes too (or TPKIT_DEBUG=1)")
-    args = parser.parse_args(argv[1:])
+    args = parser.parse_args(argv)
     previous = _stop_on_signals()
     try:
         return int(module.run(args) or 0)
@@ -181,7 +226,7 @@ def entry() -> NoReturn:
     without the interpreter's teardown (`exit_now`). `main` itself returns, so a caller
     in the same process keeps it (only `quiz --web`, a server, ends its process itself)."""
     status = main()
-    if status - 128 in {int(s) for s in _STOP_SIGNALS}:
+    if status - 128 in {int(s) for s in (*_STOP_SIGNALS, signal.SIGPIPE)}:
         exit_now(status)
     sys.exit(status)
 

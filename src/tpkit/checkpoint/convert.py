@@ -5,6 +5,11 @@ export: in one process, without a process per rank (`tpkit convert` is the comma
     reshard("model.safetensors", "ckpt-tp4", tp=4, pp=2)
     reshard("runs/ckpt/step-100", "ckpt-tp1", tp=1)  # + optimizer state
     to_hf("runs/ckpt/step-100", "hf-out")            # a directory transformers loads
+    to_hf(model, "hf-out", overwrite=True)           # replacing an earlier export
+
+Each writes a new name or an empty folder, or replaces (`overwrite`) tpkit's own
+artifact of the same kind, through a hidden temporary renamed into place; never into,
+around or over its source (`checkpoint.dest`).
 
 Resharding builds the model of each target coordinate on the meta device over a
 `ParallelMesh.virtual` (no processes, no memory, no init), reads its split tags, and
@@ -15,8 +20,6 @@ the names, decide the layout.
 from __future__ import annotations
 
 import json
-import os
-import shutil
 from pathlib import Path
 from typing import Any
 
@@ -24,12 +27,20 @@ from safetensors.torch import save_file
 from torch import nn
 
 from tpkit.checkpoint.build import empty_model
-from tpkit.checkpoint.files import ShardedSource, rank_file, tensors_digest, verify_file
+from tpkit.checkpoint.dest import new_artifact
+from tpkit.checkpoint.files import (
+    FULL_FORMAT,
+    ShardedSource,
+    rank_file,
+    tensors_digest,
+    verify_file,
+)
 from tpkit.checkpoint.hf import write_hf
 from tpkit.checkpoint.manifest import write_manifest, write_record
 from tpkit.checkpoint.optim_state import keys_by_param
+from tpkit.checkpoint.paths import FULL, HF, SHARDED
 from tpkit.checkpoint.slices import read_local
-from tpkit.checkpoint.sources import FULL_FORMAT, open_source, source_tokenizer
+from tpkit.checkpoint.sources import open_source, source_tokenizer
 from tpkit.checkpoint.tokenizer import copy_tokenizer, export_tokenizer
 from tpkit.layers.sharding import split_of
 from tpkit.mesh import ParallelMesh
@@ -42,39 +53,43 @@ def meta_model(config: ModelConfig, tp: int, pp: int, rank: int) -> nn.Module:
     return empty_model(config, ParallelMesh.virtual(tp, pp, rank=rank))
 
 
-def to_hf(source: Any, out_dir: str | Path, config: ModelConfig | None = None) -> Path:
+def to_hf(source: Any, out_dir: str | Path, config: ModelConfig | None = None, *,
+          overwrite: bool = False) -> Path:
     """A Hugging Face directory from any source `open_source` takes (a path, an open
     source, a tp=1 model or a dict); with the source's tokenizer files (or, for a tpkit
     preset, a byte-level tokenizer)."""
     src = open_source(source, config)
-    out = write_hf(src, out_dir)
-    export_tokenizer(source_tokenizer(src), out, src.config.name)
-    return out
+    with new_artifact(out_dir, HF, overwrite=overwrite, sources=_origins(source, src)) as tmp:
+        write_hf(src, tmp)
+        export_tokenizer(source_tokenizer(src), tmp, src.config.name)
+    return Path(out_dir)
 
 
-def to_full(source: Any, out: str | Path) -> Path:
+def to_full(source: Any, out: str | Path, *, overwrite: bool = False) -> Path:
     """Write every logical tensor (no padding, tied copies once) into one safetensors file."""
     src = open_source(source)
-    config, names = src.config, src.names
-    tensors = {}
-    for n in sorted(names):
-        shape = src.logical_shape(n)
-        tensors[n] = (src.read(n, 0, 0, shape[0]) if shape else src.read(n, 0, 0, 1)
-                      ).contiguous().clone()
-    step = src.manifest["step"] if isinstance(src, ShardedSource) else 0
-    out = Path(out)
-    out.parent.mkdir(parents=True, exist_ok=True)
-    meta = dict(format=FULL_FORMAT, config=config.to_dict(), step=step,
-                sha256=tensors_digest(tensors))
-    tmp = out.parent / f".{out.name}.tmp"  # never a half-written file under `out`'s name
-    save_file(tensors, str(tmp), metadata={"tpkit": json.dumps(meta)})
-    os.replace(tmp, out)
-    return out
+    with new_artifact(out, FULL, overwrite=overwrite, sources=_origins(source, src)) as tmp:
+        tensors = {}
+        for n in sorted(src.names):
+            shape = src.logical_shape(n)
+            tensors[n] = (src.read(n, 0, 0, shape[0]) if shape else src.read(n, 0, 0, 1)
+                          ).contiguous().clone()
+        step = src.manifest["step"] if isinstance(src, ShardedSource) else 0
+        meta = dict(format=FULL_FORMAT, config=src.config.to_dict(), step=step,
+                    sha256=tensors_digest(tensors))
+        save_file(tensors, str(tmp), metadata={"tpkit": json.dumps(meta)})
+    return Path(out)
 
 
+def _origins(source: Any, src) -> list[Path]:
+    """The path a conversion reads (a run folder: its checkpoint, so that a destination
+    beside it in the run folder is fine, one holding it is not)."""
+    found = getattr(src, "root", None) or getattr(src, "path", None)
+    return [Path(found)] if isinstance(found, str | Path) else []
 
 
-def reshard(source: Any, out: str | Path, tp: int, pp: int = 1) -> Path:
+def reshard(source: Any, out: str | Path, tp: int, pp: int = 1, *,
+            overwrite: bool = False) -> Path:
     """Write a sharded checkpoint at (tp, pp) from any source; optimizer state follows
     when the source is a sharded checkpoint that has it. Atomic like `checkpoint.save`."""
     src = open_source(source)
@@ -82,26 +97,23 @@ def reshard(source: Any, out: str | Path, tp: int, pp: int = 1) -> Path:
     config.check(tp=tp, pp=pp)
     m = src.manifest if isinstance(src, ShardedSource) else None
     optim_src = ShardedSource(src.root, m, "optim") if m and m.get("optimizer") else None
-    root = Path(out)
-    tmp = root.parent / f".{root.name}.tmp"
-    shutil.rmtree(tmp, ignore_errors=True)
-    tmp.mkdir(parents=True)
-    extra = _rank0_extra(src.root, m) if m else {}
-    for p in range(pp):
-        for t in range(tp):
-            rank = p * tp + t  # tp innermost, like every mesh
-            model = meta_model(config, tp, pp, rank)
-            params = _slices(src, model)
-            optim = _optim_slices(optim_src, model) if optim_src else {}
-            groups = m["optimizer"]["groups"] if optim_src else None
-            write_record(tmp, model.mesh, config, params=params, optim=optim, groups=groups,
-                         extra=extra)
-    folder = source_tokenizer(src)
-    if folder is not None:  # the tokenizer travels along, listed in the manifest
-        copy_tokenizer(folder, tmp)
-    write_manifest(tmp, root, config.to_dict(), m["optimizer"]["type"] if optim_src else None,
-                   m["step"] if m else 0, dict(tp=tp, pp=pp, dp=1))
-    return root
+    with new_artifact(out, SHARDED, overwrite=overwrite, sources=_origins(source, src)) as tmp:
+        extra = _rank0_extra(src.root, m) if m else {}
+        for p in range(pp):
+            for t in range(tp):
+                rank = p * tp + t  # tp innermost, like every mesh
+                model = meta_model(config, tp, pp, rank)
+                params = _slices(src, model)
+                optim = _optim_slices(optim_src, model) if optim_src else {}
+                groups = m["optimizer"]["groups"] if optim_src else None
+                write_record(tmp, model.mesh, config, params=params, optim=optim,
+                             groups=groups, extra=extra)
+        folder = source_tokenizer(src)
+        if folder is not None:  # the tokenizer travels along, listed in the manifest
+            copy_tokenizer(folder, tmp)
+        write_manifest(tmp, config.to_dict(), m["optimizer"]["type"] if optim_src else None,
+                       m["step"] if m else 0, dict(tp=tp, pp=pp, dp=1))
+    return Path(out)
 
 
 def _slices(src, model: nn.Module) -> dict:

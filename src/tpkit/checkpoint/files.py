@@ -25,6 +25,7 @@ from __future__ import annotations
 import hashlib
 import json
 import os
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any
 
@@ -38,6 +39,8 @@ from tpkit.spec.config import ModelConfig
 MANIFEST = "manifest.json"
 FORMAT = "tpkit-checkpoint"
 VERSION = 1
+FULL_FORMAT = "tpkit-full"  # the "format" in a full file's metadata (`convert.to_full`)
+_VERIFIED: set[tuple] = set()  # (path, inode, size, mtime, sha256) this process checked
 
 
 def model_file(tp_rank: int, pp_rank: int) -> str:
@@ -50,6 +53,11 @@ def optim_file(tp_rank: int, pp_rank: int) -> str:
     return f"optim-tp{tp_rank:02d}-pp{pp_rank:02d}.safetensors"
 
 
+def is_optim_file(name: str) -> bool:
+    """Whether `name` is an optimizer shard (only a resumed run reads those)."""
+    return name.startswith("optim-")
+
+
 def rank_file(rank: int) -> str:
     """File name of one global rank's extra state."""
     return f"rank-{rank:05d}.json"
@@ -58,13 +66,12 @@ def rank_file(rank: int) -> str:
 # -- split tags as JSON -----------------------------------------------------------------
 def split_to_json(split: TPSplit | None) -> dict | None:
     """A split tag as plain JSON (None: replicated)."""
-    return None if split is None else dict(dim=split.dim, parts=list(split.parts),
-                                           chunks=list(split.chunks))
+    return None if split is None else split.to_json()
 
 
-def split_from_json(d: dict | None) -> TPSplit | None:
-    """Inverse of `split_to_json`."""
-    return None if d is None else TPSplit(d["dim"], tuple(d["parts"]), tuple(d["chunks"]))
+def split_from_json(d: dict | None, tp: int) -> TPSplit | None:
+    """Inverse of `split_to_json`, for a checkpoint saved at `tp` (older manifests)."""
+    return None if d is None else TPSplit.from_json(d, tp)
 
 
 # -- durable writes ---------------------------------------------------------------------
@@ -110,15 +117,42 @@ def size_problem(root: Path, name: str, entry: dict | None) -> str | None:
 
 
 def verify_file(root: Path, name: str, entry: dict | None) -> Path:
-    """The path of `name` after checking it exists, has its size and its sha256."""
+    """The path of `name` after checking it exists, has its size and its sha256. A file
+    this process (or the one that sent it a `ShardedSource`) already hashed, unchanged
+    since (same inode, size and mtime), is not hashed again."""
     path = root / name
     problem = size_problem(root, name, entry)
     if problem:
         raise CheckpointError(problem)
-    if file_entry(path)["sha256"] != entry["sha256"]:
-        raise CheckpointError(f"{path}: checksum mismatch (sha256 differs from {MANIFEST}): "
-                              f"the file is corrupted")
+    st = path.stat()
+    stamp = (str(path.resolve()), st.st_ino, st.st_size, st.st_mtime_ns, entry["sha256"])
+    if stamp not in _VERIFIED:
+        if file_entry(path)["sha256"] != entry["sha256"]:
+            raise CheckpointError(f"{path}: checksum mismatch (sha256 differs from "
+                                  f"{MANIFEST}): the file is corrupted")
+        _VERIFIED.add(stamp)
     return path
+
+
+def first_mismatch(root: Path, manifest: dict, names: list[str]) -> str | None:
+    """Why one of the files `names` of a checkpoint is not the one its manifest lists
+    (missing, resized, another sha256), or None; hashed in parallel threads (hashlib
+    lets go of the GIL), each file once per process (`verify_file`)."""
+    def problem(name: str) -> str | None:
+        try:
+            verify_file(root, name, manifest["files"].get(name))
+        except (CheckpointError, OSError) as e:  # OSError: deleted while being read
+            return str(e)
+        return None
+
+    with ThreadPoolExecutor(max(1, min(8, len(names), os.cpu_count() or 1))) as pool:
+        return next((p for p in pool.map(problem, names) if p), None)
+
+
+def _verified_under(root: Path) -> list[tuple]:
+    """The files under `root` this process found matching their sha256."""
+    where = str(root.resolve()) + os.sep
+    return [stamp for stamp in _VERIFIED if stamp[0].startswith(where)]
 
 
 def read_manifest(root: str | Path) -> dict:
@@ -157,8 +191,13 @@ class ShardedSource:
         self.names = set(self.tensors)
         self._open: dict[str, Any] = {}
 
-    def __getstate__(self) -> dict:  # picklable (to the ranks): files are opened again
-        return {**vars(self), "_open": {}}
+    def __getstate__(self) -> dict:  # picklable (to the ranks): files are opened again,
+        # and those already hashed here are not hashed again there (if unchanged)
+        return {**vars(self), "_open": {}, "_verified": _verified_under(self.root)}
+
+    def __setstate__(self, state: dict) -> None:
+        _VERIFIED.update(state.pop("_verified", ()))
+        vars(self).update(state)
 
     def logical_shape(self, name: str) -> tuple[int, ...] | None:
         """Global shape without padding (None: not in this checkpoint)."""
@@ -182,7 +221,7 @@ class ShardedSource:
     def read(self, name: str, dim: int, start: int, stop: int) -> torch.Tensor:
         """Rows [start, stop) along `dim`, from the files of the ranks that hold them."""
         meta = self.tensors[name]
-        split, stage = split_from_json(meta["split"]), meta["stage"]
+        split, stage = split_from_json(meta["split"], self.tp), meta["stage"]
         if split is None or self.tp == 1:
             return self._local(0, stage, name, dim, start, stop)
         if split.dim != dim:  # unusual: gather the whole tensor, then cut

@@ -1,8 +1,7 @@
 """Hugging Face models in and out, for every family of `tpkit.checkpoint.families`.
 
     model = from_pretrained("path/to/hf-dir", mesh)   # each rank reads only its slices
-    to_hf(model, "out-dir")                           # a directory `transformers` loads
-    tpkit.checkpoint.convert.to_hf(checkpoint_dir, "out-dir")   # the same from a checkpoint
+    tpkit.checkpoint.convert.to_hf(model_or_checkpoint, "out-dir")  # transformers loads it
 
 The family adapters (pure Python) say how a config.json maps to a `ModelConfig` and
 which rows of which Hugging Face tensors make each tpkit parameter (a `Recipe` of
@@ -39,6 +38,8 @@ from tpkit.model.names import EMBED_WEIGHT
 from tpkit.spec.config import ModelConfig
 
 CONFIG_FILE = "config.json"  # what makes a directory a Hugging Face model
+HF_WEIGHTS = "model.safetensors"  # the one weights file of an export
+_MARK = ("written_by", "tpkit")  # in an export's safetensors metadata: tpkit's own
 
 # -- reading ----------------------------------------------------------------------------
 class HFSource:
@@ -231,12 +232,6 @@ def memory_source(source: Any, config: ModelConfig | None = None) -> DictSource:
     return DictSource(full, source.config, type(source).__name__)
 
 
-def to_hf(source: Any, out_dir: str | Path, config: ModelConfig | None = None) -> Path:
-    """Write a Hugging Face directory (config.json + model.safetensors) from a tp=1 model
-    or a dict of full tensors. (`tpkit.checkpoint.convert.to_hf` also takes checkpoints.)"""
-    return write_hf(memory_source(source, config), out_dir)
-
-
 def write_hf(src: Any, out_dir: str | Path) -> Path:
     """Write a Hugging Face directory from any open `Source` of full logical tensors:
     every row goes back where the family's recipe took it from."""
@@ -249,10 +244,18 @@ def write_hf(src: Any, out_dir: str | Path) -> Path:
             full = src.read(name, 0, 0, shape[0]) if shape else src.read(name, 0, 0, 1)
             _put_back(full, recipe, fam.prefixes[0], tensors)
     out.mkdir(parents=True, exist_ok=True)
-    save_file({k: v.contiguous() for k, v in tensors.items()}, str(out / "model.safetensors"),
-              metadata={"format": "pt"})
+    save_file({k: v.contiguous() for k, v in tensors.items()}, str(out / HF_WEIGHTS),
+              metadata={"format": "pt", _MARK[0]: _MARK[1]})
     (out / CONFIG_FILE).write_text(json.dumps(fam.to_hf(config), indent=1))
     return out
+
+
+def written_by_tpkit(weights: Path) -> bool:
+    """Whether `weights` is the model.safetensors of an export `write_hf` wrote."""
+    try:
+        return (open_safetensors(weights).metadata() or {}).get(_MARK[0]) == _MARK[1]
+    except CheckpointError:
+        return False
 
 
 def _put_back(full: torch.Tensor, recipe: Recipe, prefix: str,

@@ -1,9 +1,9 @@
 """Writing a sharded checkpoint's records: one JSON record per rank beside its shards,
 then the manifest that merges them, written last (a directory without it is
-incomplete), and the rename into place.
+incomplete); `dest.install` then renames the folder into place.
 
     write_record(tmp, mesh, config, params=..., optim=..., groups=..., extra=...)
-    write_manifest(tmp, root, config, optimizer, step, layout)    # rank 0, after all
+    write_manifest(tmp, config, optimizer, step, layout, run=...)  # rank 0, after all
 
 `save` and `convert.reshard` both write through these (the latter for every rank of
 a layout, from one process, over a `ParallelMesh.virtual`).
@@ -13,7 +13,6 @@ from __future__ import annotations
 
 import json
 import os
-import shutil
 import time
 from pathlib import Path
 from typing import Any
@@ -79,11 +78,11 @@ def _meta(split, local_shape, dtype: torch.dtype, tp: int, stage: int, config) -
                 dtype=str(dtype).removeprefix("torch."))
 
 
-def write_manifest(tmp: Path, root: Path, config: dict | None, optimizer: str | None,
-                   step: int, layout: dict) -> None:
-    """Merge the per-rank records in `tmp` into the manifest (written last), then move
-    `tmp` to `root` (replacing a previous checkpoint there only now). Every file in
-    `tmp` is listed with its checksum, the tokenizer's too."""
+def write_manifest(tmp: Path, config: dict | None, optimizer: str | None, step: int,
+                   layout: dict, *, run: str | None = None) -> None:
+    """Merge the per-rank records in `tmp` into the manifest (written last). Every file
+    in `tmp` is listed with its checksum, the tokenizer's too; `run`: the id of the
+    training run that wrote it (`retention`: a run folder belongs to one run)."""
     world = layout["tp"] * layout["pp"] * layout["dp"]
     records = [json.loads((tmp / rank_file(r)).read_text()) for r in range(world)]
     files, tensors, optim_tensors = {}, {}, {}
@@ -100,16 +99,11 @@ def write_manifest(tmp: Path, root: Path, config: dict | None, optimizer: str | 
                     optimizer=dict(type=optimizer, groups=records[0]["optim_groups"])
                     if optimizer else None,
                     extra=records[0]["extra"], files=files, saved_at=time.time())
+    if run is not None:
+        manifest["run"] = run
     with writing(tmp / MANIFEST):
         write_json(tmp / MANIFEST, manifest)  # last: a directory without it is incomplete
         fsync_path(tmp)
-    aside = root.parent / f".{root.name}.old"
-    shutil.rmtree(aside, ignore_errors=True)
-    if root.exists():
-        os.rename(root, aside)
-    os.rename(tmp, root)
-    fsync_path(root.parent)
-    shutil.rmtree(aside, ignore_errors=True)
 
 
 def _pause() -> None:

@@ -9,10 +9,16 @@ full safetensors file, or a Hugging Face directory.
 
 A run folder (the `--out` of `tpkit train`) holds `checkpoints/step_*`. The newest
 VALID checkpoint in it is used: its manifest reads and every file it lists is there
-with its recorded size. A newer one that is not valid (manifest gone or unreadable, a
-truncated or missing shard) is skipped with a `CheckpointWarning` naming it and why (a
-save in progress, or killed, is a hidden `.step_*.tmp` and never a candidate). Checksums are checked when the files are read (`files.verify_file`), not here:
-hashing a whole checkpoint to choose it would read it twice.
+with its recorded size and, when an older valid one is left to fall back to, its
+sha256. A newer one that is not valid (manifest gone or unreadable, a truncated or
+missing shard, a flipped byte) is skipped with a `CheckpointWarning` naming it, why,
+and the checkpoint used (a save in progress, or killed, is a hidden `.step_*.tmp` and
+never a candidate). The checksums are those the reader checks anyway
+(`files.verify_file`): hashed once per process, in parallel threads, and not again
+when the ranks read the files (an open source carries what was hashed). Only the
+files its reader needs are hashed: a weights reader (`locate`) skips the optimizer
+shards, a resumed run (`sharded_dir`, `latest`) does not. The last candidate is not
+hashed here: with nothing to fall back to, its reader says what is wrong with it.
 """
 
 from __future__ import annotations
@@ -25,6 +31,8 @@ from pathlib import Path
 from tpkit.checkpoint.files import (
     MANIFEST,
     CheckpointError,
+    first_mismatch,
+    is_optim_file,
     rank_file,
     read_manifest,
     size_problem,
@@ -57,14 +65,15 @@ def step_dir(run_dir: str | Path, step: int) -> Path:
     return run_checkpoints(run_dir) / f"step_{step:06d}"
 
 
-def locate(path: str | Path) -> Located:
-    """What `path` is (a run folder becomes its latest valid checkpoint), or one
-    CheckpointError line saying why it is none of them."""
+def locate(path: str | Path, *, optimizer: bool = False) -> Located:
+    """What `path` is (a run folder becomes its latest valid checkpoint: its optimizer
+    shards checked too with `optimizer`), or one CheckpointError line saying why it is
+    none of them."""
     path = Path(path)
     aside = path.parent / f".{path.name}.old"  # a save killed between its two renames
     if not path.exists() and (aside / MANIFEST).is_file():
         return Located(SHARDED, aside)
-    if _is_checkpoint(path):
+    if is_checkpoint(path):
         return Located(SHARDED, path)
     if path.is_file():
         return Located(FULL, path)
@@ -72,7 +81,7 @@ def locate(path: str | Path) -> Located:
         return Located(HF, path)
     if not path.exists():
         raise CheckpointError(f"{path}: no such file or directory")
-    newest = _run_latest(path)
+    newest = _run_latest(path, optimizer)
     if newest is not None:
         return Located(SHARDED, newest)
     raise CheckpointError(f"{path}: not a checkpoint: neither a tpkit checkpoint "
@@ -80,11 +89,22 @@ def locate(path: str | Path) -> Located:
                           f".safetensors file, nor a Hugging Face directory ({CONFIG_FILE})")
 
 
+def enclosing_checkpoints(path: str | Path) -> str | None:
+    """'the checkpoint X' or 'the checkpoints folder X' that `path` lies strictly inside
+    (X holds a checkpoint: a run's retention there deletes what is not its own), or None."""
+    for up in Path(path).resolve().parents:
+        if is_checkpoint(up):
+            return f"the checkpoint {up}"
+        if up.name == RUN_CHECKPOINTS and any(is_checkpoint(d) for d in up.iterdir()):
+            return f"the checkpoints folder {up}"
+    return None
+
+
 def sharded_dir(path: str | Path) -> Path:
     """The sharded checkpoint directory `path` means (itself, or a run folder's latest
     valid checkpoint); a full file or a Hugging Face directory is refused: it has no
     optimizer state and no layout."""
-    found = locate(path)
+    found = locate(path, optimizer=True)
     if found.kind != SHARDED:
         what = "a full safetensors file" if found.kind == FULL else "a Hugging Face directory"
         raise CheckpointError(f"{path}: {what}, not a sharded tpkit checkpoint "
@@ -94,33 +114,54 @@ def sharded_dir(path: str | Path) -> Path:
 
 def latest(root: str | Path) -> Path | None:
     """The newest valid checkpoint under `root` (a run folder or a folder of checkpoints),
-    warning about newer damaged ones; None when there is no valid one."""
-    return _newest_valid(_candidates(Path(root)))
+    warning about newer damaged ones; None when there is no checkpoint at all, a
+    CheckpointError when there are only damaged ones (a run resumed from nothing would
+    start over beside them)."""
+    return _run_latest(Path(root), optimizer=True)
 
 
-def _run_latest(root: Path) -> Path | None:
+def _run_latest(root: Path, optimizer: bool) -> Path | None:
     """The latest valid checkpoint of a run folder; None when `root` holds no checkpoint
     at all, a CheckpointError when it holds only damaged ones."""
     candidates = _candidates(root)
     if not candidates:
         return None
-    found = _newest_valid(candidates)
+    found, skipped = _newest_valid(candidates, optimizer)
     if found is None:
-        why = "; ".join(f"{d.name}: {p}" for _, d, p in candidates)
+        why = "; ".join(f"{d.name}: {p}" for d, p in skipped)
         raise CheckpointError(f"{root}: no valid checkpoint in this run folder ({why})")
+    for bad, why in skipped:
+        warnings.warn(f"{bad}: skipped, damaged ({why}); using {found}", CheckpointWarning,
+                      stacklevel=3)
     return found
 
 
-def _newest_valid(candidates: list) -> Path | None:
-    """The newest valid one of `_candidates`' list, warning about newer damaged ones."""
+def _newest_valid(candidates: list, optimizer: bool) -> tuple[Path | None, list]:
+    """(the newest valid one of `_candidates`' list or None, [(newer damaged one, why)]).
+    A whole-looking one is hashed (the files its reader needs) only while an older
+    whole-looking one is left to fall back to."""
     ranked = sorted(candidates, key=lambda c: c[0], reverse=True)
-    for i, (_, d, problem) in enumerate(ranked):
+    left = sum(problem is None for _, _, problem in ranked)
+    skipped = []
+    for _, d, problem in ranked:
         if problem is None:
-            for _, bad, why in ranked[:i]:
-                warnings.warn(f"{bad}: skipped, damaged ({why}); using {d}",
-                              CheckpointWarning, stacklevel=3)
-            return d
-    return None
+            left -= 1
+            problem = _checksum_problem(d, optimizer) if left else None
+        if problem is None:
+            return d, skipped
+        skipped.append((d, problem))
+    return None, skipped
+
+
+def _checksum_problem(d: Path, optimizer: bool) -> str | None:
+    """Why a file the reader of checkpoint `d` needs does not match its sha256, or None."""
+    try:
+        manifest = read_manifest(d)
+    except CheckpointError as e:  # deleted meanwhile (pruned by a run still saving)
+        return str(e).removeprefix(f"{d}/")
+    names = [n for n in manifest["files"] if optimizer or not is_optim_file(n)]
+    problem = first_mismatch(d, manifest, names)
+    return problem and problem.removeprefix(f"{d}/")
 
 
 def _candidates(root: Path) -> list[tuple[tuple[int, str], Path, str | None]]:
@@ -129,13 +170,13 @@ def _candidates(root: Path) -> list[tuple[tuple[int, str], Path, str | None]]:
     out = []
     for folder in (root, root / RUN_CHECKPOINTS):
         for d in sorted(folder.iterdir()) if folder.is_dir() else []:
-            if not d.name.startswith(".") and _is_checkpoint(d):
+            if not d.name.startswith(".") and is_checkpoint(d):
                 step, problem = _check(d)
                 out.append(((step, d.name), d, problem))
     return out
 
 
-def _is_checkpoint(d: Path) -> bool:
+def is_checkpoint(d: Path) -> bool:
     """A directory a save wrote (complete or not): it has a manifest or rank 0's record."""
     return (d / MANIFEST).is_file() or (d / rank_file(0)).is_file()
 

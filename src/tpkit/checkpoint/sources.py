@@ -25,7 +25,13 @@ import torch.distributed
 from torch import nn
 
 from tpkit.checkpoint.build import build_model
-from tpkit.checkpoint.files import ShardedSource, read_manifest, verify_file, verify_full
+from tpkit.checkpoint.files import (
+    FULL_FORMAT,
+    ShardedSource,
+    read_manifest,
+    verify_file,
+    verify_full,
+)
 from tpkit.checkpoint.hf import hf_source, memory_source
 from tpkit.checkpoint.paths import FULL, SHARDED, Located, locate
 from tpkit.checkpoint.slices import CheckpointError, FullSource, Source
@@ -33,8 +39,6 @@ from tpkit.checkpoint.tokenizer import TOKENIZER_FILES, has_tokenizer
 from tpkit.mesh import ParallelMesh
 from tpkit.spec.config import ModelConfig
 from tpkit.spec.errors import UserError
-
-FULL_FORMAT = "tpkit-full"  # the "format" in a full file's metadata (`convert.to_full`)
 
 
 def open_source(source: Any, config: ModelConfig | None = None) -> Source:

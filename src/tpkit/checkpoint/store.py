@@ -31,6 +31,7 @@ from tpkit.checkpoint import optim_state
 from tpkit.checkpoint.agree import attempt, raise_unless_all
 from tpkit.checkpoint.build import copy_in
 from tpkit.checkpoint.codec import decode, encode
+from tpkit.checkpoint.dest import check_dest, install
 from tpkit.checkpoint.disk import writing
 from tpkit.checkpoint.files import (
     MANIFEST,
@@ -43,6 +44,7 @@ from tpkit.checkpoint.files import (
 from tpkit.checkpoint.finite import describe as describe_nonfinite
 from tpkit.checkpoint.finite import first_nonfinite
 from tpkit.checkpoint.manifest import write_manifest, write_record
+from tpkit.checkpoint.paths import SHARDED
 from tpkit.checkpoint.slices import read_local
 from tpkit.checkpoint.tokenizer import copy_tokenizer
 from tpkit.layers.sharding import meta_of, split_of
@@ -60,7 +62,7 @@ IGNORED_CONFIG = ("name", "dropout")  # differences that do not change the weigh
 # -- public API -------------------------------------------------------------------------
 def save(path: str | Path, model: nn.Module, optimizer: Optimizer | None = None,
          *, step: int = 0, extra: dict | None = None, mesh: ParallelMesh | None = None,
-         tokenizer: str | Path | None = None) -> Path:
+         tokenizer: str | Path | None = None, run: str | None = None) -> Path:
     """Write a checkpoint of this rank's shards into `path`, atomically; call on every rank.
 
     `optimizer`: torch AdamW (or any torch optimizer) or `ZeroAdamW`, whose slices are
@@ -68,13 +70,15 @@ def save(path: str | Path, model: nn.Module, optimizer: Optimizer | None = None,
 
     `extra` (per rank; JSON values and tensors, e.g. the data-loader position and
     `capture_rng()`) comes back from `load`. `tokenizer`: a folder whose tokenizer files
-    travel inside the checkpoint (listed in the manifest like every file). Returns the
-    checkpoint directory.
+    travel inside the checkpoint (listed in the manifest like every file). `run`: the id
+    of the training run saving it, in the manifest. A previous checkpoint at `path` is
+    replaced (only once this one is complete); anything else there is refused
+    (`dest.check_dest`). Returns the checkpoint directory.
     """
     mesh = mesh or getattr(model, "mesh", None) or ParallelMesh.single()
     root = Path(path)
     tmp = root.parent / f".{root.name}.tmp"
-    err = attempt(_make_tmp, tmp) if mesh.rank == 0 else None
+    err = attempt(_make_tmp, root, tmp) if mesh.rank == 0 else None
     try:
         raise_unless_all(mesh, err, f"{root}: rank 0 could not create {tmp}")
         state = optim_state.gather_state(optimizer) if optimizer is not None else None  # ZeRO
@@ -82,7 +86,7 @@ def save(path: str | Path, model: nn.Module, optimizer: Optimizer | None = None,
         raise_unless_all(mesh, err, f"{root}: another rank failed to write its shards; "
                                     f"the previous checkpoint is untouched")
         if mesh.rank == 0:
-            err = attempt(_finish, tmp, root, model, optimizer, step, mesh, tokenizer)
+            err = attempt(_finish, tmp, root, model, optimizer, step, mesh, tokenizer, run)
         raise_unless_all(mesh, err, f"{root}: rank 0 failed to write the manifest")
     except BaseException:  # every rank has stopped writing: nothing half-written stays
         if mesh.rank == 0:
@@ -91,7 +95,8 @@ def save(path: str | Path, model: nn.Module, optimizer: Optimizer | None = None,
     return root
 
 
-def _make_tmp(tmp: Path) -> None:
+def _make_tmp(root: Path, tmp: Path) -> None:
+    check_dest(root, SHARDED, overwrite=True)  # a checkpoint replaces only a checkpoint
     shutil.rmtree(tmp, ignore_errors=True)
     with writing(tmp):
         tmp.mkdir(parents=True)
@@ -142,14 +147,15 @@ def _own_params(model: nn.Module) -> dict[str, torch.Tensor]:
 
 
 def _finish(tmp: Path, root: Path, model: nn.Module, optimizer, step: int,
-            mesh: ParallelMesh, tokenizer: str | Path | None) -> None:
+            mesh: ParallelMesh, tokenizer: str | Path | None, run: str | None) -> None:
     if tokenizer is not None:
         with writing(tmp / "tokenizer files"):
             copy_tokenizer(tokenizer, tmp)
     config = getattr(model, "config", None)
-    write_manifest(tmp, root, config.to_dict() if config is not None else None,
+    write_manifest(tmp, config.to_dict() if config is not None else None,
                    type(optimizer).__name__ if optimizer is not None else None, step,
-                   mesh.layout)
+                   mesh.layout, run=run)
+    install(tmp, root)  # replacing a previous checkpoint there only now
 
 
 # -- reading ----------------------------------------------------------------------------

@@ -38,7 +38,7 @@ from tpkit.plan.hardware import GB, default_local_path, profile_to_toml
 def add_arguments(p: argparse.ArgumentParser) -> None:
     """Options of `tpkit calibrate`."""
     p.add_argument("--out", help=f"profile file (default {default_local_path()})")
-    p.add_argument("--nproc", type=int, default=2,
+    p.add_argument("--processes", type=int, default=2,
                    help="processes for the all-reduce fit (4 as well, up to the cores)")
     p.add_argument("--reps", type=int, default=30, help="timed all-reduces per size")
 
@@ -50,7 +50,7 @@ def run(args: argparse.Namespace) -> int:
     one, allt = measure_matmul(1), measure_matmul(cores)
     mem_bw, op_s = measure_memory_bandwidth(), measure_op_overhead()
     samples = []
-    for p in sorted({p for p in (args.nproc, 4) if p <= max(cores, 2)}):
+    for p in sorted({p for p in (args.processes, 4) if p <= max(cores, 2)}):
         print(f"all-reduce on {p} gloo processes ...", flush=True)
         samples += measure_all_reduce(p, reps=args.reps)
     alpha, bw = fit_alpha_beta(samples)

@@ -6,17 +6,17 @@ suggestion for a misspelt command, flag or choice.
     p.add_argument("--tp", type=int, default=1, help="tensor-parallel size")
     # tpkit train --help:   --tp TP    tensor-parallel size (default: 1)
 
-Pure Python (argparse, difflib): `tpkit --help` and `tpkit plan` import no torch.
+Pure Python (argparse; the suggestion: `tpkit.spec.words.suggest`): `tpkit --help` and
+`tpkit plan` import no torch.
 """
 
 from __future__ import annotations
 
 import argparse
-import difflib
 import re
-from collections.abc import Iterable
 
 from tpkit.spec.errors import UserError
+from tpkit.spec.words import suggest
 
 
 def group(parser: argparse.ArgumentParser, title: str, about: str | None = None
@@ -98,12 +98,6 @@ class HelpFormatter(argparse.RawDescriptionHelpFormatter):
                 or default is None or default is argparse.SUPPRESS):
             return text
         return f"{text} (default: {shown(default).replace('%', '%%')})"
-
-
-def suggest(word: str, options: Iterable[str]) -> str:
-    """'; did you mean X?' for the closest of `options` (difflib), or ''."""
-    close = difflib.get_close_matches(word, list(options), n=1, cutoff=0.6)
-    return f"; did you mean {close[0]}?" if close else ""
 
 
 def explain_parse_error(parser: argparse.ArgumentParser, message: str) -> str:

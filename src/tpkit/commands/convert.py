@@ -5,6 +5,11 @@ Hugging Face export (`tpkit.checkpoint.convert`), in one process.
     tpkit convert model.safetensors ckpt-tp4 --to sharded --tp 4 --pp 2
     tpkit convert runs/ckpt/step-100 ckpt-tp1 --to sharded --tp 1     # + optimizer state
     tpkit convert runs/ckpt/step-100 hf-out --to hf                    # transformers loads it
+
+DEST is a new name or an empty folder; an earlier output of tpkit of the same kind is
+replaced only with --overwrite; anything else there, a DEST inside or around the
+source, or inside a checkpoint or a run's checkpoints folder, is refused in one line
+(`tpkit.checkpoint.dest`).
 """
 
 from __future__ import annotations
@@ -12,6 +17,7 @@ from __future__ import annotations
 import argparse
 
 from tpkit.checkpoint.convert import reshard, to_full, to_hf
+from tpkit.checkpoint.paths import locate
 from tpkit.commands.common import group
 
 
@@ -19,9 +25,12 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     """Options of `tpkit convert`."""
     parser.add_argument("source", help="tpkit checkpoint dir, run folder (its latest valid "
                                        "checkpoint), full .safetensors, or HF dir")
-    parser.add_argument("dest", help="output path")
+    parser.add_argument("dest", help="output path: a new name or an empty folder")
     parser.add_argument("--to", choices=("full", "sharded", "hf"), default="sharded",
                         help="one full safetensors file, a sharded checkpoint, or Hugging Face")
+    parser.add_argument("--overwrite", action="store_true",
+                        help="replace DEST when it is an earlier output of tpkit of the same "
+                             "kind (anything else there is never replaced)")
     layout = group(parser, "parallelism")
     layout.add_argument("--tp", type=int, default=1, metavar="N",
                         help="tensor-parallel size (sharded)")
@@ -30,13 +39,15 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
-    """Convert; print what was written. Errors (a CheckpointError, a UserError) name the
-    file and the problem, on one line, from `tpkit.cli`."""
+    """Convert; print the checkpoint read and what was written. Errors (a CheckpointError,
+    a UserError) name the file and the problem, on one line, from `tpkit.cli`."""
+    source = locate(args.source, optimizer=args.to == "sharded")  # a run folder: its latest valid checkpoint
+    print(f"read {source.path}")
     if args.to == "full":
-        out = to_full(args.source, args.dest)
+        out = to_full(source, args.dest, overwrite=args.overwrite)
     elif args.to == "hf":
-        out = to_hf(args.source, args.dest)
+        out = to_hf(source, args.dest, overwrite=args.overwrite)
     else:
-        out = reshard(args.source, args.dest, args.tp, args.pp)
+        out = reshard(source, args.dest, args.tp, args.pp, overwrite=args.overwrite)
     print(f"wrote {out}")
     return 0

@@ -19,7 +19,6 @@ same whatever else is generated with it (`tpkit.serve.engine`).
 from __future__ import annotations
 
 import argparse
-import math
 import os
 import sys
 import time
@@ -31,11 +30,14 @@ from tpkit.checkpoint.sources import load_model, open_source, source_tokenizer
 from tpkit.checkpoint.tokenizer import ByteTokenizer, load_tokenizer
 from tpkit.commands.common import add_pool_arguments, decode_chunk, group
 from tpkit.mesh import ParallelMesh
+from tpkit.model.sampling import GREEDY_BELOW
 from tpkit.serve import Engine, SamplingParams
 from tpkit.serve.openai_api import ApiError, chat_ids
+from tpkit.serve.params import MAX_TEMPERATURE, SamplingError, shown
 from tpkit.serve.runner import Runner
 from tpkit.spec.errors import UserError
 from tpkit.spec.transport import add_comm_argument, comm_choice
+from tpkit.spec.words import plural
 
 
 def _prompts(args: argparse.Namespace, tok) -> list[list[int]]:
@@ -45,7 +47,8 @@ def _prompts(args: argparse.Namespace, tok) -> list[list[int]]:
         return [_prompt_ids(p) for p in args.prompt_ids]
     if args.chat:
         try:
-            return [chat_ids({"messages": [{"role": "user", "content": p}]}, tok, nullcontext())
+            return [chat_ids({"messages": [{"role": "user", "content": p}]}, tok, nullcontext(),
+                             instead="drop --chat to send the prompt as it is")
                     for p in args.prompt]
         except ApiError as e:
             raise UserError(f"--chat: {e.message}") from None
@@ -78,10 +81,7 @@ def _lead(args: argparse.Namespace, source, model, max_len: int) -> dict:
     prompts = _prompts(args, tok)
     engine = Engine(model, tokenizer=tok, max_batch=args.max_batch, max_len=max_len,
                     decode_chunk=decode_chunk(args))
-    params = SamplingParams(max_tokens=max(args.max_new_tokens, 1),
-                            temperature=args.temperature, top_k=args.top_k or 0,
-                            top_p=args.top_p or 1.0, seed=args.seed, stop=tuple(args.stop),
-                            ignore_eos=args.ignore_eos)
+    params = _sampling(args)
     bad = sorted({t for p in prompts for t in p if not 0 <= t < vocab})
     if bad:
         raise UserError(f"prompt token ids {bad} are outside the model's vocabulary "
@@ -125,7 +125,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     g.add_argument("--max-new-tokens", type=int, default=64, metavar="N",
                    help="tokens to generate after each prompt")
     g.add_argument("--temperature", type=float, default=0.0, metavar="T",
-                   help="sampling temperature (0: greedy)")
+                   help=f"sampling temperature, at most {MAX_TEMPERATURE:g} (0, or below "
+                        f"{GREEDY_BELOW:g}: greedy)")
     g.add_argument("--top-k", type=int, default=None, metavar="K",
                    help="sample among the K likeliest tokens (default: all of them)")
     g.add_argument("--top-p", type=float, default=None, metavar="P",
@@ -133,7 +134,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         "(nucleus; default: all of them)")
     g.add_argument("--stop", action="append", default=[], metavar="TEXT",
                    help="end a prompt's text at TEXT (not printed); repeatable")
-    g.add_argument("--seed", type=int, default=0, help="seed of the sampling")
+    g.add_argument("--seed", type=int, default=0, help="seed of the sampling (64-bit)")
     g.add_argument("--ignore-eos", action="store_true",
                    help="do not stop at the tokenizer's end-of-sequence token")
     add_pool_arguments(g, None, "sequences generated at once (KV slots, as in tpkit serve; "
@@ -148,6 +149,15 @@ def _prompt_ids(text: str) -> list[int]:
         raise UserError(f"--prompt-ids={text!r} must be comma-separated integers") from None
 
 
+def _sampling(args: argparse.Namespace) -> SamplingParams:
+    """The sampling flags as the engine takes them (SamplingError: out of bounds)."""
+    return SamplingParams(max_tokens=max(args.max_new_tokens, 1),
+                          temperature=args.temperature,
+                          top_k=0 if args.top_k is None else args.top_k,
+                          top_p=1.0 if args.top_p is None else args.top_p, seed=args.seed,
+                          stop=tuple(args.stop), ignore_eos=args.ignore_eos)
+
+
 def _check_args(args: argparse.Namespace) -> None:
     """UserError for flags no model can accept (before loading anything)."""
     if not args.prompt and not args.prompt_ids:
@@ -157,13 +167,10 @@ def _check_args(args: argparse.Namespace) -> None:
     bad = [f"--tp={args.tp} must be a positive integer"] if args.tp < 1 else []
     if args.max_new_tokens < 0:
         bad.append(f"--max-new-tokens={args.max_new_tokens} must be >= 0")
-    if not (math.isfinite(args.temperature) and args.temperature >= 0):
-        bad.append(f"--temperature={args.temperature} must be a finite number >= 0 "
-                   f"(0: greedy)")
-    if args.top_k is not None and args.top_k < 0:
-        bad.append(f"--top-k={args.top_k} must be >= 0 (0: off)")
-    if args.top_p is not None and not 0 < args.top_p <= 1:
-        bad.append(f"--top-p={args.top_p} must be in (0, 1]")
+    try:
+        _sampling(args)
+    except SamplingError as e:  # the server's bounds (serve.params.RULES), as flags
+        bad += [f"--{n.replace('_', '-')}={shown(v)} {must}" for n, v, must in e.problems]
     if args.max_batch is None:  # slots for the prompts given: no row computed for nobody
         args.max_batch = min(8, len(args.prompt_ids or args.prompt))
     decode_chunk(args)  # --decode-chunk needs --batch-invariant
@@ -192,7 +199,7 @@ def run(args: argparse.Namespace) -> int:
     if not result["streamed"]:
         print("\n\n".join(result["texts"]))
     n = sum(len(r) for r in result["new"])
-    print(f"[{n} tokens ({len(result['new'])} prompts) in "
+    print(f"[{plural(n, 'token')} ({plural(len(result['new']), 'prompt')}) in "
           f"{result['seconds']:.2f} s: {n / max(result['seconds'], 1e-9):.1f} tokens/s, "
           f"tp={args.tp}]", file=sys.stderr)
     return 0

@@ -19,6 +19,7 @@ import argparse
 import os
 import sys
 
+from tpkit.host.web import ALLOWED_HOST_HELP
 from tpkit.quiz.content import load_quiz
 from tpkit.quiz.tutor import (
     AnswerError,
@@ -60,6 +61,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="address of --web (default 127.0.0.1; others warn: no login)")
     parser.add_argument("--port", type=int, default=8765,
                         help="port of --web (default 8765; 0: any free port)")
+    parser.add_argument("--allowed-host", action="append", default=[], metavar="NAME",
+                        help=f"of --web: {ALLOWED_HOST_HELP}")
 
 
 def run(args: argparse.Namespace) -> int:
@@ -71,7 +74,8 @@ def run(args: argparse.Namespace) -> int:
 
         # serve returns once a signal stopped it and its workers are gone: end at once
         exit_now(serve(quiz, host=args.host, port=args.port, lang=args.lang, live=args.live,
-                       comm=comm_choice(getattr(args, "comm", None))))
+                       comm=comm_choice(getattr(args, "comm", None)),
+                       allowed_hosts=args.allowed_host))
     items = quiz.items(args.lang, level=args.level, shuffle=args.shuffle, seed=args.seed)
     try:
         if args.answers is not None:

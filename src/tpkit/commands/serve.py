@@ -8,43 +8,41 @@ engine, the sampler); `--tp N` starts ranks 1..N-1 as local processes that follo
 (`tpkit.serve.workers`); under torchrun, rank 0 serves and the others follow.
 SIGTERM, SIGINT or SIGHUP: stop accepting (503), let running requests finish for
 `--drain-seconds`, cancel the rest, stop the workers, exit 128 + the signal. A worker
-that dies: every waiting request gets 503 and the server exits 1 naming the rank.
+that dies: every waiting request gets 503 and the server exits 1 naming the rank; a
+request the server fails on gets 500 alone. Whatever `--host`, the Host header must be
+one of the server's names (`--allowed-host` adds one), and a browser page of another
+origin is refused unless `--allow-origin` names it.
 """
 
 from __future__ import annotations
 
 import argparse
-import errno
 import os
 import signal
-import sys
 import threading
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import torch
 
 from tpkit.checkpoint.sources import load_model, open_source, source_tokenizer
 from tpkit.checkpoint.tokenizer import load_tokenizer
 from tpkit.commands.common import add_pool_arguments, decode_chunk, group
-from tpkit.host.addresses import is_loopback
+from tpkit.host.exit import Stopped
+from tpkit.host.web import ALLOWED_HOST_HELP, HOST, listen, warn_if_exposed
 from tpkit.launch import SpawnError
 from tpkit.mesh import ParallelMesh
 from tpkit.serve.engine import PREFILL_PER_STEP, Engine
-from tpkit.serve.http import HOST, MAX_BODY, App, make_server
 from tpkit.serve.loop import serve_loop
+from tpkit.serve.openai_api import MAX_BODY
 from tpkit.serve.runner import Runner
 from tpkit.spec.errors import UserError
 from tpkit.spec.transport import add_comm_argument, comm_choice
 
+if TYPE_CHECKING:
+    from tpkit.serve.http import App
+
 _SIGNALS = (signal.SIGTERM, signal.SIGINT, signal.SIGHUP)
-
-
-class Stopped(KeyboardInterrupt):
-    """The server stopped on a signal (the CLI exits 128 + `signum`)."""
-
-    def __init__(self, signum: int) -> None:
-        super().__init__(signal.Signals(signum).name)
-        self.signum = signum
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -62,6 +60,12 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     g.add_argument("--host", default=HOST, help="address to listen on (127.0.0.1: this "
                    "machine only)")
     g.add_argument("--port", type=int, default=8000, help="port (0: a free one, printed)")
+    g.add_argument("--allowed-host", action="append", default=[], metavar="NAME",
+                   help=ALLOWED_HOST_HELP)
+    g.add_argument("--allow-origin", action="append", default=[], metavar="ORIGIN",
+                   help="a web page's origin (http://app.example:3000; *: any) whose "
+                        "browser requests are served, with CORS headers; repeatable "
+                        "(default: none, cross-origin requests are refused)")
     add_pool_arguments(g, 8, "sequences generated at once: KV slots per rank")
     g.add_argument("--prefill-per-step", type=int, default=PREFILL_PER_STEP, metavar="T",
                    help="prompt tokens prefilled per step, at most (a longer prompt alone; "
@@ -94,19 +98,16 @@ def _check_args(args: argparse.Namespace) -> None:
     decode_chunk(args)  # --decode-chunk needs --batch-invariant
 
 
-def _bind(app: App, host: str, port: int):
-    try:
-        return make_server(app, host, port)
-    except OSError as e:
-        why = (f"port {port} is already in use on {host}; choose another with --port "
-               f"(--port 0 picks a free one)" if e.errno == errno.EADDRINUSE
-               else f"cannot listen on {host}:{port}: {e.strerror or e}")
-        raise UserError(why) from None
-
-
 def run(args: argparse.Namespace) -> int:
     """Load the model on every rank, serve on rank 0 until a signal or a worker's death."""
     _check_args(args)
+    try:
+        from tpkit.serve.http import App, make_server
+    except ModuleNotFoundError as e:  # the request schema's
+        if e.name != "pydantic":
+            raise
+        raise UserError("the server checks requests with pydantic, which is not installed: "
+                        "pip install 'tpkit[serve]'") from None
     comm = comm_choice(getattr(args, "comm", None))
     source = open_source(args.checkpoint)  # once, before any process
     if "WORLD_SIZE" in os.environ:  # torchrun: rank 0 serves, the others follow
@@ -121,7 +122,9 @@ def run(args: argparse.Namespace) -> int:
     name = args.served_model_name or Path(str(args.checkpoint).rstrip("/")).resolve().name
     app = App(None, name, None,
               max_body=args.max_body_bytes, timeout=args.timeout)
-    server = _bind(app, args.host, args.port)  # a busy port fails before any loading
+    server = listen(lambda: make_server(  # a busy port fails before any loading
+        app, args.host, args.port, allowed_hosts=args.allowed_host,
+        allowed_origins=args.allow_origin), args.host, args.port)
     try:
         if mesh is None and args.tp > 1:
             from tpkit.serve.workers import Peers
@@ -152,9 +155,7 @@ def _serve(args, source, mesh: ParallelMesh, peers, app: App, server) -> int:
 
     previous = {s: signal.signal(s, on_signal) for s in _SIGNALS}
     host, port = server.server_address[:2]
-    if not is_loopback(args.host):
-        print(f"tpkit serve: warning: --host {args.host} makes the model reachable from "
-              f"other machines (no login, no TLS)", file=sys.stderr)
+    warn_if_exposed("tpkit serve", args.host, "the model")
     thread = threading.Thread(target=server.serve_forever, name="tpkit-http", daemon=True)
     thread.start()
     shown = f"[{host}]" if ":" in host else host

@@ -21,8 +21,11 @@ from pathlib import Path
 from typing import TYPE_CHECKING
 
 from tpkit.commands.common import group, says_default, shown
+from tpkit.parallel.schedules import CHUNKED
 from tpkit.spec.errors import UserError
+from tpkit.spec.shapes import default_micro_batches
 from tpkit.spec.transport import add_comm_argument, comm_choice
+from tpkit.spec.words import plural
 from tpkit.train.config import TrainConfig
 from tpkit.train.config_file import (
     read_toml,
@@ -90,7 +93,18 @@ def config_from_args(args: argparse.Namespace, world: int | None) -> TrainConfig
     rest = cfg.tp * cfg.pp * cfg.cp
     if "dp" not in given and "dp" not in from_file and world and world % rest == 0:
         cfg = cfg.with_(dp=world // rest)
+    if "micro_batches" not in given and "micro_batches" not in from_file:
+        cfg = cfg.with_(micro_batches=_default_micro_batches(cfg))
     return cfg
+
+
+def _default_micro_batches(cfg: TrainConfig) -> int:
+    """What the pipeline needs (`spec.shapes.default_micro_batches`); 1 when the batch
+    does not divide over dp (the config's check then says so)."""
+    sizes = (cfg.pp, cfg.dp, cfg.global_batch)
+    if not all(isinstance(n, int) and n > 0 for n in sizes) or cfg.global_batch % cfg.dp:
+        return 1
+    return default_micro_batches(cfg.pp, cfg.global_batch // cfg.dp, cfg.schedule == CHUNKED)
 
 
 def _worker(mesh, cfg: TrainConfig) -> RunSummary:
@@ -146,19 +160,18 @@ def run(args: argparse.Namespace) -> int:
         print(to_toml(cfg, "the effective configuration: defaults, --config, then the flags"),
               end="")
         return 0
-    fresh = not cfg.resume  # "auto" with nothing to resume is no fresh run either
-    cfg = cfg.with_(resume=resume_dir(cfg))  # chosen once, here
-    _say_resume_changes(cfg)
     comm = comm_choice(getattr(args, "comm", None))
-    if torchrun:
-        return _run_torchrun(cfg, args.overwrite, comm, fresh)
+    if torchrun:  # rank 0 chooses the checkpoint to resume there
+        return _run_torchrun(cfg, args.overwrite, comm)
+    cfg = cfg.with_(resume=resume_dir(cfg))  # chosen once, here
+    note = _resume_changes(cfg)
     from tpkit.train.data import load_tokens
     from tpkit.train.run_folder import check_writable, hold
 
     check_writable(Path(cfg.out))  # one line, before any process is spawned
     with hold(Path(cfg.out)):  # one run per folder, from here until the run ends
-        if fresh:
-            _never_mix_runs(Path(cfg.out), args.overwrite, torchrun)
+        _never_mix_runs(Path(cfg.out), cfg.resume, args.overwrite, torchrun)
+        _say(note)  # once the folder is known to be this run's
         load_tokens(cfg.data, cfg.model_config().vocab_size, cfg.tokenizer_id)  # errors now
         _check_memory(cfg, args.force)
         write_run_config(cfg, cfg.out)
@@ -187,33 +200,30 @@ def resume_dir(cfg: TrainConfig) -> str | None:
     return cfg.resume and str(sharded_dir(cfg.resume))
 
 
-def _say_resume_changes(cfg: TrainConfig) -> None:
-    """A resumed run (`cfg.resume`: the checkpoint directory `resume_dir` chose): print
-    what differs from the checkpoint's config; a change that cannot work (another model,
-    another data order) is a UserError."""
+def _resume_changes(cfg: TrainConfig) -> str | None:
+    """A resumed run (`cfg.resume`: the checkpoint directory `resume_dir` chose): the
+    line saying what differs from the checkpoint's config (`_say` prints it once the
+    folder is known to be this run's); a change that cannot work (another model,
+    another data order) is a UserError, now."""
     saved = saved_config(cfg.resume) if cfg.resume else None
-    if saved is None:
-        return
-    changes = resume_changes(saved, cfg)  # raises on every rank
-    if changes and os.environ.get("RANK", "0") == "0":
-        print(f"resuming {cfg.resume} with changes: " + "; ".join(changes), file=sys.stderr)
+    changes = resume_changes(saved, cfg) if saved is not None else []  # raises on every rank
+    return f"resuming {cfg.resume} with changes: " + "; ".join(changes) if changes else None
 
 
-def _never_mix_runs(out: Path, overwrite: bool, torchrun: bool) -> None:
-    """A new run into an --out that holds an earlier run's checkpoints: refuse, naming
-    the flags, or (--overwrite) delete them first (rank 0 only, under torchrun)."""
-    from tpkit.checkpoint.paths import run_checkpoints
-    from tpkit.checkpoint.retention import complete, discard
+def _say(note: str | None) -> None:
+    if note and os.environ.get("RANK", "0") == "0":
+        print(note, file=sys.stderr)
 
-    found = complete(run_checkpoints(out))
-    if not found:
-        return
-    if not overwrite:
-        raise UserError(f"--out {out} holds an earlier run (checkpoints up to "
-                        f"{found[-1].name}); continue it with --resume {out}, start over "
-                        f"with --overwrite, or choose another --out")
-    if not torchrun or os.environ.get("RANK") == "0":
-        for d in found:
+
+def _never_mix_runs(out: Path, resume: str | None, overwrite: bool, torchrun: bool) -> None:
+    """An --out that holds another run's checkpoints: refuse, naming both runs, or (a new
+    run with --overwrite) delete them first, rank 0 only under torchrun
+    (`run_folder.earlier_runs`)."""
+    from tpkit.checkpoint.retention import discard
+    from tpkit.train.run_folder import earlier_runs
+
+    for d in earlier_runs(out, resume, overwrite):
+        if not torchrun or os.environ.get("RANK") == "0":
             discard(d)
 
 
@@ -243,7 +253,7 @@ def _merge_trace(cfg: TrainConfig) -> None:
     from tpkit.train.trace import merge
 
     title = (f"{cfg.preset} tp={cfg.tp} pp={cfg.pp} dp={cfg.dp}, {cfg.schedule}, "
-             f"{cfg.micro_batches} micro-batches: the last step")
+             f"{plural(cfg.micro_batches, 'micro-batch')}: the last step")
     path = merge(cfg.trace, cfg.world_size, title, png_copy=Path(cfg.out) / "trace.png")
     print(f"timeline {path} (open in ui.perfetto.dev), {path.parent / 'step.png'}")
 
@@ -259,36 +269,49 @@ def cross_node_price(tp: int, pp: int, dp: int, ranks_per_node: int) -> str | No
     return f"Predicted on H100 nodes with InfiniBand: {said}" if said else None
 
 
-@contextmanager
-def _folder_held_by_rank0(out: Path, rank: int) -> Iterator[None]:
-    """Under torchrun: rank 0 checks and locks --out; every rank learns its verdict (one
-    broadcast) and raises the same line, so no rank starts while another refused."""
+def _decided_by_rank0(rank: int, fn, *args):
+    """Under torchrun: rank 0 runs `fn(*args)` (a check, a choice); every rank gets its
+    result, or raises its UserError line (one broadcast), so no rank goes on while
+    another refused and all go on with the same answer."""
     import torch.distributed as dist
 
+    said = [None, None]
+    if rank == 0:
+        try:
+            said[0] = fn(*args)
+        except UserError as e:
+            said[1] = str(e)
+    dist.broadcast_object_list(said, src=0)
+    if said[1] is not None:
+        raise UserError(said[1])
+    return said[0]
+
+
+@contextmanager
+def _folder_held_by_rank0(out: Path, rank: int) -> Iterator[None]:
+    """Under torchrun: rank 0 checks and locks --out (`_decided_by_rank0`)."""
     from tpkit.train.run_folder import check_writable, hold
 
     with ExitStack() as stack:
-        said = [None]
-        if rank == 0:
-            try:
-                check_writable(out)
-                stack.enter_context(hold(out))
-            except UserError as e:
-                said = [str(e)]
-        dist.broadcast_object_list(said, src=0)
-        if said[0] is not None:
-            raise UserError(said[0])
+        def take() -> None:
+            check_writable(out)
+            stack.enter_context(hold(out))
+
+        _decided_by_rank0(rank, take)
         yield
 
 
-def _run_torchrun(cfg: TrainConfig, overwrite: bool, comm: str, fresh: bool) -> int:
+def _run_torchrun(cfg: TrainConfig, overwrite: bool, comm: str) -> int:
     from tpkit.mesh import ParallelMesh
 
     mesh = ParallelMesh.from_env(tp=cfg.tp, pp=cfg.pp, dp=cfg.dp * cfg.cp,  # cp: in dp
                                  timeout_s=cfg.collective_timeout, comm=comm)
+    # rank 0 chooses the checkpoint to resume (hashing the newest once, not every rank)
+    cfg = cfg.with_(resume=_decided_by_rank0(mesh.rank, resume_dir, cfg))
+    note = _resume_changes(cfg)
     with _folder_held_by_rank0(Path(cfg.out), mesh.rank):
-        if fresh:
-            _never_mix_runs(Path(cfg.out), overwrite, True)
+        _never_mix_runs(Path(cfg.out), cfg.resume, overwrite, True)
+        _say(note)
         if mesh.rank == 0:
             write_run_config(cfg, cfg.out)
         return _train_torchrun(cfg, mesh)

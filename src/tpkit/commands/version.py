@@ -5,6 +5,7 @@
       torch          2.13.0+cpu
       transformers   5.24.0
       tensorboard    2.21.0          (--trackers tensorboard)
+      mlflow         mlflow-skinny 3.17.2 (--trackers mlflow)
       ...
     transports:
       gloo           available (CPU processes)
@@ -27,11 +28,14 @@ fast paths a `--dtype` of generate or serve has here (the processor's flags in
 from __future__ import annotations
 
 import argparse
+import importlib.util
 import platform
 from collections.abc import Callable
 from importlib import metadata
 
-PACKAGES = (  # (distribution, what needs it)
+from tpkit.spec.words import plural
+
+PACKAGES = (  # (module tpkit imports, what needs it)
     ("torch", ""), ("transformers", "--from-hf, tokenizers"),
     ("tensorboard", "--trackers tensorboard"), ("wandb", "--trackers wandb"),
     ("mlflow", "--trackers mlflow"), ("trackio", "--trackers trackio"),
@@ -45,6 +49,20 @@ def version_of(dist: str) -> str | None:
         return metadata.version(dist)
     except metadata.PackageNotFoundError:
         return None
+
+
+def module_version(module: str) -> str | None:
+    """The version of whatever distribution provides the importable `module` (the one
+    tpkit imports: `mlflow` comes from mlflow or mlflow-skinny), naming that distribution
+    when its name differs; None when `module` cannot be imported."""
+    if importlib.util.find_spec(module) is None:  # as `--trackers` checks (train/trackers)
+        return None
+    for dist in metadata.packages_distributions().get(module, []) + [module]:
+        v = version_of(dist)
+        if v is not None:
+            same = dist.lower().replace("_", "-") == module.lower().replace("_", "-")
+            return v if same else f"{dist} {v}"
+    return "version unknown"
 
 
 def one_line() -> str:
@@ -68,7 +86,7 @@ def _nccl() -> str:
         return "not built (a CPU build of torch)" if torch.version.cuda is None else "not built"
     from tpkit.host.device import gpu_names
 
-    return f"available ({len(gpu_names())} GPU(s) visible)"
+    return f"available ({plural(len(gpu_names()), 'GPU')} visible)"
 
 
 def _shm() -> str:
@@ -135,9 +153,9 @@ def run(args: argparse.Namespace) -> int:
     """Print the versions, transports and devices."""
     print(f"tpkit {version_of('tpkit') or 'unknown'} (python {platform.python_version()}, "
           f"{platform.system().lower()} {platform.machine()})")
-    for dist, use in PACKAGES:
-        v = version_of(dist) or "not installed"
-        print(f"  {dist:<14} {v:<16}{f' ({use})' if use else ''}".rstrip())
+    for module, use in PACKAGES:
+        v = module_version(module) or "not installed"
+        print(f"  {module:<14} {v:<16}{f' ({use})' if use else ''}".rstrip())
     print("transports:")
     for name, state in transports():
         print(f"  {name:<14} {state}")

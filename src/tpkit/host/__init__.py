@@ -2,10 +2,13 @@
 
     device.py           the one place that touches CUDA: backend, device per rank
     memory.py           what the machine or its cgroup offers, OOM kills, peak RSS
-    exit.py             end a process once its work is cleaned up, without the teardown
+    exit.py             end a process once its work is cleaned up, without the teardown;
+                        `Stopped`, the signal that unwinds it
     forkserver_exit.py  the same for the multiprocessing forkserver (preloaded there)
     addresses.py        which Host headers a local HTTP server accepts (quiz, serve)
+    web.py              what those servers share: the Host and origin rule, listening
 
-Nothing here imports the rest of tpkit; only `device.py` imports torch (this package's
-`__init__` imports nothing, so `tpkit.cli` reaches `exit.py` without torch).
+Nothing here imports the rest of tpkit but `tpkit.spec.errors`; only `device.py` imports
+torch (this package's `__init__` imports nothing, so `tpkit.cli` reaches `exit.py`
+without torch).
 """

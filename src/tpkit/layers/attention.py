@@ -1,15 +1,20 @@
 """Self-attention split by heads (Shoeybi et al. 2019, section 3; quiz answer 4).
 
     x [b, s, h] --f--> qkv (column-parallel, fused [q; k; v])
-        rank r: q heads  [r*nh/tp, (r+1)*nh/tp)            -> [b, nh/tp, s, hd]
+        rank r: its range of q heads (nh/tp, or one more)   -> [b, nq, s, hd]
                 kv heads its query heads read (GQA)         -> [b, kv_local, s, hd]
         local scaled-dot-product attention: heads never talk to each other
     --> out (row-parallel) --g--> one all-reduce -> [b, s, h]
 
-Grouped-query attention: with kv_heads >= tp the kv heads are split like the
-query heads; with kv_heads < tp (tp a multiple of kv) groups of tp/kv ranks hold
-the same kv head — the one their query heads read — and `finalize_tp_grads` sums
-its gradient over them. MQA (1 kv head) is the case kv = 1.
+Any tp up to the number of heads: the heads are dealt as evenly as possible, the
+first ranks one more (9 heads at tp=2: 5 + 4), and the sum over ranks is the same
+sum whatever the sizes, so every split is exact (`tpkit.spec.split`).
+
+Grouped-query attention: each rank holds the kv heads its query heads read (a range
+of kv groups). When the query ranges do not line up with the groups (kv_heads < tp,
+or 9 heads / 3 kv at tp=2: rank 0 reads kv 0-1, rank 1 kv 1-2) a kv head is held by
+every rank that reads it and `finalize_tp_grads` sums its gradient over them. MQA
+(1 kv head) is the case kv = 1.
 
 Per-family options, all per head (so they commute with the split): a head width
 decoupled from hidden / heads (`head_dim`, Qwen3, Gemma), a bias on q, k, v only
@@ -36,7 +41,8 @@ from tpkit.layers.rotary import apply_rope, rope_angles, rope_at
 from tpkit.layers.sharding import seed_for, set_meta
 from tpkit.spec.config import ModelConfig
 from tpkit.spec.errors import UserError
-from tpkit.spec.shapes import heads_problems, kv_heads_per_rank
+from tpkit.spec.shapes import even_range, heads_problems, kv_range
+from tpkit.spec.split import TPSplit
 
 
 @dataclass
@@ -62,12 +68,17 @@ class KVSlots:
 def heads_of_rank(num_heads: int, kv_heads: int, tp: int, rank: int
                   ) -> tuple[list[int], list[int]]:
     """(query heads, kv heads) that `rank` of `tp` owns."""
-    q = list(range(rank * num_heads // tp, (rank + 1) * num_heads // tp))
-    if kv_heads >= tp:
-        kv = list(range(rank * kv_heads // tp, (rank + 1) * kv_heads // tp))
-    else:
-        kv = [rank * kv_heads // tp]
-    return q, kv
+    (q0, nq), (k0, nk) = even_range(num_heads, tp, rank), kv_range(num_heads, kv_heads, tp, rank)
+    return list(range(q0, q0 + nq)), list(range(k0, k0 + nk))
+
+
+def kv_index(num_heads: int, kv_heads: int, tp: int, rank: int) -> list[int] | None:
+    """For each of `rank`'s query heads, which of its local kv heads it reads; None when
+    that is `repeat_interleave(nq / nkv)` (every local kv head serves as many)."""
+    q, kv = heads_of_rank(num_heads, kv_heads, tp, rank)
+    group = num_heads // kv_heads
+    index = [j // group - kv[0] for j in q]
+    return None if index == [i // (len(q) // len(kv)) for i in range(len(q))] else index
 
 
 class ParallelAttention(nn.Module):
@@ -86,21 +97,20 @@ class ParallelAttention(nn.Module):
             raise UserError("; ".join(heads_problems(num_heads, kv, tp)))
         self.hidden, self.num_heads, self.kv_heads, self.group = hidden, num_heads, kv, group
         self.head_dim = hd = c.head_dim
-        self.local_heads = num_heads // tp
-        self.local_kv = kv_heads_per_rank(kv, tp)
+        q_heads, kv_local = heads_of_rank(num_heads, kv, tp, group.rank)
+        self.local_heads, self.local_kv = len(q_heads), len(kv_local)
+        self.kv_index = kv_index(num_heads, kv, tp, group.rank)  # None: a plain repeat
         self.causal, self.dropout = c.causal, c.dropout
         self.rope_theta = c.rope_theta if c.position == "rope" else None
         self.rope_dim, self.sliding_window, self.rope_llama3 = (c.rope_dim, c.sliding_window,
                                                                 c.rope_llama3)
         self.cp: CommGroup | None = None  # context parallel: ring attention over this group
-        kv_chunks = tp if kv >= tp else kv
         kw = dict(device=device, dtype=dtype)
         self.qkv = ColumnParallelLinear(
             hidden, (num_heads + 2 * kv) * hd, group, bias=c.attn_bias,
-            partition_sizes=[num_heads * hd, kv * hd, kv * hd],
-            partition_chunks=[tp, kv_chunks, kv_chunks], sequence_parallel=sequence_parallel,
+            split=TPSplit.heads(num_heads, kv, hd), sequence_parallel=sequence_parallel,
             init_std=c.init_std, seed=seed_for(seed, "qkv"), **kw)
-        self.out = RowParallelLinear(num_heads * hd, hidden, group, bias=c.bias,
+        self.out = RowParallelLinear(num_heads * hd, hidden, group, bias=c.bias, units=num_heads,
                                      sequence_parallel=sequence_parallel,
                                      init_std=out_std or c.init_std, seed=seed_for(seed, "out"),
                                      **kw)
@@ -138,14 +148,29 @@ class ParallelAttention(nn.Module):
                 cos, sin = self._angles(s, x.device, ring)
                 q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
             if ring:  # keys and values around the cp ring; kv heads travel unrepeated
+                if self.kv_index is not None:  # unless the groups are uneven here
+                    k, v = self.for_queries(k), self.for_queries(v)
                 y = ring_attention(q, k, v, self.cp)  # [b, nh/tp, s, hd]
                 return self.out(y.transpose(1, 2).reshape(b, s, nq * hd))  # [b, s, h] over tp
-            if nkv != nq:  # grouped-query: each kv head serves nq/nkv query heads
-                k = k.repeat_interleave(nq // nkv, dim=1)  # [b, nh/tp, s, hd]
-                v = v.repeat_interleave(nq // nkv, dim=1)
+            k, v = self.for_queries(k), self.for_queries(v)  # [b, nq, s, hd]
             y = self._attend(q, k, v, attention_mask, rng)  # [b, nh/tp, s, hd]
         y = y.transpose(1, 2).reshape(b, s, nq * hd)  # [b, s, h/tp]
         return self.out(y)  # [b, s, h] summed over tp
+
+    @property
+    def ring_heads(self) -> int:
+        """Key/value heads this rank sends around a context-parallel ring: its kv heads,
+        or one per query head where its query range does not line up with the groups."""
+        return self.local_kv if self.kv_index is None else self.local_heads
+
+    def for_queries(self, k: torch.Tensor) -> torch.Tensor:
+        """[b, kv_local, t, hd] -> [b, nq, t, hd]: the kv head each local query head reads
+        (grouped-query: each kv head serves nq/nkv of them, or, where the query range
+        does not line up with the kv groups, its own count)."""
+        if self.kv_index is not None:
+            return k.index_select(1, torch.tensor(self.kv_index, device=k.device))
+        g = self.local_heads // self.local_kv
+        return k.repeat_interleave(g, dim=1) if g > 1 else k
 
     def _angles(self, s: int, device, ring: bool):
         """cos, sin [s, rope_dim] of this rank's positions (global ones under cp)."""
@@ -175,7 +200,8 @@ class ParallelAttention(nn.Module):
         rows = slots[:, None]  # [b, 1]
         cache.k[rows, :, pos] = k.transpose(1, 2)  # [b, s, kv_local, hd] into the slots
         cache.v[rows, :, pos] = v.transpose(1, 2)
-        window, gqa = self.sliding_window, q.shape[1] != cache.k.shape[1]
+        window = self.sliding_window
+        gqa, uneven = q.shape[1] != cache.k.shape[1], self.kv_index is not None
         out = []
         for i, (r, start) in enumerate(zip(slots.tolist(), cache.starts.tolist())):
             lo, end = (max(0, start - window + 1) if window else 0), start + s  # its keys
@@ -183,9 +209,11 @@ class ParallelAttention(nn.Module):
             if s > 1 or window:  # causal inside the call, and the window
                 j, p = torch.arange(lo, end, device=q.device), pos[i][:, None]  # [n], [s, 1]
                 keep = (j <= p) & (j > p - window) if window else j <= p  # [s, n]
+            k_i, v_i = cache.k[r:r + 1, :, lo:end], cache.v[r:r + 1, :, lo:end]
+            if uneven:  # kv groups not aligned with this rank's query heads
+                k_i, v_i = self.for_queries(k_i), self.for_queries(v_i)
             out.append(F.scaled_dot_product_attention(
-                q[i:i + 1], cache.k[r:r + 1, :, lo:end], cache.v[r:r + 1, :, lo:end], keep,
-                enable_gqa=gqa))  # [1, nh/tp, s, hd]
+                q[i:i + 1], k_i, v_i, keep, enable_gqa=gqa and not uneven))  # [1, nq, s, hd]
         return torch.cat(out)  # [b, nh/tp, s, hd]
 
     def _attend(self, q, k, v, attention_mask, rng):

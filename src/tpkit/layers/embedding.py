@@ -56,7 +56,7 @@ class VocabParallelEmbedding(nn.Module):
         self.per_rank = self.padded_vocab // tp
         self.vocab_start = group.rank * self.per_rank
         self.sequence_parallel, self.init_std, self.seed = sequence_parallel, init_std, seed
-        self.split = TPSplit.even(0, self.padded_vocab, tp)
+        self.split = TPSplit.even(0, self.padded_vocab)
         # rows past vocab_size are padding (checkpoints drop them)
         self.weight = set_meta(nn.Parameter(torch.empty(self.per_rank, hidden, device=device,
                                                         dtype=dtype)),

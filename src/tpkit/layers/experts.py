@@ -37,22 +37,23 @@ from tpkit.comm.group import CommGroup
 from tpkit.layers.mlp import GATED, activate
 from tpkit.layers.sharding import TPSplit, master_normal, seed_for, set_meta, shard
 from tpkit.spec.config import ModelConfig
+from tpkit.spec.shapes import even_range
 
 
 def expert_splits(num_experts: int, hidden: int, ffn: int, gated: bool, tp: int,
                   expert_parallel: bool) -> tuple[TPSplit, TPSplit]:
-    """Split tags of the stacked fc1 [E*(2)f, h] and fc2 [E*h, f]."""
+    """Split tags of the stacked fc1 [E*(2)f, h] and fc2 [E*h, f]: whole experts dealt
+    over tp (expert parallel), or each expert's ffn columns dealt over tp, as evenly as
+    possible either way."""
     width = (2 if gated else 1) * ffn
     if expert_parallel:
-        if num_experts % tp:
-            raise ValueError(f"num_experts={num_experts} is not divisible by tp={tp} "
+        if num_experts < tp:
+            raise ValueError(f"num_experts={num_experts} is fewer than tp={tp} "
                              f"(expert parallelism spreads whole experts over tp)")
-        return (TPSplit(0, (num_experts * width,), (tp,)),
-                TPSplit(0, (num_experts * hidden,), (tp,)))
-    if ffn % tp:
-        raise ValueError(f"ffn={ffn} is not divisible by tp={tp}")
+        return (TPSplit.even(0, num_experts * width, num_experts),
+                TPSplit.even(0, num_experts * hidden, num_experts))
     parts = width // ffn * num_experts
-    return TPSplit(0, (ffn,) * parts, (tp,) * parts), TPSplit(1, (ffn,), (tp,))
+    return TPSplit(0, (ffn,) * parts), TPSplit.even(1, ffn)
 
 
 def _stacked(full_shape: tuple[int, int], split: TPSplit, group: CommGroup, std: float,
@@ -60,7 +61,7 @@ def _stacked(full_shape: tuple[int, int], split: TPSplit, group: CommGroup, std:
     """A holder whose `.weight` is this rank's slice of a stacked expert weight."""
     holder = nn.Module()
     local = list(full_shape)
-    local[split.dim] = split.local_size()
+    local[split.dim] = split.local_size(group.rank, group.size)
     holder.weight = set_meta(nn.Parameter(torch.empty(local, **kw)), split=split)
     if not holder.weight.is_meta:
         with torch.no_grad():
@@ -93,8 +94,8 @@ class ParallelMoE(nn.Module):
         s1, s2 = expert_splits(num_experts, hidden, ffn, gated, tp, expert_parallel)
         self.group, self.top_k, self.activation = group, top_k, activation
         self.sequence_parallel, self.hidden = sequence_parallel, hidden
-        per_rank = num_experts // tp if expert_parallel else num_experts
-        first = group.rank * per_rank if expert_parallel else 0
+        first, per_rank = even_range(num_experts, tp, group.rank) if expert_parallel else (
+            0, num_experts)
         self.local_experts = range(first, first + per_rank)  # experts this rank computes
         kw = dict(device=device, dtype=dtype)
         self.router = nn.Linear(hidden, num_experts, bias=False, **kw)

@@ -5,8 +5,9 @@ the data flowing through them, so each rank's gradient is a partial sum:
 
 - with sequence parallelism, norm weights (and row-parallel biases) act on this
   rank's [b, s/tp, h] slice only: their gradients are summed over the tp group;
-- grouped-query kv heads replicated over tp (kv_heads < tp): the ranks sharing
-  a kv head each hold the gradient from their own query heads: summed over sharers;
+- grouped-query kv heads held by several ranks (kv_heads < tp, or query ranges that
+  straddle a kv group, 9 heads / 3 kv at tp=2): the ranks holding a kv head each hold
+  the gradient from their own query heads: summed over the holders;
 - weights replicated but fed by split work: the per-head q/k norms (each rank
   normalizes its own heads) and a mixture-of-experts router (its gradient comes
   through each rank's partial expert outputs): summed over tp, like the SP norms.
@@ -46,17 +47,19 @@ def finalize_param_grads(params: list[nn.Parameter], group: CommGroup) -> None:
 
 
 def _sum_shared_chunks(p: nn.Parameter, group: CommGroup) -> None:
-    """Each part with chunks < tp: place this rank's chunk grad at its global position,
-    all-reduce over tp, read the chunk back: the sum over the ranks that share it."""
+    """Each part some of whose rows several ranks hold: place this rank's rows of the
+    part at their global position, all-reduce over tp, read them back: the sum over the
+    ranks that hold each row (one all-reduce per shared part, on every rank alike)."""
     split, tp = meta_of(p).split, group.size
-    for pc in split.pieces(group.rank, tp):
-        if pc.chunks < tp:
-            local = p.grad.narrow(split.dim, pc.local_start, pc.size)  # this rank's chunk
+    local_start = 0
+    for i, size in enumerate(split.parts):
+        at, n = split.part_range(i, group.rank, tp)  # this rank's rows of part i
+        if split.part_shared(i, tp):
+            local = p.grad.narrow(split.dim, local_start, n)
             shape = list(p.grad.shape)
-            shape[split.dim] = split.parts[pc.part]
+            shape[split.dim] = size
             buf = torch.zeros(shape, dtype=p.grad.dtype, device=p.grad.device)  # [part, ...]
-            at = pc.start - pc.part_start  # where the chunk sits in its part
-            buf.narrow(split.dim, at, pc.size).copy_(local)
+            buf.narrow(split.dim, at, n).copy_(local)
             all_reduce(buf, group, phase="grads", scope="shared_kv_params")
-            # every sharer added its own chunk: the sum holds tp/chunks contributions of it
-            local.copy_(buf.narrow(split.dim, at, pc.size))
+            local.copy_(buf.narrow(split.dim, at, n))
+        local_start += n

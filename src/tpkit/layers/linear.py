@@ -88,48 +88,50 @@ def _reset_sharded(layer: nn.Module) -> None:
             layer.bias.zero_()
 
 
-def _divisible(n: int, tp: int, what: str) -> None:
-    if n % tp:
-        raise ValueError(f"{what}={n} is not divisible by tp={tp}")
+def _even(split: TPSplit, tp: int, what: str) -> None:
+    """ValueError unless every rank holds as many rows (an all-gather or a scatter of
+    the split dimension needs equal parts)."""
+    if not split.even_over(tp):
+        raise ValueError(f"{what} needs the split sizes {list(split.parts)} to divide by "
+                         f"tp={tp}")
 
 
 class ColumnParallelLinear(nn.Module):
-    """y = x A^T + b with A's output features split over tp: each rank owns out/tp of them.
+    """y = x A^T + b with A's output features split over tp, as evenly as possible (the
+    first ranks one more when tp does not divide them).
 
     `partition_sizes` declares fused weights (e.g. [ffn, ffn] for gate+up, or
     [q, k, v]): each logical part is split separately, so every rank holds its slice
-    of each. `partition_chunks` (default tp for every part) lets a part be cut into
-    fewer chunks shared by groups of ranks (grouped-query kv heads when kv < tp).
+    of each. `split` gives the whole layout instead (heads as units, grouped-query kv
+    heads shared by the ranks that read them: `TPSplit.heads`).
     """
 
     def __init__(self, in_features: int, out_features: int, group: CommGroup, *,
                  bias: bool = True, gather_output: bool = False,
-                 partition_sizes: list[int] | None = None,
-                 partition_chunks: list[int] | None = None, sequence_parallel: bool = False,
-                 init_std: float = 0.02, seed: int = 0, device: torch.device | str | None = None,
+                 partition_sizes: list[int] | None = None, split: TPSplit | None = None,
+                 sequence_parallel: bool = False, init_std: float = 0.02, seed: int = 0,
+                 device: torch.device | str | None = None,
                  dtype: torch.dtype | None = None) -> None:
         super().__init__()
         tp = group.size
-        parts = tuple(partition_sizes or [out_features])
-        if sum(parts) != out_features:
-            raise ValueError(f"partition_sizes {list(parts)} sum to {sum(parts)}, "
-                             f"not out_features={out_features}")
-        if partition_chunks is None:
-            for size in parts:
-                _divisible(size, tp, "out_features" if len(parts) == 1 else "partition size")
-        self.split = TPSplit(0, parts, tuple(partition_chunks or [tp] * len(parts)))
+        self.split = split or TPSplit(0, tuple(partition_sizes or [out_features]))
+        if sum(self.split.parts) != out_features:
+            raise ValueError(f"partition_sizes {list(self.split.parts)} sum to "
+                             f"{sum(self.split.parts)}, not out_features={out_features}")
         self.split.check(tp, "ColumnParallelLinear")
         if sequence_parallel and gather_output:
             raise ValueError("sequence_parallel and gather_output cannot both be set")
+        if gather_output:
+            _even(self.split, tp, "gather_output")
         self.in_features, self.out_features, self.group = in_features, out_features, group
         self.gather_output, self.sequence_parallel = gather_output, sequence_parallel
         self.init_std, self.seed = init_std, seed
-        local = self.split.local_size()
+        local = self.split.local_size(group.rank, tp)
         kw = dict(device=device, dtype=dtype)
         self.weight = set_meta(nn.Parameter(torch.empty(local, in_features, **kw)),
                                split=self.split)
         self.bias = set_meta(nn.Parameter(torch.empty(local, **kw)),
-                             split=TPSplit(0, parts, self.split.chunks)) if bias else None
+                             split=self.split) if bias else None
         self.reset_parameters()
 
     def reset_parameters(self) -> None:
@@ -149,28 +151,33 @@ class ColumnParallelLinear(nn.Module):
 
 
 class RowParallelLinear(nn.Module):
-    """y = x A^T + b with A's input features split over tp; partial outputs all-reduced.
+    """y = x A^T + b with A's input features split over tp (as evenly as possible, in
+    `units` of in_features / units: the heads of attention's output projection);
+    partial outputs all-reduced.
 
     The bias is added once, after the reduce. `partial(x)` returns this rank's
     un-reduced contribution (quiz answer 7: the partials sum to the full output).
     """
 
     def __init__(self, in_features: int, out_features: int, group: CommGroup, *,
-                 bias: bool = True, input_is_parallel: bool = True,
+                 bias: bool = True, input_is_parallel: bool = True, units: int | None = None,
                  sequence_parallel: bool = False, init_std: float = 0.02, seed: int = 0,
                  device: torch.device | str | None = None,
                  dtype: torch.dtype | None = None) -> None:
         super().__init__()
         tp = group.size
-        _divisible(in_features, tp, "in_features")
         if sequence_parallel and not input_is_parallel:
             raise ValueError("sequence_parallel needs input_is_parallel=True")
         self.in_features, self.out_features, self.group = in_features, out_features, group
         self.input_is_parallel, self.sequence_parallel = input_is_parallel, sequence_parallel
         self.init_std, self.seed = init_std, seed
-        self.split = TPSplit.even(1, in_features, tp)
+        self.split = TPSplit.even(1, in_features, units)  # units: heads (attention's out)
+        self.split.check(tp, "RowParallelLinear")
+        if not input_is_parallel:
+            _even(self.split, tp, "input_is_parallel=False")
+        local = self.split.local_size(group.rank, tp)
         kw = dict(device=device, dtype=dtype)
-        self.weight = set_meta(nn.Parameter(torch.empty(out_features, in_features // tp, **kw)),
+        self.weight = set_meta(nn.Parameter(torch.empty(out_features, local, **kw)),
                                split=self.split)
         # with SP the bias is added on [b, s/tp, h]: its grad is partial per tp rank
         self.bias = set_meta(nn.Parameter(torch.empty(out_features, **kw)),

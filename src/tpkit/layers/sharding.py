@@ -1,94 +1,33 @@
 """How a tensor-parallel parameter is split, as a tag on the parameter (nanotron style).
 
 Checkpoints, Hugging Face import/export and the tests read the tag instead of
-guessing from names. A split is along one `dim`, in logical `parts` (a fused
-gate+up weight has two parts, a fused qkv weight three), and each part is cut into
-`chunks` pieces: chunks == tp means every rank owns its own piece; chunks < tp means
-groups of tp/chunks ranks hold the same piece (grouped-query kv heads when
-kv_heads < tp); chunks == 1 means the part is replicated.
+guessing from names. The tag is a `tpkit.spec.split.TPSplit`: along one `dim`, in
+logical `parts` (a fused gate+up weight has two parts, a fused qkv weight three),
+each part dealt over tp in units (heads, columns) as evenly as possible, the first
+ranks one unit more; grouped-query kv heads follow the query heads that read them.
 
-    fused [gate; up] weight, tp=2 (rows = dim 0):     rank 0        rank 1
-      gate rows 0..f-1   -> chunks of f/2            gate[:f/2]    gate[f/2:]
-      up   rows f..2f-1  -> chunks of f/2            up[:f/2]      up[f/2:]
+    fused [gate; up] weight of ffn f=5, tp=2 (rows = dim 0):  rank 0       rank 1
+      gate rows 0..4   -> 3 + 2 rows                          gate[:3]     gate[3:]
+      up   rows 5..9   -> 3 + 2 rows                          up[:3]       up[3:]
 
 Every fact tpkit keeps about a parameter lives in one `ParamMeta` record on it, read
 with `meta_of` and written with `set_meta`; no other module names the attribute.
-`TPSplit.pieces(rank, tp)` is the one walk over parts and chunks: sharding,
+`TPSplit.pieces(rank, tp)` is the one walk over what a rank holds: sharding,
 unsharding, checkpoint reads, gradient sums and norms all use it.
 """
 
 from __future__ import annotations
 
-from collections.abc import Iterator
 from dataclasses import dataclass, replace
 
 import torch
 
+from tpkit.spec.split import Piece, TPSplit
+
+__all__ = ["ParamMeta", "Piece", "TPSplit", "full_state_dict", "master_normal", "meta_of",
+           "seed_for", "set_meta", "shard", "split_of", "splits_of", "unshard"]
+
 _META = "_tpkit_meta"  # the one attribute tpkit sets on a torch.nn.Parameter
-
-
-@dataclass(frozen=True)
-class Piece:
-    """One chunk of one logical part, as a rank holds it (offsets along the split dim)."""
-
-    part: int  # which logical part
-    chunk: int  # which chunk of that part
-    chunks: int  # how many chunks the part is cut into (< tp: shared by tp/chunks ranks)
-    part_start: int  # where the part starts in the global tensor
-    start: int  # where this chunk starts in the global tensor
-    local_start: int  # where it starts in the rank's shard
-    size: int  # its length
-
-
-@dataclass(frozen=True)
-class TPSplit:
-    """A parameter split along `dim` into logical `parts`, part i cut into `chunks[i]`."""
-
-    dim: int
-    parts: tuple[int, ...]
-    chunks: tuple[int, ...]
-
-    @classmethod
-    def even(cls, dim: int, size: int, tp: int) -> TPSplit:
-        """One part, split evenly over tp."""
-        return cls(dim, (size,), (tp,))
-
-    def check(self, tp: int, what: str = "parameter") -> None:
-        """ValueError naming the numbers unless every part splits as declared."""
-        for size, n in zip(self.parts, self.chunks):
-            if n < 1 or tp % n:
-                raise ValueError(f"{what}: {n} chunks do not divide over tp={tp}")
-            if size % n:
-                raise ValueError(f"{what}: partition of size {size} does not split evenly "
-                                 f"into {n} chunks (tp={tp})")
-
-    def local_size(self) -> int:
-        """Size along `dim` that each rank holds."""
-        return sum(size // n for size, n in zip(self.parts, self.chunks))
-
-    def chunk_index(self, part: int, rank: int, tp: int) -> int:
-        """Which chunk of `part` rank `rank` holds."""
-        return rank * self.chunks[part] // tp
-
-    def shared(self, tp: int) -> bool:
-        """True when some part is held by several ranks (its gradient needs a sum)."""
-        return any(n < tp for n in self.chunks)
-
-    def pieces(self, rank: int, tp: int) -> Iterator[Piece]:
-        """What rank `rank` of `tp` holds, part by part, in the order of its shard."""
-        part_start = local_start = 0
-        for i, (size, n) in enumerate(zip(self.parts, self.chunks)):
-            c, j = size // n, self.chunk_index(i, rank, tp)
-            yield Piece(i, j, n, part_start, part_start + j * c, local_start, c)
-            part_start, local_start = part_start + size, local_start + c
-
-    def owned_pieces(self, tp: int) -> list[tuple[int, Piece]]:
-        """Every chunk once, in global order, with the lowest rank that holds it."""
-        first: dict[int, tuple[int, Piece]] = {}
-        for rank in range(tp):
-            for pc in self.pieces(rank, tp):
-                first.setdefault(pc.start, (rank, pc))
-        return [first[k] for k in sorted(first)]
 
 
 @dataclass(frozen=True)

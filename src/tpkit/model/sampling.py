@@ -2,7 +2,9 @@
 
     token = sample(logits, temperature=0.8, top_k=50, top_p=0.95, generator=g)
 
-Greedy (temperature 0) is the argmax. Otherwise the logits are divided by the
+Greedy (temperature 0, or below `GREEDY_BELOW`) is the argmax: sampling tends to it as
+the temperature goes to 0, and logits / 1e-300 overflow float32 into inf - inf = nan,
+which no draw survives (vLLM takes the same 1e-5 bound). Otherwise the logits are divided by the
 temperature, cut to the k largest (top-k) and to the smallest set of tokens whose
 probability reaches p (top-p, nucleus), and one token is drawn with `generator` (one
 per request: its seed alone decides the draw, whatever else is being generated).
@@ -11,6 +13,8 @@ per request: its seed alone decides the draw, whatever else is being generated).
 from __future__ import annotations
 
 import torch
+
+GREEDY_BELOW = 1e-5  # a temperature under this is greedy
 
 
 def filtered(logits: torch.Tensor, temperature: float, top_k: int | None = None,
@@ -32,7 +36,7 @@ def sample(logits: torch.Tensor, temperature: float = 0.0, top_k: int | None = N
            top_p: float | None = None, generator: torch.Generator | None = None
            ) -> torch.Tensor:
     """Next token(s) [..., 1] from logits [..., V] (a batch draws one per row)."""
-    if temperature <= 0:
+    if temperature < GREEDY_BELOW:
         return logits.argmax(-1, keepdim=True)
     probs = filtered(logits, temperature, top_k, top_p).softmax(-1)
     flat = probs.reshape(-1, probs.shape[-1])

@@ -152,7 +152,7 @@ class Transformer(nn.Module):
             self.head = None  # the embedding table itself
             return
         padded = c.padded_vocab(tp)
-        split = TPSplit.even(0, padded, tp)
+        split = TPSplit.even(0, padded)
         w = nn.Parameter(torch.empty(padded // tp, c.hidden, **kw))
         if not w.is_meta:
             name = names.WORD if c.tie_embeddings else names.HEAD

@@ -65,5 +65,5 @@ def expected(model: nn.Module, b: int, s_local: int, cp: int, micro_batches: int
     attn = [m for m in model.modules() if isinstance(m, ParallelAttention)]
     if not attn:
         return []
-    return theory.context_parallel(b, s_local, attn[0].local_kv, attn[0].head_dim, cp,
+    return theory.context_parallel(b, s_local, attn[0].ring_heads, attn[0].head_dim, cp,
                                    len(attn), micro_batches, recompute)

@@ -15,7 +15,7 @@ once the buffer is refilled), and refills it with one all-gather of the shards.
 
 The global gradient norm reads the shards: each element carries the weight the
 unsharded norm gives it (`tpkit.parallel.grad_norm`): 1 for a tp-split element, 1 on
-tp rank 0 only for a replicated one, chunks/tp for a grouped-query kv chunk held by
+tp rank 0 only for a replicated one, 1/holders for grouped-query kv rows held by
 several ranks, 0 for the tied head of a pipeline's last stage and for the padding.
 """
 
@@ -44,7 +44,7 @@ def norm_weight(p: nn.Parameter, tp_size: int, tp_rank: int, pp_size: int) -> to
     if not split.shared(tp_size):
         return w.fill_(1.0)
     for pc in split.pieces(tp_rank, tp_size):
-        w.narrow(split.dim, pc.local_start, pc.size).fill_(pc.chunks / tp_size)
+        w.narrow(split.dim, pc.local_start, pc.size).fill_(1 / pc.holders)
     return w
 
 

@@ -7,9 +7,9 @@
     and NOT summed over dp: after averaging, every replica holds the same gradients
     (with ZeRO-1 each holds its slice and zeros elsewhere: then summed over dp too).
 
-A part of a split held by several ranks (grouped-query kv heads with
-kv_heads < tp: `chunks` < tp) appears tp/chunks times in the tp sum, so it is
-weighted by chunks/tp. One all-reduce of one float over the tp x pp group.
+Rows of a split held by several ranks (grouped-query kv heads read by several
+ranks' query heads: `Piece.holders` > 1) appear `holders` times in the tp sum, so
+they are weighted by 1/holders. One all-reduce of one float over the tp x pp group.
 """
 
 from __future__ import annotations
@@ -40,7 +40,7 @@ def local_sq_norm(model: nn.Module, tp_size: int, tp_rank: int, pp_size: int) ->
         else:
             for pc in split.pieces(tp_rank, tp_size):
                 piece = g.narrow(split.dim, pc.local_start, pc.size)
-                total += piece.square().sum().cpu() * pc.chunks / tp_size
+                total += piece.square().sum().cpu() / pc.holders
     return total
 
 

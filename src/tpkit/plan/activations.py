@@ -43,8 +43,9 @@ MASK = 1  # a dropout mask is one byte per element
 
 
 def kv_heads_per_rank(c: ModelConfig, tp: int) -> int:
-    """kv heads a tp rank holds: split when tp divides them, else one (replicated)."""
-    return shapes.kv_heads_per_rank(c.kv_heads, tp)
+    """kv heads the largest tp rank holds (split, shared, or one more where the query
+    heads it holds straddle a kv group)."""
+    return shapes.kv_heads_per_rank(c.num_heads, c.kv_heads, tp)
 
 
 def saved_tensors(c: ModelConfig, s: int, b: int, tp: int = 1, sp: bool = False,
@@ -86,7 +87,7 @@ def _norm_terms(c: ModelConfig, s: float, b: int, act: int, eager: bool,
 
 def _attention_terms(c: ModelConfig, s: float, b: int, tp: int, act: int, flash: bool,
                      eager: bool, drop_scores: bool) -> dict[str, float]:
-    heads, own_kv = c.num_heads // tp, kv_heads_per_rank(c, tp)
+    heads, own_kv = shapes.heads_per_rank(c.num_heads, tp), kv_heads_per_rank(c, tp)
     kv = heads if eager else own_kv  # eager SDPA sees k, v repeated to every query head
     hd = c.head_dim
     out = {"q": s * b * heads * hd * act, "k, v": 2 * s * b * kv * hd * act,
@@ -105,7 +106,7 @@ def _attention_terms(c: ModelConfig, s: float, b: int, tp: int, act: int, flash:
 
 def _mlp_terms(c: ModelConfig, s: float, b: int, tp: int, act: int,
                eager: bool) -> dict[str, float]:
-    sbf = s * b * (c.ffn // tp) * act
+    sbf = s * b * -(-c.ffn // tp) * act  # the largest rank's columns
     if c.activation == "swiglu":
         return {"MLP (gate|up, silu, fc2 input)": (4 if eager else 3) * sbf}
     return {"MLP (fc1 output, fc2 input)": 2 * sbf}

@@ -19,6 +19,7 @@ from tpkit.plan.layout import ZERO_NAMES
 from tpkit.spec.config import ModelConfig
 from tpkit.spec.grid import group_fits_node
 from tpkit.spec.theory import bubble_theory
+from tpkit.spec.words import plural
 
 if TYPE_CHECKING:
     from tpkit.plan.simulate import Cluster, Estimate, Layout
@@ -77,7 +78,7 @@ def _why_best(e: Estimate, c: ModelConfig, cluster: Cluster) -> str:
         else "(no tensor-parallel traffic needed)")]
     if lay.pp > 1:
         parts.append(f"pp={lay.pp} idles {e.terms['bubble'] / e.step_time_s:.0%} in the bubble "
-                     f"with {e.micro_batches} micro-batches")
+                     f"with {plural(e.micro_batches, 'micro-batch')}")
     if lay.cp > 1:
         hidden = e.per_layer["cp_ring_exposed"] == 0
         parts.append(f"cp={lay.cp} splits each sequence over a ring of {lay.cp} ranks, its "
@@ -104,7 +105,7 @@ def _tp_comm(e, best, c, cluster, extra) -> str:
 def _bubble(e, best, c, cluster, extra) -> str:
     lay = e.layout
     frac = bubble_theory(lay.pp, e.micro_batches, lay.interleave)
-    return (f"pp={lay.pp} with {e.micro_batches} micro-batches per replica: the pipeline "
+    return (f"pp={lay.pp} with {plural(e.micro_batches, 'micro-batch')} per replica: the pipeline "
             f"bubble ((p-1)/m = {frac:.0%}) adds {_ms(extra)} per step")
 
 
@@ -112,6 +113,11 @@ def _compute(e, best, c, cluster, extra) -> str:
     lay, b = e.layout, best.layout
     if lay.recompute == "full" and b.recompute != "full":
         return f"full recomputation re-runs every forward: +{_ms(extra)} per step"
+    if e.notes.get("tp_imbalance", 0) > best.notes.get("tp_imbalance", 0) + 0.01:
+        heads = -(-c.num_heads // lay.tp)
+        return (f"tp={lay.tp} on {c.num_heads} heads: the larger rank does {heads}/"
+                f"{c.num_heads} of the attention, {e.notes['tp_imbalance']:.0%} above an even "
+                f"split: +{_ms(extra)} per step")
     if lay.tp > b.tp:
         eff = cost.gemm_efficiency(cluster.hardware.accelerator, c.hidden / lay.tp)
         return (f"tp={lay.tp} leaves {c.hidden // lay.tp}-wide GEMMs that run at {eff:.0%} of "

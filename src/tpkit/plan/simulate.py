@@ -107,10 +107,11 @@ def layer_times(c: ModelConfig, seq: int, lay: Layout, hw: Hardware, prec: Preci
                 flash: bool = True) -> dict[str, float]:
     """Seconds for one layer and one micro-batch on one rank, by kind (forward and backward)."""
     acc, b, t, local = hw.accelerator, lay.micro_batch, lay.tp, seq // lay.cp
-    gemm = cost.gemm_time(cost.layer_forward_flops(c, b, local)["gemm"] / t, acc,
+    share = c.tp_shares(t)  # of the largest rank: 1/tp unless tp leaves some a head more
+    gemm = cost.gemm_time(cost.layer_forward_flops(c, b, local)["gemm"] * share["gemm"], acc,
                           min(b * local, c.hidden / t))
-    attn = cost.gemm_time(cost.layer_forward_flops(c, b, seq)["attention"] / (t * lay.cp), acc,
-                          c.head_dim)
+    attn = cost.gemm_time(cost.layer_forward_flops(c, b, seq)["attention"] * share["attention"]
+                          / lay.cp, acc, c.head_dim)
     kept = layer_activation_bytes(c, seq, b, t, lay.sp, "none", prec.activation, flash,
                                   cp=lay.cp)  # what the elementwise kernels write and re-read
     elem = cost.memory_time(2 * kept, acc)
@@ -205,6 +206,7 @@ def evaluate(c: ModelConfig, seq: int, global_batch: int, lay: Layout, cluster: 
     mem = memory_per_device(c, seq, lay, m, prec, cluster.flash_attention, cluster.eager)
     e = _estimate(c, seq, global_batch, lay, cluster, step, terms, lt, mem, m)
     e.notes["stage_imbalance"] = max(sum(s) for s in stages) / min(sum(s) for s in stages) - 1
+    e.notes["tp_imbalance"] = c.tp_shares(lay.tp)["attention"] * lay.tp - 1
     return e
 
 

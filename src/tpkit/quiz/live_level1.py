@@ -134,7 +134,7 @@ def demo_heads(live: Spawner, tp: int = 2, hidden: int = 64, num_heads: int = 8,
     with torch.no_grad():
         y_ref = ref(x)
     say = Say(lang, "heads")
-    kv_note = (say("kv_split", n=kv_heads_per_rank(num_kv_heads, tp)) if num_kv_heads >= tp
+    kv_note = (say("kv_split", n=kv_heads_per_rank(num_heads, num_kv_heads, tp)) if num_kv_heads >= tp
                else say("kv_shared", n=tp // num_kv_heads))
     arithmetic = [heads_arithmetic(num_heads, num_kv_heads, tp, i) for i in range(tp)]
     out = dict(tp=tp, heads_per_rank=num_heads // tp, arithmetic=arithmetic, per_rank=[

@@ -5,7 +5,8 @@
 Answers come from one of three sources: `interactive` (asks again on a bad answer) and
 `from_lines` (one per line, for piped stdin), both numbered 1..4 as the options are
 shown; and `scripted` (from `--answers 1,3,2,...`), numbered as in the seed quiz, whatever
-order the options are shown in, so a script's answers mean the same thing every run.
+order the questions and options are shown in, so a script's answers mean the same thing
+every run.
 The last two raise `AnswerError` on a bad or missing answer, which the CLI turns into
 exit code 2. At the end, a review of the missed questions (the right answer and its
 explanation) and the score once, in the sitting's language ("Score : 6/8"), or exactly
@@ -16,10 +17,11 @@ from a callback, which the CLI binds to the sitting's language: `session.text(..
 from __future__ import annotations
 
 import textwrap
-from collections.abc import Callable, Iterable, Iterator
+from collections.abc import Callable, Sequence
 from typing import TextIO
 
 from tpkit.quiz.content import NUM_OPTIONS, Item
+from tpkit.spec.words import plural
 
 AnswerFn = Callable[[Item, dict], int]  # returns the chosen option's index (0-based)
 LiveFn = Callable[[int], str]  # question number (seed order) -> text, in the sitting's language
@@ -42,7 +44,7 @@ def parse_answers(text: str, count: int, n: int = NUM_OPTIONS) -> list[int]:
     """'1,3,2,...' -> 0-based indices; AnswerError unless there are exactly `count` valid ones."""
     parts = [p for p in text.replace(" ", ",").split(",") if p.strip()]
     if len(parts) != count:
-        raise AnswerError(f"--answers has {len(parts)} answers, expected {count} "
+        raise AnswerError(f"--answers has {plural(len(parts), 'answer')}, expected {count} "
                           f"(one option number 1..{n} per question, comma-separated)")
     out = []
     for i, part in enumerate(parts, start=1):
@@ -53,15 +55,15 @@ def parse_answers(text: str, count: int, n: int = NUM_OPTIONS) -> list[int]:
     return out
 
 
-def scripted(answers: Iterable[int]) -> AnswerFn:
-    """Answer from a list of 0-based indices in the seed's option order (validated)."""
-    it: Iterator[int] = iter(answers)
+def scripted(answers: Sequence[int]) -> AnswerFn:
+    """Answer from a list of 0-based indices (validated) numbered as in the seed quiz:
+    `answers[n - 1]` answers question n, whatever order the questions are asked in
+    (`--shuffle`), and names an option in the seed's order, whatever order it is shown in."""
 
     def answer(item: Item, ui: dict) -> int:
-        try:
-            return item.shown(next(it))
-        except StopIteration:
-            raise AnswerError(f"no answer given for question {item.number}") from None
+        if not 1 <= item.number <= len(answers):
+            raise AnswerError(f"no answer given for question {item.number}")
+        return item.shown(answers[item.number - 1])
 
     return answer
 

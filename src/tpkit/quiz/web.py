@@ -6,8 +6,9 @@
     GET  /api/live/<n>?tp=2&lang=fr&level=1 live demonstration n (with --live)
 
 Requests are answered from a fixed table of files, so no path from the URL ever reaches
-the file system (no traversal). The Host header must name the address served
-(DNS rebinding); a POST body over `MAX_BODY` bytes gets 413, one that is not JSON 400.
+the file system (no traversal). The Host header must name this server (DNS
+rebinding), a POST must be JSON from the page's own origin (`tpkit.host.web.Guard`);
+a POST body over `MAX_BODY` bytes gets 413, one that is not JSON 400.
 Each connection is dropped after `timeout` idle seconds, so half-open connections do
 not hold threads; a client that goes away mid-answer is not an error. Live
 demonstrations run one at a time, tp in {2, 4}, in the language asked, and are cached;
@@ -17,24 +18,20 @@ and the worker processes of the demonstrations. Pure Python unless `--live`.
 
 from __future__ import annotations
 
-import errno
 import json
 import signal
-import socket
-import sys
 import threading
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
 from http import HTTPStatus
-from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+from http.server import BaseHTTPRequestHandler
 from importlib import resources
 from urllib.parse import parse_qs, urlsplit
 
-from tpkit.host.addresses import allowed_hosts, host_of, is_loopback
+from tpkit.host.exit import Stopped
+from tpkit.host.web import HOST, Guard, Server, listen, warn_if_exposed
 from tpkit.quiz import web_api
 from tpkit.quiz.content import Quiz
-from tpkit.spec.errors import UserError
 
-HOST = "127.0.0.1"
 HTML, JS = "text/html; charset=utf-8", "text/javascript; charset=utf-8"
 STATIC = {  # URL path -> (file in tpkit/quiz/page, content type)
     "/": ("index.html", HTML), "/index.html": ("index.html", HTML),
@@ -73,7 +70,7 @@ class _Live:
         return HTTPStatus.OK, result
 
 
-def make_handler(quiz: Quiz, lang: str, live: LiveRunner | None, hosts: set[str] | None,
+def make_handler(quiz: Quiz, lang: str, live: LiveRunner | None, guard: Guard,
                  timeout: float) -> type[BaseHTTPRequestHandler]:
     """A request handler class bound to one quiz (and optionally a live runner)."""
     payload = json.dumps(web_api.quiz_payload(quiz, lang, live is not None),
@@ -96,7 +93,7 @@ def make_handler(quiz: Quiz, lang: str, live: LiveRunner | None, hosts: set[str]
             self._get(send_body=False)
 
         def do_POST(self) -> None:  # noqa: N802
-            if self._host_refused():
+            if self._refused("POST"):
                 return
             if urlsplit(self.path).path != "/api/answer":
                 return self._json(HTTPStatus.NOT_FOUND, {"error": "POST only to /api/answer"})
@@ -111,7 +108,7 @@ def make_handler(quiz: Quiz, lang: str, live: LiveRunner | None, hosts: set[str]
             self._json(*(body if isinstance(body, tuple) else web_api.check_answer(quiz, body)))
 
         def _get(self, send_body: bool) -> None:
-            if self._host_refused(send_body):
+            if self._refused("GET", send_body):
                 return
             url = urlsplit(self.path)
             if url.path in STATIC:
@@ -125,10 +122,12 @@ def make_handler(quiz: Quiz, lang: str, live: LiveRunner | None, hosts: set[str]
                 return self._json(*reply, send_body=send_body)
             self._send(HTTPStatus.NOT_FOUND, b"not found\n", "text/plain", send_body)
 
-        def _host_refused(self, send_body: bool = True) -> bool:
-            if hosts is None or host_of(self.headers.get("Host") or "") in hosts:
+        def _refused(self, method: str, send_body: bool = True) -> bool:
+            refusal = guard.refusal(method, self.headers)
+            if refusal is None:
                 return False
-            self._send(HTTPStatus.FORBIDDEN, b"forbidden host\n", "text/plain", send_body)
+            self.close_connection = True  # a refused body is not read
+            self._json(HTTPStatus(refusal[0]), {"error": refusal[1]}, send_body)
             return True
 
         def _json(self, status: HTTPStatus, body: dict, send_body: bool = True) -> None:
@@ -151,41 +150,22 @@ def make_handler(quiz: Quiz, lang: str, live: LiveRunner | None, hosts: set[str]
     return Handler
 
 
-class QuizServer(ThreadingHTTPServer):
-    """A threading server whose clients may vanish: no traceback for a broken pipe."""
-
-    daemon_threads = True
-    request_queue_size = 128  # a burst of connections waits to be accepted, not refused
-
-    def handle_error(self, request, client_address) -> None:
-        if isinstance(sys.exc_info()[1], (ConnectionError, TimeoutError)):
-            return  # the client went away (broken pipe, reset): nothing to report
-        super().handle_error(request, client_address)
-
-
 def make_server(quiz: Quiz, port: int = 0, lang: str = "en", live: LiveRunner | None = None,
-                host: str = HOST, timeout: float = 15.0) -> QuizServer:
-    """A server bound to `host`:`port` (0: any free port); not started."""
-    handler = make_handler(quiz, lang, live, allowed_hosts(host), timeout)
-    cls = QuizServer
-    if ":" in host:
-        cls = type("QuizServer6", (QuizServer,), {"address_family": socket.AF_INET6})
-    return cls((host, port), handler)
+                host: str = HOST, timeout: float = 15.0, allowed_hosts: Iterable[str] = ()
+                ) -> Server:
+    """A server bound to `host`:`port` (0: any free port); not started. It answers to
+    the Host names of `tpkit.host.addresses.allowed_hosts(host, allowed_hosts)`."""
+    handler = make_handler(quiz, lang, live, Guard(host, allowed_hosts), timeout)
+    return Server.on(host)((host, port), handler)
 
 
 def serve(quiz: Quiz, port: int = 8765, lang: str = "en", live: bool = False,
-          host: str = HOST, comm: str | None = None) -> int:
-    """Serve until SIGINT, SIGTERM or SIGHUP; prints the URL. Returns the exit code."""
-    try:
-        server = make_server(quiz, port, lang, None, host)
-    except OSError as e:
-        why = (f"port {port} is already in use on {host}; choose another with --port "
-               f"(--port 0 picks a free one)" if e.errno == errno.EADDRINUSE
-               else f"cannot listen on {host}:{port}: {e.strerror or e}")
-        raise UserError(why) from None  # one line from `tpkit.cli`, exit 2
-    if not is_loopback(host):
-        print(f"tpkit quiz: warning: --host {host} makes the quiz reachable from other "
-              f"machines (no login, no TLS)", file=sys.stderr)
+          host: str = HOST, comm: str | None = None, allowed_hosts: Iterable[str] = ()) -> int:
+    """Serve until SIGINT, SIGTERM or SIGHUP; prints the URL. Returns the exit code:
+    128 + the signal's number, as every command stopped by a signal."""
+    server = listen(lambda: make_server(quiz, port, lang, None, host,
+                                        allowed_hosts=allowed_hosts), host, port)
+    warn_if_exposed("tpkit quiz", host, "the quiz")
     session = None
     if live:
         from tpkit.quiz.live import LiveSession
@@ -194,17 +174,19 @@ def serve(quiz: Quiz, port: int = 8765, lang: str = "en", live: bool = False,
         def runner(level: int, number: int, tp: int, lang_: str) -> dict:
             return session.run(number, tp, lang_, level)
 
-        server.RequestHandlerClass = make_handler(quiz, lang, runner, allowed_hosts(host), 15.0)
+        server.RequestHandlerClass = make_handler(quiz, lang, runner,
+                                                  Guard(host, allowed_hosts), 15.0)
     shown = "127.0.0.1" if host in ("0.0.0.0", "") else host
     shown = f"[{shown}]" if ":" in shown else shown
     stops = (signal.SIGINT, signal.SIGTERM, signal.SIGHUP)
     previous = {s: signal.signal(s, _interrupt) for s in stops}  # before the URL is shown
+    status = 0
     try:
         print(f"tpkit quiz: http://{shown}:{server.server_address[1]}/?lang={lang} "
               f"(Ctrl-C to stop)", flush=True)
         server.serve_forever()
-    except KeyboardInterrupt:
-        pass
+    except KeyboardInterrupt as e:
+        status = 128 + getattr(e, "signum", signal.SIGINT)
     finally:
         for s in stops:  # a second signal must not cut the clean-up short
             signal.signal(s, signal.SIG_IGN)
@@ -213,8 +195,8 @@ def serve(quiz: Quiz, port: int = 8765, lang: str = "en", live: bool = False,
             session.close()
         for s, handler in previous.items():
             signal.signal(s, handler)
-    return 0
+    return status
 
 
 def _interrupt(signum: int, frame) -> None:
-    raise KeyboardInterrupt(f"signal {signum}")
+    raise Stopped(signum)

@@ -14,6 +14,9 @@ Every `step()`:
        first token (a request that does not fit waits; nothing running is evicted);
     3. decodes one token for every running request at once, each at its own position;
     4. finishes those that hit max_tokens, an end-of-sequence token or a stop string.
+An error in what rank 0 does for one request alone (its generator, sampling,
+log-probabilities, detokenizing, stop strings) fails that request with 500 and the
+step goes on for the others; an error in a forward (every rank's) still ends the step.
 So a short request never waits for a long one to finish. Sampling uses the request's
 own seeded generator.
 
@@ -34,6 +37,7 @@ holds requests, the tokenizer and the sampler.
 from __future__ import annotations
 
 import os
+import sys
 import threading
 from collections import deque
 
@@ -137,10 +141,11 @@ class Engine:
         for req in admitted:
             if req.params.echo and req.params.logprobs is not None:  # the prompt's too
                 logits = self.runner.lead_prefill(req.slot, req.prompt, every=True)  # [s, V]
-                self._score_prompt(req, logits[:-1])
-                self._take(req, logits[-1])
+                self._alone(req, self._score_prompt, req, logits[:-1])
+                self._alone(req, self._take, req, logits[-1])
             else:
-                self._take(req, self.runner.lead_prefill(req.slot, req.prompt))
+                logits = self.runner.lead_prefill(req.slot, req.prompt)
+                self._alone(req, self._take, req, logits)
         active = [r for r in self._running.values() if not r.done]
         if active:
             tokens = torch.full((self.max_batch,), -1, dtype=torch.long)  # -1: a free slot
@@ -153,9 +158,10 @@ class Engine:
             logits = self.runner.lead_decode(tokens, lengths, greedy)  # [max_batch, V or 2]
             for r in active:
                 if greedy:
-                    self._push(r, int(logits[r.slot, 0]), float(logits[r.slot, 1]), None)
+                    self._alone(r, self._push, r, int(logits[r.slot, 0]),
+                                float(logits[r.slot, 1]), None)
                 else:
-                    self._take(r, logits[r.slot])
+                    self._alone(r, self._take, r, logits[r.slot])
         self._account(len(active))
         return bool(admitted or active)
 
@@ -175,17 +181,44 @@ class Engine:
                 if out and self.prefill_per_step and \
                         prefill + len(req.prompt) > self.prefill_per_step:
                     break  # the next step: the running requests decode in between
-                prefill += len(req.prompt)
                 self._waiting.popleft()
+                try:
+                    self._start(req)
+                except Exception as e:  # noqa: BLE001 - an unchecked seed: this one fails
+                    self._fail(req, e)
+                    continue
+                prefill += len(req.prompt)
                 req.slot = free[0]
-                seed = req.params.seed if req.params.seed is not None else \
-                    int.from_bytes(os.urandom(8), "little") >> 1
-                req.gen = torch.Generator(self.runner.device).manual_seed(seed)
-                req.stream = TextStream(self.tokenizer) if self.tokenizer else None
-                req.stop_text = StopText(req.params.stop)
                 self._running[req.slot] = req
                 out.append(req)
         return out
+
+    def _start(self, req: Request) -> None:
+        """A request's generator, detokenizer and stop strings, as it is admitted."""
+        seed = req.params.seed if req.params.seed is not None else \
+            int.from_bytes(os.urandom(8), "little") >> 1
+        req.gen = torch.Generator(self.runner.device).manual_seed(seed)
+        req.stream = TextStream(self.tokenizer) if self.tokenizer else None
+        req.stop_text = StopText(req.params.stop)
+
+    def _alone(self, req: Request, work, *args) -> None:
+        """work(*args) for `req` alone (rank 0's, no collective): an error fails `req`."""
+        if req.done:  # failed already (scoring its prompt)
+            return
+        try:
+            work(*args)
+        except Exception as e:  # noqa: BLE001 - the other requests go on
+            with self._lock:
+                if self._running.get(req.slot) is req:
+                    del self._running[req.slot]
+            self._fail(req, e)
+
+    def _fail(self, req: Request, e: Exception) -> None:
+        why = f"the server failed on this request ({type(e).__name__}: {e})"
+        print(f"tpkit: request {req.id}: {why}", file=sys.stderr, flush=True)
+        req.fail(500, why)
+        with self.metrics.lock:
+            self.metrics.requests["error"] += 1
 
     def _score_prompt(self, req: Request, logits: torch.Tensor) -> None:
         """Log-probabilities of prompt tokens 1..s-1 from the logits [s-1, V] before them."""

@@ -6,15 +6,20 @@
     GET  /v1/models   /health   /metrics (Prometheus text)
 
 `stream: true` answers server-sent events, one OpenAI chunk per `data:` line, ending
-with `data: [DONE]`. Errors come in OpenAI's JSON shape: 400 a bad request, 404 an
-unknown model or path, 413 a body over `max_body` bytes or a prompt too long for the
-context, 503 while shutting down or after a worker died.
+with `data: [DONE]`. Errors come in OpenAI's JSON shape: 400 a bad request (every field
+checked by `tpkit.serve.protocol` before anything is submitted), 403 a foreign Host or
+Origin, 404 an unknown model or path, 413 a body over `max_body` bytes or a prompt too
+long for the context, 415 a POST that is not JSON, 500 a request the server failed on
+(that request alone: the others and the server go on), 503 while shutting down or after
+a worker died.
 
-Hardened as the quiz's server is: 127.0.0.1 unless told otherwise, the Host header must
-name the address served (DNS rebinding), bodies are size-limited before being read,
-each connection gives its thread back after `timeout` idle seconds. A client that goes
-away (a closed socket, seen while waiting or writing) cancels its request, which frees
-its slot at the next step.
+Hardened as the quiz's server is (`tpkit.host.web.Guard`): 127.0.0.1 unless told
+otherwise, the Host header must be one of the server's names whatever the address
+(DNS rebinding), a browser's cross-origin POST is refused unless its origin is allowed
+(then it gets CORS headers), bodies are size-limited before being read, each
+connection gives its thread back after `timeout` idle seconds. A client that goes away
+(a closed socket, seen while waiting or writing) cancels its request, which frees its
+slot at the next step.
 """
 
 from __future__ import annotations
@@ -26,18 +31,18 @@ import socket
 import sys
 import threading
 import time
+from collections.abc import Iterable
 from http import HTTPStatus
-from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+from http.server import BaseHTTPRequestHandler
 from urllib.parse import urlsplit
 
-from tpkit.host.addresses import allowed_hosts, host_of
+from tpkit.host.web import HOST, Guard, Server
 from tpkit.serve import openai_api as api
+from tpkit.serve import protocol
 from tpkit.serve.engine import Engine, TooLong
+from tpkit.serve.openai_api import MAX_BODY
 from tpkit.serve.request import Request, RequestFailed
 from tpkit.spec.errors import UserError
-
-HOST = "127.0.0.1"
-MAX_BODY = 1 << 20  # bytes of a request body
 
 
 class App:
@@ -65,17 +70,18 @@ class App:
         with self._active:
             return self._active.wait_for(lambda: self.active == 0, timeout)
 
-    def parse(self, path: str, body: dict) -> tuple[list[int], api.SamplingParams, bool]:
-        """(prompt ids, params, chat?) of a POST body; ApiError for a bad one."""
-        if body.get("model") not in (None, self.name):
-            raise api.ApiError(404, f"model {body.get('model')!r} is not served here "
+    def parse(self, raw: bytes, chat: bool
+              ) -> tuple[protocol.CompletionRequest | protocol.ChatRequest, list[int]]:
+        """(the request, its prompt ids) of a POST body; ApiError for a bad one."""
+        body = protocol.parse_json(raw)
+        req = protocol.validate(body, chat)
+        if req.model not in (None, self.name):
+            raise api.ApiError(404, f"model {req.model!r} is not served here "
                                     f"(GET /v1/models: {self.name!r})", "model")
-        chat = path == "/v1/chat/completions"
-        params = api.sampling(body, chat)
         lock = self.engine.tokenizer_lock
         ids = api.chat_ids(body, self.tokenizer, lock) if chat else \
-            api.prompt_ids(body, self.tokenizer, lock)
-        return ids, params, chat
+            api.prompt_ids(req.prompt, self.tokenizer, lock)
+        return req, ids
 
     def submit(self, ids: list[int], params) -> Request:
         """Engine.submit with its errors as ApiErrors (413 too long, 400, 503)."""
@@ -90,18 +96,31 @@ class App:
 
 
 class Handler(BaseHTTPRequestHandler):
-    """One connection; `app` and `hosts` are set on a subclass by `make_server`."""
+    """One connection; `app` and `guard` are set on a subclass by `make_server`."""
 
     server_version, sys_version = "tpkit-serve", ""
     app: App
-    hosts: set[str] | None
+    guard: Guard
 
     def setup(self) -> None:
         self.timeout = self.app.timeout  # an idle connection gives its thread back
         super().setup()
 
+    def do_OPTIONS(self) -> None:  # noqa: N802 - a browser's preflight
+        if self._refused("OPTIONS"):
+            return
+        if not self._cors():
+            return self._error(api.ApiError(403, "cross-origin requests are refused "
+                                                 "(--allow-origin ORIGIN allows one)"))
+        self.send_response(204)
+        for k, v in {**self._cors(), "Access-Control-Allow-Methods": "GET, POST",
+                     "Access-Control-Allow-Headers": "Authorization, Content-Type",
+                     "Access-Control-Max-Age": "600"}.items():
+            self.send_header(k, v)
+        self.end_headers()
+
     def do_GET(self) -> None:  # noqa: N802 - http.server's naming
-        if self._host_refused():
+        if self._refused("GET"):
             return
         path, engine = urlsplit(self.path).path, self.app.engine
         if path == "/v1/models":
@@ -115,11 +134,14 @@ class Handler(BaseHTTPRequestHandler):
         self._error(api.ApiError(404, f"no such path: GET {path}"))
 
     def do_POST(self) -> None:  # noqa: N802
-        if self._host_refused():
+        self._started, self._req = False, None  # response headers sent; the Request
+        if self._refused("POST"):
             return
         self.app.enter()
         try:
             self._post()
+        except Exception as e:  # noqa: BLE001 - this request fails alone; the server goes on
+            self._failed(e)
         finally:
             self.app.leave()
 
@@ -128,15 +150,14 @@ class Handler(BaseHTTPRequestHandler):
         try:
             if path not in ("/v1/completions", "/v1/chat/completions"):
                 raise api.ApiError(404, f"no such path: POST {path}")
-            body = self._body()
-            ids, params, chat = self.app.parse(path, body)
-            req = self.app.submit(ids, params)
+            chat = path == "/v1/chat/completions"
+            asked, ids = self.app.parse(self._body(), chat)
+            req = self._req = self.app.submit(ids, asked.sampling())
         except api.ApiError as e:
             return self._error(e)
         rid = f"{'chatcmpl' if chat else 'cmpl'}-{req.id}"
-        if body.get("stream"):
-            usage = bool((body.get("stream_options") or {}).get("include_usage"))
-            return self._stream(req, rid, chat, usage)
+        if asked.stream:
+            return self._stream(req, rid, chat, asked.include_usage)
         for ev in self._events(req):
             if ev[0] == "error":
                 return self._error(api.ApiError(ev[1], ev[2]))
@@ -156,20 +177,30 @@ class Handler(BaseHTTPRequestHandler):
                                        req.usage, chat, self.app.created, logprobs))
 
     # -- reading and waiting -----------------------------------------------------------
-    def _body(self) -> dict:
+    def _body(self) -> bytes:
         size = self.headers.get("Content-Length", "")
         if not size.isascii() or not size.isdigit():
             raise api.ApiError(411, "a Content-Length header is needed")
         if int(size) > self.app.max_body:
             self.close_connection = True  # the body is not read
             raise api.ApiError(413, f"body of {size} bytes; at most {self.app.max_body}")
+        return self.rfile.read(int(size))
+
+    def _failed(self, e: Exception) -> None:
+        """An unexpected error while answering: a 500 (or, mid-stream, an error event)
+        to this client, one line on stderr, its generation cancelled."""
+        if self._req is not None:
+            self._req.cancel()
+        why = f"the server failed on this request ({type(e).__name__}: {e})"
+        print(f"tpkit serve: error: {why}", file=sys.stderr, flush=True)
+        self.close_connection = True
         try:
-            body = json.loads(self.rfile.read(int(size)))
-        except (UnicodeDecodeError, json.JSONDecodeError) as e:
-            raise api.ApiError(400, f"the body is not JSON: {e}") from None
-        if not isinstance(body, dict):
-            raise api.ApiError(400, "the body must be a JSON object")
-        return body
+            if not self._started:
+                return self._error(api.ApiError(500, why))
+            self._sse(api.ApiError(500, why).body())
+            self.wfile.write(b"data: [DONE]\n\n")
+        except (OSError, ValueError):
+            pass  # the client went away meanwhile
 
     def _events(self, req: Request):
         """The request's events; cancels it if the client hangs up meanwhile."""
@@ -194,9 +225,12 @@ class Handler(BaseHTTPRequestHandler):
 
     def _stream(self, req: Request, rid: str, chat: bool, usage: bool) -> None:
         name, created = self.app.name, self.app.created
+        self._started = True
         self.send_response(200)
         self.send_header("Content-Type", "text/event-stream; charset=utf-8")
         self.send_header("Cache-Control", "no-store")
+        for k, v in self._cors().items():
+            self.send_header(k, v)
         self.end_headers()
         self.close_connection = True  # the body ends when the connection does
         try:
@@ -232,27 +266,39 @@ class Handler(BaseHTTPRequestHandler):
                                   self.app.tokenizer, self.app.engine.tokenizer_lock, offset)
 
     def _sse(self, payload: dict) -> None:
-        self.wfile.write(b"data: " + json.dumps(payload, ensure_ascii=False).encode() + b"\n\n")
+        self.wfile.write(b"data: " + _encode(payload) + b"\n\n")
         self.wfile.flush()
 
     # -- writing -----------------------------------------------------------------------
-    def _host_refused(self) -> bool:
-        if self.hosts is None or host_of(self.headers.get("Host") or "") in self.hosts:
+    def _refused(self, method: str) -> bool:
+        refusal = self.guard.refusal(method, self.headers)
+        if refusal is None:
             return False
-        self._error(api.ApiError(403, "forbidden host"))
+        self.close_connection = True  # a refused body is not read
+        self._error(api.ApiError(*refusal))
         return True
+
+    def _cors(self) -> dict[str, str]:
+        """The CORS headers of an allowed --allow-origin (none for any other origin)."""
+        origin = self.headers.get("Origin") or ""
+        if not origin or not self.guard.origin_allowed(origin):
+            return {}
+        return {"Access-Control-Allow-Origin": origin, "Vary": "Origin"}
 
     def _error(self, e: api.ApiError) -> None:
         self._json(e.status, e.body())
 
     def _json(self, status: int, body: dict) -> None:
-        self._send(status, json.dumps(body, ensure_ascii=False).encode(), "application/json")
+        self._send(status, _encode(body), "application/json")
 
     def _send(self, status: int, data: bytes, ctype: str) -> None:
+        self._started = True
         try:
             self.send_response(HTTPStatus(status))
             self.send_header("Content-Type", ctype)
             self.send_header("Content-Length", str(len(data)))
+            for k, v in self._cors().items():
+                self.send_header(k, v)
             self.end_headers()
             self.wfile.write(data)
         except (ConnectionError, TimeoutError):
@@ -262,22 +308,17 @@ class Handler(BaseHTTPRequestHandler):
         pass
 
 
-class Server(ThreadingHTTPServer):
-    """A threading server whose clients may vanish: no traceback for a broken pipe."""
-
-    daemon_threads = True
-    request_queue_size = 128
-
-    def handle_error(self, request, client_address) -> None:
-        if isinstance(sys.exc_info()[1], ConnectionError | TimeoutError):
-            return
-        super().handle_error(request, client_address)
+def _encode(body: dict) -> bytes:
+    """JSON bytes; a lone surrogate (an unknown field's name) as its JSON escape."""
+    return json.dumps(body, ensure_ascii=False).encode("utf-8", "backslashreplace")
 
 
-def make_server(app: App, host: str = HOST, port: int = 8000) -> Server:
-    """A server for `app` bound to host:port (0: a free port); not started."""
-    handler = type("BoundHandler", (Handler,), {"app": app, "hosts": allowed_hosts(host)})
-    cls = Server
-    if ":" in host:
-        cls = type("Server6", (Server,), {"address_family": socket.AF_INET6})
-    return cls((host, port), handler)
+def make_server(app: App, host: str = HOST, port: int = 8000, *,
+                allowed_hosts: Iterable[str] = (), allowed_origins: Iterable[str] = ()
+                ) -> Server:
+    """A server for `app` bound to host:port (0: a free port); not started. It answers to
+    `tpkit.host.addresses.allowed_hosts(host, allowed_hosts)` and takes browsers' POSTs
+    from its own origin and `allowed_origins` only."""
+    guard = Guard(host, allowed_hosts, allowed_origins)
+    handler = type("BoundHandler", (Handler,), {"app": app, "guard": guard})
+    return Server.on(host)((host, port), handler)

@@ -7,7 +7,10 @@ tp workers while there is none, watch the workers, and end cleanly.
 never inside one, so the tp group never disagrees on the next collective: new
 requests get 503, the running ones have `drain_s` seconds to finish, the rest fail with
 503 "shutting down", and the workers get STOP. A worker that dies fails every request
-with 503 and the loop returns the line naming the rank.
+with 503 and the loop returns the line naming the rank. A request the engine fails on
+(rank 0's sampling or detokenizing of it) fails alone inside `Engine.step`; what
+reaches this loop is a forward's error, after which the tp group cannot be trusted:
+every request fails with 500 and the error ends the server.
 """
 
 from __future__ import annotations

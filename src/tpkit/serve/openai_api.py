@@ -1,86 +1,38 @@
-"""The OpenAI API's shapes: request bodies in, (prompt ids, SamplingParams) out, and the
-JSON of completions, chat completions, their streamed chunks, models and errors.
-
-Pure Python over the tokenizer: no HTTP here (`tpkit.serve.http` is the transport).
-A bad body raises `ApiError(status, message, param)`, answered in OpenAI's shape
+"""The OpenAI API's shapes: a validated request (`tpkit.serve.protocol`) to prompt ids,
+and the JSON of completions, chat completions, their streamed chunks, models and errors
+(`ApiError`, answered in OpenAI's shape
 
     {"error": {"message": "...", "type": "invalid_request_error", "param": "top_p", "code": ...}}
+).
+
+Pure Python over the tokenizer, without pydantic (`tpkit generate` uses it too): no
+HTTP here (`tpkit.serve.http` is the transport).
 """
 
 from __future__ import annotations
 
 import time
 
-from tpkit.serve.params import SamplingParams
-from tpkit.spec.errors import UserError
-
-TYPES = {400: "invalid_request_error", 404: "not_found_error", 413: "invalid_request_error",
-         503: "service_unavailable", 500: "internal_error"}
+MAX_BODY = 1 << 20  # bytes of a request body (tpkit serve --max-body-bytes)
+TYPES = {400: "invalid_request_error", 403: "invalid_request_error",
+         404: "not_found_error", 413: "invalid_request_error", 415: "invalid_request_error",
+         500: "internal_error", 503: "service_unavailable"}
 CODES = {404: "model_not_found", 413: "context_length_exceeded"}
-KNOWN = {"model", "prompt", "messages", "max_tokens", "max_completion_tokens", "temperature",
-         "top_p", "top_k", "seed", "stop", "n", "stream", "stream_options", "user",
-         "ignore_eos", "presence_penalty", "frequency_penalty", "logprobs", "top_logprobs",
-         "echo"}
 
 
 class ApiError(Exception):
     """A request answered with an error `status` in OpenAI's JSON shape."""
 
-    def __init__(self, status: int, message: str, param: str | None = None) -> None:
+    def __init__(self, status: int, message: str, param: str | None = None,
+                 code: str | None = None) -> None:
         super().__init__(message)
         self.status, self.message, self.param = status, message, param
+        self.code = code or CODES.get(status)
 
     def body(self) -> dict:
         """{"error": {...}} as OpenAI sends it."""
         return {"error": {"message": self.message, "type": TYPES.get(self.status, "error"),
-                          "param": self.param, "code": CODES.get(self.status)}}
-
-
-def sampling(body: dict, chat: bool = False) -> SamplingParams:
-    """SamplingParams from a request body (OpenAI's defaults: temperature 1, top_p 1).
-
-    Log-probabilities as each API asks for them: a completion's `logprobs: k`, a chat's
-    `logprobs: true` with `top_logprobs: k`."""
-    unknown = sorted(set(body) - KNOWN)
-    if unknown:
-        raise ApiError(400, f"unsupported parameters: {', '.join(unknown)}", unknown[0])
-    if body.get("n", 1) != 1:
-        raise ApiError(400, f"n={body['n']!r}: this server returns one choice (n=1)", "n")
-    for name in ("presence_penalty", "frequency_penalty"):
-        if body.get(name, 0) not in (0, 0.0, None):
-            raise ApiError(400, f"{name} is not supported (only 0)", name)
-    stop = body.get("stop")
-    stop = () if stop is None else (stop,) if isinstance(stop, str) else stop
-    if not isinstance(stop, list | tuple):
-        raise ApiError(400, f"stop={stop!r} must be a string or a list of strings", "stop")
-    max_tokens = body.get("max_completion_tokens", body.get("max_tokens"))
-    logprobs, echo = _logprobs(body, chat), body.get("echo", False)
-    if echo not in (True, False) or (echo and (chat or body.get("stream"))):
-        raise ApiError(400, f"echo={echo!r}: a completion (not chat, not streamed) may echo "
-                            f"its prompt (echo=true)", "echo")
-    try:
-        return SamplingParams(
-            max_tokens=16 if max_tokens is None else max_tokens,
-            temperature=_or(body.get("temperature"), 1.0), top_p=_or(body.get("top_p"), 1.0),
-            top_k=_or(body.get("top_k"), 0), seed=body.get("seed"), stop=tuple(stop),
-            ignore_eos=bool(body.get("ignore_eos", False)), logprobs=logprobs, echo=echo)
-    except UserError as e:
-        raise ApiError(400, str(e), str(e).split("=")[0]) from None
-
-
-def _logprobs(body: dict, chat: bool) -> int | None:
-    lp, top = body.get("logprobs"), body.get("top_logprobs")
-    if not chat:
-        if top is not None:
-            raise ApiError(400, "top_logprobs is a chat parameter: a completion takes "
-                                "logprobs=k", "top_logprobs")
-        return lp
-    if lp not in (None, True, False):
-        raise ApiError(400, f"logprobs={lp!r} must be true or false (the alternatives: "
-                            f"top_logprobs=k)", "logprobs")
-    if top is not None and not lp:
-        raise ApiError(400, "top_logprobs needs logprobs=true", "top_logprobs")
-    return (0 if top is None else top) if lp else None
+                          "param": self.param, "code": self.code}}
 
 
 def token_text(raw: bytes) -> str:
@@ -118,41 +70,32 @@ def logprobs_block(chat: bool, tokens: list[int], logprobs: list[float | None],
             "text_offset": offsets}
 
 
-def _or(x, default):
-    return default if x is None else x
-
-
-def prompt_ids(body: dict, tokenizer, lock) -> list[int]:
-    """The prompt of a completion request as token ids (text, or a list of ids)."""
-    p = body.get("prompt")
-    if isinstance(p, list) and len(p) == 1 and isinstance(p[0], str | list):
-        p = p[0]  # a batch of one
-    if isinstance(p, str) and p:
+def prompt_ids(prompt: str | list[int], tokenizer, lock) -> list[int]:
+    """A completion's prompt (validated: text, or token ids) as token ids."""
+    if isinstance(prompt, str):
         with lock:
-            return tokenizer.encode(p)
-    if isinstance(p, list) and p and all(isinstance(t, int) and not isinstance(t, bool)
-                                         for t in p):
-        return p
-    raise ApiError(400, "prompt must be a non-empty string or a list of token ids "
-                        "(one prompt per request)", "prompt")
+            return tokenizer.encode(prompt)
+    return list(prompt)
 
 
-def chat_ids(body: dict, tokenizer, lock) -> list[int]:
-    """The messages of a chat request rendered by the tokenizer's own chat template."""
-    msgs = body.get("messages")
-    if not isinstance(msgs, list) or not msgs or not all(
-            isinstance(m, dict) and isinstance(m.get("role"), str) and
-            isinstance(m.get("content"), str) for m in msgs):
-        raise ApiError(400, "messages must be a non-empty list of {role, content} strings",
-                       "messages")
+def chat_ids(body: dict, tokenizer, lock,
+             instead: str = "use /v1/completions with a prompt instead") -> list[int]:
+    """The messages of a chat request ({role, content} strings, validated) rendered by the
+    tokenizer's own chat template; a tokenizer without one is an ApiError saying what to
+    do `instead` (in the caller's terms: the server's endpoint, the CLI's flag), one
+    whose template refuses the messages an ApiError 400 too."""
     hf = getattr(tokenizer, "hf", None)
     if hf is None or not getattr(hf, "chat_template", None):
-        raise ApiError(400, "this model's tokenizer has no chat template: use "
-                            "/v1/completions with a prompt instead", "messages")
-    with lock:
-        ids = hf.apply_chat_template([{"role": m["role"], "content": m["content"]}
-                                      for m in msgs], add_generation_prompt=True,
-                                     tokenize=True)
+        raise ApiError(400, f"this model's tokenizer has no chat template: {instead}",
+                       "messages")
+    try:
+        with lock:
+            ids = hf.apply_chat_template([{"role": m["role"], "content": m["content"]}
+                                          for m in body["messages"]],
+                                         add_generation_prompt=True, tokenize=True)
+    except Exception as e:  # noqa: BLE001 - a template's raise_exception("roles must ...")
+        raise ApiError(400, f"the chat template refused these messages: {e}",
+                       "messages") from None
     return list(ids["input_ids"] if hasattr(ids, "keys") else ids)  # a BatchEncoding too
 
 

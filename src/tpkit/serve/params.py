@@ -1,26 +1,77 @@
-"""What a request asks for: `SamplingParams` (checked once, as it arrives), and the text
-side of stopping, `StopText` (stop strings found in the decoded text, held back while
-they might still be forming).
+"""What a request asks for: `SamplingParams` (checked once, as it arrives, by the one
+rule `problem` that `tpkit generate`'s flags and the server's request schema share),
+and the text side of stopping, `StopText` (stop strings found in the decoded text,
+held back while they might still be forming).
 """
 
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass, field
+from collections.abc import Callable
+from dataclasses import dataclass, field, fields
 
+from tpkit.model.sampling import GREEDY_BELOW
 from tpkit.spec.errors import UserError
 
 MAX_LOGPROBS = 20  # alternatives per token, as OpenAI's top_logprobs
+MAX_TEMPERATURE = 100.0
+SEED_MIN, SEED_MAX = -(1 << 63), (1 << 63) - 1  # a 64-bit integer, as OpenAI's schema
+
+
+def _int(x) -> bool:
+    return isinstance(x, int) and not isinstance(x, bool)
+
+
+def _number(x) -> bool:
+    return (_int(x) or isinstance(x, float)) and math.isfinite(x)
+
+
+# field -> (is the value good?, what it must be): the bounds of every sampling value
+RULES: dict[str, tuple[Callable[[object], bool], str]] = {
+    "max_tokens": (lambda x: _int(x) and x >= 1, "must be an integer >= 1"),
+    "temperature": (lambda x: _number(x) and 0 <= x <= MAX_TEMPERATURE,
+                    f"must be a number in [0, {MAX_TEMPERATURE:g}] (0, or below "
+                    f"{GREEDY_BELOW:g}: greedy)"),
+    "top_p": (lambda x: _number(x) and 0 < x <= 1, "must be a number in (0, 1]"),
+    "top_k": (lambda x: _int(x) and x >= 0, "must be an integer >= 0 (0: off)"),
+    "seed": (lambda x: x is None or _int(x) and SEED_MIN <= x <= SEED_MAX,
+             "must be a 64-bit integer, in [-2^63, 2^63 - 1]"),
+    "logprobs": (lambda x: x is None or _int(x) and 0 <= x <= MAX_LOGPROBS,
+                 f"must be an integer in [0, {MAX_LOGPROBS}]"),
+    "stop": (lambda x: isinstance(x, tuple | list) and all(isinstance(s, str) and s for s in x),
+             "must be non-empty strings"),
+}
+
+
+def shown(x) -> str:
+    """A value as an error message quotes it (a tuple as the list it came from)."""
+    return repr(list(x) if isinstance(x, tuple) else x)
+
+
+def problem(name: str, value, as_name: str | None = None) -> str | None:
+    """'temperature=-1 must be a number in [0, 100] ...' for a value out of `RULES`'
+    bounds (named `as_name`, as its caller calls it), None for a good one."""
+    good, must = RULES[name]
+    return None if good(value) else f"{as_name or name}={shown(value)} {must}"
+
+
+class SamplingError(UserError):
+    """Sampling values out of bounds; `problems`: (field, value, what it must be)."""
+
+    def __init__(self, problems: list[tuple[str, object, str]]) -> None:
+        super().__init__("; ".join(f"{n}={shown(v)} {must}" for n, v, must in problems))
+        self.problems = problems
 
 
 @dataclass(frozen=True)
 class SamplingParams:
-    """max_tokens new tokens at most; greedy at temperature 0, else sampled with top-k
-    (0: off), top-p (1: off) and a seed (None: a fresh one); generation ends at the first
-    `stop` string (not included in the text) or end-of-sequence token unless
-    `ignore_eos`. `logprobs`: None, or k: each chosen token's log-probability under the
-    model (before temperature) and the k likeliest tokens' (0 <= k <= 20); with `echo`,
-    the prompt's tokens' too."""
+    """max_tokens new tokens at most; greedy at temperature 0 (or below `GREEDY_BELOW`,
+    where sampling is greedy in the limit and float32 overflows), else sampled with
+    top-k (0: off), top-p (1: off) and a seed (a 64-bit integer; None: a fresh one);
+    generation ends at the first `stop` string (not included in the text) or
+    end-of-sequence token unless `ignore_eos`. `logprobs`: None, or k: each chosen
+    token's log-probability under the model (before temperature) and the k likeliest
+    tokens' (0 <= k <= 20); with `echo`, the prompt's tokens' too. Bounds: `RULES`."""
 
     max_tokens: int = 16
     temperature: float = 0.0
@@ -33,28 +84,10 @@ class SamplingParams:
     echo: bool = False
 
     def __post_init__(self) -> None:
-        bad = []
-        if not isinstance(self.max_tokens, int) or self.max_tokens < 1:
-            bad.append(f"max_tokens={self.max_tokens!r} must be an integer >= 1")
-        if not _number(self.temperature) or not 0 <= self.temperature <= 100:
-            bad.append(f"temperature={self.temperature!r} must be a number in [0, 100]")
-        if not _number(self.top_p) or not 0 < self.top_p <= 1:
-            bad.append(f"top_p={self.top_p!r} must be a number in (0, 1]")
-        if not isinstance(self.top_k, int) or self.top_k < 0:
-            bad.append(f"top_k={self.top_k!r} must be an integer >= 0 (0: off)")
-        if self.seed is not None and not isinstance(self.seed, int):
-            bad.append(f"seed={self.seed!r} must be an integer")
-        if self.logprobs is not None and (not isinstance(self.logprobs, int) or isinstance(
-                self.logprobs, bool) or not 0 <= self.logprobs <= MAX_LOGPROBS):
-            bad.append(f"logprobs={self.logprobs!r} must be an integer in [0, {MAX_LOGPROBS}]")
-        if not all(isinstance(s, str) and s for s in self.stop):
-            bad.append(f"stop={list(self.stop)!r} must be non-empty strings")
+        bad = [(f.name, getattr(self, f.name), RULES[f.name][1]) for f in fields(self)
+               if f.name in RULES and problem(f.name, getattr(self, f.name))]
         if bad:
-            raise UserError("; ".join(bad))
-
-
-def _number(x) -> bool:
-    return isinstance(x, int | float) and not isinstance(x, bool) and math.isfinite(x)
+            raise SamplingError(bad)
 
 
 class StopText:

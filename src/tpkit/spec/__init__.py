@@ -2,7 +2,8 @@
 
     config.py   ModelConfig (shape, flavour, validation, parameter counts) and presets
     grid.py     the (dp, pp, tp) rank grid: coordinates, groups, node locality
-    shapes.py   stage layers, padded vocabulary, kv heads per rank
+    shapes.py   even ranges (which part a rank owns), stage layers, padded vocabulary, kv heads
+    split.py    TPSplit: how a parameter is split over tp, even or not (the pieces a rank holds)
     theory.py   the collectives each layer and step must send, and their ring factors
 
 The runtime (comm, layers, mesh, model, train) and the planner both import these;

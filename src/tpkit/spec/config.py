@@ -11,6 +11,7 @@ from dataclasses import dataclass, field, fields, replace
 
 from tpkit.spec import shapes
 from tpkit.spec.errors import UserError
+from tpkit.spec.words import number_ranges, suggest
 
 NORMS = ("layernorm", "rmsnorm")
 ACTIVATIONS = ("gelu", "gelu_exact", "swiglu", "geglu", "relu")  # gelu: tanh; exact: erf (BERT)
@@ -117,22 +118,42 @@ class ModelConfig:
         return cls(**d)
 
     # -- parameter counts (unpadded vocabulary) ------------------------------------------
-    def layer_params(self, tp: int = 1) -> int:
-        """Parameters of one transformer layer held by one of tp ranks (all of them at tp=1).
+    def layer_params(self, tp: int = 1, rank: int | None = None) -> int:
+        """Parameters of one transformer layer held by rank `rank` of tp (None: by the
+        largest rank, which sets the memory; all of them at tp=1).
 
-        Column-parallel qkv and fc1 (and gate) keep out/tp columns and bias; row-parallel
-        out and fc2 keep in/tp rows and the whole bias; experts are split like the MLP and
-        the router replicated; norms are replicated."""
-        h, hd, f = self.hidden, self.head_dim, self.ffn
-        nh, kv = self.num_heads // tp, shapes.kv_heads_per_rank(self.kv_heads, tp)
+        Column-parallel qkv and fc1 (and gate) keep the rank's heads and columns (as
+        evenly dealt as `tpkit.spec.shapes.even_range` deals them) and their bias;
+        row-parallel out and fc2 keep as many rows and the whole bias; experts are split
+        like the MLP and the router replicated; norms are replicated."""
+        if rank is None:
+            return max(self.layer_params(tp, r) for r in range(tp))
+        h, hd = self.hidden, self.head_dim
+        nh = shapes.even_range(self.num_heads, tp, rank)[1]
+        kv = shapes.kv_range(self.num_heads, self.kv_heads, tp, rank)[1]
+        f = shapes.even_range(self.ffn, tp, rank)[1]
         b = 1 if self.bias else 0
         qkv = h * (nh + 2 * kv) * hd + int(self.attn_bias) * (nh + 2 * kv) * hd
         out = nh * hd * h + b * h
-        mlp = (3 * h * (f // tp)) if self.gated else (2 * h * (f // tp) + b * (f // tp + h))
+        mlp = (3 * h * f) if self.gated else (2 * h * f + b * (f + h))
         if self.num_experts:
             mlp = self.num_experts * mlp + self.num_experts * h  # + the router
         norms = 2 * self.norm_params() + (2 * hd if self.qk_norm else 0)
         return qkv + out + mlp + norms
+
+    def tp_shares(self, tp: int) -> dict[str, float]:
+        """Fraction of a layer's work the largest of tp ranks does (1/tp each when tp
+        divides the heads and the ffn): 'attention' by query heads (9 heads at tp=2: 5/9,
+        11% above an even split), 'gemm' by the matmul weights it holds. The largest
+        rank sets the step time, as it sets the memory (`layer_params`)."""
+        def weights(p: int, r: int) -> int:  # matmul weights of rank r of p, / hidden
+            nh = shapes.even_range(self.num_heads, p, r)[1]
+            kv = shapes.kv_range(self.num_heads, self.kv_heads, p, r)[1]
+            f = shapes.even_range(self.ffn, p, r)[1]
+            return (2 * nh + 2 * kv) * self.head_dim + (3 if self.gated else 2) * f
+
+        return {"attention": shapes.heads_per_rank(self.num_heads, tp) / self.num_heads,
+                "gemm": max(weights(tp, r) for r in range(tp)) / weights(1, 0)}
 
     def norm_params(self) -> int:
         """Parameters of one norm: weight and bias for LayerNorm, weight only for RMSNorm."""
@@ -156,9 +177,28 @@ class ModelConfig:
     # -- validation ----------------------------------------------------------------------
     def check(self, tp: int = 1, pp: int = 1, sp: bool = False, seq: int | None = None) -> None:
         """Raise UserError naming the numbers if this model cannot run at (tp, pp, sp)."""
+        said = self.problem_line(tp=tp, pp=pp, sp=sp, seq=seq)
+        if said:
+            raise UserError(said)
+
+    def problem_line(self, tp: int = 1, pp: int = 1, sp: bool = False,
+                     seq: int | None = None) -> str | None:
+        """`problems` as one line, the model named once; when tp is one of the causes,
+        the tp sizes this model can run at. None when it can run."""
         problems = self.problems(tp=tp, pp=pp, sp=sp, seq=seq)
-        if problems:
-            raise UserError(f"{self.name}: " + "; ".join(problems))
+        if not problems:
+            return None
+        line = f"{self.name}: " + "; ".join(problems)
+        if problems != self.problems(tp=1, pp=pp, sp=sp, seq=seq):
+            sizes = self.tp_sizes(sp=sp, seq=seq)
+            line += f" (the tp sizes that work: {number_ranges(sizes)})" if sizes else ""
+        return line
+
+    def tp_sizes(self, sp: bool = False, seq: int | None = None) -> list[int]:
+        """The tensor-parallel sizes `problems` admits (at pp=1), up to num_heads (a larger
+        tp would leave a rank without a query head)."""
+        return [t for t in range(1, self.num_heads + 1)
+                if not self.problems(tp=t, sp=sp, seq=seq)]
 
     def problems(self, tp: int = 1, pp: int = 1, sp: bool = False,
                  seq: int | None = None) -> list[str]:
@@ -187,7 +227,7 @@ def _check_heads(c: ModelConfig, tp: int, **_) -> list[str]:
 
 
 def _check_ffn(c: ModelConfig, tp: int, **_) -> list[str]:
-    return [f"ffn={c.ffn} is not divisible by tp={tp}"] if c.ffn % tp else []
+    return [f"tp={tp} is more than ffn={c.ffn}"] if c.ffn < tp else []
 
 
 def _check_pipeline(c: ModelConfig, pp: int, **_) -> list[str]:
@@ -282,4 +322,5 @@ def get_preset(name: str) -> ModelConfig:
     try:
         return PRESETS[name]
     except KeyError:
-        raise UserError(f"unknown preset {name!r}; known: {', '.join(PRESETS)}") from None
+        raise UserError(f"unknown preset {name!r}{suggest(name, PRESETS, n=2)} (known: "
+                        f"{', '.join(PRESETS)})") from None

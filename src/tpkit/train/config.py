@@ -100,7 +100,8 @@ class TrainConfig:
 
     steps: int = TRAINING.knob(100, "optimizer steps", check=POSITIVE_INT)
     micro_batches: int = TRAINING.knob(  # pipeline micro-batches / gradient accumulation
-        1, "micro-batches per step and replica", check=POSITIVE_INT)
+        1, "micro-batches per step and replica (default: 1 at pp=1; with pipeline "
+        "stages, up to 2 per stage that divide global_batch/dp)", check=POSITIVE_INT)
     global_batch: int = TRAINING.knob(8, "sequences per step, all replicas together",
                                       check=POSITIVE_INT)
     seq: int = TRAINING.knob(64, "sequence length", check=POSITIVE_INT,
@@ -119,8 +120,9 @@ class TrainConfig:
                                  check=AT_LEAST_0)
 
     data: str | None = DATA.knob(
-        None, "text file, directory of .txt, .bin of uint16 tokens, or a `tpkit "
-        "prepare-data` folder (default: Python's own documentation, embedded)",
+        None, "UTF-8 text file, directory of .txt, .bin of uint16 tokens, a `tpkit "
+        "prepare-data` folder, or .jsonl / .parquet / a datasets folder (tokenized as "
+        "prepare-data does) (default: Python's own documentation, embedded)",
         metavar="PATH", path=True, fixed="the data loader's position")
     val_fraction: float = DATA.knob(0.05, "held-out fraction of the data", check=Check(
         lambda v: 0.0 <= v < 1.0, "must be in [0, 1)"), fixed="the data loader's windows")
@@ -244,8 +246,8 @@ class TrainConfig:
             model = self.model_config()
         except ValueError as e:
             return out + [str(e)]
-        out += [f"{model.name}: {p}" for p in
-                model.problems(tp=self.tp, pp=self.pp, sp=self.sp, seq=self.seq)]
+        said = model.problem_line(tp=self.tp, pp=self.pp, sp=self.sp, seq=self.seq)
+        out += [said] if said else []
         out += self._from_hf_problems()
         out += self._context_problems(model)
         chunks = chunks_problem(model.num_layers, self.pp, self.virtual_stages)
@@ -254,9 +256,9 @@ class TrainConfig:
         return out
 
     def _from_hf_problems(self) -> list[str]:
-        from tpkit.train.tokens import INDEX
+        from tpkit.train.data import read_by_the_model
 
-        if self.from_hf is None or (self.data and (Path(self.data) / INDEX).is_file()):
+        if self.from_hf is None or read_by_the_model(self.data):
             return []
         return [f"from_hf={self.from_hf} trains on ids of its own tokenizer, but data="
                 f"{self.data} would be read as bytes: run `tpkit prepare-data TEXT_FILES "

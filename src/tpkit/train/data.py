@@ -3,9 +3,11 @@
 The default corpus ships with Python itself: `pydoc_data.topics` (the text of the
 language reference's help topics, ~465 KB), so `tpkit train` needs no download.
 Tokens are bytes (vocab 256, the size of gpt2-tiny and llama-tiny). `--data PATH`
-takes a text file, a directory of .txt files, a .bin of uint16 token ids, or a folder
+takes a UTF-8 text file, a directory of .txt files, a .bin of uint16 token ids, a folder
 written by `tpkit prepare-data` (any tokenizer; shards read memory-mapped, see
-`tpkit.train.tokens`).
+`tpkit.train.tokens`), or a .jsonl, .parquet or `datasets` folder, tokenized with the
+model's tokenizer (bytes, or --from-hf's) as `prepare-data` would (`tpkit.train.tokenizing`,
+the same code).
 
 The loader cuts the token stream into windows of seq+1 tokens (inputs and the
 same shifted by one as labels), shuffles them per epoch with a fixed seed, and at
@@ -60,18 +62,7 @@ def load_tokens(path: str | Path | None, vocab_size: int = 256,
             raise FileNotFoundError(f"data file {p} does not exist")
         if p.is_dir() and (p / INDEX).is_file():
             return check_shards(p, vocab_size, tokenizer, warn)
-        if p.is_dir():
-            files = sorted(p.glob("*.txt"))
-            if not files:
-                raise UserError(f"data directory {p} holds no .txt file")
-            tokens = encode_bytes("\n\n".join(f.read_text(errors="replace") for f in files))
-        elif p.suffix == ".bin":
-            if p.stat().st_size % 2:
-                raise UserError(f"data file {p} has an odd size ({p.stat().st_size} bytes); "
-                                 f"a .bin holds uint16 token ids")
-            tokens = np.fromfile(p, dtype=np.uint16)
-        else:
-            tokens = encode_bytes(p.read_text(errors="replace"))
+        tokens = _read(p, tokenizer)
         if tokens.size == 0:
             raise UserError(f"data file {p} is empty (0 tokens)")
     top = int(tokens.max())
@@ -79,6 +70,53 @@ def load_tokens(path: str | Path | None, vocab_size: int = 256,
         raise UserError(f"token id {top} in the data is out of the model's vocab_size="
                          f"{vocab_size}")
     return tokens
+
+
+def _read(p: Path, tokenizer: str | None) -> np.ndarray:
+    """The ids of a data file or folder that is not prepared data, read by what it is."""
+    from tpkit.train.text_sources import DATASETS, documents_kind, read_text
+
+    kind = documents_kind(p)
+    if kind is not None:
+        return _documents(p, kind == DATASETS, tokenizer)
+    if p.is_dir() and any(p.glob("*shard_*.bin*")):
+        raise UserError(f"data folder {p} holds token shards but no {INDEX}: an interrupted "
+                        f"or concurrent `tpkit prepare-data`; prepare the data again")
+    if p.is_dir():
+        files = sorted(p.glob("*.txt"))
+        if not files:
+            raise UserError(f"data directory {p} holds no .txt file")
+        return encode_bytes("\n\n".join(read_text(f) for f in files))
+    if p.suffix == ".bin":
+        if p.stat().st_size % 2:
+            raise UserError(f"data file {p} has an odd size ({p.stat().st_size} bytes); "
+                            f"a .bin holds uint16 token ids")
+        return np.fromfile(p, dtype=np.uint16)
+    return encode_bytes(read_text(p))
+
+
+def read_by_the_model(data: str | Path | None) -> bool:
+    """Whether `data` is ids of the model's own tokenizer: a `prepare-data` folder, or a
+    .jsonl, .parquet or datasets folder (tokenized here with it, as prepare-data does);
+    other data (text, .bin) is bytes."""
+    from tpkit.train.text_sources import documents_kind
+
+    return bool(data) and ((Path(data) / INDEX).is_file() or
+                           documents_kind(Path(data)) is not None)
+
+
+def _documents(p: Path, folder: bool, tokenizer: str | None) -> np.ndarray:
+    """A .jsonl, .parquet or datasets folder, tokenized as `prepare-data` does."""
+    from tpkit.train.tokenizing import Tokenized
+
+    prepare = f"tpkit prepare-data {p} --tokenizer {tokenizer or 'TOKENIZER'} --out DIR"
+    if tokenizer is None:
+        raise UserError(f"data {p} ({'a datasets folder' if folder else p.suffix}) needs the "
+                        f"model's tokenizer, which tpkit does not know here: run `{prepare}` "
+                        f"with the model's tokenizer, then train on --data DIR")
+    return Tokenized([str(p)], tokenizer, choose=f"train reads the field 'text'; for "
+                     f"another, run `{prepare} --text-field NAME`, then train on --data "
+                     f"DIR").array()
 
 
 def check_shards(folder: Path, vocab_size: int, tokenizer: str | None = None,

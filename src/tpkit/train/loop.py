@@ -125,6 +125,7 @@ def train(cfg: TrainConfig, mesh: ParallelMesh, model: torch.nn.Module | None = 
     ctx, sharding, start = build_context(cfg, mesh, model, loader)
     opt, data, link = ctx.opt, ctx.data, ctx.link
     out, lead = Path(cfg.out), mesh.rank == 0
+    run_id = run_identity(cfg) if lead else None  # only rank 0 writes manifests
     log = run_log.MetricsLog(out / "metrics.jsonl" if lead else None, resume_step=start,
                              trackers=(trackers or Trackers(cfg)) if lead else None)
     bar = run_log.Progress(cfg.steps, lead and cfg.progress)
@@ -152,7 +153,7 @@ def train(cfg: TrainConfig, mesh: ParallelMesh, model: torch.nn.Module | None = 
             bar.update(row)
             if cfg.ckpt_every and (step + 1) % cfg.ckpt_every == 0 and step + 1 < cfg.steps:
                 with data.full_params():
-                    ckpt = save_checkpoint(cfg, mesh, model, opt, loader, step + 1)
+                    ckpt = save_checkpoint(cfg, mesh, model, opt, loader, step + 1, run_id)
     except CollectiveFailed as e:  # a dead or stuck peer: say how far the run got
         raise e.after_step(start + len(rows)) from e.__cause__
     finally:
@@ -162,7 +163,7 @@ def train(cfg: TrainConfig, mesh: ParallelMesh, model: torch.nn.Module | None = 
     if cfg.checkpoint:
         try:
             with data.full_params():
-                ckpt = save_checkpoint(cfg, mesh, model, opt, loader, cfg.steps)
+                ckpt = save_checkpoint(cfg, mesh, model, opt, loader, cfg.steps, run_id)
         except CollectiveFailed as e:  # a peer died in the final save: every step was done
             raise e.after_step(start + len(rows)) from e.__cause__
     mesh.ledger.records[:] = last_records
@@ -193,22 +194,31 @@ def _due(step: int, every: int, steps: int) -> bool:
     return step + 1 == steps or (every > 0 and (step + 1) % every == 0)
 
 
+def run_identity(cfg: TrainConfig) -> str:
+    """This run's id, in every checkpoint it writes: the resumed checkpoint's run's
+    (`retention.run_of`), or a new one."""
+    from tpkit.checkpoint import retention
+
+    return (retention.run_of(cfg.resume) if cfg.resume else None) or retention.new_run_id()
+
+
 def save_checkpoint(cfg: TrainConfig, mesh: ParallelMesh, model, opt, loader: TokenLoader,
-                    step: int) -> str:
+                    step: int, run_id: str | None = None) -> str:
     """Sharded checkpoint at out/checkpoints/step_N: weights, AdamW (or ZeRO-1) state,
-    and in `extra` the loader position, the step and this rank's generator states."""
+    and in `extra` the loader position, the step and this rank's generator states;
+    then retention, of this run's (`run_id`) checkpoints only."""
     from tpkit.checkpoint import retention, store
     from tpkit.checkpoint.paths import step_dir
     from tpkit.checkpoint.rng import capture_rng
 
     path = step_dir(cfg.out, step)
     rng = dict(capture_rng(mesh.device), tp=model.rng.state, device=mesh.device.type)
-    store.save(path, model, opt, step=step, mesh=mesh,
-                    extra=dict(loader=loader.state_dict(), step=step, rng=rng,
-                               config=cfg.to_dict()),
-                    tokenizer=cfg.from_hf or tokenizer_folder(cfg.data))  # for generate, export
+    store.save(path, model, opt, step=step, mesh=mesh, run=run_id,
+               extra=dict(loader=loader.state_dict(), step=step, rng=rng,
+                          config=cfg.to_dict()),
+               tokenizer=cfg.from_hf or tokenizer_folder(cfg.data))  # for generate, export
     if mesh.rank == 0:  # the new one is complete: only now may the oldest go
-        retention.prune(path.parent, cfg.keep_checkpoints)
+        retention.prune(path.parent, cfg.keep_checkpoints, run=run_id, current=path)
     return str(path)
 
 

@@ -1,6 +1,7 @@
 """What a run reports at the end: its `RunSummary`, the text report, the theory tables.
 
-    trained <preset> at tp= x pp= x dp= (<schedule>, m micro-batches) for N steps
+    trained <preset> at tp= x pp= x dp= [x cp=] (<schedule>, m micro-batches of b
+        sequences per replica) for N steps
     loss <first> (step 1) -> <mean of the last 10 steps>, held-out validation <loss>
     throughput <tokens/s> (<seconds> in all)
     pipeline bubble: idle/busy measured <mean over stages>, theory (p-1)/m = <value>
@@ -13,6 +14,7 @@ import shlex
 from collections import Counter
 from dataclasses import dataclass
 
+from tpkit.spec.words import plural
 from tpkit.train.config import TrainConfig
 
 
@@ -60,10 +62,13 @@ class RunSummary:
 def report(result: RunSummary, tables: list[str]) -> str:
     """The end-of-run summary: loss X -> Y, tokens/s, bubble, comm vs theory, files."""
     c = result.config
-    lines = [f"trained {c.model_name} at tp={c.tp} x pp={c.pp} x dp={c.dp} ({c.schedule}, "
-             f"{c.micro_batches} micro-batches) for {c.steps} steps",
+    cp = f" x cp={c.cp}" if c.cp > 1 else ""
+    lines = [f"trained {c.model_name} at tp={c.tp} x pp={c.pp} x dp={c.dp}{cp} ({c.schedule}, "
+             f"{plural(c.micro_batches, 'micro-batch')} of "
+             f"{plural(result.micro_batch, 'sequence')} per replica) for "
+             f"{plural(c.steps, 'step')}",
              f"loss {result.first_loss:.4f} (step {result.first_step}) -> "
-             f"{result.tail_loss:.4f} (mean of the last {result.tail} steps)"
+             f"{result.tail_loss:.4f} (mean of the last {plural(result.tail, 'step')})"
              + (f", held-out validation {result.val_loss:.4f}" if result.val_loss else ""),
              f"throughput {result.tokens_per_s:,.0f} tokens/s ({result.seconds:.1f} s in all)"]
     if c.compile:

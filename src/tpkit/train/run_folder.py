@@ -4,7 +4,12 @@
         ...                  # the whole run
 
 `check_writable(out)` says in one line why a path cannot be a run folder (a regular
-file, a read-only mount, no permission) before any process is spawned. `hold` takes an
+file, a read-only mount, no permission; a folder holding files of something else than
+a tpkit run; inside a checkpoint or a run's checkpoints folder, which that run's
+retention would delete) before any process is spawned. `earlier_runs(out, resume)`
+says (under the lock) which checkpoints there belong to another run: a new run
+refuses them unless --overwrite (then they go), a resumed one always, naming both
+runs (`checkpoint.retention`: a run folder belongs to one run). `hold` takes an
 exclusive `flock` on `out/.tpkit-run.lock` and writes the holder (host, pid, start
 time) into it; a second run into the same folder is refused with one line naming that
 holder. The kernel drops a flock when its holder dies, so a lock left by a dead run
@@ -26,7 +31,15 @@ from collections.abc import Iterator
 from contextlib import contextmanager
 from pathlib import Path
 
+from tpkit.checkpoint.dest import listing
 from tpkit.checkpoint.disk import remove_leftovers
+from tpkit.checkpoint.paths import (
+    RUN_CHECKPOINTS,
+    enclosing_checkpoints,
+    is_checkpoint,
+    run_checkpoints,
+)
+from tpkit.checkpoint.retention import complete, others, run_of
 from tpkit.spec.errors import UserError
 
 LOCK_FILE = ".tpkit-run.lock"
@@ -38,6 +51,14 @@ def check_writable(out: Path) -> None:
     if out.exists() and not out.is_dir():
         raise UserError(f"--out {out} is a regular file, not a folder: give a folder (created "
                         f"if missing) for metrics.jsonl, loss.png and checkpoints/")
+    around = enclosing_checkpoints(out / RUN_CHECKPOINTS)  # out itself a checkpoint too
+    if around is not None:
+        raise UserError(f"--out {out} is or lies inside {around}: that run's retention "
+                        f"would delete this run; choose another --out")
+    if out.is_dir() and any(out.iterdir()) and not is_run_folder(out):
+        raise UserError(f"--out {out} holds files that are not a tpkit run's "
+                        f"({listing(out)}): a run writes config.toml, metrics.jsonl and "
+                        f"checkpoints/ there; choose a new or empty folder")
     try:
         out.mkdir(parents=True, exist_ok=True)
         probe = out / f".tpkit-write-probe-{os.getpid()}"
@@ -46,6 +67,35 @@ def check_writable(out: Path) -> None:
     except OSError as e:
         raise UserError(f"--out {out} is not writable: {os.strerror(e.errno or 0)}"
                         f"{_where(e)}; choose another --out") from None
+
+
+def is_run_folder(out: Path) -> bool:
+    """Whether `out` is a folder a tpkit run wrote: its lock file (every run holds one),
+    or tpkit checkpoints (finished or not) in its checkpoints/."""
+    folder = run_checkpoints(out)
+    return (out / LOCK_FILE).is_file() or folder.is_dir() and any(
+        is_checkpoint(d) or d.name.endswith(".tmp") for d in folder.iterdir())
+
+
+def earlier_runs(out: Path, resume: str | None, overwrite: bool) -> list[Path]:
+    """The checkpoints in `out` that another run wrote, for `--overwrite` to delete (a
+    new run: every complete one); a UserError line naming both runs when they stay."""
+    folder = run_checkpoints(out)
+    if resume is None:
+        found = complete(folder)
+        if found and not overwrite:
+            raise UserError(f"--out {out} holds an earlier run (checkpoints up to "
+                            f"{found[-1].name}); continue it with --resume {out}, start over "
+                            f"with --overwrite, or choose another --out")
+        return found
+    run = run_of(resume)
+    found = others(folder, run)
+    if found:
+        (last, theirs) = found[-1]
+        raise UserError(f"--out {out} holds the checkpoints of another run (run {theirs}, "
+                        f"up to {last.name}); this run continues run {run or '(no id)'} from "
+                        f"{resume}: resume into another --out")
+    return []
 
 
 def _where(e: OSError) -> str:

@@ -9,7 +9,9 @@
 
 `open_sources` names each path's kind once, and checks the field, before anything is
 tokenized; `documents` yields (text, bytes read, end of a document). A path that is
-none of these, a missing field, or a source with no usable text is one UserError.
+none of these, a missing field, text that is not UTF-8 (the offset of its first bad
+byte), a Parquet file or datasets folder its library cannot read, or a source with no
+usable text is one UserError.
 """
 
 from __future__ import annotations
@@ -45,6 +47,7 @@ class Fields:
     text: str = "text"
     chat: str | None = None
     render: Callable[[list], str] | None = None
+    choose: str = "choose one with --text-field or --chat-field"  # said of a missing field
 
     @property
     def name(self) -> str:
@@ -52,16 +55,24 @@ class Fields:
         return self.chat or self.text
 
 
+def documents_kind(path: Path) -> str | None:
+    """DATASETS, JSONL or PARQUET: a path read as documents of a field; None otherwise."""
+    if path.is_dir():
+        datasets = (path / "dataset_info.json").is_file() or (path / "dataset_dict.json").is_file()
+        return DATASETS if datasets else None
+    return _SUFFIXES.get(path.suffix.lower())
+
+
 def kind_of(path: Path) -> str:
     """A path's kind: a `datasets` folder, .jsonl, .parquet, else plain UTF-8 text."""
     if path.is_dir():
-        if (path / "dataset_info.json").is_file() or (path / "dataset_dict.json").is_file():
+        if documents_kind(path) == DATASETS:
             return DATASETS
         raise UserError(f"{path} is a directory but not a `datasets` save_to_disk folder "
                         f"(no dataset_info.json); give its text files instead")
     if not path.is_file():
         raise FileNotFoundError(f"input {path} does not exist")
-    return _SUFFIXES.get(path.suffix.lower(), TEXT)
+    return documents_kind(path) or TEXT
 
 
 def open_sources(paths: list[str], fields: Fields) -> list[Source]:
@@ -72,7 +83,7 @@ def open_sources(paths: list[str], fields: Fields) -> list[Source]:
         size = sum(f.stat().st_size for f in p.rglob("*") if f.is_file()) if p.is_dir() \
             else p.stat().st_size
         if kind in (PARQUET, DATASETS):
-            _check_columns(p, _columns(p, kind), fields.name)
+            _check_columns(p, _columns(p, kind), fields.name, fields.choose)
         else:
             check_text(p)
         sources.append(Source(p, kind, size))
@@ -80,37 +91,74 @@ def open_sources(paths: list[str], fields: Fields) -> list[Source]:
 
 
 def check_text(path: Path, sample: int = BLOCK_BYTES, tolerated: float = 0.01) -> None:
-    """A UserError when `path` is not UTF-8 text: NUL bytes or invalid UTF-8 in more than
-    `tolerated` of its first `sample` bytes (a binary, an archive, a UTF-16 file)."""
+    """A UserError when `path` is not UTF-8 text: NUL bytes in more than `tolerated` of its
+    first `sample` bytes (a binary, an archive, a UTF-16 file), or a byte there that is not
+    UTF-8 (`utf8`; the rest of the file is checked as it is read)."""
     with open(path, "rb") as f:
         data = f.read(sample)
     nul = data.count(b"\0")
-    invalid = len(data) - len(data.decode("utf-8", errors="ignore").encode("utf-8"))
-    if data and (nul + invalid) > tolerated * len(data):  # (NUL is valid UTF-8: apart)
-        raise UserError(f"{path}: not a text file ({nul:,} NUL bytes and {invalid:,} bytes of "
-                        f"invalid UTF-8 in its first {len(data):,} bytes); prepare-data reads "
-                        f"UTF-8 text, .jsonl, .parquet or a datasets folder")
+    if data and nul > tolerated * len(data):  # (NUL is valid UTF-8)
+        raise UserError(f"{path}: not a text file ({nul:,} NUL bytes in its first "
+                        f"{len(data):,} bytes); tpkit reads UTF-8 text, .jsonl, .parquet "
+                        f"or a datasets folder")
+    utf8(data, path, 0, ends=len(data) < sample)  # (a full sample may end in a character)
 
 
-def _check_columns(path: Path, columns: list[str], field: str) -> None:
+def utf8(data: bytes, path: Path, offset: int, ends: bool = True) -> str:
+    """`data` (bytes `offset`.. of `path`) decoded; a UserError naming the byte offset of
+    the first byte that is not UTF-8 (`ends`: False when `data` may stop inside a
+    character, whose start is then not an error)."""
+    try:
+        return data.decode("utf-8")
+    except UnicodeDecodeError as e:
+        if not ends and e.reason == "unexpected end of data":
+            return data[:e.start].decode("utf-8")
+        at = offset + e.start
+        raise UserError(f"{path}: not UTF-8 text: byte 0x{data[e.start]:02x} at byte offset "
+                        f"{at} ({e.reason}); convert the file to UTF-8 (iconv -f ENCODING "
+                        f"-t UTF-8)") from None
+
+
+def read_text(path: Path) -> str:
+    """The whole text of a UTF-8 file, checked as `prepare-data` reads it (`documents`)."""
+    check_text(path)
+    return "".join(text for text, _, _ in _text_pieces(path))
+
+
+def _check_columns(path: Path, columns: list[str], field: str, choose: str) -> None:
     if field not in columns:
-        raise UserError(f"{path}: no column {field!r} (columns: {columns}); choose one with "
-                        f"--text-field or --chat-field")
+        raise UserError(f"{path}: no column {field!r} (columns: {columns}); {choose}")
 
 
 def _columns(path: Path, kind: str) -> list[str]:
     if kind == PARQUET:
-        import pyarrow.parquet as pq
-
-        return list(pq.ParquetFile(path).schema_arrow.names)
+        return list(_parquet(path).schema_arrow.names)
     return list(_dataset(path).column_names)
+
+
+def _parquet(path: Path):
+    """The open ParquetFile; one line naming the file when pyarrow cannot read it."""
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    try:
+        return pq.ParquetFile(path)
+    except (pa.ArrowException, OSError) as e:
+        raise UserError(f"{path}: not a readable Parquet file ({_one_line(e)})") from None
+
+
+def _one_line(e: BaseException) -> str:
+    return (str(e).strip() or type(e).__name__).splitlines()[0]
 
 
 def _dataset(path: Path):
     """A save_to_disk folder: the Dataset (of a DatasetDict, its train split)."""
     from datasets import DatasetDict, load_from_disk
 
-    ds = load_from_disk(str(path))
+    try:
+        ds = load_from_disk(str(path))
+    except (OSError, ValueError, KeyError, TypeError) as e:
+        raise UserError(f"{path}: not a readable `datasets` folder ({_one_line(e)})") from None
     if isinstance(ds, DatasetDict):
         if "train" not in ds:
             raise UserError(f"{path}: a DatasetDict without a train split (splits: "
@@ -130,19 +178,22 @@ def documents(src: Source, fields: Fields) -> Iterator[Piece]:
 
 
 def _text_pieces(path: Path) -> Iterator[Piece]:
-    """Blocks of about BLOCK_BYTES cut after a newline; the file is one document."""
-    with open(path, encoding="utf-8", errors="replace") as f:
-        text = f.read(BLOCK_BYTES)
-        while text:
-            text += f.readline()  # finish the line: no cut inside a word
+    """Blocks of about BLOCK_BYTES cut after a newline (never inside a UTF-8 character);
+    the file is one document."""
+    with open(path, "rb") as f:
+        offset, data = 0, f.read(BLOCK_BYTES)
+        while data:
+            data += f.readline()  # finish the line: no cut inside a word
             after = f.read(BLOCK_BYTES)
-            yield text, len(text.encode("utf-8")), not after
-            text = after
+            yield utf8(data, path, offset), len(data), not after
+            offset, data = offset + len(data), after
 
 
 def _jsonl_pieces(path: Path, fields: Fields) -> Iterator[Piece]:
-    with open(path, encoding="utf-8", errors="replace") as f:
-        for n, line in enumerate(f, 1):
+    offset = 0
+    with open(path, "rb") as f:
+        for n, raw in enumerate(f, 1):
+            line, offset = utf8(raw, path, offset), offset + len(raw)
             if not line.strip():
                 continue
             try:
@@ -153,19 +204,16 @@ def _jsonl_pieces(path: Path, fields: Fields) -> Iterator[Piece]:
                 raise UserError(f"{path} line {n}: a JSON {type(row).__name__}, not an object")
             if fields.name not in row:
                 raise UserError(f"{path} line {n}: no field {fields.name!r} (fields: "
-                                f"{sorted(row)}); choose one with --text-field or --chat-field")
-            yield _text_of(row[fields.name], fields, f"{path} line {n}"), len(line.encode()), True
+                                f"{sorted(row)}); {fields.choose}")
+            yield _text_of(row[fields.name], fields, f"{path} line {n}"), len(raw), True
 
 
 def _row_pieces(src: Source, fields: Fields) -> Iterator[Piece]:
     """Rows of a .parquet file or a datasets folder, ROWS at a time."""
     if src.kind == PARQUET:
-        import pyarrow.parquet as pq
-
-        file = pq.ParquetFile(src.path)
+        file = _parquet(src.path)
         total = file.metadata.num_rows
-        batches = (b.column(0).to_pylist()
-                   for b in file.iter_batches(batch_size=ROWS, columns=[fields.name]))
+        batches = _parquet_batches(file, src.path, fields.name)
     else:
         ds = _dataset(src.path)
         total = len(ds)
@@ -176,6 +224,21 @@ def _row_pieces(src: Source, fields: Fields) -> Iterator[Piece]:
             size = src.size * (row + 1) // total - src.size * row // total
             yield _text_of(v, fields, f"{src.path} row {row}"), size, True
             row += 1
+
+
+def _parquet_batches(file, path: Path, column: str) -> Iterator[list]:
+    """The values of `column`, ROWS at a time; a damaged row group is one line."""
+    import pyarrow as pa
+
+    batches = file.iter_batches(batch_size=ROWS, columns=[column])
+    while True:
+        try:
+            batch = next(batches, None)
+        except (pa.ArrowException, OSError) as e:
+            raise UserError(f"{path}: not a readable Parquet file ({_one_line(e)})") from None
+        if batch is None:
+            return
+        yield batch.column(0).to_pylist()
 
 
 def _text_of(value, fields: Fields, where: str) -> str:

@@ -185,6 +185,12 @@ def open_shards(folder: str | Path) -> tuple[TokenStream, dict]:
     """(memory-mapped ids, index) of a `prepare-data` folder; clear errors on damage."""
     folder = Path(folder)
     index = read_index(folder)
+    listed = {s["file"] for s in index["shards"]}
+    stray = sorted(p.name for p in folder.glob("*shard_*.bin*") if p.name not in listed)
+    if stray:  # a run that wrote into the folder after (or during) the one indexed
+        raise UserError(f"{folder}: {', '.join(stray[:4])} not in {INDEX} (it lists "
+                        f"{len(listed)} shard(s)): the shards are not the ones indexed; "
+                        f"prepare the data again")
     dtype = DTYPES[index["dtype"]]
     parts = []
     for shard in index["shards"]:

@@ -1,0 +1,306 @@
+"""The OpenAI request bodies as a strict schema (pydantic v2), checked at the edge,
+before anything reaches the engine; the HTTP layer's only way in.
+
+    body = parse_json(raw)                       # bytes -> dict; depth and JSON checked
+    req = validate(body, chat=False)             # CompletionRequest | ChatRequest
+    req.sampling(), req.prompt / req.messages    # SamplingParams; str | list[int]
+
+Strict: no bool taken as a number, no string as a bool, no unknown field; every
+string must be text (UTF-8: a lone surrogate is refused); nesting at most
+`MAX_DEPTH` deep, scanned before the JSON is parsed. The sampling values' bounds are
+`tpkit.serve.params.RULES` (the same as `tpkit generate`'s flags). A bad body is an
+`ApiError` 400 in OpenAI's shape, naming the field:
+
+    {"error": {"message": "temperature=-1 must be ...", "type": "invalid_request_error",
+               "param": "temperature", "code": "invalid_value"}}
+"""
+
+from __future__ import annotations
+
+import json
+import re
+from typing import Annotated, Any
+
+from pydantic import (
+    AfterValidator,
+    BaseModel,
+    ConfigDict,
+    Field,
+    StrictBool,
+    StrictFloat,
+    StrictInt,
+    StrictStr,
+    ValidationError,
+    ValidationInfo,
+    field_validator,
+)
+from pydantic_core import PydanticCustomError
+
+from tpkit.serve.openai_api import ApiError
+from tpkit.serve.params import SamplingParams, problem, shown
+
+MAX_DEPTH = 16  # of [ and { in a body: a chat message's content parts need ~5
+ECHO = "echo=True: a completion (not chat, not streamed) may echo its prompt (echo=true)"
+
+
+# -- bytes to a JSON object ------------------------------------------------------------
+_STRING = re.compile(rb'"[^"\\]*(?:\\.[^"\\]*)*"')
+_BRACKET = re.compile(rb"[][{}]")
+
+
+def depth(raw: bytes) -> int:
+    """How deep [ and { nest in a JSON text (strings skipped), counted up to MAX_DEPTH + 1."""
+    if raw.count(b"[") + raw.count(b"{") <= MAX_DEPTH:
+        return 0  # cannot be too deep
+    level = 0
+    for b in _BRACKET.findall(_STRING.sub(b"", raw)):
+        level += 1 if b in b"[{" else -1
+        if level > MAX_DEPTH:
+            break
+    return level
+
+
+def _no_constant(name: str):
+    raise ApiError(400, f"the body is not JSON: {name} is not a JSON number")
+
+
+def parse_json(raw: bytes) -> dict:
+    """The JSON object of a body; ApiError 400 for text that is not UTF-8, nesting
+    deeper than MAX_DEPTH, anything that is not JSON (NaN, Infinity too) or not an object."""
+    try:
+        text = raw.decode("utf-8")
+    except UnicodeDecodeError as e:
+        raise ApiError(400, f"the body is not UTF-8 text: {e}") from None
+    if depth(raw) > MAX_DEPTH:
+        raise ApiError(400, f"the body nests deeper than {MAX_DEPTH} levels")
+    try:
+        body = json.loads(text, parse_constant=_no_constant)
+    except json.JSONDecodeError as e:
+        raise ApiError(400, f"the body is not JSON: {e}") from None
+    except RecursionError:  # the scan let through what the parser could not (invalid JSON)
+        raise ApiError(400, f"the body nests deeper than {MAX_DEPTH} levels") from None
+    if not isinstance(body, dict):
+        raise ApiError(400, "the body must be a JSON object")
+    return body
+
+
+# -- the fields ------------------------------------------------------------------------
+def _utf8(s: str) -> str:
+    try:
+        s.encode("utf-8")
+    except UnicodeEncodeError as e:
+        raise PydanticCustomError("invalid_text", "must be text (a lone surrogate at "
+                                  "character {at} is not UTF-8)", {"at": e.start}) from None
+    return s
+
+
+def _rule(name: str, as_name: str | None = None) -> AfterValidator:
+    """`params.RULES[name]` as a field's validator (None passes: the default)."""
+    def check(value):
+        why = None if value is None else problem(name, value, as_name)
+        if why is not None:
+            raise PydanticCustomError("invalid_value", why)
+        return value
+    return AfterValidator(check)
+
+
+def _refuse(why: str):
+    raise PydanticCustomError("invalid_value", why)
+
+
+Text = Annotated[StrictStr, AfterValidator(_utf8)]
+Word = Annotated[Text, Field(min_length=1)]
+Number = Annotated[StrictInt | StrictFloat | None, Field(description="must be a number")]
+Stop = Annotated[Text | Annotated[list[Text], Field(fail_fast=True)] | None,
+                 Field(description="must be a string or a list of strings")]
+TokenIds = Annotated[list[StrictInt], Field(min_length=1, fail_fast=True)]  # one error: fast
+
+
+class _Strict(BaseModel):
+    model_config = ConfigDict(strict=True, extra="forbid", frozen=True)
+
+
+class StreamOptions(_Strict):
+    """`stream_options`: the usage counts as a last chunk."""
+
+    include_usage: StrictBool | None = None
+
+
+class Message(_Strict):
+    """One chat message: a role and its text."""
+
+    role: Word
+    content: Text
+    name: Text | None = None
+
+
+class _Request(_Strict):
+    """The fields both endpoints take (OpenAI's defaults: temperature 1, top_p 1)."""
+
+    model: Text | None = None
+    max_tokens: Annotated[StrictInt | None, _rule("max_tokens")] = None
+    temperature: Annotated[Number, _rule("temperature")] = None
+    top_p: Annotated[Number, _rule("top_p")] = None
+    top_k: Annotated[StrictInt | None, _rule("top_k")] = None
+    seed: Annotated[StrictInt | None, _rule("seed")] = None
+    stop: Stop = None
+    n: StrictInt | None = None
+    stream: StrictBool | None = None
+    stream_options: StreamOptions | None = None
+    user: Text | None = None
+    ignore_eos: StrictBool = False
+    presence_penalty: Number = None
+    frequency_penalty: Number = None
+
+    @field_validator("stop")
+    @classmethod
+    def _stop(cls, v):
+        if v is None:
+            return v
+        stop = (v,) if isinstance(v, str) else tuple(v)
+        why = problem("stop", stop)
+        return _refuse(why) if why else stop
+
+    @field_validator("n")
+    @classmethod
+    def _one(cls, v):
+        return _refuse(f"n={v!r}: this server returns one choice (n=1)") if v not in (
+            None, 1) else v
+
+    @field_validator("presence_penalty", "frequency_penalty")
+    @classmethod
+    def _no_penalty(cls, v, info: ValidationInfo):
+        return _refuse(f"{info.field_name} is not supported (only 0)") if v else v
+
+    def _params(self, max_tokens: int | None, logprobs: int | None, echo: bool
+                ) -> SamplingParams:
+        def given(x, default):
+            return default if x is None else x
+        return SamplingParams(
+            max_tokens=given(max_tokens, 16), temperature=given(self.temperature, 1.0),
+            top_p=given(self.top_p, 1.0), top_k=given(self.top_k, 0), seed=self.seed,
+            stop=self.stop or (), ignore_eos=self.ignore_eos, logprobs=logprobs, echo=echo)
+
+    @property
+    def include_usage(self) -> bool:
+        """Does a stream end with a usage chunk?"""
+        return bool(self.stream_options and self.stream_options.include_usage)
+
+
+class CompletionRequest(_Request):
+    """POST /v1/completions: one prompt (text or token ids; a batch of one as well)."""
+
+    prompt: Annotated[Word | TokenIds | Annotated[list[Word], Field(min_length=1, fail_fast=True)] |
+                      Annotated[list[TokenIds], Field(min_length=1, fail_fast=True)], Field(
+        description="must be a non-empty string or a list of token ids (one prompt per "
+                    "request)")]
+    logprobs: Annotated[StrictInt | None, _rule("logprobs")] = None
+    echo: StrictBool = False
+    top_logprobs: Annotated[None, Field(description="is a chat parameter: a completion "
+                                                    "takes logprobs=k")] = None
+
+    @field_validator("prompt", mode="before")
+    @classmethod
+    def _one_prompt(cls, p):  # before the union is tried on each of a batch's prompts
+        if isinstance(p, list) and len(p) > 1 and isinstance(p[0], str | list):
+            _refuse(f"prompt: a batch of {len(p)} prompts; this server takes one per request")
+        return p
+
+    @field_validator("prompt")
+    @classmethod
+    def _unbatch(cls, p):
+        return p[0] if isinstance(p, list) and isinstance(p[0], str | list) else p
+
+    @field_validator("echo")
+    @classmethod
+    def _echo(cls, v, info: ValidationInfo):
+        return _refuse(ECHO) if v and info.data.get("stream") else v
+
+    def sampling(self) -> SamplingParams:
+        """The SamplingParams asked for (`logprobs: k`: the k likeliest per token)."""
+        return self._params(self.max_tokens, self.logprobs, self.echo)
+
+
+class ChatRequest(_Request):
+    """POST /v1/chat/completions: messages, rendered by the tokenizer's chat template."""
+
+    messages: Annotated[list[Message], Field(min_length=1, fail_fast=True, description=
+                        "must be a non-empty list of {role, content} strings")]
+    max_completion_tokens: Annotated[StrictInt | None, _rule("max_tokens",
+                                                             "max_completion_tokens")] = None
+    logprobs: StrictBool | None = None
+    top_logprobs: Annotated[StrictInt | None, _rule("logprobs", "top_logprobs")] = None
+    echo: StrictBool = False
+
+    @field_validator("echo")
+    @classmethod
+    def _echo(cls, v):
+        return _refuse(ECHO) if v else v
+
+    @field_validator("top_logprobs")
+    @classmethod
+    def _needs_logprobs(cls, v, info: ValidationInfo):
+        return _refuse("top_logprobs needs logprobs=true") if v is not None and not \
+            info.data.get("logprobs") else v
+
+    def sampling(self) -> SamplingParams:
+        """The SamplingParams asked for (`logprobs` + `top_logprobs: k`)."""
+        lp = (self.top_logprobs or 0) if self.logprobs else None
+        return self._params(self.max_completion_tokens or self.max_tokens, lp, False)
+
+
+# -- pydantic's errors as OpenAI's -----------------------------------------------------
+WORDS = {"int_type": "must be an integer", "float_type": "must be a number",
+         "bool_type": "must be true or false", "string_type": "must be a string",
+         "list_type": "must be a list", "model_type": "must be an object",
+         "dict_type": "must be an object", "missing": "is required",
+         "too_short": "must not be empty", "string_too_short": "must not be empty",
+         "none_required": "is not taken here"}
+
+
+def validate(body: dict, chat: bool) -> CompletionRequest | ChatRequest:
+    """The request of a parsed body, or ApiError 400 naming its first bad field."""
+    model = ChatRequest if chat else CompletionRequest
+    try:
+        return model.model_validate(body)
+    except ValidationError as e:
+        raise _api_error(e.errors(include_url=False), body, model) from None
+
+
+def _api_error(errors: list[dict], body: dict, model: type[BaseModel]) -> ApiError:
+    unknown = [e["loc"][0] for e in errors if e["type"] == "extra_forbidden"]
+    if unknown:
+        return ApiError(400, f"unsupported parameters: {', '.join(map(str, unknown))}",
+                        str(unknown[0]), "unknown_parameter")
+    e = errors[0]
+    path, value = _where(body, e["loc"])
+    if e["type"] in ("invalid_value", "invalid_text"):
+        why = e["msg"] if e["type"] == "invalid_value" else f"{path} {e['msg']}"
+        return ApiError(400, why, path, "invalid_value")
+    field = model.model_fields.get(str(e["loc"][0]))
+    top = field is not None and "." not in path and "[" not in path and e["type"] != "missing"
+    words = (field.description if top else None) or WORDS.get(e["type"], e["msg"].lower())
+    got = f"={_short(value)}" if e["type"] != "missing" else ""
+    return ApiError(400, f"{path}{got} {words}", path, "invalid_type")
+
+
+def _where(body: Any, loc: tuple) -> tuple[str, Any]:
+    """'messages[0].content' and its value: the part of `loc` that is in the body (a
+    union's member names are not)."""
+    path, value = "", body
+    for k in loc:
+        if isinstance(value, dict) and k in value:
+            path, value = f"{path}.{k}" if path else str(k), value[k]
+        elif isinstance(value, list) and isinstance(k, int) and 0 <= k < len(value):
+            path, value = f"{path}[{k}]", value[k]
+        elif isinstance(value, dict) and isinstance(k, str):  # a missing field
+            path = f"{path}.{k}" if path else k
+            break
+        else:
+            break
+    return path, value
+
+
+def _short(value: Any) -> str:
+    text = shown(value)
+    return text if len(text) <= 40 else text[:37] + "..."
