@@ -3,7 +3,8 @@ mixed prompt lengths from a GPT-2 124M-class model (random weights, a Hugging Fa
 folder; or SmolLM2-135M's shapes, 9 heads, for tp=3), against transformers' own batched `generate` on the same folder, in one run.
 
     PYTHONPATH=src python benchmarks/serve_load.py [--tp 1,2] [--clients 1,4,16,32]
-        [--max-tokens 16] [--model gpt2|smollm2] [--decode-chunk 8[,1]]
+        [--max-tokens 16] [--model gpt2|smollm2] [--decode-chunk rows[,8,1]]
+        [--dtype float32|bfloat16]
         [--prefill-per-step 256[,0]]
         [--out bench-results/serve_load.json]
 
@@ -121,11 +122,12 @@ def load_level(port: int, clients: int, work: list[list[int]], max_tokens: int) 
 
 
 def serve_levels(folder: Path, tp: int, levels: list[int], work, max_tokens: int,
-                 chunk: int, prefill: int | None) -> dict:
+                 chunk: int | None, prefill: int | None, dtype: str = "float32") -> dict:
     proc = subprocess.Popen(
         [sys.executable, "-m", "tpkit", "serve", "--checkpoint", str(folder), "--tp", str(tp),
          "--port", "0", "--max-batch", str(max(levels)), "--max-len",
-         str(max(LENGTHS) + max_tokens), "--decode-chunk", str(chunk),
+         str(max(LENGTHS) + max_tokens), "--dtype", dtype,
+         *(["--batch-invariant", "--decode-chunk", str(chunk)] if chunk else []),
          *(["--prefill-per-step", str(prefill)] if prefill is not None else []),
          "--served-model-name", "gpt2"],
         stdout=subprocess.PIPE, text=True,
@@ -175,8 +177,9 @@ def main() -> None:
     ap.add_argument("--tp", default="1,2", help="tpkit tp sizes (default 1,2)")
     ap.add_argument("--clients", default="1,4,16,32", help="concurrency levels")
     ap.add_argument("--max-tokens", type=int, default=16, help="new tokens per request")
-    ap.add_argument("--decode-chunk", default="8", help="tpkit serve --decode-chunk values "
-                    "(default 8; e.g. 8,1)")
+    ap.add_argument("--decode-chunk", default="rows", help="rows (tpkit serve's default: the "
+                    "running rows) or C (--batch-invariant --decode-chunk C); e.g. rows,8,1")
+    ap.add_argument("--dtype", default="float32", help="tpkit serve --dtype")
     ap.add_argument("--prefill-per-step", default=None, help="tpkit serve --prefill-per-step "
                     "values (default: the server's; e.g. 256,0)")
     ap.add_argument("--model", choices=["gpt2", "smollm2"], default="gpt2",
@@ -189,12 +192,12 @@ def main() -> None:
     tmp = tempfile.TemporaryDirectory()
     folder = make_folder(Path(args.folder or tmp.name) / f"{args.model}-random", args.model)
     load0 = open("/proc/loadavg").read().split()[:3]
-    chunks = [int(c) for c in args.decode_chunk.split(",")]
+    chunks = [None if c == "rows" else int(c) for c in args.decode_chunk.split(",")]
     prefills = [int(x) for x in args.prefill_per_step.split(",")] if args.prefill_per_step \
         else [None]
-    rows = {f"tpkit tp={tp}" + (f" chunk={c}" if len(chunks) > 1 else "")
+    rows = {f"tpkit tp={tp}" + (f" chunk={c or 'rows'}" if len(chunks) > 1 else "")
             + (f" prefill={f}" if len(prefills) > 1 else ""):
-            serve_levels(folder, int(tp), levels, work, args.max_tokens, c, f)
+            serve_levels(folder, int(tp), levels, work, args.max_tokens, c, f, args.dtype)
             for tp in args.tp.split(",") for c in chunks for f in prefills}
     rows["transformers generate (batched)"] = transformers_levels(folder, levels, work,
                                                                  args.max_tokens)

@@ -91,7 +91,7 @@ def openai_server(chat_llama):
 
     model = load_model(chat_llama, ParallelMesh.single())
     tok = load_tokenizer(chat_llama)
-    engine = Engine(model, tokenizer=tok, max_batch=SERVE_SLOTS)
+    engine = Engine(model, tokenizer=tok, max_batch=SERVE_SLOTS, decode_chunk=8)  # invariant
     httpd = make_server(App(engine, "llama", tok, timeout=10.0), "127.0.0.1", 0)
     stop = threading.Event()
     threads = [threading.Thread(target=httpd.serve_forever, daemon=True),

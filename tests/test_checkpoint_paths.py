@@ -205,7 +205,8 @@ def test_generate_takes_a_run_folder(paths, capsys):
         args = argparse.Namespace(checkpoint=str(path), tp=1, prompt=[], prompt_ids=["1,2,3"],
                                   max_new_tokens=6, temperature=0.0, top_k=None, seed=0,
                                   ignore_eos=False, top_p=None,
-                              stop=[], chat=False, max_batch=8, max_len=None, decode_chunk=8)
+                              stop=[], chat=False, max_batch=8, max_len=None, decode_chunk=8,
+                              batch_invariant=True, dtype="float32")
         assert run(args) == 0
         outs.append(capsys.readouterr().out)
     assert outs[0] == outs[1] and len(outs[0].split()) == 6

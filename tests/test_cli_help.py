@@ -75,6 +75,29 @@ def test_version(capsys):
     assert "transports:" in out and "gloo           available" in out
     assert "\n  shm            " in out and "\n  nccl           " in out
     assert f"transformers   {metadata.version('transformers')}" in out
+    import torch
+
+    assert f"fast paths:\n  cpu            {torch.backends.cpu.get_cpu_capability()} " in out
+
+
+def test_version_reads_the_low_precision_flags_of_the_cpu(tmp_path, monkeypatch):
+    from tpkit.commands import version
+    from tpkit.host import device
+
+    (tmp_path / "cpuinfo").write_text("processor\t: 0\nflags\t\t: fpu avx2 avx512f "
+                                      "avx512_bf16\n\nprocessor\t: 1\nflags\t\t: fpu\n")
+    assert device.cpu_flags(tmp_path / "cpuinfo") == {"fpu", "avx2", "avx512f", "avx512_bf16"}
+    assert device.cpu_flags(tmp_path / "none") == set()
+    import torch
+
+    monkeypatch.setattr(torch.backends.mkldnn, "is_available", lambda: True)
+    for flags, bf16, fp16 in (({"avx512_bf16"}, True, False), ({"amx_tile"}, False, False),
+                              ({"amx_tile", "amx_bf16", "amx_fp16"}, True, True)):
+        monkeypatch.setattr(device, "cpu_flags", lambda f=flags: f)
+        state = dict(version.fast_paths())
+        assert state["bfloat16"].startswith("accelerated") == bf16, (flags, state)
+        assert state["float16"].startswith("accelerated") == fp16, (flags, state)
+    assert state["cuda"] == "none" or "bfloat16" in state["cuda"]
 
 
 def test_print_config_merges_defaults_file_and_flags(tmp_path, capsys):

@@ -80,7 +80,8 @@ def test_cli_and_tokenizer(checkpoints, capsys):
     args = argparse.Namespace(checkpoint=checkpoints["gpt2-t"], tp=1, prompt=["ab"],
                               prompt_ids=[], max_new_tokens=4, temperature=0.0, top_k=None,
                               seed=0, ignore_eos=False, top_p=None, stop=[], chat=False,
-                              max_batch=8, max_len=None, decode_chunk=8)
+                              max_batch=8, max_len=None, decode_chunk=8,
+                              batch_invariant=True, dtype="float32")
     assert run(args) == 0
     out = capsys.readouterr()
     assert out.out.startswith("ab") and "tokens/s" in out.err

@@ -119,7 +119,8 @@ def test_a_temperature_below_1e5_is_greedy_in_the_server_and_in_generate(server,
     args = argparse.Namespace(checkpoint=str(folder), tp=1, prompt=["Tensor"], prompt_ids=[],
                               max_new_tokens=12, temperature=1e-300, top_k=None, top_p=None,
                               seed=0, ignore_eos=False, stop=[], chat=False, max_batch=4,
-                              max_len=None, decode_chunk=8)
+                              max_len=None, decode_chunk=8,
+                              batch_invariant=True, dtype="float32")
     generate_cmd._check_args(args)  # accepted: greedy, as the server takes it
     result = generate_cmd._worker(ParallelMesh.single(), args, open_source(folder))
     assert result["texts"] == ["Tensor" + greedy]

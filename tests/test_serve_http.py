@@ -206,7 +206,8 @@ def test_16_concurrent_requests_each_equal_to_alone_and_to_generate(server, fold
     args = argparse.Namespace(checkpoint=str(folder), tp=1, prompt=TEXTS, prompt_ids=[],
                               max_new_tokens=16, temperature=0.0, top_k=None, top_p=None,
                               seed=0, ignore_eos=False, stop=[], chat=False,
-                              max_batch=MAX_BATCH, max_len=None, decode_chunk=8)
+                              max_batch=MAX_BATCH, max_len=None, decode_chunk=8,
+                              batch_invariant=True, dtype="float32")
     result = generate_cmd._worker(ParallelMesh.single(), args, open_source(folder))
     tok = load_tokenizer(folder)
     assert [tok.decode(new) for new in result["new"]] == alone
@@ -225,7 +226,8 @@ def test_generate_chat_and_stop_equal_the_server(server, folder):
     args = argparse.Namespace(checkpoint=str(folder), tp=1, prompt=["the pipeline"],
                               prompt_ids=[], max_new_tokens=12, temperature=0.0, top_k=None,
                               top_p=None, seed=0, ignore_eos=False, stop=[stop], chat=True,
-                              max_batch=MAX_BATCH, max_len=None, decode_chunk=8)
+                              max_batch=MAX_BATCH, max_len=None, decode_chunk=8,
+                              batch_invariant=True, dtype="float32")
     result = generate_cmd._worker(ParallelMesh.single(), args, open_source(folder))
     assert result["texts"] == [cut.message.content]
 

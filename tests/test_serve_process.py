@@ -136,7 +136,7 @@ def _in_flight(served: Served, n: int) -> tuple[list[list], list[threading.Threa
 
 @pytest.mark.timeout(240)
 def test_tp2_concurrent_equals_alone_and_tp1_then_sigterm(folder):
-    served = Served(folder, 2)
+    served = Served(folder, 2, "--batch-invariant")
     try:
         alone = [served.complete(t, max_tokens=12) for t in TEXTS]
         with ThreadPoolExecutor(len(TEXTS)) as pool:
@@ -145,7 +145,8 @@ def test_tp2_concurrent_equals_alone_and_tp1_then_sigterm(folder):
         args = argparse.Namespace(checkpoint=str(folder), tp=1, prompt=TEXTS, prompt_ids=[],
                                   max_new_tokens=12, temperature=0.0, top_k=None, top_p=None,
                                   seed=0, ignore_eos=False, stop=[], chat=False, max_batch=4,
-                                  max_len=None, decode_chunk=8)
+                                  max_len=None, decode_chunk=8,
+                                  batch_invariant=True, dtype="float32")
         tok = load_tokenizer(folder)  # tp=1, in this process: the same text
         new = generate_cmd._worker(ParallelMesh.single(), args, open_source(folder))["new"]
         assert [tok.decode(n) for n in new] == alone
@@ -175,7 +176,7 @@ def test_tp2_concurrent_equals_alone_and_tp1_then_sigterm(folder):
 def test_kill_9_of_a_worker_gives_503_and_one_line(folder):
     # --decode-chunk reaches rank 1: run with another chunk than rank 0's, its forwards
     # would not match and the requests would fail before the kill
-    served = Served(folder, 2, "--decode-chunk", "1")
+    served = Served(folder, 2, "--batch-invariant", "--decode-chunk", "1")
     try:
         ids = load_tokenizer(folder).encode("Tensor parallelism splits")  # echo at tp=2:
         r = served.client.completions.create(  # rank 1 scores every position too

@@ -136,7 +136,8 @@ def test_greedy_generate_equals_transformers(workflow, run_tp, capsys):
     args = argparse.Namespace(checkpoint=workflow["ckpt"], tp=1, prompt=[PROMPTS[1]],
                               prompt_ids=[], max_new_tokens=NEW, temperature=0.0,
                               top_k=None, seed=0, ignore_eos=False, top_p=None,
-                              stop=[], chat=False, max_batch=8, max_len=None, decode_chunk=8)
+                              stop=[], chat=False, max_batch=8, max_len=None, decode_chunk=8,
+                              batch_invariant=True, dtype="float32")
     assert generate_cmd.run(args) == 0  # streamed, with the model's own tokenizer
     out = capsys.readouterr()
     assert out.out == PROMPTS[1] + texts[1] + "\n" and "tokens/s" in out.err
@@ -170,7 +171,8 @@ def test_preset_export_carries_a_byte_tokenizer(tmp_path, capsys):
     args = argparse.Namespace(checkpoint=str(tmp_path / "hf"), tp=1, prompt=["The "],
                               prompt_ids=[], max_new_tokens=16, temperature=0.0, top_k=None,
                               seed=0, ignore_eos=False, top_p=None,
-                              stop=[], chat=False, max_batch=8, max_len=None, decode_chunk=8)
+                              stop=[], chat=False, max_batch=8, max_len=None, decode_chunk=8,
+                              batch_invariant=True, dtype="float32")
     assert generate_cmd.run(args) == 0
     out = capsys.readouterr().out
     assert out == "The " + hf_tok.decode(ref) + "\n", (out, hf_tok.decode(ref), ref)
@@ -183,7 +185,8 @@ def test_a_hf_folder_without_tokenizer_is_not_read_as_bytes(tmp_path, capsys):
     args = argparse.Namespace(checkpoint=str(hf), tp=1, prompt=["Tensor"], prompt_ids=[],
                               max_new_tokens=2, temperature=0.0, top_k=None, seed=0,
                               ignore_eos=False, top_p=None,
-                              stop=[], chat=False, max_batch=8, max_len=None, decode_chunk=8)
+                              stop=[], chat=False, max_batch=8, max_len=None, decode_chunk=8,
+                              batch_invariant=True, dtype="float32")
     with pytest.raises(UserError) as e:
         generate_cmd.run(args)  # one line and exit 2 from tpkit.cli
     assert "no tokenizer files in" in str(e.value)

@@ -15,6 +15,7 @@ from __future__ import annotations
 import argparse
 import re
 
+from tpkit.spec.errors import UserError
 from tpkit.spec.words import suggest
 
 
@@ -29,18 +30,48 @@ def group(parser: argparse.ArgumentParser, title: str, about: str | None = None
     return parser.add_argument_group(title, about)
 
 
+DTYPES = ("float32", "bfloat16", "float16")  # --dtype of generate and serve
+INVARIANT_CHUNK = 8  # --decode-chunk's default under --batch-invariant
+
+
 def add_pool_arguments(g: argparse._ArgumentGroup, max_batch: int | None, batch_help: str
                        ) -> None:
-    """The serving engine's KV pool, as `tpkit generate` and `tpkit serve` both take it:
-    --max-batch (default and help per command), --max-len, --decode-chunk."""
+    """The serving engine's KV pool and decode, as `tpkit generate` and `tpkit serve` both
+    take them: --dtype, --max-batch (default and help per command), --max-len,
+    --batch-invariant and its --decode-chunk (`decode_chunk` reads the pair)."""
+    g.add_argument("--dtype", choices=DTYPES, default="float32",
+                   help="weights, activations and KV cache in this dtype (bfloat16, "
+                        "float16: half the memory); the logits' softmax and the sampling "
+                        "run in float32 whatever it is")
     g.add_argument("--max-batch", type=int, default=max_batch, metavar="B", help=batch_help)
     g.add_argument("--max-len", type=int, default=None, metavar="L",
                    help="tokens per sequence, prompt included (default: the model's "
                         "max_seq_len)")
-    g.add_argument("--decode-chunk", type=int, default=8, metavar="C",
-                   help="slots decoded together in one forward: 8 serves many clients best, 1 "
-                        "decodes each sequence alone (fastest with one or two at a time); "
-                        "whichever, a request's tokens never depend on what else runs")
+    g.add_argument("--batch-invariant", action="store_true",
+                   help="decode fixed chunks of --decode-chunk slots (free ones padded), so a "
+                        "request's tokens are bit for bit the same whatever else runs; "
+                        "without it each decode computes the running requests' rows only "
+                        "(fastest at any load; a token may then change with the batch where "
+                        "two logits are within rounding)")
+    g.add_argument("--decode-chunk", type=int, default=None, metavar="C",
+                   help=f"with --batch-invariant: slots per decode forward (default: "
+                        f"{INVARIANT_CHUNK}; 8 serves many clients best, 1 decodes each "
+                        f"sequence alone)")
+
+
+def decode_chunk(args: argparse.Namespace) -> int | None:
+    """The engine's `decode_chunk` from --batch-invariant and --decode-chunk: None (the
+    running rows) without --batch-invariant; UserError for --decode-chunk without it or
+    below 1."""
+    if not args.batch_invariant:
+        if args.decode_chunk is not None:
+            raise UserError(f"--decode-chunk={args.decode_chunk} needs --batch-invariant "
+                            f"(without it a decode computes the running requests' rows)")
+        return None
+    chunk = INVARIANT_CHUNK if args.decode_chunk is None else args.decode_chunk
+    if chunk < 1:
+        raise UserError(f"--decode-chunk={chunk} must be >= 1")
+    return chunk
 
 
 def shown(value) -> str:

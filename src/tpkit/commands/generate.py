@@ -1,6 +1,6 @@
 """`tpkit generate`: load a model at a tensor-parallel layout (tpkit checkpoint, run
-folder, full file or Hugging Face directory, opened once here: `checkpoint.open_source`,
-`checkpoint.load_model`) and sample from it with the serving engine (`tpkit.serve.Engine`:
+folder, full file or Hugging Face directory, opened once here: `weights.open_source`,
+`weights.load_model`) and sample from it with the serving engine (`tpkit.serve.Engine`:
 the same preallocated KV cache, sampler and stop strings as `tpkit serve`, so a prompt
 gets the same tokens from both at the same `--max-batch`).
 
@@ -11,7 +11,9 @@ gets the same tokens from both at the same `--max-batch`).
 Text goes through the model folder's own tokenizer (`tpkit.weights.tokenizer`; byte level
 for tpkit's presets); one prompt streams as its tokens arrive, several are generated
 together (continuous batching, `--max-batch` at once). Tokens per second go to stderr
-at the end.
+at the end. `--dtype bfloat16` loads the weights and the KV cache in bfloat16 (the
+sampling reads float32 logits); `--batch-invariant`: a prompt's tokens bit for bit the
+same whatever else is generated with it (`tpkit.serve.engine`).
 """
 
 from __future__ import annotations
@@ -22,7 +24,9 @@ import sys
 import time
 from contextlib import nullcontext
 
-from tpkit.commands.common import add_pool_arguments, group
+import torch
+
+from tpkit.commands.common import add_pool_arguments, decode_chunk, group
 from tpkit.mesh import ParallelMesh
 from tpkit.model.sampling import GREEDY_BELOW
 from tpkit.serve import Engine, SamplingParams
@@ -56,10 +60,10 @@ def _worker(mesh: ParallelMesh, args: argparse.Namespace, source) -> dict | None
     KV pool, scheduler and sampler as `tpkit serve`, so the same tokens) and streams the
     text of a single prompt as it comes; the other ranks follow its steps. `source`: the
     checkpoint, opened by `run`."""
-    model = load_model(source, mesh)
+    model = load_model(source, mesh, dtype=getattr(torch, args.dtype))
     max_len = args.max_len or model.config.max_seq_len
     if mesh.tp_rank != 0:
-        Runner(model, args.max_batch, max_len, args.decode_chunk).follow()
+        Runner(model, args.max_batch, max_len, decode_chunk(args)).follow()
         return None
     try:
         return _lead(args, source, model, max_len)
@@ -76,7 +80,7 @@ def _lead(args: argparse.Namespace, source, model, max_len: int) -> dict:
                         f"there or pass --prompt-ids")
     prompts = _prompts(args, tok)
     engine = Engine(model, tokenizer=tok, max_batch=args.max_batch, max_len=max_len,
-                    decode_chunk=args.decode_chunk)
+                    decode_chunk=decode_chunk(args))
     params = _sampling(args)
     bad = sorted({t for p in prompts for t in p if not 0 <= t < vocab})
     if bad:
@@ -169,9 +173,9 @@ def _check_args(args: argparse.Namespace) -> None:
         bad += [f"--{n.replace('_', '-')}={shown(v)} {must}" for n, v, must in e.problems]
     if args.max_batch is None:  # slots for the prompts given: no row computed for nobody
         args.max_batch = min(8, len(args.prompt_ids or args.prompt))
-    if min(args.max_batch, args.decode_chunk) < 1 or (args.max_len is not None
-                                                        and args.max_len < 1):
-        bad.append("--max-batch, --decode-chunk and --max-len must be >= 1")
+    decode_chunk(args)  # --decode-chunk needs --batch-invariant
+    if args.max_batch < 1 or (args.max_len is not None and args.max_len < 1):
+        bad.append("--max-batch and --max-len must be >= 1")
     if bad:
         raise UserError("; ".join(bad))
 

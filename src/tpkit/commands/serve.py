@@ -23,7 +23,9 @@ import threading
 from pathlib import Path
 from typing import TYPE_CHECKING
 
-from tpkit.commands.common import add_pool_arguments, group
+import torch
+
+from tpkit.commands.common import add_pool_arguments, decode_chunk, group
 from tpkit.host.exit import Stopped
 from tpkit.host.web import ALLOWED_HOST_HELP, HOST, listen, warn_if_exposed
 from tpkit.launch import SpawnError
@@ -81,7 +83,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 def _check_args(args: argparse.Namespace) -> None:
     bad = [f"--{k.replace('_', '-')}={getattr(args, k)} must be >= 1"
-           for k in ("tp", "max_batch", "decode_chunk") if getattr(args, k) < 1]
+           for k in ("tp", "max_batch") if getattr(args, k) < 1]
     bad += [f"--{k.replace('_', '-')}={getattr(args, k)} must be >= 1"
             for k in ("max_len", "max_tokens_in_flight", "max_body_bytes")
             if getattr(args, k) is not None and getattr(args, k) < 1]
@@ -93,6 +95,7 @@ def _check_args(args: argparse.Namespace) -> None:
         bad.append("--timeout must be > 0 and --drain-seconds >= 0")
     if bad:
         raise UserError("; ".join(bad))
+    decode_chunk(args)  # --decode-chunk needs --batch-invariant
 
 
 def run(args: argparse.Namespace) -> int:
@@ -110,9 +113,9 @@ def run(args: argparse.Namespace) -> int:
     if "WORLD_SIZE" in os.environ:  # torchrun: rank 0 serves, the others follow
         mesh, peers = ParallelMesh.from_env(tp=args.tp, pp=1, comm=comm), None
         if mesh.rank != 0:
-            model = load_model(source, mesh)
+            model = load_model(source, mesh, dtype=getattr(torch, args.dtype))
             Runner(model, args.max_batch, args.max_len or model.config.max_seq_len,
-                   args.decode_chunk).follow()
+                   decode_chunk(args)).follow()
             return 0
     else:
         mesh, peers = None, None
@@ -127,7 +130,7 @@ def run(args: argparse.Namespace) -> int:
             from tpkit.serve.workers import Peers
 
             peers = Peers(args.tp, source, args.max_batch, args.max_len or 0,
-                          args.decode_chunk, comm=comm)
+                          decode_chunk(args), comm=comm, dtype=getattr(torch, args.dtype))
             mesh = peers.mesh
         mesh = mesh or ParallelMesh.single()
         return _serve(args, source, mesh, peers, app, server)
@@ -138,12 +141,12 @@ def run(args: argparse.Namespace) -> int:
 
 
 def _serve(args, source, mesh: ParallelMesh, peers, app: App, server) -> int:
-    model = load_model(source, mesh)
+    model = load_model(source, mesh, dtype=getattr(torch, args.dtype))
     app.tokenizer = load_tokenizer(source_tokenizer(source))
     app.engine = Engine(model, tokenizer=app.tokenizer, max_batch=args.max_batch,
                         max_len=args.max_len, max_tokens_in_flight=args.max_tokens_in_flight,
                         prefill_per_step=args.prefill_per_step,
-                        decode_chunk=args.decode_chunk)
+                        decode_chunk=decode_chunk(args))
     stop, got = threading.Event(), []
 
     def on_signal(signum, _frame):

@@ -6,6 +6,7 @@ forward + backward on the same batch, and compare everything with tp=1.
     tpkit verify --checkpoint runs/demo --tp 1,2    # weights and config from any path
     tpkit verify --hf path/to/hf-model --tp 1,2,4 [--sp] [--expert-parallel]
                                                             # against transformers itself
+    tpkit verify --hf path/to/hf-model --tp 1,2 --dtype bfloat16   # both in bfloat16
 
 Prints per tp the max abs difference of outputs (logits), loss and gathered
 gradients against tp=1, the ledger per layer next to the theory, and the parameter
@@ -15,6 +16,7 @@ bytes per rank; exits non-zero on any mismatch. The work is `tpkit.check.exactne
 from __future__ import annotations
 
 import argparse
+import math
 from dataclasses import replace
 from functools import partial
 
@@ -36,6 +38,11 @@ from tpkit.spec.errors import UserError
 from tpkit.spec.transport import add_comm_argument, comm_choice
 
 TOL_HF = 1e-4  # against transformers: another implementation, float32
+# against transformers in a low-precision dtype (both sides in it): relative differences
+# (max |Δ| / the reference's max |value|) within HF_UNITS units of the dtype's rounding
+# (u = 2^-8 for bfloat16: 8 significant bits): two implementations round at different
+# places, and the differences grow through the layers
+HF_UNITS = {"bfloat16": (2.0 ** -8, 16)}
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
@@ -170,23 +177,29 @@ def _run_hf(args: argparse.Namespace) -> int:
     from tpkit.weights import hf_check
     from tpkit.weights.hf import hf_source
 
-    if args.dtype != "float32":
-        raise UserError("--hf compares with transformers in float32 only")
     config = hf_source(args.hf).config  # an unsupported family or no model folder: UserError
     ids = hf_check.sample_ids(config, args.batch, args.seq)
     tps = sorted({int(t) for t in args.tp.split(",")})
     _refuse(config, tps, args)
     print(f"tpkit verify: {args.hf} ({config.family}){' +SP' if args.sp else ''}, "
-          f"batch={args.batch} seq={args.seq} float32, tp={tps}, reference: transformers")
-    ref = hf_check.reference(args.hf, ids)
-    rows = sweep(hf_check.tp_case, (args.hf, ids, args.sp, args.expert_parallel), tps, ref,
-                 hf_check.gather, hf_check.compare, args.timeout,
+          f"batch={args.batch} seq={args.seq} {args.dtype}, tp={tps}, reference: "
+          f"transformers in {args.dtype}")
+    dtype = getattr(torch, args.dtype)
+    ref = hf_check.reference(args.hf, ids, dtype)
+    low = args.dtype in HF_UNITS  # relative differences, in units of its rounding
+    rows = sweep(hf_check.tp_case, (args.hf, ids, args.sp, args.expert_parallel, dtype), tps,
+                 ref, hf_check.gather, partial(hf_check.compare, relative=low), args.timeout,
                  comm_choice(getattr(args, "comm", None)))
-    return _report(rows, tps, TOL_HF, TOL_HF, "transformers", "float32")
+    if not low:
+        return _report(rows, tps, TOL_HF, TOL_HF, "transformers", "float32")
+    u, n = HF_UNITS[args.dtype]
+    return _report(rows, tps, n * u, n * u, "transformers", args.dtype,
+                   f"max |Δ| / max |transformers'|: outputs, loss and gradients <= {n} "
+                   f"{args.dtype} rounding units (2^{math.log2(u):.0f}) = {n * u:.3g}")
 
 
 def _report(rows: list[TPResult], tps: list[int], tol: float, loss_tol: float,
-            ref_name: str, dtype: str) -> int:
+            ref_name: str, dtype: str, bound: str | None = None) -> int:
     """Print each failing (and the last) tp's ledger, the table, and the verdict."""
     for r in rows:
         if r.error:
@@ -194,7 +207,7 @@ def _report(rows: list[TPResult], tps: list[int], tol: float, loss_tol: float,
         elif r.tp == tps[-1] or not r.good(tol, loss_tol):
             print(r.table)
     ran = [r for r in rows if r.error is None]
-    _print_rows(ran, tol, loss_tol, ref_name, dtype)
+    _print_rows(ran, tol, loss_tol, ref_name, dtype, bound)
     if not all(r.good(tol, loss_tol) for r in ran):
         print("MISMATCH")
         return 1
@@ -207,14 +220,15 @@ def _report(rows: list[TPResult], tps: list[int], tol: float, loss_tol: float,
 
 
 def _print_rows(rows: list[TPResult], tol: float, loss_tol: float, ref_name: str,
-                dtype: str) -> None:
+                dtype: str, bound: str | None = None) -> None:
     from rich.table import Table
 
     from tpkit.comm.report import render
 
     loss = (f"loss <= {LOSS_ULPS} float32 ulp = {loss_tol:.2g}"
             if ref_name == "tp=1" and dtype == "float32" else f"loss {loss_tol:g}")
-    t = Table(title=f"against {ref_name} (max abs: outputs and gradients {tol:g}; {loss})")
+    bound = bound or f"max abs: outputs and gradients {tol:g}; {loss}"
+    t = Table(title=f"against {ref_name} ({bound})")
     for c in ("tp", "max|Δ out|", "Δ loss", "max|Δ grad|", "max|Δ dx|", "param bytes/rank",
               "ledger vs theory", "ok"):
         t.add_column(c, justify="right")

@@ -12,9 +12,17 @@
       nccl           not built (a CPU build of torch)
       shm            available (groups whose ranks share a host: --comm auto or shm)
     devices:         cpu, 16 threads
+    fast paths:
+      cpu            AVX512 (torch's kernels for this processor)
+      bfloat16       accelerated (avx512_bf16; oneDNN): --dtype bfloat16's matmuls use it
+      float16        not accelerated (no amx_fp16, amx_tile, avx512_fp16): --dtype float16
+                     is emulated, slower than float32 here
+      cuda           none
 
 `--version` reads package metadata only (no torch import: instant); `tpkit version`
-imports torch to ask torch.distributed which backends it was built with.
+imports torch to ask torch.distributed which backends it was built with, and which
+fast paths a `--dtype` of generate or serve has here (the processor's flags in
+/proc/cpuinfo, oneDNN, a GPU through `tpkit.host.device`).
 """
 
 from __future__ import annotations
@@ -114,6 +122,29 @@ def _devices() -> str:
     return ", ".join(["cpu"] + gpu_names()) + f"; {torch.get_num_threads()} CPU threads"
 
 
+def fast_paths() -> list[tuple[str, str]]:
+    """(name, state): torch's CPU capability, whether bfloat16 and float16 matmuls are
+    accelerated on this CPU (its flags and oneDNN), and the GPU when there is one."""
+    import torch
+
+    from tpkit.host.device import LOW_PRECISION_FLAGS, cpu_flags, gpu_bf16, gpu_names
+
+    flags, onednn = cpu_flags(), torch.backends.mkldnn.is_available()
+    out = [("cpu", f"{torch.backends.cpu.get_cpu_capability()} (torch's kernels for this "
+                   f"processor)")]
+    for dtype, wanted in LOW_PRECISION_FLAGS.items():
+        has = [f for f in wanted if f in flags]
+        fast = bool(set(has) - {"amx_tile"}) and onednn
+        why = ", ".join(has) + ("; oneDNN" if onednn else "; no oneDNN in this torch")
+        out.append((dtype, f"accelerated ({why}): --dtype {dtype}'s matmuls use it" if fast
+                    else f"not accelerated ({why if has else 'no ' + ', '.join(wanted)}): "
+                         f"--dtype {dtype} is emulated, slower than float32 here"))
+    gpus = gpu_names()
+    out.append(("cuda", f"{', '.join(gpus)} (bfloat16 {'native' if gpu_bf16() else 'emulated'})"
+                if gpus else "none"))
+    return out
+
+
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     """No options."""
 
@@ -129,4 +160,7 @@ def run(args: argparse.Namespace) -> int:
     for name, state in transports():
         print(f"  {name:<14} {state}")
     print(f"devices:         {_devices()}")
+    print("fast paths:")
+    for name, state in fast_paths():
+        print(f"  {name:<14} {state}")
     return 0

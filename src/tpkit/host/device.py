@@ -1,4 +1,5 @@
-"""The one place that touches `torch.cuda`: backend choice, per-rank device, sync.
+"""The one place that touches `torch.cuda`: backend choice, per-rank device, sync; and
+what this machine's processors accelerate (`cpu_flags`, `gpu_bf16`).
 
 CPU and GPU are both first-class: under gloo every rank computes on the CPU, under
 nccl rank `LOCAL_RANK` computes on `cuda:LOCAL_RANK`.
@@ -6,7 +7,13 @@ nccl rank `LOCAL_RANK` computes on `cuda:LOCAL_RANK`.
 
 from __future__ import annotations
 
+from pathlib import Path
+
 import torch
+
+# /proc/cpuinfo flags that make a low-precision matmul fast on the CPU (oneDNN uses them)
+LOW_PRECISION_FLAGS = {"bfloat16": ("amx_bf16", "amx_tile", "avx512_bf16"),
+                       "float16": ("amx_fp16", "amx_tile", "avx512_fp16")}
 
 
 def cuda_available() -> bool:
@@ -65,3 +72,18 @@ def set_rng_state(state: torch.Tensor, device: torch.device) -> None:
         torch.cuda.set_rng_state(state, device)
     else:
         torch.set_rng_state(state)
+
+
+def cpu_flags(cpuinfo: str | Path = "/proc/cpuinfo") -> set[str]:
+    """The flags of the first processor in /proc/cpuinfo (empty where there is none)."""
+    try:
+        text = Path(cpuinfo).read_text()
+    except OSError:
+        return set()
+    line = next((ln for ln in text.splitlines() if ln.startswith(("flags", "Features"))), "")
+    return set(line.partition(":")[2].split())
+
+
+def gpu_bf16() -> bool:
+    """Whether the visible CUDA device computes in bfloat16 natively (False without one)."""
+    return cuda_available() and torch.cuda.is_bf16_supported()

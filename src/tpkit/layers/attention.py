@@ -49,8 +49,9 @@ from tpkit.spec.split import TPSplit
 class KVSlots:
     """One layer's keys and values in a preallocated pool, as one forward sees them.
 
-        k, v    [b, kv_local, max_len, hd]   row i of the batch is slot i of this view
+        k, v    [n, kv_local, max_len, hd]   the slots (n = b unless `slots` is given)
         starts  [b]                          positions row i has cached before this call
+        slots   [b] or None                  the slot of row i (None: row i is slot i)
 
     The forward writes its s new keys at positions starts..starts+s-1 of each row (no
     `torch.cat`, no reallocation) and attends over the whole slot with a mask that keeps
@@ -61,6 +62,7 @@ class KVSlots:
     k: torch.Tensor
     v: torch.Tensor
     starts: torch.Tensor
+    slots: torch.Tensor | None = None
 
 
 def heads_of_rank(num_heads: int, kv_heads: int, tp: int, rank: int
@@ -195,19 +197,20 @@ class ParallelAttention(nn.Module):
         if self.rope_theta is not None:
             cos, sin = rope_at(pos, self.rope_dim, self.rope_theta, L, self.rope_llama3)
             q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)  # [b, 1, s, rd] angles
-        rows = torch.arange(b, device=q.device)[:, None]  # [b, 1]
+        slots = torch.arange(b, device=q.device) if cache.slots is None else cache.slots
+        rows = slots[:, None]  # [b, 1]
         cache.k[rows, :, pos] = k.transpose(1, 2)  # [b, s, kv_local, hd] into the slots
         cache.v[rows, :, pos] = v.transpose(1, 2)
         window = self.sliding_window
         gqa, uneven = q.shape[1] != cache.k.shape[1], self.kv_index is not None
         out = []
-        for i, start in enumerate(cache.starts.tolist()):
+        for i, (r, start) in enumerate(zip(slots.tolist(), cache.starts.tolist())):
             lo, end = (max(0, start - window + 1) if window else 0), start + s  # its keys
             keep = None
             if s > 1 or window:  # causal inside the call, and the window
                 j, p = torch.arange(lo, end, device=q.device), pos[i][:, None]  # [n], [s, 1]
                 keep = (j <= p) & (j > p - window) if window else j <= p  # [s, n]
-            k_i, v_i = cache.k[i:i + 1, :, lo:end], cache.v[i:i + 1, :, lo:end]
+            k_i, v_i = cache.k[r:r + 1, :, lo:end], cache.v[r:r + 1, :, lo:end]
             if uneven:  # kv groups not aligned with this rank's query heads
                 k_i, v_i = self.for_queries(k_i), self.for_queries(v_i)
             out.append(F.scaled_dot_product_attention(

@@ -12,16 +12,23 @@ Every `step()`:
        `max_tokens_in_flight` and this step's prompts within `prefill_per_step` tokens
        (one at least; 0: no limit); each is prefilled alone into its slot and gets its
        first token (a request that does not fit waits; nothing running is evicted);
-    3. decodes one token for every running request at once, each at its own position
-       (in fixed chunks of `decode_chunk` slots; a chunk with no request is skipped);
+    3. decodes one token for every running request at once, each at its own position;
     4. finishes those that hit max_tokens, an end-of-sequence token or a stop string.
 An error in what rank 0 does for one request alone (its generator, sampling,
 log-probabilities, detokenizing, stop strings) fails that request with 500 and the
 step goes on for the others; an error in a forward (every rank's) still ends the step.
-So a short request never waits for a long one to finish, and a request's tokens do
-not depend on what else runs: the shapes of every forward are fixed by (max_batch,
-max_len, decode_chunk) alone (`tpkit.model.kv_pool`), greedy output is bit for bit the same
-whatever the batch, and sampling uses the request's own seeded generator.
+So a short request never waits for a long one to finish. Sampling uses the request's
+own seeded generator.
+
+How a decode runs is `decode_chunk` (`tpkit.model.kv_pool`):
+- None (the default, `tpkit serve` without --batch-invariant): one forward of the
+  running requests' rows only, so one client pays for one row, eight for eight. A
+  request's greedy tokens may then differ with what else runs where two tokens' logits
+  are within rounding of each other (a 1-row product rounds otherwise than an 8-row).
+- C (batch invariant: `--batch-invariant --decode-chunk C`): every decode runs fixed
+  chunks of C slots (free ones padded; a chunk with no request is skipped), so the
+  shapes of every forward are fixed by (max_batch, max_len, C) alone and a request's
+  tokens and log-probabilities are bit for bit the same whatever the batch.
 
 On tp ranks > 0 the same forwards run under `Runner.follow`; only this object (rank 0)
 holds requests, the tokenizer and the sampler.
@@ -59,7 +66,7 @@ class Engine:
 
     def __init__(self, model: nn.Module, *, tokenizer=None, max_batch: int = 8,
                  max_len: int | None = None, max_tokens_in_flight: int | None = None,
-                 decode_chunk: int = 8, prefill_per_step: int = PREFILL_PER_STEP,
+                 decode_chunk: int | None = None, prefill_per_step: int = PREFILL_PER_STEP,
                  runner: Runner | None = None) -> None:
         max_len = max_len or model.config.max_seq_len
         self.runner = runner or Runner(model, max_batch, max_len, decode_chunk)
@@ -146,9 +153,15 @@ class Engine:
             for r in active:
                 tokens[r.slot] = r.tokens[-1]
                 lengths[r.slot] = len(r.prompt) + len(r.tokens) - 1  # positions cached
-            logits = self.runner.lead_decode(tokens, lengths)  # [max_batch, V]
+            greedy = self.model.group.size > 1 and all(  # the shards' best, not their logits
+                r.params.temperature <= 0 and r.params.logprobs is None for r in active)
+            logits = self.runner.lead_decode(tokens, lengths, greedy)  # [max_batch, V or 2]
             for r in active:
-                self._alone(r, self._take, r, logits[r.slot])
+                if greedy:
+                    self._alone(r, self._push, r, int(logits[r.slot, 0]),
+                                float(logits[r.slot, 1]), None)
+                else:
+                    self._alone(r, self._take, r, logits[r.slot])
         self._account(len(active))
         return bool(admitted or active)
 
@@ -219,8 +232,12 @@ class Engine:
         p = req.params
         tok = int(sample(logits[None], p.temperature, p.top_k, p.top_p, req.gen)[0, 0])
         logp = torch.log_softmax(logits.float(), -1)  # [V]
-        logprob = float(logp[tok])
         top = _likeliest(logp[None], p.logprobs)[0] if p.logprobs is not None else None
+        self._push(req, tok, float(logp[tok]), top)
+
+    def _push(self, req: Request, tok: int, logprob: float, top) -> None:
+        """Give `req` its next token; finish it if it ends here."""
+        p = req.params
         piece = ""
         if req.stream is not None:
             with self.tokenizer_lock:

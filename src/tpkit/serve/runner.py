@@ -9,10 +9,12 @@ One step of the group, as rank 0 broadcasts it over the tp group (through
         op PREFILL: then ids int64 [n] (a second broadcast) -> prefill(slot, ids)
         op SCORE  : the same, with the logits of every position (a request's `echo`)
         op DECODE : decode(tokens, lengths)      (a token per busy slot; -1: free)
+        op GREEDY : the same, every request greedy: each rank's best instead of its logits
         op IDLE   : nothing (a heartbeat, so an idle worker's wait never times out)
         op STOP   : the followers return
 
-Every rank then holds the same full logits (the all-gather of the forward); rank 0
+Every rank then holds the same full logits (the all-gather of the forward; GREEDY:
+the same greedy tokens and log-probabilities, `kv_pool.decode(greedy=True)`); rank 0
 samples from them and puts the chosen tokens in the next DECODE header, so the
 followers never sample: no generator to keep in step, one source of truth.
 """
@@ -25,15 +27,16 @@ from torch import nn
 from tpkit.comm import broadcast
 from tpkit.model.kv_pool import KVPool, decode, prefill
 
-PREFILL, DECODE, IDLE, STOP, SCORE = 1, 2, 3, 4, 5
+PREFILL, DECODE, IDLE, STOP, SCORE, GREEDY = 1, 2, 3, 4, 5, 6
 
 
 class Runner:
     """The model and its KV pool on one rank; `lead_*` on rank 0, `follow` elsewhere."""
 
-    def __init__(self, model: nn.Module, slots: int, max_len: int, chunk: int = 8) -> None:
+    def __init__(self, model: nn.Module, slots: int, max_len: int, chunk: int | None = None
+                 ) -> None:
         self.model, self.group = model.eval(), model.group
-        self.pool = KVPool(model, slots, max_len, chunk=chunk)  # decode: chunks of slots
+        self.pool = KVPool(model, slots, max_len, chunk=chunk)  # None: the busy slots
         self.device = self.pool.k[0].device
         self.steps = 0
 
@@ -60,11 +63,13 @@ class Runner:
         self.steps += 1
         return prefill(self.model, self.pool, slot, t, every)
 
-    def lead_decode(self, tokens: torch.Tensor, lengths: torch.Tensor) -> torch.Tensor:
-        """Rank 0: one token for every slot on every rank; the logits [slots, V]."""
-        self._header(DECODE, tokens=tokens, lengths=lengths)
+    def lead_decode(self, tokens: torch.Tensor, lengths: torch.Tensor, greedy: bool = False
+                    ) -> torch.Tensor:
+        """Rank 0: one token for every slot on every rank; the logits [slots, V] (`greedy`:
+        [slots, 2], each slot's greedy token and log-probability)."""
+        self._header(GREEDY if greedy else DECODE, tokens=tokens, lengths=lengths)
         self.steps += 1
-        return decode(self.model, self.pool, tokens, lengths)
+        return decode(self.model, self.pool, tokens, lengths, greedy)
 
     def lead_idle(self) -> None:
         """Rank 0: a heartbeat (followers wait for the next step without timing out)."""
@@ -94,7 +99,7 @@ class Runner:
                                 self.group, 0, scope="serve.plan")
                 prefill(self.model, self.pool, slot, ids, every=op == SCORE)
                 self.steps += 1
-            elif op == DECODE:
-                decode(self.model, self.pool, h[3:3 + s], h[3 + s:])
+            elif op in (DECODE, GREEDY):
+                decode(self.model, self.pool, h[3:3 + s], h[3 + s:], op == GREEDY)
                 self.steps += 1
             self.model.mesh.ledger.clear()  # rank 0 counts them (metrics); memory stays bounded

@@ -5,7 +5,11 @@
     got = gather([tp_case(mesh, path, ids) for each rank of a tp group])
     compare(ref, got) -> {"out": .., "loss": .., "grads": ..}   max |difference|
 
-The reference is computed by `transformers` (its own model class, float32): causal
+    ref = reference(path, ids, torch.bfloat16)     # both sides in bfloat16
+    compare(ref, got, relative=True)   # each max |difference| / the reference's max |value|
+
+The reference is computed by `transformers` (its own model class, float32 or the
+dtype asked, tpkit's model then loaded in the same dtype): causal
 models give logits and the next-token cross-entropy, encoders (BERT) their last
 hidden states and mean(h^2). Its gradients are mapped to tpkit names by the family's
 recipe, so every tpkit gradient is compared with the very tensor it stands for.
@@ -41,14 +45,15 @@ def _loss(out: torch.Tensor, ids: torch.Tensor, causal: bool) -> torch.Tensor:
     return F.cross_entropy(out.reshape(-1, out.shape[-1]), labels.reshape(-1))
 
 
-def reference(path: str | Path, ids: torch.Tensor) -> dict:
-    """transformers' outputs, loss and gradients (in tpkit names) for `ids`."""
+def reference(path: str | Path, ids: torch.Tensor, dtype: torch.dtype = torch.float32
+              ) -> dict:
+    """transformers' outputs, loss and gradients (in tpkit names) for `ids`, in `dtype`."""
     import transformers
 
     source = hf_source(path)
     config = source.config
     cls = transformers.AutoModelForCausalLM if config.causal else transformers.AutoModel
-    model = cls.from_pretrained(str(path), dtype=torch.float32).eval()
+    model = cls.from_pretrained(str(path), dtype=dtype).eval()
     o = model(ids)
     out = o.logits if config.causal else o.last_hidden_state
     loss = _loss(out, ids, config.causal)
@@ -61,10 +66,12 @@ def reference(path: str | Path, ids: torch.Tensor) -> dict:
     return dict(out=out.detach(), loss=loss.item(), grads=full)
 
 
-def tp_case(mesh, path: str, ids: torch.Tensor, sp: bool = False, ep: bool = False) -> dict:
-    """On each rank: load `path` at the mesh's tp (with sequence parallelism if `sp`,
-    experts spread whole over tp if `ep`), forward + backward, ledger vs theory."""
-    model = load_model(path, mesh, sequence_parallel=sp, expert_parallel=ep).train()
+def tp_case(mesh, path: str, ids: torch.Tensor, sp: bool = False, ep: bool = False,
+            dtype: torch.dtype | None = None) -> dict:
+    """On each rank: load `path` at the mesh's tp in `dtype` (with sequence parallelism if
+    `sp`, experts spread whole over tp if `ep`), forward + backward, ledger vs theory."""
+    model = load_model(path, mesh, dtype=dtype, sequence_parallel=sp,
+                       expert_parallel=ep).train()
     c, tp = model.config, mesh.tp_size
     mesh.ledger.clear()
     out = model(ids) if c.causal else model.hidden_states(ids)
@@ -96,11 +103,19 @@ def gather(results: list[dict]) -> dict:
     return dict(r0, grads=grads)
 
 
-def compare(ref: dict, got: dict) -> dict:
-    """max |difference| of outputs, loss and gradients (over every parameter)."""
+def compare(ref: dict, got: dict, relative: bool = False) -> dict:
+    """max |difference| of outputs, loss and gradients (over every parameter); `relative`:
+    each divided by the reference's largest |value| of the same kind (the loss by its
+    own |value|), the measure of a low-precision dtype's rounding."""
     d = lambda a, b: (a.double() - b.double()).abs().max().item()  # noqa: E731
     missing = set(got["grads"]) ^ set(ref["grads"])
     if missing:
         raise ValueError(f"parameters not on both sides: {sorted(missing)}")
-    return dict(out=d(ref["out"], got["out"]), loss=abs(ref["loss"] - got["loss"]),
-                grads=max(d(ref["grads"][n], got["grads"][n]) for n in ref["grads"]))
+    diffs = dict(out=d(ref["out"], got["out"]), loss=abs(ref["loss"] - got["loss"]),
+                 grads=max(d(ref["grads"][n], got["grads"][n]) for n in ref["grads"]))
+    if relative:
+        top = lambda t: t.double().abs().max().item() or 1.0  # noqa: E731
+        diffs["out"] /= top(ref["out"])
+        diffs["loss"] /= abs(ref["loss"]) or 1.0
+        diffs["grads"] /= max(top(g) for g in ref["grads"].values())
+    return diffs

@@ -1,0 +1,70 @@
+"""Greedy decoding on the vocabulary-parallel shards (tp > 1): each rank sends its best
+(value, token, log-sum-exp: [b, 3] float32) instead of its logits [b, V/tp].
+
+Math checked at tp=2: the token is exactly torch's argmax of the whole row (the first
+largest, ties across ranks included; the vocabulary padding never wins, even where
+every real logit is negative), its log-probability log_softmax's to float32 round-off,
+and the gathered bytes are b * 3 * 4 per rank against b * V_pad/tp * 4 (the ledger).
+"""
+
+from __future__ import annotations
+
+from types import SimpleNamespace
+
+import pytest
+import torch
+
+from checkpoint_helpers import LLAMA, fill, random_full
+from tpkit.model.kv_pool import KVPool, _greedy, decode, prefill
+from tpkit.model.transformer import Transformer
+
+V = 7  # a vocabulary of 7 over tp=2: shards of 4, the last column padding
+
+
+def shard_worker(mesh, full):
+    """`_greedy` on hand-made logits `full` [b, 8] (column 7: padding), this rank's half."""
+    n = full.shape[1] // mesh.tp_size
+    mine = full[:, mesh.tp_rank * n:(mesh.tp_rank + 1) * n]
+    model = SimpleNamespace(logits=lambda h: mine[:, None], group=mesh.tp_group,
+                            config=SimpleNamespace(vocab_size=V))
+    return _greedy(model, torch.zeros(full.shape[0], 1, 1))
+
+
+def test_the_shards_pick_the_first_largest_and_never_the_padding(run_tp):
+    full = torch.tensor([[0., 3., 1., 2., 3., 0., 1., 0.],  # a tie across ranks: token 1
+                         [0., 1., 1., 2., 5., 5., 1., 0.],  # a tie on rank 1: token 4
+                         [-4., -3., -2., -5., -6., -9., -1., 0.],  # padding 0 > all real
+                         [2., 2., 2., 2., 2., 2., 2., 9.]])  # ties everywhere: token 0
+    want = full[:, :V].argmax(-1)
+    logp = full[:, :V].log_softmax(-1)
+    for got in run_tp(shard_worker, 2, full):
+        assert torch.equal(got[:, 0].long(), want), got
+        assert torch.allclose(got[:, 1], logp[torch.arange(4), want], atol=1e-6)
+
+
+def decode_worker(mesh):
+    """Rank by rank: full logits and the shards' greedy of one decode of 3 busy slots."""
+    model = Transformer(LLAMA, mesh).eval()
+    fill(model, random_full(LLAMA, seed=5, scale=1.0), mesh)
+    pool = KVPool(model, 4, 32)
+    for slot, ids in ((0, [5, 17, 200]), (2, [9]), (3, [1, 2, 3, 4, 5, 6])):
+        prefill(model, pool, slot, ids)
+    tokens, lengths = torch.tensor([7, -1, 8, 9]), torch.tensor([3, 0, 1, 6])
+    logits = decode(model, pool, tokens, lengths)  # [4, V]
+    mesh.ledger.clear()
+    best = decode(model, pool, tokens, lengths, greedy=True)  # the same step again: [4, 2]
+    gathers = [r.nbytes for r in mesh.ledger.records if r.op == "all_gather"]
+    pad = model.head_weight.shape[0]  # V_pad / tp rows of the head on this rank
+    return logits, best, gathers, pad
+
+
+@pytest.mark.timeout(120)
+def test_greedy_decode_on_shards_equals_the_argmax_of_the_gathered_logits(run_tp):
+    for logits, best, gathers, pad in run_tp(decode_worker, 2):
+        busy = [0, 2, 3]
+        assert torch.equal(best[busy, 0].long(), logits[busy].argmax(-1))
+        lp = logits[busy].log_softmax(-1).gather(1, logits[busy].argmax(-1)[:, None])[:, 0]
+        assert (best[busy, 1] - lp).abs().max() < 1e-5
+        assert len(set(logits[busy].argmax(-1).tolist())) > 1  # not a degenerate row
+        assert gathers == [3 * 2 * 3 * 4]  # [3 rows, 3] float32 from 2 ranks
+        assert 3 * 2 * pad * 4 > 20 * gathers[0]  # what the logits' all-gather carries
