@@ -1,5 +1,6 @@
 """The README's "What you can do" block runs as pasted, one line after another, in one
-fresh folder (a new user's first minutes): through the installed `tpkit` command, with
+fresh folder (a new user's first minutes): through the CLI's entry (`tpkit.cli.main`,
+what the installed `tpkit` runs; one process, so torch is imported once), with
 `--steps 2` on the train lines, `--compile-backend aot_eager` added where `--compile`
 appears (Inductor's C++ code generation takes minutes on a 2-core machine;
 benchmarks/compile_speedup.py runs it) and the quiz's eight answers on its stdin. A
@@ -7,16 +8,17 @@ line that refuses what an earlier line left (a shared --out) fails here."""
 
 from __future__ import annotations
 
+import io
 import re
 import shlex
-import subprocess
 import sys
 from pathlib import Path
 
 import pytest
 
+from tpkit.cli import main
+
 ROOT = Path(__file__).resolve().parents[1]
-TPKIT = str(Path(sys.executable).parent / "tpkit")
 
 
 def what_you_can_do() -> list[str]:
@@ -28,11 +30,11 @@ def what_you_can_do() -> list[str]:
 
 
 def reduced(line: str) -> list[str]:
-    """The argv a line runs here: the venv's tpkit, fewer steps, the cheaper backend."""
+    """The arguments a line gives tpkit here: fewer steps, the cheaper backend."""
     argv = shlex.split(line)
     assert argv[0] == ".venv/bin/tpkit", f"the block should only hold tpkit lines: {line!r}"
-    argv[0] = TPKIT
-    if argv[1] == "train":
+    argv = argv[1:]
+    if argv[0] == "train":
         if "--steps" in argv:
             argv[argv.index("--steps") + 1] = "2"
         else:
@@ -44,12 +46,13 @@ def reduced(line: str) -> list[str]:
 
 @pytest.mark.slow
 @pytest.mark.timeout(900)
-def test_every_line_of_what_you_can_do_runs_one_after_another(tmp_path):
+def test_every_line_of_what_you_can_do_runs_one_after_another(tmp_path, monkeypatch, capsys):
+    monkeypatch.chdir(tmp_path)
     lines = what_you_can_do()
     assert sum(" train " in f" {s} " for s in lines) >= 5
     outs = [s.split("--out ")[1].split()[0] for s in lines if "--out " in s]
     assert len(outs) == len(set(outs)), f"two train lines share an --out: {outs}"
     for line in lines:
-        r = subprocess.run(reduced(line), cwd=tmp_path, input="1\n" * 8, text=True,
-                           capture_output=True, timeout=600)
-        assert r.returncode == 0, f"{line}\n{r.stderr[-3000:]}"
+        monkeypatch.setattr(sys, "stdin", io.StringIO("1\n" * 8))  # the quiz's answers
+        code = main(reduced(line))
+        assert code == 0, f"{line}\n{capsys.readouterr().err[-3000:]}"
