@@ -23,21 +23,10 @@ torch, and every `import tpkit.plan` runs this file first; `__dir__` lists them,
 __all__ = ["ParallelMesh", "load", "spawn"]
 __version__ = "0.1.0"
 
-_LAZY = {  # public name -> (module, name in it)
+from tpkit.spec.lazy import lazy_names  # noqa: E402 (pure Python, no torch)
+
+__getattr__, __dir__ = lazy_names("tpkit", {  # public name -> (module, name in it)
     "ParallelMesh": ("tpkit.mesh", "ParallelMesh"),
     "load": ("tpkit.weights.sources", "load_model"),
     "spawn": ("tpkit.launch", "spawn_ranks"),
-}
-
-
-def __getattr__(name: str):
-    if name in _LAZY:
-        import importlib
-
-        module, attr = _LAZY[name]
-        return getattr(importlib.import_module(module), attr)
-    raise AttributeError(f"module 'tpkit' has no attribute {name!r}")
-
-
-def __dir__() -> list[str]:
-    return sorted(set(globals()) | set(_LAZY))
+}, globals())

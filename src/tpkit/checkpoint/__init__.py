@@ -23,15 +23,15 @@ The names below resolve on first use (nothing here imports torch); the errors ar
 __all__ = ["CheckpointError", "CheckpointWarning", "latest", "load", "load_model", "locate",
            "open_source", "save"]
 
-_HOMES = {"CheckpointError": "tpkit.spec.errors", "CheckpointWarning": "tpkit.spec.errors",
-          "latest": "tpkit.weights.paths", "locate": "tpkit.weights.paths",
-          "load_model": "tpkit.weights.sources", "open_source": "tpkit.weights.sources",
-          "load": "tpkit.checkpoint.store", "save": "tpkit.checkpoint.store"}
+from tpkit.spec.lazy import lazy_names  # noqa: E402 (pure Python: no torch yet)
 
-
-def __getattr__(name: str):
-    if name in _HOMES:
-        import importlib
-
-        return getattr(importlib.import_module(_HOMES[name]), name)
-    raise AttributeError(f"module 'tpkit.checkpoint' has no attribute {name!r}")
+__getattr__, __dir__ = lazy_names("tpkit.checkpoint", {  # name -> the module defining it
+    "CheckpointError": "tpkit.spec.errors",
+    "CheckpointWarning": "tpkit.spec.errors",
+    "latest": "tpkit.weights.paths",
+    "locate": "tpkit.weights.paths",
+    "load_model": "tpkit.weights.sources",
+    "open_source": "tpkit.weights.sources",
+    "load": "tpkit.checkpoint.store",
+    "save": "tpkit.checkpoint.store",
+}, globals())

@@ -20,14 +20,13 @@ without torch. `CheckpointError` is `tpkit.spec.errors`'.
 __all__ = ["CheckpointError", "CheckpointWarning", "latest", "load_model", "locate",
            "open_source"]
 
-_HOMES = {"CheckpointError": "tpkit.spec.errors", "CheckpointWarning": "tpkit.spec.errors",
-          "latest": "tpkit.weights.paths", "locate": "tpkit.weights.paths",
-          "load_model": "tpkit.weights.sources", "open_source": "tpkit.weights.sources"}
+from tpkit.spec.lazy import lazy_names  # noqa: E402 (pure Python: no torch yet)
 
-
-def __getattr__(name: str):
-    if name in _HOMES:
-        import importlib
-
-        return getattr(importlib.import_module(_HOMES[name]), name)
-    raise AttributeError(f"module 'tpkit.weights' has no attribute {name!r}")
+__getattr__, __dir__ = lazy_names("tpkit.weights", {  # name -> the module defining it
+    "CheckpointError": "tpkit.spec.errors",
+    "CheckpointWarning": "tpkit.spec.errors",
+    "latest": "tpkit.weights.paths",
+    "locate": "tpkit.weights.paths",
+    "load_model": "tpkit.weights.sources",
+    "open_source": "tpkit.weights.sources",
+}, globals())
