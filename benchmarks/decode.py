@@ -2,7 +2,8 @@
 transformers' own `generate`, on random-weight models saved as Hugging Face folders.
 
     gpt2-124m     GPT-2 small (12 layers, 12 heads, h=768): tp 1, 2
-    smollm2-135m  SmolLM2-135M's shape (30 layers, 9 heads, 3 kv heads, h=576): tp 1, 3
+    smollm2-135m  SmolLM2-135M's shape (30 layers, 9 heads, 3 kv heads, h=576): tp 1, 2
+                  (uneven: 5 + 4 heads)
 
 Greedy, --ignore-eos, 48 new tokens after a 16-token prompt, batch 1 and 8. Each tpkit
 figure is the tokens/s `tpkit generate` prints (generation only, after loading), from a
@@ -48,7 +49,7 @@ def save_models(root: Path, quick: bool) -> dict[str, tuple[Path, list[int]]]:
             num_attention_heads=9, num_key_value_heads=3, max_position_embeddings=2048,
             rms_norm_eps=1e-5, rope_theta=100000.0, tie_word_embeddings=True))
         smol.save_pretrained(root / "smollm2-135m")
-        out["smollm2-135m"] = (root / "smollm2-135m", [1, 3])
+        out["smollm2-135m"] = (root / "smollm2-135m", [1, 2])  # 9 heads: 5 + 4
     return out
 
 
