@@ -24,14 +24,10 @@ __all__ = ["CheckpointError", "CheckpointWarning", "latest", "load", "load_model
            "open_source", "save"]
 
 from tpkit.spec.lazy import lazy_names  # noqa: E402 (pure Python: no torch yet)
+from tpkit.weights import HOMES as _WEIGHTS  # noqa: E402 (names only, nothing imported)
 
 __getattr__, __dir__ = lazy_names("tpkit.checkpoint", {  # name -> the module defining it
-    "CheckpointError": "tpkit.spec.errors",
-    "CheckpointWarning": "tpkit.spec.errors",
-    "latest": "tpkit.weights.paths",
-    "locate": "tpkit.weights.paths",
-    "load_model": "tpkit.weights.sources",
-    "open_source": "tpkit.weights.sources",
+    **_WEIGHTS,
     "load": "tpkit.checkpoint.store",
     "save": "tpkit.checkpoint.store",
 }, globals())

@@ -22,11 +22,12 @@ __all__ = ["CheckpointError", "CheckpointWarning", "latest", "load_model", "loca
 
 from tpkit.spec.lazy import lazy_names  # noqa: E402 (pure Python: no torch yet)
 
-__getattr__, __dir__ = lazy_names("tpkit.weights", {  # name -> the module defining it
+HOMES = {  # name -> the module defining it (tpkit.checkpoint re-exports them)
     "CheckpointError": "tpkit.spec.errors",
     "CheckpointWarning": "tpkit.spec.errors",
     "latest": "tpkit.weights.paths",
     "locate": "tpkit.weights.paths",
     "load_model": "tpkit.weights.sources",
     "open_source": "tpkit.weights.sources",
-}, globals())
+}
+__getattr__, __dir__ = lazy_names("tpkit.weights", HOMES, globals())
