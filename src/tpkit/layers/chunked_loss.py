@@ -25,7 +25,7 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from tpkit.comm import ops
+from tpkit.comm import compile_ready, ops
 from tpkit.comm.group import CommGroup
 from tpkit.layers.cross_entropy import check_logits, logits_grad, shifted_exp, softmax_stats
 
@@ -43,7 +43,10 @@ def _chunk_grad(logits, target, group, vocab_size, ignore_index, eps, m, sum_exp
 def _compiled(fn, backend: str | None):
     """`fn` itself, or under --compile its torch.compile'd form (the element-wise work
     over [c, V/tp] fused; the all-reduces inside stay graph breaks)."""
-    return torch.compile(fn, backend=backend) if backend else fn
+    if not backend:
+        return fn
+    compile_ready()  # the all-reduces: graph breaks
+    return torch.compile(fn, backend=backend)
 
 
 def _accumulate(dw: torch.Tensor, gt: torch.Tensor, h: torch.Tensor) -> None:

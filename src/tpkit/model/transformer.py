@@ -22,7 +22,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from tpkit.comm import ops
+from tpkit.comm import compile_ready, ops
 from tpkit.layers.attention import KVSlots
 from tpkit.layers.chunked_loss import chunked_head_cross_entropy
 from tpkit.layers.cross_entropy import vocab_parallel_cross_entropy
@@ -144,6 +144,8 @@ class Transformer(nn.Module):
             str(i): Block(config, self.group, layer_index=i, sequence_parallel=sequence_parallel,
                           seed=seed, expert_parallel=expert_parallel, cp=cp, **kw)
             for i in self.layer_range})  # chunk by chunk
+        if compile_backend:
+            compile_ready()  # the collectives: graph breaks between the compiled regions
         for block in self.layers.values() if compile_backend else ():
             block.compile(backend=compile_backend)  # in place: names, state dicts unchanged
         if self.is_last_stage:  # post-norm stacks end normalized: no final norm
