@@ -5,6 +5,9 @@
     tpkit_batch_size, tpkit_queue_length               (gauges, at the last step)
     tpkit_time_to_first_token_seconds, tpkit_inter_token_latency_seconds  (histograms)
     tpkit_collectives_total{op=...}                    (what the tp group sent, ledger)
+    tpkit_prompt_tokens_computed_total                 (prefilled: prefix-cache hits not)
+    tpkit_prefix_cache_hit_tokens_total, tpkit_preemptions_total
+    tpkit_kv_blocks_used, tpkit_kv_cache_bytes         (gauges: blocks in use, bytes held)
 """
 
 from __future__ import annotations
@@ -47,6 +50,8 @@ class Metrics:
         self.collectives: Counter = Counter()
         self.prompt_tokens = self.generation_tokens = 0
         self.batch_size = self.queue_length = 0
+        self.prompt_tokens_computed = self.prefix_hit_tokens = self.preemptions = 0
+        self.kv_blocks_used = self.kv_bytes = 0
         self.ttft, self.itl = Histogram(), Histogram()
 
     def render(self) -> str:
@@ -56,10 +61,15 @@ class Metrics:
             lines += [f'tpkit_requests_total{{finish="{k}"}} {v}'
                       for k, v in sorted(self.requests.items())]
             for name, v in (("prompt_tokens_total", self.prompt_tokens),
-                            ("generation_tokens_total", self.generation_tokens)):
+                            ("generation_tokens_total", self.generation_tokens),
+                            ("prompt_tokens_computed_total", self.prompt_tokens_computed),
+                            ("prefix_cache_hit_tokens_total", self.prefix_hit_tokens),
+                            ("preemptions_total", self.preemptions)):
                 lines += [f"# TYPE tpkit_{name} counter", f"tpkit_{name} {v}"]
             for name, v in (("batch_size", self.batch_size),
-                            ("queue_length", self.queue_length)):
+                            ("queue_length", self.queue_length),
+                            ("kv_blocks_used", self.kv_blocks_used),
+                            ("kv_cache_bytes", self.kv_bytes)):
                 lines += [f"# TYPE tpkit_{name} gauge", f"tpkit_{name} {v}"]
             lines += self.ttft.lines("tpkit_time_to_first_token_seconds")
             lines += self.itl.lines("tpkit_inter_token_latency_seconds")
