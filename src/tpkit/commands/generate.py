@@ -87,18 +87,22 @@ def _lead(args: argparse.Namespace, source, model, max_len: int) -> dict:
         raise UserError(f"prompt token ids {bad} are outside the model's vocabulary "
                         f"[0, {vocab})")
     t0 = time.perf_counter()
-    reqs = [engine.submit(p, params) for p in prompts] if args.max_new_tokens else []
-    streamed = len(prompts) == 1 and not args.prompt_ids and bool(reqs) and not args.chat
+    streamed = len(prompts) == 1 and not args.prompt_ids and bool(args.max_new_tokens) \
+        and not args.chat
     if streamed:
         print(args.prompt[0], end="", flush=True)
-        for ev in reqs[0].events_iter():
-            if ev[0] == "token":
-                print(ev[2], end="", flush=True)
+    reqs = engine.generate(prompts, params, on_token=_printer if streamed else None) \
+        if args.max_new_tokens else []
+    if streamed:
         print(flush=True)
     new = [r.result().tokens for r in reqs] or [[] for _ in prompts]
     seconds = time.perf_counter() - t0
     return dict(new=new, seconds=seconds, streamed=streamed,
                 texts=[_show(args, i, r) for i, r in enumerate(reqs)])
+
+
+def _printer(_req, text: str) -> None:
+    print(text, end="", flush=True)
 
 
 def _show(args: argparse.Namespace, i: int, req) -> str:

@@ -45,7 +45,7 @@ from tpkit.serve.blocks import BlockPool
 from tpkit.serve.metrics import Metrics
 from tpkit.serve.output import OutputProcessor
 from tpkit.serve.params import SamplingParams
-from tpkit.serve.request import Request, RequestFailed
+from tpkit.serve.request import Request, RequestFailed, Token
 from tpkit.serve.runner import BLOCK_SIZE, Runner
 from tpkit.serve.scheduler import Scheduler, SchedulerOutput
 from tpkit.spec.errors import UserError
@@ -115,22 +115,33 @@ class Engine:
                 raise RequestFailed(503, "the server is shutting down")
             self._ids += 1
             req = Request(self._ids, list(prompt_ids), params)
-            self.outputs.start(req, self.runner.device)
+            try:
+                self.outputs.start(req, self.runner.device)
+            except Exception as e:  # noqa: BLE001 - an unchecked seed: this one fails
+                self._fail(req, e)
+                return req
             self.scheduler.waiting.append(req)
         with self._wake:
             self._wake.notify_all()
         return req
 
     def generate(self, prompts: list[list[int]], params: SamplingParams |
-                 list[SamplingParams] | None = None) -> list[Request]:
+                 list[SamplingParams] | None = None, on_token=None) -> list[Request]:
         """Run `prompts` (token ids) to the end, stepping the engine here; the finished
-        requests in order (`tpkit generate` and the Python API)."""
+        requests in order (`tpkit generate` and the Python API). `on_token(req, text)`:
+        called with each piece of text as it becomes safe to show."""
         if self.looping:
             raise RuntimeError("a serving loop steps this engine: submit() instead")
         each = params if isinstance(params, list) else [params] * len(prompts)
         reqs = [self.submit(p, q) for p, q in zip(prompts, each)]
         while not all(r.done for r in reqs):
             self.step()
+            while on_token is not None and any(not r.events.empty() for r in reqs):
+                for r in reqs:
+                    while not r.events.empty():
+                        ev = r.events.get_nowait()
+                        if isinstance(ev, Token) and ev.text:
+                            on_token(r, ev.text)
         return reqs
 
     def check(self, prompt_ids: list[int], params: SamplingParams) -> None:

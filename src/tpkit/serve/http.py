@@ -41,7 +41,7 @@ from tpkit.serve import openai_api as api
 from tpkit.serve import protocol
 from tpkit.serve.engine import Engine, TooLong
 from tpkit.serve.openai_api import MAX_BODY
-from tpkit.serve.request import Request, RequestFailed
+from tpkit.serve.request import Done, Failed, Request, RequestFailed, Token
 from tpkit.spec.errors import UserError
 
 
@@ -159,8 +159,8 @@ class Handler(BaseHTTPRequestHandler):
         if asked.stream:
             return self._stream(req, rid, chat, asked.include_usage)
         for ev in self._events(req):
-            if ev[0] == "error":
-                return self._error(api.ApiError(ev[1], ev[2]))
+            if isinstance(ev, Failed):
+                return self._error(api.ApiError(ev.status, ev.message))
         text, logprobs = req.text, self._logprobs(req, chat, 0, len(req.tokens))
         if req.params.echo:  # the prompt first (its own log-probabilities, if asked)
             with self.app.engine.tokenizer_lock:
@@ -213,7 +213,7 @@ class Handler(BaseHTTPRequestHandler):
                     return
                 continue
             yield ev
-            if ev[0] != "token":
+            if not isinstance(ev, Token):
                 return
 
     def _client_gone(self) -> bool:
@@ -238,20 +238,20 @@ class Handler(BaseHTTPRequestHandler):
                 self._sse(api.chunk(rid, name, None, None, chat, created, first=True))
             i, offset = 0, 0  # the token of the next token event; completion characters
             for ev in self._events(req):
-                if ev[0] == "token":  # one chunk per token (its text may be held back: "")
+                if isinstance(ev, Token):  # one chunk per token (its text may be held back)
                     block = None
-                    if ev[1] is not None:  # token i (a None: text held back until the end)
+                    if ev.token is not None:  # token i (None: text held back until the end)
                         block = self._logprobs(req, chat, i, i + 1, offset)
                         offset += len("".join((block or {}).get("tokens", ())))
                         i += 1
-                    self._sse(api.chunk(rid, name, ev[2], None, chat, created,
+                    self._sse(api.chunk(rid, name, ev.text, None, chat, created,
                                         logprobs=block))
-                elif ev[0] == "done":
-                    self._sse(api.chunk(rid, name, None, ev[1], chat, created))
+                elif isinstance(ev, Done):
+                    self._sse(api.chunk(rid, name, None, ev.reason, chat, created))
                     if usage:
                         self._sse(api.usage_chunk(rid, name, req.usage, chat, created))
-                elif ev[0] == "error":
-                    self._sse(api.ApiError(ev[1], ev[2]).body())
+                elif isinstance(ev, Failed):
+                    self._sse(api.ApiError(ev.status, ev.message).body())
             self.wfile.write(b"data: [DONE]\n\n")
             self.wfile.flush()
         except (ConnectionError, TimeoutError, OSError):
