@@ -11,7 +11,7 @@ prompt, few-shot examples) reuses the blocks instead of computing them again.
 
 A block is free (no user, no hash), cached (a known prefix: kept after its last user
 ends, evicted least recently used first) or in use (a count of users). The pool grows
-(`size`, which every rank's tensors follow) doubling up to `max_blocks`: memory follows
+(`size`, which every rank's tensors follow) by 16 blocks or half its size up to `max_blocks`: memory follows
 the tokens in flight (and what the cache keeps), never max_batch x max_len up front.
 Block 0 is never handed out (the padding rows' scratch).
 """
@@ -91,7 +91,7 @@ class BlockPool:
         return out
 
     def _grow(self) -> int:
-        new = min(self.max_blocks, max(2 * self.size, 16))
+        new = min(self.max_blocks, self.size + max(16, self.size // 2))
         self.free.extend(range(new - 1, self.size, -1))  # handed out lowest first
         block, self.size = self.size, new
         return block
