@@ -21,8 +21,8 @@ import pytest
 
 from tpkit.commands import generate as generate_cmd
 from tpkit.mesh import ParallelMesh
-from tpkit.serve import output as output_module
 from tpkit.serve import openai_api as api
+from tpkit.serve import output as output_module
 from tpkit.serve.http import App, make_server
 from tpkit.weights.sources import open_source
 
