@@ -314,11 +314,17 @@ def _encode(body: dict) -> bytes:
 
 
 def make_server(app: App, host: str = HOST, port: int = 8000, *,
-                allowed_hosts: Iterable[str] = (), allowed_origins: Iterable[str] = ()
-                ) -> Server:
-    """A server for `app` bound to host:port (0: a free port); not started. It answers to
-    `tpkit.host.addresses.allowed_hosts(host, allowed_hosts)` and takes browsers' POSTs
-    from its own origin and `allowed_origins` only."""
+                allowed_hosts: Iterable[str] = (), allowed_origins: Iterable[str] = (),
+                sock: socket.socket | None = None) -> Server:
+    """A server for `app` bound to host:port (0: a free port), or on `sock` (a socket
+    bound before the model was loaded, `host.web.bound_socket`); not started. It
+    answers to `tpkit.host.addresses.allowed_hosts(host, allowed_hosts)` and takes
+    browsers' POSTs from its own origin and `allowed_origins` only."""
     guard = Guard(host, allowed_hosts, allowed_origins)
     handler = type("BoundHandler", (Handler,), {"app": app, "guard": guard})
-    return Server.on(host)((host, port), handler)
+    if sock is None:
+        return Server.on(host)((host, port), handler)
+    server = Server.on(host)((host, port), handler, bind_and_activate=False)
+    server.socket.close()
+    server.socket, server.server_address = sock, sock.getsockname()
+    return server
