@@ -67,7 +67,7 @@ def test_greedy_is_the_same_bits_alone_and_in_any_batch(run_tp, config):
         alone, together, queued, metrics = run_tp(batch_worker, tp, config, False)[0]
         assert together == alone, tp  # bit for bit: the batch never changes a row
         assert queued == len(PROMPTS), tp  # submitted before any step: all waited
-        assert f'tpkit_requests_total{{finish="length"}} {2 * len(PROMPTS)}' in metrics
+        assert f'tpkit_requests_total{{finish="length"}} {2 * len(PROMPTS)}.0' in metrics
         assert len({tuple(t) for t, _ in alone}) == len(PROMPTS)  # not a degenerate model
         results[tp] = alone
     for (t1, lp1), (t2, lp2) in zip(results[1], results.get(2, results[1])):

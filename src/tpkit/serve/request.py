@@ -61,8 +61,10 @@ class RequestFailed(RuntimeError):
 class Request:
     """A prompt being generated: its tokens, text, finish reason and timings."""
 
-    def __init__(self, rid: int, prompt: list[int], params: SamplingParams) -> None:
+    def __init__(self, rid: int, prompt: list[int], params: SamplingParams,
+                 on_event=None) -> None:
         self.id, self.prompt, self.params = rid, prompt, params
+        self.on_event = on_event  # called with each event too (from the engine's thread)
         self.tokens: list[int] = []
         self.logprobs: list[float] = []  # of each chosen token under the model (no temperature)
         self.top: list[list[tuple[int, float]]] = []  # the k likeliest, if params.logprobs
@@ -143,17 +145,22 @@ class Request:
             self.top.append(top)
         self.text += shown
         self.prev_at, self.last_at = self.last_at, now
-        self.events.put(Token(token, shown))
+        self._emit(Token(token, shown))
 
     def finish(self, reason: str, tail: str = "") -> None:
         """The end: the text still held back, then the finish reason."""
         if tail:
             self.text += tail
-            self.events.put(Token(None, tail))
+            self._emit(Token(None, tail))
         self.finish_reason = reason
-        self.events.put(Done(reason))
+        self._emit(Done(reason))
 
     def fail(self, status: int, message: str) -> None:
         """The server cannot finish it."""
         self.error = RequestFailed(status, message)
-        self.events.put(Failed(status, message))
+        self._emit(Failed(status, message))
+
+    def _emit(self, ev: Event) -> None:
+        self.events.put(ev)
+        if self.on_event is not None:
+            self.on_event(ev)
