@@ -244,10 +244,39 @@ def test_a_client_that_hangs_up_frees_its_slot(server):
     got = b""
     while b"data: " not in got:
         got += sock.recv(4096)
-    assert got.startswith(b"HTTP/1.0 200")
+    assert got.startswith(b"HTTP/1.1 200")  # uvicorn (the standard library said 1.0)
     sock.close()  # gone mid-stream
     deadline = time.monotonic() + 30
     while engine.metrics.requests["cancelled"] == before and time.monotonic() < deadline:
         time.sleep(0.1)
     assert engine.metrics.requests["cancelled"] == before + 1
     assert not engine.busy  # its slot is free
+
+
+def test_metrics_read_by_prometheus_client_and_docs_list_the_endpoints(server):
+    """/metrics parses with prometheus_client's own parser (the counts of the requests
+    just answered in it); /openapi.json and /docs (FastAPI's) list every endpoint, the
+    completion's body schema being the pydantic model's."""
+    from prometheus_client.parser import text_string_to_metric_families
+
+    url, client, _ = server
+    before = {f.name: f for f in text_string_to_metric_families(
+        urlopen(url + "/metrics").read().decode())}
+    client.completions.create(model="llama", prompt="Tensor", max_tokens=3, temperature=0,
+                              extra_body={"ignore_eos": True})
+    after = {f.name: f for f in text_string_to_metric_families(
+        urlopen(url + "/metrics").read().decode())}
+    value = lambda fams, name: sum(s.value for s in fams[name].samples  # noqa: E731
+                                   if s.name == name + "_total")
+    assert value(after, "tpkit_generation_tokens") == value(before, "tpkit_generation_tokens") + 3
+    assert after["tpkit_time_to_first_token_seconds"].type == "histogram"
+    for name in ("tpkit_requests", "tpkit_prompt_tokens_computed", "tpkit_prefix_cache_hit_tokens",
+                 "tpkit_kv_blocks_used", "tpkit_kv_cache_bytes", "tpkit_queue_length"):
+        assert name in after, name
+    spec = json.loads(urlopen(url + "/openapi.json").read())
+    assert {"/v1/completions", "/v1/chat/completions", "/v1/models", "/health",
+            "/metrics"} <= spec["paths"].keys()
+    body = spec["paths"]["/v1/completions"]["post"]["requestBody"]["content"]
+    assert "prompt" in body["application/json"]["schema"]["properties"]
+    docs = urlopen(url + "/docs").read().decode()
+    assert "swagger" in docs.lower() and "/openapi.json" in docs

@@ -39,6 +39,7 @@ from tpkit.weights.sources import load_model, open_source, source_tokenizer
 from tpkit.weights.tokenizer import load_tokenizer
 
 _SIGNALS = (signal.SIGTERM, signal.SIGINT, signal.SIGHUP)
+SERVE_NEEDS = ("pydantic", "fastapi", "uvicorn", "prometheus_client")  # the serve extra
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -104,12 +105,14 @@ def run(args: argparse.Namespace) -> int:
     """Load the model on every rank, serve on rank 0 until a signal or a worker's death."""
     _check_args(args)
     try:
-        import tpkit.serve.http  # noqa: F401 - its request schema needs pydantic
-    except ModuleNotFoundError as e:  # the request schema's
-        if e.name != "pydantic":
+        import prometheus_client  # noqa: F401 - /metrics
+
+        import tpkit.serve.http  # noqa: F401 - pydantic, fastapi, uvicorn
+    except ModuleNotFoundError as e:
+        if e.name not in SERVE_NEEDS:
             raise
-        raise UserError("the server checks requests with pydantic, which is not installed: "
-                        "pip install 'tpkit[serve]'") from None
+        raise UserError(f"tpkit serve needs {', '.join(SERVE_NEEDS)}; {e.name} is not "
+                        f"installed: pip install 'tpkit[serve]'") from None
     comm = comm_choice(getattr(args, "comm", None))
     source = open_source(args.checkpoint)  # once, before any process
     if "WORLD_SIZE" in os.environ:  # torchrun: rank 0 serves, the others follow

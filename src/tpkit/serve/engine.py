@@ -105,18 +105,16 @@ class Engine:
         self._ids = 0
 
     # -- requests in -------------------------------------------------------------------
-    def submit(self, prompt_ids: list[int], params: SamplingParams | None = None,
-               on_event=None) -> Request:
+    def submit(self, prompt_ids: list[int], params: SamplingParams | None = None) -> Request:
         """Queue a prompt (token ids); returns its handle. `TooLong` if it can never fit,
-        `RequestFailed` (503) once the engine stopped accepting. `on_event(event)` is
-        called with each of its events as well, from the engine's thread."""
+        `RequestFailed` (503) once the engine stopped accepting."""
         params = params or SamplingParams()
         self.check(prompt_ids, params)
         with self._lock:
             if not self.accepting:
                 raise RequestFailed(503, "the server is shutting down")
             self._ids += 1
-            req = Request(self._ids, list(prompt_ids), params, on_event)
+            req = Request(self._ids, list(prompt_ids), params)
             try:
                 self.outputs.start(req, self.runner.device)
             except Exception as e:  # noqa: BLE001 - an unchecked seed: this one fails

@@ -89,9 +89,13 @@ class App:
         return req, ids
 
     def submit(self, ids: list[int], params, on_event=None) -> Request:
-        """Engine.submit with its errors as ApiErrors (413 too long, 400, 503)."""
+        """Engine.submit with its errors as ApiErrors (413 too long, 400, 503); its events
+        go to `on_event` (`Request.attach`)."""
         try:
-            return self.engine.submit(ids, params, on_event)
+            req = self.engine.submit(ids, params)
+            if on_event is not None:
+                req.attach(on_event)
+            return req
         except TooLong as e:
             raise api.ApiError(413, str(e), "max_tokens") from None
         except UserError as e:

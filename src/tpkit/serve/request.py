@@ -61,10 +61,9 @@ class RequestFailed(RuntimeError):
 class Request:
     """A prompt being generated: its tokens, text, finish reason and timings."""
 
-    def __init__(self, rid: int, prompt: list[int], params: SamplingParams,
-                 on_event=None) -> None:
+    def __init__(self, rid: int, prompt: list[int], params: SamplingParams) -> None:
         self.id, self.prompt, self.params = rid, prompt, params
-        self.on_event = on_event  # called with each event too (from the engine's thread)
+        self.on_event = None  # `attach`: called with each event instead of the queue
         self.tokens: list[int] = []
         self.logprobs: list[float] = []  # of each chosen token under the model (no temperature)
         self.top: list[list[tuple[int, float]]] = []  # the k likeliest, if params.logprobs
@@ -82,7 +81,7 @@ class Request:
         self.arrived, self.first_at, self.last_at = time.perf_counter(), None, None
         self.prev_at: float | None = None  # the token before the last one's time
         self.events: queue.Queue = queue.Queue()
-        self._cancel = threading.Event()
+        self._cancel, self._emit_lock = threading.Event(), threading.Lock()
         self._ended = False
 
     # -- caller side -------------------------------------------------------------------
@@ -160,7 +159,17 @@ class Request:
         self.error = RequestFailed(status, message)
         self._emit(Failed(status, message))
 
+    def attach(self, listener) -> None:
+        """Have `listener(event)` called with every event, from the engine's thread,
+        instead of queueing them (the ones queued already first, in order)."""
+        with self._emit_lock:
+            while not self.events.empty():
+                listener(self.events.get_nowait())
+            self.on_event = listener
+
     def _emit(self, ev: Event) -> None:
-        self.events.put(ev)
-        if self.on_event is not None:
-            self.on_event(ev)
+        with self._emit_lock:
+            if self.on_event is None:
+                self.events.put(ev)
+            else:
+                self.on_event(ev)
