@@ -37,7 +37,7 @@ BAD = [  # (path, body: dict or raw bytes, param, words of the message)
     ("completions", {"prompt": "x", "temperature": "0.5"}, "temperature", "must be a number"),
     ("completions", {"prompt": "x", "temperature": -1}, "temperature", "in [0, 100]"),
     ("completions", {"prompt": [5, 7, True]}, "prompt", "list of token ids"),
-    ("completions", {"prompt": ["a", "b"]}, "prompt", "one per request"),
+    ("completions", {"prompt": ["a"] * 33}, "prompt", "at most 32 per request"),
     ("completions", {"prompt": "x", "stop": ["a", ""]}, "stop", "non-empty strings"),
     ("completions", {"prompt": "x", "nope": 1}, "nope", "unsupported parameters: nope"),
     ("completions", b"[" * 100_000, None, "deeper than 16 levels"),

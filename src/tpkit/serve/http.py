@@ -27,11 +27,12 @@ routes, no schema, no streaming.)
 from __future__ import annotations
 
 import asyncio
+import dataclasses
+import functools
 import json
 import socket
 import sys
 import threading
-import time
 from collections.abc import Iterable
 
 import uvicorn
@@ -44,64 +45,8 @@ from starlette.exceptions import HTTPException
 from tpkit.host.web import HOST, Guard, bound_socket
 from tpkit.serve import openai_api as api
 from tpkit.serve import protocol
-from tpkit.serve.engine import Engine, TooLong
-from tpkit.serve.openai_api import MAX_BODY
-from tpkit.serve.request import Done, Failed, Request, RequestFailed, Token
-from tpkit.spec.errors import UserError
-
-
-class App:
-    """What the routes serve: the engine, the model's name, the tokenizer, the limits."""
-
-    def __init__(self, engine: Engine, model_name: str, tokenizer, *, max_body: int = MAX_BODY,
-                 timeout: float = 30.0) -> None:
-        self.engine, self.name, self.tokenizer = engine, model_name, tokenizer
-        self.max_body, self.timeout, self.created = max_body, timeout, int(time.time())
-        self.active, self._active = 0, threading.Condition()  # POSTs being answered
-
-    def enter(self) -> None:
-        """A POST starts being answered."""
-        with self._active:
-            self.active += 1
-
-    def leave(self) -> None:
-        """... and is done."""
-        with self._active:
-            self.active -= 1
-            self._active.notify_all()
-
-    def wait_handlers(self, timeout: float) -> bool:
-        """Wait until no POST is being answered (True) or `timeout` seconds."""
-        with self._active:
-            return self._active.wait_for(lambda: self.active == 0, timeout)
-
-    def parse(self, raw: bytes, chat: bool
-              ) -> tuple[protocol.CompletionRequest | protocol.ChatRequest, list[int]]:
-        """(the request, its prompt ids) of a POST body; ApiError for a bad one."""
-        body = protocol.parse_json(raw)
-        req = protocol.validate(body, chat)
-        if req.model not in (None, self.name):
-            raise api.ApiError(404, f"model {req.model!r} is not served here "
-                                    f"(GET /v1/models: {self.name!r})", "model")
-        lock = self.engine.tokenizer_lock
-        ids = api.chat_ids(body, self.tokenizer, lock) if chat else \
-            api.prompt_ids(req.prompt, self.tokenizer, lock)
-        return req, ids
-
-    def submit(self, ids: list[int], params, on_event=None) -> Request:
-        """Engine.submit with its errors as ApiErrors (413 too long, 400, 503); its events
-        go to `on_event` (`Request.attach`)."""
-        try:
-            req = self.engine.submit(ids, params)
-            if on_event is not None:
-                req.attach(on_event)
-            return req
-        except TooLong as e:
-            raise api.ApiError(413, str(e), "max_tokens") from None
-        except UserError as e:
-            raise api.ApiError(400, str(e)) from None
-        except RequestFailed as e:
-            raise api.ApiError(e.status, str(e)) from None
+from tpkit.serve.app import App
+from tpkit.serve.request import Done, Failed, Request, Token
 
 
 def _encode(body: dict) -> bytes:
@@ -204,9 +149,26 @@ def _failed(req: Request | None, e: Exception) -> api.ApiError:
     return api.ApiError(500, why)
 
 
+def _submit_all(app: App, prompts: list[list[int]], params, n: int, put) -> list[Request]:
+    """n choices of each prompt (choice i of prompt p: index p * n + i; a seed s gives
+    choice i the seed s ^ i); their events go to put(index, event). One refused:
+    those submitted are cancelled, the ApiError raised."""
+    reqs: list[Request] = []
+    try:
+        for ids in prompts:
+            for i in range(n):
+                q = params if i == 0 or params.seed is None else \
+                    dataclasses.replace(params, seed=params.seed ^ i)
+                reqs.append(app.submit(ids, q, functools.partial(put, len(reqs))))
+    except api.ApiError:
+        _cancel(reqs)
+        raise
+    return reqs
+
+
 async def _post(app: App, request: HttpRequest, chat: bool, error, ok, cors) -> Response:
     app.enter()
-    streaming, req = False, None
+    streaming, reqs = False, []
     try:
         try:
             raw = await _body(app, request)
@@ -214,58 +176,88 @@ async def _post(app: App, request: HttpRequest, chat: bool, error, ok, cors) -> 
             return error(request, e, close=e.status == 413)  # the body is not read
         loop, events = asyncio.get_running_loop(), asyncio.Queue()
 
-        def on_event(ev) -> None:  # the engine's thread -> this request's coroutine
+        def put(index: int, ev) -> None:  # the engine's thread -> this request's coroutine
             try:
-                loop.call_soon_threadsafe(events.put_nowait, ev)
+                loop.call_soon_threadsafe(events.put_nowait, (index, ev))
             except RuntimeError:
                 pass  # the event loop has ended (the server stopped)
 
         try:
-            asked, ids = await run_in_threadpool(app.parse, raw, chat)
-            req = app.submit(ids, asked.sampling(), on_event)
+            asked, prompts = await run_in_threadpool(app.parse, raw, chat)
+            reqs = _submit_all(app, prompts, asked.sampling(), asked.n or 1, put)
         except api.ApiError as e:
             return error(request, e)
-        rid = f"{'chatcmpl' if chat else 'cmpl'}-{req.id}"
+        rid = f"{'chatcmpl' if chat else 'cmpl'}-{reqs[0].id}"
+        usage = _usage(prompts)
         if asked.stream:
             streaming = True
             return StreamingResponse(
-                _stream(app, req, events, rid, chat, asked.include_usage),
+                _stream(app, reqs, events, rid, chat, usage if asked.include_usage else None),
                 200, {**cors(request), "Cache-Control": "no-store"},
                 "text/event-stream; charset=utf-8")
-        while True:
+        left = len(reqs)
+        while left:
             try:
-                ev = await asyncio.wait_for(events.get(), 0.2)
+                _, ev = await asyncio.wait_for(events.get(), 0.2)
             except TimeoutError:
                 if await request.is_disconnected():
-                    req.cancel()
+                    _cancel(reqs)
                     return Response(status_code=499)
                 continue
             if isinstance(ev, Failed):
+                _cancel(reqs)
                 return error(request, api.ApiError(ev.status, ev.message))
-            if isinstance(ev, Done):
-                break
-        return ok(request, _whole(app, req, chat, rid))
+            left -= isinstance(ev, Done)
+        body = api.completion(rid, app.name, "", None, usage(reqs), chat, app.created)
+        body["choices"] = [_choice(app, r, chat, i) for i, r in enumerate(reqs)]
+        return ok(request, body)
     except Exception as e:  # noqa: BLE001 - this request fails alone; the server goes on
-        return error(request, _failed(req, e), close=True)
+        _cancel(reqs)
+        return error(request, _failed(None, e), close=True)
     finally:
         if not streaming:
             app.leave()
 
 
-def _whole(app: App, req: Request, chat: bool, rid: str) -> dict:
+def _cancel(reqs: list[Request]) -> None:
+    for r in reqs:
+        r.cancel()
+
+
+def _usage(prompts: list[list[int]]):
+    """OpenAI's usage of a request's choices: each prompt counted once."""
+    p = sum(map(len, prompts))
+
+    def of(reqs: list[Request]) -> dict:
+        c = sum(len(r.tokens) for r in reqs)
+        return dict(prompt_tokens=p, completion_tokens=c, total_tokens=p + c)
+    return of
+
+
+def _echoed(app: App, req: Request, chat: bool) -> tuple[str, dict | None]:
+    """An echoed prompt's text and (asked for) its log-probabilities block."""
+    with app.engine.tokenizer_lock:
+        text = app.tokenizer.decode(req.prompt)
+    if req.params.logprobs is None:
+        return text, None
+    return text, api.logprobs_block(chat, req.prompt, req.prompt_logprobs, req.prompt_top,
+                                    app.tokenizer, app.engine.tokenizer_lock)
+
+
+def _choice(app: App, req: Request, chat: bool, index: int) -> dict:
+    """Choice `index` of a whole answer: its text (after the prompt, with echo) and
+    log-probabilities."""
     text, logprobs = req.text, _logprobs(app, req, chat, 0, len(req.tokens))
     if req.params.echo:  # the prompt first (its own log-probabilities, if asked)
-        with app.engine.tokenizer_lock:
-            shown = app.tokenizer.decode(req.prompt)
+        shown, before = _echoed(app, req, chat)
         text = shown + text
-        if logprobs is not None:
-            before = api.logprobs_block(chat, req.prompt, req.prompt_logprobs, req.prompt_top,
-                                        app.tokenizer, app.engine.tokenizer_lock)
+        if before is not None:
             after = _logprobs(app, req, chat, 0, len(req.tokens),
                               offset=sum(map(len, before["tokens"])))
             logprobs = {k: before[k] + after[k] for k in before}
-    return api.completion(rid, app.name, text, req.finish_reason, req.usage, chat,
-                          app.created, logprobs)
+    choice = api.completion("", "", text, req.finish_reason, None, chat, 0,
+                            logprobs)["choices"][0]
+    return {**choice, "index": index}
 
 
 def _logprobs(app: App, req: Request, chat: bool, lo: int, hi: int, offset: int = 0
@@ -277,39 +269,51 @@ def _logprobs(app: App, req: Request, chat: bool, lo: int, hi: int, offset: int 
                               app.tokenizer, app.engine.tokenizer_lock, offset)
 
 
-async def _stream(app: App, req: Request, events: asyncio.Queue, rid: str, chat: bool,
-                  usage: bool):
-    """The server-sent events of a streamed answer; a client gone cancels it."""
-    name, created, ended = app.name, app.created, False
+async def _stream(app: App, reqs: list[Request], events: asyncio.Queue, rid: str,
+                  chat: bool, usage):
+    """The server-sent events of a streamed answer, its choices interleaved as their
+    tokens come (echo: a choice's prompt first); a client gone cancels them."""
+    name, created, left = app.name, app.created, len(reqs)
+    tokens, offsets, started = [0] * len(reqs), [0] * len(reqs), [False] * len(reqs)
     try:
         if chat:  # the assistant's role comes first
             yield _sse(api.chunk(rid, name, None, None, chat, created, first=True))
-        i, offset = 0, 0  # the token of the next Token event; completion characters
-        while not ended:
-            ev = await events.get()
+        while left:
+            c, ev = await events.get()
+            req = reqs[c]
+            if not started[c] and req.params.echo and not isinstance(ev, Failed):
+                text, block = _echoed(app, req, chat)
+                offsets[c] = sum(map(len, block["tokens"])) if block else 0
+                yield _sse(api.chunk(rid, name, text, None, chat, created, logprobs=block,
+                                     index=c))
+            started[c] = True
             if isinstance(ev, Token):  # one chunk per token (its text may be held back)
                 block = None
-                if ev.token is not None:  # token i (None: text held back until the end)
-                    block = _logprobs(app, req, chat, i, i + 1, offset)
-                    offset += len("".join((block or {}).get("tokens", ())))
-                    i += 1
-                yield _sse(api.chunk(rid, name, ev.text, None, chat, created, logprobs=block))
+                if ev.token is not None:  # a token (None: text held back until the end)
+                    i = tokens[c]
+                    block = _logprobs(app, req, chat, i, i + 1, offsets[c])
+                    offsets[c] += len("".join((block or {}).get("tokens", ())))
+                    tokens[c] += 1
+                yield _sse(api.chunk(rid, name, ev.text, None, chat, created, logprobs=block,
+                                     index=c))
             elif isinstance(ev, Done):
-                ended = True
-                yield _sse(api.chunk(rid, name, None, ev.reason, chat, created))
-                if usage:
-                    yield _sse(api.usage_chunk(rid, name, req.usage, chat, created))
+                left -= 1
+                yield _sse(api.chunk(rid, name, None, ev.reason, chat, created, index=c))
             else:
-                ended = True
+                left = 0
+                _cancel(reqs)
                 yield _sse(api.ApiError(ev.status, ev.message).body())
+        if usage is not None and all(r.finish_reason for r in reqs):
+            yield _sse(api.usage_chunk(rid, name, usage(reqs), chat, created))
         yield b"data: [DONE]\n\n"
     except Exception as e:  # noqa: BLE001 - a bug met writing this answer: its error event
-        ended = True
-        yield _sse(_failed(req, e).body())
+        left = 0
+        _cancel(reqs)
+        yield _sse(_failed(None, e).body())
         yield b"data: [DONE]\n\n"
     finally:
-        if not ended:
-            req.cancel()  # the client went away: its blocks are freed at the next step
+        if left:
+            _cancel(reqs)  # the client went away: their blocks are freed at the next step
         app.leave()
 
 
