@@ -72,11 +72,12 @@ class PagedBatch:
     position `positions[t]` and writes its key and value at flat cache position
     `write[t]` (block * block_size + offset). `seqs`: (first row, rows, keys, mask) of
     each sequence: its rows are consecutive, `keys` [L] are the flat positions of the
-    keys they read (their blocks', in order), `mask` [rows, L] (None: every key)."""
+    keys they read (their blocks', in order; a slice where the blocks are adjacent),
+    `mask` [rows, L] (None: every key)."""
 
     positions: torch.Tensor
     write: torch.Tensor
-    seqs: list[tuple[int, int, torch.Tensor, torch.Tensor | None]]
+    seqs: list[tuple[int, int, torch.Tensor | slice, torch.Tensor | None]]
     rope_len: int
 
 

@@ -106,7 +106,10 @@ def layout(pieces: list[Piece], block_size: int, window: int | None, rope_len: i
         flat = (table[:, None] * block_size + torch.arange(block_size)).reshape(-1)  # [nb*bs]
         positions = torch.arange(p.start, end)
         lo = max(0, p.start - window + 1) if window else 0
-        keys = flat[lo:end]
+        keys = flat[lo:end].to(device)
+        if all(b == a + 1 for a, b in zip(p.blocks, p.blocks[1:])):  # adjacent blocks:
+            first = p.blocks[0] * block_size  # a view of the cache, no gather (the same
+            keys = slice(first + lo, first + end)  # memory layout, so the same bits)
         mask = None
         if n > 1 or window:
             j, q = torch.arange(lo, end), positions[:, None]
@@ -115,7 +118,7 @@ def layout(pieces: list[Piece], block_size: int, window: int | None, rope_len: i
         ids += p.tokens
         pos.append(positions)
         write.append(flat[p.start:end])
-        seqs.append((row, n, keys.to(device), mask))
+        seqs.append((row, n, keys, mask))
         row += n
     batch = PagedBatch(torch.cat(pos).to(device), torch.cat(write).to(device), seqs, rope_len)
     return torch.tensor(ids, dtype=torch.long, device=device)[:, None], batch
