@@ -190,6 +190,8 @@ class Engine:
                 if req.cancelled:
                     self._end(req, "cancelled")
             out = self.scheduler.schedule()
+        for req in out.preempted:  # recomputed from its first token: scored again
+            req.prompt_logprobs, req.prompt_top = req.prompt_logprobs[:1], req.prompt_top[:1]
         if out.empty:
             self._account(out)
             return False
