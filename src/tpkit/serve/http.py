@@ -35,12 +35,14 @@ import sys
 import threading
 from collections.abc import Iterable
 
+import h11
 import uvicorn
 from fastapi import FastAPI
 from fastapi import Request as HttpRequest
 from fastapi.concurrency import run_in_threadpool
 from fastapi.responses import Response, StreamingResponse
 from starlette.exceptions import HTTPException
+from uvicorn.protocols.http.h11_impl import H11Protocol
 
 from tpkit.host.web import HOST, Guard, bound_socket
 from tpkit.serve import openai_api as api
@@ -317,6 +319,27 @@ async def _stream(app: App, reqs: list[Request], events: asyncio.Queue, rid: str
         app.leave()
 
 
+class _Timed(H11Protocol):
+    """uvicorn's h11 protocol, which also closes a connection silent for `timeout`
+    seconds before its request is whole (uvicorn times only the wait between requests;
+    the standard library's server timed every read)."""
+
+    def connection_made(self, transport) -> None:  # noqa: D102
+        super().connection_made(transport)
+        self._silence()
+
+    def data_received(self, data: bytes) -> None:  # noqa: D102
+        super().data_received(data)
+        if self.conn.their_state in (h11.IDLE, h11.SEND_BODY) and \
+                not self.transport.is_closing():
+            self._silence()  # still reading its request: the timer starts again
+
+    def _silence(self) -> None:
+        self._unset_keepalive_if_required()
+        self.timeout_keep_alive_task = self.loop.call_later(
+            self.timeout_keep_alive, self.timeout_keep_alive_handler)
+
+
 class Server:
     """uvicorn serving an `App` on a bound socket, run in a thread: `serve_forever()`,
     `shutdown()` (from another thread: stop, let the answers being written finish for
@@ -324,7 +347,8 @@ class Server:
 
     def __init__(self, api_app: FastAPI, sock: socket.socket, timeout: float) -> None:
         self.socket, self.server_address = sock, sock.getsockname()
-        config = uvicorn.Config(api_app, log_level="warning", access_log=False,
+        config = uvicorn.Config(api_app, log_level="warning", access_log=False, http=_Timed,
+                                server_header=False,
                                 lifespan="off", timeout_keep_alive=max(1, round(timeout)),
                                 timeout_graceful_shutdown=2, backlog=128)
         self._server, self._done = uvicorn.Server(config), threading.Event()
