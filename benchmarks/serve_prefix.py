@@ -7,12 +7,12 @@ a Hugging Face folder), through the real CLI and the HTTP API, in one run:
    `--no-prefix-cache`;
 2. a long prompt arriving under load: 8 clients streaming 64 tokens each, and after
    a second one more client sends a `--long`-token prompt: the gaps between the 8
-   streams' tokens (ITL) p50 and p99, at `--prefill-per-step` 256 (the default:
-   the long prompt computed in pieces between the decodes) against 0 (no limit: the
-   whole prompt in one step, as a prefill ran before).
+   streams' tokens (ITL) p50 and p99, at each `--prefill-per-step` budget (256, the
+   server's default; 32; 0: no limit, the whole prompt in one step, as a prefill ran
+   before): the long prompt is computed in pieces of the budget between the decodes.
 
     PYTHONPATH=src python benchmarks/serve_prefix.py [--long 4096] [--rounds 1]
-        [--out bench-results/serve_prefix.json]
+        [--prefill-per-step 256,32,0] [--no-prefix] [--out bench-results/serve_prefix.json]
 
 Each server runs with one torch thread (`OMP_NUM_THREADS=1`); a warm-up request that
 shares nothing comes first. `--rounds` alternates the contenders and reports medians.
@@ -124,6 +124,9 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--long", type=int, default=4096, help="tokens of the long prompt")
     ap.add_argument("--rounds", type=int, default=1, help="alternating rounds (medians)")
+    ap.add_argument("--prefill-per-step", default="256,32,0",
+                    help="the long-prompt round's contenders (0: no limit)")
+    ap.add_argument("--no-prefix", action="store_true", help="skip the prefix-cache round")
     ap.add_argument("--folder", default=None, help="HF folder (default: a temporary one)")
     ap.add_argument("--out", default="bench-results/serve_prefix.json", help="JSON results")
     args = ap.parse_args()
@@ -132,11 +135,12 @@ def main() -> None:
     folder = make_folder(Path(args.folder or tmp.name) / f"smollm2-random-{positions}",
                          positions)
     vocab = SMOLLM2_135M["vocab_size"]
-    loads, prefix, long = [os.getloadavg()[0]], {True: [], False: []}, {256: [], 0: []}
+    budgets = [int(x) for x in args.prefill_per_step.split(",")]
+    loads, prefix, long = [os.getloadavg()[0]], {True: [], False: []}, {b: [] for b in budgets}
     for _ in range(args.rounds):
-        for cache in (True, False):
+        for cache in () if args.no_prefix else (True, False):
             prefix[cache].append(prefix_round(folder, cache, vocab))
-        for prefill in (256, 0):
+        for prefill in budgets:
             long[prefill].append(long_round(folder, prefill, args.long, vocab))
         loads.append(os.getloadavg()[0])
     med = lambda rows, k: statistics.median(r[k] for r in rows)  # noqa: E731
@@ -144,14 +148,14 @@ def main() -> None:
           f"{args.rounds} round(s), medians\n")
     print("| prefix cache | TTFT p50 (s) | TTFT p99 (s) | prompt tokens computed / sent |")
     print("|---|---:|---:|---:|")
-    for cache in (True, False):
+    for cache in () if args.no_prefix else (True, False):
         r = prefix[cache]
         print(f"| {'on' if cache else 'off'} | {med(r, 'ttft_p50'):.2f} | "
               f"{med(r, 'ttft_p99'):.2f} | {med(r, 'computed'):.0f} / {r[0]['prompt']} |")
     print(f"\n| --prefill-per-step | ITL p50 (s) | ITL p99 (s) | p99 / p50 | "
           f"{args.long}-token prompt's TTFT (s) |")
     print("|---|---:|---:|---:|---:|")
-    for prefill in (256, 0):
+    for prefill in budgets:
         r = long[prefill]
         p50, p99 = med(r, "itl_p50"), med(r, "itl_p99")
         print(f"| {prefill} | {p50:.3f} | {p99:.3f} | {p99 / p50:.1f} | "
