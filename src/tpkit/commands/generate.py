@@ -1,7 +1,7 @@
 """`tpkit generate`: load a model at a tensor-parallel layout (tpkit checkpoint, run
 folder, full file or Hugging Face directory, opened once here: `weights.open_source`,
 `weights.load_model`) and sample from it with the serving engine (`tpkit.serve.Engine`:
-the same preallocated KV cache, sampler and stop strings as `tpkit serve`, so a prompt
+the same paged KV cache, sampler and stop strings as `tpkit serve`, so a prompt
 gets the same tokens from both at the same `--max-batch`).
 
     tpkit generate --checkpoint hf-dir --tp 2 --prompt "The capital of France is"
@@ -57,7 +57,7 @@ def _prompts(args: argparse.Namespace, tok) -> list[list[int]]:
 
 def _worker(mesh: ParallelMesh, args: argparse.Namespace, source) -> dict | None:
     """Rank 0 runs the prompts through the serving engine (`tpkit.serve.Engine`: the same
-    KV pool, scheduler and sampler as `tpkit serve`, so the same tokens) and streams the
+    paged KV cache, scheduler and sampler as `tpkit serve`, so the same tokens) and streams the
     text of a single prompt as it comes; the other ranks follow its steps. `source`: the
     checkpoint, opened by `run`."""
     model = load_model(source, mesh, dtype=getattr(torch, args.dtype))
