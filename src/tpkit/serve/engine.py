@@ -17,7 +17,7 @@ request alone (sampling, log-probabilities, detokenizing, stop strings) fails th
 request with 500 and the step goes on for the others; an error in a forward (every
 rank's) ends the step. Nothing else steps the engine: a `Request` handle only waits.
 
-KV memory: blocks of `block_size` tokens (`model.paged_kv`), taken as tokens arrive and
+KV memory: blocks of 16 tokens (`model.paged_kv`), taken as tokens arrive and
 kept for the prefix cache, at most `kv_cache_bytes` per rank (default: what
 max_batch x max_len tokens take, today's worst case, never reserved up front).
 
@@ -46,7 +46,7 @@ from tpkit.serve.metrics import Metrics
 from tpkit.serve.output import OutputProcessor
 from tpkit.serve.params import SamplingParams
 from tpkit.serve.request import Request, RequestFailed, Token
-from tpkit.serve.runner import BLOCK_SIZE, Runner
+from tpkit.serve.runner import Runner
 from tpkit.serve.scheduler import Scheduler, SchedulerOutput
 from tpkit.spec.errors import UserError
 
@@ -65,8 +65,7 @@ class Engine:
                  max_len: int | None = None, max_tokens_in_flight: int | None = None,
                  decode_chunk: int | None = None, prefill_per_step: int = PREFILL_PER_STEP,
                  kv_cache_bytes: int | None = None, prefix_caching: bool = True,
-                 block_size: int = BLOCK_SIZE, piece: int = PIECE,
-                 runner: Runner | None = None) -> None:
+                 piece: int = PIECE, runner: Runner | None = None) -> None:
         if prefill_per_step < 0:
             raise UserError(f"prefill_per_step={prefill_per_step} must be >= 0 (0: no limit)")
         if max_batch < 1 or (decode_chunk is not None and decode_chunk < 1):
@@ -76,7 +75,8 @@ class Engine:
         if max_len > model.config.max_seq_len:
             raise UserError(f"max_len={max_len} exceeds the model's max_seq_len="
                             f"{model.config.max_seq_len}")
-        self.runner = runner or Runner(model, max_batch, max_len, decode_chunk, block_size)
+        self.runner = runner or Runner(model, max_batch, max_len, decode_chunk)
+        block_size = self.runner.cache.block_size  # every rank's (runner.BLOCK_SIZE)
         self.model, self.tokenizer = model, tokenizer
         self.max_batch, self.max_len = max_batch, max_len
         self.block_bytes = PagedCache.block_bytes(model, block_size)
