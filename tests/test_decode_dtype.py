@@ -44,9 +44,9 @@ def engine_worker(mesh, path, dtype, chunk=None):
     if mesh.tp_rank != 0:
         return Runner(model, 4, 64, chunk).follow()
     engine = Engine(model, max_batch=4, max_len=64, decode_chunk=chunk)
-    reqs = [engine.submit(p, SamplingParams(max_tokens=NEW, ignore_eos=True, logprobs=TOP))
-            for p in PROMPTS]
-    out = [(r.result().tokens, [dict(t) for t in r.top]) for r in reqs]
+    reqs = engine.generate(PROMPTS, SamplingParams(max_tokens=NEW, ignore_eos=True,
+                                                   logprobs=TOP))
+    out = [(r.tokens, [dict(t) for t in r.top]) for r in reqs]
     engine.runner.lead_stop()
     return out
 
@@ -113,9 +113,10 @@ def test_float32_default_decodes_the_running_rows_only(folder, monkeypatch):
     model.layers["0"].register_forward_pre_hook(lambda m, args: shapes.append(args[0].shape))
     for chunk, rows in ((None, 1), (8, 4)):  # invariant: every slot of the pool of 4
         shapes.clear()
-        Engine(model, max_batch=4, max_len=64, decode_chunk=chunk).submit(
-            PROMPTS[0], SamplingParams(max_tokens=4)).result()
-        assert [tuple(s) for s in shapes] == [(1, 4, 64)] + [(rows, 1, 64)] * 3, chunk
+        Engine(model, max_batch=4, max_len=64, decode_chunk=chunk).generate(
+            [PROMPTS[0]], SamplingParams(max_tokens=4))
+        # a row per token (the paged cache's layout): the prompt's 4, then the decodes
+        assert [tuple(s) for s in shapes] == [(4, 1, 64)] + [(rows, 1, 64)] * 3, chunk
 
 
 def test_dtype_and_batch_invariant_flags(folder, capsys):

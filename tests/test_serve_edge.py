@@ -21,8 +21,8 @@ import pytest
 
 from tpkit.commands import generate as generate_cmd
 from tpkit.mesh import ParallelMesh
-from tpkit.serve import engine as engine_module
 from tpkit.serve import openai_api as api
+from tpkit.serve import output as output_module
 from tpkit.serve.http import App, make_server
 from tpkit.weights.sources import open_source
 
@@ -37,7 +37,7 @@ BAD = [  # (path, body: dict or raw bytes, param, words of the message)
     ("completions", {"prompt": "x", "temperature": "0.5"}, "temperature", "must be a number"),
     ("completions", {"prompt": "x", "temperature": -1}, "temperature", "in [0, 100]"),
     ("completions", {"prompt": [5, 7, True]}, "prompt", "list of token ids"),
-    ("completions", {"prompt": ["a", "b"]}, "prompt", "one per request"),
+    ("completions", {"prompt": ["a"] * 33}, "prompt", "at most 32 per request"),
     ("completions", {"prompt": "x", "stop": ["a", ""]}, "stop", "non-empty strings"),
     ("completions", {"prompt": "x", "nope": 1}, "nope", "unsupported parameters: nope"),
     ("completions", b"[" * 100_000, None, "deeper than 16 levels"),
@@ -148,14 +148,14 @@ def test_a_request_the_engine_fails_on_fails_alone(server, monkeypatch):
         return submit(ids, params)
 
     monkeypatch.setattr(engine, "submit", unchecked)
-    sample = engine_module.sample
+    sample = output_module.sample
 
     def failing(logits, temperature, *args):
         if temperature == 0.4321:
             raise FloatingPointError("probability tensor contains inf or nan")
         return sample(logits, temperature, *args)
 
-    monkeypatch.setattr(engine_module, "sample", failing)
+    monkeypatch.setattr(output_module, "sample", failing)
     out: list = []
     thread = stream_into(client, out, **kw)
     with pytest.raises(openai.InternalServerError, match="Overflow") as e:

@@ -47,10 +47,11 @@ def batch_worker(mesh, config, sampled: bool, chunk: int = CHUNK):
     engine = Engine(model, max_batch=SLOTS, max_len=MAX_LEN, decode_chunk=chunk)
     params = [SamplingParams(max_tokens=NEW, temperature=0.9 if sampled else 0.0, top_p=0.9,
                              seed=i) for i in range(len(PROMPTS))]
-    alone = [engine.submit(p, q).result() for p, q in zip(PROMPTS, params)]
+    alone = [engine.generate([p], q)[0] for p, q in zip(PROMPTS, params)]
     together = [engine.submit(p, q) for p, q in zip(PROMPTS, params)]
-    seen_queue = len(engine._waiting)  # more requests than slots: some wait
-    together = [r.result() for r in together]
+    seen_queue = len(engine.scheduler.waiting)  # more requests than slots: some wait
+    while engine.busy:
+        engine.step()
     engine.runner.lead_stop()
     return ([(r.tokens, r.logprobs) for r in alone], [(r.tokens, r.logprobs) for r in together],
             seen_queue, engine.metrics.render())
@@ -66,7 +67,7 @@ def test_greedy_is_the_same_bits_alone_and_in_any_batch(run_tp, config):
         alone, together, queued, metrics = run_tp(batch_worker, tp, config, False)[0]
         assert together == alone, tp  # bit for bit: the batch never changes a row
         assert queued == len(PROMPTS), tp  # submitted before any step: all waited
-        assert f'tpkit_requests_total{{finish="length"}} {2 * len(PROMPTS)}' in metrics
+        assert f'tpkit_requests_total{{finish="length"}} {2 * len(PROMPTS)}.0' in metrics
         assert len({tuple(t) for t, _ in alone}) == len(PROMPTS)  # not a degenerate model
         results[tp] = alone
     for (t1, lp1), (t2, lp2) in zip(results[1], results.get(2, results[1])):
@@ -83,29 +84,33 @@ def test_a_request_is_the_same_bits_whatever_the_pool_length():
     got = []
     for max_len in (MAX_LEN, 2 * MAX_LEN):
         engine = Engine(model, max_batch=SLOTS, max_len=max_len, decode_chunk=CHUNK)
-        reqs = [engine.submit(p, SamplingParams(max_tokens=NEW)) for p in PROMPTS[:6]]
-        got.append([(r.result().tokens, r.result().logprobs) for r in reqs])
+        reqs = engine.generate(PROMPTS[:6], SamplingParams(max_tokens=NEW))
+        got.append([(r.tokens, r.logprobs) for r in reqs])
     assert got[0] == got[1]
 
 
-def test_prefill_per_step_spreads_admissions_and_changes_no_bit():
-    """At most `prefill_per_step` prompt tokens are prefilled in a step (a longer prompt
-    alone), the running requests decoding in between; every request's bits unchanged."""
+def test_prefill_per_step_spreads_prompts_and_changes_no_bit():
+    """At most `prefill_per_step` prompt tokens are computed in a step (one piece at
+    least), the running requests decoding in between; in the batch-invariant mode a
+    prompt is cut at multiples of its piece size whatever the budget, so every
+    request's bits are unchanged."""
     model = _model(ParallelMesh.single(), GPT2)
     prompts = PROMPTS[:4]  # 1, 7, 2 and 19 tokens
-    got, admitted = [], []
+    got, computed = [], []
     for limit in (0, 8):
         engine = Engine(model, max_batch=SLOTS, max_len=MAX_LEN, decode_chunk=CHUNK,
-                        prefill_per_step=limit)
+                        prefill_per_step=limit, piece=16)
         reqs = [engine.submit(p, SamplingParams(max_tokens=NEW)) for p in prompts]
         counts = []
         while engine.busy:
-            before = len(engine._waiting)
+            before = engine.metrics.prompt_tokens_computed
             engine.step()
-            counts.append(before - len(engine._waiting))
-        admitted.append(counts[:3])
-        got.append([(r.result().tokens, r.result().logprobs) for r in reqs])
-    assert admitted == [[4, 0, 0], [2, 1, 1]]  # 1 + 7 <= 8; 2; 19 > 8, alone
+            counts.append(engine.metrics.prompt_tokens_computed - before)
+        computed.append(counts[:4])
+        got.append([(r.tokens, r.logprobs) for r in reqs])
+    # no limit: 1 + 7 + 2 + 16 (19's first piece of 16), then its last 3
+    # limit 8: 1 + 7; 2; 16 (one piece runs even over the limit); 3
+    assert computed == [[26, 3, 0, 0], [8, 2, 16, 3]]
     assert got[0] == got[1]
     with pytest.raises(UserError, match="prefill_per_step=-1 must be >= 0"):
         Engine(model, max_batch=SLOTS, max_len=MAX_LEN, prefill_per_step=-1)
@@ -146,12 +151,17 @@ def test_budget_queue_refusal_and_cancel():
     a = engine.submit([1] * 10, SamplingParams(max_tokens=8))  # 18 of 30
     b = engine.submit([2] * 10, SamplingParams(max_tokens=8))  # would make 36: waits
     engine.step()
+    engine.step()
     assert a.slot is not None and b.slot is None and len(a.tokens) == 2
+    assert engine.pool.in_use == 1  # 11 tokens in flight: one block of 16
     a.cancel()
-    engine.step()  # a's slot and tokens are free: b runs
+    engine.step()  # a's place and blocks are free: b runs
+    engine.step()
     assert a.finish_reason == "cancelled" and b.slot is not None and len(b.tokens) == 2
-    assert b.result().finish_reason == "length" and len(b.tokens) == 8
-    assert not engine.busy
+    while engine.busy:
+        engine.step()
+    assert b.finish_reason == "length" and len(b.tokens) == 8
+    assert engine.pool.in_use == 0
 
 
 @pytest.mark.slow

@@ -174,17 +174,20 @@ def test_echo_scores_the_prompt_as_lm_eval_asks(server, folder):
     alone = client.completions.create(model="llama", prompt=[ids], max_tokens=1,
                                       temperature=0, logprobs=1)  # no echo: the same token
     assert alone.choices[0].logprobs.token_logprobs == lp.token_logprobs[-1:]
-    with pytest.raises(openai.BadRequestError, match="echo"):
-        client.completions.create(model="llama", prompt="x", max_tokens=1, echo=True,
-                                  stream=True)
+    streamed = list(client.completions.create(model="llama", prompt=[ids], max_tokens=1,
+                                              temperature=0, logprobs=1, echo=True,
+                                              stream=True))  # echo streamed: prompt first
+    assert "".join(c.choices[0].text for c in streamed) == r.choices[0].text
+    assert [x for c in streamed if c.choices[0].logprobs
+            for x in c.choices[0].logprobs.token_logprobs] == lp.token_logprobs
 
 
 def test_errors_in_openai_shape(server):
     _, client, _ = server
     with pytest.raises(openai.BadRequestError, match="top_p=7 must be a number in"):
         complete(client, "Tensor", max_tokens=4, top_p=7)
-    with pytest.raises(openai.BadRequestError, match="n=2"):
-        complete(client, "Tensor", max_tokens=4, n=2)
+    with pytest.raises(openai.BadRequestError, match=r"n=17 must be an integer in \[1, 16\]"):
+        complete(client, "Tensor", max_tokens=4, n=17)
     with pytest.raises(openai.NotFoundError, match="model 'gpt-4' is not served here"):
         client.completions.create(model="gpt-4", prompt="Tensor", max_tokens=4)
     with pytest.raises(openai.APIStatusError, match="exceeds the context of 128") as e:
@@ -244,10 +247,69 @@ def test_a_client_that_hangs_up_frees_its_slot(server):
     got = b""
     while b"data: " not in got:
         got += sock.recv(4096)
-    assert got.startswith(b"HTTP/1.0 200")
+    assert got.startswith(b"HTTP/1.1 200")  # uvicorn (the standard library said 1.0)
     sock.close()  # gone mid-stream
     deadline = time.monotonic() + 30
     while engine.metrics.requests["cancelled"] == before and time.monotonic() < deadline:
         time.sleep(0.1)
     assert engine.metrics.requests["cancelled"] == before + 1
     assert not engine.busy  # its slot is free
+
+
+def test_metrics_read_by_prometheus_client_and_docs_list_the_endpoints(server):
+    """/metrics parses with prometheus_client's own parser (the counts of the requests
+    just answered in it); /openapi.json and /docs (FastAPI's) list every endpoint, the
+    completion's body schema being the pydantic model's."""
+    from prometheus_client.parser import text_string_to_metric_families
+
+    url, client, _ = server
+    before = {f.name: f for f in text_string_to_metric_families(
+        urlopen(url + "/metrics").read().decode())}
+    client.completions.create(model="llama", prompt="Tensor", max_tokens=3, temperature=0,
+                              extra_body={"ignore_eos": True})
+    after = {f.name: f for f in text_string_to_metric_families(
+        urlopen(url + "/metrics").read().decode())}
+    value = lambda fams, name: sum(s.value for s in fams[name].samples  # noqa: E731
+                                   if s.name == name + "_total")
+    assert value(after, "tpkit_generation_tokens") == value(before, "tpkit_generation_tokens") + 3
+    assert after["tpkit_time_to_first_token_seconds"].type == "histogram"
+    for name in ("tpkit_requests", "tpkit_prompt_tokens_computed", "tpkit_prefix_cache_hit_tokens",
+                 "tpkit_kv_blocks_used", "tpkit_kv_cache_bytes", "tpkit_queue_length"):
+        assert name in after, name
+    spec = json.loads(urlopen(url + "/openapi.json").read())
+    assert {"/v1/completions", "/v1/chat/completions", "/v1/models", "/health",
+            "/metrics"} <= spec["paths"].keys()
+    body = spec["paths"]["/v1/completions"]["post"]["requestBody"]["content"]
+    assert "prompt" in body["application/json"]["schema"]["properties"]
+    docs = urlopen(url + "/docs").read().decode()
+    assert "swagger" in docs.lower() and "/openapi.json" in docs
+
+
+def test_n_choices_and_a_batch_of_prompts_streamed_or_not(server):
+    """n=3 sampled choices of each of 2 prompts (a seed: choice i draws with seed ^ i,
+    so choice 0 is the request alone and the others differ); greedy n=2 gives twice the
+    greedy text; the streamed answer's choices (interleaved, by index) equal the whole
+    one's; usage counts each prompt once and every choice's tokens."""
+    _, client, _ = server
+    kw = dict(model="llama", max_tokens=6, temperature=1.0, seed=7,
+              extra_body={"ignore_eos": True})
+    prompts = ["Tensor parallelism", "Pipeline"]
+    whole = client.completions.create(prompt=prompts, n=3, **kw)
+    texts = [c.text for c in sorted(whole.choices, key=lambda c: c.index)]
+    assert [c.index for c in whole.choices] == list(range(6)) and len(set(texts)) > 2
+    for p, first in zip(prompts, (texts[0], texts[3])):
+        assert client.completions.create(prompt=p, **kw).choices[0].text == first
+    alone = [client.completions.create(prompt=p, **kw).usage.prompt_tokens for p in prompts]
+    assert whole.usage.prompt_tokens == sum(alone) and whole.usage.completion_tokens == 36
+    got = ["" for _ in texts]
+    for c in client.completions.create(prompt=prompts, n=3, stream=True, **kw):
+        got[c.choices[0].index] += c.choices[0].text
+    assert got == texts
+    greedy = client.completions.create(model="llama", prompt="Tensor", max_tokens=5,
+                                       temperature=0, n=2)
+    assert greedy.choices[0].text == greedy.choices[1].text == complete(
+        client, "Tensor", max_tokens=5)[0]
+    chat = client.chat.completions.create(model="llama", max_tokens=4, temperature=0, n=2,
+                                          messages=[{"role": "user", "content": "Hi"}])
+    assert len(chat.choices) == 2 and chat.choices[0].message.content == \
+        chat.choices[1].message.content

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import argparse
 import os
+import re
 import signal
 import subprocess
 import sys
@@ -91,6 +92,9 @@ class Served:
         line = self.proc.stdout.readline()  # printed once the model is loaded
         assert line.startswith("tpkit serve: http://127.0.0.1:"), (line, self.stderr())
         self.url = line.split()[2]
+        kv = self.proc.stdout.readline()  # the KV cache's ceiling, said at start
+        assert re.match(r"tpkit serve: KV cache: at most [\d.]+ MiB per rank \(\d+ blocks "
+                        r"of 16 tokens\), taken as tokens arrive; prefix cache on", kv), kv
         self.client = openai.OpenAI(base_url=self.url, api_key="none", max_retries=0,
                                     timeout=60)
         self.pids = children(self.proc.pid) | {self.proc.pid}

@@ -36,7 +36,7 @@ INVARIANT_CHUNK = 8  # --decode-chunk's default under --batch-invariant
 
 def add_pool_arguments(g: argparse._ArgumentGroup, max_batch: int | None, batch_help: str
                        ) -> None:
-    """The serving engine's KV pool and decode, as `tpkit generate` and `tpkit serve` both
+    """The serving engine's KV cache and decode, as `tpkit generate` and `tpkit serve` both
     take them: --dtype, --max-batch (default and help per command), --max-len,
     --batch-invariant and its --decode-chunk (`decode_chunk` reads the pair)."""
     g.add_argument("--dtype", choices=DTYPES, default="float32",
@@ -48,13 +48,14 @@ def add_pool_arguments(g: argparse._ArgumentGroup, max_batch: int | None, batch_
                    help="tokens per sequence, prompt included (default: the model's "
                         "max_seq_len)")
     g.add_argument("--batch-invariant", action="store_true",
-                   help="decode fixed chunks of --decode-chunk slots (free ones padded), so a "
+                   help="decode in forwards of --decode-chunk rows (padded) and prompts in "
+                        "pieces cut at multiples of 64 tokens, so a "
                         "request's tokens are bit for bit the same whatever else runs; "
                         "without it each decode computes the running requests' rows only "
                         "(fastest at any load; a token may then change with the batch where "
                         "two logits are within rounding)")
     g.add_argument("--decode-chunk", type=int, default=None, metavar="C",
-                   help=f"with --batch-invariant: slots per decode forward (default: "
+                   help=f"with --batch-invariant: rows per decode forward (default: "
                         f"{INVARIANT_CHUNK}; 8 serves many clients best, 1 decodes each "
                         f"sequence alone)")
 

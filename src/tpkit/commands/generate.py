@@ -1,7 +1,7 @@
 """`tpkit generate`: load a model at a tensor-parallel layout (tpkit checkpoint, run
 folder, full file or Hugging Face directory, opened once here: `weights.open_source`,
 `weights.load_model`) and sample from it with the serving engine (`tpkit.serve.Engine`:
-the same preallocated KV cache, sampler and stop strings as `tpkit serve`, so a prompt
+the same paged KV cache, sampler and stop strings as `tpkit serve`, so a prompt
 gets the same tokens from both at the same `--max-batch`).
 
     tpkit generate --checkpoint hf-dir --tp 2 --prompt "The capital of France is"
@@ -57,7 +57,7 @@ def _prompts(args: argparse.Namespace, tok) -> list[list[int]]:
 
 def _worker(mesh: ParallelMesh, args: argparse.Namespace, source) -> dict | None:
     """Rank 0 runs the prompts through the serving engine (`tpkit.serve.Engine`: the same
-    KV pool, scheduler and sampler as `tpkit serve`, so the same tokens) and streams the
+    paged KV cache, scheduler and sampler as `tpkit serve`, so the same tokens) and streams the
     text of a single prompt as it comes; the other ranks follow its steps. `source`: the
     checkpoint, opened by `run`."""
     model = load_model(source, mesh, dtype=getattr(torch, args.dtype))
@@ -87,18 +87,22 @@ def _lead(args: argparse.Namespace, source, model, max_len: int) -> dict:
         raise UserError(f"prompt token ids {bad} are outside the model's vocabulary "
                         f"[0, {vocab})")
     t0 = time.perf_counter()
-    reqs = [engine.submit(p, params) for p in prompts] if args.max_new_tokens else []
-    streamed = len(prompts) == 1 and not args.prompt_ids and bool(reqs) and not args.chat
+    streamed = len(prompts) == 1 and not args.prompt_ids and bool(args.max_new_tokens) \
+        and not args.chat
     if streamed:
         print(args.prompt[0], end="", flush=True)
-        for ev in reqs[0].events_iter():
-            if ev[0] == "token":
-                print(ev[2], end="", flush=True)
+    reqs = engine.generate(prompts, params, on_token=_printer if streamed else None) \
+        if args.max_new_tokens else []
+    if streamed:
         print(flush=True)
     new = [r.result().tokens for r in reqs] or [[] for _ in prompts]
     seconds = time.perf_counter() - t0
     return dict(new=new, seconds=seconds, streamed=streamed,
                 texts=[_show(args, i, r) for i, r in enumerate(reqs)])
+
+
+def _printer(_req, text: str) -> None:
+    print(text, end="", flush=True)
 
 
 def _show(args: argparse.Namespace, i: int, req) -> str:

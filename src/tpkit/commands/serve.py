@@ -21,13 +21,12 @@ import os
 import signal
 import threading
 from pathlib import Path
-from typing import TYPE_CHECKING
 
 import torch
 
 from tpkit.commands.common import add_pool_arguments, decode_chunk, group
 from tpkit.host.exit import Stopped
-from tpkit.host.web import ALLOWED_HOST_HELP, HOST, listen, warn_if_exposed
+from tpkit.host.web import ALLOWED_HOST_HELP, HOST, bound_socket, listen, warn_if_exposed
 from tpkit.launch import SpawnError
 from tpkit.mesh import ParallelMesh
 from tpkit.serve.engine import PREFILL_PER_STEP, Engine
@@ -39,10 +38,8 @@ from tpkit.spec.transport import add_comm_argument, comm_choice
 from tpkit.weights.sources import load_model, open_source, source_tokenizer
 from tpkit.weights.tokenizer import load_tokenizer
 
-if TYPE_CHECKING:
-    from tpkit.serve.http import App
-
 _SIGNALS = (signal.SIGTERM, signal.SIGINT, signal.SIGHUP)
+SERVE_NEEDS = ("pydantic", "fastapi", "uvicorn", "prometheus_client")  # the serve extra
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -73,6 +70,12 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     g.add_argument("--max-tokens-in-flight", type=int, default=None, metavar="T",
                    help="prompt + max_tokens summed over the running requests; more waits "
                         "in the queue (default: max-batch x max-len)")
+    g.add_argument("--kv-cache-bytes", type=int, default=None, metavar="N",
+                   help="bytes of KV blocks per rank, at most (default: what max-batch x "
+                        "max-len tokens take); taken as tokens arrive, never up front")
+    g.add_argument("--no-prefix-cache", action="store_true",
+                   help="compute every prompt in full (default: a prompt's full 16-token "
+                        "blocks that an earlier request computed are reused)")
     g.add_argument("--max-body-bytes", type=int, default=MAX_BODY, metavar="N",
                    help="largest request body")
     g.add_argument("--timeout", type=float, default=30.0, metavar="S",
@@ -85,7 +88,7 @@ def _check_args(args: argparse.Namespace) -> None:
     bad = [f"--{k.replace('_', '-')}={getattr(args, k)} must be >= 1"
            for k in ("tp", "max_batch") if getattr(args, k) < 1]
     bad += [f"--{k.replace('_', '-')}={getattr(args, k)} must be >= 1"
-            for k in ("max_len", "max_tokens_in_flight", "max_body_bytes")
+            for k in ("max_len", "max_tokens_in_flight", "max_body_bytes", "kv_cache_bytes")
             if getattr(args, k) is not None and getattr(args, k) < 1]
     if args.prefill_per_step < 0:
         bad.append(f"--prefill-per-step={args.prefill_per_step} must be >= 0 (0: no limit)")
@@ -102,12 +105,14 @@ def run(args: argparse.Namespace) -> int:
     """Load the model on every rank, serve on rank 0 until a signal or a worker's death."""
     _check_args(args)
     try:
-        from tpkit.serve.http import App, make_server
-    except ModuleNotFoundError as e:  # the request schema's
-        if e.name != "pydantic":
+        import prometheus_client  # noqa: F401 - /metrics
+
+        import tpkit.serve.http  # noqa: F401 - pydantic, fastapi, uvicorn
+    except ModuleNotFoundError as e:
+        if e.name not in SERVE_NEEDS:
             raise
-        raise UserError("the server checks requests with pydantic, which is not installed: "
-                        "pip install 'tpkit[serve]'") from None
+        raise UserError(f"tpkit serve needs {', '.join(SERVE_NEEDS)}; {e.name} is not "
+                        f"installed: pip install 'tpkit[serve]'") from None
     comm = comm_choice(getattr(args, "comm", None))
     source = open_source(args.checkpoint)  # once, before any process
     if "WORLD_SIZE" in os.environ:  # torchrun: rank 0 serves, the others follow
@@ -119,13 +124,8 @@ def run(args: argparse.Namespace) -> int:
             return 0
     else:
         mesh, peers = None, None
-    name = args.served_model_name or Path(str(args.checkpoint).rstrip("/")).resolve().name
-    app = App(None, name, None,
-              max_body=args.max_body_bytes, timeout=args.timeout)
-    server = listen(lambda: make_server(  # a busy port fails before any loading
-        app, args.host, args.port, allowed_hosts=args.allowed_host,
-        allowed_origins=args.allow_origin), args.host, args.port)
-    try:
+    sock = listen(lambda: bound_socket(args.host, args.port), args.host, args.port)
+    try:  # a busy port failed before any loading; the server is built once all is loaded
         if mesh is None and args.tp > 1:
             from tpkit.serve.workers import Peers
 
@@ -133,20 +133,27 @@ def run(args: argparse.Namespace) -> int:
                           decode_chunk(args), comm=comm, dtype=getattr(torch, args.dtype))
             mesh = peers.mesh
         mesh = mesh or ParallelMesh.single()
-        return _serve(args, source, mesh, peers, app, server)
+        return _serve(args, source, mesh, peers, sock)
     finally:
-        server.server_close()
+        sock.close()
         if peers is not None:
             peers.close()
 
 
-def _serve(args, source, mesh: ParallelMesh, peers, app: App, server) -> int:
+def _serve(args, source, mesh: ParallelMesh, peers, sock) -> int:
+    from tpkit.serve.http import App, make_server
+
     model = load_model(source, mesh, dtype=getattr(torch, args.dtype))
-    app.tokenizer = load_tokenizer(source_tokenizer(source))
-    app.engine = Engine(model, tokenizer=app.tokenizer, max_batch=args.max_batch,
-                        max_len=args.max_len, max_tokens_in_flight=args.max_tokens_in_flight,
-                        prefill_per_step=args.prefill_per_step,
-                        decode_chunk=decode_chunk(args))
+    tokenizer = load_tokenizer(source_tokenizer(source))
+    engine = Engine(model, tokenizer=tokenizer, max_batch=args.max_batch,
+                    max_len=args.max_len, max_tokens_in_flight=args.max_tokens_in_flight,
+                    prefill_per_step=args.prefill_per_step, decode_chunk=decode_chunk(args),
+                    kv_cache_bytes=args.kv_cache_bytes,
+                    prefix_caching=not args.no_prefix_cache)
+    name = args.served_model_name or Path(str(args.checkpoint).rstrip("/")).resolve().name
+    app = App(engine, name, tokenizer, max_body=args.max_body_bytes, timeout=args.timeout)
+    server = make_server(app, args.host, args.port, allowed_hosts=args.allowed_host,
+                         allowed_origins=args.allow_origin, sock=sock)
     stop, got = threading.Event(), []
 
     def on_signal(signum, _frame):
@@ -160,7 +167,11 @@ def _serve(args, source, mesh: ParallelMesh, peers, app: App, server) -> int:
     thread.start()
     shown = f"[{host}]" if ":" in host else host
     print(f"tpkit serve: http://{shown}:{port}/v1 model={app.name!r} tp={mesh.tp_size} "
-          f"max_batch={app.engine.max_batch} max_len={app.engine.max_len}", flush=True)
+          f"max_batch={engine.max_batch} max_len={engine.max_len}", flush=True)
+    print(f"tpkit serve: KV cache: at most {engine.kv_cache_bytes / 2**20:.1f} MiB per rank "
+          f"({engine.pool.max_blocks - 1} blocks of {engine.pool.block_size} tokens), taken "
+          f"as tokens arrive; prefix cache {'off' if args.no_prefix_cache else 'on'}",
+          flush=True)
     try:
         line = serve_loop(app.engine, stop, peers, args.drain_seconds)
     finally:

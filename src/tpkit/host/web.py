@@ -84,6 +84,20 @@ class Server(ThreadingHTTPServer):
         return type(f"{cls.__name__}6", (cls,), {"address_family": socket.AF_INET6})
 
 
+def bound_socket(host: str, port: int) -> socket.socket:
+    """A listening TCP socket on host:port (0: a free port), for a server built later
+    (`Server.on(host)(..., bind_and_activate=False)` takes it as its `socket`)."""
+    sock = socket.socket(socket.AF_INET6 if ":" in host else socket.AF_INET)
+    try:
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        sock.bind((host, port))
+        sock.listen(Server.request_queue_size)
+    except OSError:
+        sock.close()
+        raise
+    return sock
+
+
 def listen(make: Callable[[], T], host: str, port: int) -> T:
     """`make()` (a server bound to host:port); a busy port or a bad address as one
     UserError line."""

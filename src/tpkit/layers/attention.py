@@ -65,6 +65,32 @@ class KVSlots:
     slots: torch.Tensor | None = None
 
 
+@dataclass
+class PagedBatch:
+    """One forward's rows over a paged KV cache, shared by every layer
+    (`tpkit.model.paged_kv`). Every token is a row of its own ([T, 1] ids): row t has
+    position `positions[t]` and writes its key and value at flat cache position
+    `write[t]` (block * block_size + offset). `seqs`: (first row, rows, keys, mask) of
+    each sequence: its rows are consecutive, `keys` [L] are the flat positions of the
+    keys they read (their blocks', in order; a slice where the blocks are adjacent),
+    `mask` [rows, L] (None: every key)."""
+
+    positions: torch.Tensor
+    write: torch.Tensor
+    seqs: list[tuple[int, int, torch.Tensor | slice, torch.Tensor | None]]
+    rope_len: int
+
+
+@dataclass
+class PagedKV:
+    """One layer's paged keys and values, k, v [blocks * block_size, kv_local, hd] (flat
+    over the blocks), as one forward (`batch`) sees them."""
+
+    k: torch.Tensor
+    v: torch.Tensor
+    batch: PagedBatch
+
+
 def heads_of_rank(num_heads: int, kv_heads: int, tp: int, rank: int
                   ) -> tuple[list[int], list[int]]:
     """(query heads, kv heads) that `rank` of `tp` owns."""
@@ -126,7 +152,8 @@ class ParallelAttention(nn.Module):
         return heads_of_rank(self.num_heads, self.kv_heads, self.group.size, self.group.rank)
 
     def forward(self, x: torch.Tensor, attention_mask: torch.Tensor | None = None,
-                rng: TPRandom | None = None, kv_cache: KVSlots | None = None) -> torch.Tensor:
+                rng: TPRandom | None = None, kv_cache: KVSlots | PagedKV | None = None
+                ) -> torch.Tensor:
         """x [b, s, h] ([b, s/tp, h] with SP) -> same shape; one all-reduce forward.
 
         `attention_mask` [b, s] is 1 for real tokens and 0 for padding. With `kv_cache`
@@ -142,7 +169,9 @@ class ParallelAttention(nn.Module):
         if self.q_norm is not None:
             q, k = self.q_norm(q), self.k_norm(k)  # over each head's hd
         ring = self.cp is not None and self.cp.size > 1  # this rank holds 2 chunks of S
-        if kv_cache is not None:
+        if isinstance(kv_cache, PagedKV):
+            y = self._attend_paged(q, k, v, kv_cache)  # [T, nh/tp, 1, hd]
+        elif kv_cache is not None:
             y = self._attend_slots(q, k, v, kv_cache)  # [b, nh/tp, s, hd]
         else:
             if self.rope_theta is not None:
@@ -216,6 +245,31 @@ class ParallelAttention(nn.Module):
             out.append(F.scaled_dot_product_attention(
                 q[i:i + 1], k_i, v_i, keep, enable_gqa=gqa and not uneven))  # [1, nq, s, hd]
         return torch.cat(out)  # [b, nh/tp, s, hd]
+
+    def _attend_paged(self, q, k, v, cache: PagedKV) -> torch.Tensor:
+        """q, k, v [T, heads, 1, hd] (a row per token): write the keys and values into their
+        blocks, then each sequence's rows attend over its own keys only, one fused
+        attention per sequence (its result depends on its own tokens alone, as in
+        `_attend_slots`)."""
+        batch = cache.batch
+        if self.rope_theta is not None:
+            cos, sin = rope_at(batch.positions[:, None], self.rope_dim, self.rope_theta,
+                               batch.rope_len, self.rope_llama3)  # [T, 1, 1, rd]
+            q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
+        cache.k[batch.write] = k[:, :, 0]  # [T, kv_local, hd] into their blocks
+        cache.v[batch.write] = v[:, :, 0]
+        gqa, uneven = q.shape[1] != cache.k.shape[1], self.kv_index is not None
+        out = []
+        for first, n, keys, mask in batch.seqs:
+            k_i = cache.k[keys].transpose(0, 1)[None]  # [1, kv_local, L, hd]
+            v_i = cache.v[keys].transpose(0, 1)[None]
+            if uneven:
+                k_i, v_i = self.for_queries(k_i), self.for_queries(v_i)
+            q_i = q[first:first + n, :, 0].transpose(0, 1)[None]  # [1, nq, n, hd]
+            y = F.scaled_dot_product_attention(q_i, k_i, v_i, mask,
+                                               enable_gqa=gqa and not uneven)
+            out.append(y[0].transpose(0, 1)[:, :, None])  # [n, nq, 1, hd]
+        return torch.cat(out)
 
     def _attend(self, q, k, v, attention_mask, rng):
         s, t = q.shape[2], k.shape[2]

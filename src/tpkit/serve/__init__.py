@@ -1,5 +1,6 @@
-"""Serving: continuous batching over a preallocated KV pool (`Engine`), the tp workers
-that follow rank 0 (`runner`, `workers`), and an OpenAI-compatible HTTP front (`http`).
+"""Serving: continuous batching over a paged KV cache with prefix caching (`Engine`: a
+scheduler, an executor and an output processor), the tp workers that follow rank 0
+(`runner`, `workers`), and an OpenAI-compatible HTTP front on FastAPI (`http`).
 
     from tpkit.serve import Engine, SamplingParams
 """

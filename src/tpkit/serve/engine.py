@@ -1,60 +1,57 @@
-"""`Engine`: continuous batching over a preallocated KV pool (iteration-level scheduling,
-as Orca and vLLM do it).
+"""`Engine`: continuous batching over a paged KV cache, in three parts with typed data
+between them (vLLM v1's shape):
+
+    scheduler (`serve.scheduler`)  -> SchedulerOutput: the forwards of this step
+    executor  (`serve.runner`)     -> broadcast of the plan, the forwards on every rank
+    outputs   (`serve.output`)     -> sampling, log-probabilities, text, stop strings
 
     engine = Engine(model, tokenizer=tok, max_batch=8)
-    req = engine.submit(tok.encode("Tensor parallelism"), SamplingParams(max_tokens=32))
-    print(tok.decode(list(req)))        # iterating steps the engine when no loop runs it
+    done = engine.generate([tok.encode("Tensor parallelism")], SamplingParams(max_tokens=32))
+    print(tok.decode(done[0].tokens))
+    req = engine.submit(ids, params)     # with a serving loop stepping it (`serve.loop`)
 
-Every `step()`:
-    1. drops the requests that were cancelled (their slot is free again);
-    2. admits waiting requests, first come first served, while a slot is free, the
-       tokens in flight (prompt + max_tokens of every running request) stay within
-       `max_tokens_in_flight` and this step's prompts within `prefill_per_step` tokens
-       (one at least; 0: no limit); each is prefilled alone into its slot and gets its
-       first token (a request that does not fit waits; nothing running is evicted);
-    3. decodes one token for every running request at once, each at its own position;
-    4. finishes those that hit max_tokens, an end-of-sequence token or a stop string.
-An error in what rank 0 does for one request alone (its generator, sampling,
-log-probabilities, detokenizing, stop strings) fails that request with 500 and the
-step goes on for the others; an error in a forward (every rank's) still ends the step.
-So a short request never waits for a long one to finish. Sampling uses the request's
-own seeded generator.
+Every `step()` drops the requests that were cancelled (their blocks are free again),
+asks the scheduler for a plan, has the executor run it, and gives each request its
+token (or, for a piece of a prompt, nothing yet). An error in what rank 0 does for one
+request alone (sampling, log-probabilities, detokenizing, stop strings) fails that
+request with 500 and the step goes on for the others; an error in a forward (every
+rank's) ends the step. Nothing else steps the engine: a `Request` handle only waits.
 
-How a decode runs is `decode_chunk` (`tpkit.model.kv_pool`):
-- None (the default, `tpkit serve` without --batch-invariant): one forward of the
-  running requests' rows only, so one client pays for one row, eight for eight. A
+KV memory: blocks of 16 tokens (`model.paged_kv`), taken as tokens arrive and
+kept for the prefix cache, at most `kv_cache_bytes` per rank (default: what
+max_batch x max_len tokens take, today's worst case, never reserved up front).
+
+How a decode runs is `decode_chunk`:
+- None (the default, `tpkit serve` without --batch-invariant): one forward per step of
+  every decode and every piece of a prompt, so one client pays for one row. A
   request's greedy tokens may then differ with what else runs where two tokens' logits
-  are within rounding of each other (a 1-row product rounds otherwise than an 8-row).
-- C (batch invariant: `--batch-invariant --decode-chunk C`): every decode runs fixed
-  chunks of C slots (free ones padded; a chunk with no request is skipped), so the
-  shapes of every forward are fixed by (max_batch, max_len, C) alone and a request's
-  tokens and log-probabilities are bit for bit the same whatever the batch.
-
-On tp ranks > 0 the same forwards run under `Runner.follow`; only this object (rank 0)
-holds requests, the tokenizer and the sampler.
+  are within rounding of each other.
+- C (batch invariant: `--batch-invariant --decode-chunk C`): decodes in forwards of
+  exactly C rows, prompts in pieces cut at multiples of `piece` tokens, each its own
+  forward: a request's tokens and log-probabilities are bit for bit the same whatever
+  else runs, and with or without the prefix cache (`serve.scheduler`).
 """
 
 from __future__ import annotations
 
-import os
 import sys
 import threading
-from collections import deque
 
 import torch
 from torch import nn
 
-from tpkit.model.sampling import sample
+from tpkit.model.paged_kv import EVERY, LAST, PagedCache
+from tpkit.serve.blocks import BlockPool
 from tpkit.serve.metrics import Metrics
-from tpkit.serve.params import SamplingParams, StopText
-from tpkit.serve.request import Request, RequestFailed
+from tpkit.serve.output import OutputProcessor
+from tpkit.serve.params import SamplingParams
+from tpkit.serve.request import Request, RequestFailed, Token
 from tpkit.serve.runner import Runner
+from tpkit.serve.scheduler import Scheduler, SchedulerOutput
 from tpkit.spec.errors import UserError
-from tpkit.weights.tokenizer import TextStream
 
-PREFILL_PER_STEP = 256  # prompt tokens: at 16 clients of GPT-2 124M (2 cores), against no
-# limit, the median time to first token and the 99th-percentile gap between tokens about
-# halve, the slowest first token comes 15% later, throughput within 2% (docs/benchmarks.md)
+PREFILL_PER_STEP = 256  # prompt tokens computed per step (pieces of longer prompts)
+PIECE = 64  # the batch-invariant mode's prompt pieces (a multiple of the block size)
 
 
 class TooLong(UserError):
@@ -67,23 +64,44 @@ class Engine:
     def __init__(self, model: nn.Module, *, tokenizer=None, max_batch: int = 8,
                  max_len: int | None = None, max_tokens_in_flight: int | None = None,
                  decode_chunk: int | None = None, prefill_per_step: int = PREFILL_PER_STEP,
-                 runner: Runner | None = None) -> None:
-        max_len = max_len or model.config.max_seq_len
-        self.runner = runner or Runner(model, max_batch, max_len, decode_chunk)
-        self.model, self.tokenizer = model, tokenizer
-        self.max_batch, self.max_len = self.runner.slots, self.runner.pool.max_len
-        self.budget = max_tokens_in_flight or self.max_batch * self.max_len
+                 kv_cache_bytes: int | None = None, prefix_caching: bool = True,
+                 piece: int = PIECE, runner: Runner | None = None) -> None:
         if prefill_per_step < 0:
             raise UserError(f"prefill_per_step={prefill_per_step} must be >= 0 (0: no limit)")
-        self.prefill_per_step = prefill_per_step
-        self.eos = set(getattr(tokenizer, "eos_ids", None) or [])
+        if max_batch < 1 or (decode_chunk is not None and decode_chunk < 1):
+            raise UserError(f"max_batch={max_batch} and decode_chunk={decode_chunk} "
+                            f"must be >= 1")
+        max_len = max_len or model.config.max_seq_len
+        if max_len > model.config.max_seq_len:
+            raise UserError(f"max_len={max_len} exceeds the model's max_seq_len="
+                            f"{model.config.max_seq_len}")
+        self.runner = runner or Runner(model, max_batch, max_len, decode_chunk)
+        block_size = self.runner.cache.block_size  # every rank's (runner.BLOCK_SIZE)
+        self.model, self.tokenizer = model, tokenizer
+        self.max_batch, self.max_len = max_batch, max_len
+        self.block_bytes = PagedCache.block_bytes(model, block_size)
+        per_seq = -(-max_len // block_size)
+        blocks = max_batch * per_seq if kv_cache_bytes is None else \
+            kv_cache_bytes // self.block_bytes
+        if blocks < 1:
+            raise UserError(f"kv_cache_bytes={kv_cache_bytes} holds no block of "
+                            f"{self.block_bytes} bytes ({block_size} tokens)")
+        self.kv_cache_bytes = blocks * self.block_bytes
+        self.pool = BlockPool(block_size, blocks + 1, caching=prefix_caching)
+        self.budget = max_tokens_in_flight or max_batch * max_len
+        self.scheduler = Scheduler(self.pool, max_batch=max_batch,
+                                   max_tokens_in_flight=self.budget,
+                                   prefill_per_step=prefill_per_step,
+                                   chunk=None if decode_chunk is None
+                                   else min(decode_chunk, max_batch),
+                                   piece=max(block_size, piece // block_size * block_size))
+        self.outputs = OutputProcessor(tokenizer, set(getattr(tokenizer, "eos_ids", None)
+                                                      or []))
+        self.tokenizer_lock = self.outputs.lock
         self.metrics = Metrics()
-        self.tokenizer_lock = threading.Lock()  # HF tokenizers are not safe across threads
-        self.looping = False  # True while a serving loop calls step(): handles just wait
+        self.looping = False  # True while a serving loop calls step()
         self.accepting = True
         self._lock, self._wake = threading.Lock(), threading.Condition()
-        self._waiting: deque[Request] = deque()
-        self._running: dict[int, Request] = {}
         self._ids = 0
 
     # -- requests in -------------------------------------------------------------------
@@ -96,11 +114,35 @@ class Engine:
             if not self.accepting:
                 raise RequestFailed(503, "the server is shutting down")
             self._ids += 1
-            req = Request(self, self._ids, list(prompt_ids), params)
-            self._waiting.append(req)
+            req = Request(self._ids, list(prompt_ids), params)
+            try:
+                self.outputs.start(req, self.runner.device)
+            except Exception as e:  # noqa: BLE001 - an unchecked seed: this one fails
+                self._fail(req, e)
+                return req
+            self.scheduler.waiting.append(req)
         with self._wake:
             self._wake.notify_all()
         return req
+
+    def generate(self, prompts: list[list[int]], params: SamplingParams |
+                 list[SamplingParams] | None = None, on_token=None) -> list[Request]:
+        """Run `prompts` (token ids) to the end, stepping the engine here; the finished
+        requests in order (`tpkit generate` and the Python API). `on_token(req, text)`:
+        called with each piece of text as it becomes safe to show."""
+        if self.looping:
+            raise RuntimeError("a serving loop steps this engine: submit() instead")
+        each = params if isinstance(params, list) else [params] * len(prompts)
+        reqs = [self.submit(p, q) for p, q in zip(prompts, each)]
+        while not all(r.done for r in reqs):
+            self.step()
+            while on_token is not None and any(not r.events.empty() for r in reqs):
+                for r in reqs:
+                    while not r.events.empty():
+                        ev = r.events.get_nowait()
+                        if isinstance(ev, Token) and ev.text:
+                            on_token(r, ev.text)
+        return reqs
 
     def check(self, prompt_ids: list[int], params: SamplingParams) -> None:
         """UserError (TooLong for length) for a request this engine cannot run."""
@@ -113,157 +155,103 @@ class Engine:
         if params.stop and self.tokenizer is None:
             raise UserError("stop strings need a tokenizer (Engine(..., tokenizer=...))")
         need = n + params.max_tokens
-        if need > self.max_len or need > self.budget:
+        if need > self.max_len:
             raise TooLong(f"the prompt ({n} tokens) + max_tokens ({params.max_tokens}) = "
-                          f"{need} exceeds the context of {self.max_len} tokens" if need >
-                          self.max_len else f"{need} tokens exceed the server's "
-                          f"--max-tokens-in-flight={self.budget}")
+                          f"{need} exceeds the context of {self.max_len} tokens")
+        if need > self.budget:
+            raise TooLong(f"{need} tokens exceed the server's --max-tokens-in-flight="
+                          f"{self.budget}")
+        if -(-need // self.pool.block_size) > self.pool.max_blocks - 1:
+            raise TooLong(f"{need} tokens exceed the KV cache of {self.pool.max_blocks - 1} "
+                          f"blocks of {self.pool.block_size} (--kv-cache-bytes="
+                          f"{self.kv_cache_bytes})")
 
     def wait_for_work(self, timeout: float) -> None:
         """Block until a request arrives (or `timeout` seconds)."""
         with self._wake:
-            if not self._waiting and not self._running:
+            if not self.busy:
                 self._wake.wait(timeout)
 
     @property
     def busy(self) -> bool:
         """Requests waiting or running."""
-        return bool(self._waiting or self._running)
+        return bool(self.scheduler.waiting or self.scheduler.running)
+
+    @property
+    def _waiting(self):
+        return self.scheduler.waiting
 
     # -- one iteration -----------------------------------------------------------------
     @torch.no_grad()
     def step(self) -> bool:
-        """Admit and prefill waiting requests, decode one token for all; False if idle."""
-        for req in list(self._running.values()):
-            if req.cancelled:
-                self._end(req, "cancelled")
-        admitted = self._admit()
-        for req in admitted:
-            if req.params.echo and req.params.logprobs is not None:  # the prompt's too
-                logits = self.runner.lead_prefill(req.slot, req.prompt, every=True)  # [s, V]
-                self._alone(req, self._score_prompt, req, logits[:-1])
-                self._alone(req, self._take, req, logits[-1])
-            else:
-                logits = self.runner.lead_prefill(req.slot, req.prompt)
-                self._alone(req, self._take, req, logits)
-        active = [r for r in self._running.values() if not r.done]
-        if active:
-            tokens = torch.full((self.max_batch,), -1, dtype=torch.long)  # -1: a free slot
-            lengths = torch.zeros(self.max_batch, dtype=torch.long)
-            for r in active:
-                tokens[r.slot] = r.tokens[-1]
-                lengths[r.slot] = len(r.prompt) + len(r.tokens) - 1  # positions cached
-            greedy = self.model.group.size > 1 and all(  # the shards' best, not their logits
-                r.params.temperature <= 0 and r.params.logprobs is None for r in active)
-            logits = self.runner.lead_decode(tokens, lengths, greedy)  # [max_batch, V or 2]
-            for r in active:
-                if greedy:
-                    self._alone(r, self._push, r, int(logits[r.slot, 0]),
-                                float(logits[r.slot, 1]), None)
-                else:
-                    self._alone(r, self._take, r, logits[r.slot])
-        self._account(len(active))
-        return bool(admitted or active)
-
-    def _admit(self) -> list[Request]:
-        out, prefill = [], 0  # admitted, and their prompt tokens
+        """Schedule, run, and hand out one step's tokens; False if there was nothing."""
         with self._lock:
-            while self._waiting:
-                req = self._waiting[0]
+            for req in [*self.scheduler.running, *self.scheduler.waiting]:
                 if req.cancelled:
-                    self._waiting.popleft()
-                    req.finish("cancelled")
+                    self._end(req, "cancelled")
+            out = self.scheduler.schedule()
+        for req in out.preempted:  # recomputed from its first token: scored again
+            req.prompt_logprobs, req.prompt_top = req.prompt_logprobs[:1], req.prompt_top[:1]
+        if out.empty:
+            self._account(out)
+            return False
+        reqs = [r for f in out.forwards for r in f.reqs if r is not None]
+        greedy = self.model.group.size > 1 and all(  # the shards' best, not their logits
+            r.params.temperature <= 0 and r.params.logprobs is None for r in reqs)
+        results = self.runner.lead_step([f.pieces for f in out.forwards], out.blocks, greedy)
+        self.scheduler.computed(out)
+        for fwd, (last, rest) in zip(out.forwards, results):
+            j = k = 0  # rows of `last`, entries of `rest`
+            for piece, req in zip(fwd.pieces, fwd.reqs):
+                row = None
+                if piece.logits in (LAST, EVERY):
+                    row, j = last[j], j + 1
+                if req is None or row is None:
                     continue
-                free = [s for s in range(self.max_batch) if s not in self._running]
-                held = sum(len(r.prompt) + r.params.max_tokens for r in self._running.values())
-                if not free or held + len(req.prompt) + req.params.max_tokens > self.budget:
-                    break  # first come, first served: it waits, and those behind it
-                if out and self.prefill_per_step and \
-                        prefill + len(req.prompt) > self.prefill_per_step:
-                    break  # the next step: the running requests decode in between
-                self._waiting.popleft()
-                try:
-                    self._start(req)
-                except Exception as e:  # noqa: BLE001 - an unchecked seed: this one fails
-                    self._fail(req, e)
-                    continue
-                prefill += len(req.prompt)
-                req.slot = free[0]
-                self._running[req.slot] = req
-                out.append(req)
-        return out
+                other = None
+                if piece.logits == EVERY:
+                    other, k = rest[k], k + 1
+                self._alone(req, self._take, req, piece, row, other, greedy)
+        self._account(out)
+        return True
 
-    def _start(self, req: Request) -> None:
-        """A request's generator, detokenizer and stop strings, as it is admitted."""
-        seed = req.params.seed if req.params.seed is not None else \
-            int.from_bytes(os.urandom(8), "little") >> 1
-        req.gen = torch.Generator(self.runner.device).manual_seed(seed)
-        req.stream = TextStream(self.tokenizer) if self.tokenizer else None
-        req.stop_text = StopText(req.params.stop)
+    def _take(self, req: Request, piece, row: torch.Tensor, other, greedy: bool) -> None:
+        end = piece.start + len(piece.tokens) == len(req.prompt) + len(req.tokens)
+        if other is not None:  # an echoed prompt's own log-probabilities
+            logits = torch.cat([other, row[None]]) if end is False else other
+            self.outputs.score(req, logits, piece.start + 1)
+        if not end:
+            return
+        if greedy:
+            why = self.outputs.push(req, int(row[0]), float(row[1]))
+        else:
+            why = self.outputs.take(req, row)
+        if len(req.tokens) > 1:
+            with self.metrics.lock:
+                self.metrics.itl.observe(req.last_at - req.prev_at)
+        if why is not None:
+            self._end(req, why)
 
     def _alone(self, req: Request, work, *args) -> None:
         """work(*args) for `req` alone (rank 0's, no collective): an error fails `req`."""
-        if req.done:  # failed already (scoring its prompt)
+        if req.done:
             return
         try:
             work(*args)
         except Exception as e:  # noqa: BLE001 - the other requests go on
-            with self._lock:
-                if self._running.get(req.slot) is req:
-                    del self._running[req.slot]
             self._fail(req, e)
 
     def _fail(self, req: Request, e: Exception) -> None:
         why = f"the server failed on this request ({type(e).__name__}: {e})"
         print(f"tpkit: request {req.id}: {why}", file=sys.stderr, flush=True)
+        self.scheduler.finish(req)
         req.fail(500, why)
         with self.metrics.lock:
             self.metrics.requests["error"] += 1
 
-    def _score_prompt(self, req: Request, logits: torch.Tensor) -> None:
-        """Log-probabilities of prompt tokens 1..s-1 from the logits [s-1, V] before them."""
-        logp = torch.log_softmax(logits.float(), -1)  # [s-1, V]
-        chosen = logp.gather(1, torch.tensor(req.prompt[1:], device=logp.device)[:, None])
-        req.prompt_logprobs = [None, *chosen[:, 0].tolist()]
-        req.prompt_top = [None, *_likeliest(logp, req.params.logprobs or 0)]
-
-    def _take(self, req: Request, logits: torch.Tensor) -> None:
-        """The next token of `req` from its full logits [V]; finish it if it ends here."""
-        p = req.params
-        tok = int(sample(logits[None], p.temperature, p.top_k, p.top_p, req.gen)[0, 0])
-        logp = torch.log_softmax(logits.float(), -1)  # [V]
-        top = _likeliest(logp[None], p.logprobs)[0] if p.logprobs is not None else None
-        self._push(req, tok, float(logp[tok]), top)
-
-    def _push(self, req: Request, tok: int, logprob: float, top) -> None:
-        """Give `req` its next token; finish it if it ends here."""
-        p = req.params
-        piece = ""
-        if req.stream is not None:
-            with self.tokenizer_lock:
-                piece = req.stream.push([tok])
-        shown, hit = req.stop_text.add(piece)
-        before = req.last_at
-        req.push(tok, logprob, shown, top)
-        if before is not None:
-            with self.metrics.lock:
-                self.metrics.itl.observe(req.last_at - before)
-        if hit:
-            self._end(req, "stop", by_string=True)
-        elif tok in self.eos and not p.ignore_eos:
-            self._end(req, "stop")
-        elif len(req.tokens) >= p.max_tokens:
-            self._end(req, "length")
-
-    def _end(self, req: Request, reason: str, by_string: bool = False) -> None:
-        tail = ""
-        if reason != "cancelled" and req.stream is not None:
-            if not by_string:  # an incomplete character at the end, then what was held
-                with self.tokenizer_lock:
-                    tail, by_string = req.stop_text.add(req.stream.flush())
-            tail += req.stop_text.flush()
-        with self._lock:
-            self._running.pop(req.slot, None)
+    def _end(self, req: Request, reason: str) -> None:
+        tail = self.outputs.tail(req) if reason != "cancelled" else ""
+        self.scheduler.finish(req)
         req.finish(reason, tail)
         with self.metrics.lock:
             self.metrics.requests[reason] += 1
@@ -272,11 +260,16 @@ class Engine:
             if req.first_at is not None:
                 self.metrics.ttft.observe(req.first_at - req.arrived)
 
-    def _account(self, batch: int) -> None:
+    def _account(self, out: SchedulerOutput) -> None:
         ledger = self.model.mesh.ledger
         with self.metrics.lock:
-            self.metrics.batch_size, self.metrics.queue_length = batch, len(self._waiting)
-            self.metrics.collectives.update(r.op for r in ledger.records)
+            m = self.metrics
+            m.batch_size, m.queue_length = len(self.scheduler.running), len(self._waiting)
+            m.collectives.update(r.op for r in ledger.records)
+            m.prompt_tokens_computed += out.prompt_tokens
+            m.prefix_hit_tokens += sum(r.cached for r in out.admitted) * self.pool.block_size
+            m.kv_blocks_used, m.kv_bytes = self.pool.in_use, self.runner.cache.nbytes()
+            m.preemptions += len(out.preempted)
         ledger.clear()  # counted: the ledger of a long-running server stays bounded
 
     # -- the end -----------------------------------------------------------------------
@@ -284,9 +277,9 @@ class Engine:
         """Every waiting and running request fails with `status` (a worker died...)."""
         with self._lock:
             self.accepting = False
-            doomed = list(self._waiting) + list(self._running.values())
-            self._waiting.clear()
-            self._running.clear()
+            doomed = [*self.scheduler.waiting, *self.scheduler.running]
+            for req in doomed:
+                self.scheduler.finish(req)
         for req in doomed:
             req.fail(status, message)
             with self.metrics.lock:
@@ -296,9 +289,3 @@ class Engine:
         """New submissions get 503; what was submitted runs on."""
         with self._lock:
             self.accepting = False
-
-
-def _likeliest(logp: torch.Tensor, k: int) -> list[list[tuple[int, float]]]:
-    """The k likeliest (token, log-probability) of each row of logp [n, V], likeliest first."""
-    values, ids = logp.topk(k, dim=-1)  # [n, k]
-    return [list(zip(i, v)) for i, v in zip(ids.tolist(), values.tolist())]

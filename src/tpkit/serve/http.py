@@ -1,311 +1,54 @@
-"""The OpenAI-compatible HTTP front, a thin layer over the `Engine` (rank 0 only).
+"""The OpenAI-compatible HTTP front on FastAPI + uvicorn, a thin layer over the `Engine`
+(rank 0 only).
 
     POST /v1/completions        {"model", "prompt", "max_tokens", "temperature", "top_p",
                                  "top_k", "seed", "stop", "stream", ...}
     POST /v1/chat/completions   {"model", "messages", ...}: the tokenizer's chat template
-    GET  /v1/models   /health   /metrics (Prometheus text)
+    GET  /v1/models   /health   /metrics (prometheus_client)   /docs (OpenAPI)
 
 `stream: true` answers server-sent events, one OpenAI chunk per `data:` line, ending
 with `data: [DONE]`. Errors come in OpenAI's JSON shape: 400 a bad request (every field
-checked by `tpkit.serve.protocol` before anything is submitted), 403 a foreign Host or
-Origin, 404 an unknown model or path, 413 a body over `max_body` bytes or a prompt too
-long for the context, 415 a POST that is not JSON, 500 a request the server failed on
-(that request alone: the others and the server go on), 503 while shutting down or after
-a worker died.
+checked by the pydantic models of `tpkit.serve.protocol` before anything is submitted),
+403 a foreign Host or Origin, 404 an unknown model or path, 411 no Content-Length, 413
+a body over `max_body` bytes or a prompt too long for the context, 415 a POST that is
+not JSON, 500 a request the server failed on (that request alone: the others and the
+server go on), 503 while shutting down or after a worker died.
 
-Hardened as the quiz's server is (`tpkit.host.web.Guard`): 127.0.0.1 unless told
-otherwise, the Host header must be one of the server's names whatever the address
-(DNS rebinding), a browser's cross-origin POST is refused unless its origin is allowed
-(then it gets CORS headers), bodies are size-limited before being read, each
-connection gives its thread back after `timeout` idle seconds. A client that goes away
-(a closed socket, seen while waiting or writing) cancels its request, which frees its
-slot at the next step.
+Hardened as the quiz's server is (`tpkit.host.web.Guard`, which both use): 127.0.0.1
+unless told otherwise, the Host header must be one of the server's names whatever the
+address (DNS rebinding), a browser's cross-origin POST is refused unless its origin is
+allowed (then it gets CORS headers), bodies are size-limited before being read, an idle
+connection is closed after `timeout` seconds (uvicorn's keep-alive timeout). A client
+that goes away (seen while waiting or streaming) cancels its request, which frees its
+blocks at the next step. (The quiz's page stays on the standard library's server: two
+routes, no schema, no streaming.)
 """
 
 from __future__ import annotations
 
+import asyncio
+import dataclasses
+import functools
 import json
-import queue
-import select
 import socket
 import sys
 import threading
-import time
 from collections.abc import Iterable
-from http import HTTPStatus
-from http.server import BaseHTTPRequestHandler
-from urllib.parse import urlsplit
 
-from tpkit.host.web import HOST, Guard, Server
+import h11
+import uvicorn
+from fastapi import FastAPI
+from fastapi import Request as HttpRequest
+from fastapi.concurrency import run_in_threadpool
+from fastapi.responses import Response, StreamingResponse
+from starlette.exceptions import HTTPException
+from uvicorn.protocols.http.h11_impl import H11Protocol
+
+from tpkit.host.web import HOST, Guard, bound_socket
 from tpkit.serve import openai_api as api
 from tpkit.serve import protocol
-from tpkit.serve.engine import Engine, TooLong
-from tpkit.serve.openai_api import MAX_BODY
-from tpkit.serve.request import Request, RequestFailed
-from tpkit.spec.errors import UserError
-
-
-class App:
-    """What the handlers serve: the engine, the model's name, the tokenizer, the limits."""
-
-    def __init__(self, engine: Engine, model_name: str, tokenizer, *, max_body: int = MAX_BODY,
-                 timeout: float = 30.0) -> None:
-        self.engine, self.name, self.tokenizer = engine, model_name, tokenizer
-        self.max_body, self.timeout, self.created = max_body, timeout, int(time.time())
-        self.active, self._active = 0, threading.Condition()  # POSTs being answered
-
-    def enter(self) -> None:
-        """A POST starts being answered."""
-        with self._active:
-            self.active += 1
-
-    def leave(self) -> None:
-        """... and is done."""
-        with self._active:
-            self.active -= 1
-            self._active.notify_all()
-
-    def wait_handlers(self, timeout: float) -> bool:
-        """Wait until no POST is being answered (True) or `timeout` seconds."""
-        with self._active:
-            return self._active.wait_for(lambda: self.active == 0, timeout)
-
-    def parse(self, raw: bytes, chat: bool
-              ) -> tuple[protocol.CompletionRequest | protocol.ChatRequest, list[int]]:
-        """(the request, its prompt ids) of a POST body; ApiError for a bad one."""
-        body = protocol.parse_json(raw)
-        req = protocol.validate(body, chat)
-        if req.model not in (None, self.name):
-            raise api.ApiError(404, f"model {req.model!r} is not served here "
-                                    f"(GET /v1/models: {self.name!r})", "model")
-        lock = self.engine.tokenizer_lock
-        ids = api.chat_ids(body, self.tokenizer, lock) if chat else \
-            api.prompt_ids(req.prompt, self.tokenizer, lock)
-        return req, ids
-
-    def submit(self, ids: list[int], params) -> Request:
-        """Engine.submit with its errors as ApiErrors (413 too long, 400, 503)."""
-        try:
-            return self.engine.submit(ids, params)
-        except TooLong as e:
-            raise api.ApiError(413, str(e), "max_tokens") from None
-        except UserError as e:
-            raise api.ApiError(400, str(e)) from None
-        except RequestFailed as e:
-            raise api.ApiError(e.status, str(e)) from None
-
-
-class Handler(BaseHTTPRequestHandler):
-    """One connection; `app` and `guard` are set on a subclass by `make_server`."""
-
-    server_version, sys_version = "tpkit-serve", ""
-    app: App
-    guard: Guard
-
-    def setup(self) -> None:
-        self.timeout = self.app.timeout  # an idle connection gives its thread back
-        super().setup()
-
-    def do_OPTIONS(self) -> None:  # noqa: N802 - a browser's preflight
-        if self._refused("OPTIONS"):
-            return
-        if not self._cors():
-            return self._error(api.ApiError(403, "cross-origin requests are refused "
-                                                 "(--allow-origin ORIGIN allows one)"))
-        self.send_response(204)
-        for k, v in {**self._cors(), "Access-Control-Allow-Methods": "GET, POST",
-                     "Access-Control-Allow-Headers": "Authorization, Content-Type",
-                     "Access-Control-Max-Age": "600"}.items():
-            self.send_header(k, v)
-        self.end_headers()
-
-    def do_GET(self) -> None:  # noqa: N802 - http.server's naming
-        if self._refused("GET"):
-            return
-        path, engine = urlsplit(self.path).path, self.app.engine
-        if path == "/v1/models":
-            return self._json(200, api.models(self.app.name, self.app.created))
-        if path == "/health":
-            ok = engine.accepting
-            return self._json(200 if ok else 503, {"status": "ok" if ok else "unavailable"})
-        if path == "/metrics":
-            return self._send(200, engine.metrics.render().encode(),
-                              "text/plain; version=0.0.4; charset=utf-8")
-        self._error(api.ApiError(404, f"no such path: GET {path}"))
-
-    def do_POST(self) -> None:  # noqa: N802
-        self._started, self._req = False, None  # response headers sent; the Request
-        if self._refused("POST"):
-            return
-        self.app.enter()
-        try:
-            self._post()
-        except Exception as e:  # noqa: BLE001 - this request fails alone; the server goes on
-            self._failed(e)
-        finally:
-            self.app.leave()
-
-    def _post(self) -> None:
-        path = urlsplit(self.path).path
-        try:
-            if path not in ("/v1/completions", "/v1/chat/completions"):
-                raise api.ApiError(404, f"no such path: POST {path}")
-            chat = path == "/v1/chat/completions"
-            asked, ids = self.app.parse(self._body(), chat)
-            req = self._req = self.app.submit(ids, asked.sampling())
-        except api.ApiError as e:
-            return self._error(e)
-        rid = f"{'chatcmpl' if chat else 'cmpl'}-{req.id}"
-        if asked.stream:
-            return self._stream(req, rid, chat, asked.include_usage)
-        for ev in self._events(req):
-            if ev[0] == "error":
-                return self._error(api.ApiError(ev[1], ev[2]))
-        text, logprobs = req.text, self._logprobs(req, chat, 0, len(req.tokens))
-        if req.params.echo:  # the prompt first (its own log-probabilities, if asked)
-            with self.app.engine.tokenizer_lock:
-                shown = self.app.tokenizer.decode(req.prompt)
-            text = shown + text
-            if logprobs is not None:
-                before = api.logprobs_block(chat, req.prompt, req.prompt_logprobs,
-                                            req.prompt_top, self.app.tokenizer,
-                                            self.app.engine.tokenizer_lock)
-                after = self._logprobs(req, chat, 0, len(req.tokens),
-                                       offset=sum(map(len, before["tokens"])))
-                logprobs = {k: before[k] + after[k] for k in before}
-        self._json(200, api.completion(rid, self.app.name, text, req.finish_reason,
-                                       req.usage, chat, self.app.created, logprobs))
-
-    # -- reading and waiting -----------------------------------------------------------
-    def _body(self) -> bytes:
-        size = self.headers.get("Content-Length", "")
-        if not size.isascii() or not size.isdigit():
-            raise api.ApiError(411, "a Content-Length header is needed")
-        if int(size) > self.app.max_body:
-            self.close_connection = True  # the body is not read
-            raise api.ApiError(413, f"body of {size} bytes; at most {self.app.max_body}")
-        return self.rfile.read(int(size))
-
-    def _failed(self, e: Exception) -> None:
-        """An unexpected error while answering: a 500 (or, mid-stream, an error event)
-        to this client, one line on stderr, its generation cancelled."""
-        if self._req is not None:
-            self._req.cancel()
-        why = f"the server failed on this request ({type(e).__name__}: {e})"
-        print(f"tpkit serve: error: {why}", file=sys.stderr, flush=True)
-        self.close_connection = True
-        try:
-            if not self._started:
-                return self._error(api.ApiError(500, why))
-            self._sse(api.ApiError(500, why).body())
-            self.wfile.write(b"data: [DONE]\n\n")
-        except (OSError, ValueError):
-            pass  # the client went away meanwhile
-
-    def _events(self, req: Request):
-        """The request's events; cancels it if the client hangs up meanwhile."""
-        while True:
-            try:
-                ev = req.events.get(timeout=0.2)
-            except queue.Empty:
-                if self._client_gone():
-                    req.cancel()
-                    return
-                continue
-            yield ev
-            if ev[0] != "token":
-                return
-
-    def _client_gone(self) -> bool:
-        try:
-            readable, _, _ = select.select([self.connection], [], [], 0)
-            return bool(readable) and self.connection.recv(1, socket.MSG_PEEK) == b""
-        except (OSError, ValueError):
-            return True
-
-    def _stream(self, req: Request, rid: str, chat: bool, usage: bool) -> None:
-        name, created = self.app.name, self.app.created
-        self._started = True
-        self.send_response(200)
-        self.send_header("Content-Type", "text/event-stream; charset=utf-8")
-        self.send_header("Cache-Control", "no-store")
-        for k, v in self._cors().items():
-            self.send_header(k, v)
-        self.end_headers()
-        self.close_connection = True  # the body ends when the connection does
-        try:
-            if chat:  # the assistant's role comes first
-                self._sse(api.chunk(rid, name, None, None, chat, created, first=True))
-            i, offset = 0, 0  # the token of the next token event; completion characters
-            for ev in self._events(req):
-                if ev[0] == "token":  # one chunk per token (its text may be held back: "")
-                    block = None
-                    if ev[1] is not None:  # token i (a None: text held back until the end)
-                        block = self._logprobs(req, chat, i, i + 1, offset)
-                        offset += len("".join((block or {}).get("tokens", ())))
-                        i += 1
-                    self._sse(api.chunk(rid, name, ev[2], None, chat, created,
-                                        logprobs=block))
-                elif ev[0] == "done":
-                    self._sse(api.chunk(rid, name, None, ev[1], chat, created))
-                    if usage:
-                        self._sse(api.usage_chunk(rid, name, req.usage, chat, created))
-                elif ev[0] == "error":
-                    self._sse(api.ApiError(ev[1], ev[2]).body())
-            self.wfile.write(b"data: [DONE]\n\n")
-            self.wfile.flush()
-        except (ConnectionError, TimeoutError, OSError):
-            req.cancel()  # the client went away: its slot is freed at the next step
-
-    def _logprobs(self, req: Request, chat: bool, lo: int, hi: int, offset: int = 0
-                  ) -> dict | None:
-        """Tokens lo..hi-1's log-probabilities in the API's shape (None: not asked for)."""
-        if req.params.logprobs is None:
-            return None
-        return api.logprobs_block(chat, req.tokens[lo:hi], req.logprobs[lo:hi], req.top[lo:hi],
-                                  self.app.tokenizer, self.app.engine.tokenizer_lock, offset)
-
-    def _sse(self, payload: dict) -> None:
-        self.wfile.write(b"data: " + _encode(payload) + b"\n\n")
-        self.wfile.flush()
-
-    # -- writing -----------------------------------------------------------------------
-    def _refused(self, method: str) -> bool:
-        refusal = self.guard.refusal(method, self.headers)
-        if refusal is None:
-            return False
-        self.close_connection = True  # a refused body is not read
-        self._error(api.ApiError(*refusal))
-        return True
-
-    def _cors(self) -> dict[str, str]:
-        """The CORS headers of an allowed --allow-origin (none for any other origin)."""
-        origin = self.headers.get("Origin") or ""
-        if not origin or not self.guard.origin_allowed(origin):
-            return {}
-        return {"Access-Control-Allow-Origin": origin, "Vary": "Origin"}
-
-    def _error(self, e: api.ApiError) -> None:
-        self._json(e.status, e.body())
-
-    def _json(self, status: int, body: dict) -> None:
-        self._send(status, _encode(body), "application/json")
-
-    def _send(self, status: int, data: bytes, ctype: str) -> None:
-        self._started = True
-        try:
-            self.send_response(HTTPStatus(status))
-            self.send_header("Content-Type", ctype)
-            self.send_header("Content-Length", str(len(data)))
-            for k, v in self._cors().items():
-                self.send_header(k, v)
-            self.end_headers()
-            self.wfile.write(data)
-        except (ConnectionError, TimeoutError):
-            pass  # the client went away
-
-    def log_message(self, format: str, *args) -> None:  # noqa: A002 - quiet server
-        pass
+from tpkit.serve.app import App
+from tpkit.serve.request import Done, Failed, Request, Token
 
 
 def _encode(body: dict) -> bytes:
@@ -313,12 +56,326 @@ def _encode(body: dict) -> bytes:
     return json.dumps(body, ensure_ascii=False).encode("utf-8", "backslashreplace")
 
 
+def _sse(payload: dict) -> bytes:
+    return b"data: " + _encode(payload) + b"\n\n"
+
+
+def _schema(model) -> dict:
+    return {"requestBody": {"required": True, "content": {"application/json": {
+        "schema": model.model_json_schema(ref_template="#/components/schemas/{model}")}}}}
+
+
+def build_api(app: App, guard: Guard) -> FastAPI:
+    """The FastAPI application of `app`, behind `guard`."""
+    fa = FastAPI(title="tpkit serve", summary="OpenAI-compatible completions",
+                 redoc_url=None)
+
+    def cors(request: HttpRequest) -> dict[str, str]:
+        origin = request.headers.get("Origin") or ""
+        if not origin or not guard.origin_allowed(origin):
+            return {}
+        return {"Access-Control-Allow-Origin": origin, "Vary": "Origin"}
+
+    def error(request: HttpRequest, e: api.ApiError, close: bool = False) -> Response:
+        headers = {**cors(request), **({"Connection": "close"} if close else {})}
+        return Response(_encode(e.body()), e.status, headers, "application/json")
+
+    def ok(request: HttpRequest, body: dict, status: int = 200) -> Response:
+        return Response(_encode(body), status, cors(request), "application/json")
+
+    @fa.middleware("http")
+    async def guarded(request: HttpRequest, call_next):
+        refusal = guard.refusal(request.method, request.headers)
+        if refusal is not None:  # a refused body is not read
+            return error(request, api.ApiError(*refusal), close=True)
+        return await call_next(request)
+
+    @fa.exception_handler(HTTPException)
+    async def no_route(request: HttpRequest, exc: HTTPException):
+        return error(request, api.ApiError(404, f"no such path: {request.method} "
+                                                f"{request.url.path}"))
+
+    @fa.options("/{path:path}", include_in_schema=False)
+    async def preflight(request: HttpRequest, path: str):
+        if not cors(request):
+            return error(request, api.ApiError(403, "cross-origin requests are refused "
+                                                    "(--allow-origin ORIGIN allows one)"))
+        return Response(status_code=204, headers={
+            **cors(request), "Access-Control-Allow-Methods": "GET, POST",
+            "Access-Control-Allow-Headers": "Authorization, Content-Type",
+            "Access-Control-Max-Age": "600"})
+
+    @fa.get("/v1/models", summary="the model served")
+    async def models(request: HttpRequest):
+        return ok(request, api.models(app.name, app.created))
+
+    @fa.get("/health", summary="200 while accepting requests, else 503")
+    async def health(request: HttpRequest):
+        up = app.engine.accepting
+        return ok(request, {"status": "ok" if up else "unavailable"}, 200 if up else 503)
+
+    @fa.get("/metrics", summary="Prometheus metrics (prometheus_client)")
+    async def metrics(request: HttpRequest):
+        from prometheus_client import CONTENT_TYPE_LATEST
+
+        return Response(app.engine.metrics.render(), 200, cors(request), CONTENT_TYPE_LATEST)
+
+    @fa.post("/v1/completions", summary="a completion (OpenAI's API)",
+             openapi_extra=_schema(protocol.CompletionRequest))
+    async def completions(request: HttpRequest):
+        return await _post(app, request, False, error, ok, cors)
+
+    @fa.post("/v1/chat/completions", summary="a chat completion (OpenAI's API)",
+             openapi_extra=_schema(protocol.ChatRequest))
+    async def chat_completions(request: HttpRequest):
+        return await _post(app, request, True, error, ok, cors)
+
+    return fa
+
+
+async def _body(app: App, request: HttpRequest) -> bytes:
+    size = request.headers.get("Content-Length", "")
+    if not size.isascii() or not size.isdigit():
+        raise api.ApiError(411, "a Content-Length header is needed")
+    if int(size) > app.max_body:
+        raise api.ApiError(413, f"body of {size} bytes; at most {app.max_body}")
+    return await request.body()
+
+
+def _failed(req: Request | None, e: Exception) -> api.ApiError:
+    """An unexpected error while answering: one line on stderr, its generation cancelled."""
+    if req is not None:
+        req.cancel()
+    why = f"the server failed on this request ({type(e).__name__}: {e})"
+    print(f"tpkit serve: error: {why}", file=sys.stderr, flush=True)
+    return api.ApiError(500, why)
+
+
+def _submit_all(app: App, prompts: list[list[int]], params, n: int, put) -> list[Request]:
+    """n choices of each prompt (choice i of prompt p: index p * n + i; a seed s gives
+    choice i the seed s ^ i); their events go to put(index, event). One refused:
+    those submitted are cancelled, the ApiError raised."""
+    reqs: list[Request] = []
+    try:
+        for ids in prompts:
+            for i in range(n):
+                q = params if i == 0 or params.seed is None else \
+                    dataclasses.replace(params, seed=params.seed ^ i)
+                reqs.append(app.submit(ids, q, functools.partial(put, len(reqs))))
+    except api.ApiError:
+        _cancel(reqs)
+        raise
+    return reqs
+
+
+async def _post(app: App, request: HttpRequest, chat: bool, error, ok, cors) -> Response:
+    app.enter()
+    streaming, reqs = False, []
+    try:
+        try:
+            raw = await _body(app, request)
+        except api.ApiError as e:
+            return error(request, e, close=e.status == 413)  # the body is not read
+        loop, events = asyncio.get_running_loop(), asyncio.Queue()
+
+        def put(index: int, ev) -> None:  # the engine's thread -> this request's coroutine
+            try:
+                loop.call_soon_threadsafe(events.put_nowait, (index, ev))
+            except RuntimeError:
+                pass  # the event loop has ended (the server stopped)
+
+        try:
+            asked, prompts = await run_in_threadpool(app.parse, raw, chat)
+            reqs = _submit_all(app, prompts, asked.sampling(), asked.n or 1, put)
+        except api.ApiError as e:
+            return error(request, e)
+        rid = f"{'chatcmpl' if chat else 'cmpl'}-{reqs[0].id}"
+        usage = _usage(prompts)
+        if asked.stream:
+            streaming = True
+            return StreamingResponse(
+                _stream(app, reqs, events, rid, chat, usage if asked.include_usage else None),
+                200, {**cors(request), "Cache-Control": "no-store"},
+                "text/event-stream; charset=utf-8")
+        left = len(reqs)
+        while left:
+            try:
+                _, ev = await asyncio.wait_for(events.get(), 0.2)
+            except TimeoutError:
+                if await request.is_disconnected():
+                    _cancel(reqs)
+                    return Response(status_code=499)
+                continue
+            if isinstance(ev, Failed):
+                _cancel(reqs)
+                return error(request, api.ApiError(ev.status, ev.message))
+            left -= isinstance(ev, Done)
+        body = api.completion(rid, app.name, "", None, usage(reqs), chat, app.created)
+        body["choices"] = [_choice(app, r, chat, i) for i, r in enumerate(reqs)]
+        return ok(request, body)
+    except Exception as e:  # noqa: BLE001 - this request fails alone; the server goes on
+        _cancel(reqs)
+        return error(request, _failed(None, e), close=True)
+    finally:
+        if not streaming:
+            app.leave()
+
+
+def _cancel(reqs: list[Request]) -> None:
+    for r in reqs:
+        r.cancel()
+
+
+def _usage(prompts: list[list[int]]):
+    """OpenAI's usage of a request's choices: each prompt counted once."""
+    p = sum(map(len, prompts))
+
+    def of(reqs: list[Request]) -> dict:
+        c = sum(len(r.tokens) for r in reqs)
+        return dict(prompt_tokens=p, completion_tokens=c, total_tokens=p + c)
+    return of
+
+
+def _echoed(app: App, req: Request, chat: bool) -> tuple[str, dict | None]:
+    """An echoed prompt's text and (asked for) its log-probabilities block."""
+    with app.engine.tokenizer_lock:
+        text = app.tokenizer.decode(req.prompt)
+    if req.params.logprobs is None:
+        return text, None
+    return text, api.logprobs_block(chat, req.prompt, req.prompt_logprobs, req.prompt_top,
+                                    app.tokenizer, app.engine.tokenizer_lock)
+
+
+def _choice(app: App, req: Request, chat: bool, index: int) -> dict:
+    """Choice `index` of a whole answer: its text (after the prompt, with echo) and
+    log-probabilities."""
+    text, logprobs = req.text, _logprobs(app, req, chat, 0, len(req.tokens))
+    if req.params.echo:  # the prompt first (its own log-probabilities, if asked)
+        shown, before = _echoed(app, req, chat)
+        text = shown + text
+        if before is not None:
+            after = _logprobs(app, req, chat, 0, len(req.tokens),
+                              offset=sum(map(len, before["tokens"])))
+            logprobs = {k: before[k] + after[k] for k in before}
+    choice = api.completion("", "", text, req.finish_reason, None, chat, 0,
+                            logprobs)["choices"][0]
+    return {**choice, "index": index}
+
+
+def _logprobs(app: App, req: Request, chat: bool, lo: int, hi: int, offset: int = 0
+              ) -> dict | None:
+    """Tokens lo..hi-1's log-probabilities in the API's shape (None: not asked for)."""
+    if req.params.logprobs is None:
+        return None
+    return api.logprobs_block(chat, req.tokens[lo:hi], req.logprobs[lo:hi], req.top[lo:hi],
+                              app.tokenizer, app.engine.tokenizer_lock, offset)
+
+
+async def _stream(app: App, reqs: list[Request], events: asyncio.Queue, rid: str,
+                  chat: bool, usage):
+    """The server-sent events of a streamed answer, its choices interleaved as their
+    tokens come (echo: a choice's prompt first); a client gone cancels them."""
+    name, created, left = app.name, app.created, len(reqs)
+    tokens, offsets, started = [0] * len(reqs), [0] * len(reqs), [False] * len(reqs)
+    try:
+        if chat:  # the assistant's role comes first
+            yield _sse(api.chunk(rid, name, None, None, chat, created, first=True))
+        while left:
+            c, ev = await events.get()
+            req = reqs[c]
+            if not started[c] and req.params.echo and not isinstance(ev, Failed):
+                text, block = _echoed(app, req, chat)
+                offsets[c] = sum(map(len, block["tokens"])) if block else 0
+                yield _sse(api.chunk(rid, name, text, None, chat, created, logprobs=block,
+                                     index=c))
+            started[c] = True
+            if isinstance(ev, Token):  # one chunk per token (its text may be held back)
+                block = None
+                if ev.token is not None:  # a token (None: text held back until the end)
+                    i = tokens[c]
+                    block = _logprobs(app, req, chat, i, i + 1, offsets[c])
+                    offsets[c] += len("".join((block or {}).get("tokens", ())))
+                    tokens[c] += 1
+                yield _sse(api.chunk(rid, name, ev.text, None, chat, created, logprobs=block,
+                                     index=c))
+            elif isinstance(ev, Done):
+                left -= 1
+                yield _sse(api.chunk(rid, name, None, ev.reason, chat, created, index=c))
+            else:
+                left = 0
+                _cancel(reqs)
+                yield _sse(api.ApiError(ev.status, ev.message).body())
+        if usage is not None and all(r.finish_reason for r in reqs):
+            yield _sse(api.usage_chunk(rid, name, usage(reqs), chat, created))
+        yield b"data: [DONE]\n\n"
+    except Exception as e:  # noqa: BLE001 - a bug met writing this answer: its error event
+        left = 0
+        _cancel(reqs)
+        yield _sse(_failed(None, e).body())
+        yield b"data: [DONE]\n\n"
+    finally:
+        if left:
+            _cancel(reqs)  # the client went away: their blocks are freed at the next step
+        app.leave()
+
+
+class _Timed(H11Protocol):
+    """uvicorn's h11 protocol, which also closes a connection silent for `timeout`
+    seconds before its request is whole (uvicorn times only the wait between requests;
+    the standard library's server timed every read)."""
+
+    def connection_made(self, transport) -> None:  # noqa: D102
+        super().connection_made(transport)
+        self._silence()
+
+    def data_received(self, data: bytes) -> None:  # noqa: D102
+        super().data_received(data)
+        if self.conn.their_state in (h11.IDLE, h11.SEND_BODY) and \
+                not self.transport.is_closing():
+            self._silence()  # still reading its request: the timer starts again
+
+    def _silence(self) -> None:
+        self._unset_keepalive_if_required()
+        self.timeout_keep_alive_task = self.loop.call_later(
+            self.timeout_keep_alive, self.timeout_keep_alive_handler)
+
+
+class Server:
+    """uvicorn serving an `App` on a bound socket, run in a thread: `serve_forever()`,
+    `shutdown()` (from another thread: stop, let the answers being written finish for
+    2 s), `server_close()`; `server_address` as the standard library's servers."""
+
+    def __init__(self, api_app: FastAPI, sock: socket.socket, timeout: float) -> None:
+        self.socket, self.server_address = sock, sock.getsockname()
+        config = uvicorn.Config(api_app, log_level="warning", access_log=False, http=_Timed,
+                                server_header=False,
+                                lifespan="off", timeout_keep_alive=max(1, round(timeout)),
+                                timeout_graceful_shutdown=2, backlog=128)
+        self._server, self._done = uvicorn.Server(config), threading.Event()
+
+    def serve_forever(self) -> None:
+        """Serve until `shutdown()`."""
+        try:
+            self._server.run(sockets=[self.socket])
+        finally:
+            self._done.set()
+
+    def shutdown(self) -> None:
+        """Stop serving; returns once `serve_forever` has."""
+        self._server.should_exit = True
+        self._done.wait(timeout=10)
+
+    def server_close(self) -> None:
+        """Close the listening socket."""
+        self.socket.close()
+
+
 def make_server(app: App, host: str = HOST, port: int = 8000, *,
-                allowed_hosts: Iterable[str] = (), allowed_origins: Iterable[str] = ()
-                ) -> Server:
-    """A server for `app` bound to host:port (0: a free port); not started. It answers to
-    `tpkit.host.addresses.allowed_hosts(host, allowed_hosts)` and takes browsers' POSTs
-    from its own origin and `allowed_origins` only."""
+                allowed_hosts: Iterable[str] = (), allowed_origins: Iterable[str] = (),
+                sock: socket.socket | None = None) -> Server:
+    """A server for `app` bound to host:port (0: a free port), or on `sock` (a socket
+    bound before the model was loaded, `host.web.bound_socket`); not started. It
+    answers to `tpkit.host.addresses.allowed_hosts(host, allowed_hosts)` and takes
+    browsers' POSTs from its own origin and `allowed_origins` only."""
     guard = Guard(host, allowed_hosts, allowed_origins)
-    handler = type("BoundHandler", (Handler,), {"app": app, "guard": guard})
-    return Server.on(host)((host, port), handler)
+    return Server(build_api(app, guard), sock or bound_socket(host, port), app.timeout)

@@ -1,10 +1,14 @@
-"""The server's counters, gauges and histograms, as Prometheus text (`GET /metrics`).
+"""The server's counters, gauges and histograms, as Prometheus text (`GET /metrics`),
+through prometheus_client (a collector: the engine keeps plain numbers, under a lock).
 
     tpkit_requests_total{finish="stop"|"length"|"cancelled"|"error"}
     tpkit_prompt_tokens_total, tpkit_generation_tokens_total
     tpkit_batch_size, tpkit_queue_length               (gauges, at the last step)
     tpkit_time_to_first_token_seconds, tpkit_inter_token_latency_seconds  (histograms)
     tpkit_collectives_total{op=...}                    (what the tp group sent, ledger)
+    tpkit_prompt_tokens_computed_total                 (prefilled: prefix-cache hits not)
+    tpkit_prefix_cache_hit_tokens_total, tpkit_preemptions_total
+    tpkit_kv_blocks_used, tpkit_kv_cache_bytes         (gauges: blocks in use, bytes held)
 """
 
 from __future__ import annotations
@@ -29,14 +33,6 @@ class Histogram:
         self.sum += x
         self.n += 1
 
-    def lines(self, name: str) -> list[str]:
-        """Prometheus exposition lines."""
-        out, total = [f"# TYPE {name} histogram"], 0
-        for le, c in zip((*map(str, self.buckets), "+Inf"), self.counts):
-            total += c
-            out.append(f'{name}_bucket{{le="{le}"}} {total}')
-        return out + [f"{name}_sum {self.sum:.6f}", f"{name}_count {self.n}"]
-
 
 class Metrics:
     """Everything `/metrics` shows; updated by the engine, read by the HTTP threads."""
@@ -47,23 +43,59 @@ class Metrics:
         self.collectives: Counter = Counter()
         self.prompt_tokens = self.generation_tokens = 0
         self.batch_size = self.queue_length = 0
+        self.prompt_tokens_computed = self.prefix_hit_tokens = self.preemptions = 0
+        self.kv_blocks_used = self.kv_bytes = 0
         self.ttft, self.itl = Histogram(), Histogram()
 
-    def render(self) -> str:
-        """The Prometheus text exposition format."""
+    def collect(self):
+        """The metric families (prometheus_client's collector protocol)."""
+        from prometheus_client.core import (
+            CounterMetricFamily,
+            GaugeMetricFamily,
+            HistogramMetricFamily,
+        )
+
         with self.lock:
-            lines = ["# TYPE tpkit_requests_total counter"]
-            lines += [f'tpkit_requests_total{{finish="{k}"}} {v}'
-                      for k, v in sorted(self.requests.items())]
-            for name, v in (("prompt_tokens_total", self.prompt_tokens),
-                            ("generation_tokens_total", self.generation_tokens)):
-                lines += [f"# TYPE tpkit_{name} counter", f"tpkit_{name} {v}"]
-            for name, v in (("batch_size", self.batch_size),
-                            ("queue_length", self.queue_length)):
-                lines += [f"# TYPE tpkit_{name} gauge", f"tpkit_{name} {v}"]
-            lines += self.ttft.lines("tpkit_time_to_first_token_seconds")
-            lines += self.itl.lines("tpkit_inter_token_latency_seconds")
-            lines.append("# TYPE tpkit_collectives_total counter")
-            lines += [f'tpkit_collectives_total{{op="{k}"}} {v}'
-                      for k, v in sorted(self.collectives.items())]
-        return "\n".join(lines) + "\n"
+            req = CounterMetricFamily("tpkit_requests", "requests ended, by finish reason",
+                                      labels=["finish"])
+            for k, v in sorted(self.requests.items()):
+                req.add_metric([k], v)
+            out = [req]
+            for name, v, doc in (
+                    ("prompt_tokens", self.prompt_tokens, "prompt tokens of ended requests"),
+                    ("generation_tokens", self.generation_tokens, "tokens generated"),
+                    ("prompt_tokens_computed", self.prompt_tokens_computed,
+                     "prompt tokens prefilled (prefix-cache hits are not)"),
+                    ("prefix_cache_hit_tokens", self.prefix_hit_tokens,
+                     "prompt tokens found in the prefix cache"),
+                    ("preemptions", self.preemptions, "requests preempted (recomputed)")):
+                out.append(CounterMetricFamily(f"tpkit_{name}", doc, value=v))
+            for name, v, doc in (
+                    ("batch_size", self.batch_size, "requests running at the last step"),
+                    ("queue_length", self.queue_length, "requests waiting"),
+                    ("kv_blocks_used", self.kv_blocks_used, "KV blocks in use"),
+                    ("kv_cache_bytes", self.kv_bytes, "bytes of KV blocks held (rank 0)")):
+                out.append(GaugeMetricFamily(f"tpkit_{name}", doc, value=v))
+            for name, h, doc in (
+                    ("time_to_first_token_seconds", self.ttft, "arrival to first token"),
+                    ("inter_token_latency_seconds", self.itl, "gap between two tokens")):
+                buckets, total = [], 0
+                for le, c in zip((*map(str, h.buckets), "+Inf"), h.counts):
+                    total += c
+                    buckets.append((le, total))
+                out.append(HistogramMetricFamily(f"tpkit_{name}", doc, buckets=buckets,
+                                                 sum_value=h.sum))
+            col = CounterMetricFamily("tpkit_collectives", "collectives the tp group ran",
+                                      labels=["op"])
+            for k, v in sorted(self.collectives.items()):
+                col.add_metric([k], v)
+            out.append(col)
+        return out
+
+    def render(self) -> str:
+        """The Prometheus text exposition format, written by prometheus_client."""
+        from prometheus_client import CollectorRegistry, generate_latest
+
+        registry = CollectorRegistry(auto_describe=False)
+        registry.register(self)
+        return generate_latest(registry).decode()

@@ -112,9 +112,11 @@ def completion(rid: str, model: str, text: str, finish: str | None, usage: dict 
 
 
 def chunk(rid: str, model: str, text: str | None, finish: str | None, chat: bool,
-          created: int, first: bool = False, logprobs: dict | None = None) -> dict:
-    """One streamed chunk (`data: {...}`): a piece of text, or the finish reason."""
-    choice: dict = {"index": 0, "logprobs": logprobs, "finish_reason": finish}
+          created: int, first: bool = False, logprobs: dict | None = None,
+          index: int = 0) -> dict:
+    """One streamed chunk (`data: {...}`) of choice `index`: a piece of text, or the
+    finish reason."""
+    choice: dict = {"index": index, "logprobs": logprobs, "finish_reason": finish}
     if chat:
         delta = {"role": "assistant", "content": ""} if first else {}
         if text:

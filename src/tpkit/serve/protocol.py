@@ -40,7 +40,8 @@ from tpkit.serve.openai_api import ApiError
 from tpkit.serve.params import SamplingParams, problem, shown
 
 MAX_DEPTH = 16  # of [ and { in a body: a chat message's content parts need ~5
-ECHO = "echo=True: a completion (not chat, not streamed) may echo its prompt (echo=true)"
+ECHO = "echo=True: a completion (not chat) may echo its prompt (echo=true)"
+MAX_N, MAX_PROMPTS = 16, 32  # choices per prompt; prompts per completion request
 
 
 # -- bytes to a JSON object ------------------------------------------------------------
@@ -163,9 +164,9 @@ class _Request(_Strict):
 
     @field_validator("n")
     @classmethod
-    def _one(cls, v):
-        return _refuse(f"n={v!r}: this server returns one choice (n=1)") if v not in (
-            None, 1) else v
+    def _choices(cls, v):
+        return _refuse(f"n={v!r} must be an integer in [1, {MAX_N}] (choices per prompt)") \
+            if v is not None and not 1 <= v <= MAX_N else v
 
     @field_validator("presence_penalty", "frequency_penalty")
     @classmethod
@@ -188,12 +189,13 @@ class _Request(_Strict):
 
 
 class CompletionRequest(_Request):
-    """POST /v1/completions: one prompt (text or token ids; a batch of one as well)."""
+    """POST /v1/completions: a prompt (text or token ids) or a batch of them (at most
+    `MAX_PROMPTS`); `prompt` is always the list of prompts once validated."""
 
     prompt: Annotated[Word | TokenIds | Annotated[list[Word], Field(min_length=1, fail_fast=True)] |
                       Annotated[list[TokenIds], Field(min_length=1, fail_fast=True)], Field(
-        description="must be a non-empty string or a list of token ids (one prompt per "
-                    "request)")]
+        description="must be a non-empty string, a list of token ids, or a list of those "
+                    "(a batch of prompts)")]
     logprobs: Annotated[StrictInt | None, _rule("logprobs")] = None
     echo: StrictBool = False
     top_logprobs: Annotated[None, Field(description="is a chat parameter: a completion "
@@ -201,20 +203,15 @@ class CompletionRequest(_Request):
 
     @field_validator("prompt", mode="before")
     @classmethod
-    def _one_prompt(cls, p):  # before the union is tried on each of a batch's prompts
-        if isinstance(p, list) and len(p) > 1 and isinstance(p[0], str | list):
-            _refuse(f"prompt: a batch of {len(p)} prompts; this server takes one per request")
+    def _few_prompts(cls, p):  # before the union is tried on each of a batch's prompts
+        if isinstance(p, list) and len(p) > MAX_PROMPTS and isinstance(p[0], str | list):
+            _refuse(f"prompt: a batch of {len(p)} prompts; at most {MAX_PROMPTS} per request")
         return p
 
     @field_validator("prompt")
     @classmethod
-    def _unbatch(cls, p):
-        return p[0] if isinstance(p, list) and isinstance(p[0], str | list) else p
-
-    @field_validator("echo")
-    @classmethod
-    def _echo(cls, v, info: ValidationInfo):
-        return _refuse(ECHO) if v and info.data.get("stream") else v
+    def _batch(cls, p):
+        return list(p) if isinstance(p, list) and isinstance(p[0], str | list) else [p]
 
     def sampling(self) -> SamplingParams:
         """The SamplingParams asked for (`logprobs: k`: the k likeliest per token)."""

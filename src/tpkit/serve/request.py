@@ -1,14 +1,16 @@
 """`Request`: one submitted prompt as its caller sees it — a handle whose tokens arrive
 as the engine produces them.
 
-    req = engine.submit([5, 17, 200], SamplingParams(max_tokens=8))
-    for token in req:              # token ids as they come (steps the engine if no loop runs)
+    req = engine.submit([5, 17, 200], SamplingParams(max_tokens=8))   # a loop runs it
+    for token in req:              # token ids as they come (waits: it never steps)
         ...
     req.tokens, req.text, req.finish_reason, req.usage
 
-Events go from the engine's thread to the caller's through a queue: ("token", id,
-text now safe to show), then ("done", finish_reason) — "stop", "length" or
-"cancelled" — or ("error", status, message) when the server could not finish it.
+Nothing here steps the engine: a serving loop (`tpkit.serve.loop`) or
+`Engine.generate` does. Events go from the engine's thread to the caller's through a
+queue: `Token` (its id and the text now safe to show; id None: text held back until
+the end), then `Done` (finish reason "stop", "length" or "cancelled") or `Failed`
+(status and message) when the server could not finish it.
 """
 
 from __future__ import annotations
@@ -17,17 +19,35 @@ import queue
 import threading
 import time
 from collections.abc import Iterator
-from typing import Protocol
+from dataclasses import dataclass
 
 from tpkit.serve.params import SamplingParams
 
 
-class Stepper(Protocol):
-    """What a request needs of its engine: whether a loop runs it, else how to step it."""
+@dataclass(frozen=True)
+class Token:
+    """A generated token (`token` None: text held back until the end) and its new text."""
 
-    looping: bool
+    token: int | None
+    text: str
 
-    def step(self) -> bool: ...
+
+@dataclass(frozen=True)
+class Done:
+    """The end: why it stopped ("stop", "length", "cancelled")."""
+
+    reason: str
+
+
+@dataclass(frozen=True)
+class Failed:
+    """The server could not finish it: an HTTP status and a message."""
+
+    status: int
+    message: str
+
+
+Event = Token | Done | Failed
 
 
 class RequestFailed(RuntimeError):
@@ -41,9 +61,9 @@ class RequestFailed(RuntimeError):
 class Request:
     """A prompt being generated: its tokens, text, finish reason and timings."""
 
-    def __init__(self, engine: Stepper, rid: int, prompt: list[int], params: SamplingParams
-                 ) -> None:
-        self.engine, self.id, self.prompt, self.params = engine, rid, prompt, params
+    def __init__(self, rid: int, prompt: list[int], params: SamplingParams) -> None:
+        self.id, self.prompt, self.params = rid, prompt, params
+        self.on_event = None  # `attach`: called with each event instead of the queue
         self.tokens: list[int] = []
         self.logprobs: list[float] = []  # of each chosen token under the model (no temperature)
         self.top: list[list[tuple[int, float]]] = []  # the k likeliest, if params.logprobs
@@ -52,10 +72,16 @@ class Request:
         self.text = ""
         self.finish_reason: str | None = None
         self.error: RequestFailed | None = None
-        self.slot: int | None = None
+        self.slot: int | None = None  # its place among the running (None: not running)
+        self.blocks: list[int] = []  # its KV block table
+        self.computed = 0  # tokens (prompt, then generated) whose keys are in its blocks
+        self.cached = 0  # prompt tokens found in the prefix cache (not computed)
+        self.registered = 0  # its full blocks entered in the prefix cache
+        self.prefill_end = 0  # tokens computed as a prefill since it was (re)admitted
         self.arrived, self.first_at, self.last_at = time.perf_counter(), None, None
+        self.prev_at: float | None = None  # the token before the last one's time
         self.events: queue.Queue = queue.Queue()
-        self._cancel = threading.Event()
+        self._cancel, self._emit_lock = threading.Event(), threading.Lock()
         self._ended = False
 
     # -- caller side -------------------------------------------------------------------
@@ -68,34 +94,30 @@ class Request:
         """Was `cancel` called?"""
         return self._cancel.is_set()
 
-    def events_iter(self) -> Iterator[tuple]:
-        """Every event until the last ("done" or "error"); steps the engine itself when
-        no serving loop runs it."""
+    def events_iter(self) -> Iterator[Event]:
+        """Every event until the last (`Done` or `Failed`); waits for the engine's thread."""
         while not self._ended:
-            try:
-                ev = self.events.get_nowait()
-            except queue.Empty:
-                if self.engine.looping:
-                    ev = self.events.get()
-                else:
-                    self.engine.step()
-                    continue
-            if ev[0] != "token":
+            ev = self.events.get()
+            if not isinstance(ev, Token):
                 self._ended = True  # the last event: iterating again returns at once
             yield ev
 
     def __iter__(self) -> Iterator[int]:
         """Token ids as they are generated; raises `RequestFailed` if the server fails."""
         for ev in self.events_iter():
-            if ev[0] == "token" and ev[1] is not None:  # None: held-back text at the end
-                yield ev[1]
-            elif ev[0] == "error":
-                raise RequestFailed(ev[1], ev[2])
+            if isinstance(ev, Token) and ev.token is not None:  # None: held-back text
+                yield ev.token
+            elif isinstance(ev, Failed):
+                raise RequestFailed(ev.status, ev.message)
 
     def result(self) -> Request:
-        """Wait for the end (see `__iter__`); returns this request."""
-        for _ in self:
-            pass
+        """Wait for the end (see `__iter__`); returns this request. Once it is done (as
+        after `Engine.generate`) it returns at once; a failure raises `RequestFailed`."""
+        if self.error is not None:
+            raise self.error
+        if self.finish_reason is None:
+            for _ in self:
+                pass
         return self
 
     @property
@@ -121,18 +143,33 @@ class Request:
         if top is not None:
             self.top.append(top)
         self.text += shown
-        self.last_at = now
-        self.events.put(("token", token, shown))
+        self.prev_at, self.last_at = self.last_at, now
+        self._emit(Token(token, shown))
 
     def finish(self, reason: str, tail: str = "") -> None:
         """The end: the text still held back, then the finish reason."""
         if tail:
             self.text += tail
-            self.events.put(("token", None, tail))
+            self._emit(Token(None, tail))
         self.finish_reason = reason
-        self.events.put(("done", reason))
+        self._emit(Done(reason))
 
     def fail(self, status: int, message: str) -> None:
         """The server cannot finish it."""
         self.error = RequestFailed(status, message)
-        self.events.put(("error", status, message))
+        self._emit(Failed(status, message))
+
+    def attach(self, listener) -> None:
+        """Have `listener(event)` called with every event, from the engine's thread,
+        instead of queueing them (the ones queued already first, in order)."""
+        with self._emit_lock:
+            while not self.events.empty():
+                listener(self.events.get_nowait())
+            self.on_event = listener
+
+    def _emit(self, ev: Event) -> None:
+        with self._emit_lock:
+            if self.on_event is None:
+                self.events.put(ev)
+            else:
+                self.on_event(ev)

@@ -1,22 +1,23 @@
-"""Every tp rank runs the same forward each step: rank 0 decides it, broadcasts it, and
-the others follow (`follow`), so only rank 0 needs the requests, the tokenizer and the
-sampler.
+"""The executor: every tp rank runs the same forwards each step. Rank 0 decides them
+(`tpkit.serve.scheduler`), broadcasts the plan, and the others follow (`follow`), so
+only rank 0 needs the requests, the tokenizer and the sampler.
 
 One step of the group, as rank 0 broadcasts it over the tp group (through
 `tpkit.comm.broadcast`, so the ledger counts it):
 
-    header int64 [3 + 2*slots] = [op, slot, n, tokens[slots], lengths[slots]]
-        op PREFILL: then ids int64 [n] (a second broadcast) -> prefill(slot, ids)
-        op SCORE  : the same, with the logits of every position (a request's `echo`)
-        op DECODE : decode(tokens, lengths)      (a token per busy slot; -1: free)
-        op GREEDY : the same, every request greedy: each rank's best instead of its logits
-        op IDLE   : nothing (a heartbeat, so an idle worker's wait never times out)
-        op STOP   : the followers return
+    header int64 [4] = [op, payload length, blocks, greedy]
+        op STEP : then the payload int64 [length], the step's forwards:
+                  [forwards, then per forward: pieces, then per piece:
+                   start, tokens n, blocks m, logits kind, ids [n], block table [m]]
+                  -> every rank grows its cache to `blocks`, runs each forward
+        op IDLE : nothing (a heartbeat, so an idle worker's wait never times out)
+        op STOP : the followers return
 
-Every rank then holds the same full logits (the all-gather of the forward; GREEDY:
-the same greedy tokens and log-probabilities, `kv_pool.decode(greedy=True)`); rank 0
-samples from them and puts the chosen tokens in the next DECODE header, so the
-followers never sample: no generator to keep in step, one source of truth.
+Every rank then holds the same full logits (the all-gather of the forward; greedy:
+the same greedy tokens and log-probabilities, `paged_kv.forward(greedy=True)`); rank 0
+samples from them and its next plan carries the chosen tokens, so the followers never
+sample: no generator to keep in step, one source of truth. Rank 0's plan carries the
+block tables; each rank holds its own heads' keys in those blocks.
 """
 
 from __future__ import annotations
@@ -25,51 +26,47 @@ import torch
 from torch import nn
 
 from tpkit.comm import broadcast
-from tpkit.model.kv_pool import KVPool, decode, prefill
+from tpkit.model.paged_kv import PagedCache, Piece, forward
 
-PREFILL, DECODE, IDLE, STOP, SCORE, GREEDY = 1, 2, 3, 4, 5, 6
+STEP, IDLE, STOP = 1, 3, 4
+BLOCK_SIZE = 16  # tokens per KV block
 
 
 class Runner:
-    """The model and its KV pool on one rank; `lead_*` on rank 0, `follow` elsewhere."""
+    """The model and its paged KV cache on one rank; `lead_*` on rank 0, `follow` elsewhere.
 
-    def __init__(self, model: nn.Module, slots: int, max_len: int, chunk: int | None = None
-                 ) -> None:
+    `slots`, `max_len` and `chunk` are the engine's (rank 0 plans with them; a follower
+    needs only the model, and grows its cache to what each plan says)."""
+
+    def __init__(self, model: nn.Module, slots: int = 8, max_len: int | None = None,
+                 chunk: int | None = None, block_size: int = BLOCK_SIZE) -> None:
         self.model, self.group = model.eval(), model.group
-        self.pool = KVPool(model, slots, max_len, chunk=chunk)  # None: the busy slots
-        self.device = self.pool.k[0].device
+        self.slots, self.chunk = slots, chunk
+        self.max_len = max_len or model.config.max_seq_len
+        self.cache = PagedCache(model, block_size)
+        self.device = self.cache.device
         self.steps = 0
 
-    @property
-    def slots(self) -> int:
-        """Number of sequences the pool holds."""
-        return self.pool.slots
-
-    def _header(self, op: int, slot: int = 0, n: int = 0, tokens=None, lengths=None
+    def _header(self, op: int, length: int = 0, blocks: int = 0, greedy: bool = False
                 ) -> torch.Tensor:
-        h = torch.zeros(3 + 2 * self.slots, dtype=torch.long, device=self.device)
-        h[0], h[1], h[2] = op, slot, n
-        if tokens is not None:
-            h[3:3 + self.slots] = tokens
-            h[3 + self.slots:] = lengths
+        h = torch.tensor([op, length, blocks, int(greedy)], dtype=torch.long,
+                         device=self.device)
         return broadcast(h, self.group, 0, scope="serve.plan")
 
-    def lead_prefill(self, slot: int, ids: list[int], every: bool = False) -> torch.Tensor:
-        """Rank 0: prefill `ids` into `slot` on every rank; the logits [V] (`every`: [s, V],
-        after each token)."""
-        self._header(SCORE if every else PREFILL, slot, len(ids))
-        t = broadcast(torch.tensor(ids, dtype=torch.long, device=self.device), self.group, 0,
-                      scope="serve.plan")
-        self.steps += 1
-        return prefill(self.model, self.pool, slot, t, every)
+    def lead_step(self, forwards: list[list[Piece]], blocks: int, greedy: bool = False
+                  ) -> list[tuple[torch.Tensor | None, list[torch.Tensor]]]:
+        """Rank 0: run `forwards` on every rank (the cache grown to `blocks` first);
+        each forward's (logits of its pieces' last rows, EVERY pieces' other rows)."""
+        payload = encode(forwards)
+        self._header(STEP, len(payload), blocks, greedy)
+        broadcast(torch.tensor(payload, dtype=torch.long, device=self.device), self.group, 0,
+                  scope="serve.plan")
+        return self._run(forwards, blocks, greedy)
 
-    def lead_decode(self, tokens: torch.Tensor, lengths: torch.Tensor, greedy: bool = False
-                    ) -> torch.Tensor:
-        """Rank 0: one token for every slot on every rank; the logits [slots, V] (`greedy`:
-        [slots, 2], each slot's greedy token and log-probability)."""
-        self._header(GREEDY if greedy else DECODE, tokens=tokens, lengths=lengths)
+    def _run(self, forwards, blocks: int, greedy: bool):
+        self.cache.grow(blocks)
         self.steps += 1
-        return decode(self.model, self.pool, tokens, lengths, greedy)
+        return [forward(self.model, self.cache, pieces, greedy) for pieces in forwards]
 
     def lead_idle(self) -> None:
         """Rank 0: a heartbeat (followers wait for the next step without timing out)."""
@@ -80,26 +77,45 @@ class Runner:
         self._header(STOP)
 
     @staticmethod
-    def stop_followers(model: nn.Module, slots: int) -> None:
-        """Rank 0, with or without a Runner: STOP to followers of a `slots`-slot pool."""
-        h = torch.zeros(3 + 2 * slots, dtype=torch.long, device=next(model.parameters()).device)
-        h[0] = STOP
+    def stop_followers(model: nn.Module, slots: int = 0) -> None:
+        """Rank 0, with or without a Runner: STOP to the followers."""
+        h = torch.tensor([STOP, 0, 0, 0], dtype=torch.long,
+                         device=next(model.parameters()).device)
         broadcast(h, model.group, 0, scope="serve.plan")
 
     def follow(self) -> int:
         """Ranks > 0: run what rank 0 broadcasts until STOP; returns the steps run."""
-        s = self.slots
         while True:
-            h = self._header(0)  # filled by rank 0's broadcast
-            op, slot, n = (int(v) for v in h[:3])
+            op, length, blocks, greedy = (int(v) for v in self._header(0))
             if op == STOP:
                 return self.steps
-            if op in (PREFILL, SCORE):
-                ids = broadcast(torch.zeros(n, dtype=torch.long, device=self.device),
-                                self.group, 0, scope="serve.plan")
-                prefill(self.model, self.pool, slot, ids, every=op == SCORE)
-                self.steps += 1
-            elif op in (DECODE, GREEDY):
-                decode(self.model, self.pool, h[3:3 + s], h[3 + s:], op == GREEDY)
-                self.steps += 1
+            if op == STEP:
+                payload = broadcast(torch.zeros(length, dtype=torch.long, device=self.device),
+                                    self.group, 0, scope="serve.plan")
+                self._run(decode(payload.tolist()), blocks, bool(greedy))
             self.model.mesh.ledger.clear()  # rank 0 counts them (metrics); memory stays bounded
+
+
+def encode(forwards: list[list[Piece]]) -> list[int]:
+    """The plan's forwards as the flat integers a broadcast carries (`decode`)."""
+    out = [len(forwards)]
+    for pieces in forwards:
+        out.append(len(pieces))
+        for p in pieces:
+            out += [p.start, len(p.tokens), len(p.blocks), p.logits, *p.tokens, *p.blocks]
+    return out
+
+
+def decode(flat: list[int]) -> list[list[Piece]]:
+    """`encode`'s integers back to the forwards' pieces."""
+    at, forwards = 1, []
+    for _ in range(flat[0]):
+        pieces, count = [], flat[at]
+        at += 1
+        for _ in range(count):
+            start, n, m, kind = flat[at:at + 4]
+            at += 4
+            pieces.append(Piece(flat[at:at + n], start, flat[at + n:at + n + m], kind))
+            at += n + m
+        forwards.append(pieces)
+    return forwards

@@ -1,0 +1,154 @@
+"""A paged KV cache (Kwon et al. 2023, vLLM's PagedAttention, on the CPU): keys and values
+live in fixed-size blocks of `block_size` tokens, a sequence holds a table of blocks,
+and one forward computes any mix of sequences, each its own number of new tokens.
+
+    cache = PagedCache(model, block_size=16)           # no block yet: it grows on demand
+    cache.grow(64)                                     # 64 blocks on every layer
+    logits = forward(model, cache, [Piece([5, 17, 200], start=0, blocks=[1], logits=LAST),
+                                    Piece([42], start=9, blocks=[2], logits=LAST)])
+
+Each rank holds its own heads' keys and values only (split over tp like the qkv weights;
+9 heads at tp=2: 5 + 4), so a block costs 1/tp of the model's on each rank, and every
+rank holds the same block numbers. Block 0 is never handed out: a padding row (the
+batch-invariant mode's fixed shapes) writes there and reads only itself.
+
+A forward's tokens are rows of their own, ids [T, 1] at positions [T] (each sequence's
+rows consecutive): every product of the model is then one [T, h] product, a decode's row
+next to a piece of a prompt (chunked prefill). Attention runs per sequence over its own
+keys (`layers.attention.PagedBatch`): a sequence's result depends on its tokens and on
+which rows share the forward only through the shape of the products, so a forward of a
+fixed shape gives a sequence the same bits whatever the other rows hold.
+
+The logits: rows asked for (`Piece.logits`): LAST, the row of a piece's last token;
+EVERY, each row's (an echoed prompt's own log-probabilities; the last row is computed
+as with LAST, in the same product). Full logits [m, V] float32 gathered over tp, or
+(`greedy`) each row's greedy token and its log-probability, [m, 2], from the
+vocab-parallel shards (`kv_pool._greedy`).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import torch
+from torch import nn
+
+from tpkit.comm import all_gather
+from tpkit.layers.attention import PagedBatch, PagedKV
+from tpkit.model.kv_pool import _check, _greedy
+
+NONE, LAST, EVERY = 0, 1, 2  # which logits a piece asks for
+
+
+@dataclass
+class Piece:
+    """The tokens of one sequence computed in a forward: `tokens` at positions start..,
+    written into `blocks` (its block table, covering start + len(tokens) tokens)."""
+
+    tokens: list[int]
+    start: int
+    blocks: list[int]
+    logits: int = LAST
+    extra: dict = field(default_factory=dict, compare=False, repr=False)  # rank 0's notes
+
+
+class PagedCache:
+    """Every layer's blocks on this rank: k, v [blocks, block_size, kv_local, hd]."""
+
+    def __init__(self, model: nn.Module, block_size: int = 16,
+                 dtype: torch.dtype | None = None) -> None:
+        first = next(model.parameters())
+        self.dtype, self.device = dtype or first.dtype, first.device
+        self.block_size = block_size
+        self.shapes = [(layer.attn.local_kv, layer.attn.head_dim)
+                       for layer in model.layers.values()]
+        self.blocks = 0
+        self.k: list[torch.Tensor] = []
+        self.v: list[torch.Tensor] = []
+        self.grow(1)  # block 0: the padding rows' scratch
+
+    @staticmethod
+    def block_bytes(model: nn.Module, block_size: int, dtype: torch.dtype | None = None) -> int:
+        """Bytes of one block on this rank (keys and values of every layer)."""
+        el = (dtype or next(model.parameters()).dtype).itemsize
+        return sum(2 * block_size * layer.attn.local_kv * layer.attn.head_dim * el
+                   for layer in model.layers.values())
+
+    def grow(self, blocks: int) -> None:
+        """Hold at least `blocks` blocks (the old ones kept; every rank grows alike)."""
+        if blocks <= self.blocks:
+            return
+        new = []
+        for i, (kv, hd) in enumerate(self.shapes):
+            pair = []
+            for old in (self.k, self.v):
+                t = torch.zeros(blocks * self.block_size, kv, hd, dtype=self.dtype,
+                                device=self.device)
+                if old:
+                    t[:old[i].shape[0]] = old[i]
+                pair.append(t)
+            new.append(pair)
+        self.k, self.v = [p[0] for p in new], [p[1] for p in new]
+        self.blocks = blocks
+
+    def nbytes(self) -> int:
+        """Bytes of keys and values this rank holds now."""
+        return sum(t.numel() * t.element_size() for t in (*self.k, *self.v))
+
+
+def layout(pieces: list[Piece], block_size: int, window: int | None, rope_len: int,
+           device) -> tuple[torch.Tensor, PagedBatch]:
+    """ids [T, 1] and the `PagedBatch` of a forward of `pieces`."""
+    ids, pos, write, seqs, row = [], [], [], [], 0
+    for p in pieces:
+        n, end = len(p.tokens), p.start + len(p.tokens)
+        table = torch.tensor(p.blocks, dtype=torch.long)
+        flat = (table[:, None] * block_size + torch.arange(block_size)).reshape(-1)  # [nb*bs]
+        positions = torch.arange(p.start, end)
+        lo = max(0, p.start - window + 1) if window else 0
+        keys = flat[lo:end].to(device)
+        if all(b == a + 1 for a, b in zip(p.blocks, p.blocks[1:])):  # adjacent blocks:
+            first = p.blocks[0] * block_size  # a view of the cache, no gather (the same
+            keys = slice(first + lo, first + end)  # memory layout, so the same bits)
+        mask = None
+        if n > 1 or window:
+            j, q = torch.arange(lo, end), positions[:, None]
+            mask = (j <= q) & (j > q - window) if window else j <= q  # [n, L]
+            mask = mask.to(device)
+        ids += p.tokens
+        pos.append(positions)
+        write.append(flat[p.start:end])
+        seqs.append((row, n, keys, mask))
+        row += n
+    batch = PagedBatch(torch.cat(pos).to(device), torch.cat(write).to(device), seqs, rope_len)
+    return torch.tensor(ids, dtype=torch.long, device=device)[:, None], batch
+
+
+@torch.no_grad()
+def forward(model: nn.Module, cache: PagedCache, pieces: list[Piece], greedy: bool = False
+            ) -> tuple[torch.Tensor | None, list[torch.Tensor]]:
+    """Compute `pieces` in one forward; (logits of the LAST and EVERY pieces' last rows,
+    [m, V] float32 in the pieces' order, or [m, 2] `greedy`; None if none asked for,
+    [the other rows' logits [n-1, V] of each EVERY piece])."""
+    _check(model)
+    c = model.config
+    ids, batch = layout(pieces, cache.block_size, c.sliding_window, c.max_seq_len,
+                        cache.device)
+    caches = [PagedKV(k, v, batch) for k, v in zip(cache.k, cache.v)]
+    h = model.body(ids, kv_caches=caches, position_offset=batch.positions)  # [T, 1, h]
+    lasts = [first + n - 1 for (first, n, _, _), p in zip(batch.seqs, pieces) if p.logits]
+    every = [(first, n) for (first, n, _, _), p in zip(batch.seqs, pieces)
+             if p.logits == EVERY]
+    rest = [_full(model, h[first:first + n - 1]) for first, n in every]
+    if not lasts:
+        return None, rest
+    last = h[torch.tensor(lasts, device=h.device)]  # [m, 1, h]
+    return (_greedy(model, last) if greedy else _full(model, last)), rest
+
+
+def _full(model: nn.Module, h: torch.Tensor) -> torch.Tensor:
+    """Hidden rows [m, 1, h] -> full logits [m, V] float32, gathered over tp."""
+    V = model.config.vocab_size
+    if h.shape[0] == 0:
+        return torch.zeros(0, V)
+    return all_gather(model.logits(h)[:, 0], model.group, dim=-1)[:, :V].float()

@@ -1,0 +1,95 @@
+"""The output processor: what rank 0 makes of a step's logits, request by request —
+sampling (each request's own seeded generator), log-probabilities, the detokenizer
+(text safe to show) and stop strings — into each request's events (`Request.push`).
+
+    outputs = OutputProcessor(tokenizer, eos_ids)
+    outputs.start(req)                              # its generator, text stream, stops
+    why = outputs.take(req, logits)                 # None, or "stop" / "length"
+    tail = outputs.tail(req, by_string)             # the text still held at the end
+
+Nothing here runs a forward or touches the KV cache; an error here is one request's
+(`Engine` fails it alone).
+"""
+
+from __future__ import annotations
+
+import os
+import threading
+
+import torch
+
+from tpkit.model.sampling import sample
+from tpkit.serve.params import StopText
+from tpkit.serve.request import Request
+from tpkit.weights.tokenizer import TextStream
+
+
+class OutputProcessor:
+    """Tokens and text out of logits, for rank 0's requests."""
+
+    def __init__(self, tokenizer=None, eos: set[int] | None = None) -> None:
+        self.tokenizer, self.eos = tokenizer, eos or set()
+        self.lock = threading.Lock()  # HF tokenizers are not safe across threads
+
+    def start(self, req: Request, device=None) -> None:
+        """A request's generator (its seed, or a fresh one), detokenizer, stop strings."""
+        seed = req.params.seed if req.params.seed is not None else \
+            int.from_bytes(os.urandom(8), "little") >> 1
+        req.gen = torch.Generator(device or "cpu").manual_seed(seed)
+        req.stream = TextStream(self.tokenizer) if self.tokenizer else None
+        req.stop_text = StopText(req.params.stop)
+        req.stopped_by_string = False
+        if req.params.echo and req.params.logprobs is not None:
+            req.prompt_logprobs, req.prompt_top = [None], [None]  # nothing before token 0
+
+    def score(self, req: Request, logits: torch.Tensor, first: int) -> None:
+        """Log-probabilities of prompt tokens first.. from the logits [n, V] before them."""
+        n = min(logits.shape[0], len(req.prompt) - first)
+        if n <= 0:
+            return
+        logp = torch.log_softmax(logits[:n].float(), -1)  # [n, V]
+        ids = torch.tensor(req.prompt[first:first + n], device=logp.device)[:, None]
+        req.prompt_logprobs += logp.gather(1, ids)[:, 0].tolist()
+        req.prompt_top += _likeliest(logp, req.params.logprobs or 0)
+
+    def take(self, req: Request, logits: torch.Tensor) -> str | None:
+        """The next token of `req` from its full logits [V]; why it ends here, if it does."""
+        p = req.params
+        tok = int(sample(logits[None], p.temperature, p.top_k, p.top_p, req.gen)[0, 0])
+        logp = torch.log_softmax(logits.float(), -1)  # [V]
+        top = _likeliest(logp[None], p.logprobs)[0] if p.logprobs is not None else None
+        return self.push(req, tok, float(logp[tok]), top)
+
+    def push(self, req: Request, tok: int, logprob: float, top=None) -> str | None:
+        """Give `req` its next token (and the text it makes safe to show); why it ends
+        here ("stop", "length"), or None."""
+        p = req.params
+        piece = ""
+        if req.stream is not None:
+            with self.lock:
+                piece = req.stream.push([tok])
+        shown, hit = req.stop_text.add(piece)
+        req.push(tok, logprob, shown, top)
+        if hit:
+            req.stopped_by_string = True
+            return "stop"
+        if tok in self.eos and not p.ignore_eos:
+            return "stop"
+        return "length" if len(req.tokens) >= p.max_tokens else None
+
+    def tail(self, req: Request) -> str:
+        """The text still held back at the end (an incomplete character, a stop string's
+        possible beginning)."""
+        if getattr(req, "stream", None) is None:
+            return ""
+        text, by_string = "", req.stopped_by_string
+        if not by_string:
+            with self.lock:
+                text, by_string = req.stop_text.add(req.stream.flush())
+        return text + req.stop_text.flush()
+
+
+def _likeliest(logp: torch.Tensor, k: int) -> list[list[tuple[int, float]]]:
+    """The k likeliest (token, log-probability) of each row of logp [n, V], likeliest first."""
+    values, ids = logp.topk(k, dim=-1)  # [n, k]
+    return [list(zip(i, v)) for i, v in zip(ids.tolist(), values.tolist())]

@@ -1,0 +1,235 @@
+"""The scheduler: which tokens of which requests the next step computes (vLLM v1's shape:
+`schedule()` returns a plan, `SchedulerOutput`, that the executor runs and the output
+processor reads; nothing here touches a tensor).
+
+A request's tokens are its prompt then what it generated; `computed` of them have their
+keys in its blocks. Each step, in order:
+    1. the running requests: one token each that is decoding (its last, for the next),
+       the next piece of each whose prompt is not all computed yet;
+    2. waiting requests, first come first served, while a running place is free, the
+       tokens in flight (prompt + max_tokens of the running) stay within
+       `max_tokens_in_flight`, and KV blocks can be had: the prefix cache gives the
+       full blocks of its prompt that some request computed before (`blocks`), the
+       rest of the prompt is computed in pieces.
+Prompt tokens computed per step are at most `prefill_per_step` (0: no limit; one piece
+always runs), so decodes and pieces of prompts share a step (chunked prefill) and a long
+prompt never stalls the running requests for more than one piece.
+
+Two modes (`invariant`):
+- default: a piece is what the budget leaves; every piece and decode of a step is one
+  forward; blocks are taken as tokens arrive. When none is left for a running
+  request, the request admitted last is preempted: its blocks are released and it
+  waits at the front of the queue to be recomputed (its prompt and what it generated,
+  as a prefill: recompute, not swap; its full prompt blocks are likely still cached).
+- batch invariant (`--batch-invariant --decode-chunk C`): the shapes of every forward
+  depend on the request alone: a prompt is cut at multiples of `piece` tokens (a
+  prefix cache hit is cut down to one) and each piece is a forward of its own; the
+  decodes run in forwards of exactly C rows (padding rows in block 0). A request's
+  blocks for prompt + max_tokens are taken at admission, so it is never preempted.
+"""
+
+from __future__ import annotations
+
+from collections import deque
+from dataclasses import dataclass, field
+
+from tpkit.model.paged_kv import EVERY, LAST, NONE, Piece
+from tpkit.serve.blocks import BlockPool, block_keys
+from tpkit.serve.request import Request
+
+
+@dataclass
+class Forward:
+    """One forward of the plan: its pieces, and the request of each (None: padding)."""
+
+    pieces: list[Piece] = field(default_factory=list)
+    reqs: list[Request | None] = field(default_factory=list)
+
+
+@dataclass
+class SchedulerOutput:
+    """A step's plan: the forwards to run and the pool size the tensors must hold."""
+
+    forwards: list[Forward]
+    blocks: int
+    admitted: list[Request] = field(default_factory=list)
+    preempted: list[Request] = field(default_factory=list)
+    prompt_tokens: int = 0  # computed in this step (prefix-cache hits excluded)
+
+    @property
+    def empty(self) -> bool:
+        """Nothing to compute."""
+        return not self.forwards
+
+
+class Scheduler:
+    """Admission, chunked prefill, preemption, over a `BlockPool`."""
+
+    def __init__(self, pool: BlockPool, *, max_batch: int, max_tokens_in_flight: int,
+                 prefill_per_step: int, chunk: int | None, piece: int) -> None:
+        self.pool, self.max_batch, self.budget = pool, max_batch, max_tokens_in_flight
+        self.prefill_per_step, self.chunk, self.piece = prefill_per_step, chunk, piece
+        self.waiting: deque[Request] = deque()
+        self.running: list[Request] = []
+
+    @property
+    def invariant(self) -> bool:
+        """The batch-invariant mode."""
+        return self.chunk is not None
+
+    def schedule(self) -> SchedulerOutput:
+        """The next step's plan (requests' `blocks` and `slot` updated)."""
+        out = SchedulerOutput([], 0)
+        left = self.prefill_per_step or float("inf")
+        decodes, pieces = [], []
+        for req in list(self.running):
+            if req not in self.running:
+                continue  # preempted for an earlier one
+            n = self._next(req, left, not pieces)
+            if n == 0:
+                continue
+            if not self._room(req, req.computed + n, out):
+                continue  # it was itself preempted
+            if _tokens(req) - req.computed == 1 and req.computed >= req.prefill_end:
+                decodes.append(req)
+            else:
+                pieces.append((req, n))
+                left -= n
+        while self.waiting and len(self.running) < self.max_batch:
+            req = self.waiting[0]
+            held = sum(len(r.prompt) + r.params.max_tokens for r in self.running)
+            if held + len(req.prompt) + req.params.max_tokens > self.budget:
+                break  # first come, first served: it waits, and those behind it
+            req.computed, req.prefill_end = 0, _tokens(req)
+            if self._next(req, left, not pieces) == 0:
+                break  # this step's prompt budget is spent
+            if not self._admit(req, left, not pieces):
+                break
+            self.waiting.popleft()
+            self.running.append(req)
+            out.admitted.append(req)
+            n = self._next(req, left, not pieces)
+            if n == 0 or not self._room(req, req.computed + n, out):
+                continue
+            pieces.append((req, n))
+            left -= n
+        for i, req in enumerate(self.running):
+            req.slot = i
+        self._plan(out, decodes, pieces)
+        out.blocks = self.pool.size
+        return out
+
+    def _next(self, req: Request, left: float, first: bool) -> int:
+        """Tokens of `req` to compute this step (0: none, the budget is spent)."""
+        todo = _tokens(req) - req.computed
+        if todo <= 1 and req.computed >= req.prefill_end:
+            return todo  # a decode (never counted against the prompt budget)
+        n = todo
+        if self.invariant:
+            n = min(n, self.piece - req.computed % self.piece)
+            return n if first or n <= left else 0
+        return int(min(n, left)) if left >= 1 else (n if first else 0)
+
+    def _admit(self, req: Request, left: float, first: bool) -> bool:
+        """Find its cached prefix and take its blocks (False: it must wait)."""
+        bs, everything = self.pool.block_size, req.prompt + req.tokens
+        hits: list[int] = []
+        if req.params.echo and req.params.logprobs is not None:
+            pass  # every prompt position's logits are needed: nothing from the cache
+        else:
+            usable = (len(everything) - 1) // bs  # one token at least is computed
+            if self.invariant:
+                usable = usable * bs // self.piece * self.piece // bs
+            hits = self.pool.lookup(block_keys(everything, bs, upto=usable))
+        req.blocks, req.computed = hits, len(hits) * bs
+        req.cached = req.registered = len(hits)
+        req.prefill_end = len(everything)
+        if self.invariant:
+            need = -(-(len(req.prompt) + req.params.max_tokens) // bs) - len(hits)
+        else:
+            need = -(-(req.computed + max(self._next(req, left, first), 1)) // bs) - len(hits)
+        fresh = self.pool.allocate(need)
+        if fresh is None:
+            self.pool.release(hits)
+            req.blocks, req.computed, req.cached = [], 0, 0
+            return False
+        req.blocks = hits + fresh
+        return True
+
+    def _room(self, req: Request, upto: int, out: SchedulerOutput) -> bool:
+        """Blocks for `req`'s first `upto` tokens, preempting the last admitted requests
+        while there are none; False if `req` itself was preempted."""
+        need = -(-upto // self.pool.block_size) - len(req.blocks)
+        while need > 0:
+            fresh = self.pool.allocate(need)
+            if fresh is not None:
+                req.blocks += fresh
+                return True
+            victim = self.running[-1]
+            self.preempt(victim)
+            out.preempted.append(victim)
+            if victim is req:
+                return False
+        return True
+
+    def preempt(self, req: Request) -> None:
+        """Release `req`'s blocks; it waits first in line to be computed again."""
+        self.running.remove(req)
+        self.pool.release(req.blocks)
+        req.blocks, req.computed, req.slot = [], 0, None
+        self.waiting.appendleft(req)
+
+    def finish(self, req: Request) -> None:
+        """`req` is done (or cancelled): its place and blocks are free."""
+        if req in self.running:
+            self.running.remove(req)
+            self.pool.release(req.blocks)
+        elif req in self.waiting:
+            self.waiting.remove(req)
+        req.blocks, req.slot = [], None
+
+    def computed(self, out: SchedulerOutput) -> None:
+        """After the step ran: each piece's tokens are in its blocks; full blocks of a
+        prompt computed as prefill enter the prefix cache."""
+        bs = self.pool.block_size
+        for fwd in out.forwards:
+            for piece, req in zip(fwd.pieces, fwd.reqs):
+                if req is None:
+                    continue
+                req.computed = piece.start + len(piece.tokens)
+                full = min(req.computed, req.prefill_end) // bs
+                if full > req.registered:
+                    keys = block_keys(req.prompt + req.tokens, bs, upto=full)
+                    for b in range(req.registered, full):
+                        self.pool.register(req.blocks[b], keys[b])
+                    req.registered = full
+
+    def _plan(self, out: SchedulerOutput, decodes: list[Request],
+              pieces: list[tuple[Request, int]]) -> None:
+        def piece(req: Request, n: int) -> Piece:
+            toks = (req.prompt + req.tokens)[req.computed:req.computed + n]
+            end = req.computed + n == _tokens(req)
+            every = req.params.echo and req.params.logprobs is not None and \
+                req.computed < len(req.prompt)
+            kind = EVERY if every else LAST if end else NONE
+            return Piece(toks, req.computed, list(req.blocks), kind)
+
+        out.prompt_tokens = sum(n for _, n in pieces)
+        if not self.invariant:
+            if decodes or pieces:
+                reqs = [r for r, _ in pieces] + decodes
+                out.forwards.append(Forward([piece(r, n) for r, n in pieces] +
+                                            [piece(r, 1) for r in decodes], reqs))
+            return
+        for req, n in pieces:
+            out.forwards.append(Forward([piece(req, n)], [req]))
+        for i in range(0, len(decodes), self.chunk):
+            group = decodes[i:i + self.chunk]
+            pad = self.chunk - len(group)
+            out.forwards.append(Forward([piece(r, 1) for r in group] +
+                                        [Piece([0], 0, [0], LAST)] * pad,
+                                        [*group, *[None] * pad]))
+
+
+def _tokens(req: Request) -> int:
+    return len(req.prompt) + len(req.tokens)
