@@ -19,6 +19,7 @@ from dataclasses import dataclass, field
 import torch
 from torch import nn
 
+from tpkit.launch import launch
 from tpkit.layers.sharding import full_state_dict, splits_of
 from tpkit.mesh import ParallelMesh
 from tpkit.model.names import VOCAB_PADDED
@@ -172,13 +173,11 @@ def sweep(case: Callable, args: tuple, tps: list[int], ref: dict, gather_fn: Cal
           ) -> list[TPResult]:
     """`case(mesh, *args)` on tp local processes for each tp; its gathered result against
     `ref` (the tp=1 model's, or another implementation's) with `diff_fn`."""
-    from tpkit.launch import spawn
-
     rows = []
     for tp in tps:
         try:
-            results = spawn(case, tp, *args, mesh=dict(tp=tp, comm=comm), timeout=timeout) \
-                if tp > 1 else [case(ParallelMesh.single(), *args)]
+            results = launch(case, *args, ranks=tp, mesh=dict(tp=tp, comm=comm), every=True,
+                             timeout=timeout)
         except Exception as e:  # noqa: BLE001 - a bad layout is reported, not a crash
             rows.append(TPResult(tp, error=f"tp={tp}: {e}".splitlines()[0]))
             continue

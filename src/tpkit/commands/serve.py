@@ -17,7 +17,6 @@ origin is refused unless `--allow-origin` names it.
 from __future__ import annotations
 
 import argparse
-import os
 import signal
 import threading
 from pathlib import Path
@@ -28,12 +27,12 @@ import torch
 from tpkit.commands.common import add_pool_arguments, decode_chunk, group
 from tpkit.host.exit import Stopped
 from tpkit.host.web import ALLOWED_HOST_HELP, HOST, listen, warn_if_exposed
-from tpkit.launch import SpawnError
+from tpkit.launch import SpawnError, is_rank0, launch
 from tpkit.mesh import ParallelMesh
 from tpkit.serve.engine import PREFILL_PER_STEP, Engine
 from tpkit.serve.loop import serve_loop
 from tpkit.serve.openai_api import MAX_BODY
-from tpkit.serve.runner import Runner
+from tpkit.serve.workers import follow
 from tpkit.spec.errors import UserError
 from tpkit.spec.transport import add_comm_argument, comm_choice
 from tpkit.weights.sources import load_model, open_source, source_tokenizer
@@ -110,37 +109,24 @@ def run(args: argparse.Namespace) -> int:
                         "pip install 'tpkit[serve]'") from None
     comm = comm_choice(getattr(args, "comm", None))
     source = open_source(args.checkpoint)  # once, before any process
-    if "WORLD_SIZE" in os.environ:  # torchrun: rank 0 serves, the others follow
-        mesh, peers = ParallelMesh.from_env(tp=args.tp, pp=1, comm=comm), None
-        if mesh.rank != 0:
-            model = load_model(source, mesh, dtype=getattr(torch, args.dtype))
-            Runner(model, args.max_batch, args.max_len or model.config.max_seq_len,
-                   decode_chunk(args)).follow()
-            return 0
-    else:
-        mesh, peers = None, None
     name = args.served_model_name or Path(str(args.checkpoint).rstrip("/")).resolve().name
-    app = App(None, name, None,
-              max_body=args.max_body_bytes, timeout=args.timeout)
+    app = App(None, name, None, max_body=args.max_body_bytes, timeout=args.timeout)
     server = listen(lambda: make_server(  # a busy port fails before any loading
         app, args.host, args.port, allowed_hosts=args.allowed_host,
-        allowed_origins=args.allow_origin), args.host, args.port)
-    try:
-        if mesh is None and args.tp > 1:
-            from tpkit.serve.workers import Peers
-
-            peers = Peers(args.tp, source, args.max_batch, args.max_len or 0,
-                          decode_chunk(args), comm=comm, dtype=getattr(torch, args.dtype))
-            mesh = peers.mesh
-        mesh = mesh or ParallelMesh.single()
-        return _serve(args, source, mesh, peers, app, server)
+        allowed_origins=args.allow_origin), args.host, args.port) if is_rank0() else None
+    follower = (follow, (source, args.max_batch, args.max_len, decode_chunk(args),
+                         getattr(torch, args.dtype)))
+    try:  # rank 0 serves here, the others follow (spawned, or torchrun's)
+        launch(_serve, args, source, app, server, ranks=args.tp,
+               mesh=dict(tp=args.tp, comm=comm), follow=follower, lead_here=True)
+        return 0
     finally:
-        server.server_close()
-        if peers is not None:
-            peers.close()
+        if server is not None:
+            server.server_close()
 
 
-def _serve(args, source, mesh: ParallelMesh, peers, app: App, server) -> int:
+def _serve(mesh: ParallelMesh, args, source, app: App, server, followers=None) -> None:
+    """Rank 0: load, serve until a signal (`Stopped`) or a follower's death (SpawnError)."""
     model = load_model(source, mesh, dtype=getattr(torch, args.dtype))
     app.tokenizer = load_tokenizer(source_tokenizer(source))
     app.engine = Engine(model, tokenizer=app.tokenizer, max_batch=args.max_batch,
@@ -162,7 +148,7 @@ def _serve(args, source, mesh: ParallelMesh, peers, app: App, server) -> int:
     print(f"tpkit serve: http://{shown}:{port}/v1 model={app.name!r} tp={mesh.tp_size} "
           f"max_batch={app.engine.max_batch} max_len={app.engine.max_len}", flush=True)
     try:
-        line = serve_loop(app.engine, stop, peers, args.drain_seconds)
+        line = serve_loop(app.engine, stop, followers, args.drain_seconds)
     finally:
         server.shutdown()
         app.wait_handlers(2.0)  # the answers (503s included) get written
@@ -172,4 +158,3 @@ def _serve(args, source, mesh: ParallelMesh, peers, app: App, server) -> int:
         raise SpawnError(line, run_failed=True)
     if got:
         raise Stopped(got[0])
-    return 0

@@ -3,9 +3,10 @@
     tpkit train --preset gpt2-tiny --tp 2 --pp 2 --steps 300          # 4 local gloo processes
     torchrun --nnodes 2 --nproc_per_node 8 -m tpkit train --tp 8 --pp 2 ...   # one per GPU
 
-Without RANK in the environment the command spawns `--processes` (default tp*pp*dp*cp)
-local gloo processes with `tpkit.launch.spawn`; under torchrun every process runs
-the loop on the mesh from the environment (tp innermost: a tp group stays on one
+Where the ranks come from is `tpkit.launch.launch`'s decision: alone, the command checks
+the run folder, then spawns `--processes` (default tp*pp*dp*cp) local gloo processes;
+under torchrun rank 0 checks the folder and every process runs the loop on the mesh
+from the environment (tp innermost: a tp group stays on one
 node; a layout that breaks that is warned about, with the reason). Configuration
 errors are reported before any process starts (and again on every rank).
 """
@@ -20,7 +21,10 @@ from contextlib import ExitStack, contextmanager
 from pathlib import Path
 from typing import TYPE_CHECKING
 
+from tpkit.checkpoint.retention import discard
 from tpkit.commands.common import group, says_default, shown
+from tpkit.host.device import best_device
+from tpkit.launch import decided_by_rank0, is_rank0, launch, under_torchrun
 from tpkit.parallel.schedules import CHUNKED
 from tpkit.spec.errors import UserError
 from tpkit.spec.grid import dp_left, locality_problem
@@ -36,6 +40,8 @@ from tpkit.train.config_file import (
     write_run_config,
 )
 from tpkit.train.config_knobs import Knob, knobs, sections
+from tpkit.train.data import load_tokens
+from tpkit.train.run_folder import check_writable, earlier_runs, hold
 from tpkit.train.run_log import report_file
 
 if TYPE_CHECKING:
@@ -151,8 +157,8 @@ def _print_report(results: list[RunSummary]) -> None:
 def run(args: argparse.Namespace) -> int:
     """Train; 0 on success. A configuration, data or checkpoint error raises UserError
     (one line on stderr and exit status 2, from `tpkit.cli`), before any process starts."""
-    torchrun = "RANK" in os.environ and "WORLD_SIZE" in os.environ
-    world = int(os.environ["WORLD_SIZE"]) if torchrun else args.processes
+    torchrun = under_torchrun()
+    world = int(os.environ.get("WORLD_SIZE", 1)) if torchrun else args.processes
     if world is not None and world < 1:
         raise UserError(f"--processes={world} must be a positive number of processes")
     cfg = config_from_args(args, world)
@@ -161,22 +167,66 @@ def run(args: argparse.Namespace) -> int:
         print(to_toml(cfg, "the effective configuration: defaults, --config, then the flags"),
               end="")
         return 0
-    comm = comm_choice(getattr(args, "comm", None))
-    if torchrun:  # rank 0 chooses the checkpoint to resume there
-        return _run_torchrun(cfg, args.overwrite, comm)
-    cfg = cfg.with_(resume=resume_dir(cfg))  # chosen once, here
-    note = _resume_changes(cfg)
-    from tpkit.train.data import load_tokens
-    from tpkit.train.run_folder import check_writable, hold
+    how = dict(ranks=cfg.world_size, mesh=dict(tp=cfg.tp, pp=cfg.pp, dp=cfg.dp, cp=cfg.cp,
+                                               comm=comm_choice(getattr(args, "comm", None))),
+               every=True, device=best_device(), timeout=7 * 24 * 3600.0,
+               collective_timeout=cfg.collective_timeout)
+    if torchrun:  # the ranks exist: rank 0 decides about the folder (`_run_folder`)
+        results = launch(_torchrun_rank, cfg, args.overwrite, **how)
+    else:  # this process decides, before any rank starts
+        results = _launch_here(cfg, args.overwrite, args.force, how)
+    if results is not None:  # rank 0
+        _print_report(results)
+        report_file("the merged trace", _merge_trace, cfg)
+    return 0
 
-    check_writable(Path(cfg.out))  # one line, before any process is spawned
-    with hold(Path(cfg.out)):  # one run per folder, from here until the run ends
-        _never_mix_runs(Path(cfg.out), cfg.resume, args.overwrite, torchrun)
+
+@contextmanager
+def _run_folder(cfg: TrainConfig, overwrite: bool, mesh) -> Iterator[TrainConfig]:
+    """The run's folder, decided once (`launch.decided_by_rank0`: by this process before
+    any rank starts, mesh None; else by rank 0): the checkpoint to resume (hashing the
+    newest once), the lock on --out, an earlier run there refused or (--overwrite)
+    deleted; yields the config with the resume chosen."""
+    cfg = cfg.with_(resume=decided_by_rank0(mesh, resume_dir, cfg))
+    note = _resume_changes(cfg)
+    with ExitStack() as stack:
+        def take() -> None:
+            check_writable(Path(cfg.out))  # one line, before any process is spawned
+            stack.enter_context(hold(Path(cfg.out)))  # one run per folder, until it ends
+
+        decided_by_rank0(mesh, take)
+        _never_mix_runs(Path(cfg.out), cfg.resume, overwrite)
         _say(note)  # once the folder is known to be this run's
+        yield cfg
+
+
+def _launch_here(cfg: TrainConfig, overwrite: bool, force: bool, how: dict) -> list:
+    """Check the folder, the data and the memory here, then start the ranks."""
+    with _run_folder(cfg, overwrite, None) as cfg:
         load_tokens(cfg.data, cfg.model_config().vocab_size, cfg.tokenizer_id)  # errors now
-        _check_memory(cfg, args.force)
+        _check_memory(cfg, force)
         write_run_config(cfg, cfg.out)
-        return _run_local(cfg, comm)
+        return launch(_worker, cfg, **how)
+
+
+def _torchrun_rank(mesh, cfg: TrainConfig, overwrite: bool) -> RunSummary:
+    """One of torchrun's ranks: the folder decided by rank 0, then the run."""
+    with _run_folder(cfg, overwrite, mesh) as cfg:
+        if mesh.rank == 0:
+            write_run_config(cfg, cfg.out)
+        # one write per line: ranks share the agent's stdout, and print() under
+        # PYTHONUNBUFFERED writes the text and its newline separately, so two ranks' lines
+        # could run together
+        sys.stdout.write(f"rank {mesh.rank}: {mesh!r}, tp group {list(mesh.tp_group.ranks)}\n")
+        sys.stdout.flush()
+        price = cross_node_price(mesh.tp_size, mesh.pp_size, mesh.dp_size,
+                                 mesh.ranks_per_node, mesh.cp_size)
+        if price and mesh.rank == 0:  # the mesh warned of the problem; the planner prices it
+            print(price, file=sys.stderr, flush=True)
+        result = _worker(mesh, cfg)
+        if mesh.rank == 0:
+            print(mesh.describe())
+        return result
 
 
 def _check_memory(cfg: TrainConfig, force: bool) -> None:
@@ -212,39 +262,17 @@ def _resume_changes(cfg: TrainConfig) -> str | None:
 
 
 def _say(note: str | None) -> None:
-    if note and os.environ.get("RANK", "0") == "0":
+    if note and is_rank0():
         print(note, file=sys.stderr)
 
 
-def _never_mix_runs(out: Path, resume: str | None, overwrite: bool, torchrun: bool) -> None:
+def _never_mix_runs(out: Path, resume: str | None, overwrite: bool) -> None:
     """An --out that holds another run's checkpoints: refuse, naming both runs, or (a new
     run with --overwrite) delete them first, rank 0 only under torchrun
     (`run_folder.earlier_runs`)."""
-    from tpkit.checkpoint.retention import discard
-    from tpkit.train.run_folder import earlier_runs
-
     for d in earlier_runs(out, resume, overwrite):
-        if not torchrun or os.environ.get("RANK") == "0":
+        if is_rank0():
             discard(d)
-
-
-def _run_local(cfg: TrainConfig, comm: str) -> int:
-    from tpkit.host.device import best_device
-    from tpkit.launch import spawn
-    from tpkit.mesh import ParallelMesh
-
-    n = cfg.world_size
-    if n == 1:  # one process: on the GPU when there is one
-        results = [_worker(ParallelMesh.single(device=best_device()), cfg)]
-    else:
-        threads = max(1, (os.cpu_count() or 1) // n)
-        results = spawn(_worker, n, cfg, mesh=dict(tp=cfg.tp, pp=cfg.pp, dp=cfg.dp, cp=cfg.cp,
-                                                   comm=comm),
-                        threads=threads, timeout=7 * 24 * 3600.0,
-                        collective_timeout=cfg.collective_timeout)
-    _print_report(results)
-    report_file("the merged trace", _merge_trace, cfg)
-    return 0
 
 
 def _merge_trace(cfg: TrainConfig) -> None:
@@ -268,75 +296,3 @@ def cross_node_price(tp: int, pp: int, dp: int, ranks_per_node: int, cp: int = 1
         return None
     said = cross_node_penalty(None, tp, ranks_per_node, hardware="h100")
     return f"Predicted on H100 nodes with InfiniBand: {said}" if said else None
-
-
-def _decided_by_rank0(rank: int, fn, *args):
-    """Under torchrun: rank 0 runs `fn(*args)` (a check, a choice); every rank gets its
-    result, or raises its UserError line (one broadcast), so no rank goes on while
-    another refused and all go on with the same answer."""
-    import torch.distributed as dist
-
-    said = [None, None]
-    if rank == 0:
-        try:
-            said[0] = fn(*args)
-        except UserError as e:
-            said[1] = str(e)
-    dist.broadcast_object_list(said, src=0)
-    if said[1] is not None:
-        raise UserError(said[1])
-    return said[0]
-
-
-@contextmanager
-def _folder_held_by_rank0(out: Path, rank: int) -> Iterator[None]:
-    """Under torchrun: rank 0 checks and locks --out (`_decided_by_rank0`)."""
-    from tpkit.train.run_folder import check_writable, hold
-
-    with ExitStack() as stack:
-        def take() -> None:
-            check_writable(out)
-            stack.enter_context(hold(out))
-
-        _decided_by_rank0(rank, take)
-        yield
-
-
-def _run_torchrun(cfg: TrainConfig, overwrite: bool, comm: str) -> int:
-    from tpkit.mesh import ParallelMesh
-
-    mesh = ParallelMesh.from_env(tp=cfg.tp, pp=cfg.pp, dp=cfg.dp, cp=cfg.cp,
-                                 timeout_s=cfg.collective_timeout, comm=comm)
-    # rank 0 chooses the checkpoint to resume (hashing the newest once, not every rank)
-    cfg = cfg.with_(resume=_decided_by_rank0(mesh.rank, resume_dir, cfg))
-    note = _resume_changes(cfg)
-    with _folder_held_by_rank0(Path(cfg.out), mesh.rank):
-        _never_mix_runs(Path(cfg.out), cfg.resume, overwrite, True)
-        _say(note)
-        if mesh.rank == 0:
-            write_run_config(cfg, cfg.out)
-        return _train_torchrun(cfg, mesh)
-
-
-def _train_torchrun(cfg: TrainConfig, mesh) -> int:
-    import torch.distributed as dist
-
-    from tpkit.train.loop import train
-
-    # one write per line: ranks share the agent's stdout, and print() under PYTHONUNBUFFERED
-    # writes the text and its newline separately, so two ranks' lines could run together
-    sys.stdout.write(f"rank {mesh.rank}: {mesh!r}, tp group {list(mesh.tp_group.ranks)}\n")
-    sys.stdout.flush()
-    price = cross_node_price(mesh.tp_size, mesh.pp_size, mesh.dp_size, mesh.ranks_per_node,
-                             mesh.cp_size)
-    if price and mesh.rank == 0:  # the mesh warned of the problem; the planner prices it
-        print(price, file=sys.stderr, flush=True)
-    result = train(cfg, mesh, trackers=trackers(cfg, mesh))
-    if mesh.rank == 0:
-        print(mesh.describe())
-        _print_report([result])
-    dist.barrier()
-    if mesh.rank == 0:
-        report_file("the merged trace", _merge_trace, cfg)
-    dist.destroy_process_group()
-    return 0
