@@ -158,6 +158,6 @@ class Ledger:
 
     def table(self, title: str = "communication ledger", by_scope: bool = True, **select) -> str:
         """The summary as a plain-text table."""
-        from tpkit.comm.report import render_summary
+        from tpkit.comm.ledger_tables import render_summary
 
         return render_summary(self.summary(by_scope=by_scope, **select), title)

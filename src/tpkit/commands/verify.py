@@ -32,7 +32,7 @@ from tpkit.check.exactness import (
     model_case,
     sweep,
 )
-from tpkit.comm.report import human_bytes
+from tpkit.comm.ledger_tables import human_bytes
 from tpkit.commands.common import group
 from tpkit.spec.errors import UserError
 from tpkit.spec.transport import add_comm_argument, comm_choice
@@ -223,7 +223,7 @@ def _print_rows(rows: list[TPResult], tol: float, loss_tol: float, ref_name: str
                 dtype: str, bound: str | None = None) -> None:
     from rich.table import Table
 
-    from tpkit.comm.report import render
+    from tpkit.comm.ledger_tables import render
 
     loss = (f"loss <= {LOSS_ULPS} float32 ulp = {loss_tol:.2g}"
             if ref_name == "tp=1" and dtype == "float32" else f"loss {loss_tol:g}")

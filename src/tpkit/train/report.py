@@ -127,7 +127,7 @@ def theory_table(rows: list[dict], title: str) -> str:
     """`theory_rows` as a text table, with a verdict column."""
     from rich.table import Table
 
-    from tpkit.comm.report import render
+    from tpkit.comm.ledger_tables import render
 
     t = Table(title=title)
     for col in ("group", "op", "phase", "elements each", "recorded", "theory", ""):

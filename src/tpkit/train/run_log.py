@@ -12,7 +12,7 @@ from pathlib import Path
 
 from tpkit.checkpoint.disk import writing
 from tpkit.comm.ledger import Record
-from tpkit.comm.report import human_bytes
+from tpkit.comm.ledger_tables import human_bytes
 from tpkit.spec.errors import RunFailed
 
 
