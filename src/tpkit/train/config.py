@@ -17,7 +17,7 @@ from tpkit.comm.failure import DEFAULT_COLLECTIVE_TIMEOUT_S
 from tpkit.parallel.schedules import CHUNKED, SCHEDULES, schedule_problems
 from tpkit.spec.errors import UserError
 from tpkit.spec.grid import world_of
-from tpkit.spec.shapes import chunks_problem, interleave_problem
+from tpkit.spec.shapes import LOSS_CHUNK_SAYS, chunks_problem, interleave_problem, loss_chunk_ok
 from tpkit.spec.theory import FSDP_RESHARD
 from tpkit.train.config_knobs import (
     AT_LEAST_0,
@@ -72,7 +72,7 @@ class TrainConfig:
     loss_chunk: int = MODEL.knob(
         0, "head + cross-entropy this many tokens at a time: the logits of the whole "
         "micro-batch never exist (0: off)",
-        check=Check(lambda v: v >= 0, "must be 0 (off) or a positive number of tokens"))
+        check=Check(loss_chunk_ok, LOSS_CHUNK_SAYS))
 
     tp: int = PARALLEL.knob(1, "tensor-parallel size", check=POSITIVE_INT)
     pp: int = PARALLEL.knob(1, "pipeline stages", check=POSITIVE_INT)
