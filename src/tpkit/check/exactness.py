@@ -20,6 +20,7 @@ import torch
 from torch import nn
 
 from tpkit.launch import launch
+from tpkit.layers import ParallelMLP
 from tpkit.layers.sharding import full_state_dict, splits_of
 from tpkit.mesh import ParallelMesh
 from tpkit.model.names import VOCAB_PADDED
@@ -57,8 +58,6 @@ def loss_bound(loss: float | None, dtype: str) -> float:
 
 def mlp_case(mesh: ParallelMesh, opts: dict, build: Callable | None = None) -> dict:
     """ParallelMLP on a seeded input; what `compare_tps` needs of this rank."""
-    from tpkit.layers import ParallelMLP
-
     dtype = getattr(torch, opts["dtype"])
     g = torch.Generator().manual_seed(0)
     x = torch.randn(opts["batch"], opts["seq"], opts["hidden"], generator=g

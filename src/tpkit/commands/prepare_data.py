@@ -29,6 +29,9 @@ from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from pathlib import Path
 
+from rich.progress import BarColumn, DownloadColumn, Progress, TextColumn
+from rich.progress import TimeRemainingColumn as Eta
+
 from tpkit.commands.common import group
 from tpkit.spec.words import plural
 
@@ -67,8 +70,6 @@ def byte_progress(total: int, enabled: bool) -> Iterator[Callable[[int, int], No
     if not enabled:
         yield lambda n, t: None
         return
-    from rich.progress import BarColumn, DownloadColumn, Progress, TextColumn
-    from rich.progress import TimeRemainingColumn as Eta
 
     start, seen = time.perf_counter(), [0]
     with Progress(TextColumn("tokenize"), BarColumn(), DownloadColumn(), Eta(),

@@ -23,9 +23,13 @@ from typing import TYPE_CHECKING
 
 from tpkit.checkpoint.retention import discard
 from tpkit.commands.common import group, says_default, shown
-from tpkit.host.device import best_device
+from tpkit.commands.memory_check import check_fits
+from tpkit.host.device import best_device, cuda_available, device_name
 from tpkit.launch import decided_by_rank0, is_rank0, launch, under_torchrun
 from tpkit.parallel.schedules import CHUNKED
+from tpkit.plan.cost import model_flops_per_token
+from tpkit.plan.hardware import profile_of_device
+from tpkit.plan.topology import cross_node_penalty
 from tpkit.spec.errors import UserError
 from tpkit.spec.grid import dp_left, locality_problem
 from tpkit.spec.shapes import default_micro_batches
@@ -41,8 +45,13 @@ from tpkit.train.config_file import (
 )
 from tpkit.train.config_knobs import Knob, knobs, sections
 from tpkit.train.data import load_tokens
+from tpkit.train.loop import train
+from tpkit.train.report import report
 from tpkit.train.run_folder import check_writable, earlier_runs, hold
 from tpkit.train.run_log import report_file
+from tpkit.train.trace import merge
+from tpkit.train.trackers import Trackers
+from tpkit.weights.paths import latest, run_checkpoints, sharded_dir
 
 if TYPE_CHECKING:
     from tpkit.train.report import RunSummary
@@ -115,27 +124,19 @@ def _default_micro_batches(cfg: TrainConfig) -> int:
 
 
 def _worker(mesh, cfg: TrainConfig) -> RunSummary:
-    from tpkit.train.loop import train
-
     return train(cfg, mesh, trackers=trackers(cfg, mesh))
 
 
 def flops_per_token(cfg: TrainConfig) -> float:
     """Training FLOPs per token of the model (the planner's formula: MFU's numerator)."""
-    from tpkit.plan.cost import model_flops_per_token
-
     return model_flops_per_token(cfg.model_config(), cfg.seq)
 
 
 def trackers(cfg: TrainConfig, mesh):
     """The run's trackers (`--trackers`), with MFU's numerator and, when this device has a
     known profile (a GPU the planner knows, a CPU after `tpkit calibrate`), its peak."""
-    from tpkit.plan.hardware import profile_of_device
-    from tpkit.train.trackers import Trackers
-
     if mesh.rank != 0:
         return None
-    from tpkit.host.device import device_name
 
     profile = profile_of_device(device_name(mesh.device))
     peak = profile.accelerator.peak_flops * mesh.world_size if profile else None
@@ -143,8 +144,6 @@ def trackers(cfg: TrainConfig, mesh):
 
 
 def _print_report(results: list[RunSummary]) -> None:
-    from tpkit.train.report import report
-
     first = results[0]
     last = next((r for r in results if r.stage == first.config.pp - 1 and r.tp_rank == 0),
                 None)
@@ -232,19 +231,13 @@ def _torchrun_rank(mesh, cfg: TrainConfig, overwrite: bool) -> RunSummary:
 def _check_memory(cfg: TrainConfig, force: bool) -> None:
     """Local ranks on the CPU share this machine's memory: the planner's estimate of
     their peak against what it offers (`memory_check`), before spawning them."""
-    from tpkit.host.device import cuda_available
-
     if not cuda_available():
-        from tpkit.commands.memory_check import check_fits
-
         check_fits(cfg, force)
 
 
 def resume_dir(cfg: TrainConfig) -> str | None:
     """The checkpoint directory `cfg.resume` names: "auto", the newest valid one in
     --out (None: a fresh run); a run folder, its latest valid checkpoint."""
-    from tpkit.weights.paths import latest, run_checkpoints, sharded_dir
-
     if cfg.resume == "auto":
         found = latest(run_checkpoints(cfg.out))
         return None if found is None else str(found)
@@ -279,7 +272,6 @@ def _merge_trace(cfg: TrainConfig) -> None:
     """Every rank's part of the timeline -> one trace and its PNG (after all ranks wrote)."""
     if not cfg.trace:
         return
-    from tpkit.train.trace import merge
 
     title = (f"{cfg.preset} tp={cfg.tp} pp={cfg.pp} dp={cfg.dp}, {cfg.schedule}, "
              f"{plural(cfg.micro_batches, 'micro-batch')}: the last step")
@@ -290,8 +282,6 @@ def _merge_trace(cfg: TrainConfig) -> None:
 def cross_node_price(tp: int, pp: int, dp: int, ranks_per_node: int, cp: int = 1
                      ) -> str | None:
     """The planner's price of tp groups that span nodes (`TopologyWarning` says why), or None."""
-    from tpkit.plan.topology import cross_node_penalty
-
     if locality_problem(tp, pp, dp, ranks_per_node, cp) is None:
         return None
     said = cross_node_penalty(None, tp, ranks_per_node, hardware="h100")

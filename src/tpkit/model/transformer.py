@@ -35,6 +35,7 @@ from tpkit.layers.ring_attention import cp_positions
 from tpkit.layers.sharding import TPSplit, master_normal, seed_for, set_meta, shard
 from tpkit.model import names
 from tpkit.model.block import Block
+from tpkit.model.generate import generate, pad_left
 from tpkit.model.names import EMBED_WEIGHT
 from tpkit.spec.config import ModelConfig
 from tpkit.spec.errors import UserError
@@ -279,8 +280,6 @@ class Transformer(nn.Module):
         """Tokens [b, s + n] after `ids` [b, s] (or a list of prompts, left-padded):
         `tpkit.model.generate.generate` (its keywords: temperature, top_k, eos_id...).
         Call on every tp rank; every rank returns the same tokens."""
-        from tpkit.model.generate import generate, pad_left
-
         if not torch.is_tensor(ids):
             ids, kw["attention_mask"] = pad_left(ids, kw.get("pad_id", 0), self.mesh.device)
         return generate(self, ids, max_new_tokens, **kw)

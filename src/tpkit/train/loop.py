@@ -20,6 +20,8 @@ from pathlib import Path
 
 import torch
 
+from tpkit.checkpoint import retention, store
+from tpkit.checkpoint.rng import capture_rng, restore_rng
 from tpkit.comm import all_reduce
 from tpkit.comm.failure import CollectiveFailed
 from tpkit.mesh import ParallelMesh
@@ -28,7 +30,7 @@ from tpkit.parallel.divergence import check_replicas
 from tpkit.parallel.replicated_data import ReplicatedData
 from tpkit.spec import theory
 from tpkit.spec.errors import UserError
-from tpkit.train import run_log
+from tpkit.train import run_log, trace
 from tpkit.train.config import TrainConfig
 from tpkit.train.data import (
     TokenLoader,
@@ -42,6 +44,9 @@ from tpkit.train.optim import build_optimizer, build_sharding
 from tpkit.train.report import RunSummary, sharded_rows, theory_rows, theory_table
 from tpkit.train.step import StepContext, evaluate, run_step
 from tpkit.train.trackers import Trackers
+from tpkit.weights.build import build_model
+from tpkit.weights.paths import step_dir
+from tpkit.weights.sources import open_source
 
 
 def prepare(cfg: TrainConfig, mesh: ParallelMesh) -> tuple[TokenLoader, TokenLoader | None]:
@@ -73,9 +78,6 @@ def train_model(cfg: TrainConfig, mesh: ParallelMesh,
     With `from_hf` each rank reads only its slices of the folder's weights (unless it
     resumes: the checkpoint's weights replace them anyway). With `dtype` (the bf16
     compute copy of master weights) its weights are left to `MasterWeights`."""
-    from tpkit.weights.build import build_model
-    from tpkit.weights.sources import open_source
-
     hf = cfg.from_hf is not None and not cfg.resume and dtype is None
     model = build_model(cfg.model_config(), mesh, open_source(cfg.from_hf) if hf else None,
                         seed=cfg.seed, sequence_parallel=cfg.sp, recompute=cfg.recompute,
@@ -168,8 +170,6 @@ def train(cfg: TrainConfig, mesh: ParallelMesh, model: torch.nn.Module | None = 
 
 def _write_trace(cfg: TrainConfig, mesh: ParallelMesh, records, span) -> None:
     """This rank's timeline of the last step (`tpkit.train.trace`; merged by the command)."""
-    from tpkit.train import trace
-
     cp = f", cp {mesh.cp_rank}" if mesh.cp_size > 1 else ""
     title = f"rank {mesh.rank} (pp {mesh.pp_rank}, tp {mesh.tp_rank}, dp {mesh.dp_rank}{cp})"
     trace.write_rank(cfg.trace, mesh.rank, title, trace.step_events(records, *span, mesh.rank))
@@ -192,8 +192,6 @@ def _due(step: int, every: int, steps: int) -> bool:
 def run_identity(cfg: TrainConfig) -> str:
     """This run's id, in every checkpoint it writes: the resumed checkpoint's run's
     (`retention.run_of`), or a new one."""
-    from tpkit.checkpoint import retention
-
     return (retention.run_of(cfg.resume) if cfg.resume else None) or retention.new_run_id()
 
 
@@ -202,10 +200,6 @@ def save_checkpoint(cfg: TrainConfig, mesh: ParallelMesh, model, opt, loader: To
     """Sharded checkpoint at out/checkpoints/step_N: weights, AdamW (or ZeRO-1) state,
     and in `extra` the loader position, the step and this rank's generator states;
     then retention, of this run's (`run_id`) checkpoints only."""
-    from tpkit.checkpoint import retention, store
-    from tpkit.checkpoint.rng import capture_rng
-    from tpkit.weights.paths import step_dir
-
     path = step_dir(cfg.out, step)
     rng = dict(capture_rng(mesh.device), tp=model.rng.state, device=mesh.device.type)
     store.save(path, model, opt, step=step, mesh=mesh, run=run_id,
@@ -226,9 +220,6 @@ def resume(cfg: TrainConfig, mesh: ParallelMesh, model, opt, loader: TokenLoader
     rank (tp ranks must draw alike), the per-tp-rank dropout generator keeps its seed;
     on another kind of device (a GPU checkpoint on CPU) the generators keep theirs.
     """
-    from tpkit.checkpoint import store
-    from tpkit.checkpoint.rng import restore_rng
-
     path = cfg.resume
     extra = store.load(path, model, opt, mesh=mesh)
     if int(extra["step"]) >= cfg.steps:

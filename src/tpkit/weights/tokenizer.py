@@ -22,6 +22,8 @@ from typing import Any, Protocol
 
 import numpy as np
 
+from tpkit.spec.config import PRESETS
+
 # The files a Hugging Face tokenizer may consist of, and the generation settings (EOS
 # and pad ids) that transformers' generate reads: copied along with a model.
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json",
@@ -174,8 +176,6 @@ def export_tokenizer(source: Any, out: str | Path, model_name: str) -> str:
     folder if it has them (a Hugging Face folder, or a checkpoint of a `--from-hf` run),
     else for one of tpkit's presets (trained on bytes) the byte-level tokenizer.
     Returns what was done: 'copied', 'bytes' or 'none' (a model of unknown tokenizer)."""
-    from tpkit.spec.config import PRESETS
-
     if isinstance(source, (str, Path)) and has_tokenizer(source):
         copy_tokenizer(source, out)
         return "copied"
