@@ -90,6 +90,7 @@ def prepare(files: list[str], tokenizer_at: str, out: str, dtype: str = "auto",
     """Tokenize `files` into shards under `out`, an end-of-sequence token after each
     document; returns the index (with documents, tokens, vocab_size, dtype). Every input
     is checked before --out is touched; `out` is replaced whole, or left as it was."""
+    # lazy: torch; the command parses and checks its flags without it
     from tpkit.train.data_folder import replacing
     from tpkit.train.tokenizing import Tokenized
     from tpkit.train.tokens import ShardWriter, dtype_for

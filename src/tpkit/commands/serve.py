@@ -101,6 +101,7 @@ def run(args: argparse.Namespace) -> int:
     """Load the model on every rank, serve on rank 0 until a signal or a worker's death."""
     _check_args(args)
     try:
+        # lazy: pydantic is optional (tpkit[serve])
         from tpkit.serve.http import App, make_server
     except ModuleNotFoundError as e:  # the request schema's
         if e.name != "pydantic":

@@ -23,9 +23,9 @@ Compilation itself happens at the first forward.
 
 from __future__ import annotations
 
+from torch._dynamo.utils import counters
+
 
 def compiled_graphs() -> int:
     """Graphs Dynamo has built in this process so far (grows on every recompile)."""
-    from torch._dynamo.utils import counters
-
     return int(counters["stats"]["unique_graphs"])

@@ -13,6 +13,8 @@ from dataclasses import asdict, dataclass, replace
 from functools import cached_property
 from pathlib import Path
 
+from torch._dynamo import list_backends
+
 from tpkit.comm.failure import DEFAULT_COLLECTIVE_TIMEOUT_S
 from tpkit.parallel.schedules import CHUNKED, SCHEDULES, schedule_problems
 from tpkit.spec.config import get_preset
@@ -306,8 +308,6 @@ class TrainConfig:
 
 def _backend_problems(backend: str) -> list[str]:
     """torch.compile's backends, checked before any process starts."""
-    from torch._dynamo import list_backends
-
     known = list_backends(exclude_tags=())
     return [] if backend in known else [f"compile_backend={backend!r} is not one of {known}"]
 

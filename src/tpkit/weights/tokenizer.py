@@ -73,6 +73,7 @@ class HFTokenizer:
     """A Hugging Face tokenizer (`AutoTokenizer.from_pretrained(folder)`)."""
 
     def __init__(self, folder: str | Path) -> None:
+        # lazy: optional (tpkit[hf])
         from transformers import AutoTokenizer
 
         self.folder = str(folder)
@@ -159,6 +160,7 @@ def _unicode_to_bytes() -> dict[str, int]:
 def save_byte_tokenizer(folder: str | Path) -> Path:
     """Write a byte-level `tokenizer.json` (+ config) into `folder`: AutoTokenizer loads it
     and encodes text to its UTF-8 bytes, exactly as `ByteTokenizer`."""
+    # lazy: optional (tpkit[hf])
     from tokenizers import Tokenizer as RustTokenizer
     from tokenizers import decoders, models, pre_tokenizers
     from transformers import PreTrainedTokenizerFast
