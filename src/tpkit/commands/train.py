@@ -14,7 +14,6 @@ errors are reported before any process starts (and again on every rank).
 from __future__ import annotations
 
 import argparse
-import os
 import sys
 from collections.abc import Iterator
 from contextlib import ExitStack, contextmanager
@@ -25,7 +24,7 @@ from tpkit.checkpoint.retention import discard
 from tpkit.commands.common import group, says_default, shown
 from tpkit.commands.memory_check import check_fits
 from tpkit.host.device import best_device, cuda_available, device_name
-from tpkit.launch import decided_by_rank0, is_rank0, launch, under_torchrun
+from tpkit.launch import decided_by_rank0, is_rank0, launch, under_torchrun, world_here
 from tpkit.parallel.schedules import CHUNKED
 from tpkit.plan.cost import model_flops_per_token
 from tpkit.plan.hardware import profile_of_device
@@ -156,8 +155,7 @@ def _print_report(results: list[RunSummary]) -> None:
 def run(args: argparse.Namespace) -> int:
     """Train; 0 on success. A configuration, data or checkpoint error raises UserError
     (one line on stderr and exit status 2, from `tpkit.cli`), before any process starts."""
-    torchrun = under_torchrun()
-    world = int(os.environ.get("WORLD_SIZE", 1)) if torchrun else args.processes
+    world = world_here() or args.processes
     if world is not None and world < 1:
         raise UserError(f"--processes={world} must be a positive number of processes")
     cfg = config_from_args(args, world)
@@ -170,7 +168,7 @@ def run(args: argparse.Namespace) -> int:
                                                comm=comm_choice(getattr(args, "comm", None))),
                every=True, device=best_device(), timeout=7 * 24 * 3600.0,
                collective_timeout=cfg.collective_timeout)
-    if torchrun:  # the ranks exist: rank 0 decides about the folder (`_run_folder`)
+    if under_torchrun():  # the ranks exist: rank 0 decides about the folder (`_run_folder`)
         results = launch(_torchrun_rank, cfg, args.overwrite, **how)
     else:  # this process decides, before any rank starts
         results = _launch_here(cfg, args.overwrite, args.force, how)

@@ -13,10 +13,11 @@ from tpkit.launch.policy import (
     launch,
     mesh_here,
     under_torchrun,
+    world_here,
 )
 from tpkit.launch.pool import SpawnError, WorkerPool, spawn, spawn_ranks
 from tpkit.launch.processes import mp_context, start_workers, stop_workers, with_transport
 
 __all__ = ["Followers", "SpawnError", "WorkerPool", "decided_by_rank0", "is_rank0", "launch",
            "mesh_here", "mp_context", "spawn", "spawn_ranks", "start_workers", "stop_workers",
-           "under_torchrun", "with_transport"]
+           "under_torchrun", "with_transport", "world_here"]

@@ -38,19 +38,34 @@ from tpkit.spec.errors import UserError
 Follow = tuple[Callable, tuple]  # what the followers run: fn(mesh, *args)
 
 
-def under_torchrun() -> bool:
-    """Is this process one rank of a world started outside it: torchrun's (RANK and
-    WORLD_SIZE in the environment, as tpkit's own workers have them too), or a default
-    process group already initialized? The one way tpkit asks."""
+def _place() -> tuple[int, int] | None:
+    """(rank, world size) of this process in a world started outside it: torchrun's (RANK
+    and WORLD_SIZE in the environment, as tpkit's own workers have them too), or a default
+    process group already initialized; None when it is alone."""
     if "RANK" in os.environ and "WORLD_SIZE" in os.environ:
-        return True
+        return int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
     loaded = sys.modules.get("torch.distributed")  # not imported: not initialized either
-    return loaded is not None and loaded.is_available() and loaded.is_initialized()
+    if loaded is not None and loaded.is_available() and loaded.is_initialized():
+        return loaded.get_rank(), loaded.get_world_size()
+    return None
+
+
+def under_torchrun() -> bool:
+    """Is this process one rank of a world started outside it (`_place`)? The one way
+    tpkit asks."""
+    return _place() is not None
 
 
 def is_rank0() -> bool:
-    """Is this process rank 0: not under torchrun, or its rank 0?"""
-    return not under_torchrun() or os.environ.get("RANK", "0") == "0"
+    """Is this process rank 0: alone, or rank 0 of the world it is in?"""
+    place = _place()
+    return place is None or place[0] == 0
+
+
+def world_here() -> int | None:
+    """The number of ranks of the world this process is one of (torchrun's), or None."""
+    place = _place()
+    return None if place is None else place[1]
 
 
 def decided_by_rank0(mesh: ParallelMesh | None, fn: Callable, *args: Any) -> Any:
