@@ -4,9 +4,9 @@
     torchrun --nnodes 2 --nproc_per_node 8 -m tpkit train --tp 8 --pp 2 ...   # one per GPU
 
 Where the ranks come from is `tpkit.launch.launch`'s decision: alone, the command checks
-the run folder, then spawns `--processes` (default tp*pp*dp*cp) local gloo processes;
-under torchrun rank 0 checks the folder and every process runs the loop on the mesh
-from the environment (tp innermost: a tp group stays on one
+the run folder (`_run_folder`), then spawns `--processes` (default tp*pp*dp*cp) local
+gloo processes; under torchrun rank 0 checks the folder and every process runs the loop
+on the mesh from the environment (tp innermost: a tp group stays on one
 node; a layout that breaks that is warned about, with the reason). Configuration
 errors are reported before any process starts (and again on every rank).
 """
@@ -17,6 +17,7 @@ import argparse
 import sys
 from collections.abc import Iterator
 from contextlib import ExitStack, contextmanager
+from functools import partial
 from pathlib import Path
 from typing import TYPE_CHECKING
 
@@ -24,7 +25,7 @@ from tpkit.checkpoint.retention import discard
 from tpkit.commands.common import group, says_default, shown
 from tpkit.commands.memory_check import check_fits
 from tpkit.host.device import best_device, cuda_available, device_name
-from tpkit.launch import decided_by_rank0, is_rank0, launch, under_torchrun, world_here
+from tpkit.launch import decided_by_rank0, is_rank0, launch, world_here
 from tpkit.parallel.schedules import CHUNKED
 from tpkit.plan.cost import model_flops_per_token
 from tpkit.plan.hardware import profile_of_device
@@ -164,14 +165,12 @@ def run(args: argparse.Namespace) -> int:
         print(to_toml(cfg, "the effective configuration: defaults, --config, then the flags"),
               end="")
         return 0
-    how = dict(ranks=cfg.world_size, mesh=dict(tp=cfg.tp, pp=cfg.pp, dp=cfg.dp, cp=cfg.cp,
-                                               comm=comm_choice(getattr(args, "comm", None))),
-               every=True, device=best_device(), timeout=7 * 24 * 3600.0,
-               collective_timeout=cfg.collective_timeout)
-    if under_torchrun():  # the ranks exist: rank 0 decides about the folder (`_run_folder`)
-        results = launch(_torchrun_rank, cfg, args.overwrite, **how)
-    else:  # this process decides, before any rank starts
-        results = _launch_here(cfg, args.overwrite, args.force, how)
+    mesh = dict(tp=cfg.tp, pp=cfg.pp, dp=cfg.dp, cp=cfg.cp,
+                comm=comm_choice(getattr(args, "comm", None)))
+    results = launch(_worker, ranks=cfg.world_size, mesh=mesh, every=True,
+                     setup=partial(_run_folder, cfg, args.overwrite, args.force),
+                     device=best_device(), timeout=7 * 24 * 3600.0,
+                     collective_timeout=cfg.collective_timeout)
     if results is not None:  # rank 0
         _print_report(results)
         report_file("the merged trace", _merge_trace, cfg)
@@ -179,11 +178,13 @@ def run(args: argparse.Namespace) -> int:
 
 
 @contextmanager
-def _run_folder(cfg: TrainConfig, overwrite: bool, mesh) -> Iterator[TrainConfig]:
-    """The run's folder, decided once (`launch.decided_by_rank0`: by this process before
-    any rank starts, mesh None; else by rank 0): the checkpoint to resume (hashing the
-    newest once), the lock on --out, an earlier run there refused or (--overwrite)
-    deleted; yields the config with the resume chosen."""
+def _run_folder(cfg: TrainConfig, overwrite: bool, force: bool, mesh
+                ) -> Iterator[tuple[TrainConfig]]:
+    """The run's folder, decided once where `launch` decides the run (`decided_by_rank0`):
+    in this process before any rank starts (mesh None: the data and the memory are
+    checked too), or by rank 0 of torchrun's ranks. The checkpoint to resume (the newest
+    hashed once), the lock on --out, an earlier run there refused or (--overwrite)
+    deleted, the run's config written; yields (the config with the resume chosen,)."""
     cfg = cfg.with_(resume=decided_by_rank0(mesh, resume_dir, cfg))
     note = _resume_changes(cfg)
     with ExitStack() as stack:
@@ -194,36 +195,30 @@ def _run_folder(cfg: TrainConfig, overwrite: bool, mesh) -> Iterator[TrainConfig
         decided_by_rank0(mesh, take)
         _never_mix_runs(Path(cfg.out), cfg.resume, overwrite)
         _say(note)  # once the folder is known to be this run's
-        yield cfg
-
-
-def _launch_here(cfg: TrainConfig, overwrite: bool, force: bool, how: dict) -> list:
-    """Check the folder, the data and the memory here, then start the ranks."""
-    with _run_folder(cfg, overwrite, None) as cfg:
-        load_tokens(cfg.data, cfg.model_config().vocab_size, cfg.tokenizer_id)  # errors now
-        _check_memory(cfg, force)
-        write_run_config(cfg, cfg.out)
-        return launch(_worker, cfg, **how)
-
-
-def _torchrun_rank(mesh, cfg: TrainConfig, overwrite: bool) -> RunSummary:
-    """One of torchrun's ranks: the folder decided by rank 0, then the run."""
-    with _run_folder(cfg, overwrite, mesh) as cfg:
-        if mesh.rank == 0:
+        if mesh is None:
+            load_tokens(cfg.data, cfg.model_config().vocab_size, cfg.tokenizer_id)  # now
+            _check_memory(cfg, force)
+        if is_rank0():
             write_run_config(cfg, cfg.out)
-        # one write per line: ranks share the agent's stdout, and print() under
-        # PYTHONUNBUFFERED writes the text and its newline separately, so two ranks' lines
-        # could run together
-        sys.stdout.write(f"rank {mesh.rank}: {mesh!r}, tp group {list(mesh.tp_group.ranks)}\n")
-        sys.stdout.flush()
-        price = cross_node_price(mesh.tp_size, mesh.pp_size, mesh.dp_size,
-                                 mesh.ranks_per_node, mesh.cp_size)
-        if price and mesh.rank == 0:  # the mesh warned of the problem; the planner prices it
-            print(price, file=sys.stderr, flush=True)
-        result = _worker(mesh, cfg)
-        if mesh.rank == 0:
+        if mesh is not None:
+            _say_where(mesh)
+        yield (cfg,)
+        if mesh is not None and mesh.rank == 0:
             print(mesh.describe())
-        return result
+
+
+def _say_where(mesh) -> None:
+    """Under torchrun: each rank's place, and rank 0 the planner's price of a tp group
+    that spans nodes (the mesh warned of it)."""
+    # one write per line: ranks share the agent's stdout, and print() under
+    # PYTHONUNBUFFERED writes the text and its newline separately, so two ranks' lines
+    # could run together
+    sys.stdout.write(f"rank {mesh.rank}: {mesh!r}, tp group {list(mesh.tp_group.ranks)}\n")
+    sys.stdout.flush()
+    price = cross_node_price(mesh.tp_size, mesh.pp_size, mesh.dp_size, mesh.ranks_per_node,
+                             mesh.cp_size)
+    if price and mesh.rank == 0:
+        print(price, file=sys.stderr, flush=True)
 
 
 def _check_memory(cfg: TrainConfig, force: bool) -> None:

@@ -22,7 +22,8 @@ import pickle
 import queue
 import sys
 import uuid
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
+from contextlib import AbstractContextManager, contextmanager
 from datetime import timedelta
 from typing import Any
 
@@ -36,6 +37,7 @@ from tpkit.mesh import ParallelMesh
 from tpkit.spec.errors import UserError
 
 Follow = tuple[Callable, tuple]  # what the followers run: fn(mesh, *args)
+Setup = Callable[[ParallelMesh | None], AbstractContextManager[tuple]]
 
 
 def _place() -> tuple[int, int] | None:
@@ -98,35 +100,54 @@ def mesh_here(tp: int | None = None) -> ParallelMesh:
 
 
 def launch(fn: Callable, *args: Any, ranks: int, mesh: dict, follow: Follow | None = None,
-           lead_here: bool = False, every: bool = False, device: torch.device | None = None,
-           threads: int | None = None, timeout: float = 120.0,
+           setup: Setup | None = None, lead_here: bool = False, every: bool = False,
+           device: torch.device | None = None, threads: int | None = None,
+           timeout: float = 120.0,
            collective_timeout: float = DEFAULT_COLLECTIVE_TIMEOUT_S) -> Any:
     """Run `fn(mesh, *args)` as rank 0 of `ranks` processes of layout `mesh` (tp, pp, dp,
     cp, comm), started as the table above says, and return its result (None in a
     process that is not rank 0). `every`: the list of the results this process sees
-    instead (every rank's when it spawned them, rank 0's own under torchrun). With
+    instead (every rank's when it spawned them, rank 0's own under torchrun).
+    `setup(mesh)`: a context manager entered once where the run is decided, around it,
+    yielding more arguments for `fn`: here before any rank starts (mesh None), or on each
+    of torchrun's ranks (their mesh: rank 0 decides, `decided_by_rank0`). With
     `lead_here`, `fn` is also given `followers=` (the spawned `Followers`, or None: their
     `dead()` names one that died). `device`: a one-process run's; `timeout`: a spawned
     run's, whole; `collective_timeout`: any collective's."""
+    setup = setup or _nothing_to_set_up
     if under_torchrun():
         here = ParallelMesh.from_env(**mesh, timeout_s=collective_timeout)
-        out = _as_rank(here, fn, args, follow, lead_here)
-        if follow is None:  # every rank ran fn: rank 0 goes on once all did (their files);
-            dist.barrier()  # followers end on rank 0's STOP, with nothing left to wait for
-            dist.destroy_process_group()
+        with setup(here) as more:
+            out = _as_rank(here, fn, args + more, follow, lead_here)
+            if follow is None:  # every rank ran fn: rank 0 goes on once all did (their
+                dist.barrier()  # files); followers end on rank 0's STOP, nothing to wait for
+                dist.destroy_process_group()
         return None if here.rank else [out] if every else out
+    with setup(None) as more:
+        return _here(fn, args + more, ranks, mesh, follow, lead_here, every, device,
+                     dict(threads=threads, timeout=timeout,
+                          collective_timeout=collective_timeout))
+
+
+def _here(fn: Callable, args: tuple, ranks: int, mesh: dict, follow: Follow | None,
+          lead_here: bool, every: bool, device: torch.device | None, spawn_kw: dict) -> Any:
+    """`launch` in a process that is alone: one rank here, n spawned, or rank 0 here."""
     if ranks == 1:
         out = _as_rank(ParallelMesh.single(device=device), fn, args, None, lead_here)
         return [out] if every else out
     if lead_here:
-        followers = Followers(ranks, follow, mesh, timeout_s=collective_timeout)
+        followers = Followers(ranks, follow, mesh, timeout_s=spawn_kw["collective_timeout"])
         try:
             return fn(followers.mesh, *args, followers=followers)
         finally:
             followers.close()  # politely: after rank 0's STOP they return and exit
-    results = spawn(_as_rank, ranks, fn, args, follow, mesh=mesh, threads=threads,
-                    timeout=timeout, collective_timeout=collective_timeout)
+    results = spawn(_as_rank, ranks, fn, args, follow, mesh=mesh, **spawn_kw)
     return results if every else results[0]
+
+
+@contextmanager
+def _nothing_to_set_up(mesh: ParallelMesh | None) -> Iterator[tuple]:
+    yield ()
 
 
 def _as_rank(mesh: ParallelMesh, fn: Callable, args: tuple, follow: Follow | None,
