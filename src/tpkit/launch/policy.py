@@ -1,5 +1,7 @@
 """Where the ranks of a command come from, decided once (`launch`): every command that
-runs ranks (train, verify, generate, serve) and `tpkit.load` / `tpkit.spawn` ask here.
+runs ranks (train, verify, generate, serve) asks here, and `tpkit.load` takes its mesh
+from the same answer (`mesh_here`). `tpkit.spawn` is the spawned row itself: it
+promises n fresh local processes wherever it is called.
 
     out = launch(fn, cfg, ranks=4, mesh=dict(tp=2, pp=2))   # rank 0's fn(mesh, cfg)
 
