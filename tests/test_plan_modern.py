@@ -14,8 +14,8 @@ from tpkit.plan import PlanError, Request, get_hardware, plan
 from tpkit.plan.activations import layer_activation_bytes
 from tpkit.plan.memory import Precision, layout_stage_layers, params_per_rank
 from tpkit.plan.reasons import gb
-from tpkit.plan.report import COLUMNS
 from tpkit.plan.simulate import Cluster, Layout, evaluate
+from tpkit.plan.tables import COLUMNS
 from tpkit.spec.config import get_preset
 
 # Llama 3 paper (Dubey et al. 2024), table 4: 405B on 8,192 H100, TP 8, CP 1, PP 16, DP 64,

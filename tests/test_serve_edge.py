@@ -122,7 +122,7 @@ def test_a_temperature_below_1e5_is_greedy_in_the_server_and_in_generate(server,
                               max_len=None, decode_chunk=8,
                               batch_invariant=True, dtype="float32")
     generate_cmd._check_args(args)  # accepted: greedy, as the server takes it
-    result = generate_cmd._worker(ParallelMesh.single(), args, open_source(folder))
+    result = generate_cmd._lead(ParallelMesh.single(), args, open_source(folder))
     assert result["texts"] == ["Tensor" + greedy]
 
 

@@ -211,7 +211,7 @@ def test_16_concurrent_requests_each_equal_to_alone_and_to_generate(server, fold
                               seed=0, ignore_eos=False, stop=[], chat=False,
                               max_batch=MAX_BATCH, max_len=None, decode_chunk=8,
                               batch_invariant=True, dtype="float32")
-    result = generate_cmd._worker(ParallelMesh.single(), args, open_source(folder))
+    result = generate_cmd._lead(ParallelMesh.single(), args, open_source(folder))
     tok = load_tokenizer(folder)
     assert [tok.decode(new) for new in result["new"]] == alone
 
@@ -231,7 +231,7 @@ def test_generate_chat_and_stop_equal_the_server(server, folder):
                               top_p=None, seed=0, ignore_eos=False, stop=[stop], chat=True,
                               max_batch=MAX_BATCH, max_len=None, decode_chunk=8,
                               batch_invariant=True, dtype="float32")
-    result = generate_cmd._worker(ParallelMesh.single(), args, open_source(folder))
+    result = generate_cmd._lead(ParallelMesh.single(), args, open_source(folder))
     assert result["texts"] == [cut.message.content]
 
 

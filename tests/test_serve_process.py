@@ -152,7 +152,7 @@ def test_tp2_concurrent_equals_alone_and_tp1_then_sigterm(folder):
                                   max_len=None, decode_chunk=8,
                                   batch_invariant=True, dtype="float32")
         tok = load_tokenizer(folder)  # tp=1, in this process: the same text
-        new = generate_cmd._worker(ParallelMesh.single(), args, open_source(folder))["new"]
+        new = generate_cmd._lead(ParallelMesh.single(), args, open_source(folder))["new"]
         assert [tok.decode(n) for n in new] == alone
         # what used to end the server (a traceback, exit): a 400, and greedy
         with pytest.raises(openai.BadRequestError, match="seed=18446744073709551616"):

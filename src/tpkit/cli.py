@@ -156,6 +156,7 @@ def _main(argv: list[str]) -> int:
         return 0 if argv else 2
     name = argv[0]
     if name in ("-V", "--version"):
+        # lazy: the CLI imports a command only when it runs
         from tpkit.commands.version import one_line
 
         print(one_line())

@@ -19,6 +19,8 @@ from dataclasses import dataclass, field
 import torch
 from torch import nn
 
+from tpkit.launch import launch
+from tpkit.layers import ParallelMLP
 from tpkit.layers.sharding import full_state_dict, splits_of
 from tpkit.mesh import ParallelMesh
 from tpkit.model.names import VOCAB_PADDED
@@ -56,8 +58,6 @@ def loss_bound(loss: float | None, dtype: str) -> float:
 
 def mlp_case(mesh: ParallelMesh, opts: dict, build: Callable | None = None) -> dict:
     """ParallelMLP on a seeded input; what `compare_tps` needs of this rank."""
-    from tpkit.layers import ParallelMLP
-
     dtype = getattr(torch, opts["dtype"])
     g = torch.Generator().manual_seed(0)
     x = torch.randn(opts["batch"], opts["seq"], opts["hidden"], generator=g
@@ -172,13 +172,11 @@ def sweep(case: Callable, args: tuple, tps: list[int], ref: dict, gather_fn: Cal
           ) -> list[TPResult]:
     """`case(mesh, *args)` on tp local processes for each tp; its gathered result against
     `ref` (the tp=1 model's, or another implementation's) with `diff_fn`."""
-    from tpkit.launch import spawn
-
     rows = []
     for tp in tps:
         try:
-            results = spawn(case, tp, *args, mesh=dict(tp=tp, comm=comm), timeout=timeout) \
-                if tp > 1 else [case(ParallelMesh.single(), *args)]
+            results = launch(case, *args, ranks=tp, mesh=dict(tp=tp, comm=comm), every=True,
+                             timeout=timeout)
         except Exception as e:  # noqa: BLE001 - a bad layout is reported, not a crash
             rows.append(TPResult(tp, error=f"tp={tp}: {e}".splitlines()[0]))
             continue

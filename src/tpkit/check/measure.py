@@ -19,6 +19,11 @@ import statistics
 import time
 
 import torch
+import torch.nn.functional as F
+from torch.utils._python_dispatch import TorchDispatchMode
+
+from tpkit.comm import all_reduce
+from tpkit.launch import spawn
 
 SIZES = (4 << 10, 64 << 10, 1 << 20, 4 << 20, 16 << 20)
 DIMS = (16, 32, 64, 128, 256, 512, 1024)
@@ -60,8 +65,6 @@ def measure_memory_bandwidth(tokens: int = 512, h: int = 256) -> float:
     layer_norm(x) 2nh, tanh-GELU(u) 2 n 4h, x + y 3nh: 13 nh floats for x [n, h], u [n, 4h].
     On a CPU the GELU's tanh, not the memory, sets most of the time.
     """
-    import torch.nn.functional as F
-
     old = torch.get_num_threads()
     torch.set_num_threads(1)
     try:
@@ -79,8 +82,6 @@ def measure_memory_bandwidth(tokens: int = 512, h: int = 256) -> float:
 
 def measure_op_overhead(links: int = 200) -> float:
     """Seconds per dispatched op: `links` tiny multiplies, forward + backward, one thread."""
-    from torch.utils._python_dispatch import TorchDispatchMode
-
     class Count(TorchDispatchMode):
         n = 0
 
@@ -107,8 +108,6 @@ def _all_reduce_worker(mesh, sizes: tuple[int, ...], reps: int) -> list[tuple[in
     time includes waking the waiting peer. The mean, not the median: a step pays the sum
     of its collectives, the occasional descheduled peer included."""
 
-    from tpkit.comm import all_reduce
-
     mesh.ledger.enabled = False
     a = torch.randn(192, 192)
     out = []
@@ -129,8 +128,6 @@ def measure_all_reduce(nprocs: int, sizes: tuple[int, ...] = SIZES, reps: int = 
                        groups: int = 1) -> list:
     """[(p, bytes, seconds)] of gloo all-reduces in groups of `nprocs` local processes,
     `groups` groups at once (rank 0's view)."""
-    from tpkit.launch import spawn
-
     results = spawn(_all_reduce_worker, nprocs * groups, sizes, reps,
                     mesh=dict(tp=nprocs, dp=groups), threads=1)
     return [(nprocs, n, t) for n, t in results[0]]

@@ -21,6 +21,7 @@ from collections.abc import Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass
 
+from tpkit.comm.ledger_tables import render_summary
 from tpkit.spec.theory import as_counter, ring_factor
 
 
@@ -158,6 +159,4 @@ class Ledger:
 
     def table(self, title: str = "communication ledger", by_scope: bool = True, **select) -> str:
         """The summary as a plain-text table."""
-        from tpkit.comm.report import render_summary
-
         return render_summary(self.summary(by_scope=by_scope, **select), title)

@@ -19,7 +19,6 @@ same whatever else is generated with it (`tpkit.serve.engine`).
 from __future__ import annotations
 
 import argparse
-import os
 import sys
 import time
 from contextlib import nullcontext
@@ -27,12 +26,14 @@ from contextlib import nullcontext
 import torch
 
 from tpkit.commands.common import add_pool_arguments, decode_chunk, group
+from tpkit.launch import launch
 from tpkit.mesh import ParallelMesh
 from tpkit.model.sampling import GREEDY_BELOW
 from tpkit.serve import Engine, SamplingParams
 from tpkit.serve.openai_api import ApiError, chat_ids
 from tpkit.serve.params import MAX_TEMPERATURE, SamplingError, shown
 from tpkit.serve.runner import Runner
+from tpkit.serve.workers import follow
 from tpkit.spec.errors import UserError
 from tpkit.spec.transport import add_comm_argument, comm_choice
 from tpkit.spec.words import plural
@@ -55,23 +56,19 @@ def _prompts(args: argparse.Namespace, tok) -> list[list[int]]:
     return [tok.encode(p) for p in args.prompt]
 
 
-def _worker(mesh: ParallelMesh, args: argparse.Namespace, source) -> dict | None:
-    """Rank 0 runs the prompts through the serving engine (`tpkit.serve.Engine`: the same
-    paged KV cache, scheduler and sampler as `tpkit serve`, so the same tokens) and streams the
-    text of a single prompt as it comes; the other ranks follow its steps. `source`: the
-    checkpoint, opened by `run`."""
+def _lead(mesh: ParallelMesh, args: argparse.Namespace, source) -> dict:
+    """Rank 0: run the prompts through the serving engine (`tpkit.serve.Engine`: the same
+    paged KV cache, scheduler and sampler as `tpkit serve`, so the same tokens) and stream
+    the text of a single prompt as it comes, while the other ranks follow its steps
+    (`serve.workers.follow`). `source`: the checkpoint, opened by `run`."""
     model = load_model(source, mesh, dtype=getattr(torch, args.dtype))
-    max_len = args.max_len or model.config.max_seq_len
-    if mesh.tp_rank != 0:
-        Runner(model, args.max_batch, max_len, decode_chunk(args)).follow()
-        return None
     try:
-        return _lead(args, source, model, max_len)
+        return _generate(args, source, model, args.max_len or model.config.max_seq_len)
     finally:
         Runner.stop_followers(model, args.max_batch)
 
 
-def _lead(args: argparse.Namespace, source, model, max_len: int) -> dict:
+def _generate(args: argparse.Namespace, source, model, max_len: int) -> dict:
     tok = load_tokenizer(source_tokenizer(source))
     vocab, name = model.config.vocab_size, model.config.name
     if isinstance(tok, ByteTokenizer) and not args.prompt_ids and not model.config.byte_level:
@@ -82,10 +79,8 @@ def _lead(args: argparse.Namespace, source, model, max_len: int) -> dict:
     engine = Engine(model, tokenizer=tok, max_batch=args.max_batch, max_len=max_len,
                     decode_chunk=decode_chunk(args))
     params = _sampling(args)
-    bad = sorted({t for p in prompts for t in p if not 0 <= t < vocab})
-    if bad:
-        raise UserError(f"prompt token ids {bad} are outside the model's vocabulary "
-                        f"[0, {vocab})")
+    for p in prompts:  # every prompt, before any is queued
+        engine.check(p, params)
     t0 = time.perf_counter()
     streamed = len(prompts) == 1 and not args.prompt_ids and bool(args.max_new_tokens) \
         and not args.chat
@@ -190,14 +185,10 @@ def run(args: argparse.Namespace) -> int:
     _check_args(args)
     comm = comm_choice(getattr(args, "comm", None))
     source = open_source(args.checkpoint)  # once, before any process
-    if "WORLD_SIZE" in os.environ:
-        result = _worker(ParallelMesh.from_env(tp=args.tp, pp=1, comm=comm), args, source)
-    elif args.tp == 1:
-        result = _worker(ParallelMesh.single(), args, source)
-    else:
-        from tpkit.launch import spawn
-
-        result = spawn(_worker, args.tp, args, source, mesh=dict(tp=args.tp, comm=comm))[0]
+    follower = (follow, (source, args.max_batch, args.max_len, decode_chunk(args),
+                         getattr(torch, args.dtype)))
+    result = launch(_lead, args, source, ranks=args.tp, mesh=dict(tp=args.tp, comm=comm),
+                    follow=follower)
     if result is None:  # a torchrun rank > 0: rank 0 prints
         return 0
     if not result["streamed"]:

@@ -20,8 +20,15 @@ from tpkit.plan.hardware import PROFILES, get_hardware
 from tpkit.plan.layout import ZERO_NAMES
 from tpkit.plan.memory import GRAD_DTYPES, Precision
 from tpkit.plan.planner import PlanError, Request, best_per_degrees, plan
-from tpkit.plan.report import commands_dict, legend, plan_dict
 from tpkit.plan.simulate import Cluster
+from tpkit.plan.tables import (
+    commands_dict,
+    legend,
+    plan_dict,
+    print_commands,
+    print_explain,
+    print_table,
+)
 from tpkit.spec.config import ModelConfig, get_preset
 from tpkit.spec.theory import FSDP_RESHARD
 
@@ -138,7 +145,6 @@ def run(args: argparse.Namespace) -> int:
         print(json.dumps([{**plan_dict(e), "commands": commands_dict(req, e, preset)}
                           for e in plans], indent=1))
         return 0
-    from tpkit.plan.report import print_commands, print_explain, print_table
 
     print_table(req, plans)
     print_commands(req, plans, runnable, preset)

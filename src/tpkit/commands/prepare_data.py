@@ -29,6 +29,9 @@ from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from pathlib import Path
 
+from rich.progress import BarColumn, DownloadColumn, Progress, TextColumn
+from rich.progress import TimeRemainingColumn as Eta
+
 from tpkit.commands.common import group
 from tpkit.spec.words import plural
 
@@ -67,8 +70,6 @@ def byte_progress(total: int, enabled: bool) -> Iterator[Callable[[int, int], No
     if not enabled:
         yield lambda n, t: None
         return
-    from rich.progress import BarColumn, DownloadColumn, Progress, TextColumn
-    from rich.progress import TimeRemainingColumn as Eta
 
     start, seen = time.perf_counter(), [0]
     with Progress(TextColumn("tokenize"), BarColumn(), DownloadColumn(), Eta(),
@@ -89,6 +90,7 @@ def prepare(files: list[str], tokenizer_at: str, out: str, dtype: str = "auto",
     """Tokenize `files` into shards under `out`, an end-of-sequence token after each
     document; returns the index (with documents, tokens, vocab_size, dtype). Every input
     is checked before --out is touched; `out` is replaced whole, or left as it was."""
+    # lazy: torch; the command parses and checks its flags without it
     from tpkit.train.data_folder import replacing
     from tpkit.train.tokenizing import Tokenized
     from tpkit.train.tokens import ShardWriter, dtype_for

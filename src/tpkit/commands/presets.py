@@ -9,6 +9,7 @@ from __future__ import annotations
 import argparse
 
 from tpkit.spec.config import PRESETS, ModelConfig
+from tpkit.weights.families import BY_MODEL_TYPE, presets_of
 
 
 def _size(c: ModelConfig) -> str:
@@ -28,8 +29,6 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 def run(args: argparse.Namespace) -> int:
     """Print both lists."""
-    from tpkit.weights.families import BY_MODEL_TYPE, presets_of
-
     print("presets (--preset NAME):")
     print(f"  {'name':<12} {'family':<8} {'params':>7}  {'h':>6} {'layers':>6} {'heads':>5}"
           f"  flavour")

@@ -19,8 +19,10 @@ import argparse
 import os
 import sys
 
+from tpkit.host.exit import exit_now
 from tpkit.host.web import ALLOWED_HOST_HELP
 from tpkit.quiz.content import load_quiz
+from tpkit.quiz.live import LiveSession
 from tpkit.quiz.tutor import (
     AnswerError,
     from_lines,
@@ -29,6 +31,7 @@ from tpkit.quiz.tutor import (
     run_tutor,
     scripted,
 )
+from tpkit.quiz.web import serve
 from tpkit.spec.transport import add_comm_argument, comm_choice
 
 
@@ -69,9 +72,6 @@ def run(args: argparse.Namespace) -> int:
     """Run the quiz; 0 on success, 2 on a bad scripted answer."""
     quiz = load_quiz()
     if args.web:
-        from tpkit.host.exit import exit_now
-        from tpkit.quiz.web import serve
-
         # serve returns once a signal stopped it and its workers are gone: end at once
         exit_now(serve(quiz, host=args.host, port=args.port, lang=args.lang, live=args.live,
                        comm=comm_choice(getattr(args, "comm", None)),
@@ -85,8 +85,6 @@ def run(args: argparse.Namespace) -> int:
         else:
             answer, echo = from_lines(sys.stdin), True
         if args.live:
-            from tpkit.quiz.live import LiveSession
-
             with LiveSession(comm=comm_choice(getattr(args, "comm", None))) as session:
                 run_tutor(items, quiz.ui(args.lang), answer, sys.stdout, echo=echo,
                           exact_score=args.answers is not None,

@@ -17,7 +17,6 @@ origin is refused unless `--allow-origin` names it.
 from __future__ import annotations
 
 import argparse
-import os
 import signal
 import threading
 from pathlib import Path
@@ -27,12 +26,12 @@ import torch
 from tpkit.commands.common import add_pool_arguments, decode_chunk, group
 from tpkit.host.exit import Stopped
 from tpkit.host.web import ALLOWED_HOST_HELP, HOST, bound_socket, listen, warn_if_exposed
-from tpkit.launch import SpawnError
+from tpkit.launch import SpawnError, is_rank0, launch
 from tpkit.mesh import ParallelMesh
 from tpkit.serve.engine import PREFILL_PER_STEP, Engine
 from tpkit.serve.loop import serve_loop
 from tpkit.serve.openai_api import MAX_BODY
-from tpkit.serve.runner import Runner
+from tpkit.serve.workers import follow
 from tpkit.spec.errors import UserError
 from tpkit.spec.transport import add_comm_argument, comm_choice
 from tpkit.weights.sources import load_model, open_source, source_tokenizer
@@ -105,7 +104,7 @@ def run(args: argparse.Namespace) -> int:
     """Load the model on every rank, serve on rank 0 until a signal or a worker's death."""
     _check_args(args)
     try:
-        import prometheus_client  # noqa: F401 - /metrics
+        import prometheus_client  # noqa: F401 - /metrics (lazy: the serve extra is optional)
 
         import tpkit.serve.http  # noqa: F401 - pydantic, fastapi, uvicorn
     except ModuleNotFoundError as e:
@@ -115,33 +114,23 @@ def run(args: argparse.Namespace) -> int:
                         f"installed: pip install 'tpkit[serve]'") from None
     comm = comm_choice(getattr(args, "comm", None))
     source = open_source(args.checkpoint)  # once, before any process
-    if "WORLD_SIZE" in os.environ:  # torchrun: rank 0 serves, the others follow
-        mesh, peers = ParallelMesh.from_env(tp=args.tp, pp=1, comm=comm), None
-        if mesh.rank != 0:
-            model = load_model(source, mesh, dtype=getattr(torch, args.dtype))
-            Runner(model, args.max_batch, args.max_len or model.config.max_seq_len,
-                   decode_chunk(args)).follow()
-            return 0
-    else:
-        mesh, peers = None, None
-    sock = listen(lambda: bound_socket(args.host, args.port), args.host, args.port)
-    try:  # a busy port failed before any loading; the server is built once all is loaded
-        if mesh is None and args.tp > 1:
-            from tpkit.serve.workers import Peers
-
-            peers = Peers(args.tp, source, args.max_batch, args.max_len or 0,
-                          decode_chunk(args), comm=comm, dtype=getattr(torch, args.dtype))
-            mesh = peers.mesh
-        mesh = mesh or ParallelMesh.single()
-        return _serve(args, source, mesh, peers, sock)
+    sock = listen(lambda: bound_socket(args.host, args.port), args.host,
+                  args.port) if is_rank0() else None  # a busy port fails before any loading
+    follower = (follow, (source, args.max_batch, args.max_len, decode_chunk(args),
+                         getattr(torch, args.dtype)))
+    try:  # rank 0 serves here, the others follow (spawned, or torchrun's)
+        launch(_serve, args, source, sock, ranks=args.tp, mesh=dict(tp=args.tp, comm=comm),
+               follow=follower, lead_here=True)
+        return 0
     finally:
-        sock.close()
-        if peers is not None:
-            peers.close()
+        if sock is not None:
+            sock.close()
 
 
-def _serve(args, source, mesh: ParallelMesh, peers, sock) -> int:
-    from tpkit.serve.http import App, make_server
+def _serve(mesh: ParallelMesh, args, source, sock, followers=None) -> None:
+    """Rank 0: load, build the server complete, serve until a signal (`Stopped`) or a
+    follower's death (SpawnError)."""
+    from tpkit.serve.http import App, make_server  # lazy: the serve extra is optional
 
     model = load_model(source, mesh, dtype=getattr(torch, args.dtype))
     tokenizer = load_tokenizer(source_tokenizer(source))
@@ -173,7 +162,7 @@ def _serve(args, source, mesh: ParallelMesh, peers, sock) -> int:
           f"as tokens arrive; prefix cache {'off' if args.no_prefix_cache else 'on'}",
           flush=True)
     try:
-        line = serve_loop(app.engine, stop, peers, args.drain_seconds)
+        line = serve_loop(app.engine, stop, followers, args.drain_seconds)
     finally:
         server.shutdown()
         app.wait_handlers(2.0)  # the answers (503s included) get written
@@ -183,4 +172,3 @@ def _serve(args, source, mesh: ParallelMesh, peers, sock) -> int:
         raise SpawnError(line, run_failed=True)
     if got:
         raise Stopped(got[0])
-    return 0

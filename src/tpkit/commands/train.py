@@ -3,9 +3,10 @@
     tpkit train --preset gpt2-tiny --tp 2 --pp 2 --steps 300          # 4 local gloo processes
     torchrun --nnodes 2 --nproc_per_node 8 -m tpkit train --tp 8 --pp 2 ...   # one per GPU
 
-Without RANK in the environment the command spawns `--processes` (default tp*pp*dp*cp)
-local gloo processes with `tpkit.launch.spawn`; under torchrun every process runs
-the loop on the mesh from the environment (tp innermost: a tp group stays on one
+Where the ranks come from is `tpkit.launch.launch`'s decision: alone, the command checks
+the run folder (`_run_folder`), then spawns `--processes` (default tp*pp*dp*cp) local
+gloo processes; under torchrun rank 0 checks the folder and every process runs the loop
+on the mesh from the environment (tp innermost: a tp group stays on one
 node; a layout that breaks that is warned about, with the reason). Configuration
 errors are reported before any process starts (and again on every rank).
 """
@@ -13,15 +14,22 @@ errors are reported before any process starts (and again on every rank).
 from __future__ import annotations
 
 import argparse
-import os
 import sys
 from collections.abc import Iterator
 from contextlib import ExitStack, contextmanager
+from functools import partial
 from pathlib import Path
 from typing import TYPE_CHECKING
 
+from tpkit.checkpoint.retention import discard
 from tpkit.commands.common import group, says_default, shown
+from tpkit.commands.memory_check import check_fits
+from tpkit.host.device import best_device, cuda_available, device_name
+from tpkit.launch import decided_by_rank0, is_rank0, launch, world_here
 from tpkit.parallel.schedules import CHUNKED
+from tpkit.plan.cost import model_flops_per_token
+from tpkit.plan.hardware import profile_of_device
+from tpkit.plan.topology import cross_node_penalty
 from tpkit.spec.errors import UserError
 from tpkit.spec.grid import dp_left, locality_problem
 from tpkit.spec.shapes import default_micro_batches
@@ -36,7 +44,14 @@ from tpkit.train.config_file import (
     write_run_config,
 )
 from tpkit.train.config_knobs import Knob, knobs, sections
+from tpkit.train.data import load_tokens
+from tpkit.train.loop import train
+from tpkit.train.report import report
+from tpkit.train.run_folder import check_writable, earlier_runs, hold
 from tpkit.train.run_log import report_file
+from tpkit.train.trace import merge
+from tpkit.train.trackers import Trackers
+from tpkit.weights.paths import latest, run_checkpoints, sharded_dir
 
 if TYPE_CHECKING:
     from tpkit.train.report import RunSummary
@@ -109,27 +124,19 @@ def _default_micro_batches(cfg: TrainConfig) -> int:
 
 
 def _worker(mesh, cfg: TrainConfig) -> RunSummary:
-    from tpkit.train.loop import train
-
     return train(cfg, mesh, trackers=trackers(cfg, mesh))
 
 
 def flops_per_token(cfg: TrainConfig) -> float:
     """Training FLOPs per token of the model (the planner's formula: MFU's numerator)."""
-    from tpkit.plan.cost import model_flops_per_token
-
     return model_flops_per_token(cfg.model_config(), cfg.seq)
 
 
 def trackers(cfg: TrainConfig, mesh):
     """The run's trackers (`--trackers`), with MFU's numerator and, when this device has a
     known profile (a GPU the planner knows, a CPU after `tpkit calibrate`), its peak."""
-    from tpkit.plan.hardware import profile_of_device
-    from tpkit.train.trackers import Trackers
-
     if mesh.rank != 0:
         return None
-    from tpkit.host.device import device_name
 
     profile = profile_of_device(device_name(mesh.device))
     peak = profile.accelerator.peak_flops * mesh.world_size if profile else None
@@ -137,8 +144,6 @@ def trackers(cfg: TrainConfig, mesh):
 
 
 def _print_report(results: list[RunSummary]) -> None:
-    from tpkit.train.report import report
-
     first = results[0]
     last = next((r for r in results if r.stage == first.config.pp - 1 and r.tp_rank == 0),
                 None)
@@ -151,8 +156,7 @@ def _print_report(results: list[RunSummary]) -> None:
 def run(args: argparse.Namespace) -> int:
     """Train; 0 on success. A configuration, data or checkpoint error raises UserError
     (one line on stderr and exit status 2, from `tpkit.cli`), before any process starts."""
-    torchrun = "RANK" in os.environ and "WORLD_SIZE" in os.environ
-    world = int(os.environ["WORLD_SIZE"]) if torchrun else args.processes
+    world = world_here() or args.processes
     if world is not None and world < 1:
         raise UserError(f"--processes={world} must be a positive number of processes")
     cfg = config_from_args(args, world)
@@ -161,40 +165,72 @@ def run(args: argparse.Namespace) -> int:
         print(to_toml(cfg, "the effective configuration: defaults, --config, then the flags"),
               end="")
         return 0
-    comm = comm_choice(getattr(args, "comm", None))
-    if torchrun:  # rank 0 chooses the checkpoint to resume there
-        return _run_torchrun(cfg, args.overwrite, comm)
-    cfg = cfg.with_(resume=resume_dir(cfg))  # chosen once, here
-    note = _resume_changes(cfg)
-    from tpkit.train.data import load_tokens
-    from tpkit.train.run_folder import check_writable, hold
+    mesh = dict(tp=cfg.tp, pp=cfg.pp, dp=cfg.dp, cp=cfg.cp,
+                comm=comm_choice(getattr(args, "comm", None)))
+    results = launch(_worker, ranks=cfg.world_size, mesh=mesh, every=True,
+                     setup=partial(_run_folder, cfg, args.overwrite, args.force),
+                     device=best_device(), timeout=7 * 24 * 3600.0,
+                     collective_timeout=cfg.collective_timeout)
+    if results is not None:  # rank 0
+        _print_report(results)
+        report_file("the merged trace", _merge_trace, cfg)
+    return 0
 
-    check_writable(Path(cfg.out))  # one line, before any process is spawned
-    with hold(Path(cfg.out)):  # one run per folder, from here until the run ends
-        _never_mix_runs(Path(cfg.out), cfg.resume, args.overwrite, torchrun)
+
+@contextmanager
+def _run_folder(cfg: TrainConfig, overwrite: bool, force: bool, mesh
+                ) -> Iterator[tuple[TrainConfig]]:
+    """The run's folder, decided once where `launch` decides the run (`decided_by_rank0`):
+    in this process before any rank starts (mesh None: the data and the memory are
+    checked too), or by rank 0 of torchrun's ranks. The checkpoint to resume (the newest
+    hashed once), the lock on --out, an earlier run there refused or (--overwrite)
+    deleted, the run's config written; yields (the config with the resume chosen,)."""
+    cfg = cfg.with_(resume=decided_by_rank0(mesh, resume_dir, cfg))
+    note = _resume_changes(cfg)
+    with ExitStack() as stack:
+        def take() -> None:
+            check_writable(Path(cfg.out))  # one line, before any process is spawned
+            stack.enter_context(hold(Path(cfg.out)))  # one run per folder, until it ends
+
+        decided_by_rank0(mesh, take)
+        _never_mix_runs(Path(cfg.out), cfg.resume, overwrite)
         _say(note)  # once the folder is known to be this run's
-        load_tokens(cfg.data, cfg.model_config().vocab_size, cfg.tokenizer_id)  # errors now
-        _check_memory(cfg, args.force)
-        write_run_config(cfg, cfg.out)
-        return _run_local(cfg, comm)
+        if mesh is None:
+            load_tokens(cfg.data, cfg.model_config().vocab_size, cfg.tokenizer_id)  # now
+            _check_memory(cfg, force)
+        if is_rank0():
+            write_run_config(cfg, cfg.out)
+        if mesh is not None:
+            _say_where(mesh)
+        yield (cfg,)
+        if mesh is not None and mesh.rank == 0:
+            print(mesh.describe())
+
+
+def _say_where(mesh) -> None:
+    """Under torchrun: each rank's place, and rank 0 the planner's price of a tp group
+    that spans nodes (the mesh warned of it)."""
+    # one write per line: ranks share the agent's stdout, and print() under
+    # PYTHONUNBUFFERED writes the text and its newline separately, so two ranks' lines
+    # could run together
+    sys.stdout.write(f"rank {mesh.rank}: {mesh!r}, tp group {list(mesh.tp_group.ranks)}\n")
+    sys.stdout.flush()
+    price = cross_node_price(mesh.tp_size, mesh.pp_size, mesh.dp_size, mesh.ranks_per_node,
+                             mesh.cp_size)
+    if price and mesh.rank == 0:
+        print(price, file=sys.stderr, flush=True)
 
 
 def _check_memory(cfg: TrainConfig, force: bool) -> None:
     """Local ranks on the CPU share this machine's memory: the planner's estimate of
     their peak against what it offers (`memory_check`), before spawning them."""
-    from tpkit.host.device import cuda_available
-
     if not cuda_available():
-        from tpkit.commands.memory_check import check_fits
-
         check_fits(cfg, force)
 
 
 def resume_dir(cfg: TrainConfig) -> str | None:
     """The checkpoint directory `cfg.resume` names: "auto", the newest valid one in
     --out (None: a fresh run); a run folder, its latest valid checkpoint."""
-    from tpkit.weights.paths import latest, run_checkpoints, sharded_dir
-
     if cfg.resume == "auto":
         found = latest(run_checkpoints(cfg.out))
         return None if found is None else str(found)
@@ -212,46 +248,23 @@ def _resume_changes(cfg: TrainConfig) -> str | None:
 
 
 def _say(note: str | None) -> None:
-    if note and os.environ.get("RANK", "0") == "0":
+    if note and is_rank0():
         print(note, file=sys.stderr)
 
 
-def _never_mix_runs(out: Path, resume: str | None, overwrite: bool, torchrun: bool) -> None:
+def _never_mix_runs(out: Path, resume: str | None, overwrite: bool) -> None:
     """An --out that holds another run's checkpoints: refuse, naming both runs, or (a new
     run with --overwrite) delete them first, rank 0 only under torchrun
     (`run_folder.earlier_runs`)."""
-    from tpkit.checkpoint.retention import discard
-    from tpkit.train.run_folder import earlier_runs
-
     for d in earlier_runs(out, resume, overwrite):
-        if not torchrun or os.environ.get("RANK") == "0":
+        if is_rank0():
             discard(d)
-
-
-def _run_local(cfg: TrainConfig, comm: str) -> int:
-    from tpkit.host.device import best_device
-    from tpkit.launch import spawn
-    from tpkit.mesh import ParallelMesh
-
-    n = cfg.world_size
-    if n == 1:  # one process: on the GPU when there is one
-        results = [_worker(ParallelMesh.single(device=best_device()), cfg)]
-    else:
-        threads = max(1, (os.cpu_count() or 1) // n)
-        results = spawn(_worker, n, cfg, mesh=dict(tp=cfg.tp, pp=cfg.pp, dp=cfg.dp, cp=cfg.cp,
-                                                   comm=comm),
-                        threads=threads, timeout=7 * 24 * 3600.0,
-                        collective_timeout=cfg.collective_timeout)
-    _print_report(results)
-    report_file("the merged trace", _merge_trace, cfg)
-    return 0
 
 
 def _merge_trace(cfg: TrainConfig) -> None:
     """Every rank's part of the timeline -> one trace and its PNG (after all ranks wrote)."""
     if not cfg.trace:
         return
-    from tpkit.train.trace import merge
 
     title = (f"{cfg.preset} tp={cfg.tp} pp={cfg.pp} dp={cfg.dp}, {cfg.schedule}, "
              f"{plural(cfg.micro_batches, 'micro-batch')}: the last step")
@@ -262,81 +275,7 @@ def _merge_trace(cfg: TrainConfig) -> None:
 def cross_node_price(tp: int, pp: int, dp: int, ranks_per_node: int, cp: int = 1
                      ) -> str | None:
     """The planner's price of tp groups that span nodes (`TopologyWarning` says why), or None."""
-    from tpkit.plan.topology import cross_node_penalty
-
     if locality_problem(tp, pp, dp, ranks_per_node, cp) is None:
         return None
     said = cross_node_penalty(None, tp, ranks_per_node, hardware="h100")
     return f"Predicted on H100 nodes with InfiniBand: {said}" if said else None
-
-
-def _decided_by_rank0(rank: int, fn, *args):
-    """Under torchrun: rank 0 runs `fn(*args)` (a check, a choice); every rank gets its
-    result, or raises its UserError line (one broadcast), so no rank goes on while
-    another refused and all go on with the same answer."""
-    import torch.distributed as dist
-
-    said = [None, None]
-    if rank == 0:
-        try:
-            said[0] = fn(*args)
-        except UserError as e:
-            said[1] = str(e)
-    dist.broadcast_object_list(said, src=0)
-    if said[1] is not None:
-        raise UserError(said[1])
-    return said[0]
-
-
-@contextmanager
-def _folder_held_by_rank0(out: Path, rank: int) -> Iterator[None]:
-    """Under torchrun: rank 0 checks and locks --out (`_decided_by_rank0`)."""
-    from tpkit.train.run_folder import check_writable, hold
-
-    with ExitStack() as stack:
-        def take() -> None:
-            check_writable(out)
-            stack.enter_context(hold(out))
-
-        _decided_by_rank0(rank, take)
-        yield
-
-
-def _run_torchrun(cfg: TrainConfig, overwrite: bool, comm: str) -> int:
-    from tpkit.mesh import ParallelMesh
-
-    mesh = ParallelMesh.from_env(tp=cfg.tp, pp=cfg.pp, dp=cfg.dp, cp=cfg.cp,
-                                 timeout_s=cfg.collective_timeout, comm=comm)
-    # rank 0 chooses the checkpoint to resume (hashing the newest once, not every rank)
-    cfg = cfg.with_(resume=_decided_by_rank0(mesh.rank, resume_dir, cfg))
-    note = _resume_changes(cfg)
-    with _folder_held_by_rank0(Path(cfg.out), mesh.rank):
-        _never_mix_runs(Path(cfg.out), cfg.resume, overwrite, True)
-        _say(note)
-        if mesh.rank == 0:
-            write_run_config(cfg, cfg.out)
-        return _train_torchrun(cfg, mesh)
-
-
-def _train_torchrun(cfg: TrainConfig, mesh) -> int:
-    import torch.distributed as dist
-
-    from tpkit.train.loop import train
-
-    # one write per line: ranks share the agent's stdout, and print() under PYTHONUNBUFFERED
-    # writes the text and its newline separately, so two ranks' lines could run together
-    sys.stdout.write(f"rank {mesh.rank}: {mesh!r}, tp group {list(mesh.tp_group.ranks)}\n")
-    sys.stdout.flush()
-    price = cross_node_price(mesh.tp_size, mesh.pp_size, mesh.dp_size, mesh.ranks_per_node,
-                             mesh.cp_size)
-    if price and mesh.rank == 0:  # the mesh warned of the problem; the planner prices it
-        print(price, file=sys.stderr, flush=True)
-    result = train(cfg, mesh, trackers=trackers(cfg, mesh))
-    if mesh.rank == 0:
-        print(mesh.describe())
-        _print_report([result])
-    dist.barrier()
-    if mesh.rank == 0:
-        report_file("the merged trace", _merge_trace, cfg)
-    dist.destroy_process_group()
-    return 0

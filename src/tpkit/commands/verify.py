@@ -21,6 +21,7 @@ from dataclasses import replace
 from functools import partial
 
 import torch
+from rich.table import Table
 
 from tpkit.check.exactness import (
     LOSS_ULPS,
@@ -32,10 +33,15 @@ from tpkit.check.exactness import (
     model_case,
     sweep,
 )
-from tpkit.comm.report import human_bytes
+from tpkit.comm.ledger_tables import human_bytes, render
 from tpkit.commands.common import group
+from tpkit.spec import get_preset
 from tpkit.spec.errors import UserError
 from tpkit.spec.transport import add_comm_argument, comm_choice
+from tpkit.weights import hf_check
+from tpkit.weights.build import build_model
+from tpkit.weights.hf import hf_source
+from tpkit.weights.sources import load_model, open_source
 
 TOL_HF = 1e-4  # against transformers: another implementation, float32
 # against transformers in a low-precision dtype (both sides in it): relative differences
@@ -90,11 +96,7 @@ def _builder(args: argparse.Namespace):
     preset's (seed 1, `--layers` if given)."""
     dtype = getattr(torch, args.dtype)
     if args.checkpoint:
-        from tpkit.weights.sources import load_model
-
         return partial(load_model, args.checkpoint, dtype=dtype, sequence_parallel=args.sp)
-    from tpkit.spec import get_preset
-    from tpkit.weights.build import build_model
 
     cfg = get_preset(args.preset)
     if args.layers:
@@ -105,8 +107,6 @@ def _builder(args: argparse.Namespace):
 def run(args: argparse.Namespace) -> int:
     """Run the comparison; 0 when every tp matches tp=1 (or transformers, with --hf) and
     the ledger matches theory."""
-    from tpkit.weights.sources import open_source
-
     _one_model(args)
     if args.hf:
         return _run_hf(args)
@@ -157,8 +157,6 @@ def _check_args(args: argparse.Namespace, component: str) -> list[int]:
     if bad:
         raise UserError("; ".join(bad))
     if component == "model" and args.preset:
-        from tpkit.spec import get_preset
-
         _refuse(get_preset(args.preset), tps, args)  # UserError naming the known presets
     return tps
 
@@ -174,9 +172,6 @@ def _refuse(cfg, tps: list[int], args: argparse.Namespace) -> None:
 
 def _run_hf(args: argparse.Namespace) -> int:
     """--hf DIR: the model at every tp against transformers (float32), ledger vs theory."""
-    from tpkit.weights import hf_check
-    from tpkit.weights.hf import hf_source
-
     config = hf_source(args.hf).config  # an unsupported family or no model folder: UserError
     ids = hf_check.sample_ids(config, args.batch, args.seq)
     tps = sorted({int(t) for t in args.tp.split(",")})
@@ -221,10 +216,6 @@ def _report(rows: list[TPResult], tps: list[int], tol: float, loss_tol: float,
 
 def _print_rows(rows: list[TPResult], tol: float, loss_tol: float, ref_name: str,
                 dtype: str, bound: str | None = None) -> None:
-    from rich.table import Table
-
-    from tpkit.comm.report import render
-
     loss = (f"loss <= {LOSS_ULPS} float32 ulp = {loss_tol:.2g}"
             if ref_name == "tp=1" and dtype == "float32" else f"loss {loss_tol:g}")
     bound = bound or f"max abs: outputs and gradients {tol:g}; {loss}"

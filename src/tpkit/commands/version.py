@@ -73,12 +73,14 @@ def one_line() -> str:
 
 
 def _gloo() -> str:
+    # lazy: `tpkit version` runs, and says so, without torch
     import torch.distributed as dist
 
     return "available (CPU processes)" if dist.is_gloo_available() else "not built"
 
 
 def _nccl() -> str:
+    # lazy: `tpkit version` runs, and says so, without torch
     import torch
     import torch.distributed as dist
 
@@ -90,6 +92,7 @@ def _nccl() -> str:
 
 
 def _shm() -> str:
+    # lazy: as above (torch)
     from tpkit.comm.shm_build import load, unavailable_reason
 
     if load() is not None:
@@ -115,6 +118,7 @@ def transports() -> list[tuple[str, str]]:
 
 
 def _devices() -> str:
+    # lazy: `tpkit version` runs, and says so, without torch
     import torch
 
     from tpkit.host.device import gpu_names
@@ -125,6 +129,7 @@ def _devices() -> str:
 def fast_paths() -> list[tuple[str, str]]:
     """(name, state): torch's CPU capability, whether bfloat16 and float16 matmuls are
     accelerated on this CPU (its flags and oneDNN), and the GPU when there is one."""
+    # lazy: `tpkit version` runs, and says so, without torch
     import torch
 
     from tpkit.host.device import LOW_PRECISION_FLAGS, cpu_flags, gpu_bf16, gpu_names

@@ -18,6 +18,7 @@ unsharding, checkpoint reads, gradient sums and norms all use it.
 
 from __future__ import annotations
 
+import zlib
 from dataclasses import dataclass, replace
 
 import torch
@@ -80,8 +81,6 @@ def master_normal(shape: tuple[int, ...], std: float, seed: int) -> torch.Tensor
 
 def seed_for(base: int, name: str) -> int:
     """A stable per-parameter seed from a base seed and a module path."""
-    import zlib
-
     return (base * 1_000_003 + zlib.crc32(name.encode())) % (2**63)
 
 

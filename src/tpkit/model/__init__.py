@@ -12,6 +12,7 @@ __all__ = ["Transformer"]
 
 def __getattr__(name: str):
     if name == "Transformer":
+        # lazy: tpkit.model.names stays torch-free
         from tpkit.model.transformer import Transformer
 
         return Transformer

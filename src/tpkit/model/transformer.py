@@ -35,10 +35,11 @@ from tpkit.layers.ring_attention import cp_positions
 from tpkit.layers.sharding import TPSplit, master_normal, seed_for, set_meta, shard
 from tpkit.model import names
 from tpkit.model.block import Block
+from tpkit.model.generate import generate, pad_left
 from tpkit.model.names import EMBED_WEIGHT
 from tpkit.spec.config import ModelConfig
 from tpkit.spec.errors import UserError
-from tpkit.spec.shapes import chunks_problem, stage_layer_range
+from tpkit.spec.shapes import LOSS_CHUNK_SAYS, chunks_problem, loss_chunk_ok, stage_layer_range
 
 
 def replicated_linear(c: ModelConfig, seed: int, name: str, kw: dict) -> nn.Linear:
@@ -117,8 +118,8 @@ class Transformer(nn.Module):
         super().__init__()
         tp, pp, v = mesh.tp_size, mesh.pp_size, virtual_stages
         config.check(tp=tp, pp=pp)  # every rank, before any collective
-        if loss_chunk < 0:
-            raise UserError(f"loss_chunk={loss_chunk} must be 0 (off) or a number of tokens")
+        if not loss_chunk_ok(loss_chunk):
+            raise UserError(f"loss_chunk={loss_chunk} {LOSS_CHUNK_SAYS}")
         if chunks_problem(config.num_layers, pp, v):
             raise UserError(f"{config.name}: {chunks_problem(config.num_layers, pp, v)}")
         self.config, self.mesh, self.group = config, mesh, mesh.tp_group
@@ -281,8 +282,6 @@ class Transformer(nn.Module):
         """Tokens [b, s + n] after `ids` [b, s] (or a list of prompts, left-padded):
         `tpkit.model.generate.generate` (its keywords: temperature, top_k, eos_id...).
         Call on every tp rank; every rank returns the same tokens."""
-        from tpkit.model.generate import generate, pad_left
-
         if not torch.is_tensor(ids):
             ids, kw["attention_mask"] = pad_left(ids, kw.get("pad_id", 0), self.mesh.device)
         return generate(self, ids, max_new_tokens, **kw)

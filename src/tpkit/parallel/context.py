@@ -23,6 +23,7 @@ from torch import nn
 
 from tpkit.comm.group import CommGroup
 from tpkit.layers.attention import ParallelAttention
+from tpkit.spec import theory
 from tpkit.spec.shapes import cp_chunks
 
 
@@ -38,8 +39,6 @@ def local_chunks(ids: torch.Tensor, labels: torch.Tensor, group: CommGroup | Non
 def expected(model: nn.Module, b: int, s_local: int, cp: int, micro_batches: int,
              recompute: str = "none") -> list:
     """`tpkit.spec.theory.context_parallel` for this stage's layers."""
-    from tpkit.spec import theory
-
     attn = [m for m in model.modules() if isinstance(m, ParallelAttention)]
     if not attn:
         return []

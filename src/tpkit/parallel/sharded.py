@@ -25,6 +25,7 @@ from torch import nn
 from tpkit.comm import all_reduce
 from tpkit.comm.group import CommGroup
 from tpkit.mesh import ParallelMesh
+from tpkit.parallel.data_parallel import tied_params
 from tpkit.parallel.flat_units import FlatUnit
 from tpkit.parallel.sharded_adamw import ShardedAdamW
 from tpkit.spec.theory import Expect
@@ -154,8 +155,6 @@ def split_tied(parts: list[tuple[str, list[nn.Parameter]]], model: nn.Module, pp
                ) -> list[tuple[str, list[nn.Parameter]]]:
     """With pp > 1 and tied embeddings, the tied table (first stage) or head (last) gets a
     unit of its own, so both stages shard it alike and its gradient shards can be summed."""
-    from tpkit.parallel.data_parallel import tied_params
-
     if pp == 1 or not model.config.tie_embeddings:
         return parts
     tied = tied_params(model)

@@ -35,6 +35,7 @@ class LiveSession:
         if self._runner is not None:
             return self._runner(fn, world, *args, mesh=mesh)
         if world not in self._pools:
+            # lazy: torch; the quiz starts without it
             from tpkit.launch import WorkerPool
 
             self._pools[world] = WorkerPool(world, timeout=self.timeout, threads=1)
@@ -42,6 +43,7 @@ class LiveSession:
 
     def run(self, number: int, tp: int = 2, lang: str = "en", level: int = 1) -> dict:
         """Demonstration `number` (1..8) of `level` at tensor-parallel size `tp`, in `lang`."""
+        # lazy: torch, as above
         from tpkit.quiz.live_level1 import DEMOS as LEVEL1
         from tpkit.quiz.live_level2 import DEMOS as LEVEL2
 

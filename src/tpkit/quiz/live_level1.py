@@ -7,15 +7,22 @@ Each function returns its figures, `text` (from `live_text.json`) and `charts`.
 
 from __future__ import annotations
 
+from dataclasses import replace
+
 import torch
 
 from tpkit.comm.group import CommGroup
 from tpkit.layers import ColumnColumnMLP, ParallelMLP, RowParallelLinear
+from tpkit.layers.attention import ParallelAttention
+from tpkit.plan import cost
+from tpkit.plan.hardware import PROFILES
+from tpkit.plan.memory import Precision
+from tpkit.plan.simulate import Layout, tp_collectives
 from tpkit.quiz import live_charts as C
 from tpkit.quiz import live_ranks as R
 from tpkit.quiz.live_common import Spawner, max_diff, median_of_slowest, x_input
 from tpkit.quiz.live_text import Say
-from tpkit.spec.config import ModelConfig
+from tpkit.spec.config import PRESETS, ModelConfig
 from tpkit.spec.grid import rank_grid
 from tpkit.spec.shapes import kv_heads_per_rank
 from tpkit.spec.theory import ring_steps
@@ -101,14 +108,6 @@ def placement_grid(say: Say, tp: int) -> dict:
 def planner_layer(tp: int, model: str, hardware: str, seq: int, b: int) -> dict:
     """The planner's compute and tp all-reduce times of one layer, inside a node and
     across nodes (the same group with one GPU per node)."""
-    from dataclasses import replace
-
-    from tpkit.plan import cost
-    from tpkit.plan.hardware import PROFILES
-    from tpkit.plan.memory import Precision
-    from tpkit.plan.simulate import Layout, tp_collectives
-    from tpkit.spec.config import PRESETS
-
     c, hw = PRESETS[model], PROFILES[hardware]
     n = b * seq * c.hidden * 2  # bytes of one bf16 activation [b, s, h]
     flops = cost.layer_forward_flops(c, b, seq)
@@ -127,7 +126,6 @@ def demo_heads(live: Spawner, tp: int = 2, hidden: int = 64, num_heads: int = 8,
     """Answer 4: which query and kv heads each rank owns, and its real qkv weight shape."""
     x = x_input(2, 4, hidden)
     ranks = live.spawn(R.attention_heads, x, hidden, num_heads, num_kv_heads, tp=tp)
-    from tpkit.layers.attention import ParallelAttention
 
     ref = ParallelAttention(ModelConfig(hidden=hidden, num_heads=num_heads,
                                         kv_heads=num_kv_heads), CommGroup.single())

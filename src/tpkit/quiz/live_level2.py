@@ -11,11 +11,16 @@ import torch
 from tpkit.comm.group import CommGroup
 from tpkit.comm.ledger import Record
 from tpkit.layers import ParallelMLP
+from tpkit.plan.hardware import PROFILES
+from tpkit.plan.memory import Precision, model_state_bytes, params_per_rank
+from tpkit.plan.simulate import Cluster, Layout, evaluate
 from tpkit.quiz import live_charts as C
 from tpkit.quiz import live_ranks as R
 from tpkit.quiz.live_common import Spawner, max_diff, x_input
 from tpkit.quiz.live_level1 import heads_arithmetic, heads_chart
 from tpkit.quiz.live_text import Say
+from tpkit.spec.config import PRESETS
+from tpkit.spec.theory import bubble_theory
 
 
 def _wire(recs: list[tuple]) -> float:
@@ -90,8 +95,6 @@ def demo_bubble(live: Spawner, tp: int = 2, micro: tuple[int, ...] = (4, 8, 16, 
                 lang: str = "en") -> dict:
     """The planner's pipeline bubble (p-1)/(v m) for p = tp stages, with and without
     interleaving (v = 2)."""
-    from tpkit.spec.theory import bubble_theory
-
     p = tp
     table = {m: [bubble_theory(p, m, v) for v in (1, 2)] for m in micro}
     out = dict(pp=p, bubble={str(m): f for m, f in table.items()})
@@ -107,9 +110,6 @@ def demo_bubble(live: Spawner, tp: int = 2, micro: tuple[int, ...] = (4, 8, 16, 
 
 def demo_zero(live: Spawner, tp: int = 2, model: str = "llama2-7b", lang: str = "en") -> dict:
     """The planner's bytes of model state per GPU, without and with ZeRO-1 over dp = 2 tp."""
-    from tpkit.plan.memory import Precision, model_state_bytes, params_per_rank
-    from tpkit.spec.config import PRESETS
-
     dp = 2 * tp
     params = params_per_rank(PRESETS[model], 1, 1, 0)
     plain = model_state_bytes(params, dp, False, Precision())
@@ -130,10 +130,6 @@ def demo_zero(live: Spawner, tp: int = 2, model: str = "llama2-7b", lang: str = 
 def demo_tp_nodes(live: Spawner, tp: int = 2, model: str = "gpt3-175b",
                   lang: str = "en") -> dict:
     """The planner's step on 2 nodes of 8 H100: tp=8 inside a node (pp=2) vs tp=16 across."""
-    from tpkit.plan.hardware import PROFILES
-    from tpkit.plan.simulate import Cluster, Layout, evaluate
-    from tpkit.spec.config import PRESETS
-
     cluster, c = Cluster(PROFILES["h100"], nodes=2), PRESETS[model]
     est = {t: evaluate(c, 2048, 64, Layout(tp=t, pp=16 // t, dp=1, micro_batch=1), cluster)
            for t in (8, 16)}

@@ -11,8 +11,11 @@ import time
 
 import torch
 
-from tpkit.comm import all_reduce
+from tpkit.comm import all_reduce, ops
 from tpkit.layers import ColumnColumnMLP, ParallelMLP, RowParallelLinear
+from tpkit.layers.attention import ParallelAttention
+from tpkit.layers.cross_entropy import vocab_parallel_cross_entropy
+from tpkit.layers.embedding import VocabParallelEmbedding
 from tpkit.spec.config import ModelConfig
 
 
@@ -55,8 +58,6 @@ def row_partials(mesh, y: torch.Tensor, ffn: int, hidden: int) -> dict:
 
 def attention_heads(mesh, x: torch.Tensor, hidden: int, heads: int, kv: int) -> dict:
     """Heads this rank owns, its weight shapes, and the attention output."""
-    from tpkit.layers.attention import ParallelAttention
-
     attn = ParallelAttention(ModelConfig(hidden=hidden, num_heads=heads, kv_heads=kv),
                              mesh.tp_group)
     q, k = attn.owned_heads()
@@ -113,8 +114,6 @@ def _records(mesh) -> list[tuple]:
 def sp_traffic(mesh, x: torch.Tensor, hidden: int, ffn: int) -> dict:
     """Ledger of a forward+backward of the MLP without and with sequence parallelism
     (then the input is this rank's slice of the sequence, [b, s/tp, h])."""
-    from tpkit.comm import ops
-
     out = {}
     for name, sp in (("plain", False), ("sp", True)):
         mlp = ParallelMLP(hidden, ffn, mesh.tp_group, sequence_parallel=sp)
@@ -130,9 +129,6 @@ def vocab_parallel_traffic(mesh, logits: torch.Tensor, target: torch.Tensor,
                            ids: torch.Tensor, hidden: int) -> dict:
     """This rank's vocab slice of the logits -> per-token loss (3 small all-reduces), and
     a vocab-parallel embedding lookup (1 all-reduce), each with its ledger."""
-    from tpkit.layers.cross_entropy import vocab_parallel_cross_entropy
-    from tpkit.layers.embedding import VocabParallelEmbedding
-
     tp, r, vocab = mesh.tp_size, mesh.tp_rank, logits.shape[-1]
     local = logits[..., r * vocab // tp:(r + 1) * vocab // tp]  # [b, s, V/tp]
     with torch.no_grad():

@@ -31,6 +31,7 @@ from tpkit.host.exit import Stopped
 from tpkit.host.web import HOST, Guard, Server, listen, warn_if_exposed
 from tpkit.quiz import web_api
 from tpkit.quiz.content import Quiz
+from tpkit.quiz.live import LiveSession
 
 HTML, JS = "text/html; charset=utf-8", "text/javascript; charset=utf-8"
 STATIC = {  # URL path -> (file in tpkit/quiz/page, content type)
@@ -168,8 +169,6 @@ def serve(quiz: Quiz, port: int = 8765, lang: str = "en", live: bool = False,
     warn_if_exposed("tpkit quiz", host, "the quiz")
     session = None
     if live:
-        from tpkit.quiz.live import LiveSession
-
         session = LiveSession(comm=comm)
         def runner(level: int, number: int, tp: int, lang_: str) -> dict:
             return session.run(number, tp, lang_, level)

@@ -151,7 +151,7 @@ class Engine:
             raise UserError("the prompt is empty (it needs at least one token)")
         bad = sorted({t for t in prompt_ids if not (isinstance(t, int) and 0 <= t < vocab)})
         if bad:
-            raise UserError(f"prompt token ids {bad[:5]} are outside the vocabulary [0, {vocab})")
+            raise UserError(f"prompt token ids {bad[:5]} are outside the model's vocabulary [0, {vocab})")
         if params.stop and self.tokenizer is None:
             raise UserError("stop strings need a tokenizer (Engine(..., tokenizer=...))")
         need = n + params.max_tokens

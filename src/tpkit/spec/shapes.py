@@ -88,6 +88,15 @@ def heads_problems(num_heads: int, kv_heads: int, tp: int) -> list[str]:
     return out
 
 
+LOSS_CHUNK_SAYS = "must be 0 (off) or a positive number of tokens"
+
+
+def loss_chunk_ok(tokens: int) -> bool:
+    """Is `tokens` a cross-entropy chunk (`loss_chunk`): 0 (off) or a number of tokens?
+    The rule of TrainConfig's knob and of the Transformer (`LOSS_CHUNK_SAYS` if not)."""
+    return tokens >= 0
+
+
 def chunks_problem(num_layers: int, pp: int, virtual_stages: int) -> str | None:
     """Why pp stages of `virtual_stages` chunks each cannot hold the layers (every chunk
     needs one at least), or None."""

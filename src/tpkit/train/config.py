@@ -15,10 +15,12 @@ from pathlib import Path
 
 from tpkit.comm.failure import DEFAULT_COLLECTIVE_TIMEOUT_S
 from tpkit.parallel.schedules import CHUNKED, SCHEDULES, schedule_problems
+from tpkit.spec.config import get_preset
 from tpkit.spec.errors import UserError
 from tpkit.spec.grid import world_of
-from tpkit.spec.shapes import chunks_problem, interleave_problem
+from tpkit.spec.shapes import LOSS_CHUNK_SAYS, chunks_problem, interleave_problem, loss_chunk_ok
 from tpkit.spec.theory import FSDP_RESHARD
+from tpkit.train.config_file import read_toml
 from tpkit.train.config_knobs import (
     AT_LEAST_0,
     COUNT,
@@ -28,6 +30,9 @@ from tpkit.train.config_knobs import (
     knob_problems,
     sections,
 )
+from tpkit.train.data import read_by_the_model
+from tpkit.train.trackers import problems
+from tpkit.weights.hf import hf_config
 
 DTYPES = ("float32", "bfloat16")
 NONFINITE_POLICIES = ("stop", "skip")  # what a NaN/inf step does (tpkit.train.nonfinite)
@@ -44,8 +49,6 @@ ANOTHER_MODEL = "another model"
 
 
 def _trackers_check(name: str, value: str) -> list[str]:
-    from tpkit.train.trackers import problems
-
     return problems(value)
 
 
@@ -72,7 +75,7 @@ class TrainConfig:
     loss_chunk: int = MODEL.knob(
         0, "head + cross-entropy this many tokens at a time: the logits of the whole "
         "micro-batch never exist (0: off)",
-        check=Check(lambda v: v >= 0, "must be 0 (off) or a positive number of tokens"))
+        check=Check(loss_chunk_ok, LOSS_CHUNK_SAYS))
 
     tp: int = PARALLEL.knob(1, "tensor-parallel size", check=POSITIVE_INT)
     pp: int = PARALLEL.knob(1, "pipeline stages", check=POSITIVE_INT)
@@ -191,11 +194,8 @@ class TrainConfig:
 
     @cached_property
     def _model_config(self):
-        from tpkit.spec.config import get_preset
-
         if self.from_hf is None:
             return get_preset(self.preset)
-        from tpkit.weights.hf import hf_config
 
         try:
             return hf_config(self.from_hf)
@@ -222,8 +222,6 @@ class TrainConfig:
     def from_toml(cls, path: str | Path, **overrides) -> TrainConfig:
         """Read a TOML file, sectioned ([model], [parallelism], ...) or flat, whose keys are
         the field names (dashes allowed), then override (`tpkit.train.config_file`)."""
-        from tpkit.train.config_file import read_toml
-
         return cls(**{**read_toml(path, cls), **overrides})
 
     def problems(self) -> list[str]:
@@ -255,8 +253,6 @@ class TrainConfig:
         return out
 
     def _from_hf_problems(self) -> list[str]:
-        from tpkit.train.data import read_by_the_model
-
         if self.from_hf is None or read_by_the_model(self.data):
             return []
         return [f"from_hf={self.from_hf} trains on ids of its own tokenizer, but data="
@@ -310,7 +306,7 @@ class TrainConfig:
 
 def _backend_problems(backend: str) -> list[str]:
     """torch.compile's backends, checked before any process starts."""
-    from torch._dynamo import list_backends
+    from torch._dynamo import list_backends  # lazy: Dynamo doubles a command's start
 
     known = list_backends(exclude_tags=())
     return [] if backend in known else [f"compile_backend={backend!r} is not one of {known}"]

@@ -28,6 +28,7 @@ from pathlib import Path
 
 from tpkit.spec.errors import UserError
 from tpkit.train.config_knobs import Knob, knobs, sections
+from tpkit.weights.files import MANIFEST
 
 if sys.version_info >= (3, 11):
     import tomllib
@@ -142,8 +143,6 @@ def _same(knob: Knob, old, new) -> bool:
 
 def saved_config(checkpoint: str | Path) -> dict | None:
     """The TrainConfig a checkpoint was written with (its manifest), or None."""
-    from tpkit.weights.files import MANIFEST
-
     path = Path(checkpoint) / MANIFEST
     try:
         config = json.loads(path.read_text()).get("extra", {}).get("config")

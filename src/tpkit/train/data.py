@@ -21,27 +21,29 @@ Its state is one number, the position in that stream, saved with checkpoints.
 
 from __future__ import annotations
 
+import json
 import sys
 from pathlib import Path
+from pydoc_data.topics import topics
 
 import numpy as np
 import torch
 
+from tpkit.parallel.schedules import MicroBatch
 from tpkit.spec.errors import UserError
+from tpkit.train.text_sources import DATASETS, documents_kind, read_text
+from tpkit.train.tokenizing import Tokenized
 from tpkit.train.tokens import INDEX, TokenStream, open_shards
+from tpkit.weights.tokenizer import ByteTokenizer, has_tokenizer
 
 
 def embedded_text() -> str:
     """The text of Python's help topics, in a fixed order."""
-    from pydoc_data.topics import topics
-
     return "\n\n".join(topics[k] for k in sorted(topics))
 
 
 def encode_bytes(text: str) -> np.ndarray:
     """The byte tokenizer's ids of `text` (`model.tokenizer.ByteTokenizer`), as uint16."""
-    from tpkit.weights.tokenizer import ByteTokenizer
-
     return ByteTokenizer.array(text)
 
 
@@ -74,8 +76,6 @@ def load_tokens(path: str | Path | None, vocab_size: int = 256,
 
 def _read(p: Path, tokenizer: str | None) -> np.ndarray:
     """The ids of a data file or folder that is not prepared data, read by what it is."""
-    from tpkit.train.text_sources import DATASETS, documents_kind, read_text
-
     kind = documents_kind(p)
     if kind is not None:
         return _documents(p, kind == DATASETS, tokenizer)
@@ -99,16 +99,12 @@ def read_by_the_model(data: str | Path | None) -> bool:
     """Whether `data` is ids of the model's own tokenizer: a `prepare-data` folder, or a
     .jsonl, .parquet or datasets folder (tokenized here with it, as prepare-data does);
     other data (text, .bin) is bytes."""
-    from tpkit.train.text_sources import documents_kind
-
     return bool(data) and ((Path(data) / INDEX).is_file() or
                            documents_kind(Path(data)) is not None)
 
 
 def _documents(p: Path, folder: bool, tokenizer: str | None) -> np.ndarray:
     """A .jsonl, .parquet or datasets folder, tokenized as `prepare-data` does."""
-    from tpkit.train.tokenizing import Tokenized
-
     prepare = f"tpkit prepare-data {p} --tokenizer {tokenizer or 'TOKENIZER'} --out DIR"
     if tokenizer is None:
         raise UserError(f"data {p} ({'a datasets folder' if folder else p.suffix}) needs the "
@@ -160,10 +156,6 @@ def _tokenizer_key(where: str) -> str:
 
 def tokenizer_folder(data: str | Path | None) -> Path | None:
     """The tokenizer folder a `prepare-data` folder was made with (None: bytes/unknown)."""
-    import json
-
-    from tpkit.weights.tokenizer import has_tokenizer
-
     index = Path(data) / INDEX if data is not None else None
     if index is None or not index.is_file():
         return None
@@ -268,6 +260,4 @@ def _resume_mismatch(key: str, saved, given) -> str:
 
 def micro_batches(ids: torch.Tensor, labels: torch.Tensor, m: int) -> list:
     """Split a replica's batch [b, s] into m micro-batches [b/m, s]."""
-    from tpkit.parallel.schedules import MicroBatch
-
     return [MicroBatch(i, y) for i, y in zip(ids.chunk(m), labels.chunk(m))]

@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import ctypes
 import errno
+import json
 import os
 import re
 import sys
@@ -107,8 +108,6 @@ def check_destination(out: Path, overwrite: bool) -> None:
 
 
 def _describe(out: Path) -> str:
-    import json
-
     try:
         index = json.loads((out / INDEX).read_text())
     except (OSError, ValueError):

@@ -3,7 +3,7 @@ metrics, checkpoints, the summary.
 
     loader, val = prepare(cfg, mesh)       every check that can fail, before a collective
     model = train_model(cfg, mesh)         preset or Hugging Face weights (one builder)
-    data = ReplicatedData | ShardedData    dp: plain / ZeRO-1, or ZeRO-2 / FSDP
+    data_parallel = ReplicatedData | ...  dp: plain / ZeRO-1, or ZeRO-2 / FSDP
     ctx = StepContext(...)                 what a step needs, once
     for each step: run_step(ctx, loader, step), evaluate, save_checkpoint
 
@@ -20,15 +20,17 @@ from pathlib import Path
 
 import torch
 
+from tpkit.checkpoint import retention, store
+from tpkit.checkpoint.rng import capture_rng, restore_rng
 from tpkit.comm import all_reduce
 from tpkit.comm.failure import CollectiveFailed
 from tpkit.mesh import ParallelMesh
 from tpkit.parallel import StageLink, context, ring_backward_group, tied_embedding_group
-from tpkit.parallel.replicas import check_replicas
-from tpkit.parallel.replicated import ReplicatedData
+from tpkit.parallel.divergence import check_replicas
+from tpkit.parallel.replicated_data import ReplicatedData
 from tpkit.spec import theory
 from tpkit.spec.errors import UserError
-from tpkit.train import run_log
+from tpkit.train import run_log, trace
 from tpkit.train.config import TrainConfig
 from tpkit.train.data import (
     TokenLoader,
@@ -42,6 +44,9 @@ from tpkit.train.optim import build_optimizer, build_sharding
 from tpkit.train.report import RunSummary, sharded_rows, theory_rows, theory_table
 from tpkit.train.step import StepContext, evaluate, run_step
 from tpkit.train.trackers import Trackers
+from tpkit.weights.build import build_model
+from tpkit.weights.paths import step_dir
+from tpkit.weights.sources import open_source
 
 
 def prepare(cfg: TrainConfig, mesh: ParallelMesh) -> tuple[TokenLoader, TokenLoader | None]:
@@ -73,9 +78,6 @@ def train_model(cfg: TrainConfig, mesh: ParallelMesh,
     With `from_hf` each rank reads only its slices of the folder's weights (unless it
     resumes: the checkpoint's weights replace them anyway). With `dtype` (the bf16
     compute copy of master weights) its weights are left to `MasterWeights`."""
-    from tpkit.weights.build import build_model
-    from tpkit.weights.sources import open_source
-
     hf = cfg.from_hf is not None and not cfg.resume and dtype is None
     model = build_model(cfg.model_config(), mesh, open_source(cfg.from_hf) if hf else None,
                         seed=cfg.seed, sequence_parallel=cfg.sp, recompute=cfg.recompute,
@@ -92,19 +94,20 @@ def build_context(cfg: TrainConfig, mesh: ParallelMesh, model: torch.nn.Module,
     cp_group = mesh.cp_group if mesh.cp_size > 1 else None  # each rank its s/cp tokens
     sharding = build_sharding(model, cfg, mesh)  # ZeRO-2 / FSDP (tpkit.parallel.sharded)
     opt = sharding.optimizer if sharding else build_optimizer(model, cfg, mesh)
-    data = sharding or ReplicatedData(model, mesh, opt, cfg.micro_batches)
-    half = torch.bfloat16 if cfg.master_weights else torch.float32  # between stages
+    data_parallel = sharding or ReplicatedData(model, mesh, opt, cfg.micro_batches)
+    between_stages = torch.bfloat16 if cfg.master_weights else torch.float32  # the dtype
     # gradients travel on their own communicator (see tpkit.parallel.p2p)
-    link = StageLink(mesh.pp_group, device=mesh.device, dtype=half,
+    link = StageLink(mesh.pp_group, device=mesh.device, dtype=between_stages,
                      backward_group=ring_backward_group(mesh))
-    with data.full_params():
+    with data_parallel.full_params():
         start = resume(cfg, mesh, model, opt, loader) if cfg.resume else 0
-    mixed = MasterWeights(model, train_model(cfg, mesh, half).train()) \
+    mixed = MasterWeights(model, train_model(cfg, mesh, between_stages).train()) \
         if cfg.master_weights else None  # forward/backward in bf16, the rest on fp32 masters
     autocast = torch.autocast(mesh.device.type, dtype=torch.bfloat16) \
         if cfg.dtype == "bfloat16" and not mixed else None
-    ctx = StepContext(cfg, mesh, data.stage_model(model), link, opt, data, tied, mixed,
-                      autocast, NonFiniteGuard(cfg.on_nonfinite, cfg.nonfinite_skips), cp_group)
+    ctx = StepContext(cfg, mesh, data_parallel.stage_model(model), link, opt, data_parallel,
+                      tied, mixed, autocast,
+                      NonFiniteGuard(cfg.on_nonfinite, cfg.nonfinite_skips), cp_group)
     return ctx, sharding, start
 
 
@@ -116,7 +119,7 @@ def train(cfg: TrainConfig, mesh: ParallelMesh, model: torch.nn.Module | None = 
     model = model or train_model(cfg, mesh)
     model.train()
     ctx, sharding, start = build_context(cfg, mesh, model, loader)
-    opt, data, link = ctx.opt, ctx.data, ctx.link
+    opt, data_parallel, link = ctx.opt, ctx.data_parallel, ctx.link
     out, lead = Path(cfg.out), mesh.rank == 0
     run_id = run_identity(cfg) if lead else None  # only rank 0 writes manifests
     log = run_log.MetricsLog(out / "metrics.jsonl" if lead else None, resume_step=start,
@@ -131,7 +134,7 @@ def train(cfg: TrainConfig, mesh: ParallelMesh, model: torch.nn.Module | None = 
             row = run_step(ctx, loader, step)
             span = (t_step, time.perf_counter())
             if cfg.check_replicas and (step + 1) % cfg.check_replicas == 0:
-                with mesh.ledger.paused(), data.full_params():  # not part of the theory
+                with mesh.ledger.paused(), data_parallel.full_params():  # not part of the theory
                     check_replicas(model, mesh.tp_group, step + 1)  # FSDP: gathered first
             train_s += row["step_s"]
             if step > start or cfg.steps == start + 1:
@@ -145,7 +148,7 @@ def train(cfg: TrainConfig, mesh: ParallelMesh, model: torch.nn.Module | None = 
             log.write({k: v for k, v in row.items() if k != "comm_line"})
             bar.update(row)
             if cfg.ckpt_every and (step + 1) % cfg.ckpt_every == 0 and step + 1 < cfg.steps:
-                with data.full_params():
+                with data_parallel.full_params():
                     ckpt = save_checkpoint(cfg, mesh, model, opt, loader, step + 1, run_id)
     except CollectiveFailed as e:  # a dead or stuck peer: say how far the run got
         raise e.after_step(start + len(rows)) from e.__cause__
@@ -155,7 +158,7 @@ def train(cfg: TrainConfig, mesh: ParallelMesh, model: torch.nn.Module | None = 
         _close_link(link, sys.exc_info()[1] is not None, start + len(rows))
     if cfg.checkpoint:
         try:
-            with data.full_params():
+            with data_parallel.full_params():
                 ckpt = save_checkpoint(cfg, mesh, model, opt, loader, cfg.steps, run_id)
         except CollectiveFailed as e:  # a peer died in the final save: every step was done
             raise e.after_step(start + len(rows)) from e.__cause__
@@ -167,8 +170,6 @@ def train(cfg: TrainConfig, mesh: ParallelMesh, model: torch.nn.Module | None = 
 
 def _write_trace(cfg: TrainConfig, mesh: ParallelMesh, records, span) -> None:
     """This rank's timeline of the last step (`tpkit.train.trace`; merged by the command)."""
-    from tpkit.train import trace
-
     cp = f", cp {mesh.cp_rank}" if mesh.cp_size > 1 else ""
     title = f"rank {mesh.rank} (pp {mesh.pp_rank}, tp {mesh.tp_rank}, dp {mesh.dp_rank}{cp})"
     trace.write_rank(cfg.trace, mesh.rank, title, trace.step_events(records, *span, mesh.rank))
@@ -191,8 +192,6 @@ def _due(step: int, every: int, steps: int) -> bool:
 def run_identity(cfg: TrainConfig) -> str:
     """This run's id, in every checkpoint it writes: the resumed checkpoint's run's
     (`retention.run_of`), or a new one."""
-    from tpkit.checkpoint import retention
-
     return (retention.run_of(cfg.resume) if cfg.resume else None) or retention.new_run_id()
 
 
@@ -201,10 +200,6 @@ def save_checkpoint(cfg: TrainConfig, mesh: ParallelMesh, model, opt, loader: To
     """Sharded checkpoint at out/checkpoints/step_N: weights, AdamW (or ZeRO-1) state,
     and in `extra` the loader position, the step and this rank's generator states;
     then retention, of this run's (`run_id`) checkpoints only."""
-    from tpkit.checkpoint import retention, store
-    from tpkit.checkpoint.rng import capture_rng
-    from tpkit.weights.paths import step_dir
-
     path = step_dir(cfg.out, step)
     rng = dict(capture_rng(mesh.device), tp=model.rng.state, device=mesh.device.type)
     store.save(path, model, opt, step=step, mesh=mesh, run=run_id,
@@ -225,9 +220,6 @@ def resume(cfg: TrainConfig, mesh: ParallelMesh, model, opt, loader: TokenLoader
     rank (tp ranks must draw alike), the per-tp-rank dropout generator keeps its seed;
     on another kind of device (a GPU checkpoint on CPU) the generators keep theirs.
     """
-    from tpkit.checkpoint import store
-    from tpkit.checkpoint.rng import restore_rng
-
     path = cfg.resume
     extra = store.load(path, model, opt, mesh=mesh)
     if int(extra["step"]) >= cfg.steps:

@@ -14,12 +14,14 @@ import torch
 from torch import nn
 
 from tpkit.mesh import ParallelMesh
+from tpkit.parallel.fsdp import FullyShardedData
 from tpkit.parallel.zero import ZeroAdamW
+from tpkit.parallel.zero2 import Zero2
 from tpkit.train.config import TrainConfig
 
 
 class AdamW(torch.optim.AdamW):
-    """torch's AdamW as a `parallel.replicated.StepOptimizer`: whole gradients, summed
+    """torch's AdamW as a `parallel.replicated_data.StepOptimizer`: whole gradients, summed
     over dp before it runs, so `reduce_gradients` has nothing to do."""
 
     dp_sharded = False
@@ -53,8 +55,6 @@ def build_sharding(model: nn.Module, cfg: TrainConfig, mesh: ParallelMesh):
     asked, or dp=1: nothing to shard over). Its `.optimizer` is the run's optimizer."""
     if mesh.dp_cp_size == 1 or not (cfg.zero2 or cfg.fsdp):
         return None
-    from tpkit.parallel.fsdp import FullyShardedData
-    from tpkit.parallel.zero2 import Zero2
 
     kw = dict(lr=cfg.lr, betas=(0.9, cfg.beta2), eps=1e-8)
     if cfg.zero2:

@@ -14,6 +14,9 @@ import shlex
 from collections import Counter
 from dataclasses import dataclass
 
+from rich.table import Table
+
+from tpkit.comm.ledger_tables import render
 from tpkit.spec.words import plural
 from tpkit.train.config import TrainConfig
 
@@ -125,10 +128,6 @@ def sharded_rows(ledger, expects: list, scope: str, group: str = "dp") -> list[d
 
 def theory_table(rows: list[dict], title: str) -> str:
     """`theory_rows` as a text table, with a verdict column."""
-    from rich.table import Table
-
-    from tpkit.comm.report import render
-
     t = Table(title=title)
     for col in ("group", "op", "phase", "elements each", "recorded", "theory", ""):
         t.add_column(col, justify="right" if col in ("elements each", "recorded", "theory")

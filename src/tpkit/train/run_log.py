@@ -10,9 +10,11 @@ import json
 import sys
 from pathlib import Path
 
+from rich import progress as rich_progress
+
 from tpkit.checkpoint.disk import writing
 from tpkit.comm.ledger import Record
-from tpkit.comm.report import human_bytes
+from tpkit.comm.ledger_tables import human_bytes
 from tpkit.spec.errors import RunFailed
 
 
@@ -67,11 +69,10 @@ class Progress:
     def __init__(self, total: int, enabled: bool) -> None:
         self.bar = None
         if enabled:
-            from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn
-            from rich.progress import TimeRemainingColumn as Eta
-
-            self.bar = Progress(TextColumn("train"), BarColumn(), MofNCompleteColumn(), Eta(),
-                                TextColumn("{task.fields[info]}"))
+            self.bar = rich_progress.Progress(
+                rich_progress.TextColumn("train"), rich_progress.BarColumn(),
+                rich_progress.MofNCompleteColumn(), rich_progress.TimeRemainingColumn(),
+                rich_progress.TextColumn("{task.fields[info]}"))
             self.task = self.bar.add_task("train", total=total, info="")
             self.bar.start()
 
@@ -90,6 +91,7 @@ class Progress:
 
 def plot_losses(rows: list[dict], path: Path, title: str) -> Path:
     """Training loss (and validation loss points) against the step, as a PNG."""
+    # lazy: 1.2 s to import; only the end of a run draws
     import matplotlib
 
     matplotlib.use("Agg")

@@ -1,25 +1,25 @@
 """One training step, and what it needs, gathered once per run in a `StepContext`.
 
-    ctx = StepContext(cfg, mesh, model, link, opt, data, tied, mixed, autocast)
+    ctx = StepContext(cfg, mesh, model, link, opt, data_parallel, tied, mixed, autocast)
     row = run_step(ctx, loader, step)          # the metrics row of one optimizer step
     val = evaluate(ctx, val_loader)            # mean held-out loss
 
 A step (every rank runs it):
 
     batch of this dp replica -> m micro-batches -> GPipe / 1F1B / interleaved 1F1B
-    data.arm() ... data.finish()     dp: gradients summed as the last backward finishes
+    dp.arm() ... dp.finish()         dp: gradients summed as the last backward finishes
                                      them (replicated), or reduce-scattered (ZeRO-2, FSDP)
     model.finalize_grads()           tp: sequence-parallel norms, shared kv heads
-    data.sync_tied(tied)             pp: embedding (first stage) + head (last stage);
+    dp.sync_tied(tied)               pp: embedding (first stage) + head (last stage);
                                      ZeRO-1: the optimizer's reduce-scatter over dp
     (all of these are sums, so their order does not change the result)
-    data.grad_norm()                 every parameter counted once (tp, pp; not dp)
+    dp.grad_norm()                   every parameter counted once (tp, pp; not dp)
     guard.skip(loss, norm)           a NaN/inf: stop the run, or skip this update
-    data.clip; optimizer.step(); data.after_step()
+    dp.clip; optimizer.step(); dp.after_step()
     mixed.copy_to_compute()          bf16 compute copy of fp32 master weights
 
-`data` is `parallel.replicated.ReplicatedData` or `parallel.sharded.ShardedData`: one
-protocol, so the step has one path.
+`dp` (`ctx.data_parallel`) is `parallel.replicated_data.ReplicatedData` or
+`parallel.sharded.ShardedData`: one protocol, so the step has one path.
 """
 
 from __future__ import annotations
@@ -52,7 +52,7 @@ class StepContext:
     model: nn.Module  # the stage the schedule runs (FSDP: its root unit gathered)
     link: StageLink
     opt: Any  # a `replicated.StepOptimizer`, or ZeRO-2 / FSDP's sharded AdamW
-    data: Any  # ReplicatedData or ShardedData (the dp protocol)
+    data_parallel: Any  # ReplicatedData or ShardedData (the dp protocol; cfg.data: a path)
     tied: CommGroup | None = None  # first + last stage, for a tied embedding
     mixed: MasterWeights | None = None  # bf16 forward/backward on fp32 master weights
     autocast: Any = None  # torch.autocast for bf16 without master weights
@@ -77,20 +77,20 @@ def run_step(ctx: StepContext, loader: TokenLoader, step: int) -> dict:
     lr = lr_at(step, cfg)
     set_lr(ctx.opt, lr)
     micro = ctx.batches(loader)
-    ctx.data.arm()
+    ctx.data_parallel.arm()
     stats = run_schedule(cfg.schedule, ctx.compute, ctx.link, micro, ctx.autocast)
-    ctx.data.finish()  # most buckets were sent during the last backward
+    ctx.data_parallel.finish()  # most buckets were sent during the last backward
     ctx.model.finalize_grads()
-    ctx.data.sync_tied(ctx.tied)
-    norm = ctx.data.grad_norm()
+    ctx.data_parallel.sync_tied(ctx.tied)
+    norm = ctx.data_parallel.grad_norm()
     loss = replica_mean(stats.loss, ctx.mesh)  # before the update: a NaN step never applies
     skipped = bool(ctx.guard and ctx.guard.skip(step + 1, loss, norm, ctx.model,
                                                 ctx.mesh.rank))  # the same on every rank
     if not skipped:
-        ctx.data.clip(norm, cfg.clip)
+        ctx.data_parallel.clip(norm, cfg.clip)
         ctx.opt.step()
     ctx.opt.zero_grad(set_to_none=True)
-    ctx.data.after_step()  # ZeRO-2: all-gather the weights; FSDP: free them
+    ctx.data_parallel.after_step()  # ZeRO-2: all-gather the weights; FSDP: free them
     if ctx.mixed and not skipped:
         ctx.mixed.copy_to_compute()
     comm = run_log.comm_by_group(ctx.mesh.ledger.records)
@@ -109,7 +109,7 @@ def evaluate(ctx: StepContext, loader: TokenLoader) -> float:
         stats = forward_only(model, ctx.link, ctx.batches(loader), ctx.autocast)
         losses.append(replica_mean(stats.loss, ctx.mesh))
     model.train()
-    ctx.data.release()  # FSDP: the parameters the forward gathered
+    ctx.data_parallel.release()  # FSDP: the parameters the forward gathered
     return sum(losses) / len(losses)
 
 

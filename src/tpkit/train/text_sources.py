@@ -138,6 +138,7 @@ def _columns(path: Path, kind: str) -> list[str]:
 
 def _parquet(path: Path):
     """The open ParquetFile; one line naming the file when pyarrow cannot read it."""
+    # lazy: optional (tpkit[data])
     import pyarrow as pa
     import pyarrow.parquet as pq
 
@@ -153,6 +154,7 @@ def _one_line(e: BaseException) -> str:
 
 def _dataset(path: Path):
     """A save_to_disk folder: the Dataset (of a DatasetDict, its train split)."""
+    # lazy: optional (tpkit[data])
     from datasets import DatasetDict, load_from_disk
 
     try:
@@ -228,6 +230,7 @@ def _row_pieces(src: Source, fields: Fields) -> Iterator[Piece]:
 
 def _parquet_batches(file, path: Path, column: str) -> Iterator[list]:
     """The values of `column`, ROWS at a time; a damaged row group is one line."""
+    # lazy: optional (tpkit[data])
     import pyarrow as pa
 
     batches = file.iter_batches(batch_size=ROWS, columns=[column])

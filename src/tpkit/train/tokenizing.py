@@ -13,6 +13,7 @@ at a time when asked (the same ids, in the same order).
 
 from __future__ import annotations
 
+import multiprocessing
 from collections import deque
 from collections.abc import Callable, Iterator
 from functools import lru_cache
@@ -21,6 +22,8 @@ import numpy as np
 
 from tpkit.spec.errors import UserError
 from tpkit.train.text_sources import Fields, Source, documents, open_sources
+from tpkit.train.tokens import DTYPES, dtype_for
+from tpkit.weights.tokenizer import ByteTokenizer, has_tokenizer, load_tokenizer
 
 BATCH_BYTES = 1 << 20  # text handed to the tokenizer (or a worker) at a time
 
@@ -28,8 +31,6 @@ BATCH_BYTES = 1 << 20  # text handed to the tokenizer (or a worker) at a time
 @lru_cache(maxsize=2)
 def tokenizer(where: str):
     """The tokenizer of a model folder, or 'bytes' (loaded once per process)."""
-    from tpkit.weights.tokenizer import ByteTokenizer, has_tokenizer, load_tokenizer
-
     if where == "bytes":
         return ByteTokenizer()
     if not has_tokenizer(where):
@@ -73,8 +74,6 @@ class Tokenized:
 
     def array(self) -> np.ndarray:
         """Every id at once (uint16 when the vocabulary fits, else uint32)."""
-        from tpkit.train.tokens import DTYPES, dtype_for
-
         dtype = DTYPES[dtype_for(self.tok.vocab_size)]
         parts = [np.asarray(ids, dtype=dtype) for ids, _ in self]
         return np.concatenate(parts) if parts else np.zeros(0, dtype)
@@ -114,7 +113,6 @@ def _encoded(batches: Iterator[list[tuple]], where: str, workers: int) -> Iterat
         for b in batches:
             yield b, _encode((where, [p[0] for p in b]))
         return
-    import multiprocessing
 
     with multiprocessing.get_context("spawn").Pool(workers) as pool:
         pending: deque = deque()

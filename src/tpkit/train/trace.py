@@ -26,6 +26,7 @@ import json
 from pathlib import Path
 
 from tpkit.comm.ledger import Record
+from tpkit.train.trace_plot import plot_step
 
 TRACKS = {"main": 0, "tp async": 1, "pp": 2, "dp": 3}
 KINDS = ("compute", "tp", "tp async", "overlap", "bubble", "pp", "dp", "other")
@@ -109,7 +110,6 @@ def merge(folder: str | Path, ranks: int, title: str = "",
         e["ts"] = round(e["ts"] - origin, 3)
     out = folder / "trace.json"
     out.write_text(json.dumps(dict(traceEvents=events, displayTimeUnit="ms")))
-    from tpkit.train.trace_plot import plot_step
 
     png = plot_step(events, folder / "step.png", title)
     if png_copy is not None:

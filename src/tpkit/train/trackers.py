@@ -106,6 +106,7 @@ class Trackers:
 
 class _TensorBoard:
     def __init__(self, cfg, out: Path, first_step: int) -> None:
+        # lazy: optional (tpkit[track])
         from torch.utils.tensorboard import SummaryWriter
         from torch.utils.tensorboard.summary import hparams
 
@@ -124,6 +125,7 @@ class _TensorBoard:
 
 class _WandB:
     def __init__(self, cfg, out: Path, first_step: int) -> None:
+        # lazy: optional (tpkit[track])
         import wandb
 
         self.run = wandb.init(project=os.environ.get("WANDB_PROJECT", "tpkit"), dir=str(out),
@@ -140,6 +142,7 @@ class _WandB:
 class _MLflow:
     def __init__(self, cfg, out: Path, first_step: int) -> None:
         os.environ.setdefault("MLFLOW_ALLOW_FILE_STORE", "true")  # a folder, not a server
+        # lazy: optional (tpkit[track])
         import mlflow
 
         self.client = mlflow.MlflowClient(tracking_uri=(out / "mlruns").resolve().as_uri())
@@ -161,6 +164,7 @@ class _MLflow:
 class _Trackio:
     def __init__(self, cfg, out: Path, first_step: int) -> None:
         os.environ.setdefault("TRACKIO_DIR", str((out / "trackio").resolve()))  # read at import
+        # lazy: optional (tpkit[track])
         import trackio
 
         self.run = trackio.init(project=os.environ.get("TRACKIO_PROJECT", "tpkit"),

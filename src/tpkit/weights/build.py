@@ -17,6 +17,7 @@ import torch
 from torch import nn
 
 from tpkit.mesh import ParallelMesh
+from tpkit.model.transformer import Transformer
 from tpkit.spec.config import ModelConfig
 from tpkit.weights.agree import raise_unless_all
 from tpkit.weights.slices import Source, read_local
@@ -26,8 +27,6 @@ def build_model(config: ModelConfig, mesh: ParallelMesh, source: Source | None =
                 **kw: Any) -> nn.Module:
     """`Transformer(config, mesh, **kw)`; with `source`, holding its weights (this
     rank's slices only). Call on every rank of the mesh."""
-    from tpkit.model.transformer import Transformer
-
     if source is None:
         return Transformer(config, mesh, **kw)
     model = materialize(Transformer(config, mesh, device="meta", **kw), mesh.device)
@@ -38,8 +37,6 @@ def build_model(config: ModelConfig, mesh: ParallelMesh, source: Source | None =
 def empty_model(config: ModelConfig, mesh: Any, **kw: Any) -> nn.Module:
     """The model on the meta device at `mesh`'s coordinate: names, shapes and split tags,
     no memory."""
-    from tpkit.model.transformer import Transformer
-
     return Transformer(config, mesh, device="meta", **kw)
 
 

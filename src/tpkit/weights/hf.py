@@ -190,6 +190,7 @@ def checkpoint_names(model: nn.Module, tensors: dict[str, torch.Tensor]
     """A live `transformers` model's tensors under the names its checkpoints use
     (transformers >= 5 fuses some in memory, e.g. Mixtral's experts, and unfuses on save)."""
     try:
+        # lazy: optional (tpkit[hf])
         from transformers.core_model_loading import revert_weight_conversion
     except ImportError:  # transformers 4: memory and checkpoint names agree
         return tensors

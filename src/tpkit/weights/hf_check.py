@@ -48,6 +48,7 @@ def _loss(out: torch.Tensor, ids: torch.Tensor, causal: bool) -> torch.Tensor:
 def reference(path: str | Path, ids: torch.Tensor, dtype: torch.dtype = torch.float32
               ) -> dict:
     """transformers' outputs, loss and gradients (in tpkit names) for `ids`, in `dtype`."""
+    # lazy: optional (tpkit[hf])
     import transformers
 
     source = hf_source(path)

@@ -16,14 +16,13 @@ on the meta device, allocated, then filled with only the slices this rank holds
 from __future__ import annotations
 
 import json
-import os
 from pathlib import Path
 from typing import Any
 
 import torch
-import torch.distributed
 from torch import nn
 
+from tpkit.launch import mesh_here
 from tpkit.mesh import ParallelMesh
 from tpkit.spec.config import ModelConfig
 from tpkit.spec.errors import CheckpointError, UserError
@@ -81,20 +80,10 @@ def load_model(source: Any, mesh: ParallelMesh | None = None, *, tp: int | None 
     (`model.pooled(h)`) if present. This is `tpkit.load`."""
     if mesh is not None and tp not in (None, mesh.tp_size):
         raise UserError(f"tp={tp} but the mesh has tp={mesh.tp_size}: give one of them")
-    mesh = mesh or _mesh_for(tp)
+    mesh = mesh or mesh_here(tp)
     source = open_source(source)
     return build_model(source.config, mesh, source, dtype=dtype,
                        sequence_parallel=sequence_parallel, expert_parallel=expert_parallel)
-
-
-def _mesh_for(tp: int | None) -> ParallelMesh:
-    """This process's mesh when none is given: tp ranks of torchrun's or spawn's world."""
-    if "WORLD_SIZE" in os.environ or torch.distributed.is_initialized():
-        return ParallelMesh.from_env(tp=tp, pp=1)
-    if tp not in (None, 1):
-        raise UserError(f"tp={tp} needs {tp} processes: call tpkit.load inside "
-                        f"tpkit.spawn(fn, {tp}) or torchrun, or pass a mesh")
-    return ParallelMesh.single()
 
 
 def source_tokenizer(source: Any) -> Path | None:

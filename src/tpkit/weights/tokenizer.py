@@ -22,6 +22,8 @@ from typing import Any, Protocol
 
 import numpy as np
 
+from tpkit.spec.config import PRESETS
+
 # The files a Hugging Face tokenizer may consist of, and the generation settings (EOS
 # and pad ids) that transformers' generate reads: copied along with a model.
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json",
@@ -71,6 +73,7 @@ class HFTokenizer:
     """A Hugging Face tokenizer (`AutoTokenizer.from_pretrained(folder)`)."""
 
     def __init__(self, folder: str | Path) -> None:
+        # lazy: optional (tpkit[hf])
         from transformers import AutoTokenizer
 
         self.folder = str(folder)
@@ -157,6 +160,7 @@ def _unicode_to_bytes() -> dict[str, int]:
 def save_byte_tokenizer(folder: str | Path) -> Path:
     """Write a byte-level `tokenizer.json` (+ config) into `folder`: AutoTokenizer loads it
     and encodes text to its UTF-8 bytes, exactly as `ByteTokenizer`."""
+    # lazy: optional (tpkit[hf])
     from tokenizers import Tokenizer as RustTokenizer
     from tokenizers import decoders, models, pre_tokenizers
     from transformers import PreTrainedTokenizerFast
@@ -174,8 +178,6 @@ def export_tokenizer(source: Any, out: str | Path, model_name: str) -> str:
     folder if it has them (a Hugging Face folder, or a checkpoint of a `--from-hf` run),
     else for one of tpkit's presets (trained on bytes) the byte-level tokenizer.
     Returns what was done: 'copied', 'bytes' or 'none' (a model of unknown tokenizer)."""
-    from tpkit.spec.config import PRESETS
-
     if isinstance(source, (str, Path)) and has_tokenizer(source):
         copy_tokenizer(source, out)
         return "copied"

@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import pytest
 
-from tpkit.parallel.replicas import ReplicaMismatch, check_replicas
+from tpkit.parallel.divergence import ReplicaMismatch, check_replicas
 
 
 def _guard(mesh, perturb: str | None, rank: int):

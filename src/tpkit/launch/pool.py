@@ -1,4 +1,4 @@
-"""Run a function on N local processes (gloo), for tests, demos and `--nproc`.
+"""Run a function on N local processes (gloo), for tests, demos and `--processes`.
 
     results = spawn(fn, 4, x, mesh=dict(tp=2, pp=2))   # fn(mesh, x) on ranks 0..3
     results = spawn_ranks(fn, 2, x)                    # fn(mesh, x), tp=2 (`tpkit.spawn`)
@@ -10,38 +10,29 @@ raises one `SpawnError` naming the rank and the cause within the timeout, and th
 processes are killed — never a hang. The error shown is the failing rank's own: a
 rank that only stopped because another failed (`peer_failed`, a collective with a
 dead peer) gives way to the rank that failed first, and a rank that stopped making
-progress without an error (SIGSTOP, a deadlock) is named as the stuck one.
-
-No worker outlives its launcher: each watches a pipe that only the launcher holds
-open and kills itself when the launcher is gone (even by SIGKILL); a launcher
-interrupted by a signal kills and waits for its workers on the way out. Each pool start
-is one run (TPKIT_RUN_ID, in the names of its shared-memory segments): whoever kills
-the workers also removes any segment of theirs still named in /dev/shm.
+progress without an error (SIGSTOP, a deadlock) is named as the stuck one. The
+processes are `launch.processes`' (they die with their launcher, a signal that
+interrupts the launcher kills them on the way out).
 """
 
 from __future__ import annotations
 
-import multiprocessing as mp
 import os
 import pickle
 import queue
-import signal
-import threading
 import time
-import traceback
 import uuid
 from collections import Counter
 from collections.abc import Callable
-from datetime import timedelta
 from typing import Any
 
-from tpkit.comm.failure import DEFAULT_COLLECTIVE_TIMEOUT_S, says_link_failed
-from tpkit.comm.shm_names import remove_segments
-from tpkit.comm.transport import shm_ready
-from tpkit.host.memory import available, gib, make_preferred_oom_victim, oom_kills, peak_rss
-from tpkit.spec.transport import comm_choice
+import torch.distributed as dist
 
-_CTX = None
+from tpkit.comm.failure import DEFAULT_COLLECTIVE_TIMEOUT_S, says_link_failed
+from tpkit.host.memory import available, gib, oom_kills, peak_rss
+from tpkit.launch.processes import ended, start_workers, stop_workers, with_transport
+from tpkit.spec.grid import check_sizes, world_of
+
 _ERROR_GRACE_S = 2.0  # after a rank fails, how long the others get to report theirs
 _STUCK_GRACE_MAX_S = 30.0  # ... after a collective timed out: up to one timeout, capped
 _RSS_EVERY_S = 1.0  # how often the launcher reads its workers' peak RSS
@@ -62,103 +53,6 @@ class SpawnError(RuntimeError):
         self.run_failed = run_failed
 
 
-def watch_launcher(lifeline, run_id: str | None = None) -> None:
-    """Kill this worker as soon as its launcher is gone (even by SIGKILL): a thread waits
-    on `lifeline`, the read end of a pipe whose write end only the launcher holds; the
-    kernel closes that end when the launcher dies, and the wait ends. (The forkserver,
-    the workers' parent, lives as long as they do, so a parent-death signal would not
-    fire.) The run's shared-memory segments still named go first (`run_id`)."""
-    def wait() -> None:
-        try:
-            lifeline.recv()
-        except (EOFError, OSError):
-            pass
-        remove_segments(run_id)
-        os.kill(os.getpid(), signal.SIGKILL)
-
-    threading.Thread(target=wait, name="tpkit-launcher-watch", daemon=True).start()
-
-
-def mp_context():
-    """The forkserver context every tpkit worker process starts from (torch preloaded)."""
-    global _CTX  # the multiprocessing context, created once per process (not parallel state)
-    if _CTX is None:
-        _CTX = mp.get_context("forkserver")
-        _CTX.set_forkserver_preload(["torch", "torch.distributed", "tpkit.launch",
-                                   "tpkit.host.forkserver_exit"])
-    return _CTX
-
-
-def worker_main(rank: int, nprocs: int, port: int, tasks, results, threads: int,
-                pg_timeout_s: float, env: dict[str, str], lifeline) -> None:
-    """A worker process: join the group of `nprocs` at `port`, then run each task from
-    `tasks` and put its result (or its error) on `results`; dies with the launcher."""
-    watch_launcher(lifeline, env.get("TPKIT_RUN_ID"))
-    make_preferred_oom_victim()  # out of memory, the kernel kills a worker, not the launcher
-    import torch
-    import torch.distributed as dist
-
-    os.environ.update(env)
-    os.environ.update(RANK=str(rank), WORLD_SIZE=str(nprocs), LOCAL_RANK=str(rank),
-                      MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
-    os.environ.setdefault("LOCAL_WORLD_SIZE", str(nprocs))
-    torch.set_num_threads(threads)
-    store = dist.TCPStore("127.0.0.1", port, nprocs, is_master=False,
-                          timeout=timedelta(seconds=pg_timeout_s))
-    if nprocs > 1:
-        dist.init_process_group("gloo", store=store, rank=rank, world_size=nprocs,
-                                timeout=timedelta(seconds=pg_timeout_s))
-    meshes: dict[tuple, Any] = {}
-    while True:
-        task = tasks.get()
-        if task is None:
-            break
-        task_id, fn_bytes = task
-        try:
-            fn, args, mesh_kw = pickle.loads(fn_bytes)
-            first = rank
-            if mesh_kw is not None:
-                key = tuple(sorted(mesh_kw.items()))
-                if key not in meshes:
-                    from tpkit.mesh import ParallelMesh
-                    meshes[key] = ParallelMesh(**{"timeout_s": pg_timeout_s, **mesh_kw})
-                first = meshes[key]
-                first.ledger.clear()
-                first.ledger.enabled = True
-            out = fn(first, *args)
-            results.put((task_id, rank, "ok", pickle.dumps(out)))
-        except BaseException as e:  # noqa: BLE001 - everything goes back to the parent
-            try:
-                blob = pickle.dumps(e)
-            except Exception:  # noqa: BLE001
-                blob = None
-            results.put((task_id, rank, "err", (type(e).__name__, str(e),
-                                                traceback.format_exc(), blob,
-                                                _secondary(e))))
-    if nprocs > 1:
-        dist.destroy_process_group()
-
-
-def start_workers(ranks: range, world: int, port: int, threads: int, pg_timeout_s: float,
-                  env: dict[str, str], name: str | None = None) -> tuple[list, list, Any, Any]:
-    """One `worker_main` process per rank in `ranks` of a group of `world` that meets at
-    the TCPStore on `port`. Returns (processes, their task queues, the results queue,
-    the lifeline's write end: the workers exit when it closes, or when we die)."""
-    ctx = mp_context()
-    results = ctx.Queue()
-    tasks = [ctx.Queue() for _ in ranks]
-    lifeline, keep = ctx.Pipe(duplex=False)  # workers read, only we hold the write end
-    procs = [ctx.Process(target=worker_main, daemon=True,
-                         name=None if name is None else f"{name}{r}",
-                         args=(r, world, port, q, results, threads, pg_timeout_s, env,
-                               lifeline))
-             for r, q in zip(ranks, tasks)]
-    for p in procs:
-        p.start()
-    lifeline.close()
-    return procs, tasks, results, keep
-
-
 class WorkerPool:
     """N gloo processes kept alive between runs; `run` executes one function on all."""
 
@@ -173,8 +67,6 @@ class WorkerPool:
         self._task_id = 0
 
     def _start(self) -> None:
-        import torch.distributed as dist
-
         self._store = dist.TCPStore("127.0.0.1", 0, self.nprocs + 1, is_master=True,
                                     wait_for_workers=False)
         self.run_id = os.environ.get("TPKIT_RUN_ID", "") + uuid.uuid4().hex[:8]
@@ -281,8 +173,7 @@ class WorkerPool:
     def _dead_ranks(self) -> list[tuple[int, str]]:
         out = []
         for r, p in enumerate(self._procs):
-            if p.exitcode is not None:
-                how = f"signal {-p.exitcode}" if p.exitcode < 0 else f"exit code {p.exitcode}"
+            if (how := ended(p)) is not None:
                 out.append((r, how + self._oom_hint(r) if p.exitcode == -9 else how))
         return out
 
@@ -307,22 +198,12 @@ class WorkerPool:
                 f" on this rank, {gib(sum(self._rss))} on all ranks{where})")
 
     def close(self, kill: bool = False) -> None:
-        """Stop the processes (politely, or at once with kill=True)."""
+        """Stop the processes (politely, or at once with kill=True): `stop_workers`."""
         if not self._procs:
             return
-        if not kill:
-            for q in self._tasks:
-                q.put(None)
-            for p in self._procs:
-                p.join(timeout=5)
-        for p in self._procs:
-            if p.is_alive():
-                p.kill()
-                p.join(timeout=5)
-        self._procs = []
+        procs, self._procs = self._procs, []
+        stop_workers(procs, self._tasks, self._lifeline, self.run_id, kill)
         self._store = None
-        self._lifeline.close()
-        remove_segments(self.run_id)
 
     def __enter__(self) -> WorkerPool:
         return self
@@ -335,21 +216,6 @@ class WorkerPool:
             self.close(kill=True)
         except Exception:  # noqa: BLE001
             pass
-
-
-def with_transport(mesh: dict) -> dict:
-    """The mesh's transport, decided here once for all ranks: an error before any rank
-    runs (--comm shm without kernels), or gloo with one warning line from the launcher."""
-    comm = comm_choice(mesh.get("comm"))
-    if comm != "gloo" and not shm_ready(comm, 0):
-        comm = "gloo"
-    return {**mesh, "comm": comm}
-
-
-def _secondary(e: BaseException) -> bool:
-    """True when this rank failed only because another did (a collective with a dead or
-    stuck peer, "another rank failed to ..."): the other rank's error is the one to show."""
-    return bool(getattr(e, "run_failed", False) or getattr(e, "peer_failed", False))
 
 
 def _suspect_votes(errors) -> Counter:
@@ -392,8 +258,6 @@ def spawn_ranks(fn: Callable, n: int, *args: Any, tp: int | None = None, pp: int
     `ParallelMesh` of (tp, pp, dp, cp) (tp: what the others leave, all of `n` by
     default); returns the per-rank results. This is `tpkit.spawn`; `kw` as `spawn`
     takes them."""
-    from tpkit.spec.grid import check_sizes, world_of
-
     tp = tp or n // world_of(1, pp, dp, cp)
     check_sizes(n, tp, pp, dp, cp)  # a UserError naming the numbers, before any process
     return spawn(fn, n, *args, mesh=dict(tp=tp, pp=pp, dp=dp, cp=cp), **kw)
