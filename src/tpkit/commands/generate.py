@@ -60,7 +60,7 @@ def _worker(mesh: ParallelMesh, args: argparse.Namespace, source) -> dict | None
     KV pool, scheduler and sampler as `tpkit serve`, so the same tokens) and streams the
     text of a single prompt as it comes; the other ranks follow its steps. `source`: the
     checkpoint, opened by `run`."""
-    model = load_model(source, mesh, dtype=getattr(torch, args.dtype))
+    model = load_model(source, mesh, dtype=getattr(torch, args.dtype), quantize=args.quantize)
     max_len = args.max_len or model.config.max_seq_len
     if mesh.tp_rank != 0:
         Runner(model, args.max_batch, max_len, decode_chunk(args)).follow()

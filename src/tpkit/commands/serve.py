@@ -113,7 +113,8 @@ def run(args: argparse.Namespace) -> int:
     if "WORLD_SIZE" in os.environ:  # torchrun: rank 0 serves, the others follow
         mesh, peers = ParallelMesh.from_env(tp=args.tp, pp=1, comm=comm), None
         if mesh.rank != 0:
-            model = load_model(source, mesh, dtype=getattr(torch, args.dtype))
+            model = load_model(source, mesh, dtype=getattr(torch, args.dtype),
+                               quantize=args.quantize)
             Runner(model, args.max_batch, args.max_len or model.config.max_seq_len,
                    decode_chunk(args)).follow()
             return 0
@@ -130,7 +131,8 @@ def run(args: argparse.Namespace) -> int:
             from tpkit.serve.workers import Peers
 
             peers = Peers(args.tp, source, args.max_batch, args.max_len or 0,
-                          decode_chunk(args), comm=comm, dtype=getattr(torch, args.dtype))
+                          decode_chunk(args), comm=comm, dtype=getattr(torch, args.dtype),
+                          quantize=args.quantize)
             mesh = peers.mesh
         mesh = mesh or ParallelMesh.single()
         return _serve(args, source, mesh, peers, app, server)
@@ -141,7 +143,7 @@ def run(args: argparse.Namespace) -> int:
 
 
 def _serve(args, source, mesh: ParallelMesh, peers, app: App, server) -> int:
-    model = load_model(source, mesh, dtype=getattr(torch, args.dtype))
+    model = load_model(source, mesh, dtype=getattr(torch, args.dtype), quantize=args.quantize)
     app.tokenizer = load_tokenizer(source_tokenizer(source))
     app.engine = Engine(model, tokenizer=app.tokenizer, max_batch=args.max_batch,
                         max_len=args.max_len, max_tokens_in_flight=args.max_tokens_in_flight,

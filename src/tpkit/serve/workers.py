@@ -31,10 +31,10 @@ from tpkit.weights.sources import load_model
 
 
 def follow_worker(mesh: ParallelMesh, source, slots: int, max_len: int, chunk: int | None,
-                  dtype: torch.dtype | None = None) -> int:
-    """A rank > 0: load this rank's slices of `source` (opened by the command) in `dtype`,
-    then run rank 0's steps until told to stop."""
-    model = load_model(source, mesh, dtype=dtype)
+                  dtype: torch.dtype | None = None, quantize: str | None = None) -> int:
+    """A rank > 0: load this rank's slices of `source` (opened by the command) in `dtype`
+    (`quantize`: then as int8), then run rank 0's steps until told to stop."""
+    model = load_model(source, mesh, dtype=dtype, quantize=quantize)
     return Runner(model, slots, max_len or model.config.max_seq_len, chunk).follow()
 
 
@@ -43,7 +43,7 @@ class Peers:
 
     def __init__(self, tp: int, source, slots: int, max_len: int, chunk: int | None = None,
                  *, comm: str | None = None, timeout_s: float = 300.0,
-                 dtype: torch.dtype | None = None) -> None:
+                 dtype: torch.dtype | None = None, quantize: str | None = None) -> None:
         self.tp = tp
         mesh_kw = with_transport(dict(tp=tp, comm=comm))  # shared memory between us, or gloo
         self.run_id = os.environ.get("TPKIT_RUN_ID", "") + uuid.uuid4().hex[:8]
@@ -55,7 +55,8 @@ class Peers:
         self.procs, tasks, self._results, self._lifeline = start_workers(
             range(1, tp), tp, store.port, threads, timeout_s, {"TPKIT_RUN_ID": self.run_id},
             name="tpkit-serve-rank")
-        job = pickle.dumps((follow_worker, (source, slots, max_len, chunk, dtype), mesh_kw))
+        job = pickle.dumps((follow_worker, (source, slots, max_len, chunk, dtype, quantize),
+                             mesh_kw))
         for q in tasks:
             q.put((1, job))
             q.put(None)  # then exit
