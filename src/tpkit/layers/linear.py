@@ -70,9 +70,11 @@ def column_parallel_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Te
     """x [b, s, in] ([b, s/tp, in] with SP) times this rank's rows of A: [b, s, out/tp].
 
     f (or SP's all-gather) fused with the matmul; backward all-reduces (or
-    reduce-scatters) dx behind the dW matmul. At tp=1 it is a plain `F.linear`.
+    reduce-scatters) dx behind the dW matmul. At tp=1, and without SP where no gradient
+    is taken (a decode: f is the identity forward), it is a plain `F.linear`: an
+    autograd Function's call costs several times a small matmul's dispatch.
     """
-    if group.size == 1:
+    if group.size == 1 or not (sequence_parallel or torch.is_grad_enabled()):
         return F.linear(x, weight, bias)
     return _ColumnLinear.apply(x, weight, bias, group, sequence_parallel)
 
