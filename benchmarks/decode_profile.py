@@ -13,7 +13,9 @@ op that spent it (self time):
     all-reduce  the shared-memory (or gloo) all-reduces of the layers, waits included
     plan        rank 0's broadcast of the step to the followers (`serve.plan`)
     gather      the all-gather of the last logits (greedy: each rank's best)
-    sampling    greedy / sampling on rank 0, its token bookkeeping (`Engine._push`)
+    sampling    greedy / sampling (at tp > 1 greedy runs on every rank's vocabulary
+                shard: `kv_pool._greedy`, its head matmul counted as matmul), and
+                rank 0's token bookkeeping (`Engine._push`)
     other ops   every other aten op (norms, adds, gelu, copies, indexing)
     python      what is left of the unprofiled wall time: the interpreter and
                 torch's dispatcher between the ops
@@ -107,7 +109,10 @@ def _self_ms(prof, steps: int) -> dict[str, float]:
         while i >= 0 and t >= labelled[i][1] and i > bisect.bisect_right(starts, t) - 4:
             i -= 1  # past a nested region's end: the region around it (nesting depth 2)
         if i >= 0 and t < labelled[i][1]:  # inside a labelled region
-            out[labelled[i][2]] += e.self_cpu_time_total / 1e3
+            lab = labelled[i][2]
+            if lab == "sampling" and _bucket(e.name) != "other ops":
+                lab = _bucket(e.name)  # the greedy step's head matmul is a matmul
+            out[lab] += e.self_cpu_time_total / 1e3
             inner[i] += e.self_cpu_time_total
         else:
             out[_bucket(e.name)] += e.self_cpu_time_total / 1e3
