@@ -119,7 +119,7 @@ def run(args) -> list[dict]:
         extra += ["--dtype", args.dtype]
     with tempfile.TemporaryDirectory() as tmp:
         for name, (folder, tps) in save_models(Path(tmp), args.quick).items():
-            for batch in (1, 8):
+            for batch in map(int, args.batch.split(",")):
                 runners = contenders(tps, args.gloo, not args.no_transformers)
                 seen: dict[str, list[float]] = {c[0]: [] for c in runners}
                 for r in range(args.runs):
@@ -169,6 +169,7 @@ def report(rows: list[dict], busy: bool) -> dict:
 def main() -> None:
     p = parser(__doc__.split("\n\n")[0])
     p.add_argument("--runs", type=int, default=5, help="alternating rounds (medians)")
+    p.add_argument("--batch", default="1,8", help="batch sizes")
     p.add_argument("--busy", action="store_true", help="one other busy process throughout")
     p.add_argument("--gloo", action="store_true", help="also tp=2 over gloo")
     p.add_argument("--no-transformers", action="store_true", help="tpkit's contenders only")
