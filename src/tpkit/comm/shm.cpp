@@ -139,14 +139,11 @@ void notify(Slot& me) {
   futex(&me.wake, FUTEX_WAKE, INT32_MAX, nullptr);
 }
 
-// Wait until counter c (published by peer j) reaches s: spin for 5 us (pause), yield
-// the core until 100 us, then sleep in the kernel (futex, woken by the peer's publish:
-// no core burnt). A yield that returns after 20 us or more gave the core to another
-// process: the machine is oversubscribed, so the wait sleeps at once instead of
-// yielding on (a yielding rank stays runnable and queues behind a busy process for a
-// time slice, where a woken sleeper runs at once; and the peer it waits for may be the
-// one that needs this core). Every 100 ms: is the peer alive, is the wait past the
-// timeout?
+// Wait until counter c (published by peer j) reaches s: spin 5 us (pause), yield until
+// 100 us, then sleep on the futex the peer's publish wakes. A yield that took >= 20 us
+// ran another process (the core is shared): sleep at once, since a yielding rank queues
+// behind it for a time slice where a woken one runs at once. Every 100 ms: is the peer
+// alive, is the wait past the timeout?
 int wait_until(const Group& g, const std::atomic<uint64_t>& c, uint64_t s, int j, int* who) {
   Slot& p = g.h->slots[j];
   double start = 0;
@@ -157,11 +154,7 @@ int wait_until(const Group& g, const std::atomic<uint64_t>& c, uint64_t s, int j
     double t = now();
     if (start == 0) start = t;
     if (t - start < kSpinS) { relax(); continue; }
-    if (t - start < kYieldS && !shared) {
-      sched_yield();
-      shared = now() - t >= kBusyYieldS;
-      continue;
-    }
+    if (t - start < kYieldS && !shared) { sched_yield(); shared = now() - t >= kBusyYieldS; continue; }
     p.sleepers.fetch_add(1, std::memory_order_seq_cst);
     uint32_t w = p.wake.load(std::memory_order_seq_cst);
     if (c.load(std::memory_order_seq_cst) < s) {
