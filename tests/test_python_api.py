@@ -34,6 +34,17 @@ def test_import_tpkit_imports_no_torch():
     assert "has no attribute 'nothing'" in out.stdout
 
 
+def test_commands_start_without_dynamo():
+    """torch.compile's Dynamo costs as much CPU to import as torch itself: the commands
+    that run models import it only when --compile asks for it (`comm.compile_ready`)."""
+    code = ("import sys, tpkit.commands.train, tpkit.commands.generate, tpkit.commands.serve, "
+            "tpkit.commands.verify, tpkit.train.loop, tpkit.launch; "
+            "assert 'torch._dynamo' not in sys.modules, 'torch._dynamo imported'")
+    out = subprocess.run([sys.executable, "-c", code], env=_env(), capture_output=True,
+                         text=True, timeout=120)
+    assert out.returncode == 0, out.stderr[-2000:]
+
+
 def readme_example() -> str:
     text = (ROOT / "README.md").read_text()
     section = text.split("## Use it from Python", 1)[1].split("\n## ", 1)[0]

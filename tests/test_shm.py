@@ -72,7 +72,27 @@ def _shm_vs_gloo(mesh) -> list[str]:
                     bad.append(f"ledger differs {dtype} {n}")
                 bad += [f"{k} {dtype} n={n} transposed={transposed}" for k in ours
                         if not torch.equal(ours[k], ref[k])]
-    return bad
+    return bad + _copies_of_any_dtype(mesh, shm, gloo)
+
+
+def _copies_of_any_dtype(mesh, shm, gloo) -> list[str]:
+    """A broadcast or an all-gather of int64 / bool (a serving step's plan) goes through
+    shared memory too (a reduction of them would not), with gloo's result."""
+    ch, taken = shm.shm, []
+    for name in ("broadcast", "all_gather"):
+        real = getattr(ch, name)
+        setattr(ch, name, lambda *a, _real=real, _n=name: taken.append(_n) or _real(*a))
+    bad = []
+    try:
+        for dtype in (torch.int64, torch.bool):
+            x = (torch.arange(11) * (mesh.rank + 3) % 5).to(dtype)
+            ours = [broadcast(x.clone(), shm, 1), all_gather(x, shm, 0)]
+            ref = [broadcast(x.clone(), gloo, 1), all_gather(x, gloo, 0)]
+            bad += [f"{dtype} op {i}" for i in range(2) if not torch.equal(ours[i], ref[i])]
+    finally:
+        for name in ("broadcast", "all_gather"):
+            delattr(ch, name)
+    return bad + ([] if taken == ["broadcast", "all_gather"] * 2 else [f"shm took {taken}"])
 
 
 def test_every_op_dtype_and_layout_gives_gloos_bits_on_two_ranks(pools):

@@ -71,10 +71,11 @@ def _nbytes(x: torch.Tensor) -> int:
     return x.numel() * x.element_size()
 
 
-def _shm(group: CommGroup, x: torch.Tensor) -> ShmChannel | None:
-    """The group's shared-memory channel if it takes `x`, else None (torch.distributed)."""
+def _shm(group: CommGroup, x: torch.Tensor, copy: bool = False) -> ShmChannel | None:
+    """The group's shared-memory channel if it takes `x`, else None (torch.distributed).
+    `copy`: a collective that only moves bytes (broadcast, all-gather) takes any dtype."""
     ch = group.shm
-    return ch if ch is not None and ch.takes(x) else None
+    return ch if ch is not None and ch.takes(x, copy) else None
 
 
 class _Done:
@@ -233,7 +234,7 @@ def all_gather(x: torch.Tensor, group: CommGroup, dim: int = -1, *, phase: str =
     p, dim = group.size, dim % x.dim()
     x = x.contiguous()
     out = torch.empty((p * x.shape[0], *x.shape[1:]), dtype=x.dtype, device=x.device)
-    ch = _shm(group, x)
+    ch = _shm(group, x, copy=True)
     with _guarded("all_gather", group, out.numel(), _nbytes(out), phase, scope):
         if ch is not None:
             ch.all_gather(out, x)
@@ -273,7 +274,7 @@ def broadcast(x: torch.Tensor, group: CommGroup, src: int = 0, *, phase: str = "
     """Copy group rank `src`'s `x` to every rank, in place."""
     if group.size == 1:
         return x
-    ch = _shm(group, x)
+    ch = _shm(group, x, copy=True)
     with _guarded("broadcast", group, x.numel(), _nbytes(x), phase, scope):
         if ch is not None:
             ch.broadcast(x, src)

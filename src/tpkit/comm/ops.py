@@ -107,12 +107,20 @@ def _skip(group: CommGroup) -> bool:
 
 def copy_to_tp(x: torch.Tensor, group: CommGroup) -> torch.Tensor:
     """f: identity forward, all-reduce of the gradient backward."""
-    return x if _skip(group) else _CopyToTP.apply(x, group)
+    return x if _skip(group) or not torch.is_grad_enabled() else _CopyToTP.apply(x, group)
 
 
 def reduce_from_tp(x: torch.Tensor, group: CommGroup) -> torch.Tensor:
-    """g: all-reduce forward (sums the partial outputs), identity backward."""
-    return x if _skip(group) else _ReduceFromTP.apply(x, group)
+    """g: all-reduce forward (sums the partial outputs), identity backward. Where no
+    gradient is taken (a decode) the all-reduce alone, without the autograd Function
+    around it (its call costs as much as a small all-reduce on shared memory)."""
+    if _skip(group):
+        return x
+    if torch.is_grad_enabled():
+        return _ReduceFromTP.apply(x, group)
+    if not x.is_contiguous() or (x.is_leaf and x.requires_grad):  # as the Function does
+        x = x.clone(memory_format=torch.contiguous_format)
+    return C.all_reduce(x, group)
 
 
 def scatter_to_tp(x: torch.Tensor, group: CommGroup, dim: int = -1) -> torch.Tensor:

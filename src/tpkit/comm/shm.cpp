@@ -13,7 +13,8 @@
 // every rank gets the same bits whichever rank computed them. Above `split` bytes an
 // all-reduce is a reduce-scatter (rank j sums slice j into its own buffer) then an
 // all-gather (seq2 is the second arrival counter). A waiting rank spins briefly, then
-// yields, then sleeps on a futex its peer wakes; it checks its peers' pids every 100 ms
+// yields (unless a yield shows the core is shared), then sleeps on a futex its peer
+// wakes; it checks its peers' pids every 100 ms
 // (a dead or zombie peer ends the wait) and gives up after the timeout. Return codes: 0 done, 1 a peer died,
 // 2 timed out, 3 the ranks called different collectives; `who` is the peer's index.
 #include <atomic>
@@ -39,6 +40,7 @@ constexpr uint64_t kMagic = 0x74706b6974736d31ULL;  // "tpkitsm1"
 constexpr int kMaxRanks = 64;
 constexpr size_t kHeader = 64 * (kMaxRanks + 1);
 constexpr double kSpinS = 5e-6, kYieldS = 1e-4;  // a wait spins, then yields, then sleeps
+constexpr double kBusyYieldS = 2e-5;  // a yield this long ran someone else: the core is shared
 constexpr uint64_t kEntries = 256;  // messages a point-to-point mailbox holds
 
 struct alignas(64) Slot {
@@ -137,20 +139,22 @@ void notify(Slot& me) {
   futex(&me.wake, FUTEX_WAKE, INT32_MAX, nullptr);
 }
 
-// Wait until counter c (published by peer j) reaches s: spin for 5 us (pause), yield
-// the core until 100 us, then sleep in the kernel (futex, woken by the peer's publish:
-// no core burnt, no wake-up latency). Every 100 ms: is the peer alive, is the wait past
-// the timeout?
+// Wait until counter c (published by peer j) reaches s: spin 5 us (pause), yield until
+// 100 us, then sleep on the futex the peer's publish wakes. A yield that took >= 20 us
+// ran another process (the core is shared): sleep at once, since a yielding rank queues
+// behind it for a time slice where a woken one runs at once. Every 100 ms: is the peer
+// alive, is the wait past the timeout?
 int wait_until(const Group& g, const std::atomic<uint64_t>& c, uint64_t s, int j, int* who) {
   Slot& p = g.h->slots[j];
   double start = 0;
   long tries = 0;
+  bool shared = false;  // a yield ran another process
   while (c.load(std::memory_order_acquire) < s) {
     if ((++tries & 31) != 0) { relax(); continue; }
     double t = now();
     if (start == 0) start = t;
     if (t - start < kSpinS) { relax(); continue; }
-    if (t - start < kYieldS) { sched_yield(); continue; }
+    if (t - start < kYieldS && !shared) { sched_yield(); shared = now() - t >= kBusyYieldS; continue; }
     p.sleepers.fetch_add(1, std::memory_order_seq_cst);
     uint32_t w = p.wake.load(std::memory_order_seq_cst);
     if (c.load(std::memory_order_seq_cst) < s) {

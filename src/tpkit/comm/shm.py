@@ -4,8 +4,8 @@
     channel.all_reduce(x, "sum")                                         # in place
 
 `collectives.py` calls it instead of torch.distributed when a group has a channel and
-the tensor is one it takes (CPU, float32/bfloat16/float16); anything else goes to the
-group's process group. The kernels (`shm.cpp`) exchange data through one segment per
+the tensor is one it takes (CPU; float32/bfloat16/float16 for a reduction, any dtype
+for a broadcast or an all-gather); anything else goes to the group's process group. The kernels (`shm.cpp`) exchange data through one segment per
 group, synchronised by per-rank sequence numbers in the segment, and sum in rank order
 with float accumulation: every rank gets the same bits, run after run.
 
@@ -96,9 +96,11 @@ class ShmChannel:
         return cls(lib, base, size, rank, len(ranks), timeout_s, name[0])
 
     @staticmethod
-    def takes(x: torch.Tensor) -> bool:
-        """True for the tensors this transport handles (CPU, a float dtype it knows)."""
-        return x.device.type == "cpu" and x.dtype in DTYPES
+    def takes(x: torch.Tensor, copy: bool = False) -> bool:
+        """True for the tensors this transport handles: CPU, a float dtype it sums (any
+        dtype for a `copy`: a broadcast or an all-gather moves bytes, such as the int64
+        step plan a serving rank 0 broadcasts every token)."""
+        return x.device.type == "cpu" and (copy or x.dtype in DTYPES)
 
     # -- collectives (every rank calls the same one, with the same sizes) --------------
     def all_reduce(self, x: torch.Tensor, op: str = "sum") -> torch.Tensor:

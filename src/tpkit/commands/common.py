@@ -15,6 +15,7 @@ from __future__ import annotations
 import argparse
 import re
 
+from tpkit.spec.config import QUANTIZE
 from tpkit.spec.errors import UserError
 from tpkit.spec.words import suggest
 
@@ -37,12 +38,16 @@ INVARIANT_CHUNK = 8  # --decode-chunk's default under --batch-invariant
 def add_pool_arguments(g: argparse._ArgumentGroup, max_batch: int | None, batch_help: str
                        ) -> None:
     """The serving engine's KV cache and decode, as `tpkit generate` and `tpkit serve` both
-    take them: --dtype, --max-batch (default and help per command), --max-len,
+    take them: --dtype, --quantize, --max-batch (default and help per command), --max-len,
     --batch-invariant and its --decode-chunk (`decode_chunk` reads the pair)."""
     g.add_argument("--dtype", choices=DTYPES, default="float32",
                    help="weights, activations and KV cache in this dtype (bfloat16, "
                         "float16: half the memory); the logits' softmax and the sampling "
                         "run in float32 whatever it is")
+    g.add_argument("--quantize", choices=QUANTIZE, default=None,
+                   help="int8: every linear weight and the head as int8 with a scale per "
+                        "row, a quarter of float32's bytes per token (bfloat16 activations "
+                        "in the product; its quality cost: docs/benchmarks.md)")
     g.add_argument("--max-batch", type=int, default=max_batch, metavar="B", help=batch_help)
     g.add_argument("--max-len", type=int, default=None, metavar="L",
                    help="tokens per sequence, prompt included (default: the model's "
@@ -73,6 +78,17 @@ def decode_chunk(args: argparse.Namespace) -> int | None:
     if chunk < 1:
         raise UserError(f"--decode-chunk={chunk} must be >= 1")
     return chunk
+
+
+def follower(args: argparse.Namespace, source) -> tuple:
+    """`launch(follow=)` for `tpkit generate` and `tpkit serve`: every follower rank loads
+    `source` as rank 0 does (--dtype, --quantize) and runs its steps (`serve.workers`)."""
+    import torch  # lazy: this module stays pure Python (`tpkit --help`, `tpkit plan`)
+
+    from tpkit.serve.workers import follow
+
+    return (follow, (source, args.max_batch, args.max_len, decode_chunk(args),
+                     getattr(torch, args.dtype), args.quantize))
 
 
 def shown(value) -> str:

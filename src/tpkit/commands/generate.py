@@ -25,7 +25,7 @@ from contextlib import nullcontext
 
 import torch
 
-from tpkit.commands.common import add_pool_arguments, decode_chunk, group
+from tpkit.commands.common import add_pool_arguments, decode_chunk, follower, group
 from tpkit.launch import launch
 from tpkit.mesh import ParallelMesh
 from tpkit.model.sampling import GREEDY_BELOW
@@ -33,7 +33,6 @@ from tpkit.serve import Engine, SamplingParams
 from tpkit.serve.openai_api import ApiError, chat_ids
 from tpkit.serve.params import MAX_TEMPERATURE, SamplingError, shown
 from tpkit.serve.runner import Runner
-from tpkit.serve.workers import follow
 from tpkit.spec.errors import UserError
 from tpkit.spec.transport import add_comm_argument, comm_choice
 from tpkit.spec.words import plural
@@ -61,7 +60,7 @@ def _lead(mesh: ParallelMesh, args: argparse.Namespace, source) -> dict:
     paged KV cache, scheduler and sampler as `tpkit serve`, so the same tokens) and stream
     the text of a single prompt as it comes, while the other ranks follow its steps
     (`serve.workers.follow`). `source`: the checkpoint, opened by `run`."""
-    model = load_model(source, mesh, dtype=getattr(torch, args.dtype))
+    model = load_model(source, mesh, dtype=getattr(torch, args.dtype), quantize=args.quantize)
     try:
         return _generate(args, source, model, args.max_len or model.config.max_seq_len)
     finally:
@@ -185,10 +184,8 @@ def run(args: argparse.Namespace) -> int:
     _check_args(args)
     comm = comm_choice(getattr(args, "comm", None))
     source = open_source(args.checkpoint)  # once, before any process
-    follower = (follow, (source, args.max_batch, args.max_len, decode_chunk(args),
-                         getattr(torch, args.dtype)))
     result = launch(_lead, args, source, ranks=args.tp, mesh=dict(tp=args.tp, comm=comm),
-                    follow=follower)
+                    follow=follower(args, source))
     if result is None:  # a torchrun rank > 0: rank 0 prints
         return 0
     if not result["streamed"]:

@@ -23,7 +23,7 @@ from pathlib import Path
 
 import torch
 
-from tpkit.commands.common import add_pool_arguments, decode_chunk, group
+from tpkit.commands.common import add_pool_arguments, decode_chunk, follower, group
 from tpkit.host.exit import Stopped
 from tpkit.host.web import ALLOWED_HOST_HELP, HOST, bound_socket, listen, warn_if_exposed
 from tpkit.launch import SpawnError, is_rank0, launch
@@ -31,7 +31,6 @@ from tpkit.mesh import ParallelMesh
 from tpkit.serve.engine import PREFILL_PER_STEP, Engine
 from tpkit.serve.loop import serve_loop
 from tpkit.serve.openai_api import MAX_BODY
-from tpkit.serve.workers import follow
 from tpkit.spec.errors import UserError
 from tpkit.spec.transport import add_comm_argument, comm_choice
 from tpkit.weights.sources import load_model, open_source, source_tokenizer
@@ -116,11 +115,9 @@ def run(args: argparse.Namespace) -> int:
     source = open_source(args.checkpoint)  # once, before any process
     sock = listen(lambda: bound_socket(args.host, args.port), args.host,
                   args.port) if is_rank0() else None  # a busy port fails before any loading
-    follower = (follow, (source, args.max_batch, args.max_len, decode_chunk(args),
-                         getattr(torch, args.dtype)))
     try:  # rank 0 serves here, the others follow (spawned, or torchrun's)
         launch(_serve, args, source, sock, ranks=args.tp, mesh=dict(tp=args.tp, comm=comm),
-               follow=follower, lead_here=True)
+               follow=follower(args, source), lead_here=True)
         return 0
     finally:
         if sock is not None:
@@ -132,7 +129,7 @@ def _serve(mesh: ParallelMesh, args, source, sock, followers=None) -> None:
     follower's death (SpawnError)."""
     from tpkit.serve.http import App, make_server  # lazy: the serve extra is optional
 
-    model = load_model(source, mesh, dtype=getattr(torch, args.dtype))
+    model = load_model(source, mesh, dtype=getattr(torch, args.dtype), quantize=args.quantize)
     tokenizer = load_tokenizer(source_tokenizer(source))
     engine = Engine(model, tokenizer=tokenizer, max_batch=args.max_batch,
                     max_len=args.max_len, max_tokens_in_flight=args.max_tokens_in_flight,

@@ -70,11 +70,18 @@ def column_parallel_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Te
     """x [b, s, in] ([b, s/tp, in] with SP) times this rank's rows of A: [b, s, out/tp].
 
     f (or SP's all-gather) fused with the matmul; backward all-reduces (or
-    reduce-scatters) dx behind the dW matmul. At tp=1 it is a plain `F.linear`.
+    reduce-scatters) dx behind the dW matmul. At tp=1, and without SP where no gradient
+    is taken (a decode: f is the identity forward), it is a plain `F.linear`: an
+    autograd Function's call costs several times a small matmul's dispatch.
     """
-    if group.size == 1:
+    if group.size == 1 or not (sequence_parallel or torch.is_grad_enabled()):
         return F.linear(x, weight, bias)
     return _ColumnLinear.apply(x, weight, bias, group, sequence_parallel)
+
+
+def _local(layer: nn.Module) -> torch.Size:
+    """The shape of this rank's weight [out, in] (float or int8)."""
+    return layer.weight.shape if layer.int8 is None else layer.int8.q.shape
 
 
 def _reset_sharded(layer: nn.Module) -> None:
@@ -132,6 +139,7 @@ class ColumnParallelLinear(nn.Module):
                                split=self.split)
         self.bias = set_meta(nn.Parameter(torch.empty(local, **kw)),
                              split=self.split) if bias else None
+        self.int8 = None  # the weight as int8 instead (`layers.quant.quantize`)
         self.reset_parameters()
 
     def reset_parameters(self) -> None:
@@ -140,12 +148,15 @@ class ColumnParallelLinear(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         """x [b, s, in] (or [b, s/tp, in] with sequence parallelism) -> [b, s, out/tp]."""
-        y = column_parallel_linear(x, self.weight, self.bias, self.group,
-                                   self.sequence_parallel)  # [b, s, out/tp]
+        if self.int8 is not None:  # int8 weights: a decode (f is the identity forward)
+            y = self.int8(x) if self.bias is None else self.int8(x) + self.bias
+        else:
+            y = column_parallel_linear(x, self.weight, self.bias, self.group,
+                                       self.sequence_parallel)  # [b, s, out/tp]
         return ops.gather_from_tp(y, self.group) if self.gather_output else y
 
     def extra_repr(self) -> str:
-        return (f"in={self.in_features}, out={self.out_features} (local {self.weight.shape[0]}), "
+        return (f"in={self.in_features}, out={self.out_features} (local {_local(self)[0]}), "
                 f"tp={self.group.size}, gather_output={self.gather_output}, "
                 f"sp={self.sequence_parallel}")
 
@@ -182,6 +193,7 @@ class RowParallelLinear(nn.Module):
         # with SP the bias is added on [b, s/tp, h]: its grad is partial per tp rank
         self.bias = set_meta(nn.Parameter(torch.empty(out_features, **kw)),
                              sequence_parallel=sequence_parallel) if bias else None
+        self.int8 = None  # the weight as int8 instead (`layers.quant.quantize`)
         self.reset_parameters()
 
     def reset_parameters(self) -> None:
@@ -192,6 +204,8 @@ class RowParallelLinear(nn.Module):
         """This rank's partial product x_r A_r^T [b, s, out] (no reduce, no bias)."""
         if not self.input_is_parallel:
             x = ops.scatter_to_tp(x, self.group)  # [b, s, in/tp]
+        if self.int8 is not None:  # int8 weights (`layers.quant`)
+            return self.int8(x)  # [b, s, out], a partial sum
         return F.linear(x, self.weight)  # [b, s, out], a partial sum
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
@@ -204,6 +218,6 @@ class RowParallelLinear(nn.Module):
         return y + self.bias if self.bias is not None else y
 
     def extra_repr(self) -> str:
-        return (f"in={self.in_features} (local {self.weight.shape[1]}), out={self.out_features}, "
+        return (f"in={self.in_features} (local {_local(self)[1]}), out={self.out_features}, "
                 f"tp={self.group.size}, input_is_parallel={self.input_is_parallel}, "
                 f"sp={self.sequence_parallel}")

@@ -17,8 +17,9 @@ from tpkit.weights.sources import load_model
 
 
 def follow(mesh: ParallelMesh, source, slots: int, max_len: int | None, chunk: int | None,
-           dtype: torch.dtype | None = None) -> None:
+           dtype: torch.dtype | None = None, quantize: str | None = None) -> None:
     """A follower rank: load this rank's slices of `source` (opened by the command) in
-    `dtype`, then run rank 0's steps until told to stop (max_len None or 0: the model's)."""
-    model = load_model(source, mesh, dtype=dtype)
+    `dtype` (`quantize`: then as int8), then run rank 0's steps until told to stop
+    (max_len None or 0: the model's)."""
+    model = load_model(source, mesh, dtype=dtype, quantize=quantize)
     Runner(model, slots, max_len or model.config.max_seq_len, chunk).follow()

@@ -17,6 +17,7 @@ NORMS = ("layernorm", "rmsnorm")
 ACTIVATIONS = ("gelu", "gelu_exact", "swiglu", "geglu", "relu")  # gelu: tanh; exact: erf (BERT)
 GATED = {"swiglu": "silu", "geglu": "gelu"}  # act(gate) * up, with act = this element-wise
 POSITIONS = ("learned", "rope")
+QUANTIZE = ("int8",)  # weight-only quantization a loaded model takes (`tpkit.layers.quant`)
 
 
 @dataclass(frozen=True)
