@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import argparse
+
 import torch
 
 from tpkit.layers.sharding import full_state_dict, shard, split_of, splits_of
@@ -49,3 +51,13 @@ def max_diff(a: torch.Tensor, b: torch.Tensor) -> float:
     """max |a - b| (shapes must match)."""
     assert a.shape == b.shape, (a.shape, b.shape)
     return (a.double() - b.double()).abs().max().item()
+
+
+def generate_args(*argv: str) -> argparse.Namespace:
+    """`tpkit generate ARGV` as its own parser reads them, every default included (a
+    Namespace written by hand drifts when a flag is added)."""
+    from tpkit.commands import generate
+
+    parser = argparse.ArgumentParser()
+    generate.add_arguments(parser)
+    return parser.parse_args(list(argv))

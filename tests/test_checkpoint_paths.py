@@ -11,7 +11,6 @@ naming it. Then the same run folder through `tpkit generate`, `convert`, `verify
 
 from __future__ import annotations
 
-import argparse
 import json
 import shutil
 from pathlib import Path
@@ -20,6 +19,7 @@ import pytest
 import torch
 
 from checkpoint_helpers import LLAMA, fill, gather, local_state, random_full
+from helpers import generate_args
 from tpkit.checkpoint import (
     CheckpointError,
     CheckpointWarning,
@@ -202,11 +202,8 @@ def test_generate_takes_a_run_folder(paths, capsys):
 
     outs = []
     for path in (paths["run"], paths["sharded"]):
-        args = argparse.Namespace(checkpoint=str(path), tp=1, prompt=[], prompt_ids=["1,2,3"],
-                                  max_new_tokens=6, temperature=0.0, top_k=None, seed=0,
-                                  ignore_eos=False, top_p=None,
-                              stop=[], chat=False, max_batch=8, max_len=None, decode_chunk=8,
-                              batch_invariant=True, dtype="float32")
+        args = generate_args("--checkpoint", str(path), "--prompt-ids", "1,2,3",
+                             "--max-new-tokens", "6", "--max-batch", "8", "--batch-invariant", "--decode-chunk", "8")
         assert run(args) == 0
         outs.append(capsys.readouterr().out)
     assert outs[0] == outs[1] and len(outs[0].split()) == 6

@@ -8,12 +8,11 @@ token; sampling with the same seed is identical across tp too.
 
 from __future__ import annotations
 
-import argparse
-
 import pytest
 import torch
 
 from checkpoint_helpers import GPT2, LLAMA, fill, random_full
+from helpers import generate_args
 from tpkit.checkpoint import load_model
 from tpkit.checkpoint import store as ckpt
 from tpkit.comm import all_gather
@@ -77,11 +76,8 @@ def test_cli_and_tokenizer(checkpoints, capsys):
     tok = ByteTokenizer()
     assert tok.decode(tok.encode("tensor é")) == "tensor é"
     assert tok.decode([*tok.encode("ab"), 300]) == "ab"  # ids >= 256 are no bytes: dropped
-    args = argparse.Namespace(checkpoint=checkpoints["gpt2-t"], tp=1, prompt=["ab"],
-                              prompt_ids=[], max_new_tokens=4, temperature=0.0, top_k=None,
-                              seed=0, ignore_eos=False, top_p=None, stop=[], chat=False,
-                              max_batch=8, max_len=None, decode_chunk=8,
-                              batch_invariant=True, dtype="float32")
+    args = generate_args("--checkpoint", checkpoints["gpt2-t"], "--prompt", "ab",
+                         "--max-new-tokens", "4", "--max-batch", "8", "--batch-invariant", "--decode-chunk", "8")
     assert run(args) == 0
     out = capsys.readouterr()
     assert out.out.startswith("ab") and "tokens/s" in out.err

@@ -99,3 +99,4 @@ def test_generate_takes_quantize_int8_at_tp2(tmp_path, capsys):
     out = capsys.readouterr()
     lines = [ln for ln in out.out.splitlines() if ln.strip()]
     assert len(lines) == 2 and all(len(ln.split()) == 4 for ln in lines), out.out
+    assert lines[0] == lines[1], out.out  # the followers load int8 too: tp=1's tokens

@@ -9,7 +9,6 @@ POST is refused unless its origin is allowed (`--allow-origin`).
 
 from __future__ import annotations
 
-import argparse
 import http.client
 import json
 import socket
@@ -19,6 +18,7 @@ import time
 import openai
 import pytest
 
+from helpers import generate_args
 from tpkit.commands import generate as generate_cmd
 from tpkit.mesh import ParallelMesh
 from tpkit.serve import openai_api as api
@@ -116,11 +116,8 @@ def test_a_temperature_below_1e5_is_greedy_in_the_server_and_in_generate(server,
     _, client, _ = server
     greedy = text_of(client, max_tokens=12, temperature=0)
     assert text_of(client, max_tokens=12, temperature=1e-300, seed=3) == greedy
-    args = argparse.Namespace(checkpoint=str(folder), tp=1, prompt=["Tensor"], prompt_ids=[],
-                              max_new_tokens=12, temperature=1e-300, top_k=None, top_p=None,
-                              seed=0, ignore_eos=False, stop=[], chat=False, max_batch=4,
-                              max_len=None, decode_chunk=8,
-                              batch_invariant=True, dtype="float32")
+    args = generate_args("--checkpoint", str(folder), "--prompt", "Tensor", "--max-new-tokens",
+                         "12", "--temperature", "1e-300", "--max-batch", "4", "--batch-invariant", "--decode-chunk", "8")
     generate_cmd._check_args(args)  # accepted: greedy, as the server takes it
     result = generate_cmd._lead(ParallelMesh.single(), args, open_source(folder))
     assert result["texts"] == ["Tensor" + greedy]

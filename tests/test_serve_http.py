@@ -11,7 +11,6 @@ and to `tpkit generate`'s, and a client that hangs up freeing its slot.
 
 from __future__ import annotations
 
-import argparse
 import json
 import socket
 import threading
@@ -22,6 +21,7 @@ from urllib.request import urlopen
 import openai
 import pytest
 
+from helpers import generate_args
 from tpkit.commands import generate as generate_cmd
 from tpkit.mesh import ParallelMesh
 from tpkit.serve.openai_api import ApiError, chat_ids, token_text
@@ -206,11 +206,9 @@ def test_16_concurrent_requests_each_equal_to_alone_and_to_generate(server, fold
     with ThreadPoolExecutor(len(TEXTS)) as pool:
         together = list(pool.map(lambda t: complete(client, t, max_tokens=16)[0], TEXTS))
     assert together == alone and len(set(alone)) > 8
-    args = argparse.Namespace(checkpoint=str(folder), tp=1, prompt=TEXTS, prompt_ids=[],
-                              max_new_tokens=16, temperature=0.0, top_k=None, top_p=None,
-                              seed=0, ignore_eos=False, stop=[], chat=False,
-                              max_batch=MAX_BATCH, max_len=None, decode_chunk=8,
-                              batch_invariant=True, dtype="float32")
+    args = generate_args("--checkpoint", str(folder), *(a for t in TEXTS for a in ("--prompt", t)),
+                         "--max-new-tokens", "16", "--max-batch", str(MAX_BATCH),
+                         "--batch-invariant", "--decode-chunk", "8")
     result = generate_cmd._lead(ParallelMesh.single(), args, open_source(folder))
     tok = load_tokenizer(folder)
     assert [tok.decode(new) for new in result["new"]] == alone
@@ -226,11 +224,9 @@ def test_generate_chat_and_stop_equal_the_server(server, folder):
     cut = client.chat.completions.create(model="llama", messages=msgs, max_tokens=12,
                                          temperature=0, stop=[stop]).choices[0]
     assert (cut.message.content, cut.finish_reason) == (whole[:whole.index(stop)], "stop")
-    args = argparse.Namespace(checkpoint=str(folder), tp=1, prompt=["the pipeline"],
-                              prompt_ids=[], max_new_tokens=12, temperature=0.0, top_k=None,
-                              top_p=None, seed=0, ignore_eos=False, stop=[stop], chat=True,
-                              max_batch=MAX_BATCH, max_len=None, decode_chunk=8,
-                              batch_invariant=True, dtype="float32")
+    args = generate_args("--checkpoint", str(folder), "--prompt", "the pipeline",
+                         "--max-new-tokens", "12", "--stop", stop, "--chat", "--max-batch",
+                         str(MAX_BATCH), "--batch-invariant", "--decode-chunk", "8")
     result = generate_cmd._lead(ParallelMesh.single(), args, open_source(folder))
     assert result["texts"] == [cut.message.content]
 

@@ -7,7 +7,6 @@ server exits 1 with one line naming the rank, no process left).
 
 from __future__ import annotations
 
-import argparse
 import os
 import re
 import signal
@@ -21,6 +20,7 @@ from pathlib import Path
 import openai
 import pytest
 
+from helpers import generate_args
 from hf_folders import tiny_llama_folder
 from tpkit.commands import generate as generate_cmd
 from tpkit.mesh import ParallelMesh
@@ -146,11 +146,9 @@ def test_tp2_concurrent_equals_alone_and_tp1_then_sigterm(folder):
         with ThreadPoolExecutor(len(TEXTS)) as pool:
             together = list(pool.map(lambda t: served.complete(t, max_tokens=12), TEXTS))
         assert together == alone and len(set(alone)) > 8
-        args = argparse.Namespace(checkpoint=str(folder), tp=1, prompt=TEXTS, prompt_ids=[],
-                                  max_new_tokens=12, temperature=0.0, top_k=None, top_p=None,
-                                  seed=0, ignore_eos=False, stop=[], chat=False, max_batch=4,
-                                  max_len=None, decode_chunk=8,
-                                  batch_invariant=True, dtype="float32")
+        args = generate_args("--checkpoint", str(folder),
+                             *(a for t in TEXTS for a in ("--prompt", t)),
+                             "--max-new-tokens", "12", "--max-batch", "4", "--batch-invariant", "--decode-chunk", "8")
         tok = load_tokenizer(folder)  # tp=1, in this process: the same text
         new = generate_cmd._lead(ParallelMesh.single(), args, open_source(folder))["new"]
         assert [tok.decode(n) for n in new] == alone
