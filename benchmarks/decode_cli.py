@@ -101,13 +101,19 @@ def main() -> None:
     for k in range(args.rounds):
         for i in range(len(variants)):
             v = variants[(k + i) % len(variants)]
-            got[v].append(tokens_s(Path(folders[v[0]]), v[1], v[2], v[3], args.new))
+            try:
+                got[v].append(tokens_s(Path(folders[v[0]]), v[1], v[2], v[3], args.new))
+            except RuntimeError as e:  # e.g. a loaded machine past generate's time limit
+                print(f"round {k + 1}: {' '.join(map(str, v))} failed: {e}", flush=True)
         print(f"round {k + 1}: load {load()}", flush=True)
     print(f"\nmedians of {args.rounds} rounds, `tpkit generate` tokens/s, {args.new} new tokens\n")
     print("| model | batch | dtype | run | tokens/s | vs the first run | runs |")
     print("|---|---:|---|---|---:|---:|---|")
     for v in variants:
         first = next(w for w in variants if w[0] == v[0] and w[2:] == v[2:])
+        if not got[v] or not got[first]:
+            print(f"| {v[0]} | {v[3]} | {v[2]} | {v[1]} | - | - | every run failed |")
+            continue
         med, base = statistics.median(got[v]), statistics.median(got[first])
         print(f"| {v[0]} | {v[3]} | {v[2]} | {v[1]} | {med:.1f} | {med / base:.2f}x | "
               + " ".join(f"{x:.1f}" for x in got[v]) + " |")
