@@ -103,6 +103,8 @@ def main() -> None:
             v = variants[(k + i) % len(variants)]
             try:
                 got[v].append(tokens_s(Path(folders[v[0]]), v[1], v[2], v[3], args.new))
+                print(f"round {k + 1}: {v[0]} batch {v[3]} {v[2]} {v[1]}: "
+                      f"{got[v][-1]:.1f} tokens/s", flush=True)
             except RuntimeError as e:  # e.g. a loaded machine past generate's time limit
                 print(f"round {k + 1}: {' '.join(map(str, v))} failed: {e}", flush=True)
         print(f"round {k + 1}: load {load()}", flush=True)
