@@ -169,7 +169,7 @@ def run(args: argparse.Namespace) -> int:
                 comm=comm_choice(getattr(args, "comm", None)))
     results = launch(_worker, ranks=cfg.world_size, mesh=mesh, every=True,
                      setup=partial(_run_folder, cfg, args.overwrite, args.force),
-                     device=best_device(), timeout=7 * 24 * 3600.0,
+                     device=best_device(),
                      collective_timeout=cfg.collective_timeout)
     if results is not None:  # rank 0
         _print_report(results)

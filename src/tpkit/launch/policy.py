@@ -101,10 +101,14 @@ def mesh_here(tp: int | None = None) -> ParallelMesh:
     return ParallelMesh.single()
 
 
+A_WEEK_S = 7 * 24 * 3600.0  # a command's whole run: no limit in practice (a rank that dies is
+# seen at once, a stuck one by the collective timeout); a long generation must not be cut
+
+
 def launch(fn: Callable, *args: Any, ranks: int, mesh: dict, follow: Follow | None = None,
            setup: Setup | None = None, lead_here: bool = False, every: bool = False,
            device: torch.device | None = None, threads: int | None = None,
-           timeout: float = 120.0,
+           timeout: float = A_WEEK_S,
            collective_timeout: float = DEFAULT_COLLECTIVE_TIMEOUT_S) -> Any:
     """Run `fn(mesh, *args)` as rank 0 of `ranks` processes of layout `mesh` (tp, pp, dp,
     cp, comm), started as the table above says, and return its result (None in a
