@@ -20,6 +20,7 @@ import pytest
 import torch
 import transformers
 
+from helpers import generate_args
 from hf_folders import TEXT, tiny_llama_folder
 from tpkit.checkpoint import load_model
 from tpkit.cli import main
@@ -133,11 +134,8 @@ def test_greedy_generate_equals_transformers(workflow, run_tp, capsys):
     assert (stop[0, 4:] == tok.pad_id).all() and stop.shape[1] <= NEW
     assert torch.equal(run_tp(generate_worker, 2, str(export), PROMPTS, [eos])[0], stop)
     assert len(set(texts)) == 3 and all(t.strip() for t in texts), texts
-    args = argparse.Namespace(checkpoint=workflow["ckpt"], tp=1, prompt=[PROMPTS[1]],
-                              prompt_ids=[], max_new_tokens=NEW, temperature=0.0,
-                              top_k=None, seed=0, ignore_eos=False, top_p=None,
-                              stop=[], chat=False, max_batch=8, max_len=None, decode_chunk=8,
-                              batch_invariant=True, dtype="float32")
+    args = generate_args("--checkpoint", workflow["ckpt"], "--prompt", PROMPTS[1],
+                         "--max-new-tokens", str(NEW), "--max-batch", "8", "--batch-invariant", "--decode-chunk", "8")
     assert generate_cmd.run(args) == 0  # streamed, with the model's own tokenizer
     out = capsys.readouterr()
     assert out.out == PROMPTS[1] + texts[1] + "\n" and "tokens/s" in out.err
@@ -168,11 +166,8 @@ def test_preset_export_carries_a_byte_tokenizer(tmp_path, capsys):
     with torch.no_grad():
         ref = back.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=16,
                             do_sample=False, pad_token_id=0)[0, 4:]
-    args = argparse.Namespace(checkpoint=str(tmp_path / "hf"), tp=1, prompt=["The "],
-                              prompt_ids=[], max_new_tokens=16, temperature=0.0, top_k=None,
-                              seed=0, ignore_eos=False, top_p=None,
-                              stop=[], chat=False, max_batch=8, max_len=None, decode_chunk=8,
-                              batch_invariant=True, dtype="float32")
+    args = generate_args("--checkpoint", str(tmp_path / "hf"), "--prompt", "The ",
+                         "--max-new-tokens", "16", "--max-batch", "8", "--batch-invariant", "--decode-chunk", "8")
     assert generate_cmd.run(args) == 0
     out = capsys.readouterr().out
     assert out == "The " + hf_tok.decode(ref) + "\n", (out, hf_tok.decode(ref), ref)
@@ -182,11 +177,8 @@ def test_a_hf_folder_without_tokenizer_is_not_read_as_bytes(tmp_path, capsys):
     hf = tiny_llama_folder(tmp_path / "hf")
     for name in ("tokenizer.json", "tokenizer_config.json"):
         (hf / name).unlink()
-    args = argparse.Namespace(checkpoint=str(hf), tp=1, prompt=["Tensor"], prompt_ids=[],
-                              max_new_tokens=2, temperature=0.0, top_k=None, seed=0,
-                              ignore_eos=False, top_p=None,
-                              stop=[], chat=False, max_batch=8, max_len=None, decode_chunk=8,
-                              batch_invariant=True, dtype="float32")
+    args = generate_args("--checkpoint", str(hf), "--prompt", "Tensor", "--max-new-tokens",
+                         "2", "--max-batch", "8", "--batch-invariant", "--decode-chunk", "8")
     with pytest.raises(UserError) as e:
         generate_cmd.run(args)  # one line and exit 2 from tpkit.cli
     assert "no tokenizer files in" in str(e.value)

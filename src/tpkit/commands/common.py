@@ -47,7 +47,8 @@ def add_pool_arguments(g: argparse._ArgumentGroup, max_batch: int | None, batch_
     g.add_argument("--quantize", choices=QUANTIZE, default=None,
                    help="int8: every linear weight and the head as int8 with a scale per "
                         "row, a quarter of float32's bytes per token (bfloat16 activations "
-                        "in the product; its quality cost: docs/benchmarks.md)")
+                        "in the product; its quality cost: docs/benchmarks.md); default: "
+                        "none, the weights as --dtype says")
     g.add_argument("--max-batch", type=int, default=max_batch, metavar="B", help=batch_help)
     g.add_argument("--max-len", type=int, default=None, metavar="L",
                    help="tokens per sequence, prompt included (default: the model's "
