@@ -13,7 +13,9 @@ GPT-2 124M; `heads9` is SmolLM2-135M's shape (30 layers, hidden 576, ffn 1536, 9
 64, 3 kv heads; tp=2 splits 5 + 4 heads, the middle kv head held by both ranks); `heads8`
 the same with 8 heads and 4 kv heads (tp=2: 4 + 4 heads, 2 kv heads per rank, as each
 rank of heads9 holds), so that heads9 / heads8 at tp=2 is the uneven layout's cost.
-A run `tp=N:omp1` sets OMP_NUM_THREADS=1. Greedy, --ignore-eos, `--new` tokens after a
+A run `tp=N:omp1` sets OMP_NUM_THREADS=1; `tp=N:base` runs the code of `--base DIR` (another
+checkout of tpkit, e.g. `git worktree add /tmp/base COMMIT`) instead of this one, so that
+a change is measured against the code before it in the same rounds. Greedy, --ignore-eos, `--new` tokens after a
 16-token prompt, at each `--batches` size. Rounds alternate: every variant once per round,
 the order rotating. The load average is printed before and after each round.
 """
@@ -59,14 +61,18 @@ def prompts(batch: int) -> list[str]:
     return [",".join(str(3 + (7 * i + 13 * b) % 290) for i in range(16)) for b in range(batch)]
 
 
-def tokens_s(folder: Path, run: str, dtype: str, batch: int, new: int) -> float:
+def tokens_s(folder: Path, run: str, dtype: str, batch: int, new: int,
+             base: Path | None = None) -> float:
     """The tokens/s one `tpkit generate` process prints."""
-    tp, _, omp = run.partition(":")
+    tp, *flags = run.split(":")
     cmd = [sys.executable, "-m", "tpkit", "generate", "--checkpoint", str(folder),
            "--tp", tp.split("=")[1], "--dtype", dtype, "--max-new-tokens", str(new),
            "--ignore-eos", "--temperature", "0", *[f"--prompt-ids={p}" for p in prompts(batch)]]
-    env = {**os.environ, "PYTHONPATH": str(ROOT / "src")}
-    if omp == "omp1":
+    if "base" in flags and base is None:
+        raise SystemExit(f"run {run}: give --base DIR (the checkout to compare with)")
+    src = (base if "base" in flags else ROOT) / "src"
+    env = {**os.environ, "PYTHONPATH": str(src)}
+    if "omp1" in flags:
         env["OMP_NUM_THREADS"] = "1"
     done = subprocess.run(cmd, capture_output=True, text=True, env=env, timeout=1800)
     found = re.search(r"([\d.]+) tokens/s", done.stdout + done.stderr)
@@ -90,6 +96,8 @@ def main() -> None:
     ap.add_argument("--batches", default="1,8")
     ap.add_argument("--rounds", type=int, default=5)
     ap.add_argument("--new", type=int, default=64, help="new tokens per prompt")
+    ap.add_argument("--base", type=Path, default=None,
+                    help="another checkout, for runs tp=N:base (the code before a change)")
     args = ap.parse_args()
     tmp = tempfile.TemporaryDirectory()
     folders = dict(f.split("=", 1) for f in args.folder)
@@ -102,7 +110,8 @@ def main() -> None:
         for i in range(len(variants)):
             v = variants[(k + i) % len(variants)]
             try:
-                got[v].append(tokens_s(Path(folders[v[0]]), v[1], v[2], v[3], args.new))
+                got[v].append(tokens_s(Path(folders[v[0]]), v[1], v[2], v[3], args.new,
+                                      args.base))
                 print(f"round {k + 1}: {v[0]} batch {v[3]} {v[2]} {v[1]}: "
                       f"{got[v][-1]:.1f} tokens/s", flush=True)
             except RuntimeError as e:  # e.g. a loaded machine past generate's time limit

@@ -38,9 +38,11 @@ from common import environment, parser, print_table, write_json
 
 BUCKETS = ("matmul", "attention", "all-reduce", "plan", "gather", "sampling", "other ops",
            "python")
-MATMUL = ("aten::addmm", "aten::mm", "aten::bmm", "aten::_weight_int8pack_mm")
+MATMUL = ("aten::addmm", "aten::mm", "aten::bmm", "aten::_weight_int8pack_mm",
+          "mkldnn::_linear_pointwise")
 ATTENTION = ("sdpa", "flash_attention", "scaled_dot_product", "aten::index_put")
 PROMPT = list(range(1, 9))
+DTYPE = ["float32"]  # --dtype (read by the spawned ranks too: they fork)
 
 
 def save_gpt2(folder: Path) -> Path:
@@ -57,8 +59,8 @@ def _label_comm() -> None:
     import torch.distributed as dist
 
     from tpkit.comm.shm import ShmChannel
-    from tpkit.model import kv_pool
-    from tpkit.serve import engine
+    from tpkit.model import kv_pool, paged_kv
+    from tpkit.serve import engine, output
 
     if getattr(ShmChannel, "_labelled", False):
         return
@@ -78,7 +80,8 @@ def _label_comm() -> None:
     wrap(dist, "broadcast", "tpk.plan")  # int64 plans over gloo, where shm does not take them
     wrap(dist, "all_reduce", "tpk.all-reduce")
     wrap(kv_pool, "_greedy", "tpk.sampling")
-    wrap(engine.Engine, "_push", "tpk.sampling")
+    wrap(paged_kv, "_greedy", "tpk.sampling")  # imported there by name
+    wrap(output.OutputProcessor, "push", "tpk.sampling")
     wrap(engine.Engine, "_take", "tpk.sampling")
 
 
@@ -131,7 +134,8 @@ def _case(mesh, folder: str, batch: int, tokens: int, quantize: str | None) -> d
     from tpkit.weights.sources import load_model, open_source
 
     _label_comm()
-    model = load_model(open_source(folder), mesh, **({"quantize": quantize} if quantize else {}))
+    model = load_model(open_source(folder), mesh, dtype=getattr(torch, DTYPE[0]), decode=True,
+                       quantize=quantize)  # as `tpkit generate` loads it
     runs = 3  # warm-up, timed, profiled
     if mesh.tp_rank != 0:
         for _ in range(runs):
@@ -170,7 +174,8 @@ def _follower_case(mesh, folder, batch, tokens, quantize) -> dict:
     from tpkit.weights.sources import load_model, open_source
 
     _label_comm()
-    model = load_model(open_source(folder), mesh, **({"quantize": quantize} if quantize else {}))
+    model = load_model(open_source(folder), mesh, dtype=getattr(torch, DTYPE[0]), decode=True,
+                       quantize=quantize)  # as `tpkit generate` loads it
     if mesh.tp_rank == 0:
         engine = Engine(model, max_batch=batch, max_len=128)
         params = SamplingParams(max_tokens=tokens, temperature=0.0, ignore_eos=True)
@@ -211,7 +216,9 @@ def main() -> None:
     p.add_argument("--tp", default="1,2")
     p.add_argument("--batch", default="1,8")
     p.add_argument("--quantize", default=None)
+    p.add_argument("--dtype", default="float32")
     args = p.parse_args()
+    DTYPE[0] = args.dtype
     load = [Path("/proc/loadavg").read_text().split()[:3]]
     rows = []
     with tempfile.TemporaryDirectory() as tmp:

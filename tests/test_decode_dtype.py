@@ -39,8 +39,9 @@ def folder(tmp_path_factory):
 
 
 def engine_worker(mesh, path, dtype, chunk=None):
-    """Rank 0: each prompt's greedy tokens and top-5 log-probs through the engine."""
-    model = load_model(open_source(path), mesh, dtype=dtype)
+    """Rank 0: each prompt's greedy tokens and top-5 log-probs through the engine (the
+    model decode-only, as generate and serve load it: bfloat16 weights packed)."""
+    model = load_model(open_source(path), mesh, dtype=dtype, decode=True)
     if mesh.tp_rank != 0:
         return Runner(model, 4, 64, chunk).follow()
     engine = Engine(model, max_batch=4, max_len=64, decode_chunk=chunk)

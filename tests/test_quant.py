@@ -60,9 +60,9 @@ def _quantized(mesh, path):
     model = load_model(open_source(path), mesh, quantize="int8")
     for n, m in model.named_modules():
         if getattr(m, "int8", None) is not None:
-            qs[n] = (m.int8.q, m.split)
+            qs[n] = (m.decoding.q, m.split)
     V = model.config.vocab_size
-    qs["head"] = (model.head_int8.q, V)
+    qs["head"] = (model.head_decoding.q, V)
     return out["int8"][..., :V], out[None][..., :V], qs
 
 

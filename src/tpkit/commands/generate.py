@@ -60,7 +60,8 @@ def _lead(mesh: ParallelMesh, args: argparse.Namespace, source) -> dict:
     paged KV cache, scheduler and sampler as `tpkit serve`, so the same tokens) and stream
     the text of a single prompt as it comes, while the other ranks follow its steps
     (`serve.workers.follow`). `source`: the checkpoint, opened by `run`."""
-    model = load_model(source, mesh, dtype=getattr(torch, args.dtype), quantize=args.quantize)
+    model = load_model(source, mesh, dtype=getattr(torch, args.dtype), decode=True,
+                       quantize=args.quantize)
     try:
         return _generate(args, source, model, args.max_len or model.config.max_seq_len)
     finally:

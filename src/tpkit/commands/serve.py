@@ -129,7 +129,8 @@ def _serve(mesh: ParallelMesh, args, source, sock, followers=None) -> None:
     follower's death (SpawnError)."""
     from tpkit.serve.http import App, make_server  # lazy: the serve extra is optional
 
-    model = load_model(source, mesh, dtype=getattr(torch, args.dtype), quantize=args.quantize)
+    model = load_model(source, mesh, dtype=getattr(torch, args.dtype), decode=True,
+                       quantize=args.quantize)
     tokenizer = load_tokenizer(source_tokenizer(source))
     engine = Engine(model, tokenizer=tokenizer, max_batch=args.max_batch,
                     max_len=args.max_len, max_tokens_in_flight=args.max_tokens_in_flight,

@@ -14,7 +14,9 @@
     devices:         cpu, 16 threads
     fast paths:
       cpu            AVX512 (torch's kernels for this processor)
-      bfloat16       accelerated (avx512_bf16; oneDNN): --dtype bfloat16's matmuls use it
+      float32        decode products of <= 8 rows split over the 16 threads
+      bfloat16       accelerated (avx512_bf16; oneDNN): --dtype bfloat16's matmuls use it;
+                     decoding packs the weights for it once
       float16        not accelerated (no amx_fp16, amx_tile, avx512_fp16): --dtype float16
                      is emulated, slower than float32 here
       cuda           none
@@ -135,13 +137,22 @@ def fast_paths() -> list[tuple[str, str]]:
     from tpkit.host.device import LOW_PRECISION_FLAGS, cpu_flags, gpu_bf16, gpu_names
 
     flags, onednn = cpu_flags(), torch.backends.mkldnn.is_available()
+    from tpkit.layers.linear import SPLIT_ROWS
+    from tpkit.layers.quant import PackedWeight
+
+    threads = torch.get_num_threads()
     out = [("cpu", f"{torch.backends.cpu.get_cpu_capability()} (torch's kernels for this "
-                   f"processor)")]
+                   f"processor)"),
+           ("float32", f"decode products of <= {SPLIT_ROWS} rows split over the {threads} "
+                       f"threads" if threads > 1 else "one thread: decode products as they are")]
     for dtype, wanted in LOW_PRECISION_FLAGS.items():
         has = [f for f in wanted if f in flags]
         fast = bool(set(has) - {"amx_tile"}) and onednn
         why = ", ".join(has) + ("; oneDNN" if onednn else "; no oneDNN in this torch")
-        out.append((dtype, f"accelerated ({why}): --dtype {dtype}'s matmuls use it" if fast
+        packed = "; decoding packs the weights for it once" \
+            if PackedWeight.available(getattr(torch, dtype)) else ""
+        out.append((dtype, f"accelerated ({why}): --dtype {dtype}'s matmuls use it{packed}"
+                    if fast
                     else f"not accelerated ({why if has else 'no ' + ', '.join(wanted)}): "
                          f"--dtype {dtype} is emulated, slower than float32 here"))
     gpus = gpu_names()

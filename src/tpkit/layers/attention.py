@@ -26,7 +26,7 @@ scaling (`rope_llama3`), a sliding window (Mistral).
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 import torch.nn.functional as F
@@ -73,12 +73,14 @@ class PagedBatch:
     `write[t]` (block * block_size + offset). `seqs`: (first row, rows, keys, mask) of
     each sequence: its rows are consecutive, `keys` [L] are the flat positions of the
     keys they read (their blocks', in order; a slice where the blocks are adjacent),
-    `mask` [rows, L] (None: every key)."""
+    `mask` [rows, L] (None: every key). `angles`: the rows' rotary cos and sin, read
+    from the table once per forward for every layer that rotates alike."""
 
     positions: torch.Tensor
     write: torch.Tensor
     seqs: list[tuple[int, int, torch.Tensor | slice, torch.Tensor | None]]
     rope_len: int
+    angles: dict = field(default_factory=dict)
 
 
 @dataclass
@@ -253,8 +255,11 @@ class ParallelAttention(nn.Module):
         `_attend_slots`)."""
         batch = cache.batch
         if self.rope_theta is not None:
-            cos, sin = rope_at(batch.positions[:, None], self.rope_dim, self.rope_theta,
-                               batch.rope_len, self.rope_llama3)  # [T, 1, 1, rd]
+            how = (self.rope_dim, self.rope_theta, self.rope_llama3)
+            if how not in batch.angles:  # [T, 1, 1, rd] each, shared by the layers
+                batch.angles[how] = rope_at(batch.positions[:, None], *how[:2],
+                                            batch.rope_len, how[2])
+            cos, sin = batch.angles[how]
             q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
         cache.k[batch.write] = k[:, :, 0]  # [T, kv_local, hd] into their blocks
         cache.v[batch.write] = v[:, :, 0]

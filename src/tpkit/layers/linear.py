@@ -75,13 +75,38 @@ def column_parallel_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Te
     autograd Function's call costs several times a small matmul's dispatch.
     """
     if group.size == 1 or not (sequence_parallel or torch.is_grad_enabled()):
-        return F.linear(x, weight, bias)
+        return dense(x, weight, bias)
     return _ColumnLinear.apply(x, weight, bias, group, sequence_parallel)
 
 
+SPLIT_ROWS = 8  # a float32 product of at most this many rows is split over the threads
+
+
+def dense(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None
+          ) -> torch.Tensor:
+    """x [..., in] @ weight [out, in]^T (+ bias), as `F.linear`; a float32 product of at
+    most `SPLIT_ROWS` rows (a decode step) where no gradient is taken runs as a batched
+    matmul of the weight cut into one block of rows per torch thread. MKL's
+    matrix-vector product runs on one thread whatever torch's thread count: one core
+    streams the weights (16 GB/s on the 2-core machine of docs/benchmarks.md), where
+    the blocks stream them on every core (34 GB/s, the machine's bandwidth). The sums
+    are the same products added in another order (float32 round-off)."""
+    parts, n = torch.get_num_threads(), weight.shape[0]
+    rows = x.numel() // max(x.shape[-1], 1)
+    if parts < 2 or rows > SPLIT_ROWS or n % parts or weight.dtype != torch.float32 \
+            or x.device.type != "cpu" or not weight.is_contiguous() or (
+                torch.is_grad_enabled() and (x.requires_grad or weight.requires_grad)):
+        return F.linear(x, weight, bias)
+    k = x.shape[-1]
+    cols = x.reshape(rows, k).t().expand(parts, k, rows)  # [parts, in, rows], no copy
+    y = torch.bmm(weight.view(parts, n // parts, k), cols)  # [parts, out/parts, rows]
+    y = y.permute(2, 0, 1).reshape(*x.shape[:-1], n)  # [..., out]
+    return y if bias is None else y + bias
+
+
 def _local(layer: nn.Module) -> torch.Size:
-    """The shape of this rank's weight [out, in] (float or int8)."""
-    return layer.weight.shape if layer.int8 is None else layer.int8.q.shape
+    """The shape of this rank's weight [out, in] (float, or its decoding form)."""
+    return layer.weight.shape if layer.decoding is None else layer.decoding.shape
 
 
 def _reset_sharded(layer: nn.Module) -> None:
@@ -139,7 +164,7 @@ class ColumnParallelLinear(nn.Module):
                                split=self.split)
         self.bias = set_meta(nn.Parameter(torch.empty(local, **kw)),
                              split=self.split) if bias else None
-        self.int8 = None  # the weight as int8 instead (`layers.quant.quantize`)
+        self.decoding = None  # the weight in a decode-only form (`layers.quant.for_decode`)
         self.reset_parameters()
 
     def reset_parameters(self) -> None:
@@ -148,8 +173,8 @@ class ColumnParallelLinear(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         """x [b, s, in] (or [b, s/tp, in] with sequence parallelism) -> [b, s, out/tp]."""
-        if self.int8 is not None:  # int8 weights: a decode (f is the identity forward)
-            y = self.int8(x) if self.bias is None else self.int8(x) + self.bias
+        if self.decoding is not None:  # a decode (f is the identity forward)
+            y = self.decoding(x, self.bias)
         else:
             y = column_parallel_linear(x, self.weight, self.bias, self.group,
                                        self.sequence_parallel)  # [b, s, out/tp]
@@ -193,7 +218,7 @@ class RowParallelLinear(nn.Module):
         # with SP the bias is added on [b, s/tp, h]: its grad is partial per tp rank
         self.bias = set_meta(nn.Parameter(torch.empty(out_features, **kw)),
                              sequence_parallel=sequence_parallel) if bias else None
-        self.int8 = None  # the weight as int8 instead (`layers.quant.quantize`)
+        self.decoding = None  # the weight in a decode-only form (`layers.quant.for_decode`)
         self.reset_parameters()
 
     def reset_parameters(self) -> None:
@@ -204,8 +229,10 @@ class RowParallelLinear(nn.Module):
         """This rank's partial product x_r A_r^T [b, s, out] (no reduce, no bias)."""
         if not self.input_is_parallel:
             x = ops.scatter_to_tp(x, self.group)  # [b, s, in/tp]
-        if self.int8 is not None:  # int8 weights (`layers.quant`)
-            return self.int8(x)  # [b, s, out], a partial sum
+        if self.decoding is not None:  # decode-only weights (`layers.quant`)
+            return self.decoding(x)  # [b, s, out], a partial sum
+        if not torch.is_grad_enabled():
+            return dense(x, self.weight)
         return F.linear(x, self.weight)  # [b, s, out], a partial sum
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:

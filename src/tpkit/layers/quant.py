@@ -19,6 +19,9 @@ slices of the same q, at any tp. The head (tied to the embedding or not) gets it
 int8 copy; the embedding table stays in the model's dtype (a lookup reads one row).
 
 Inference only: a quantized model has no float weights to train.
+
+Without int8, a bfloat16 model's weights are reordered once for oneDNN
+(`PackedWeight`), bit-identical products and faster; `for_decode` does either.
 """
 
 from __future__ import annotations
@@ -58,14 +61,20 @@ class Int8Weight(nn.Module):
         q = torch.round(w.detach().float() / scale.float()[:, None]).clamp(-QMAX, QMAX)
         return cls(q.to(torch.int8), scale)
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
+    @property
+    def shape(self) -> torch.Size:
+        """The weight's shape [out, in]."""
+        return self.q.shape
+
+    def forward(self, x: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
         shape = x.shape
         x2 = x.reshape(-1, shape[-1]).to(torch.bfloat16).contiguous()  # [n, in]
         if self.fast:
             y = torch._weight_int8pack_mm(x2, self.q, self.scale)  # [n, out]
         else:
             y = F.linear(x2, self.q.to(torch.bfloat16) * self.scale[:, None])
-        return y.to(x.dtype).reshape(*shape[:-1], y.shape[-1])
+        y = y.to(x.dtype).reshape(*shape[:-1], y.shape[-1])
+        return y if bias is None else y + bias
 
     def dequantized(self) -> torch.Tensor:
         """The weight it stands for, [out, in] float32 (q * scale)."""
@@ -75,25 +84,63 @@ class Int8Weight(nn.Module):
         return f"int8 {list(self.q.shape)}, kernel={'int8pack' if self.fast else 'dequantized'}"
 
 
-def quantize(model: nn.Module, how: str | None) -> nn.Module:
-    """Replace every column- and row-parallel linear weight of `model` (and its head) by
-    an `Int8Weight`, in place, on every tp rank alike (row-parallel layers all-reduce
-    their row maxima: call it on every rank). `how` None: nothing. Returns the model
-    (in eval mode: a quantized model only decodes)."""
-    if how is None:
+class PackedWeight(nn.Module):
+    """A bfloat16 weight [out, in] reordered once into oneDNN's blocked layout, the one
+    its AMX / AVX-512-BF16 matmul reads (what inductor's weight freezing does on CPU):
+    `self(x, bias)` is `F.linear(x, w, bias)`, bit for bit, 1.4x faster at 1-8 rows on
+    the machine of docs/benchmarks.md (F.linear reorders the weight at every call)."""
+
+    def __init__(self, w: torch.Tensor) -> None:
+        super().__init__()
+        self.register_buffer("packed", torch.ops.mkldnn._reorder_linear_weight(
+            w.detach().contiguous(), 1), persistent=False)  # tuned for 1 row (a decode)
+        self._shape = w.shape
+
+    @staticmethod
+    def available(dtype: torch.dtype) -> bool:
+        """Can this machine's torch pack a weight of `dtype`? (bfloat16 with oneDNN's
+        bf16 kernels only: float32 products go through `layers.linear.dense`)."""
+        return dtype == torch.bfloat16 and torch.backends.mkldnn.is_available() and \
+            torch.ops.mkldnn._is_mkldnn_bf16_supported()
+
+    @property
+    def shape(self) -> torch.Size:
+        """The weight's shape [out, in]."""
+        return self._shape
+
+    def forward(self, x: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
+        return torch.ops.mkldnn._linear_pointwise(x, self.packed, bias, "none", [], "")
+
+    def extra_repr(self) -> str:
+        return f"bfloat16 {list(self._shape)}, oneDNN blocked layout"
+
+
+def for_decode(model: nn.Module, quantize: str | None = None) -> nn.Module:
+    """Make `model` decode-only, in place, on every tp rank alike: every column- and
+    row-parallel linear weight (and the head) in the form this machine multiplies
+    fastest, and the float weight gone (nothing trains it, nothing reads it):
+    `quantize="int8"`: an `Int8Weight` (row-parallel layers all-reduce their row
+    maxima: call it on every rank); else bfloat16 weights a `PackedWeight` where oneDNN
+    takes them; float32 ones stay (`layers.linear.dense` splits their decode products
+    over the threads). Returns the model, in eval mode."""
+    if quantize is not None and quantize not in QUANTIZE:
+        raise UserError(f"quantize={quantize!r} is not one of {', '.join(QUANTIZE)}")
+    linears = [(n, m) for n, m in model.named_modules()
+               if isinstance(m, ColumnParallelLinear | RowParallelLinear)]
+    dtype = next((m.weight.dtype for _, m in linears), None)
+    if quantize is None and not PackedWeight.available(dtype):
         return model
-    if how not in QUANTIZE:
-        raise UserError(f"quantize={how!r} is not one of {', '.join(QUANTIZE)}")
     model.eval()
-    for name, m in model.named_modules():
-        if isinstance(m, ColumnParallelLinear | RowParallelLinear):
-            if m.sequence_parallel:
-                raise UserError(f"{name}: int8 weights decode without sequence parallelism")
-            row = isinstance(m, RowParallelLinear)
-            m.int8 = Int8Weight.of(m.weight, m.group if row else None)
-            del m.weight  # the float weight is gone: nothing trains it, nothing reads it
+    for name, m in linears:
+        if m.sequence_parallel:
+            raise UserError(f"{name}: decode-only weights run without sequence parallelism")
+        row = isinstance(m, RowParallelLinear)
+        m.decoding = Int8Weight.of(m.weight, m.group if row else None) if quantize \
+            else PackedWeight(m.weight)
+        del m.weight
     if getattr(model, "is_last_stage", False) and hasattr(model, "head_weight"):
-        model.head_int8 = Int8Weight.of(model.head_weight)  # whole rows: tp=1's scales
+        w = model.head_weight  # whole rows: int8 has tp=1's scales
+        model.head_decoding = Int8Weight.of(w) if quantize else PackedWeight(w)
         if getattr(model, "head", None) is not None:
-            del model.head.weight  # untied: only the int8 copy is read
+            del model.head.weight  # untied: only the decoding copy is read
     return model

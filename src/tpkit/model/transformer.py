@@ -160,7 +160,7 @@ class Transformer(nn.Module):
 
     def _make_head(self, kw) -> None:
         c, tp = self.config, self.group.size
-        self.head_int8 = None  # the head as int8 weights (`layers.quant.quantize`)
+        self.head_decoding = None  # the head in a decode-only form (`layers.quant`)
         if c.tie_embeddings and self.is_first_stage:
             self.head = None  # the embedding table itself
             return
@@ -248,8 +248,8 @@ class Transformer(nn.Module):
     def logits(self, h: torch.Tensor) -> torch.Tensor:
         """Final hidden [b, s, h] ([b, s/tp, h] with SP) -> vocab-parallel logits."""
         with self.mesh.ledger.scope("head"):  # a column-parallel layer over the vocabulary
-            if self.head_int8 is not None:  # int8 weights (a decode: nothing to send)
-                return self.head_int8(h)  # [b, s, V_pad/tp]
+            if self.head_decoding is not None:  # a decode: nothing to send
+                return self.head_decoding(h)  # [b, s, V_pad/tp]
             return column_parallel_linear(h, self.head_weight, None, self.group,
                                           self.sequence_parallel)  # [b, s, V_pad/tp]
 

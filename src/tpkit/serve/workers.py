@@ -21,5 +21,5 @@ def follow(mesh: ParallelMesh, source, slots: int, max_len: int | None, chunk: i
     """A follower rank: load this rank's slices of `source` (opened by the command) in
     `dtype` (`quantize`: then as int8), then run rank 0's steps until told to stop
     (max_len None or 0: the model's)."""
-    model = load_model(source, mesh, dtype=dtype, quantize=quantize)
+    model = load_model(source, mesh, dtype=dtype, decode=True, quantize=quantize)
     Runner(model, slots, max_len or model.config.max_seq_len, chunk).follow()

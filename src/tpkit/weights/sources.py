@@ -23,7 +23,7 @@ import torch
 from torch import nn
 
 from tpkit.launch import mesh_here
-from tpkit.layers.quant import quantize as quantize_model
+from tpkit.layers.quant import for_decode
 from tpkit.mesh import ParallelMesh
 from tpkit.spec.config import ModelConfig
 from tpkit.spec.errors import CheckpointError, UserError
@@ -72,21 +72,24 @@ def _open_full(path: Path, config: ModelConfig | None) -> FullSource:
 
 def load_model(source: Any, mesh: ParallelMesh | None = None, *, tp: int | None = None,
                dtype: torch.dtype | None = None, sequence_parallel: bool = False,
-               expert_parallel: bool = False, quantize: str | None = None) -> nn.Module:
+               expert_parallel: bool = False, decode: bool = False,
+               quantize: str | None = None) -> nn.Module:
     """The model holding the weights of `source` (an open source, any path `locate`
     accepts, or a live `transformers` model: opened here), at `mesh`'s layout, each rank
     reading only its slices. Call on every rank of the mesh. No mesh: one process, or
     (`tp`) this rank of torchrun's or `tpkit.spawn`'s processes. `expert_parallel`: a
     mixture of experts' experts spread whole over tp. BERT models keep their pooler
-    (`model.pooled(h)`) if present. `quantize="int8"`: each rank's linear weights
-    become int8 once loaded, for decoding (`tpkit.layers.quant`). This is `tpkit.load`."""
+    (`model.pooled(h)`) if present. `decode=True`: the model only runs forward, its
+    linear weights in the form this machine multiplies fastest once loaded
+    (`tpkit.layers.quant.for_decode`: bfloat16 packed for oneDNN); `quantize="int8"`
+    (implies decode): as int8. This is `tpkit.load`."""
     if mesh is not None and tp not in (None, mesh.tp_size):
         raise UserError(f"tp={tp} but the mesh has tp={mesh.tp_size}: give one of them")
     mesh = mesh or mesh_here(tp)
     source = open_source(source)
     model = build_model(source.config, mesh, source, dtype=dtype,
                         sequence_parallel=sequence_parallel, expert_parallel=expert_parallel)
-    return quantize_model(model, quantize)
+    return for_decode(model, quantize) if decode or quantize else model
 
 
 def source_tokenizer(source: Any) -> Path | None:
