@@ -175,10 +175,10 @@ def test_metrics_count_embeddings(server):
     assert grew[("tpkit_prompt_tokens_total", ())] == r.usage.prompt_tokens
 
 
-def test_pooling_read_from_the_folder(folder, tmp_path):
+def test_pooling_read_from_the_folder(folder, tmp_path, capsys):
     """cls pooling and no Normalize (read from the files) against transformers; a folder
     without modules.json pools by the mean, not normalised; max pooling and a Dense
-    module are refused naming the file; a request cut into forwards of at most 12 padded
+    module are refused naming the file (`tpkit serve`: at start); a request cut into forwards of at most 12 padded
     tokens (4 of them) still gives transformers' vectors."""
     tok = load_tokenizer(folder)
     ids = [tok.encode(t) for t in TEXTS]
@@ -195,6 +195,13 @@ def test_pooling_read_from_the_folder(folder, tmp_path):
     with pytest.raises(UserError, match=r"1_Pooling/config.json: pooling max; tpkit pools "
                        r"with one of mean, cls"):
         read_pooling(bad)
+    from tpkit.cli import main
+
+    capsys.readouterr()  # `tpkit serve` refuses it at start, in one line, before loading
+    assert main(["serve", "--checkpoint", str(bad), "--port", "0"]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and err[0].startswith("tpkit serve: error: ") and \
+        "pooling max; tpkit pools with one of mean, cls" in err[0], err
     modules = json.loads((folder / "modules.json").read_text())
     (bad / "modules.json").write_text(json.dumps([*modules, dict(
         idx=3, name="3", path="2_Dense", type="sentence_transformers.models.Dense")]))
