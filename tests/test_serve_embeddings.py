@@ -139,6 +139,9 @@ def test_embeddings_errors_in_openai_shape(server, openai_server):
         emb(input="layer", encoding_format="int8")
     with pytest.raises(openai.BadRequestError, match=r"token ids \[9999\] are outside"):
         emb(input=[1, 9999])
+    with pytest.raises(openai.BadRequestError, match="input: a batch of 2049 inputs; at most "
+                       "2048 per request"):
+        emb(input=["layer"] * 2049)
     for bad in ("", [], [[]]):
         with pytest.raises(openai.BadRequestError, match="input"):
             emb(input=bad)

@@ -118,8 +118,8 @@ def run(args: argparse.Namespace) -> int:
                         f"installed: pip install 'tpkit[serve]'") from None
     comm = comm_choice(getattr(args, "comm", None))
     source = open_source(args.checkpoint)  # once, before any process
-    pooling = None if source.config.causal else \
-        read_pooling(getattr(source, "root", None))  # refused before any process
+    pooling = None if getattr(source.config, "causal", True) else \
+        read_pooling(getattr(source, "root", None))  # an encoder's; refused before any process
     sock = listen(lambda: bound_socket(args.host, args.port), args.host,
                   args.port) if is_rank0() else None  # a busy port fails before any loading
     try:  # rank 0 serves here, the others follow (spawned, or torchrun's)

@@ -117,6 +117,20 @@ Number = Annotated[StrictInt | StrictFloat | None, Field(description="must be a 
 Stop = Annotated[Text | Annotated[list[Text], Field(fail_fast=True)] | None,
                  Field(description="must be a string or a list of strings")]
 TokenIds = Annotated[list[StrictInt], Field(min_length=1, fail_fast=True)]  # one error: fast
+Batch = (Word | TokenIds | Annotated[list[Word], Field(min_length=1, fail_fast=True)] |
+         Annotated[list[TokenIds], Field(min_length=1, fail_fast=True)])  # one, or a list
+
+
+def _few(p, field: str, most: int):
+    """A batch of at most `most` (checked before the union is tried on each of them)."""
+    if isinstance(p, list) and len(p) > most and isinstance(p[0], str | list):
+        _refuse(f"{field}: a batch of {len(p)} {field}s; at most {most} per request")
+    return p
+
+
+def _as_batch(p) -> list:
+    """A validated `Batch` as the list of its members."""
+    return list(p) if isinstance(p, list) and isinstance(p[0], str | list) else [p]
 
 
 class _Strict(BaseModel):
@@ -194,10 +208,8 @@ class CompletionRequest(_Request):
     """POST /v1/completions: a prompt (text or token ids) or a batch of them (at most
     `MAX_PROMPTS`); `prompt` is always the list of prompts once validated."""
 
-    prompt: Annotated[Word | TokenIds | Annotated[list[Word], Field(min_length=1, fail_fast=True)] |
-                      Annotated[list[TokenIds], Field(min_length=1, fail_fast=True)], Field(
-        description="must be a non-empty string, a list of token ids, or a list of those "
-                    "(a batch of prompts)")]
+    prompt: Annotated[Batch, Field(description="must be a non-empty string, a list of token "
+                                               "ids, or a list of those (a batch of prompts)")]
     logprobs: Annotated[StrictInt | None, _rule("logprobs")] = None
     echo: StrictBool = False
     top_logprobs: Annotated[None, Field(description="is a chat parameter: a completion "
@@ -206,14 +218,12 @@ class CompletionRequest(_Request):
     @field_validator("prompt", mode="before")
     @classmethod
     def _few_prompts(cls, p):  # before the union is tried on each of a batch's prompts
-        if isinstance(p, list) and len(p) > MAX_PROMPTS and isinstance(p[0], str | list):
-            _refuse(f"prompt: a batch of {len(p)} prompts; at most {MAX_PROMPTS} per request")
-        return p
+        return _few(p, "prompt", MAX_PROMPTS)
 
     @field_validator("prompt")
     @classmethod
     def _batch(cls, p):
-        return list(p) if isinstance(p, list) and isinstance(p[0], str | list) else [p]
+        return _as_batch(p)
 
     def sampling(self) -> SamplingParams:
         """The SamplingParams asked for (`logprobs: k`: the k likeliest per token)."""
@@ -252,9 +262,8 @@ class EmbeddingRequest(_Strict):
     """POST /v1/embeddings: a string, a list of token ids, or a list of those (at most
     `MAX_INPUTS`); `input` is always the list of inputs once validated."""
 
-    input: Annotated[Word | TokenIds | Annotated[list[Word], Field(min_length=1, fail_fast=True)] |
-                     Annotated[list[TokenIds], Field(min_length=1, fail_fast=True)], Field(
-        description="must be a non-empty string, a list of token ids, or a list of those")]
+    input: Annotated[Batch, Field(description="must be a non-empty string, a list of token "
+                                              "ids, or a list of those")]
     model: Text | None = None
     encoding_format: Annotated[Literal["float", "base64"] | None, Field(
         description='must be "float" or "base64"')] = None
@@ -264,14 +273,12 @@ class EmbeddingRequest(_Strict):
     @field_validator("input", mode="before")
     @classmethod
     def _few_inputs(cls, p):
-        if isinstance(p, list) and len(p) > MAX_INPUTS and isinstance(p[0], str | list):
-            _refuse(f"input: a batch of {len(p)} inputs; at most {MAX_INPUTS} per request")
-        return p
+        return _few(p, "input", MAX_INPUTS)
 
     @field_validator("input")
     @classmethod
     def _batch(cls, p):
-        return list(p) if isinstance(p, list) and isinstance(p[0], str | list) else [p]
+        return _as_batch(p)
 
 
 # -- pydantic's errors as OpenAI's -----------------------------------------------------
