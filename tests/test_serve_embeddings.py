@@ -181,8 +181,9 @@ def test_metrics_count_embeddings(server):
 def test_pooling_read_from_the_folder(folder, tmp_path, capsys):
     """cls pooling and no Normalize (read from the files) against transformers; a folder
     without modules.json pools by the mean, not normalised; max pooling and a Dense
-    module are refused naming the file (`tpkit serve`: at start); a request cut into forwards of at most 12 padded
-    tokens (4 of them) still gives transformers' vectors."""
+    module are refused naming the file (`tpkit serve`: at start); a request cut into
+    forwards of at most 12 padded tokens (4 of them), and 5 requests sharing one
+    forward, still give transformers' vectors."""
     tok = load_tokenizer(folder)
     ids = [tok.encode(t) for t in TEXTS]
     cls = tiny_bert_folder(tmp_path / "cls", pooling="cls", normalize=False)
@@ -194,6 +195,10 @@ def test_pooling_read_from_the_folder(folder, tmp_path, capsys):
     assert read_pooling(cls) == Pooling("mean", False, None)
     small = Embedder(load_model(folder), read_pooling(folder), tokens_per_forward=12)
     assert diff(small.embed(ids), reference(folder, TEXTS)) <= TOL and small.runner.steps == 4
+    shared = Embedder(load_model(folder), read_pooling(folder))  # 8 x 48 tokens a forward
+    jobs = [shared.submit([x]) for x in ids]  # 5 requests waiting: one forward
+    assert shared.step() and all(j.done.is_set() for j in jobs) and shared.runner.steps == 1
+    assert diff(torch.stack([j.vectors[0] for j in jobs]), reference(folder, TEXTS)) <= TOL
     bad = tiny_bert_folder(tmp_path / "max", pooling="max")
     with pytest.raises(UserError, match=r"1_Pooling/config.json: pooling max; tpkit pools "
                        r"with one of mean, cls"):

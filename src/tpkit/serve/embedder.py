@@ -6,10 +6,11 @@ model in place of the generating `Engine`, under the same serving loop (`serve.l
     vectors = embedder.embed([tok.encode("Tensor parallelism"), tok.encode("a")])  # [2, h]
     job = embedder.submit(inputs, on_done)      # with a serving loop stepping it
 
-Each `step()` runs one forward of the first waiting request (`Runner.lead_embed`: on
-every tp rank, the followers get the rows through the plan broadcast): its inputs,
-sorted by length, right-padded to the longest of the forward and masked, at most
-`tokens_per_forward` padded tokens a forward (a longer request takes several steps).
+Each `step()` runs one forward (`Runner.lead_embed`: on every tp rank, the followers
+get the rows through the plan broadcast) of the waiting requests' inputs, in arrival
+order, each request's sorted by length, right-padded to the longest of the forward and
+masked, at most `tokens_per_forward` padded tokens a forward: concurrent small requests
+share a forward, a large one takes several.
 Rank 0 pools the final hidden states (`weights.pooling.Pooling`: mean over the mask or
 the first token, L2-normalised where the folder says so). An input's vector does not
 depend on what shares its forward beyond float32 round-off: padded keys are masked out
@@ -140,43 +141,58 @@ class Embedder:
             if not self.busy:
                 self._wake.wait(timeout)
 
-    def _rows(self, job: EmbedJob) -> list[int]:
-        """The next forward's inputs (indices): the shortest left, as many as fit."""
-        take = []
-        for i in job.order[job.next:]:
-            if take and (len(take) + 1) * len(job.inputs[i]) > self.tokens_per_forward:
+    def _plan(self) -> list[tuple[EmbedJob, list[int]]]:
+        """The next forward: the waiting requests' inputs in arrival order (each request's
+        shortest first) while the padded tokens fit `tokens_per_forward` (one input
+        always); a request that does not fit whole ends the forward (first come, first
+        served)."""
+        plan, rows, longest = [], 0, 0
+        for job in self.waiting:
+            take = []
+            for i in job.order[job.next:]:
+                n = max(longest, len(job.inputs[i]))
+                if rows and (rows + 1) * n > self.tokens_per_forward:
+                    break
+                take.append(i)
+                rows, longest = rows + 1, n
+            if take:
+                plan.append((job, take))
+            if job.next + len(take) < len(job.inputs):
                 break
-            take.append(i)
-        return take
+        return plan
 
     @torch.no_grad()
     def step(self) -> bool:
-        """One forward of the first waiting request; False if there was nothing."""
+        """One forward of what waits (`_plan`); False if there was nothing."""
         with self._lock:
-            while self.waiting and self.waiting[0].cancelled:
-                self._finish(self.waiting.popleft(), "cancelled")
-            if not self.waiting:
-                return False
-            job = self.waiting[0]
-        take = self._rows(job)
-        hidden, mask = self.runner.lead_embed([job.inputs[i] for i in take])
-        self.model.mesh.ledger.clear()  # a long-running server's ledger stays bounded
-        try:  # rank 0's alone: an error here fails this request, not the server
-            for i, v in zip(take, self.pooling(hidden, mask)):
-                job.vectors[i] = v
-        except Exception as e:  # noqa: BLE001 - the other requests go on
-            with self._lock:
+            for job in [j for j in self.waiting if j.cancelled]:
                 self.waiting.remove(job)
-            self._finish(job, "error", (500, f"the server failed on this request "
-                                             f"({type(e).__name__}: {e})"))
+                self._finish(job, "cancelled")
+            plan = self._plan()
+        if not plan:
+            return False
+        hidden, mask = self.runner.lead_embed([job.inputs[i] for job, take in plan
+                                               for i in take])
+        self.model.mesh.ledger.clear()  # a long-running server's ledger stays bounded
+        try:  # rank 0's alone: an error here fails these requests, not the server
+            vectors = iter(self.pooling(hidden, mask))
+        except Exception as e:  # noqa: BLE001 - the other requests go on
+            for job, _ in plan:
+                with self._lock:
+                    self.waiting.remove(job)
+                self._finish(job, "error", (500, f"the server failed on this request "
+                                                 f"({type(e).__name__}: {e})"))
             return True
-        job.next += len(take)
-        with self.metrics.lock:
-            self.metrics.prompt_tokens_computed += sum(len(job.inputs[i]) for i in take)
-        if job.next == len(job.inputs):
-            with self._lock:
-                self.waiting.popleft()
-            self._finish(job, "embedded")
+        for job, take in plan:
+            for i in take:
+                job.vectors[i] = next(vectors)
+            job.next += len(take)
+            with self.metrics.lock:
+                self.metrics.prompt_tokens_computed += sum(len(job.inputs[i]) for i in take)
+            if job.next == len(job.inputs):
+                with self._lock:
+                    self.waiting.remove(job)
+                self._finish(job, "embedded")
         return True
 
     def _finish(self, job: EmbedJob, reason: str, error: tuple[int, str] | None = None
