@@ -10,6 +10,7 @@ shared by the files that test it through HTTP.
 
 from __future__ import annotations
 
+import contextlib
 import threading
 
 import pytest
@@ -77,31 +78,48 @@ def chat_llama(tmp_path_factory):
     return with_chat_template(llama)
 
 
-@pytest.fixture(scope="session")
-def openai_server(chat_llama):
-    """A tp=1 server of `chat_llama` as "llama" on a free loopback port, its HTTP front
-    and serving loop in threads: (base URL, OpenAI client, engine)."""
+@contextlib.contextmanager
+def serving(engine, name: str, tok):
+    """`engine` (an Engine or an Embedder) served as `name` on a free loopback port, its
+    HTTP front and serving loop in threads: (base URL, OpenAI client, engine)."""
     import openai
 
-    from tpkit.serve import Engine
     from tpkit.serve.http import App, make_server
     from tpkit.serve.loop import serve_loop
-    from tpkit.weights.sources import load_model
-    from tpkit.weights.tokenizer import load_tokenizer
 
-    model = load_model(chat_llama, ParallelMesh.single())
-    tok = load_tokenizer(chat_llama)
-    engine = Engine(model, tokenizer=tok, max_batch=SERVE_SLOTS, decode_chunk=8)  # invariant
-    httpd = make_server(App(engine, "llama", tok, timeout=10.0), "127.0.0.1", 0)
+    httpd = make_server(App(engine, name, tok, timeout=10.0), "127.0.0.1", 0)
     stop = threading.Event()
     threads = [threading.Thread(target=httpd.serve_forever, daemon=True),
                threading.Thread(target=serve_loop, args=(engine, stop), daemon=True)]
     for t in threads:
         t.start()
     url = f"http://127.0.0.1:{httpd.server_address[1]}"
-    yield url, openai.OpenAI(base_url=url + "/v1", api_key="none", max_retries=0,
-                             timeout=60), engine
-    stop.set()
-    httpd.shutdown()
-    httpd.server_close()
-    threads[1].join(timeout=10)
+    try:
+        yield url, openai.OpenAI(base_url=url + "/v1", api_key="none", max_retries=0,
+                                 timeout=60), engine
+    finally:
+        stop.set()
+        httpd.shutdown()
+        httpd.server_close()
+        threads[1].join(timeout=10)
+
+
+@pytest.fixture(scope="session")
+def serve_in_threads():
+    """`serving` (a context manager) for the test files that start their own server."""
+    return serving
+
+
+@pytest.fixture(scope="session")
+def openai_server(chat_llama):
+    """A tp=1 server of `chat_llama` as "llama" on a free loopback port, its HTTP front
+    and serving loop in threads: (base URL, OpenAI client, engine)."""
+    from tpkit.serve import Engine
+    from tpkit.weights.sources import load_model
+    from tpkit.weights.tokenizer import load_tokenizer
+
+    model = load_model(chat_llama, ParallelMesh.single())
+    tok = load_tokenizer(chat_llama)
+    engine = Engine(model, tokenizer=tok, max_batch=SERVE_SLOTS, decode_chunk=8)  # invariant
+    with serving(engine, "llama", tok) as served:
+        yield served

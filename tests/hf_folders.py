@@ -82,6 +82,68 @@ def uneven_folder(folder: Path, family: str = "llama", seed: int = 0) -> Path:
     return folder
 
 
+def tiny_bert_folder(folder: Path, seed: int = 0, pooling: str = "mean", normalize: bool = True,
+                     max_seq_length: int | None = 48) -> Path:
+    """A random BertModel (2 layers, 64 wide, 64 positions) saved by transformers, with a
+    WordPiece tokenizer trained on `TEXT` ([CLS] text [SEP]) and sentence-transformers'
+    files as all-MiniLM-L6-v2 has them: modules.json (Transformer, Pooling, and Normalize
+    if `normalize`), 1_Pooling/config.json (`pooling`), sentence_bert_config.json."""
+    import json
+
+    import torch
+    import transformers
+    from tokenizers import (
+        Tokenizer,
+        decoders,
+        models,
+        normalizers,
+        pre_tokenizers,
+        processors,
+        trainers,
+    )
+
+    folder.mkdir(parents=True, exist_ok=True)
+    tok = Tokenizer(models.WordPiece(unk_token="[UNK]"))
+    tok.normalizer = normalizers.BertNormalizer(lowercase=True)
+    tok.pre_tokenizer = pre_tokenizers.BertPreTokenizer()
+    tok.decoder = decoders.WordPiece()
+    special = ["[PAD]", "[UNK]", "[CLS]", "[SEP]", "[MASK]"]
+    tok.train_from_iterator(TEXT.split("\n"), trainers.WordPieceTrainer(
+        vocab_size=200, special_tokens=special))
+    cls, sep = tok.token_to_id("[CLS]"), tok.token_to_id("[SEP]")
+    tok.post_processor = processors.TemplateProcessing(
+        single="[CLS] $A [SEP]", pair="[CLS] $A [SEP] $B:1 [SEP]:1",
+        special_tokens=[("[CLS]", cls), ("[SEP]", sep)])
+    fast = transformers.PreTrainedTokenizerFast(
+        tokenizer_object=tok, unk_token="[UNK]", pad_token="[PAD]", cls_token="[CLS]",
+        sep_token="[SEP]", mask_token="[MASK]")
+    fast.save_pretrained(str(folder))
+    model = transformers.BertModel(transformers.BertConfig(
+        vocab_size=len(fast), hidden_size=64, num_hidden_layers=2, num_attention_heads=4,
+        intermediate_size=128, max_position_embeddings=64, pad_token_id=0))
+    g = torch.Generator().manual_seed(seed)
+    with torch.no_grad():  # drawn wide (biases, norms too): embeddings far apart
+        for name, p in model.named_parameters():
+            base = 1.0 if "LayerNorm.weight" in name else 0.0
+            p.copy_(base + 0.2 * torch.randn(p.shape, generator=g))
+    model.save_pretrained(str(folder))
+    st = "sentence_transformers.models."
+    modules = [dict(idx=0, name="0", path="", type=st + "Transformer"),
+               dict(idx=1, name="1", path="1_Pooling", type=st + "Pooling")]
+    if normalize:
+        modules.append(dict(idx=2, name="2", path="2_Normalize", type=st + "Normalize"))
+    (folder / "modules.json").write_text(json.dumps(modules))
+    (folder / "1_Pooling").mkdir(exist_ok=True)
+    flags = {f"pooling_mode_{m}": m.removesuffix("_tokens").removesuffix("_token") == pooling
+             for m in ("cls_token", "mean_tokens", "max_tokens", "mean_sqrt_len_tokens")}
+    (folder / "1_Pooling" / "config.json").write_text(json.dumps(
+        {"word_embedding_dimension": 64, **flags}))
+    if max_seq_length is not None:
+        (folder / "sentence_bert_config.json").write_text(json.dumps(
+            {"max_seq_length": max_seq_length, "do_lower_case": False}))
+    return folder
+
+
 CHAT_TEMPLATE = ("{% for m in messages %}<s>{{ m['role'] }}\n{{ m['content'] }}</s>\n"
                  "{% endfor %}{% if add_generation_prompt %}<s>assistant\n{% endif %}")
 

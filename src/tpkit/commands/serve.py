@@ -3,7 +3,9 @@
     tpkit serve --checkpoint hf-dir --tp 2                  # http://127.0.0.1:8000/v1
     tpkit serve --checkpoint runs/x --max-batch 16 --port 0 # a free port (printed)
 
-CKPT is anything `tpkit generate` takes. This process is rank 0 (the HTTP front, the
+CKPT is anything `tpkit generate` takes. An encoder (a BERT-family folder, such as
+sentence-transformers' all-MiniLM-L6-v2) is served on POST /v1/embeddings instead,
+pooled as its sentence-transformers files say (`tpkit.weights.pooling`). This process is rank 0 (the HTTP front, the
 engine, the sampler); `--tp N` starts ranks 1..N-1 as local processes that follow it
 (`tpkit.serve.workers`); under torchrun, rank 0 serves and the others follow.
 SIGTERM, SIGINT or SIGHUP: stop accepting (503), let running requests finish for
@@ -28,11 +30,13 @@ from tpkit.host.exit import Stopped
 from tpkit.host.web import ALLOWED_HOST_HELP, HOST, bound_socket, listen, warn_if_exposed
 from tpkit.launch import SpawnError, is_rank0, launch
 from tpkit.mesh import ParallelMesh
+from tpkit.serve.embedder import Embedder
 from tpkit.serve.engine import PREFILL_PER_STEP, Engine
 from tpkit.serve.loop import serve_loop
 from tpkit.serve.openai_api import MAX_BODY
 from tpkit.spec.errors import UserError
 from tpkit.spec.transport import add_comm_argument, comm_choice
+from tpkit.weights.pooling import read_pooling
 from tpkit.weights.sources import load_model, open_source, source_tokenizer
 from tpkit.weights.tokenizer import load_tokenizer
 
@@ -67,7 +71,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         "0: no limit): the running requests decode in between")
     g.add_argument("--max-tokens-in-flight", type=int, default=None, metavar="T",
                    help="prompt + max_tokens summed over the running requests; more waits "
-                        "in the queue (default: max-batch x max-len)")
+                        "in the queue (an encoder: padded tokens of one embedding forward) "
+                        "(default: max-batch x max-len)")
     g.add_argument("--kv-cache-bytes", type=int, default=None, metavar="N",
                    help="bytes of KV blocks per rank, at most (default: what max-batch x "
                         "max-len tokens take); taken as tokens arrive, never up front")
@@ -113,10 +118,12 @@ def run(args: argparse.Namespace) -> int:
                         f"installed: pip install 'tpkit[serve]'") from None
     comm = comm_choice(getattr(args, "comm", None))
     source = open_source(args.checkpoint)  # once, before any process
+    pooling = None if getattr(source.config, "causal", True) else \
+        read_pooling(getattr(source, "root", None))  # an encoder's; refused before any process
     sock = listen(lambda: bound_socket(args.host, args.port), args.host,
                   args.port) if is_rank0() else None  # a busy port fails before any loading
     try:  # rank 0 serves here, the others follow (spawned, or torchrun's)
-        launch(_serve, args, source, sock, ranks=args.tp, mesh=dict(tp=args.tp, comm=comm),
+        launch(_serve, args, source, sock, pooling, ranks=args.tp, mesh=dict(tp=args.tp, comm=comm),
                follow=follower(args, source), lead_here=True)
         return 0
     finally:
@@ -124,19 +131,23 @@ def run(args: argparse.Namespace) -> int:
             sock.close()
 
 
-def _serve(mesh: ParallelMesh, args, source, sock, followers=None) -> None:
+def _serve(mesh: ParallelMesh, args, source, sock, pooling, followers=None) -> None:
     """Rank 0: load, build the server complete, serve until a signal (`Stopped`) or a
-    follower's death (SpawnError)."""
+    follower's death (SpawnError). `pooling`: an encoder's (it embeds), else None."""
     from tpkit.serve.http import App, make_server  # lazy: the serve extra is optional
 
     model = load_model(source, mesh, dtype=getattr(torch, args.dtype), decode=True,
                        quantize=args.quantize)
     tokenizer = load_tokenizer(source_tokenizer(source))
-    engine = Engine(model, tokenizer=tokenizer, max_batch=args.max_batch,
-                    max_len=args.max_len, max_tokens_in_flight=args.max_tokens_in_flight,
-                    prefill_per_step=args.prefill_per_step, decode_chunk=decode_chunk(args),
-                    kv_cache_bytes=args.kv_cache_bytes,
-                    prefix_caching=not args.no_prefix_cache)
+    if pooling is not None:
+        engine = Embedder(model, pooling, max_batch=args.max_batch, max_len=args.max_len,
+                          tokens_per_forward=args.max_tokens_in_flight)
+    else:
+        engine = Engine(model, tokenizer=tokenizer, max_batch=args.max_batch,
+                        max_len=args.max_len, max_tokens_in_flight=args.max_tokens_in_flight,
+                        prefill_per_step=args.prefill_per_step,
+                        decode_chunk=decode_chunk(args), kv_cache_bytes=args.kv_cache_bytes,
+                        prefix_caching=not args.no_prefix_cache)
     name = args.served_model_name or Path(str(args.checkpoint).rstrip("/")).resolve().name
     app = App(engine, name, tokenizer, max_body=args.max_body_bytes, timeout=args.timeout)
     server = make_server(app, args.host, args.port, allowed_hosts=args.allowed_host,
@@ -153,12 +164,18 @@ def _serve(mesh: ParallelMesh, args, source, sock, followers=None) -> None:
     thread = threading.Thread(target=server.serve_forever, name="tpkit-http", daemon=True)
     thread.start()
     shown = f"[{host}]" if ":" in host else host
-    print(f"tpkit serve: http://{shown}:{port}/v1 model={app.name!r} tp={mesh.tp_size} "
-          f"max_batch={engine.max_batch} max_len={engine.max_len}", flush=True)
-    print(f"tpkit serve: KV cache: at most {engine.kv_cache_bytes / 2**20:.1f} MiB per rank "
-          f"({engine.pool.max_blocks - 1} blocks of {engine.pool.block_size} tokens), taken "
-          f"as tokens arrive; prefix cache {'off' if args.no_prefix_cache else 'on'}",
-          flush=True)
+    batch = "" if pooling else f" max_batch={engine.max_batch}"
+    print(f"tpkit serve: http://{shown}:{port}/v1 model={app.name!r} tp={mesh.tp_size}"
+          f"{batch} max_len={engine.max_len}", flush=True)
+    if pooling is not None:
+        print(f"tpkit serve: an encoder: POST /v1/embeddings only, {pooling.describe()}, at "
+              f"most {engine.max_len} tokens an input ({engine.limit_text()}), "
+              f"{engine.tokens_per_forward} padded tokens a forward", flush=True)
+    else:
+        print(f"tpkit serve: KV cache: at most {engine.kv_cache_bytes / 2**20:.1f} MiB per "
+              f"rank ({engine.pool.max_blocks - 1} blocks of {engine.pool.block_size} "
+              f"tokens), taken as tokens arrive; prefix cache "
+              f"{'off' if args.no_prefix_cache else 'on'}", flush=True)
     try:
         line = serve_loop(app.engine, stop, followers, args.drain_seconds)
     finally:

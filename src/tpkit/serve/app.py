@@ -1,7 +1,8 @@
 """What the HTTP routes serve (`tpkit.serve.http`): the engine, the model's name, the
 tokenizer and the limits, with the two steps of a POST that are not HTTP: its body to a
-validated request and prompt ids (`parse`), and their submission (`submit`, the
-engine's refusals as OpenAI's errors).
+validated request and prompt ids (`parse`, `parse_embeddings`), and their submission
+(`submit`, `embed`: the engine's refusals as OpenAI's errors). The engine is an
+`Engine` (a decoder: completions) or, for an encoder, an `Embedder` (embeddings).
 """
 
 from __future__ import annotations
@@ -11,6 +12,7 @@ import time
 
 from tpkit.serve import openai_api as api
 from tpkit.serve import protocol
+from tpkit.serve.embedder import Embedder, EmbedJob
 from tpkit.serve.engine import Engine, TooLong
 from tpkit.serve.openai_api import MAX_BODY
 from tpkit.serve.request import Request, RequestFailed
@@ -20,7 +22,7 @@ from tpkit.spec.errors import UserError
 class App:
     """What the routes serve: the engine, the model's name, the tokenizer, the limits."""
 
-    def __init__(self, engine: Engine, model_name: str, tokenizer, *, max_body: int = MAX_BODY,
+    def __init__(self, engine: Engine | Embedder, model_name: str, tokenizer, *, max_body: int = MAX_BODY,
                  timeout: float = 30.0) -> None:
         self.engine, self.name, self.tokenizer = engine, model_name, tokenizer
         self.max_body, self.timeout, self.created = max_body, timeout, int(time.time())
@@ -48,13 +50,56 @@ class App:
         bad one."""
         body = protocol.parse_json(raw)
         req = protocol.validate(body, chat)
-        if req.model not in (None, self.name):
-            raise api.ApiError(404, f"model {req.model!r} is not served here "
-                                    f"(GET /v1/models: {self.name!r})", "model")
+        self._served(req.model)
         lock = self.engine.tokenizer_lock
         if chat:
             return req, [api.chat_ids(body, self.tokenizer, lock)]
         return req, [api.prompt_ids(p, self.tokenizer, lock) for p in req.prompt]
+
+    def _served(self, model: str | None) -> None:
+        if model not in (None, self.name):
+            raise api.ApiError(404, f"model {model!r} is not served here "
+                                    f"(GET /v1/models: {self.name!r})", "model")
+
+    @property
+    def encoder(self) -> bool:
+        """Does this server embed (an encoder model) rather than generate?"""
+        return not self.engine.model.config.causal
+
+    def not_served(self, embeddings: bool) -> api.ApiError | None:
+        """The 400 of an endpoint this model does not serve (None: it does)."""
+        if embeddings and not self.encoder:
+            return api.ApiError(400, f"model {self.name!r} is not an encoder (it generates: "
+                                     f"/v1/completions, /v1/chat/completions); /v1/embeddings"
+                                     f" needs an encoder model (BERT family)", "model")
+        if self.encoder and not embeddings:
+            return api.ApiError(400, f"model {self.name!r} is an encoder: it only serves "
+                                     f"/v1/embeddings", "model")
+        return None
+
+    def parse_embeddings(self, raw: bytes) -> tuple[protocol.EmbeddingRequest, list[list[int]]]:
+        """(the request, the ids of each input) of a POST /v1/embeddings body; ApiError
+        for a bad one (dimensions other than the model's width among them)."""
+        req = protocol.validate(protocol.parse_json(raw), protocol.EmbeddingRequest)
+        self._served(req.model)
+        width = self.engine.width
+        if req.dimensions is not None and req.dimensions != width:
+            raise api.ApiError(400, f"dimensions={req.dimensions}: this model's embeddings "
+                                    f"have {width} dimensions (tpkit does not shorten them)",
+                               "dimensions", "invalid_value")
+        lock = self.engine.tokenizer_lock
+        return req, [api.prompt_ids(p, self.tokenizer, lock) for p in req.input]
+
+    def embed(self, inputs: list[list[int]], on_done) -> EmbedJob:
+        """Embedder.submit with its errors as ApiErrors (400, too long among them; 503)."""
+        try:
+            return self.engine.submit(inputs, on_done)
+        except TooLong as e:
+            raise api.ApiError(400, str(e), "input", "context_length_exceeded") from None
+        except UserError as e:
+            raise api.ApiError(400, str(e), "input") from None
+        except RequestFailed as e:
+            raise api.ApiError(e.status, str(e)) from None
 
     def submit(self, ids: list[int], params, on_event=None) -> Request:
         """Engine.submit with its errors as ApiErrors (413 too long, 400, 503); its events

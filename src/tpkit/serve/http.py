@@ -4,6 +4,8 @@
     POST /v1/completions        {"model", "prompt", "max_tokens", "temperature", "top_p",
                                  "top_k", "seed", "stop", "stream", ...}
     POST /v1/chat/completions   {"model", "messages", ...}: the tokenizer's chat template
+    POST /v1/embeddings         {"model", "input", "encoding_format"}: an encoder's
+                                (`tpkit.serve.embeddings`; the others answer 400 there)
     GET  /v1/models   /health   /metrics (prometheus_client)   /docs (OpenAPI)
 
 `stream: true` answers server-sent events, one OpenAI chunk per `data:` line, ending
@@ -45,6 +47,7 @@ from starlette.exceptions import HTTPException
 from uvicorn.protocols.http.h11_impl import H11Protocol
 
 from tpkit.host.web import HOST, Guard, bound_socket
+from tpkit.serve import embeddings as embed_route
 from tpkit.serve import openai_api as api
 from tpkit.serve import protocol
 from tpkit.serve.app import App
@@ -130,6 +133,11 @@ def build_api(app: App, guard: Guard) -> FastAPI:
     async def chat_completions(request: HttpRequest):
         return await _post(app, request, True, error, ok, cors)
 
+    @fa.post("/v1/embeddings", summary="embeddings of an encoder model (OpenAI's API)",
+             openapi_extra=_schema(protocol.EmbeddingRequest))
+    async def embeddings(request: HttpRequest):
+        return await embed_route.embeddings(app, request, _body, error, ok)
+
     return fa
 
 
@@ -169,6 +177,8 @@ def _submit_all(app: App, prompts: list[list[int]], params, n: int, put) -> list
 
 
 async def _post(app: App, request: HttpRequest, chat: bool, error, ok, cors) -> Response:
+    if (refusal := app.not_served(embeddings=False)) is not None:
+        return error(request, refusal)  # an encoder's server
     app.enter()
     streaming, reqs = False, []
     try:

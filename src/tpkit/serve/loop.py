@@ -3,6 +3,8 @@ tp workers while there is none, watch the workers, and end cleanly.
 
     line = serve_loop(engine, stop, peers, drain_s=5)   # None, or "rank 1 died (...)"
 
+`engine`: a decoder's `Engine` or an encoder's `Embedder` (the same steps and ends).
+
 `stop` (a threading.Event, set by SIGTERM/SIGINT/SIGHUP) ends it between two steps —
 never inside one, so the tp group never disagrees on the next collective: new
 requests get 503, the running ones have `drain_s` seconds to finish, the rest fail with
@@ -18,12 +20,13 @@ from __future__ import annotations
 import threading
 import time
 
+from tpkit.serve.embedder import Embedder
 from tpkit.serve.engine import Engine
 
 HEARTBEAT_S = 0.5
 
 
-def serve_loop(engine: Engine, stop: threading.Event, peers=None, drain_s: float = 5.0
+def serve_loop(engine: Engine | Embedder, stop: threading.Event, peers=None, drain_s: float = 5.0
                ) -> str | None:
     """Run until `stop` is set (None) or a worker dies (the line naming it)."""
     runner = engine.runner
@@ -68,6 +71,6 @@ def _watch(peers, wait_s: float = 0.0) -> str | None:
         time.sleep(0.05)
 
 
-def _died(engine: Engine, line: str) -> str:
+def _died(engine: Engine | Embedder, line: str) -> str:
     engine.fail_all(503, f"a tensor-parallel worker failed: {line}")
     return line

@@ -1,8 +1,9 @@
 """The server's counters, gauges and histograms, as Prometheus text (`GET /metrics`),
 through prometheus_client (a collector: the engine keeps plain numbers, under a lock).
 
-    tpkit_requests_total{finish="stop"|"length"|"cancelled"|"error"}
+    tpkit_requests_total{finish="stop"|"length"|"cancelled"|"error"|"embedded"}
     tpkit_prompt_tokens_total, tpkit_generation_tokens_total
+    tpkit_embedding_inputs_total                       (an encoder: inputs embedded)
     tpkit_batch_size, tpkit_queue_length               (gauges, at the last step)
     tpkit_time_to_first_token_seconds, tpkit_inter_token_latency_seconds  (histograms)
     tpkit_collectives_total{op=...}                    (what the tp group sent, ledger)
@@ -45,6 +46,7 @@ class Metrics:
         self.batch_size = self.queue_length = 0
         self.prompt_tokens_computed = self.prefix_hit_tokens = self.preemptions = 0
         self.kv_blocks_used = self.kv_bytes = 0
+        self.embedding_inputs = 0
         self.ttft, self.itl = Histogram(), Histogram()
 
     def collect(self):
@@ -68,7 +70,8 @@ class Metrics:
                      "prompt tokens prefilled (prefix-cache hits are not)"),
                     ("prefix_cache_hit_tokens", self.prefix_hit_tokens,
                      "prompt tokens found in the prefix cache"),
-                    ("preemptions", self.preemptions, "requests preempted (recomputed)")):
+                    ("preemptions", self.preemptions, "requests preempted (recomputed)"),
+                    ("embedding_inputs", self.embedding_inputs, "inputs embedded")):
                 out.append(CounterMetricFamily(f"tpkit_{name}", doc, value=v))
             for name, v, doc in (
                     ("batch_size", self.batch_size, "requests running at the last step"),

@@ -1,5 +1,6 @@
 """The OpenAI API's shapes: a validated request (`tpkit.serve.protocol`) to prompt ids,
-and the JSON of completions, chat completions, their streamed chunks, models and errors
+and the JSON of completions, chat completions, their streamed chunks, embeddings, models
+and errors
 (`ApiError`, answered in OpenAI's shape
 
     {"error": {"message": "...", "type": "invalid_request_error", "param": "top_p", "code": ...}}
@@ -132,6 +133,15 @@ def usage_chunk(rid: str, model: str, usage: dict, chat: bool, created: int) -> 
     """The last chunk when `stream_options.include_usage` is set: no choices, the usage."""
     return {"id": rid, "object": "chat.completion.chunk" if chat else "text_completion",
             "created": created, "model": model, "choices": [], "usage": usage}
+
+
+def embeddings(model: str, vectors: list, tokens: int) -> dict:
+    """POST /v1/embeddings' answer: each vector a list of floats, or (encoding_format
+    "base64") the base64 of its little-endian float32 bytes, as OpenAI sends them."""
+    return {"object": "list", "model": model,
+            "data": [{"object": "embedding", "index": i, "embedding": v}
+                     for i, v in enumerate(vectors)],
+            "usage": {"prompt_tokens": tokens, "total_tokens": tokens}}
 
 
 def models(name: str, created: int | None = None) -> dict:

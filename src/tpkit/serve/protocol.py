@@ -4,6 +4,7 @@ before anything reaches the engine; the HTTP layer's only way in.
     body = parse_json(raw)                       # bytes -> dict; depth and JSON checked
     req = validate(body, chat=False)             # CompletionRequest | ChatRequest
     req.sampling(), req.prompt / req.messages    # SamplingParams; str | list[int]
+    validate(body, EmbeddingRequest).input       # POST /v1/embeddings: the inputs
 
 Strict: no bool taken as a number, no string as a bool, no unknown field; every
 string must be text (UTF-8: a lone surrogate is refused); nesting at most
@@ -19,7 +20,7 @@ from __future__ import annotations
 
 import json
 import re
-from typing import Annotated, Any
+from typing import Annotated, Any, Literal
 
 from pydantic import (
     AfterValidator,
@@ -42,6 +43,7 @@ from tpkit.serve.params import SamplingParams, problem, shown
 MAX_DEPTH = 16  # of [ and { in a body: a chat message's content parts need ~5
 ECHO = "echo=True: a completion (not chat) may echo its prompt (echo=true)"
 MAX_N, MAX_PROMPTS = 16, 32  # choices per prompt; prompts per completion request
+MAX_INPUTS = 2048  # inputs per embeddings request (OpenAI's limit)
 
 
 # -- bytes to a JSON object ------------------------------------------------------------
@@ -115,6 +117,20 @@ Number = Annotated[StrictInt | StrictFloat | None, Field(description="must be a 
 Stop = Annotated[Text | Annotated[list[Text], Field(fail_fast=True)] | None,
                  Field(description="must be a string or a list of strings")]
 TokenIds = Annotated[list[StrictInt], Field(min_length=1, fail_fast=True)]  # one error: fast
+Batch = (Word | TokenIds | Annotated[list[Word], Field(min_length=1, fail_fast=True)] |
+         Annotated[list[TokenIds], Field(min_length=1, fail_fast=True)])  # one, or a list
+
+
+def _few(p, field: str, most: int):
+    """A batch of at most `most` (checked before the union is tried on each of them)."""
+    if isinstance(p, list) and len(p) > most and isinstance(p[0], str | list):
+        _refuse(f"{field}: a batch of {len(p)} {field}s; at most {most} per request")
+    return p
+
+
+def _as_batch(p) -> list:
+    """A validated `Batch` as the list of its members."""
+    return list(p) if isinstance(p, list) and isinstance(p[0], str | list) else [p]
 
 
 class _Strict(BaseModel):
@@ -192,10 +208,8 @@ class CompletionRequest(_Request):
     """POST /v1/completions: a prompt (text or token ids) or a batch of them (at most
     `MAX_PROMPTS`); `prompt` is always the list of prompts once validated."""
 
-    prompt: Annotated[Word | TokenIds | Annotated[list[Word], Field(min_length=1, fail_fast=True)] |
-                      Annotated[list[TokenIds], Field(min_length=1, fail_fast=True)], Field(
-        description="must be a non-empty string, a list of token ids, or a list of those "
-                    "(a batch of prompts)")]
+    prompt: Annotated[Batch, Field(description="must be a non-empty string, a list of token "
+                                               "ids, or a list of those (a batch of prompts)")]
     logprobs: Annotated[StrictInt | None, _rule("logprobs")] = None
     echo: StrictBool = False
     top_logprobs: Annotated[None, Field(description="is a chat parameter: a completion "
@@ -204,14 +218,12 @@ class CompletionRequest(_Request):
     @field_validator("prompt", mode="before")
     @classmethod
     def _few_prompts(cls, p):  # before the union is tried on each of a batch's prompts
-        if isinstance(p, list) and len(p) > MAX_PROMPTS and isinstance(p[0], str | list):
-            _refuse(f"prompt: a batch of {len(p)} prompts; at most {MAX_PROMPTS} per request")
-        return p
+        return _few(p, "prompt", MAX_PROMPTS)
 
     @field_validator("prompt")
     @classmethod
     def _batch(cls, p):
-        return list(p) if isinstance(p, list) and isinstance(p[0], str | list) else [p]
+        return _as_batch(p)
 
     def sampling(self) -> SamplingParams:
         """The SamplingParams asked for (`logprobs: k`: the k likeliest per token)."""
@@ -246,6 +258,29 @@ class ChatRequest(_Request):
         return self._params(self.max_completion_tokens or self.max_tokens, lp, False)
 
 
+class EmbeddingRequest(_Strict):
+    """POST /v1/embeddings: a string, a list of token ids, or a list of those (at most
+    `MAX_INPUTS`); `input` is always the list of inputs once validated."""
+
+    input: Annotated[Batch, Field(description="must be a non-empty string, a list of token "
+                                              "ids, or a list of those")]
+    model: Text | None = None
+    encoding_format: Annotated[Literal["float", "base64"] | None, Field(
+        description='must be "float" or "base64"')] = None
+    dimensions: StrictInt | None = None
+    user: Text | None = None
+
+    @field_validator("input", mode="before")
+    @classmethod
+    def _few_inputs(cls, p):
+        return _few(p, "input", MAX_INPUTS)
+
+    @field_validator("input")
+    @classmethod
+    def _batch(cls, p):
+        return _as_batch(p)
+
+
 # -- pydantic's errors as OpenAI's -----------------------------------------------------
 WORDS = {"int_type": "must be an integer", "float_type": "must be a number",
          "bool_type": "must be true or false", "string_type": "must be a string",
@@ -255,9 +290,11 @@ WORDS = {"int_type": "must be an integer", "float_type": "must be a number",
          "none_required": "is not taken here"}
 
 
-def validate(body: dict, chat: bool) -> CompletionRequest | ChatRequest:
-    """The request of a parsed body, or ApiError 400 naming its first bad field."""
-    model = ChatRequest if chat else CompletionRequest
+def validate(body: dict, chat: bool | type[BaseModel]
+             ) -> CompletionRequest | ChatRequest | EmbeddingRequest:
+    """The request of a parsed body (a completion, a chat completion, or the model class
+    given, `EmbeddingRequest`), or ApiError 400 naming its first bad field."""
+    model = chat if isinstance(chat, type) else ChatRequest if chat else CompletionRequest
     try:
         return model.model_validate(body)
     except ValidationError as e:

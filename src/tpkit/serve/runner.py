@@ -10,6 +10,10 @@ One step of the group, as rank 0 broadcasts it over the tp group (through
                   [forwards, then per forward: pieces, then per piece:
                    start, tokens n, blocks m, logits kind, ids [n], block table [m]]
                   -> every rank grows its cache to `blocks`, runs each forward
+        op EMBED: then the payload int64 [length], an encoder's batch of inputs:
+                  [rows b, their lengths n_1..n_b, then each row's ids]
+                  -> every rank runs one forward of the b rows, right-padded to the
+                  longest, with their attention mask (`Runner.embed_rows`)
         op IDLE : nothing (a heartbeat, so an idle worker's wait never times out)
         op STOP : the followers return
 
@@ -28,7 +32,7 @@ from torch import nn
 from tpkit.comm import broadcast
 from tpkit.model.paged_kv import PagedCache, Piece, forward
 
-STEP, IDLE, STOP = 1, 3, 4
+STEP, EMBED, IDLE, STOP = 1, 2, 3, 4
 BLOCK_SIZE = 16  # tokens per KV block
 
 
@@ -68,6 +72,27 @@ class Runner:
         self.steps += 1
         return [forward(self.model, self.cache, pieces, greedy) for pieces in forwards]
 
+    def lead_embed(self, rows: list[list[int]]) -> tuple[torch.Tensor, torch.Tensor]:
+        """Rank 0: one forward of an encoder over `rows` (token ids) on every rank; the
+        final hidden states [b, s, h] and the attention mask [b, s] (1: a real token)."""
+        payload = [len(rows), *map(len, rows), *(t for r in rows for t in r)]
+        self._header(EMBED, len(payload))
+        broadcast(torch.tensor(payload, dtype=torch.long, device=self.device), self.group, 0,
+                  scope="serve.plan")
+        return self.embed_rows(rows)
+
+    @torch.no_grad()
+    def embed_rows(self, rows: list[list[int]]) -> tuple[torch.Tensor, torch.Tensor]:
+        """The forward of `lead_embed` (every rank): rows right-padded with id 0, masked."""
+        s = max(map(len, rows))
+        ids = torch.zeros(len(rows), s, dtype=torch.long)
+        mask = torch.zeros(len(rows), s, dtype=torch.long)
+        for i, r in enumerate(rows):
+            ids[i, :len(r)], mask[i, :len(r)] = torch.tensor(r), 1
+        ids, mask = ids.to(self.device), mask.to(self.device)
+        self.steps += 1
+        return self.model.hidden_states(ids, attention_mask=mask), mask
+
     def lead_idle(self) -> None:
         """Rank 0: a heartbeat (followers wait for the next step without timing out)."""
         self._header(IDLE)
@@ -93,6 +118,14 @@ class Runner:
                 payload = broadcast(torch.zeros(length, dtype=torch.long, device=self.device),
                                     self.group, 0, scope="serve.plan")
                 self._run(decode(payload.tolist()), blocks, bool(greedy))
+            elif op == EMBED:
+                flat = broadcast(torch.zeros(length, dtype=torch.long, device=self.device),
+                                 self.group, 0, scope="serve.plan").tolist()
+                b, at, rows = flat[0], 1 + flat[0], []
+                for n in flat[1:1 + b]:
+                    rows.append(flat[at:at + n])
+                    at += n
+                self.embed_rows(rows)
             self.model.mesh.ledger.clear()  # rank 0 counts them (metrics); memory stays bounded
 
 
