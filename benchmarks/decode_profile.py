@@ -14,7 +14,7 @@ op that spent it (self time):
     plan        rank 0's broadcast of the step to the followers (`serve.plan`)
     gather      the all-gather of the last logits (greedy: each rank's best)
     sampling    greedy / sampling (at tp > 1 greedy runs on every rank's vocabulary
-                shard: `kv_pool._greedy`, its head matmul counted as matmul), and
+                shard: `paged_kv._greedy`, its head matmul counted as matmul), and
                 rank 0's token bookkeeping (`Engine._push`)
     other ops   every other aten op (norms, adds, gelu, copies, indexing)
     python      what is left of the unprofiled wall time: the interpreter and
@@ -59,7 +59,7 @@ def _label_comm() -> None:
     import torch.distributed as dist
 
     from tpkit.comm.shm import ShmChannel
-    from tpkit.model import kv_pool, paged_kv
+    from tpkit.model import paged_kv
     from tpkit.serve import engine, output
 
     if getattr(ShmChannel, "_labelled", False):
@@ -79,8 +79,7 @@ def _label_comm() -> None:
     wrap(ShmChannel, "broadcast", "tpk.plan")
     wrap(dist, "broadcast", "tpk.plan")  # int64 plans over gloo, where shm does not take them
     wrap(dist, "all_reduce", "tpk.all-reduce")
-    wrap(kv_pool, "_greedy", "tpk.sampling")
-    wrap(paged_kv, "_greedy", "tpk.sampling")  # imported there by name
+    wrap(paged_kv, "_greedy", "tpk.sampling")
     wrap(output.OutputProcessor, "push", "tpk.sampling")
     wrap(engine.Engine, "_take", "tpk.sampling")
 

@@ -15,7 +15,7 @@ import pytest
 import torch
 
 from checkpoint_helpers import LLAMA, fill, random_full
-from tpkit.model.kv_pool import KVPool, _greedy, decode, prefill
+from tpkit.model.paged_kv import PagedCache, Piece, _greedy, forward
 from tpkit.model.transformer import Transformer
 
 V = 7  # a vocabulary of 7 over tp=2: shards of 4, the last column padding
@@ -43,16 +43,18 @@ def test_the_shards_pick_the_first_largest_and_never_the_padding(run_tp):
 
 
 def decode_worker(mesh):
-    """Rank by rank: full logits and the shards' greedy of one decode of 3 busy slots."""
+    """Rank by rank: full logits and the shards' greedy of one decode of 3 sequences."""
     model = Transformer(LLAMA, mesh).eval()
     fill(model, random_full(LLAMA, seed=5, scale=1.0), mesh)
-    pool = KVPool(model, 4, 32)
-    for slot, ids in ((0, [5, 17, 200]), (2, [9]), (3, [1, 2, 3, 4, 5, 6])):
-        prefill(model, pool, slot, ids)
-    tokens, lengths = torch.tensor([7, -1, 8, 9]), torch.tensor([3, 0, 1, 6])
-    logits = decode(model, pool, tokens, lengths)  # [4, V]
+    cache = PagedCache(model, block_size=4)
+    cache.grow(7)
+    seqs = [([5, 17, 200], [1]), ([9], [2]), ([1, 2, 3, 4, 5, 6], [3, 5])]
+    for ids, blocks in seqs:
+        forward(model, cache, [Piece(ids, 0, blocks)])
+    step = [Piece([tok], len(ids), blocks) for tok, (ids, blocks) in zip([7, 8, 9], seqs)]
+    logits = forward(model, cache, step)[0]  # [3, V]
     mesh.ledger.clear()
-    best = decode(model, pool, tokens, lengths, greedy=True)  # the same step again: [4, 2]
+    best = forward(model, cache, step, greedy=True)[0]  # the same step again: [3, 2]
     gathers = [r.nbytes for r in mesh.ledger.records if r.op == "all_gather"]
     pad = model.head_weight.shape[0]  # V_pad / tp rows of the head on this rank
     return logits, best, gathers, pad
@@ -61,7 +63,7 @@ def decode_worker(mesh):
 @pytest.mark.timeout(120)
 def test_greedy_decode_on_shards_equals_the_argmax_of_the_gathered_logits(run_tp):
     for logits, best, gathers, pad in run_tp(decode_worker, 2):
-        busy = [0, 2, 3]
+        busy = [0, 1, 2]  # every sequence
         assert torch.equal(best[busy, 0].long(), logits[busy].argmax(-1))
         lp = logits[busy].log_softmax(-1).gather(1, logits[busy].argmax(-1)[:, None])[:, 0]
         assert (best[busy, 1] - lp).abs().max() < 1e-5

@@ -18,7 +18,7 @@ from safetensors.torch import load_file
 from tpkit.checkpoint import convert
 from tpkit.checkpoint import store as ckpt
 from tpkit.comm import all_gather
-from tpkit.model.kv_pool import KVPool
+from tpkit.model.paged_kv import NONE, PagedCache, Piece, forward
 from tpkit.weights.hf_check import compare, gather, reference, tp_case
 from tpkit.weights.sources import load_model
 
@@ -152,17 +152,23 @@ def test_export_is_bit_identical(saved, tmp_path, kind):
 
 
 def cached_worker(mesh, path, ids):
-    """Logits of the last 3 positions, computed one token at a time with a KV cache."""
+    """Logits of the last 3 positions, computed one token at a time with the paged KV
+    cache (blocks of 4 tokens, each row's blocks interleaved with the others': the keys
+    are gathered from scattered blocks), against the full forward's, gathered over tp."""
     model = load_model(path, mesh).eval()
-    pool = KVPool(model, slots=ids.shape[0], max_len=ids.shape[1] + 5)  # a slot per row
+    (b, s), bs = ids.shape, 4
+    cache = PagedCache(model, block_size=bs)
+    span = -(-s // bs)
+    cache.grow(1 + b * span)
+    tables = [[1 + i + b * j for j in range(span)] for i in range(b)]
+    rows = ids.tolist()
     with torch.no_grad():
-        starts = torch.zeros(ids.shape[0], dtype=torch.long)
-        model(ids[:, :-3], kv_caches=pool.views(0, ids.shape[0], starts), position_offset=starts)
-        steps = [model(ids[:, t:t + 1], kv_caches=pool.views(0, ids.shape[0], starts + t),
-                       position_offset=starts + t)
-                 for t in range(ids.shape[1] - 3, ids.shape[1])]
-        full = model(ids)
-    return (torch.cat(steps, 1) - full[:, -3:]).abs().max().item()
+        forward(model, cache, [Piece(r[:-3], 0, t, NONE) for r, t in zip(rows, tables)])
+        steps = [forward(model, cache, [Piece([r[t]], t, tab) for r, tab in zip(rows, tables)])[0]
+                 for t in range(s - 3, s)]  # [b, V] each
+        V = model.config.vocab_size
+        full = all_gather(model(ids)[:, -3:], model.group, dim=-1)[..., :V].float()
+    return (torch.stack(steps, 1) - full).abs().max().item()
 
 
 @pytest.mark.parametrize("kind", FAMILIES)

@@ -93,7 +93,7 @@ def test_kv_memory_follows_the_tokens_in_flight():
     prompts = [[(7 * i + j) % 257 for j in range(20)] for i in range(8)]
     engine.generate(prompts, SamplingParams(max_tokens=8))
     per_token = PagedCache.block_bytes(model, 1)
-    reserved = 8 * 256 * per_token  # the old KVPool(slots=8, max_len=256)
+    reserved = 8 * 256 * per_token  # the slot pool it replaced (8 slots of 256 tokens)
     held = engine.runner.cache.nbytes()
     assert held == engine.pool.size * 16 * per_token
     assert engine.pool.size == 17  # 8 x 2 blocks of 16 for 28 tokens each, + block 0

@@ -46,26 +46,6 @@ from tpkit.spec.split import TPSplit
 
 
 @dataclass
-class KVSlots:
-    """One layer's keys and values in a preallocated pool, as one forward sees them.
-
-        k, v    [n, kv_local, max_len, hd]   the slots (n = b unless `slots` is given)
-        starts  [b]                          positions row i has cached before this call
-        slots   [b] or None                  the slot of row i (None: row i is slot i)
-
-    The forward writes its s new keys at positions starts..starts+s-1 of each row (no
-    `torch.cat`, no reallocation) and attends over the whole slot with a mask that keeps
-    key j for the query at position p iff j <= p (and j > p - window): a row's result
-    depends on its own tokens only, never on the other rows or on how full they are.
-    """
-
-    k: torch.Tensor
-    v: torch.Tensor
-    starts: torch.Tensor
-    slots: torch.Tensor | None = None
-
-
-@dataclass
 class PagedBatch:
     """One forward's rows over a paged KV cache, shared by every layer
     (`tpkit.model.paged_kv`). Every token is a row of its own ([T, 1] ids): row t has
@@ -154,12 +134,12 @@ class ParallelAttention(nn.Module):
         return heads_of_rank(self.num_heads, self.kv_heads, self.group.size, self.group.rank)
 
     def forward(self, x: torch.Tensor, attention_mask: torch.Tensor | None = None,
-                rng: TPRandom | None = None, kv_cache: KVSlots | PagedKV | None = None
+                rng: TPRandom | None = None, kv_cache: PagedKV | None = None
                 ) -> torch.Tensor:
         """x [b, s, h] ([b, s/tp, h] with SP) -> same shape; one all-reduce forward.
 
         `attention_mask` [b, s] is 1 for real tokens and 0 for padding. With `kv_cache`
-        (a causal model generating) the keys come from the slots instead (`KVSlots`).
+        (a causal model generating) the keys come from the paged cache instead (`PagedKV`).
         """
         qkv = self.qkv(x)  # [b, s, (nh/tp + 2 kv_local) hd]
         b, s, _ = qkv.shape
@@ -171,10 +151,8 @@ class ParallelAttention(nn.Module):
         if self.q_norm is not None:
             q, k = self.q_norm(q), self.k_norm(k)  # over each head's hd
         ring = self.cp is not None and self.cp.size > 1  # this rank holds 2 chunks of S
-        if isinstance(kv_cache, PagedKV):
+        if kv_cache is not None:
             y = self._attend_paged(q, k, v, kv_cache)  # [T, nh/tp, 1, hd]
-        elif kv_cache is not None:
-            y = self._attend_slots(q, k, v, kv_cache)  # [b, nh/tp, s, hd]
         else:
             if self.rope_theta is not None:
                 cos, sin = self._angles(s, x.device, ring)
@@ -213,46 +191,12 @@ class ParallelAttention(nn.Module):
         pos = cp_positions(s, self.cp, device=device)  # [s] global positions
         return cos[pos], sin[pos]
 
-    def _attend_slots(self, q, k, v, cache: KVSlots) -> torch.Tensor:
-        """Write this call's keys/values into the slots; each row attends over its own
-        cached keys only (positions up to its last token), one row at a time.
-
-        One fused attention per row, on exactly its own keys: a row's computation then
-        depends on its own tokens and length alone, never on the other rows, where it
-        sits, how full the pool is or its `max_len` (batched, the CPU's fused attention
-        would split its work over threads by batch row; and a product over the whole
-        slot would read max_len keys for every token: 20 of 70 ms of a GPT-2 decode step
-        at max_len 1024)."""
-        b, s, L = q.shape[0], q.shape[2], cache.k.shape[2]
-        pos = cache.starts[:, None] + torch.arange(s, device=q.device)  # [b, s]
-        if self.rope_theta is not None:
-            cos, sin = rope_at(pos, self.rope_dim, self.rope_theta, L, self.rope_llama3)
-            q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)  # [b, 1, s, rd] angles
-        slots = torch.arange(b, device=q.device) if cache.slots is None else cache.slots
-        rows = slots[:, None]  # [b, 1]
-        cache.k[rows, :, pos] = k.transpose(1, 2)  # [b, s, kv_local, hd] into the slots
-        cache.v[rows, :, pos] = v.transpose(1, 2)
-        window = self.sliding_window
-        gqa, uneven = q.shape[1] != cache.k.shape[1], self.kv_index is not None
-        out = []
-        for i, (r, start) in enumerate(zip(slots.tolist(), cache.starts.tolist())):
-            lo, end = (max(0, start - window + 1) if window else 0), start + s  # its keys
-            keep = None
-            if s > 1 or window:  # causal inside the call, and the window
-                j, p = torch.arange(lo, end, device=q.device), pos[i][:, None]  # [n], [s, 1]
-                keep = (j <= p) & (j > p - window) if window else j <= p  # [s, n]
-            k_i, v_i = cache.k[r:r + 1, :, lo:end], cache.v[r:r + 1, :, lo:end]
-            if uneven:  # kv groups not aligned with this rank's query heads
-                k_i, v_i = self.for_queries(k_i), self.for_queries(v_i)
-            out.append(F.scaled_dot_product_attention(
-                q[i:i + 1], k_i, v_i, keep, enable_gqa=gqa and not uneven))  # [1, nq, s, hd]
-        return torch.cat(out)  # [b, nh/tp, s, hd]
-
     def _attend_paged(self, q, k, v, cache: PagedKV) -> torch.Tensor:
         """q, k, v [T, heads, 1, hd] (a row per token): write the keys and values into their
         blocks, then each sequence's rows attend over its own keys only, one fused
-        attention per sequence (its result depends on its own tokens alone, as in
-        `_attend_slots`)."""
+        attention per sequence on exactly its keys: its result depends on its own tokens
+        alone, never on the other rows or on how full the cache is (batched, the CPU's
+        fused attention would split its work over threads by batch row)."""
         batch = cache.batch
         if self.rope_theta is not None:
             how = (self.rope_dim, self.rope_theta, self.rope_llama3)

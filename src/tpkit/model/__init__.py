@@ -1,6 +1,6 @@
 """The model as an nn.Module: `Transformer` (one definition; tp=1 is the reference), its
 layers (`Block`), the parameter names other packages use (`names`, pure Python), and
-generation: the preallocated KV cache (`kv_pool`), the sampler and `Transformer.generate`.
+generation: the paged KV cache (`paged_kv`), the sampler and `Transformer.generate`.
 
 Reading weights (Hugging Face, the family adapters, tokenizers) is `tpkit.weights`'s, run
 checkpoints `tpkit.checkpoint`'s; the configuration and presets live in `tpkit.spec`.

@@ -17,7 +17,7 @@ import torch
 from torch import nn
 
 from tpkit.comm.group import CommGroup
-from tpkit.layers.attention import KVSlots, ParallelAttention
+from tpkit.layers.attention import PagedKV, ParallelAttention
 from tpkit.layers.experts import ParallelMoE
 from tpkit.layers.mlp import ParallelMLP
 from tpkit.layers.norm import Norm
@@ -51,7 +51,7 @@ class Block(nn.Module):
             ParallelMLP.from_config(c, group, seed=mlp_seed, **own)  # top-k experts, or dense
 
     def forward(self, x: torch.Tensor, attention_mask: torch.Tensor | None = None,
-                rng: TPRandom | None = None, kv_cache: KVSlots | None = None) -> torch.Tensor:
+                rng: TPRandom | None = None, kv_cache: PagedKV | None = None) -> torch.Tensor:
         """x [b, s, h] ([b, s/tp, h] with SP) -> same shape."""
         sharded = self.sequence_parallel  # residual stream split over tp only with SP
         if self.parallel_residual:

@@ -1,20 +1,21 @@
-"""Tensor-parallel text generation over a preallocated KV cache, one prompt or a batch:
-what `model.generate(...)` of the Python API runs (`tpkit.load(path, mesh)` gives the
-model). The commands `tpkit generate` and `tpkit serve` run on `tpkit.serve.Engine`.
+"""Tensor-parallel text generation over the paged KV cache, one prompt or a batch: what
+`model.generate(...)` of the Python API runs (`tpkit.load(path, mesh)` gives the model).
+The commands `tpkit generate` and `tpkit serve` run on `tpkit.serve.Engine`, over the
+same cache with a scheduler.
 
-Each prompt gets its own slot of a `KVPool` (`tpkit.model.kv_pool`): each rank keeps
-the keys and values of *its own* heads only, split over tp exactly like the qkv
-weights. A prompt is prefilled alone into its slot, then every step decodes one token
-for all of them at once:
+Each prompt gets its own blocks of a `PagedCache` (`tpkit.model.paged_kv`), enough for
+its prompt and every new token, taken once: each rank keeps the keys and values of
+*its own* heads only, split over tp exactly like the qkv weights. A prompt is prefilled
+alone, then every step decodes one token for all of them in one forward:
 
-    prompt [1, s] --prefill, fills slot i--> logits [1, V/tp] --all-gather--> [V]
-    tokens [b, 1] --decode at each slot's own position--> [b, V/tp] --all-gather--> [b, V]
+    prompt [s] --prefill, fills its blocks--> logits [V/tp] --all-gather--> [V]
+    tokens [b] --decode at each prompt's own position--> [b, V/tp] --all-gather--> [b, V]
     -> the same token on every rank (same logits, same seed)
 
 Two all-reduces per layer per forward (as in training) plus one all-gather of the last
-logits. Prompts of different lengths need no padding (each slot has its own length and
-positions), so each row generates what it would alone. `pad_left` still builds the
-left-padded batches (ids + attention mask) that the full forward takes.
+logits. Prompts of different lengths need no padding (each has its own positions), so
+each row generates what it would alone. `pad_left` still builds the left-padded batches
+(ids + attention mask) that the full forward takes.
 """
 
 from __future__ import annotations
@@ -24,8 +25,7 @@ from collections.abc import Callable
 import torch
 from torch import nn
 
-from tpkit.model.kv_pool import PP_ERROR, KVPool, prefill
-from tpkit.model.kv_pool import decode as decode_slots
+from tpkit.model.paged_kv import PP_ERROR, PagedCache, Piece, forward
 from tpkit.model.sampling import sample
 from tpkit.spec.errors import UserError
 
@@ -66,18 +66,23 @@ def generate(model: nn.Module, ids: torch.Tensor, max_new_tokens: int, *,
     model.eval()
     mask = torch.ones_like(ids) if attention_mask is None else attention_mask
     prompts = [row[m.bool()].tolist() for row, m in zip(ids, mask)]  # padding dropped
-    pool = KVPool(model, len(prompts), ids.shape[1] + max(max_new_tokens, 1))
+    cache = PagedCache(model)
+    span = -(-(ids.shape[1] + max(max_new_tokens, 1)) // cache.block_size)  # blocks each
+    cache.grow(1 + span * len(prompts))  # block 0 is the cache's scratch
+    tables = [list(range(1 + i * span, 1 + (i + 1) * span)) for i in range(len(prompts))]
     gen = torch.Generator(device=ids.device).manual_seed(seed)  # same draw on every rank
     done = torch.zeros(ids.shape[0], 1, dtype=torch.bool, device=ids.device)
     eos = None if eos_id is None or eos_id == [] else torch.tensor(eos_id, device=ids.device)
-    lengths = torch.tensor([len(p) for p in prompts], device=ids.device)  # [b]
+    lengths = [len(p) for p in prompts]  # tokens each has in the cache
     out, x = ids, ids[:, -1:]
     for step in range(max_new_tokens):
-        if step == 0:
-            logits = torch.stack([prefill(model, pool, i, p) for i, p in enumerate(prompts)])
+        if step == 0:  # [b, V]
+            logits = torch.cat([forward(model, cache, [Piece(p, 0, t)])[0]
+                                for p, t in zip(prompts, tables)])
         else:
-            logits = decode_slots(model, pool, x[:, 0], lengths)  # [b, V]
-            lengths = lengths + 1
+            pieces = [Piece([tok], n, t) for tok, n, t in zip(x[:, 0].tolist(), lengths, tables)]
+            logits = forward(model, cache, pieces)[0]  # [b, V]
+            lengths = [n + 1 for n in lengths]
         x = sample(logits, temperature, top_k, top_p, gen).masked_fill(done, pad_id)  # [b, 1]
         out = torch.cat([out, x], dim=1)
         if on_tokens is not None:

@@ -23,7 +23,13 @@ The logits: rows asked for (`Piece.logits`): LAST, the row of a piece's last tok
 EVERY, each row's (an echoed prompt's own log-probabilities; the last row is computed
 as with LAST, in the same product). Full logits [m, V] float32 gathered over tp, or
 (`greedy`) each row's greedy token and its log-probability, [m, 2], from the
-vocab-parallel shards (`kv_pool._greedy`).
+vocab-parallel shards: per row each rank sends (its largest logit, that token, the
+log-sum-exp of its shard), [m, 3] float32 instead of [m, V/tp]; the token is the first
+largest over the ranks (so torch's argmax of the whole row, bit for bit), its
+log-probability max - logsumexp(ranks').
+
+The cache's dtype is the model's (bfloat16 weights: a bfloat16 cache); the logits
+returned are float32 whatever the dtype.
 """
 
 from __future__ import annotations
@@ -35,9 +41,12 @@ from torch import nn
 
 from tpkit.comm import all_gather
 from tpkit.layers.attention import PagedBatch, PagedKV
-from tpkit.model.kv_pool import _check, _greedy
+from tpkit.spec.errors import UserError
 
 NONE, LAST, EVERY = 0, 1, 2  # which logits a piece asks for
+PP_ERROR = ("generate runs at pp=1: one sequence's tokens come one at a time, so a "
+            "pipeline would keep all but one stage idle; every tpkit checkpoint loads at "
+            "pp=1 (split the model's memory with tp instead)")
 
 
 @dataclass
@@ -152,3 +161,26 @@ def _full(model: nn.Module, h: torch.Tensor) -> torch.Tensor:
     if h.shape[0] == 0:
         return torch.zeros(0, V)
     return all_gather(model.logits(h)[:, 0], model.group, dim=-1)[:, :V].float()
+
+
+def _check(model: nn.Module) -> None:
+    if not (model.is_first_stage and model.is_last_stage):
+        raise UserError(PP_ERROR)
+
+
+def _greedy(model: nn.Module, h: torch.Tensor) -> torch.Tensor:
+    """Final hidden [b, 1, h] -> [b, 2] float32 (greedy token, its log-probability) from
+    each rank's shard of the logits, gathering [b, 3] per rank (module docstring)."""
+    local = model.logits(h)[:, 0].float()  # [b, V_pad/tp]
+    n, tp, V = local.shape[-1], model.group.size, model.config.vocab_size
+    first = model.group.rank * n  # the shard's first token id
+    pad = torch.arange(first, first + n, device=local.device) >= V  # vocabulary padding
+    local = local.masked_fill(pad, float("-inf"))
+    best, idx = local.max(-1)  # [b]: the first largest of the shard
+    mine = torch.stack([best, (idx + first).to(best.dtype), local.logsumexp(-1)], -1)
+    every = all_gather(mine, model.group, dim=-1).view(-1, tp, 3)  # [b, tp, 3]
+    vals = every[..., 0]
+    win = (vals == vals.max(-1, keepdim=True).values).to(torch.int8).argmax(-1)  # first rank
+    rows = torch.arange(vals.shape[0], device=vals.device)
+    top = every[rows, win]  # [b, 3]
+    return torch.stack([top[:, 1], top[:, 0] - every[..., 2].logsumexp(-1)], -1)  # [b, 2]

@@ -23,7 +23,7 @@ import torch
 from torch import nn
 
 from tpkit.comm import compile_ready, ops
-from tpkit.layers.attention import KVSlots
+from tpkit.layers.attention import PagedKV
 from tpkit.layers.chunked_loss import chunked_head_cross_entropy
 from tpkit.layers.cross_entropy import vocab_parallel_cross_entropy
 from tpkit.layers.embedding import VocabParallelEmbedding, padded_master
@@ -198,7 +198,7 @@ class Transformer(nn.Module):
 
     def forward(self, x: torch.Tensor, attention_mask: torch.Tensor | None = None,
                 token_types: torch.Tensor | None = None,
-                kv_caches: list[KVSlots] | None = None,
+                kv_caches: list[PagedKV] | None = None,
                 position_offset: int | torch.Tensor = 0
                 ) -> torch.Tensor:
         """First stage: ids [b, s]; others: hidden. Last stage returns logits [b, s, V_pad/tp]."""
