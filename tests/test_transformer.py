@@ -28,7 +28,8 @@ SMOL = ModelConfig(name="smol", vocab_size=250, hidden=72, num_layers=2, num_hea
                    position="rope", bias=False, tie_embeddings=True)
 QWEN = SMOL.with_(name="qwen", hidden=56, num_heads=14, kv_heads=2, ffn=74, attn_bias=True,
                   tie_embeddings=False)
-SHAPES = {"odd": ODD, "smol": SMOL, "qwen": QWEN}
+MOE = SMOL.with_(name="moe", num_experts=4, experts_per_token=2)  # a Mixtral-style MLP
+SHAPES = {"odd": ODD, "smol": SMOL, "qwen": QWEN, "moe": MOE}
 
 
 def run_model(mesh, cfg: ModelConfig, sp: bool, ids, labels, recompute=False):
@@ -106,8 +107,10 @@ def run_models(mesh, jobs):
 
 # SP on sequences tp does not divide: the residual stream split 4 + 3 (s=7, tp=2) and
 # 4 + 3 + 3 (s=10, tp=3); learned positions and token types (each rank its own rows),
-# uneven heads too (smol), post-norm BERT, and a full recompute (gathers again in backward)
-UNEVEN_SP = [("gpt2-tiny", False), ("smol", False), ("bert-tiny", False), ("llama-tiny", True)]
+# uneven heads too (smol), post-norm BERT, a full recompute (gathers again in backward) and
+# a mixture of experts (its router reads the gathered sequence)
+UNEVEN_SP = [("gpt2-tiny", False), ("smol", False), ("bert-tiny", False), ("llama-tiny", True),
+             ("moe", False)]
 
 
 @pytest.mark.parametrize("tp,s", [(2, 7), (3, 10)])
