@@ -19,6 +19,8 @@ in the one `layers` dict, run one chunk at a time by `forward_chunk(c, x)`:
 
 from __future__ import annotations
 
+from contextlib import nullcontext
+
 import torch
 from torch import nn
 
@@ -200,7 +202,10 @@ class Transformer(nn.Module):
     def _sequence(self, x: torch.Tensor, seq: int | None):
         """The block in which SP's gathers know the whole sequence: `seq`, or the ids'
         length; a stage fed hidden states without `seq` keeps what is set (if nothing,
-        the gathers assume equal parts, as when tp divides the sequence)."""
+        the gathers assume equal parts, as when tp divides the sequence). Without SP
+        nothing (a decode step pays nothing for it)."""
+        if not self.sequence_parallel or self.group.size == 1:
+            return nullcontext()
         if seq is None and x.dim() == 2 and not x.is_floating_point():
             seq = x.shape[1]  # token ids [b, s]
         return ops.sequence(self.group, seq if seq is not None else self.group.sp_seq)
