@@ -118,21 +118,24 @@ def test_sequence_parallel_on_a_sequence_tp_does_not_divide(run_tp, tp, s):
     cfgs = [SHAPES[p] if p in SHAPES else replace(get_preset(p), num_layers=2)
             for p, _ in UNEVEN_SP]
     jobs = [(cfg, True, *batch(cfg, 3, s), rc) for cfg, (_, rc) in zip(cfgs, UNEVEN_SP)]
+    short = tp - 1  # fewer tokens than ranks: the last rank's part is empty (1 + 0; 1 + 1 + 0)
+    jobs.append((cfgs[0], True, *batch(cfgs[0], 4, short), False))
     results = run_tp(run_models, tp, jobs)
     for j, (cfg, _, ids, labels, rc) in enumerate(jobs):
         ref = run_model(ParallelMesh.single(), cfg, False, ids, labels, rc)
         ranks = [r[j] for r in results]
         compare(cfg, ref, ranks)
         # the ledger: the padded collectives (tp * ceil(s/tp) tokens each), as the theory
-        h, padded = cfg.hidden, tp * -(-s // tp)
-        whole = theory.stage(b=B, s=s, h=h, tp=tp, sp=True, num_layers=cfg.num_layers,
+        n = ids.shape[1]  # s, or the short job's tp - 1
+        h, padded = cfg.hidden, tp * -(-n // tp)
+        whole = theory.stage(b=B, s=n, h=h, tp=tp, sp=True, num_layers=cfg.num_layers,
                              recompute="full" if rc else "none")
         for r in ranks:
             assert r["whole"] == theory.as_counter(whole)
             if not rc:  # (a recompute's collectives run outside the layer's scope)
-                assert r["counts"]["layers.0"] == theory.as_counter(theory.layer(B, s, h, tp, True))
+                assert r["counts"]["layers.0"] == theory.as_counter(theory.layer(B, n, h, tp, True))
                 assert {n for (_, _, n) in r["counts"]["layers.0"]} == {B * padded * h}
-        assert padded != s
+        assert padded != n
 
 
 @pytest.mark.parametrize("shape,kv,tp", [("llama-tiny", 2, 4), ("llama-tiny", 1, 2),
