@@ -15,6 +15,7 @@ from tpkit.plan import PlanError, Request, cost, get_hardware, papers, plan
 from tpkit.plan.activations import layer_activation_bytes
 from tpkit.plan.hardware import HardwareError, Link, load_profiles, profile_to_toml
 from tpkit.plan.memory import Precision, model_state_bytes, params_per_rank
+from tpkit.plan.planner import candidates
 from tpkit.plan.simulate import Cluster, Layout, evaluate
 from tpkit.plan.topology import cross_node_penalty
 from tpkit.spec import theory
@@ -55,6 +56,18 @@ def test_gpt_layer_forward_is_24bsh2_plus_4bs2h():
     f = cost.layer_forward_flops(c, b, s)
     assert f["gemm"] == 24 * b * s * h * h
     assert f["attention"] == 4 * b * s * s * h
+
+
+def test_sequence_parallelism_on_a_length_tp_does_not_divide_costs_its_largest_part():
+    """SP on 7 tokens at tp=2 splits them 4 + 3: the planner offers it (spec's rule, no
+    divisibility), keeps the largest rank's 4 tokens and prices the padded 8 on the wire."""
+    c, b = get_preset("gpt2-tiny"), 2
+    assert layer_activation_bytes(c, 7, b, 2, True, "full") == 4 * b * c.hidden * 2
+    assert layer_activation_bytes(c, 8, b, 2, True, "full") == 4 * b * c.hidden * 2
+    assert theory.layer(b, 7, c.hidden, 2, True) == theory.layer(b, 8, c.hidden, 2, True)
+    cluster = Cluster(get_hardware("h100"), nodes=1, devices_per_node=2)
+    layouts, _ = candidates(Request(c, 7, 8, cluster, dict(tp=2)))
+    assert {lay.sp for lay in layouts} == {False, True}
 
 
 def test_bubble_is_p_minus_1_over_m_and_interleaving_divides_it_by_v():

@@ -65,3 +65,18 @@ def test_layout_matches_single_process(run_tp, reference, tmp_path, tp, pp, dp, 
     _close(results[0]["norms"], reference["norms"])
     assert all(r["theory_ok"] for r in results)  # tp and pp traffic as the theory says
     assert reference["losses"][-1] < reference["losses"][0]
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(90)
+def test_sequence_parallel_on_a_length_tp_does_not_divide(run_tp, tmp_path):
+    """tp=2 x pp=2 with SP on 31 tokens: 16 + 15 per tp rank, the pipeline passing each
+    rank its own part; 2 steps give the single process's losses and norms, and every
+    rank's traffic is the stage theory's (collectives padded to 2 x 16 tokens)."""
+    short = dict(steps=2, seq=31, global_batch=4)
+    ref = _train(ParallelMesh.single(), _cfg(str(tmp_path / "ref"), **short))
+    results = run_tp(_train, 2, _cfg(str(tmp_path / "sp"), tp=2, pp=2, sp=True, **short), pp=2)
+    assert all(r["losses"] == results[0]["losses"] for r in results)
+    _close(results[0]["losses"], ref["losses"])
+    _close(results[0]["norms"], ref["norms"])
+    assert all(r["theory_ok"] for r in results)

@@ -28,7 +28,8 @@ SMOL = ModelConfig(name="smol", vocab_size=250, hidden=72, num_layers=2, num_hea
                    position="rope", bias=False, tie_embeddings=True)
 QWEN = SMOL.with_(name="qwen", hidden=56, num_heads=14, kv_heads=2, ffn=74, attn_bias=True,
                   tie_embeddings=False)
-SHAPES = {"odd": ODD, "smol": SMOL, "qwen": QWEN}
+MOE = SMOL.with_(name="moe", num_experts=4, experts_per_token=2)  # a Mixtral-style MLP
+SHAPES = {"odd": ODD, "smol": SMOL, "qwen": QWEN, "moe": MOE}
 
 
 def run_model(mesh, cfg: ModelConfig, sp: bool, ids, labels, recompute=False):
@@ -63,10 +64,10 @@ def compare(cfg, ref, results, tol=1e-5):
                         unpad(g, name, cfg.vocab_size)) <= tol, (tp, name)
 
 
-def batch(cfg, seed=0):
+def batch(cfg, seed=0, s=S):
     g = torch.Generator().manual_seed(seed)
-    ids = torch.randint(0, cfg.vocab_size, (B, S), generator=g)
-    labels = torch.randint(0, cfg.vocab_size, (B, S), generator=g)
+    ids = torch.randint(0, cfg.vocab_size, (B, s), generator=g)
+    labels = torch.randint(0, cfg.vocab_size, (B, s), generator=g)
     labels[0, :2] = -100  # some ignored tokens
     return ids, labels
 
@@ -93,6 +94,48 @@ def test_model_equals_tp1(run_tp, preset, tp, sp):
         # and the whole step: embedding + layers + head + loss, nothing else
         assert r["whole"] == theory.as_counter(theory.stage(b=B, s=S, h=h, tp=tp, sp=sp,
                                                                 num_layers=cfg.num_layers))
+
+
+def run_models(mesh, jobs):
+    """`run_model` for each job (cfg, sp, ids, labels, recompute), one spawn for all."""
+    out = []
+    for job in jobs:
+        mesh.ledger.clear()
+        out.append(run_model(mesh, *job))
+    return out
+
+
+# SP on sequences tp does not divide: the residual stream split 4 + 3 (s=7, tp=2) and
+# 4 + 3 + 3 (s=10, tp=3); learned positions and token types (each rank its own rows),
+# uneven heads too (smol), post-norm BERT, a full recompute (gathers again in backward) and
+# a mixture of experts (its router reads the gathered sequence)
+UNEVEN_SP = [("gpt2-tiny", False), ("smol", False), ("bert-tiny", False), ("llama-tiny", True),
+             ("moe", False)]
+
+
+@pytest.mark.parametrize("tp,s", [(2, 7), (3, 10)])
+def test_sequence_parallel_on_a_sequence_tp_does_not_divide(run_tp, tp, s):
+    cfgs = [SHAPES[p] if p in SHAPES else replace(get_preset(p), num_layers=2)
+            for p, _ in UNEVEN_SP]
+    jobs = [(cfg, True, *batch(cfg, 3, s), rc) for cfg, (_, rc) in zip(cfgs, UNEVEN_SP)]
+    short = tp - 1  # fewer tokens than ranks: the last rank's part is empty (1 + 0; 1 + 1 + 0)
+    jobs.append((cfgs[0], True, *batch(cfgs[0], 4, short), False))
+    results = run_tp(run_models, tp, jobs)
+    for j, (cfg, _, ids, labels, rc) in enumerate(jobs):
+        ref = run_model(ParallelMesh.single(), cfg, False, ids, labels, rc)
+        ranks = [r[j] for r in results]
+        compare(cfg, ref, ranks)
+        # the ledger: the padded collectives (tp * ceil(s/tp) tokens each), as the theory
+        n = ids.shape[1]  # s, or the short job's tp - 1
+        h, padded = cfg.hidden, tp * -(-n // tp)
+        whole = theory.stage(b=B, s=n, h=h, tp=tp, sp=True, num_layers=cfg.num_layers,
+                             recompute="full" if rc else "none")
+        for r in ranks:
+            assert r["whole"] == theory.as_counter(whole)
+            if not rc:  # (a recompute's collectives run outside the layer's scope)
+                assert r["counts"]["layers.0"] == theory.as_counter(theory.layer(B, n, h, tp, True))
+                assert {n for (_, _, n) in r["counts"]["layers.0"]} == {B * padded * h}
+        assert padded != n
 
 
 @pytest.mark.parametrize("shape,kv,tp", [("llama-tiny", 2, 4), ("llama-tiny", 1, 2),
@@ -163,7 +206,7 @@ def bad_configs(mesh):
                          (get_preset("llama-tiny").with_(kv_heads=4, num_heads=12,
                                                              hidden=96), False, 8),
                          (get_preset("gpt2-tiny").with_(hidden=66), False, 8),
-                         (get_preset("gpt2-tiny"), True, 6)]:
+                         (get_preset("gpt2-tiny"), True, 6)]:  # SP: 2 + 2 + 1 + 1
         mesh.ledger.clear()
         try:
             m = Transformer(cfg, mesh, sequence_parallel=sp)
@@ -181,7 +224,7 @@ def test_bad_configs_fail_on_every_rank_before_any_collective(run_tp):
         assert "tp=4 is more than num_heads=3 (each rank needs one query head" in errors[0]
         assert errors[1] is None  # 4 kv heads at tp=4: one each
         assert "hidden=66 is not divisible by num_heads=4" in errors[2]
-        assert "sequence length 6 is not divisible by tp=4" in errors[3]
+        assert errors[3] is None  # SP on 6 tokens at tp=4: 2, 2, 1, 1 (uneven, exact)
     for rank_errors in run_tp(bad_configs, 3):  # 12 heads / 4 kv at tp=3: kv 1, 2 shared
         assert rank_errors[1] == (None, None)
 

@@ -17,6 +17,11 @@ def test_verify_mlp_and_model_pass(capsys):
                  "--seq", "8"]) == 0
     out = capsys.readouterr().out
     assert "reduce_scatter" in out and "all_gather" in out
+    # SP on 7 tokens at tp=3 (3 + 2 + 2, padded to 3 each on the wire): exact, as theory
+    assert main(["verify", "--preset", "llama-tiny", "--tp", "3", "--layers", "1", "--sp",
+                 "--seq", "7"]) == 0
+    assert "OK: every tp matches tp=1 and the ledger matches the theory" in \
+        capsys.readouterr().out
 
 
 def test_verify_refuses_a_layout_the_model_does_not_admit_before_running(capsys):

@@ -25,13 +25,16 @@ from tpkit.comm.ops import (
     reduce_scatter_to_sp,
     scatter_to_sp,
     scatter_to_tp,
+    sequence,
 )
+from tpkit.comm.parts import all_gather_parts, reduce_scatter_parts
 
 __all__ = [
     "CommGroup",
     "Ledger",
     "Record",
     "all_gather",
+    "all_gather_parts",
     "all_reduce",
     "broadcast",
     "compile_ready",
@@ -42,8 +45,10 @@ __all__ = [
     "recv",
     "reduce_from_tp",
     "reduce_scatter",
+    "reduce_scatter_parts",
     "reduce_scatter_to_sp",
     "scatter_to_sp",
     "scatter_to_tp",
     "send",
+    "sequence",
 ]

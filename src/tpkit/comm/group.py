@@ -26,6 +26,8 @@ class CommGroup:
     pg: dist.ProcessGroup | None = None  # None when size == 1
     ledger: Ledger = field(default_factory=Ledger)
     shm: ShmChannel | None = None  # the shared-memory transport, for ranks of one host
+    sp_seq: int | None = None  # the whole sequence that SP splits over the group, while
+    #                            `ops.sequence` says (None: every rank holds an equal part)
 
     @property
     def size(self) -> int:

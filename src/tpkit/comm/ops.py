@@ -12,24 +12,63 @@ A column-parallel layer starts with f, a row-parallel one ends with g: between t
 nothing is sent. Sequence parallelism (Korthikanti et al. 2022) replaces f by
 gather_from_sp and g by reduce_scatter_to_sp on the sequence dimension (dim 1 of
 [b, s, h]). Every operator takes its group explicitly.
+
+The sequence need not divide over the group: rank r holds part r of
+`spec.shapes.even_sizes(s, tp)` (s=7, tp=2: 4 + 3), and the SP collectives pad every
+part to the largest (`comm.parts`). An operator that starts from the whole sequence
+(scatter_to_sp, reduce_scatter_to_sp) sees s; gather_from_sp starts from a part, which
+does not say s: inside `with sequence(group, s):` it gathers parts of s, outside it
+assumes equal parts (s = part * tp), as when tp divides s.
 """
 
 from __future__ import annotations
 
+from collections.abc import Iterator
+from contextlib import contextmanager
+
 import torch
 
 from tpkit.comm import collectives as C
+from tpkit.comm import parts
 from tpkit.comm.group import CommGroup
+from tpkit.spec.shapes import even_range, even_sizes
 
 SEQ_DIM = 1  # activations are [b, s, h]
 
 
-def _own_slice(x: torch.Tensor, group: CommGroup, dim: int) -> torch.Tensor:
+@contextmanager
+def sequence(group: CommGroup, seq: int) -> Iterator[None]:
+    """Inside the block, the sequence-parallel tensors on `group` are parts of a sequence
+    of `seq` tokens (`spec.shapes.even_sizes`): what gather_from_sp needs to gather an
+    uneven split. The operators keep the sizes for their backward."""
+    before, group.sp_seq = group.sp_seq, seq
+    try:
+        yield
+    finally:
+        group.sp_seq = before
+
+
+def sp_sizes(group: CommGroup, local: int) -> list[int]:
+    """Every rank's part of the sequence, this rank holding `local` tokens: the parts of
+    `group.sp_seq` inside `sequence`, else `local` on every rank."""
+    if group.sp_seq is None:
+        return [local] * group.size
+    sizes = even_sizes(group.sp_seq, group.size)
+    if sizes[group.rank] != local:
+        raise ValueError(f"{group.name} rank {group.rank} holds {local} tokens; its part of "
+                         f"a sequence of {group.sp_seq} over {group.size} ranks is "
+                         f"{sizes[group.rank]}")
+    return sizes
+
+
+def _own_slice(x: torch.Tensor, group: CommGroup, dim: int, even: bool = True) -> torch.Tensor:
+    """This rank's slice of `dim`: an equal share (`even`), else its `even_range` part."""
     size = x.shape[dim]
-    if size % group.size:
+    if even and size % group.size:
         raise ValueError(f"dimension {dim} of size {size} does not split over "
                          f"{group.name}={group.size} ranks")
-    return x.narrow(dim, group.rank * (size // group.size), size // group.size).contiguous()
+    start, n = even_range(size, group.size, group.rank)
+    return x.narrow(dim, start, n).contiguous()
 
 
 class _CopyToTP(torch.autograd.Function):
@@ -78,26 +117,45 @@ class _GatherFromTP(torch.autograd.Function):
         return _own_slice(grad, ctx.group, ctx.dim), None, None
 
 
+class _ScatterToSP(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x, group, dim):
+        ctx.group, ctx.dim, ctx.scope = group, dim, group.ledger.current_scope()
+        ctx.sizes = even_sizes(x.shape[dim], group.size)
+        return _own_slice(x, group, dim, even=False)
+
+    @staticmethod
+    def backward(ctx, grad):
+        g = parts.all_gather_parts(grad.contiguous(), ctx.group, ctx.sizes, ctx.dim,
+                                   phase="backward", scope=ctx.scope)
+        return g, None, None
+
+
 class _ReduceScatterToSP(torch.autograd.Function):
     @staticmethod
     def forward(ctx, x, group, dim):
         ctx.group, ctx.dim, ctx.scope = group, dim, group.ledger.current_scope()
-        return C.reduce_scatter(x, group, dim)
+        ctx.sizes = even_sizes(x.shape[dim], group.size)
+        return parts.reduce_scatter_parts(x, group, ctx.sizes, dim)
 
     @staticmethod
     def backward(ctx, grad):
-        return C.all_gather(grad, ctx.group, ctx.dim, phase="backward", scope=ctx.scope), None, None
+        g = parts.all_gather_parts(grad.contiguous(), ctx.group, ctx.sizes, ctx.dim,
+                                   phase="backward", scope=ctx.scope)
+        return g, None, None
 
 
 class _GatherFromSP(torch.autograd.Function):
     @staticmethod
     def forward(ctx, x, group, dim):
         ctx.group, ctx.dim, ctx.scope = group, dim, group.ledger.current_scope()
-        return C.all_gather(x, group, dim)
+        ctx.sizes = sp_sizes(group, x.shape[dim])
+        return parts.all_gather_parts(x, group, ctx.sizes, dim)
 
     @staticmethod
     def backward(ctx, grad):
-        g = C.reduce_scatter(grad, ctx.group, ctx.dim, phase="backward", scope=ctx.scope)
+        g = parts.reduce_scatter_parts(grad, ctx.group, ctx.sizes, ctx.dim, phase="backward",
+                                       scope=ctx.scope)
         return g, None, None
 
 
@@ -134,15 +192,18 @@ def gather_from_tp(x: torch.Tensor, group: CommGroup, dim: int = -1) -> torch.Te
 
 
 def scatter_to_sp(x: torch.Tensor, group: CommGroup, dim: int = SEQ_DIM) -> torch.Tensor:
-    """Enter sequence-parallel form: keep this rank's slice of the sequence."""
-    return x if _skip(group) else _ScatterToTP.apply(x, group, dim)
+    """Enter sequence-parallel form: keep this rank's part of the sequence (uneven where
+    the group does not divide it); all-gather the gradient backward."""
+    return x if _skip(group) else _ScatterToSP.apply(x, group, dim)
 
 
 def gather_from_sp(x: torch.Tensor, group: CommGroup, dim: int = SEQ_DIM) -> torch.Tensor:
-    """All-gather the sequence forward; reduce-scatter the gradient backward."""
+    """All-gather the sequence forward (parts of `group.sp_seq` inside `sequence`);
+    reduce-scatter the gradient backward."""
     return x if _skip(group) else _GatherFromSP.apply(x, group, dim)
 
 
 def reduce_scatter_to_sp(x: torch.Tensor, group: CommGroup, dim: int = SEQ_DIM) -> torch.Tensor:
-    """Sum partial outputs and keep this rank's sequence slice; all-gather backward."""
+    """Sum partial outputs and keep this rank's part of the sequence (uneven where the
+    group does not divide it); all-gather backward."""
     return x if _skip(group) else _ReduceScatterToSP.apply(x, group, dim)

@@ -108,7 +108,7 @@ def chunked_head_cross_entropy(h: torch.Tensor, weight: torch.Tensor, target: to
     if chunk < 1:
         raise ValueError(f"chunk={chunk} tokens: the chunked loss needs at least 1")
     check_logits(weight.shape[0], group, vocab_size, label_smoothing)
-    with group.ledger.scope("head"):
+    with group.ledger.scope("head"), ops.sequence(group, target.shape[-1]):  # SP: its parts
         x = ops.gather_from_sp(h, group) if sequence_parallel else ops.copy_to_tp(h, group)
     b, s, hid = x.shape  # [b, s, hid], every token
     if target.shape != (b, s):

@@ -21,7 +21,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from tpkit.comm import collectives as C
-from tpkit.comm import ops
+from tpkit.comm import ops, parts
 from tpkit.comm.group import CommGroup
 from tpkit.layers.sharding import TPSplit, master_normal, set_meta, shard
 
@@ -38,7 +38,8 @@ class _ColumnLinear(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, x, weight, bias, group, sp):
-        x_full = C.all_gather(x, group, ops.SEQ_DIM) if sp else x  # [b, s, in]
+        ctx.sizes = ops.sp_sizes(group, x.shape[ops.SEQ_DIM]) if sp else None  # SP parts
+        x_full = parts.all_gather_parts(x, group, ctx.sizes, ops.SEQ_DIM) if sp else x
         ctx.dtypes = (x.dtype, weight.dtype)
         if torch.is_autocast_enabled(x.device.type):  # cast once, save the cast copies
             dt = torch.get_autocast_dtype(x.device.type)
@@ -55,7 +56,8 @@ class _ColumnLinear(torch.autograd.Function):
         dy = dy.to(w.dtype)
         dx = dy.matmul(w)  # [b, s, in], this rank's partial sum
         if ctx.sp:
-            pending = C.reduce_scatter_async(dx, ctx.group, ops.SEQ_DIM, scope=ctx.scope)
+            pending = parts.reduce_scatter_parts_async(dx, ctx.group, ctx.sizes, ops.SEQ_DIM,
+                                                       scope=ctx.scope)
         else:
             pending = C.all_reduce_async(dx, ctx.group, scope=ctx.scope)
         dy2 = dy.reshape(-1, dy.shape[-1])  # [b*s, out/tp]

@@ -19,6 +19,8 @@ in the one `layers` dict, run one chunk at a time by `forward_chunk(c, x)`:
 
 from __future__ import annotations
 
+from contextlib import nullcontext
+
 import torch
 from torch import nn
 
@@ -39,7 +41,13 @@ from tpkit.model.generate import generate, pad_left
 from tpkit.model.names import EMBED_WEIGHT
 from tpkit.spec.config import ModelConfig
 from tpkit.spec.errors import UserError
-from tpkit.spec.shapes import LOSS_CHUNK_SAYS, chunks_problem, loss_chunk_ok, stage_layer_range
+from tpkit.spec.shapes import (
+    LOSS_CHUNK_SAYS,
+    chunks_problem,
+    even_range,
+    loss_chunk_ok,
+    stage_layer_range,
+)
 
 
 def replicated_linear(c: ModelConfig, seed: int, name: str, kw: dict) -> nn.Linear:
@@ -85,8 +93,8 @@ class Embeddings(nn.Module):
         x = self.word(ids)  # reduced over tp (all-reduce, or reduce-scatter with SP)
         if self.scale != 1.0:
             x = x * torch.tensor(self.scale, dtype=x.dtype)  # Gemma: sqrt(hidden), in x's dtype
-        s_local = x.shape[1]
-        first = self.group.rank * s_local if self.sp else 0  # this rank's sequence slice
+        s_local = x.shape[1]  # this rank's part of the sequence with SP (uneven: 7 -> 4 + 3)
+        first = even_range(ids.shape[1], self.group.size, self.group.rank)[0] if self.sp else 0
         if self.position is not None:  # position_offset: an int, or one per row [b]
             start = torch.as_tensor(position_offset, device=ids.device).reshape(-1, 1)
             local = torch.arange(first, first + s_local, device=ids.device)  # [s]
@@ -185,8 +193,22 @@ class Transformer(nn.Module):
         return self.embed.word.weight if self.head is None else self.head.weight
 
     def activation_shape(self, b: int, s: int) -> tuple[int, int, int]:
-        """Shape of the hidden states passed between pipeline stages on this rank."""
-        return (b, s // self.group.size if self.sequence_parallel else s, self.config.hidden)
+        """Shape of the hidden states passed between pipeline stages on this rank (with SP
+        its part of the sequence: s=7 at tp=2 -> 4 on rank 0, 3 on rank 1)."""
+        g = self.group
+        local = even_range(s, g.size, g.rank)[1] if self.sequence_parallel else s
+        return (b, local, self.config.hidden)
+
+    def _sequence(self, x: torch.Tensor, seq: int | None):
+        """The block in which SP's gathers know the whole sequence: `seq`, or the ids'
+        length; a stage fed hidden states without `seq` keeps what is set (if nothing,
+        the gathers assume equal parts, as when tp divides the sequence). Without SP
+        nothing (a decode step pays nothing for it)."""
+        if not self.sequence_parallel or self.group.size == 1:
+            return nullcontext()
+        if seq is None and x.dim() == 2 and not x.is_floating_point():
+            seq = x.shape[1]  # token ids [b, s]
+        return ops.sequence(self.group, seq if seq is not None else self.group.sp_seq)
 
     def chunk_is_first(self, c: int) -> bool:
         """Does chunk `c` take token ids (virtual stage 0, with the embedding)?"""
@@ -199,54 +221,65 @@ class Transformer(nn.Module):
     def forward(self, x: torch.Tensor, attention_mask: torch.Tensor | None = None,
                 token_types: torch.Tensor | None = None,
                 kv_caches: list[PagedKV] | None = None,
-                position_offset: int | torch.Tensor = 0
+                position_offset: int | torch.Tensor = 0, seq: int | None = None
                 ) -> torch.Tensor:
-        """First stage: ids [b, s]; others: hidden. Last stage returns logits [b, s, V_pad/tp]."""
+        """First stage: ids [b, s]; others: hidden. Last stage returns logits [b, s, V_pad/tp].
+        `seq`: the whole sequence's length, for a later stage fed its SP part of it."""
         if self.virtual_stages > 1 and self.mesh.pp_size > 1:
             raise RuntimeError("an interleaved stage holds several chunks: use forward_chunk")
-        h = self.body(x, attention_mask, token_types, kv_caches, position_offset)
-        return self.logits(h) if self.is_last_stage and not self.loss_chunk else h
+        with self._sequence(x, seq):
+            h = self.body(x, attention_mask, token_types, kv_caches, position_offset)
+            return self.logits(h) if self.is_last_stage and not self.loss_chunk else h
 
     def forward_chunk(self, c: int, x: torch.Tensor,
                       attention_mask: torch.Tensor | None = None,
-                      token_types: torch.Tensor | None = None) -> torch.Tensor:
-        """Chunk `c` only: ids [b, s] or hidden in; hidden, or logits after the last chunk."""
-        if self.chunk_is_first(c):
-            x = self._embed(x, token_types, 0)
-        x = self._run_layers(self.chunk_layers[c], x, attention_mask, None)
-        if not self.chunk_is_last(c):
-            return x
-        x = self.final_norm(x) if self.final_norm is not None else x
-        return x if self.loss_chunk else self.logits(x)
+                      token_types: torch.Tensor | None = None,
+                      seq: int | None = None) -> torch.Tensor:
+        """Chunk `c` only: ids [b, s] or hidden in; hidden, or logits after the last chunk.
+        `seq`: the whole sequence's length (with SP a later chunk gets a part of it)."""
+        with self._sequence(x, seq):
+            if self.chunk_is_first(c):
+                x = self._embed(x, token_types, 0)
+            x = self._run_layers(self.chunk_layers[c], x, attention_mask, None)
+            if not self.chunk_is_last(c):
+                return x
+            x = self.final_norm(x) if self.final_norm is not None else x
+            return x if self.loss_chunk else self.logits(x)
 
     def body(self, x, attention_mask=None, token_types=None, kv_caches=None, position_offset=0):
         """Embedding (first stage) and this stage's layers; final norm on the last stage."""
-        if self.is_first_stage:
-            x = self._embed(x, token_types, position_offset)
-        x = self._run_layers(list(self.layers), x, attention_mask, kv_caches)
-        return self.final_norm(x) if self.is_last_stage and self.final_norm is not None else x
+        with self._sequence(x, None):
+            if self.is_first_stage:
+                x = self._embed(x, token_types, position_offset)
+            x = self._run_layers(list(self.layers), x, attention_mask, kv_caches)
+            return self.final_norm(x) if self.is_last_stage and self.final_norm is not None \
+                else x
 
     def _embed(self, ids, token_types, position_offset: int) -> torch.Tensor:
-        if self.sequence_parallel and ids.shape[1] % self.group.size:
-            raise UserError(f"sequence length {ids.shape[1]} is not divisible by "
-                            f"tp={self.group.size} (sequence parallelism)")
         with self.mesh.ledger.scope("embed"):  # its all-reduce (or reduce-scatter) is named
             return self.embed(ids, token_types, position_offset, self.rng)
 
     def _run_layers(self, indices, x, attention_mask, kv_caches) -> torch.Tensor:
         """Layers `indices` (global) in order; kv_caches[j] goes to the j-th of them."""
+        seq = self.group.sp_seq  # SP: the recomputed forward (in backward) gathers it too
         for j, i in enumerate(indices):
             layer, cache = self.layers[str(i)], kv_caches[j] if kv_caches is not None else None
             with self.mesh.ledger.scope(f"layers.{i}"):
                 if self.recompute and self.training and cache is None:
-                    x = checkpointed(lambda t, lay=layer: lay(t, attention_mask, self.rng),
+                    x = checkpointed(lambda t, lay=layer: self._again(lay, t, attention_mask, seq),
                                      self.rng, x)
                 else:
                     x = layer(x, attention_mask, self.rng, cache)
         return x
 
+    def _again(self, layer: Block, x: torch.Tensor, attention_mask, seq: int | None):
+        """`layer(x)` under the sequence of its first forward (a recompute runs it again)."""
+        with ops.sequence(self.group, seq):
+            return layer(x, attention_mask, self.rng)
+
     def logits(self, h: torch.Tensor) -> torch.Tensor:
-        """Final hidden [b, s, h] ([b, s/tp, h] with SP) -> vocab-parallel logits."""
+        """Final hidden [b, s, h] ([b, s/tp, h] with SP) -> vocab-parallel logits. With SP
+        on a sequence tp does not divide, inside `forward` (or `tpkit.comm.sequence`)."""
         with self.mesh.ledger.scope("head"):  # a column-parallel layer over the vocabulary
             if self.head_decoding is not None:  # a decode: nothing to send
                 return self.head_decoding(h)  # [b, s, V_pad/tp]
@@ -255,8 +288,9 @@ class Transformer(nn.Module):
 
     def hidden_states(self, ids, attention_mask=None, token_types=None) -> torch.Tensor:
         """Final hidden states [b, s, h] (gathered over the sequence with SP)."""
-        h = self.body(ids, attention_mask, token_types)
-        return ops.gather_from_sp(h, self.group) if self.sequence_parallel else h
+        with self._sequence(ids, None):
+            h = self.body(ids, attention_mask, token_types)
+            return ops.gather_from_sp(h, self.group) if self.sequence_parallel else h
 
     def pooled(self, hidden: torch.Tensor) -> torch.Tensor:
         """BERT's pooler output tanh(W h[:, 0] + b) [b, h] from final hidden states."""

@@ -109,13 +109,14 @@ class FullyShardedData(ShardedData):
         """`model`, with the embedding / head unit gathered around its first and last chunk."""
         return _RootGathering(self, model)
 
-    def forward_chunk(self, model, c: int, x: torch.Tensor) -> torch.Tensor:
-        """Chunk `c` of `model`; the root unit gathered for it when it needs it."""
+    def forward_chunk(self, model, c: int, x: torch.Tensor, **kw) -> torch.Tensor:
+        """Chunk `c` of `model` (`kw`: its keywords); the root unit gathered for it when
+        it needs it."""
         needs_root = model.chunk_is_first(c) or model.chunk_is_last(c)
         for u in self.root if needs_root else []:
             u.gather("forward", self.scope)
         self._embed_out = None
-        out = model.forward_chunk(c, x)
+        out = model.forward_chunk(c, x, **kw)
         if needs_root and self.reshard == "after-forward":
             for u in self.root:
                 u.free()
@@ -158,9 +159,9 @@ class _RootGathering:
     def __init__(self, fsdp: FullyShardedData, model: nn.Module) -> None:
         self._fsdp, self._model = fsdp, model
 
-    def forward_chunk(self, c: int, x: torch.Tensor) -> torch.Tensor:
+    def forward_chunk(self, c: int, x: torch.Tensor, **kw) -> torch.Tensor:
         """The model's chunk `c`, with the root unit gathered as needed."""
-        return self._fsdp.forward_chunk(self._model, c, x)
+        return self._fsdp.forward_chunk(self._model, c, x, **kw)
 
     def __getattr__(self, name: str):
         return getattr(self._model, name)

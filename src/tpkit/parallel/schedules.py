@@ -66,8 +66,9 @@ class StageModel(Protocol):
     def activation_shape(self, b: int, s: int) -> tuple[int, ...]:
         """Shape of the activations that chunks pass on, for b sequences of s tokens."""
 
-    def forward_chunk(self, chunk: int, x: torch.Tensor) -> torch.Tensor:
-        """ids [b, s] or activations -> activations, or logits [b, s, V/tp] when last."""
+    def forward_chunk(self, chunk: int, x: torch.Tensor, *, seq: int) -> torch.Tensor:
+        """ids [b, s] or activations -> activations, or logits [b, s, V/tp] when last;
+        `seq` = s (with sequence parallelism the activations hold a part of it)."""
 
     def loss(self, logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
         """Mean cross-entropy (a scalar, the same on every tp rank)."""
@@ -103,7 +104,7 @@ def _forward(model: StageModel, link: StageLink, mb: MicroBatch, scale: float, s
     x = mb.ids if model.chunk_is_first(chunk) else \
         link.recv_forward(model.activation_shape(b, s))
     with autocast or nullcontext():
-        out = model.forward_chunk(chunk, x)  # [b, s, h] hidden, or [b, s, V/tp] logits
+        out = model.forward_chunk(chunk, x, seq=s)  # [b, s, h] hidden, or [b, s, V/tp] logits
     if model.chunk_is_last(chunk):
         loss = model.loss(out.float(), mb.labels)  # scalar, same on every tp rank
         stats.losses.append(loss.item())

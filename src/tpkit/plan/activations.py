@@ -29,7 +29,8 @@ tensors of tpkit's real block (torch's saved-tensor hooks) against `eager=True`.
 Flash attention (the default) never stores the a s^2 b scores, whatever the recompute
 mode. Selective recomputation (Megatron's core-attention recompute) drops the scores
 when flash is off; full recomputation keeps only the layer input (s b h, over t with
-SP). Context parallelism over cp ranks divides every s by cp.
+SP). Context parallelism over cp ranks divides every s by cp. Where tp does not divide
+s, "over t" means the largest rank's ceil(s/t) tokens (SP's split, `shapes.even_range`).
 """
 
 from __future__ import annotations
@@ -60,7 +61,9 @@ def saved_tensors(c: ModelConfig, s: int, b: int, tp: int = 1, sp: bool = False,
     if recompute not in RECOMPUTE:
         raise ValueError(f"recompute={recompute!r} is not one of {RECOMPUTE}")
     s = s / cp
-    outer = tp if sp else 1  # the residual stream is split over tp only with SP
+    # the residual stream is split over tp only with SP; the largest rank holds ceil(s/tp)
+    # of the s tokens (`shapes.even_range`), s/outer
+    outer = s / -(-s // tp) if sp else 1
     sbh = s * b * c.hidden
     if recompute == "full":
         return {"layer input": sbh * act_bytes / outer}

@@ -132,7 +132,8 @@ def candidates(req: Request) -> tuple[list[Layout], dict[str, str]]:
 def _variants(req: Request, degrees: tuple[int, int, int, int], mb: int,
               m: int) -> list[Layout]:
     tp, cp, pp, dp = degrees
-    sps = [False, True] if tp > 1 and (req.seq // cp) % tp == 0 else [False]
+    sp_ok = tp > 1 and not req.config.problems(tp=tp, sp=True, seq=req.seq // cp)  # spec's rule
+    sps = [False, True] if sp_ok else [False]
     zeros = list(ZERO_NAMES) if weight_replicas(dp, cp) > 1 else [0]
     chunks = [1] + ([2] if pp > 1 and m % pp == 0 and req.config.num_layers % (2 * pp) == 0
                     else [])

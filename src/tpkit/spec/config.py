@@ -237,14 +237,12 @@ def _check_pipeline(c: ModelConfig, pp: int, **_) -> list[str]:
     return []
 
 
-def _check_sequence(c: ModelConfig, tp: int, sp: bool, seq: int | None, **_) -> list[str]:
-    out = []
+def _check_sequence(c: ModelConfig, seq: int | None, **_) -> list[str]:
+    # any length splits over tp under SP, unevenly where tp does not divide it
+    # (`spec.shapes.even_sizes`): only the model's own limit is checked
     if seq is not None and seq > c.max_seq_len:
-        out.append(f"sequence length {seq} exceeds max_seq_len={c.max_seq_len}")
-    if sp and seq is not None and seq % tp:
-        out.append(f"sequence length {seq} is not divisible by tp={tp} "
-                   f"(sequence parallelism splits the sequence over tp)")
-    return out
+        return [f"sequence length {seq} exceeds max_seq_len={c.max_seq_len}"]
+    return []
 
 
 def _check_choices(c: ModelConfig, **_) -> list[str]:

@@ -4,6 +4,10 @@
                      possible, the first ranks one extra each: 10 over 4 -> 3, 3, 2, 2;
                      9 heads at tp=2 -> 5 + 4; 14 at tp=4 -> 4, 4, 3, 3
     stage layers     pp stages take consecutive layers by the even range
+    sequence (SP)    under sequence parallelism the residual stream [b, s, h] is cut along
+                     s by the even range: s=7 at tp=2 -> 4 + 3; its all-gathers and
+                     reduce-scatters pad every part to the largest (tp * ceil(s/tp)
+                     rows cross the wire) and trim
     padded vocab     V rounded up to a multiple of 8 tp, so each rank holds a multiple of
                      8 rows (GEMMs on odd widths such as GPT-2's 50257 are slow on GPUs)
     kv heads         each rank keeps the kv heads its query heads read (GQA): a range of
@@ -24,6 +28,18 @@ def even_range(n: int, parts: int, i: int) -> tuple[int, int]:
     part of a split dimension a rank owns (`tpkit.spec.split.TPSplit` reads it)."""
     base, extra = divmod(n, parts)
     return i * base + min(i, extra), base + (1 if i < extra else 0)
+
+
+def even_sizes(n: int, parts: int) -> list[int]:
+    """The size of every share of `even_range`: 7 over 2 -> [4, 3]."""
+    return [even_range(n, parts, i)[1] for i in range(parts)]
+
+
+def sp_padded_seq(seq: int, tp: int) -> int:
+    """Rows of the sequence that a sequence-parallel all-gather or reduce-scatter moves:
+    every rank's part padded to the largest, ceil(seq/tp), so tp * ceil(seq/tp) (seq
+    itself when tp divides it). The ledger's theory prices these padded rows."""
+    return tp * -(-seq // tp)
 
 
 def kv_range(num_heads: int, kv_heads: int, tp: int, rank: int) -> tuple[int, int]:

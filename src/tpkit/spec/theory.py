@@ -8,7 +8,9 @@ Per transformer layer and micro-batch, with activations [b, s, h] and tp > 1
                 (a mixture of experts too: the experts' partial outputs are summed on
                 each rank before that one all-reduce, whatever the number of experts)
     with sequence parallelism, each all-reduce becomes 1 reduce-scatter + 1 all-gather
-    of the same b*s*h elements (the same bytes on the wire).
+    of the same b*s*h elements (the same bytes on the wire); where tp does not divide
+    s, every rank's part is padded to the largest, ceil(s/tp) tokens, and the padded
+    b*tp*ceil(s/tp)*h elements are what is sent (`shapes.sp_padded_seq`: s=7, tp=2 -> 8)
     vocab-parallel embedding: 1 all-reduce of b*s*h forward (or a reduce-scatter with SP)
     vocab-parallel cross-entropy: 3 all-reduces of b*s forward (max, target, sum-exp);
     chunked over tokens (c per chunk): 3 all-reduces of c per chunk, the same b*s numbers
@@ -25,6 +27,8 @@ from __future__ import annotations
 
 from collections import Counter
 from dataclasses import dataclass
+
+from tpkit.spec.shapes import even_range, sp_padded_seq
 
 RECOMPUTE = ("none", "selective", "full")
 _RING_STEPS = {"all_reduce": 2, "all_gather": 1, "reduce_scatter": 1, "broadcast": 1}
@@ -85,7 +89,7 @@ def parallel_block(b: int, s: int, h: int, tp: int, sp: bool = False) -> list[Ex
     """A column-parallel -> row-parallel block (the MLP, or attention)."""
     if tp == 1:
         return []
-    n = b * s * h
+    n = b * (sp_padded_seq(s, tp) if sp else s) * h
     if sp:
         return [Expect("all_gather", "forward", n), Expect("reduce_scatter", "forward", n),
                 Expect("all_gather", "backward", n), Expect("reduce_scatter", "backward", n)]
@@ -121,8 +125,8 @@ def embedding(b: int, s: int, h: int, tp: int, sp: bool = False) -> list[Expect]
     if tp == 1:
         return []
     if sp:
-        return [Expect("reduce_scatter", "forward", b * s * h),
-                Expect("all_gather", "backward", b * s * h)]
+        n = b * sp_padded_seq(s, tp) * h
+        return [Expect("reduce_scatter", "forward", n), Expect("all_gather", "backward", n)]
     return [Expect("all_reduce", "forward", b * s * h)]
 
 
@@ -132,8 +136,8 @@ def head(b: int, s: int, h: int, tp: int, sp: bool = False) -> list[Expect]:
     if tp == 1:
         return []
     if sp:
-        return [Expect("all_gather", "forward", b * s * h),
-                Expect("reduce_scatter", "backward", b * s * h)]
+        n = b * sp_padded_seq(s, tp) * h
+        return [Expect("all_gather", "forward", n), Expect("reduce_scatter", "backward", n)]
     return [Expect("all_reduce", "backward", b * s * h)]
 
 
@@ -167,18 +171,21 @@ def cross_entropy(b: int, s: int, tp: int, chunk: int = 0) -> list[Expect]:
 
 def stage_step(*, b: int, s: int, h: int, tp: int, pp: int, num_layers: int,
                micro_batches: int, sp: bool = False, first: bool = True, last: bool = True,
-               chunks: int = 1, recompute: str = "none", loss_chunk: int = 0) -> list[Expect]:
+               chunks: int = 1, recompute: str = "none", loss_chunk: int = 0,
+               tp_rank: int = 0) -> list[Expect]:
     """What one training step of m = `micro_batches` must send on a rank's tp and pp
-    groups (keywords as `stage`'s, plus pp, the micro-batches and the stage's chunks).
+    groups (keywords as `stage`'s, plus pp, the micro-batches, the stage's chunks and
+    the rank's place in its tp group).
 
     Per micro-batch: `stage` (embedding on the first stage, 2+2 per layer, head and the
     three cross-entropy all-reduces on the last); and between stages one activation
-    forward and its gradient backward, [b, s, h] ([b, s/tp, h] with SP), per chunk of
-    the stage (interleaved), except out of the very last chunk and into the very first.
+    forward and its gradient backward, [b, s, h] (with SP [b, s_r, h], tp rank r's part
+    of s: `shapes.even_range`, unpadded), per chunk of the stage (interleaved), except
+    out of the very last chunk and into the very first.
     """
     one = stage(b=b, s=s, h=h, tp=tp, num_layers=num_layers, sp=sp, first=first, last=last,
                 recompute=recompute, loss_chunk=loss_chunk)
-    act = b * (s // tp if sp else s) * h
+    act = b * (even_range(s, tp, tp_rank)[1] if sp else s) * h
     out, into = chunks - last, chunks - first  # activations leaving / entering the stage
     if pp > 1 and out:
         one += [Expect("send", "forward", act, out), Expect("recv", "backward", act, out)]
