@@ -15,7 +15,9 @@ the same with 8 heads and 4 kv heads (tp=2: 4 + 4 heads, 2 kv heads per rank, as
 rank of heads9 holds), so that heads9 / heads8 at tp=2 is the uneven layout's cost.
 A run `tp=N:omp1` sets OMP_NUM_THREADS=1; `tp=N:base` runs the code of `--base DIR` (another
 checkout of tpkit, e.g. `git worktree add /tmp/base COMMIT`) instead of this one, so that
-a change is measured against the code before it in the same rounds. Greedy, --ignore-eos, `--new` tokens after a
+a change is measured against the code before it in the same rounds; `tp=N:NAME=VALUE` sets
+an environment variable for that run (e.g. `tp=1:OMP_WAIT_POLICY=PASSIVE`). `--busy` keeps
+one other process spinning on the machine for the whole benchmark (a busy neighbour). Greedy, --ignore-eos, `--new` tokens after a
 16-token prompt, at each `--batches` size. Rounds alternate: every variant once per round,
 the order rotating. The load average is printed before and after each round.
 """
@@ -74,6 +76,7 @@ def tokens_s(folder: Path, run: str, dtype: str, batch: int, new: int,
     env = {**os.environ, "PYTHONPATH": str(src)}
     if "omp1" in flags:
         env["OMP_NUM_THREADS"] = "1"
+    env.update(f.split("=", 1) for f in flags if "=" in f)
     done = subprocess.run(cmd, capture_output=True, text=True, env=env, timeout=1800)
     found = re.search(r"([\d.]+) tokens/s", done.stdout + done.stderr)
     if done.returncode != 0 or not found:
@@ -98,7 +101,18 @@ def main() -> None:
     ap.add_argument("--new", type=int, default=64, help="new tokens per prompt")
     ap.add_argument("--base", type=Path, default=None,
                     help="another checkout, for runs tp=N:base (the code before a change)")
+    ap.add_argument("--busy", action="store_true", help="a busy process beside every run")
     args = ap.parse_args()
+    busy = subprocess.Popen([sys.executable, "-c", "while 1: pass"]) if args.busy else None
+    try:
+        run_all(args)
+    finally:
+        if busy is not None:
+            busy.kill()
+
+
+def run_all(args: argparse.Namespace) -> None:
+    """The rounds and the table."""
     tmp = tempfile.TemporaryDirectory()
     folders = dict(f.split("=", 1) for f in args.folder)
     folders.update({m: make(m, Path(tmp.name)) for m in args.make.split(",") if m})
