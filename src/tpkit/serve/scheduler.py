@@ -13,7 +13,11 @@ keys in its blocks. Each step, in order:
        rest of the prompt is computed in pieces.
 Prompt tokens computed per step are at most `prefill_per_step` (0: no limit; one piece
 always runs), so decodes and pieces of prompts share a step (chunked prefill) and a long
-prompt never stalls the running requests for more than one piece.
+prompt never stalls the running requests for more than one piece. While requests
+decode, `schedule(prompt_budget)` bounds a step's prompt tokens further, to the number
+it is given (the engine's `serve.pacing`, which keeps the step's time near a decode-only
+step's), never below `FLOOR` (a long prompt always progresses); with no request
+decoding, `prefill_per_step` alone applies (a lone prompt's TTFT does not suffer).
 
 Two modes (`invariant`):
 - default: a piece is what the budget leaves; every piece and decode of a step is one
@@ -26,6 +30,7 @@ Two modes (`invariant`):
   prefix cache hit is cut down to one) and each piece is a forward of its own; the
   decodes run in forwards of exactly C rows (padding rows in block 0). A request's
   blocks for prompt + max_tokens are taken at admission, so it is never preempted.
+  `prompt_budget` is not used (the pieces are fixed by design).
 """
 
 from __future__ import annotations
@@ -37,6 +42,7 @@ from tpkit.model.paged_kv import EVERY, LAST, NONE, Piece
 from tpkit.serve.blocks import BlockPool, block_keys
 from tpkit.serve.request import Request
 
+FLOOR = 4  # prompt tokens a step computes at least while requests decode
 
 @dataclass
 class Forward:
@@ -55,6 +61,8 @@ class SchedulerOutput:
     admitted: list[Request] = field(default_factory=list)
     preempted: list[Request] = field(default_factory=list)
     prompt_tokens: int = 0  # computed in this step (prefix-cache hits excluded)
+    decodes: int = 0  # requests decoding one token in this step
+    prefill: list[tuple[int, int]] = field(default_factory=list)  # (start, tokens) of pieces
 
     @property
     def empty(self) -> bool:
@@ -77,10 +85,15 @@ class Scheduler:
         """The batch-invariant mode."""
         return self.chunk is not None
 
-    def schedule(self) -> SchedulerOutput:
-        """The next step's plan (requests' `blocks` and `slot` updated)."""
+    def schedule(self, prompt_budget: int | None = None) -> SchedulerOutput:
+        """The next step's plan (requests' `blocks` and `slot` updated). While a request
+        decodes, at most max(`prompt_budget`, FLOOR) prompt tokens (default mode; None:
+        `prefill_per_step` alone)."""
         out = SchedulerOutput([], 0)
         left = self.prefill_per_step or float("inf")
+        if prompt_budget is not None and not self.invariant and \
+                any(_decoding(r) for r in self.running):
+            left = min(left, max(prompt_budget, FLOOR))
         decodes, pieces = [], []
         for req in list(self.running):
             if req not in self.running:
@@ -90,7 +103,7 @@ class Scheduler:
                 continue
             if not self._room(req, req.computed + n, out):
                 continue  # it was itself preempted
-            if _tokens(req) - req.computed == 1 and req.computed >= req.prefill_end:
+            if _decoding(req):
                 decodes.append(req)
             else:
                 pieces.append((req, n))
@@ -118,6 +131,15 @@ class Scheduler:
         self._plan(out, decodes, pieces)
         out.blocks = self.pool.size
         return out
+
+    def prompt_start(self) -> int | None:
+        """The context position the next piece of a prompt starts at (a running
+        request's, else the first waiting one's, prefix-cache hits not counted); None
+        if no prompt waits to be computed."""
+        for req in self.running:
+            if not _decoding(req) and req.computed < _tokens(req):
+                return req.computed
+        return 0 if self.waiting else None
 
     def _next(self, req: Request, left: float, first: bool) -> int:
         """Tokens of `req` to compute this step (0: none, the budget is spent)."""
@@ -215,6 +237,7 @@ class Scheduler:
             return Piece(toks, req.computed, list(req.blocks), kind)
 
         out.prompt_tokens = sum(n for _, n in pieces)
+        out.decodes, out.prefill = len(decodes), [(r.computed, n) for r, n in pieces]
         if not self.invariant:
             if decodes or pieces:
                 reqs = [r for r, _ in pieces] + decodes
@@ -233,3 +256,8 @@ class Scheduler:
 
 def _tokens(req: Request) -> int:
     return len(req.prompt) + len(req.tokens)
+
+
+def _decoding(req: Request) -> bool:
+    """Its prompt is computed: the next step computes its one new token."""
+    return _tokens(req) - req.computed == 1 and req.computed >= req.prefill_end
