@@ -8,14 +8,18 @@ steps. `Pacer` learns what steps cost from the wall times the engine hands it
 (`observe`, after each step) and answers, before each step, the prompt tokens that keep
 the predicted step within `ratio` x a decode-only step (`budget`):
 
-    decode-only step      D                            an average of the last ones
-    a step with pieces    D + a * p + b * p * m / 1024 p prompt tokens at mean context
-                                                       position m (attention's growth)
-    budget(start)         the largest p with a * p + b * p * (start + (p - 1) / 2) / 1024
-                          <= (ratio - 1) * D
+    decode-only step      D                          an average of the last ones
+    a step with pieces    D + a p + b p m / K + g c / K   p prompt tokens at mean context
+                                                     position m, c keys read (K = 1024)
+    budget(start)         the largest p with a p + b p (start + (p - 1) / 2) / K
+                          + g (start + p) / K <= (ratio - 1) D
 
-a and b are a least-squares fit of the steps with pieces and decodes (the time above D),
-recent steps weighted more (exponential forgetting), each kept >= 0. Until D and a first
+a (the products), b (attention's growth with the context) and g (reading a piece's c
+keys, whatever its rows: gathering its blocks, ~1/3 of a decode step at 4k keys for
+SmolLM2-135M here) are a least-squares fit, each >= 0, of the steps with pieces and
+decodes (the time above D), recent steps weighted more (exponential forgetting). Where
+even the floor costs more than the room (g alone at a long context), the step is over
+the ratio: nothing smaller progresses. Until D and a first
 piece are known the budget is 0 (the scheduler's floor, `scheduler.FLOOR`); it grows
 at most to twice the largest piece seen so far (a noisy early fit never buys one huge
 step). What it trades: a long prompt's time to first token, spread over more steps,
@@ -49,7 +53,8 @@ class Pacer:
         check_ratio(ratio)
         self.ratio, self.smoothing, self.forget = ratio, smoothing, forget
         self.decode_s: float | None = None  # a decode-only step's seconds (moving average)
-        self.sums = [0.0] * 5  # forgotten sums of x1x1, x1x2, x2x2, x1y, x2y
+        self.xx = [[0.0] * 3 for _ in range(3)]  # forgotten sums of x x^T and x y,
+        self.xy = [0.0] * 3  # x = (tokens, tokens x mean position / K, keys read / K)
         self.largest = 0  # prompt tokens of the largest step with pieces and decodes seen
 
     def observe(self, seconds: float, decodes: int, pieces: list[tuple[int, int]]) -> None:
@@ -64,28 +69,33 @@ class Pacer:
             return
         if self.decode_s is None:
             return
-        x1 = sum(n for _, n in pieces)
-        x2 = sum(n * (start + (n - 1) / 2) for start, n in pieces) / KILO
+        x = (sum(n for _, n in pieces),
+             sum(n * (start + (n - 1) / 2) for start, n in pieces) / KILO,
+             sum(start + n for start, n in pieces) / KILO)
         y = seconds - self.decode_s
-        s = [v * self.forget for v in self.sums]
-        self.sums = [s[0] + x1 * x1, s[1] + x1 * x2, s[2] + x2 * x2, s[3] + x1 * y,
-                     s[4] + x2 * y]
-        self.largest = max(self.largest, x1)
+        for i in range(3):
+            self.xy[i] = self.forget * self.xy[i] + x[i] * y
+            for j in range(3):
+                self.xx[i][j] = self.forget * self.xx[i][j] + x[i] * x[j]
+        self.largest = max(self.largest, x[0])
 
-    def costs(self) -> tuple[float, float]:
-        """(a, b): seconds per prompt token, and per prompt token per 1024 positions of
-        context; each >= 0."""
-        s11, s12, s22, s1y, s2y = self.sums
-        if s11 <= 0:
-            return 0.0, 0.0
-        det = s11 * s22 - s12 * s12
-        if det > 1e-9 * s11 * s22:
-            a, b = (s22 * s1y - s12 * s2y) / det, (s11 * s2y - s12 * s1y) / det
-            if a >= 0 and b >= 0:
-                return a, b
-            if a < 0 and s22 > 0:  # the context term alone
-                return 0.0, max(0.0, s2y / s22)
-        return max(0.0, s1y / s11), 0.0  # the per-token term alone
+    def costs(self) -> tuple[float, float, float]:
+        """(a, b, g): seconds per prompt token, per prompt token per K positions of its
+        context, per K keys a piece reads; each >= 0 (a term fitted below 0 is dropped
+        and the others fitted again)."""
+        terms = [i for i in range(3) if self.xx[i][i] > 0]
+        while terms:
+            ridge = 1e-9 * max(self.xx[i][i] for i in terms)  # collinear terms: split
+            got = _solve([[self.xx[i][j] + (ridge if i == j else 0.0) for j in terms]
+                          for i in terms], [self.xy[i] for i in terms])
+            worst = min(range(len(terms)), key=got.__getitem__)
+            if got[worst] >= 0:
+                out = [0.0] * 3
+                for i, c in zip(terms, got):
+                    out[i] = c
+                return out[0], out[1], out[2]
+            terms.pop(worst)
+        return 0.0, 0.0, 0.0
 
     def budget(self, start: int) -> int:
         """Prompt tokens the next step may compute, its first piece starting at context
@@ -93,10 +103,12 @@ class Pacer:
         if self.decode_s is None or self.largest == 0:
             return 0
         cap = 2 * self.largest
-        a, b = self.costs()
-        room = (self.ratio - 1) * self.decode_s
-        # a p + b p (start + (p - 1) / 2) / K <= room:  A p^2 + B p - room <= 0
-        big_a, big_b = b / (2 * KILO), a + b * (start - 0.5) / KILO
+        a, b, g = self.costs()
+        room = (self.ratio - 1) * self.decode_s - g * start / KILO
+        if room <= 0:
+            return 0
+        # a p + b p (start + (p - 1) / 2) / K + g p / K <= room:  A p^2 + B p - room <= 0
+        big_a, big_b = b / (2 * KILO), a + (b * (start - 0.5) + g) / KILO
         if big_a > 0:
             p = (-big_b + math.sqrt(big_b * big_b + 4 * big_a * room)) / (2 * big_a)
         elif big_b > 0:
@@ -104,3 +116,19 @@ class Pacer:
         else:
             return cap
         return max(0, min(cap, int(p)))
+
+
+def _solve(m: list[list[float]], v: list[float]) -> list[float]:
+    """x with m x = v (Gaussian elimination, partial pivoting; m small and regular)."""
+    n = len(v)
+    rows = [list(r) + [b] for r, b in zip(m, v)]
+    for c in range(n):
+        pivot = max(range(c, n), key=lambda r: abs(rows[r][c]))
+        rows[c], rows[pivot] = rows[pivot], rows[c]
+        for r in range(c + 1, n):
+            f = rows[r][c] / rows[c][c]
+            rows[r] = [x - f * y for x, y in zip(rows[r], rows[c])]
+    x = [0.0] * n
+    for c in reversed(range(n)):
+        x[c] = (rows[c][n] - sum(rows[c][k] * x[k] for k in range(c + 1, n))) / rows[c][c]
+    return x
