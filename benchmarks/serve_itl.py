@@ -120,21 +120,23 @@ def main() -> None:
                 stop(proc)
             loads.append(os.getloadavg())
             r = runs[ratio][-1]
-            print(f"round {i + 1} --itl-ratio {ratio}: ITL p50 before {r['itl_p50_before']:.3f}"
-                  f" s, during p50 {r['itl_p50_during']:.3f} p99 {r['itl_p99_during']:.3f} s, "
-                  f"TTFT {r['long_ttft']:.1f} s; load {loads[-1][0]:.1f}", flush=True)
+            print(f"round {i + 1} --itl-ratio {ratio}: ITL before p50 {r['itl_p50_before']:.3f}"
+                  f" p99 {r['itl_p99_before']:.3f} s, during p50 {r['itl_p50_during']:.3f} p99 "
+                  f"{r['itl_p99_during']:.3f} s, TTFT {r['long_ttft']:.1f} s; load "
+                  f"{loads[-1][0]:.1f}", flush=True)
     med = lambda rows, k: statistics.median(r[k] for r in rows)  # noqa: E731
     one = [x[0] for x in loads]
     print(f"\nload average (1 min) {min(one):.1f}-{max(one):.1f} over the run; "
           f"{os.cpu_count()} CPUs; {args.rounds} alternating round(s), medians; "
           f"{DECODERS} streams, a {args.long}-token prompt; {folder.name}\n")
-    print("| --itl-ratio | ITL p50 before (s) | ITL p50 during (s) | ITL p99 during (s) | "
-          "p99 during / p50 before | long prompt's TTFT (s) |")
+    print("| --itl-ratio | ITL p50 / p99 before (s) | ITL p50 during (s) | ITL p99 during (s) "
+          "| p99 during / p50 before | long prompt's TTFT (s) |")
     print("|---|---:|---:|---:|---:|---:|")
     for ratio, rows in runs.items():
         name = f"{ratio} (fixed {args.prefill_per_step})" if float(ratio) == 0 else ratio
         ratios_ = [r["itl_p99_during"] / r["itl_p50_before"] for r in rows]
-        print(f"| {name} | {med(rows, 'itl_p50_before'):.3f} | {med(rows, 'itl_p50_during'):.3f}"
+        print(f"| {name} | {med(rows, 'itl_p50_before'):.3f} / {med(rows, 'itl_p99_before'):.3f}"
+              f" | {med(rows, 'itl_p50_during'):.3f}"
               f" | {med(rows, 'itl_p99_during'):.3f} | {statistics.median(ratios_):.2f} | "
               f"{med(rows, 'long_ttft'):.1f} |")
     early = sum(r["streams_ended_early"] for rows in runs.values() for r in rows)
