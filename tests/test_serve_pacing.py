@@ -3,10 +3,11 @@ decode-only step's (`serve.pacing`, `Scheduler.schedule(prompt_budget)`).
 
 Checked, with no clock: given a budget of N tokens, a step computes at most N prompt
 tokens while a request decodes (never fewer than FLOOR, never more than
-prefill_per_step; one budget shared by the prompts of a step), a lone prompt gets the
-whole prefill_per_step, and the batch-invariant mode's pieces ignore it; the pacer,
-fed the times of a known cost model, learns it, ramps from the floor by doubling, and
-then keeps every step of a 4k-token prompt within the ratio; the engine computes the
+prefill_per_step, none for 0; one budget shared by the prompts of a step), a lone
+prompt gets the whole prefill_per_step (its prompt's blocks taken at once, adjacent),
+and the batch-invariant mode's pieces ignore it; the pacer, fed the times of a known cost model, learns it, ramps from the floor by
+doubling, and then keeps every step of a 4k-token prompt within the ratio, also when
+the machine gets busier mid-prompt (a decode-only step every REFRESH steps); the engine computes the
 pieces its pacer allows, and each request's greedy tokens are those it gets alone.
 """
 
@@ -20,7 +21,7 @@ from tpkit.model.paged_kv import NONE
 from tpkit.model.transformer import Transformer
 from tpkit.serve import Engine, SamplingParams
 from tpkit.serve.blocks import BlockPool
-from tpkit.serve.pacing import Pacer
+from tpkit.serve.pacing import REFRESH, Pacer
 from tpkit.serve.request import Request
 from tpkit.serve.scheduler import FLOOR, Scheduler
 from tpkit.spec.errors import UserError
@@ -69,10 +70,13 @@ def test_a_step_computes_what_the_budget_allows_while_requests_decode():
             break
         assert sched.prompt_start() == start
         out = _step(sched, budget)
-        n = min(len(long.prompt) - start, PER_STEP, max(budget, FLOOR))
-        assert (out.decodes, out.prefill, out.prompt_tokens) == (1, [(start, n)], n)
+        n = min(len(long.prompt) - start, PER_STEP, max(budget, FLOOR)) if budget else 0
+        assert (out.decodes, out.prefill, out.prompt_tokens) == \
+            (1, [(start, n)] if n else [], n)  # 0: a decode-only step
         start += n
     assert start == len(long.prompt) and long.tokens == [1]  # its first token came
+    first = long.blocks[0]  # its prompt's 25 blocks, taken at once while the other's grew:
+    assert long.blocks[:25] == list(range(first, first + 25))  # adjacent, read in place
     short = [_request(3, 30), _request(4, 30)]
     sched.waiting.extend(short)
     out = _step(sched, 40)  # one budget for the step: 30 of one, 10 of the next
@@ -97,30 +101,56 @@ def _cost(start: int, n: int) -> float:
     return D + A * n + B * n * (start + (n - 1) / 2) / 1024 + G * (start + n) / 1024
 
 
+def _walk(pacer: Pacer, slower_from: int = 1 << 30) -> list[tuple[int, float, float]]:
+    """A 4096-token prompt computed as the engine would with `pacer` (8 streams
+    decoding): (prompt tokens, seconds, the machine's slowness) of each step; from
+    context position `slower_from` every step takes twice as long (a busier machine)."""
+    start, steps = 0, []
+    while start < 4096:
+        k = 2.0 if start >= slower_from else 1.0
+        n = pacer.budget(start)
+        if n > 0:  # else a decode-only step (D measured again)
+            n = min(4096 - start, max(FLOOR, n))
+        t = k * _cost(start, n) if n else k * D
+        pacer.observe(t, 8, [(start, n)] if n else [])
+        steps.append((n, t, k))
+        start += n
+    return steps
+
+
 def test_the_pacer_learns_a_cost_model_and_keeps_each_step_within_the_ratio():
     pacer = Pacer(1.5)
     pacer.observe(9.0, 0, [(0, 256)])  # a lone prompt: no stream to compare with
-    assert pacer.budget(0) == 0 and pacer.decode_s is None
+    assert pacer.budget(0) == 0 and pacer.decode_s is None  # a decode-only step first
     pacer.observe(D, 8, [])
-    assert pacer.budget(0) == 0  # no piece seen yet: the floor
+    assert pacer.budget(0) == 1  # no piece seen yet: the floor
     pacer.observe(2 * D, 8, [])
     assert pacer.decode_s == pytest.approx(1.2 * D)  # a moving average
     for _ in range(40):
         pacer.observe(D, 8, [])
     assert pacer.decode_s == pytest.approx(D, rel=1e-3)
-    start, sizes, times = 0, [], []
-    while start < 4096:
-        n = min(4096 - start, max(FLOOR, pacer.budget(start)))
-        sizes.append(n)
-        times.append(_cost(start, n))
-        pacer.observe(times[-1], 8, [(start, n)])
-        start += n
+    steps = _walk(pacer)
+    sizes = [n for n, _, _ in steps if n]
     assert sizes[:3] == [FLOOR, 2 * FLOOR, 4 * FLOOR]  # doubling from the floor
+    runs = "".join("p" if n else "d" for n, _, _ in steps).split("d")
+    assert max(map(len, runs)) == REFRESH  # D measured again every REFRESH steps
     room = 1.5 * D
-    late = [t for t, n in zip(times[3:], sizes[3:]) if n > FLOOR]
+    late = [t for n, t, _ in steps[3:] if n > FLOOR]
     assert len(late) > 20 and max(late) <= room * 1.01  # within the ratio
-    assert min(times[4:len(late)]) > room * 0.9  # and not needlessly small pieces
+    assert min(late[1:len(late) // 2]) > room * 0.9  # and not needlessly small pieces
     assert sizes[-2] < sizes[4]  # attention's growth: pieces shrink with the context
+
+
+def test_a_busier_machine_is_seen_by_measuring_the_decode_only_step_again():
+    pacer = Pacer(1.5)
+    for _ in range(40):
+        pacer.observe(D, 8, [])
+    steps = _walk(pacer, slower_from=1024)
+    change = next(i for i, (_, _, k) in enumerate(steps) if k > 1)  # its first two steps
+    late = [(t, k) for n, t, k in steps[3:change] + steps[change + 2:]  # are planned with
+            if n > FLOOR]  # the quieter machine's figures
+    assert all(t <= 1.5 * k * D * 1.01 for t, k in late)  # within the ratio throughout
+    assert pacer.decode_s == pytest.approx(2 * D, rel=0.05)
 
 
 def test_the_pacer_fits_its_three_costs_from_varied_steps():

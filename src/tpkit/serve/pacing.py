@@ -19,8 +19,11 @@ keys, whatever its rows: gathering its blocks, ~1/3 of a decode step at 4k keys 
 SmolLM2-135M here) are a least-squares fit, each >= 0, of the steps with pieces and
 decodes (the time above D), recent steps weighted more (exponential forgetting). Where
 even the floor costs more than the room (g alone at a long context), the step is over
-the ratio: nothing smaller progresses. Until D and a first
-piece are known the budget is 0 (the scheduler's floor, `scheduler.FLOOR`); it grows
+the ratio: nothing smaller progresses. D is measured again every `REFRESH` steps with
+pieces (a budget of 0: that step computes no prompt token): on a shared machine the
+decode-only step time moves, and a stale D would be read as the pieces' cost. Until a
+first
+piece is seen the budget is the scheduler's floor (`scheduler.FLOOR`); it grows
 at most to twice the largest piece seen so far (a noisy early fit never buys one huge
 step). What it trades: a long prompt's time to first token, spread over more steps,
 for the other streams' ITL (`--itl-ratio`).
@@ -35,6 +38,7 @@ import math
 from tpkit.spec.errors import UserError
 
 ITL_RATIO = 1.5  # a step with pieces of prompts at most 1.5 x a decode-only step
+REFRESH = 8  # steps with pieces between two decode-only steps that measure D again
 KILO = 1024  # context positions per unit of the attention term
 
 
@@ -56,6 +60,7 @@ class Pacer:
         self.xx = [[0.0] * 3 for _ in range(3)]  # forgotten sums of x x^T and x y,
         self.xy = [0.0] * 3  # x = (tokens, tokens x mean position / K, keys read / K)
         self.largest = 0  # prompt tokens of the largest step with pieces and decodes seen
+        self.since = 0  # steps with pieces and decodes since the last decode-only one
 
     def observe(self, seconds: float, decodes: int, pieces: list[tuple[int, int]]) -> None:
         """A step ran in `seconds` with `decodes` decoding requests and `pieces`
@@ -66,7 +71,9 @@ class Pacer:
         if not pieces:
             d = self.decode_s
             self.decode_s = seconds if d is None else d + self.smoothing * (seconds - d)
+            self.since = 0
             return
+        self.since += 1
         if self.decode_s is None:
             return
         x = (sum(n for _, n in pieces),
@@ -98,15 +105,18 @@ class Pacer:
         return 0.0, 0.0, 0.0
 
     def budget(self, start: int) -> int:
-        """Prompt tokens the next step may compute, its first piece starting at context
-        position `start` (0: nothing known yet, the scheduler's floor applies)."""
-        if self.decode_s is None or self.largest == 0:
+        """Prompt tokens the next step may compute while requests decode, its first piece
+        starting at context position `start`: 0 for a decode-only step (D unknown or due
+        to be measured again), else >= 1 (the scheduler lifts it to its floor)."""
+        if self.decode_s is None or self.since >= REFRESH:
             return 0
+        if self.largest == 0:
+            return 1  # the floor: the first piece
         cap = 2 * self.largest
         a, b, g = self.costs()
         room = (self.ratio - 1) * self.decode_s - g * start / KILO
         if room <= 0:
-            return 0
+            return 1
         # a p + b p (start + (p - 1) / 2) / K + g p / K <= room:  A p^2 + B p - room <= 0
         big_a, big_b = b / (2 * KILO), a + (b * (start - 0.5) + g) / KILO
         if big_a > 0:
@@ -115,7 +125,7 @@ class Pacer:
             p = room / big_b
         else:
             return cap
-        return max(0, min(cap, int(p)))
+        return max(1, min(cap, int(p)))
 
 
 def _solve(m: list[list[float]], v: list[float]) -> list[float]:

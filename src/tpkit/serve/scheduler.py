@@ -21,7 +21,9 @@ decoding, `prefill_per_step` alone applies (a lone prompt's TTFT does not suffer
 
 Two modes (`invariant`):
 - default: a piece is what the budget leaves; every piece and decode of a step is one
-  forward; blocks are taken as tokens arrive. When none is left for a running
+  forward; a request's prompt blocks are taken at admission, in one run (adjacent
+  where the pool allows: its pieces then read their keys in place, no gather), the
+  blocks of what it generates as tokens arrive. When none is left for a running
   request, the request admitted last is preempted: its blocks are released and it
   waits at the front of the queue to be recomputed (its prompt and what it generated,
   as a prefill: recompute, not swap; its full prompt blocks are likely still cached).
@@ -87,18 +89,19 @@ class Scheduler:
 
     def schedule(self, prompt_budget: int | None = None) -> SchedulerOutput:
         """The next step's plan (requests' `blocks` and `slot` updated). While a request
-        decodes, at most max(`prompt_budget`, FLOOR) prompt tokens (default mode; None:
-        `prefill_per_step` alone)."""
+        decodes, at most max(`prompt_budget`, FLOOR) prompt tokens, none if it is 0 (a
+        decode-only step; default mode; None: `prefill_per_step` alone)."""
         out = SchedulerOutput([], 0)
-        left = self.prefill_per_step or float("inf")
+        left, opens = self.prefill_per_step or float("inf"), True  # opens: one piece runs
         if prompt_budget is not None and not self.invariant and \
                 any(_decoding(r) for r in self.running):
-            left = min(left, max(prompt_budget, FLOOR))
+            opens = prompt_budget > 0
+            left = min(left, max(prompt_budget, FLOOR)) if opens else 0
         decodes, pieces = [], []
         for req in list(self.running):
             if req not in self.running:
                 continue  # preempted for an earlier one
-            n = self._next(req, left, not pieces)
+            n = self._next(req, left, opens and not pieces)
             if n == 0:
                 continue
             if not self._room(req, req.computed + n, out):
@@ -114,14 +117,14 @@ class Scheduler:
             if held + len(req.prompt) + req.params.max_tokens > self.budget:
                 break  # first come, first served: it waits, and those behind it
             req.computed, req.prefill_end = 0, _tokens(req)
-            if self._next(req, left, not pieces) == 0:
+            if self._next(req, left, opens and not pieces) == 0:
                 break  # this step's prompt budget is spent
-            if not self._admit(req, left, not pieces):
+            if not self._admit(req):
                 break
             self.waiting.popleft()
             self.running.append(req)
             out.admitted.append(req)
-            n = self._next(req, left, not pieces)
+            n = self._next(req, left, opens and not pieces)
             if n == 0 or not self._room(req, req.computed + n, out):
                 continue
             pieces.append((req, n))
@@ -152,7 +155,7 @@ class Scheduler:
             return n if first or n <= left else 0
         return int(min(n, left)) if left >= 1 else (n if first else 0)
 
-    def _admit(self, req: Request, left: float, first: bool) -> bool:
+    def _admit(self, req: Request) -> bool:
         """Find its cached prefix and take its blocks (False: it must wait)."""
         bs, everything = self.pool.block_size, req.prompt + req.tokens
         hits: list[int] = []
@@ -169,7 +172,7 @@ class Scheduler:
         if self.invariant:
             need = -(-(len(req.prompt) + req.params.max_tokens) // bs) - len(hits)
         else:
-            need = -(-(req.computed + max(self._next(req, left, first), 1)) // bs) - len(hits)
+            need = -(-req.prefill_end // bs) - len(hits)  # its prompt's, in one run
         fresh = self.pool.allocate(need)
         if fresh is None:
             self.pool.release(hits)
