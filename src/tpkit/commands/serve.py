@@ -79,7 +79,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         "in the queue (default: max-batch x max-len)")
     g.add_argument("--kv-cache-bytes", type=int, default=None, metavar="N",
                    help="bytes of KV blocks per rank, at most (default: what max-batch x "
-                        "max-len tokens take); taken as tokens arrive, never up front")
+                        "max-len tokens take); taken as requests need them, never up front")
     g.add_argument("--no-prefix-cache", action="store_true",
                    help="compute every prompt in full (default: a prompt's full 16-token "
                         "blocks that an earlier request computed are reused)")

@@ -17,7 +17,7 @@ request alone (sampling, log-probabilities, detokenizing, stop strings) fails th
 request with 500 and the step goes on for the others; an error in a forward (every
 rank's) ends the step. Nothing else steps the engine: a `Request` handle only waits.
 
-KV memory: blocks of 16 tokens (`model.paged_kv`), taken as tokens arrive and
+KV memory: blocks of 16 tokens (`model.paged_kv`), taken as requests need them and
 kept for the prefix cache, at most `kv_cache_bytes` per rank (default: what
 max_batch x max_len tokens take, today's worst case, never reserved up front).
 
