@@ -210,6 +210,7 @@ class Engine:
         if out.empty:
             self._account(out)
             return False
+        grew = out.blocks > self.runner.cache.blocks  # copies the cache: not the pieces' cost
         reqs = [r for f in out.forwards for r in f.reqs if r is not None]
         greedy = self.model.group.size > 1 and all(  # the shards' best, not their logits
             r.params.temperature <= 0 and r.params.logprobs is None for r in reqs)
@@ -227,7 +228,7 @@ class Engine:
                 if piece.logits == EVERY:
                     other, k = rest[k], k + 1
                 self._alone(req, self._take, req, piece, row, other, greedy)
-        if self.pacer is not None:  # what this step cost, tokens handed out included
+        if self.pacer is not None and not grew:  # this step's cost, tokens handed out too
             self.pacer.observe(time.perf_counter() - began, out.decodes, out.prefill)
         self._account(out)
         return True
