@@ -21,11 +21,11 @@ decodes (the time above D), recent steps weighted more (exponential forgetting).
 even the floor costs more than the room (g alone at a long context), the step is over
 the ratio: nothing smaller progresses. D is measured again every `REFRESH` steps with
 pieces (a budget of 0: that step computes no prompt token): on a shared machine the
-decode-only step time moves, and a stale D would be read as the pieces' cost. Until a
-first
-piece is seen the budget is the scheduler's floor (`scheduler.FLOOR`); it grows
-at most to twice the largest piece seen so far (a noisy early fit never buys one huge
-step). What it trades: a long prompt's time to first token, spread over more steps,
+decode-only step time moves, and a stale D would be read as the pieces' cost (the
+engine hands over no step that grew the KV cache: that copy is no piece's cost). Until
+a first piece is seen the budget is the scheduler's floor (`scheduler.FLOOR`); it
+grows at most to twice the largest piece seen so far (a noisy early fit never buys one
+huge step). What it trades: a long prompt's time to first token, spread over more steps,
 for the other streams' ITL (`--itl-ratio`).
 
 No clock here: the engine measures, the scheduler receives a number.
