@@ -9,7 +9,8 @@ a Hugging Face folder), through the real CLI and the HTTP API, in one run:
    a second one more client sends a `--long`-token prompt: the gaps between the 8
    streams' tokens (ITL) p50 and p99, at each `--prefill-per-step` budget (256, the
    server's default; 32; 0: no limit, the whole prompt in one step, as a prefill ran
-   before): the long prompt is computed in pieces of the budget between the decodes.
+   before), fixed (`--itl-ratio 0`; benchmarks/serve_itl.py measures the paced budget):
+   the long prompt is computed in pieces of the budget between the decodes.
 
     PYTHONPATH=src python benchmarks/serve_prefix.py [--long 4096] [--rounds 1]
         [--prefill-per-step 256,32,0] [--no-prefix] [--out bench-results/serve_prefix.json]
@@ -111,7 +112,8 @@ def long_round(folder: Path, prefill: int, long: int, vocab: int) -> dict:
     rng = random.Random(1)
     work = [([rng.randrange(vocab) for _ in range(32)], 64) for _ in range(DECODERS)]
     work.append(([rng.randrange(vocab) for _ in range(long)], 4))
-    proc, port = start(folder, ["--prefill-per-step", str(prefill)], long + 128)
+    proc, port = start(folder, ["--prefill-per-step", str(prefill), "--itl-ratio", "0"],
+                       long + 128)  # fixed budgets (benchmarks/serve_itl.py: the paced one)
     try:
         res = together(port, work, [0] * DECODERS + [1.0])
         itl = [g for r in res[:DECODERS] for g in r[1]]

@@ -73,6 +73,7 @@ def _cases(root: Path, port: int) -> list[tuple[list[str], str]]:
         (gen + ["--prompt-ids", "1", "--seed", str(1 << 64)],  # the server's bound too
          f"--seed={1 << 64} must be a 64-bit integer"),
         (gen + ["--prompt-ids", "1", "--max-new-tokens", "-1"], "--max-new-tokens=-1 must"),
+        (["serve", "--checkpoint", g, "--itl-ratio", "1"], "--itl-ratio=1.0 must be > 1"),
         (["generate", "--checkpoint", str(root / "run"), "--prompt-ids", "1"],
          "neither a tpkit checkpoint"),
         (["generate", "--checkpoint", str(root / "notes.safetensors"), "--prompt-ids", "1"],

@@ -21,7 +21,7 @@ import torch
 
 from checkpoint_helpers import LLAMA, SMOL, fill, random_full
 from tpkit.mesh import ParallelMesh
-from tpkit.model.paged_kv import PagedCache
+from tpkit.model.paged_kv import LAST, PagedCache, Piece, forward
 from tpkit.model.transformer import Transformer
 from tpkit.serve import Engine, SamplingParams
 from tpkit.serve.blocks import BlockPool, block_keys
@@ -151,3 +151,18 @@ def test_block_pool_counts_chains_and_evicts_least_recent():
     pool.release(got[:1])
     assert pool.allocate(2) is not None  # the free block, then the LRU cached one
     assert pool.lookup(keys) == [got[0]]  # got[1] was evicted, got[0] kept
+
+
+def test_scattered_blocks_give_the_bits_of_adjacent_ones():
+    """A sequence's keys gathered from scattered blocks (a block at a time) give the
+    logits of the same keys read in place from adjacent blocks, bit for bit."""
+    model = _model(ParallelMesh.single(), LLAMA)
+    ids = [(5 * j + 3) % 257 for j in range(45)]
+    got = []
+    for table in ([1, 2, 3], [7, 2, 5]):
+        cache = PagedCache(model, 16)
+        cache.grow(8)
+        forward(model, cache, [Piece(ids[:40], 0, table, LAST)])
+        got.append(forward(model, cache, [Piece([3], 9, [4], LAST),  # another sequence
+                                          Piece(ids[40:], 40, table, LAST)])[0])
+    assert torch.equal(got[0], got[1])

@@ -34,6 +34,8 @@ from tpkit.serve.embedder import Embedder
 from tpkit.serve.engine import PREFILL_PER_STEP, Engine
 from tpkit.serve.loop import serve_loop
 from tpkit.serve.openai_api import MAX_BODY
+from tpkit.serve.pacing import ITL_RATIO, check_ratio
+from tpkit.serve.scheduler import FLOOR
 from tpkit.spec.errors import UserError
 from tpkit.spec.transport import add_comm_argument, comm_choice
 from tpkit.weights.pooling import read_pooling
@@ -69,13 +71,20 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     g.add_argument("--prefill-per-step", type=int, default=PREFILL_PER_STEP, metavar="T",
                    help="prompt tokens prefilled per step, at most (a longer prompt alone; "
                         "0: no limit): the running requests decode in between")
+    g.add_argument("--itl-ratio", type=float, default=ITL_RATIO, metavar="R",
+                   help="while requests decode, a step computes only the prompt tokens that "
+                        "keep it within R x a decode-only step (learnt from the steps' "
+                        f"times; at least {FLOOR} tokens a step): the decoding streams' "
+                        "inter-token latency bought with a long prompt's time to first "
+                        f"token (default {ITL_RATIO}; 0: off, --prefill-per-step alone; "
+                        "not used with --batch-invariant)")
     g.add_argument("--max-tokens-in-flight", type=int, default=None, metavar="T",
                    help="prompt + max_tokens summed over the running requests; more waits "
                         "in the queue (an encoder: padded tokens of one embedding forward) "
                         "(default: max-batch x max-len)")
     g.add_argument("--kv-cache-bytes", type=int, default=None, metavar="N",
                    help="bytes of KV blocks per rank, at most (default: what max-batch x "
-                        "max-len tokens take); taken as tokens arrive, never up front")
+                        "max-len tokens take); taken as requests need them, never up front")
     g.add_argument("--no-prefix-cache", action="store_true",
                    help="compute every prompt in full (default: a prompt's full 16-token "
                         "blocks that an earlier request computed are reused)")
@@ -95,6 +104,10 @@ def _check_args(args: argparse.Namespace) -> None:
             if getattr(args, k) is not None and getattr(args, k) < 1]
     if args.prefill_per_step < 0:
         bad.append(f"--prefill-per-step={args.prefill_per_step} must be >= 0 (0: no limit)")
+    try:
+        check_ratio(args.itl_ratio, "--itl-ratio")
+    except UserError as e:
+        bad.append(str(e))
     if not 0 <= args.port <= 65535:
         bad.append(f"--port={args.port} must be in [0, 65535]")
     if args.timeout <= 0 or args.drain_seconds < 0:
@@ -146,7 +159,8 @@ def _serve(mesh: ParallelMesh, args, source, sock, pooling, followers=None) -> N
         engine = Engine(model, tokenizer=tokenizer, max_batch=args.max_batch,
                         max_len=args.max_len, max_tokens_in_flight=args.max_tokens_in_flight,
                         prefill_per_step=args.prefill_per_step,
-                        decode_chunk=decode_chunk(args), kv_cache_bytes=args.kv_cache_bytes,
+                        decode_chunk=decode_chunk(args), itl_ratio=args.itl_ratio,
+                        kv_cache_bytes=args.kv_cache_bytes,
                         prefix_caching=not args.no_prefix_cache)
     name = args.served_model_name or Path(str(args.checkpoint).rstrip("/")).resolve().name
     app = App(engine, name, tokenizer, max_body=args.max_body_bytes, timeout=args.timeout)

@@ -115,10 +115,14 @@ def layout(pieces: list[Piece], block_size: int, window: int | None, rope_len: i
         flat = (table[:, None] * block_size + torch.arange(block_size)).reshape(-1)  # [nb*bs]
         positions = torch.arange(p.start, end)
         lo = max(0, p.start - window + 1) if window else 0
-        keys = flat[lo:end].to(device)
-        if all(b == a + 1 for a, b in zip(p.blocks, p.blocks[1:])):  # adjacent blocks:
-            first = p.blocks[0] * block_size  # a view of the cache, no gather (the same
-            keys = slice(first + lo, first + end)  # memory layout, so the same bits)
+        b0 = lo // block_size
+        used = p.blocks[b0:-(-end // block_size)]
+        if all(b == a + 1 for a, b in zip(used, used[1:])):  # adjacent blocks:
+            first = used[0] * block_size - b0 * block_size  # a view of the cache, no
+            keys = slice(first + lo, first + end)  # gather (the same layout, same bits)
+        else:  # its blocks, gathered whole (`layers.attention._paged`)
+            keys = (torch.tensor(used, dtype=torch.long, device=device),
+                    slice(lo - b0 * block_size, end - b0 * block_size))
         mask = None
         if n > 1 or window:
             j, q = torch.arange(lo, end), positions[:, None]
@@ -129,7 +133,8 @@ def layout(pieces: list[Piece], block_size: int, window: int | None, rope_len: i
         write.append(flat[p.start:end])
         seqs.append((row, n, keys, mask))
         row += n
-    batch = PagedBatch(torch.cat(pos).to(device), torch.cat(write).to(device), seqs, rope_len)
+    batch = PagedBatch(torch.cat(pos).to(device), torch.cat(write).to(device), seqs, rope_len,
+                       block_size)
     return torch.tensor(ids, dtype=torch.long, device=device)[:, None], batch
 
 

@@ -17,9 +17,16 @@ request alone (sampling, log-probabilities, detokenizing, stop strings) fails th
 request with 500 and the step goes on for the others; an error in a forward (every
 rank's) ends the step. Nothing else steps the engine: a `Request` handle only waits.
 
-KV memory: blocks of 16 tokens (`model.paged_kv`), taken as tokens arrive and
+KV memory: blocks of 16 tokens (`model.paged_kv`), taken as requests need them and
 kept for the prefix cache, at most `kv_cache_bytes` per rank (default: what
 max_batch x max_len tokens take, today's worst case, never reserved up front).
+
+Prompt tokens per step (default mode): at most `prefill_per_step`; while requests
+decode and `itl_ratio` > 0 (`tpkit serve`'s default 1.5; 0, off, for the Python API and
+`tpkit generate`, where no one watches the gaps between tokens), also what keeps the
+step within `itl_ratio` x a decode-only step, learnt from the steps' wall times
+(`serve.pacing`): a long prompt's time to first token traded for the running streams'
+inter-token latency.
 
 How a decode runs is `decode_chunk`:
 - None (the default, `tpkit serve` without --batch-invariant): one forward per step of
@@ -36,6 +43,7 @@ from __future__ import annotations
 
 import sys
 import threading
+import time
 
 import torch
 from torch import nn
@@ -44,6 +52,7 @@ from tpkit.model.paged_kv import EVERY, LAST, PagedCache
 from tpkit.serve.blocks import BlockPool
 from tpkit.serve.metrics import Metrics
 from tpkit.serve.output import OutputProcessor
+from tpkit.serve.pacing import Pacer, check_ratio
 from tpkit.serve.params import SamplingParams
 from tpkit.serve.request import Request, RequestFailed, Token
 from tpkit.serve.runner import Runner
@@ -65,7 +74,9 @@ class Engine:
                  max_len: int | None = None, max_tokens_in_flight: int | None = None,
                  decode_chunk: int | None = None, prefill_per_step: int = PREFILL_PER_STEP,
                  kv_cache_bytes: int | None = None, prefix_caching: bool = True,
-                 piece: int = PIECE, runner: Runner | None = None) -> None:
+                 piece: int = PIECE, itl_ratio: float = 0.0,
+                 runner: Runner | None = None) -> None:
+        check_ratio(itl_ratio)
         if prefill_per_step < 0:
             raise UserError(f"prefill_per_step={prefill_per_step} must be >= 0 (0: no limit)")
         if max_batch < 1 or (decode_chunk is not None and decode_chunk < 1):
@@ -95,6 +106,8 @@ class Engine:
                                    chunk=None if decode_chunk is None
                                    else min(decode_chunk, max_batch),
                                    piece=max(block_size, piece // block_size * block_size))
+        # the batch-invariant mode's pieces are fixed: nothing to pace
+        self.pacer = Pacer(itl_ratio) if itl_ratio and decode_chunk is None else None
         self.outputs = OutputProcessor(tokenizer, set(getattr(tokenizer, "eos_ids", None)
                                                       or []))
         self.tokenizer_lock = self.outputs.lock
@@ -185,16 +198,19 @@ class Engine:
     @torch.no_grad()
     def step(self) -> bool:
         """Schedule, run, and hand out one step's tokens; False if there was nothing."""
+        began = time.perf_counter()
         with self._lock:
             for req in [*self.scheduler.running, *self.scheduler.waiting]:
                 if req.cancelled:
                     self._end(req, "cancelled")
-            out = self.scheduler.schedule()
+            start = self.scheduler.prompt_start() if self.pacer else None
+            out = self.scheduler.schedule(None if start is None else self.pacer.budget(start))
         for req in out.preempted:  # recomputed from its first token: scored again
             req.prompt_logprobs, req.prompt_top = req.prompt_logprobs[:1], req.prompt_top[:1]
         if out.empty:
             self._account(out)
             return False
+        grew = out.blocks > self.runner.cache.blocks  # copies the cache: not the pieces' cost
         reqs = [r for f in out.forwards for r in f.reqs if r is not None]
         greedy = self.model.group.size > 1 and all(  # the shards' best, not their logits
             r.params.temperature <= 0 and r.params.logprobs is None for r in reqs)
@@ -212,6 +228,8 @@ class Engine:
                 if piece.logits == EVERY:
                     other, k = rest[k], k + 1
                 self._alone(req, self._take, req, piece, row, other, greedy)
+        if self.pacer is not None and not grew:  # this step's cost, tokens handed out too
+            self.pacer.observe(time.perf_counter() - began, out.decodes, out.prefill)
         self._account(out)
         return True
 

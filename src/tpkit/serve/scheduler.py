@@ -13,11 +13,17 @@ keys in its blocks. Each step, in order:
        rest of the prompt is computed in pieces.
 Prompt tokens computed per step are at most `prefill_per_step` (0: no limit; one piece
 always runs), so decodes and pieces of prompts share a step (chunked prefill) and a long
-prompt never stalls the running requests for more than one piece.
+prompt never stalls the running requests for more than one piece. While requests
+decode, `schedule(prompt_budget)` bounds a step's prompt tokens further, to the number
+it is given (the engine's `serve.pacing`, which keeps the step's time near a decode-only
+step's), never below `FLOOR` (a long prompt always progresses); with no request
+decoding, `prefill_per_step` alone applies (a lone prompt's TTFT does not suffer).
 
 Two modes (`invariant`):
 - default: a piece is what the budget leaves; every piece and decode of a step is one
-  forward; blocks are taken as tokens arrive. When none is left for a running
+  forward; a request's prompt blocks are taken at admission, in one run (adjacent
+  where the pool allows: its pieces then read their keys in place, no gather), the
+  blocks of what it generates as tokens arrive. When none is left for a running
   request, the request admitted last is preempted: its blocks are released and it
   waits at the front of the queue to be recomputed (its prompt and what it generated,
   as a prefill: recompute, not swap; its full prompt blocks are likely still cached).
@@ -26,6 +32,7 @@ Two modes (`invariant`):
   prefix cache hit is cut down to one) and each piece is a forward of its own; the
   decodes run in forwards of exactly C rows (padding rows in block 0). A request's
   blocks for prompt + max_tokens are taken at admission, so it is never preempted.
+  `prompt_budget` is not used (the pieces are fixed by design).
 """
 
 from __future__ import annotations
@@ -37,6 +44,7 @@ from tpkit.model.paged_kv import EVERY, LAST, NONE, Piece
 from tpkit.serve.blocks import BlockPool, block_keys
 from tpkit.serve.request import Request
 
+FLOOR = 4  # prompt tokens a step computes at least while requests decode
 
 @dataclass
 class Forward:
@@ -55,6 +63,8 @@ class SchedulerOutput:
     admitted: list[Request] = field(default_factory=list)
     preempted: list[Request] = field(default_factory=list)
     prompt_tokens: int = 0  # computed in this step (prefix-cache hits excluded)
+    decodes: int = 0  # requests decoding one token in this step
+    prefill: list[tuple[int, int]] = field(default_factory=list)  # (start, tokens) of pieces
 
     @property
     def empty(self) -> bool:
@@ -77,20 +87,26 @@ class Scheduler:
         """The batch-invariant mode."""
         return self.chunk is not None
 
-    def schedule(self) -> SchedulerOutput:
-        """The next step's plan (requests' `blocks` and `slot` updated)."""
+    def schedule(self, prompt_budget: int | None = None) -> SchedulerOutput:
+        """The next step's plan (requests' `blocks` and `slot` updated). While a request
+        decodes, at most max(`prompt_budget`, FLOOR) prompt tokens, none if it is 0 (a
+        decode-only step; default mode; None: `prefill_per_step` alone)."""
         out = SchedulerOutput([], 0)
-        left = self.prefill_per_step or float("inf")
+        left, opens = self.prefill_per_step or float("inf"), True  # opens: one piece runs
+        if prompt_budget is not None and not self.invariant and \
+                any(_decoding(r) for r in self.running):
+            opens = prompt_budget > 0
+            left = min(left, max(prompt_budget, FLOOR)) if opens else 0
         decodes, pieces = [], []
         for req in list(self.running):
             if req not in self.running:
                 continue  # preempted for an earlier one
-            n = self._next(req, left, not pieces)
+            n = self._next(req, left, opens and not pieces)
             if n == 0:
                 continue
             if not self._room(req, req.computed + n, out):
                 continue  # it was itself preempted
-            if _tokens(req) - req.computed == 1 and req.computed >= req.prefill_end:
+            if _decoding(req):
                 decodes.append(req)
             else:
                 pieces.append((req, n))
@@ -101,14 +117,14 @@ class Scheduler:
             if held + len(req.prompt) + req.params.max_tokens > self.budget:
                 break  # first come, first served: it waits, and those behind it
             req.computed, req.prefill_end = 0, _tokens(req)
-            if self._next(req, left, not pieces) == 0:
+            if self._next(req, left, opens and not pieces) == 0:
                 break  # this step's prompt budget is spent
-            if not self._admit(req, left, not pieces):
+            if not self._admit(req):
                 break
             self.waiting.popleft()
             self.running.append(req)
             out.admitted.append(req)
-            n = self._next(req, left, not pieces)
+            n = self._next(req, left, opens and not pieces)
             if n == 0 or not self._room(req, req.computed + n, out):
                 continue
             pieces.append((req, n))
@@ -118,6 +134,15 @@ class Scheduler:
         self._plan(out, decodes, pieces)
         out.blocks = self.pool.size
         return out
+
+    def prompt_start(self) -> int | None:
+        """The context position the next piece of a prompt starts at (a running
+        request's, else the first waiting one's, prefix-cache hits not counted); None
+        if no prompt waits to be computed."""
+        for req in self.running:
+            if not _decoding(req) and req.computed < _tokens(req):
+                return req.computed
+        return 0 if self.waiting else None
 
     def _next(self, req: Request, left: float, first: bool) -> int:
         """Tokens of `req` to compute this step (0: none, the budget is spent)."""
@@ -130,7 +155,7 @@ class Scheduler:
             return n if first or n <= left else 0
         return int(min(n, left)) if left >= 1 else (n if first else 0)
 
-    def _admit(self, req: Request, left: float, first: bool) -> bool:
+    def _admit(self, req: Request) -> bool:
         """Find its cached prefix and take its blocks (False: it must wait)."""
         bs, everything = self.pool.block_size, req.prompt + req.tokens
         hits: list[int] = []
@@ -147,7 +172,7 @@ class Scheduler:
         if self.invariant:
             need = -(-(len(req.prompt) + req.params.max_tokens) // bs) - len(hits)
         else:
-            need = -(-(req.computed + max(self._next(req, left, first), 1)) // bs) - len(hits)
+            need = -(-req.prefill_end // bs) - len(hits)  # its prompt's, in one run
         fresh = self.pool.allocate(need)
         if fresh is None:
             self.pool.release(hits)
@@ -215,6 +240,7 @@ class Scheduler:
             return Piece(toks, req.computed, list(req.blocks), kind)
 
         out.prompt_tokens = sum(n for _, n in pieces)
+        out.decodes, out.prefill = len(decodes), [(r.computed, n) for r, n in pieces]
         if not self.invariant:
             if decodes or pieces:
                 reqs = [r for r, _ in pieces] + decodes
@@ -233,3 +259,8 @@ class Scheduler:
 
 def _tokens(req: Request) -> int:
     return len(req.prompt) + len(req.tokens)
+
+
+def _decoding(req: Request) -> bool:
+    """Its prompt is computed: the next step computes its one new token."""
+    return _tokens(req) - req.computed == 1 and req.computed >= req.prefill_end
