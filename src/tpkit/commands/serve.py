@@ -71,13 +71,14 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     g.add_argument("--prefill-per-step", type=int, default=PREFILL_PER_STEP, metavar="T",
                    help="prompt tokens prefilled per step, at most (a longer prompt alone; "
                         "0: no limit): the running requests decode in between")
-    g.add_argument("--itl-ratio", type=float, default=ITL_RATIO, metavar="R",
+    g.add_argument("--itl-ratio", type=float, default=0.0, metavar="R",
                    help="while requests decode, a step computes only the prompt tokens that "
                         "keep it within R x a decode-only step (learnt from the steps' "
                         f"times; at least {FLOOR} tokens a step): the decoding streams' "
                         "inter-token latency bought with a long prompt's time to first "
-                        f"token (default {ITL_RATIO}; 0: off, --prefill-per-step alone; "
-                        "not used with --batch-invariant)")
+                        f"token, and throughput when many clients start at once (e.g. "
+                        f"{ITL_RATIO}; default 0: off, --prefill-per-step alone; not used "
+                        "with --batch-invariant)")
     g.add_argument("--max-tokens-in-flight", type=int, default=None, metavar="T",
                    help="prompt + max_tokens summed over the running requests; more waits "
                         "in the queue (an encoder: padded tokens of one embedding forward) "
