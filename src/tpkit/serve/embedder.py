@@ -25,9 +25,8 @@ from collections import deque
 import torch
 from torch import nn
 
-from tpkit.serve.engine import TooLong
+from tpkit.serve.engine import Intake, TooLong
 from tpkit.serve.metrics import Metrics
-from tpkit.serve.request import RequestFailed
 from tpkit.serve.runner import Runner
 from tpkit.spec.errors import UserError
 from tpkit.weights.pooling import Pooling
@@ -60,7 +59,7 @@ class EmbedJob:
             self.on_done()
 
 
-class Embedder:
+class Embedder(Intake):
     """Inputs in (`submit`), pooled vectors out (`EmbedJob`); `step()` runs one forward."""
 
     def __init__(self, model: nn.Module, pooling: Pooling | None = None, *,
@@ -80,10 +79,8 @@ class Embedder:
         self.runner = runner or Runner(model, 1, model.config.max_seq_len)
         self.width = model.config.hidden
         self.metrics, self.tokenizer_lock = Metrics(), threading.Lock()
-        self.looping, self.accepting = False, True
         self.waiting: deque[EmbedJob] = deque()
-        self._lock, self._wake = threading.Lock(), threading.Condition()
-        self._ids = 0
+        super().__init__()
 
     def limit_text(self) -> str:
         """Where the longest input comes from ('max positions 512, max_seq_length 256')."""
@@ -109,14 +106,9 @@ class Embedder:
         """Queue a request's inputs; `on_done()` is called (from the loop's thread) once
         its job is done. UserError for bad inputs, RequestFailed (503) once not accepting."""
         self.check(inputs)
-        with self._lock:
-            if not self.accepting:
-                raise RequestFailed(503, "the server is shutting down")
-            self._ids += 1
-            job = EmbedJob(self._ids, [list(x) for x in inputs], on_done)
+        with self._intake() as rid:
+            job = EmbedJob(rid, [list(x) for x in inputs], on_done)
             self.waiting.append(job)
-        with self._wake:
-            self._wake.notify_all()
         return job
 
     def embed(self, inputs: list[list[int]]) -> torch.Tensor:
@@ -134,12 +126,6 @@ class Embedder:
     def busy(self) -> bool:
         """Requests waiting."""
         return bool(self.waiting)
-
-    def wait_for_work(self, timeout: float) -> None:
-        """Block until a request arrives (or `timeout` seconds)."""
-        with self._wake:
-            if not self.busy:
-                self._wake.wait(timeout)
 
     def _plan(self) -> list[tuple[EmbedJob, list[int]]]:
         """The next forward: the waiting requests' inputs in arrival order (each request's
@@ -203,11 +189,6 @@ class Embedder:
                 self.metrics.prompt_tokens += job.tokens
                 self.metrics.embedding_inputs += len(job.inputs)
         job._end(error)
-
-    def stop_accepting(self) -> None:
-        """New submissions are refused; what was submitted runs on."""
-        with self._lock:
-            self.accepting = False
 
     def fail_all(self, status: int, message: str) -> None:
         """Every waiting request fails with `status` (a worker died, shutting down)."""

@@ -44,6 +44,8 @@ from __future__ import annotations
 import sys
 import threading
 import time
+from collections.abc import Iterator
+from contextlib import contextmanager
 
 import torch
 from torch import nn
@@ -67,7 +69,47 @@ class TooLong(UserError):
     """A request that can never fit the context or the server's budget (HTTP 413)."""
 
 
-class Engine:
+class Intake:
+    """What the serving loop (`serve.loop`) needs of an engine besides its steps: one lock
+    over submissions, refused (503) once `stop_accepting` was called, each given the next
+    id, and a wake-up for the loop waiting for work. `Engine` and `Embedder` are ones."""
+
+    def __init__(self) -> None:
+        self.looping = False  # True while a serving loop calls step()
+        self.accepting = True
+        self._lock, self._wake = threading.Lock(), threading.Condition()
+        self._ids = 0
+
+    @property
+    def busy(self) -> bool:
+        """Work waiting or running (each engine says what)."""
+        raise NotImplementedError
+
+    @contextmanager
+    def _intake(self) -> Iterator[int]:
+        """Under the lock: RequestFailed (503) once not accepting, else the next id; the
+        loop is woken after."""
+        with self._lock:
+            if not self.accepting:
+                raise RequestFailed(503, "the server is shutting down")
+            self._ids += 1
+            yield self._ids
+        with self._wake:
+            self._wake.notify_all()
+
+    def wait_for_work(self, timeout: float) -> None:
+        """Block until a request arrives (or `timeout` seconds)."""
+        with self._wake:
+            if not self.busy:
+                self._wake.wait(timeout)
+
+    def stop_accepting(self) -> None:
+        """New submissions get 503; what was submitted runs on."""
+        with self._lock:
+            self.accepting = False
+
+
+class Engine(Intake):
     """Requests in (`submit`), tokens out (`Request` handles); `step()` runs one iteration."""
 
     def __init__(self, model: nn.Module, *, tokenizer=None, max_batch: int = 8,
@@ -112,10 +154,7 @@ class Engine:
                                                       or []))
         self.tokenizer_lock = self.outputs.lock
         self.metrics = Metrics()
-        self.looping = False  # True while a serving loop calls step()
-        self.accepting = True
-        self._lock, self._wake = threading.Lock(), threading.Condition()
-        self._ids = 0
+        super().__init__()
 
     # -- requests in -------------------------------------------------------------------
     def submit(self, prompt_ids: list[int], params: SamplingParams | None = None) -> Request:
@@ -123,19 +162,14 @@ class Engine:
         `RequestFailed` (503) once the engine stopped accepting."""
         params = params or SamplingParams()
         self.check(prompt_ids, params)
-        with self._lock:
-            if not self.accepting:
-                raise RequestFailed(503, "the server is shutting down")
-            self._ids += 1
-            req = Request(self._ids, list(prompt_ids), params)
+        with self._intake() as rid:
+            req = Request(rid, list(prompt_ids), params)
             try:
                 self.outputs.start(req, self.runner.device)
             except Exception as e:  # noqa: BLE001 - an unchecked seed: this one fails
                 self._fail(req, e)
                 return req
             self.scheduler.waiting.append(req)
-        with self._wake:
-            self._wake.notify_all()
         return req
 
     def generate(self, prompts: list[list[int]], params: SamplingParams |
@@ -178,12 +212,6 @@ class Engine:
             raise TooLong(f"{need} tokens exceed the KV cache of {self.pool.max_blocks - 1} "
                           f"blocks of {self.pool.block_size} (--kv-cache-bytes="
                           f"{self.kv_cache_bytes})")
-
-    def wait_for_work(self, timeout: float) -> None:
-        """Block until a request arrives (or `timeout` seconds)."""
-        with self._wake:
-            if not self.busy:
-                self._wake.wait(timeout)
 
     @property
     def busy(self) -> bool:
@@ -303,7 +331,3 @@ class Engine:
             with self.metrics.lock:
                 self.metrics.requests["error"] += 1
 
-    def stop_accepting(self) -> None:
-        """New submissions get 503; what was submitted runs on."""
-        with self._lock:
-            self.accepting = False
