@@ -1,13 +1,11 @@
-"""Decode-only weights (`tpkit.layers.quant.for_decode`, `tpkit.layers.linear.dense`).
+"""Decode-only weights (`tpkit.layers.quant.for_decode`, `PackedWeight`).
 
-Math checked: a float32 product of at most SPLIT_ROWS rows without gradients runs as
-one batched matmul of the weight cut into a block of rows per thread: every output is
-the same dot product of K terms, summed in another order, so it is within K float32
-rounding units of F.linear's relative to sum |x_i w_i| (bounded here by 2^-23 * K *
-max |x| |w| summed, in relative terms 1e-5 at K <= 1536). A bfloat16 weight packed for
-oneDNN gives F.linear's products bit for bit (the same kernel, the weight reordered once
-instead of at every call). A decode-only model (`load_model(decode=True)`) gives the
-same greedy tokens as the trainable one.
+Math checked: a bfloat16 weight packed for oneDNN gives F.linear's products bit for bit
+(the same kernel, the weight reordered once instead of at every call). A float32 one
+gives every output as the same dot product of K terms summed in another order: within
+K float32 rounding units of F.linear's relative to sum |x_i w_i| (bounded here by
+2^-23 * K * max |x| |w| summed; 1e-5 relative at K <= 1536). A decode-only model
+(`load_model(decode=True)`) gives the same greedy tokens as the trainable one.
 """
 
 from __future__ import annotations
@@ -17,41 +15,24 @@ import torch
 import torch.nn.functional as F
 
 from hf_folders import tiny_llama_folder
-from tpkit.layers.linear import SPLIT_ROWS, dense
 from tpkit.layers.quant import PackedWeight
 from tpkit.serve import Engine, SamplingParams
 from tpkit.weights.sources import load_model, open_source
 
 
-def _ops(fn) -> set[str]:
-    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU]) as prof:
-        fn()
-    return {e.name for e in prof.events()}
-
-
-@pytest.mark.parametrize("rows", [1, 3, SPLIT_ROWS, SPLIT_ROWS + 1])
-def test_dense_splits_small_float32_products_over_threads(rows):
+@pytest.mark.skipif(not PackedWeight.available(torch.float32),
+                    reason="this torch has no oneDNN to pack for")
+@pytest.mark.parametrize("rows", [1, 3, PackedWeight.ROWS, 33])
+def test_packed_float32_weight_is_f_linear_within_k_roundings(rows):
     g = torch.Generator().manual_seed(rows)
     w, b = torch.randn(96, 40, generator=g), torch.randn(96, generator=g)
-    x = torch.randn(1, rows, 40, generator=g)
-    want = F.linear(x, w, b)
-    threads = torch.get_num_threads()
-    try:
-        torch.set_num_threads(2)
-        with torch.no_grad():
-            got = dense(x, w, b)
-            ops = _ops(lambda: dense(x, w, b))
-        assert got.shape == want.shape
-        scale = (x.abs() @ w.abs().t() + b.abs()).max()
-        assert ((got - want).abs().max() / scale) <= 40 * 2.0 ** -23
-        assert ("aten::bmm" in ops) == (rows <= SPLIT_ROWS)  # the split ran, and only there
-        with torch.enable_grad():  # a product that needs gradients is F.linear's own
-            assert "aten::bmm" not in _ops(lambda: dense(x, w.requires_grad_(), b))
-        torch.set_num_threads(1)
-        with torch.no_grad():  # one thread: F.linear itself
-            assert torch.equal(dense(x, w.detach(), b), F.linear(x, w.detach(), b))
-    finally:
-        torch.set_num_threads(threads)
+    x = torch.randn(2, rows, 40, generator=g)
+    p = PackedWeight(w)
+    got, want = p(x, b), F.linear(x, w, b)
+    assert got.shape == want.shape and got.dtype == torch.float32
+    scale = (x.abs() @ w.abs().t() + b.abs()).max()
+    assert ((got - want).abs().max() / scale) <= 40 * 2.0 ** -23
+    assert ((p(x) - F.linear(x, w)).abs().max() / scale) <= 40 * 2.0 ** -23
 
 
 @pytest.mark.skipif(not PackedWeight.available(torch.bfloat16),

@@ -137,14 +137,13 @@ def fast_paths() -> list[tuple[str, str]]:
     from tpkit.host.device import LOW_PRECISION_FLAGS, cpu_flags, gpu_bf16, gpu_names
 
     flags, onednn = cpu_flags(), torch.backends.mkldnn.is_available()
-    from tpkit.layers.linear import SPLIT_ROWS
     from tpkit.layers.quant import PackedWeight
 
-    threads = torch.get_num_threads()
     out = [("cpu", f"{torch.backends.cpu.get_cpu_capability()} (torch's kernels for this "
                    f"processor)"),
-           ("float32", f"decode products of <= {SPLIT_ROWS} rows split over the {threads} "
-                       f"threads" if threads > 1 else "one thread: decode products as they are")]
+           ("float32", "decoding packs the weights for oneDNN once, on every thread"
+                       if PackedWeight.available(torch.float32)
+                       else "no oneDNN in this torch: decode products as F.linear's")]
     for dtype, wanted in LOW_PRECISION_FLAGS.items():
         has = [f for f in wanted if f in flags]
         fast = bool(set(has) - {"amx_tile"}) and onednn

@@ -77,33 +77,8 @@ def column_parallel_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Te
     autograd Function's call costs several times a small matmul's dispatch.
     """
     if group.size == 1 or not (sequence_parallel or torch.is_grad_enabled()):
-        return dense(x, weight, bias)
-    return _ColumnLinear.apply(x, weight, bias, group, sequence_parallel)
-
-
-SPLIT_ROWS = 8  # a float32 product of at most this many rows is split over the threads
-
-
-def dense(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None
-          ) -> torch.Tensor:
-    """x [..., in] @ weight [out, in]^T (+ bias), as `F.linear`; a float32 product of at
-    most `SPLIT_ROWS` rows (a decode step) where no gradient is taken runs as a batched
-    matmul of the weight cut into one block of rows per torch thread. MKL's
-    matrix-vector product runs on one thread whatever torch's thread count: one core
-    streams the weights (16 GB/s on the 2-core machine of docs/benchmarks.md), where
-    the blocks stream them on every core (34 GB/s, the machine's bandwidth). The sums
-    are the same products added in another order (float32 round-off)."""
-    parts, n = torch.get_num_threads(), weight.shape[0]
-    rows = x.numel() // max(x.shape[-1], 1)
-    if parts < 2 or rows > SPLIT_ROWS or n % parts or weight.dtype != torch.float32 \
-            or x.device.type != "cpu" or not weight.is_contiguous() or (
-                torch.is_grad_enabled() and (x.requires_grad or weight.requires_grad)):
         return F.linear(x, weight, bias)
-    k = x.shape[-1]
-    cols = x.reshape(rows, k).t().expand(parts, k, rows)  # [parts, in, rows], no copy
-    y = torch.bmm(weight.view(parts, n // parts, k), cols)  # [parts, out/parts, rows]
-    y = y.permute(2, 0, 1).reshape(*x.shape[:-1], n)  # [..., out]
-    return y if bias is None else y + bias
+    return _ColumnLinear.apply(x, weight, bias, group, sequence_parallel)
 
 
 def _local(layer: nn.Module) -> torch.Size:
@@ -233,8 +208,6 @@ class RowParallelLinear(nn.Module):
             x = ops.scatter_to_tp(x, self.group)  # [b, s, in/tp]
         if self.decoding is not None:  # decode-only weights (`layers.quant`)
             return self.decoding(x)  # [b, s, out], a partial sum
-        if not torch.is_grad_enabled():
-            return dense(x, self.weight)
         return F.linear(x, self.weight)  # [b, s, out], a partial sum
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:

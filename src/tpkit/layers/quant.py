@@ -20,8 +20,8 @@ int8 copy; the embedding table stays in the model's dtype (a lookup reads one ro
 
 Inference only: a quantized model has no float weights to train.
 
-Without int8, a bfloat16 model's weights are reordered once for oneDNN
-(`PackedWeight`), bit-identical products and faster; `for_decode` does either.
+Without int8, a float32 or bfloat16 model's weights are reordered once for oneDNN
+(`PackedWeight`); `for_decode` does either.
 """
 
 from __future__ import annotations
@@ -85,23 +85,31 @@ class Int8Weight(nn.Module):
 
 
 class PackedWeight(nn.Module):
-    """A bfloat16 weight [out, in] reordered once into oneDNN's blocked layout, the one
-    its AMX / AVX-512-BF16 matmul reads (what inductor's weight freezing does on CPU):
-    `self(x, bias)` is `F.linear(x, w, bias)`, bit for bit, 1.4x faster at 1-8 rows on
-    the machine of docs/benchmarks.md (F.linear reorders the weight at every call)."""
+    """A float32 or bfloat16 weight [out, in] reordered once into oneDNN's blocked
+    layout, the one its matmul reads (what inductor's weight freezing does on CPU):
+    `self(x, bias)` is `F.linear(x, w, bias)`. bfloat16: bit for bit, 1.4x faster at 1-8
+    rows on the machine of docs/benchmarks.md (F.linear reorders the weight at every
+    call). float32: the same dot products summed in another order, on every thread
+    (MKL's matrix-vector product, F.linear's at one row, runs on one thread whatever
+    torch's thread count, and at 2-8 rows it is ~3x slower than oneDNN's blocked
+    kernel); the layout is chosen for `ROWS` rows (a decode step)."""
+
+    ROWS = 8  # the rows oneDNN's layout is tuned for: a decode step of up to 8 sequences
 
     def __init__(self, w: torch.Tensor) -> None:
         super().__init__()
         self.register_buffer("packed", torch.ops.mkldnn._reorder_linear_weight(
-            w.detach().contiguous(), 1), persistent=False)  # tuned for 1 row (a decode)
+            w.detach().contiguous(), self.ROWS), persistent=False)
         self._shape = w.shape
 
     @staticmethod
-    def available(dtype: torch.dtype) -> bool:
-        """Can this machine's torch pack a weight of `dtype`? (bfloat16 with oneDNN's
-        bf16 kernels only: float32 products go through `layers.linear.dense`)."""
-        return dtype == torch.bfloat16 and torch.backends.mkldnn.is_available() and \
-            torch.ops.mkldnn._is_mkldnn_bf16_supported()
+    def available(dtype: torch.dtype | None) -> bool:
+        """Can this machine's torch pack a weight of `dtype`? (float32 with oneDNN;
+        bfloat16 with oneDNN's bf16 kernels.)"""
+        if not torch.backends.mkldnn.is_available():
+            return False
+        return dtype == torch.float32 or (
+            dtype == torch.bfloat16 and torch.ops.mkldnn._is_mkldnn_bf16_supported())
 
     @property
     def shape(self) -> torch.Size:
@@ -112,7 +120,7 @@ class PackedWeight(nn.Module):
         return torch.ops.mkldnn._linear_pointwise(x, self.packed, bias, "none", [], "")
 
     def extra_repr(self) -> str:
-        return f"bfloat16 {list(self._shape)}, oneDNN blocked layout"
+        return f"{list(self._shape)}, oneDNN blocked layout"
 
 
 def for_decode(model: nn.Module, quantize: str | None = None) -> nn.Module:
@@ -120,9 +128,8 @@ def for_decode(model: nn.Module, quantize: str | None = None) -> nn.Module:
     row-parallel linear weight (and the head) in the form this machine multiplies
     fastest, and the float weight gone (nothing trains it, nothing reads it):
     `quantize="int8"`: an `Int8Weight` (row-parallel layers all-reduce their row
-    maxima: call it on every rank); else bfloat16 weights a `PackedWeight` where oneDNN
-    takes them; float32 ones stay (`layers.linear.dense` splits their decode products
-    over the threads). Returns the model, in eval mode."""
+    maxima: call it on every rank); else float32 and bfloat16 weights a `PackedWeight`
+    where oneDNN takes them (float16 ones stay). Returns the model, in eval mode."""
     if quantize is not None and quantize not in QUANTIZE:
         raise UserError(f"quantize={quantize!r} is not one of {', '.join(QUANTIZE)}")
     linears = [(n, m) for n, m in model.named_modules()
