@@ -15,13 +15,13 @@ it (the decode-only level at the streams' longer contexts, where the long prompt
 last pieces ran).
 
     PYTHONPATH=src python benchmarks/serve_itl.py [--long 4096] [--rounds 5]
-        [--itl-ratio 1.5,0] [--prefill-per-step 256] [--folder HF_DIR]
+        [--itl-ratio 1.5,0] [--prefill-per-step 256] [--tp 1] [--folder HF_DIR]
         [--out bench-results/serve_itl.json]
 
 Default model: SmolLM2-135M's shapes with random weights (transformers' init, seed 0),
 8192 positions, made in a temporary folder; `--folder` takes a Hugging Face folder (the
-real SmolLM2-135M-Instruct, for one). Each server computes with one torch thread
-(`OMP_NUM_THREADS=1`). Prints a markdown table of medians and the load average.
+real SmolLM2-135M-Instruct, for one). Each server process computes with one torch
+thread (`OMP_NUM_THREADS=1`; `--tp 2`: two processes, 9 heads split 5 + 4). Prints a markdown table of medians and the load average.
 """
 
 from __future__ import annotations
@@ -104,6 +104,7 @@ def main() -> None:
                     help="the contenders' tpkit serve --itl-ratio (0: the fixed budget)")
     ap.add_argument("--prefill-per-step", type=int, default=256,
                     help="tpkit serve --prefill-per-step (every contender)")
+    ap.add_argument("--tp", type=int, default=1, help="tpkit serve --tp (every contender)")
     ap.add_argument("--settle", type=float, default=3.0,
                     help="seconds the streams run before the long prompt arrives")
     ap.add_argument("--folder", default=None, help="HF folder (default: a random SmolLM2-"
@@ -120,7 +121,8 @@ def main() -> None:
     for i in range(args.rounds):
         for ratio in ratios:
             proc, port = start(folder, ["--itl-ratio", ratio, "--prefill-per-step",
-                                        str(args.prefill_per_step)], args.long + 128)
+                                        str(args.prefill_per_step), "--tp", str(args.tp)],
+                               args.long + 128)
             try:
                 runs[ratio].append(one_run(port, args.long, vocab, args.settle))
             finally:
@@ -135,7 +137,7 @@ def main() -> None:
     one = [x[0] for x in loads]
     print(f"\nload average (1 min) {min(one):.1f}-{max(one):.1f} over the run; "
           f"{os.cpu_count()} CPUs; {args.rounds} alternating round(s), medians; "
-          f"{DECODERS} streams, a {args.long}-token prompt; {folder.name}\n")
+          f"{DECODERS} streams, a {args.long}-token prompt; tp={args.tp}; {folder.name}\n")
     print("| --itl-ratio | ITL p50 / p99 before (s) | ITL p50 after (s) | ITL p50 during (s) "
           "| ITL p99 during (s) | p99 during / p50 before, after | long prompt's TTFT (s) |")
     print("|---|---:|---:|---:|---:|---:|---:|")
@@ -153,7 +155,7 @@ def main() -> None:
         print(f"\nwarning: {early} stream(s) ended before the long prompt's first token")
     Path(args.out).parent.mkdir(parents=True, exist_ok=True)
     Path(args.out).write_text(json.dumps(dict(runs=runs, loads=loads, long=args.long,
-                                              folder=str(folder)), indent=1))
+                                              tp=args.tp, folder=str(folder)), indent=1))
 
 
 if __name__ == "__main__":
