@@ -165,14 +165,15 @@ def main() -> None:
     for (cache, prefill), r in prefix.items():
         print(f"| {prefill} | {'on' if cache else 'off'} | {med(r, 'ttft_p50'):.2f} | "
               f"{med(r, 'ttft_p99'):.2f} | {med(r, 'computed'):.0f} / {r[0]['prompt']} |")
-    print(f"\n| --prefill-per-step | ITL p50 (s) | ITL p99 (s) | p99 / p50 | "
-          f"{args.long}-token prompt's TTFT (s) |")
-    print("|---|---:|---:|---:|---:|")
-    for prefill in budgets:
-        r = long[prefill]
-        p50, p99 = med(r, "itl_p50"), med(r, "itl_p99")
-        print(f"| {prefill} | {p50:.3f} | {p99:.3f} | {p99 / p50:.1f} | "
-              f"{med(r, 'long_ttft'):.1f} |")
+    if budgets:
+        print(f"\n| --prefill-per-step | ITL p50 (s) | ITL p99 (s) | p99 / p50 | "
+              f"{args.long}-token prompt's TTFT (s) |")
+        print("|---|---:|---:|---:|---:|")
+        for prefill in budgets:
+            r = long[prefill]
+            p50, p99 = med(r, "itl_p50"), med(r, "itl_p99")
+            print(f"| {prefill} | {p50:.3f} | {p99:.3f} | {p99 / p50:.1f} | "
+                  f"{med(r, 'long_ttft'):.1f} |")
     Path(args.out).parent.mkdir(parents=True, exist_ok=True)
     Path(args.out).write_text(json.dumps(dict(prefix={f"{'on' if c else 'off'},{b}": v
                                                       for (c, b), v in prefix.items()},
