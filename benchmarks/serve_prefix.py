@@ -6,8 +6,9 @@ a Hugging Face folder), through the real CLI and the HTTP API, in one run:
    and the prompt tokens the server computed (its /metrics), prefix cache on against
    `--no-prefix-cache`, at each `--prefix-prefill-per-step` budget (256, the server's
    default: the first request's pieces fill the steps while the others wait; 0: no
-   limit, every request admitted in the first step, where the cache helps only if the
-   others wait for the first one's blocks);
+   limit); `--busy-prompt N`: the clients arrive while the server computes an unrelated
+   N-token prompt, so they are queued in one step (all admitted at once unless the
+   others wait for the first one's blocks: `serve.scheduler`);
 2. a long prompt arriving under load: 8 clients streaming 64 tokens each, and after
    a second one more client sends a `--long`-token prompt: the gaps between the 8
    streams' tokens (ITL) p50 and p99, at each `--prefill-per-step` budget (256, the
@@ -16,7 +17,8 @@ a Hugging Face folder), through the real CLI and the HTTP API, in one run:
    the long prompt is computed in pieces of the budget between the decodes.
 
     PYTHONPATH=src python benchmarks/serve_prefix.py [--long 4096] [--rounds 1]
-        [--prefill-per-step 256,32,0] [--prefix-prefill-per-step 256] [--no-prefix]
+        [--prefill-per-step 256,32,0] [--prefix-prefill-per-step 256] [--busy-prompt 0]
+        [--no-prefix]
         [--no-long] [--folder HF_DIR] [--out bench-results/serve_prefix.json]
 
 Each server runs with one torch thread (`OMP_NUM_THREADS=1`); a warm-up request that
@@ -96,19 +98,20 @@ def together(port: int, work: list[tuple[list[int], int]], delays=None) -> list:
     return out
 
 
-def prefix_round(folder: Path, cache: bool, vocab: int, prefill: int) -> dict:
+def prefix_round(folder: Path, cache: bool, vocab: int, prefill: int, busy: int) -> dict:
     rng = random.Random(0)
     system = [rng.randrange(vocab) for _ in range(SYSTEM)]
     work = [(system + [rng.randrange(vocab) for _ in range(rng.randrange(16, 49))], 16)
             for _ in range(CLIENTS)]
+    blocker = [([rng.randrange(vocab) for _ in range(busy)], 1)] if busy else []
     flags = ["--prefill-per-step", str(prefill)] + ([] if cache else ["--no-prefix-cache"])
     proc, port = start(folder, flags, 1024)
     try:
-        before = computed(port)
-        res = together(port, work)
-        ttft = [r[0] for r in res]
+        before = computed(port)  # the clients 0.3 s after the busy prompt (its step runs)
+        res = together(port, blocker + work, [0.0] * len(blocker) + [0.3 * bool(busy)] * CLIENTS)
+        ttft = [r[0] for r in res[len(blocker):]]
         return dict(ttft_p50=pct(ttft, .5), ttft_p99=pct(ttft, .99),
-                    computed=computed(port) - before, prompt=sum(len(p) for p, _ in work))
+                    computed=computed(port) - before - busy, prompt=sum(len(p) for p, _ in work))
     finally:
         stop(proc)
 
@@ -135,6 +138,9 @@ def main() -> None:
                     help="the long-prompt round's contenders (0: no limit)")
     ap.add_argument("--prefix-prefill-per-step", default="256",
                     help="the prefix-cache round's --prefill-per-step budgets (0: no limit)")
+    ap.add_argument("--busy-prompt", type=int, default=0, metavar="N",
+                    help="the prefix round: a prompt of N unrelated tokens sent 0.3 s before "
+                    "the clients, so they arrive while its prefill runs (in one step)")
     ap.add_argument("--no-prefix", action="store_true", help="skip the prefix-cache round")
     ap.add_argument("--no-long", action="store_true", help="skip the long-prompt round")
     ap.add_argument("--folder", default=None, help="HF folder (default: a temporary one)")
@@ -152,7 +158,8 @@ def main() -> None:
     prefix: dict = {c: [] for c in contenders}
     for _ in range(args.rounds):
         for cache, prefill in contenders:
-            prefix[cache, prefill].append(prefix_round(folder, cache, vocab, prefill))
+            prefix[cache, prefill].append(prefix_round(folder, cache, vocab, prefill,
+                                                       args.busy_prompt))
         for prefill in budgets:
             long[prefill].append(long_round(folder, prefill, args.long, vocab))
         loads.append(os.getloadavg()[0])
