@@ -90,9 +90,10 @@ def test_a_shared_prefix_is_computed_once_and_changes_no_bit(run_tp, config):
             if chunk is not None:  # batch invariant: the same bits, cache or not
                 alone = [(t, lp) for t, lp, _ in off]
                 assert [(t, lp) for t, lp, _ in on] == alone and both == both_off, tp
-                # and together as alone (at tp=2 the greedy shard path's log-probs move in
-                # the last bits with the rows beside them; its tokens are equal below)
-                assert both == alone or tp > 1
+                # and together as alone (not at tp=2 with 9 heads, 5 + 4: there the
+                # log-probs move in the last bits with the rows beside them, cache or not,
+                # as before this test; the tokens are equal below)
+                assert both == alone or (tp > 1 and config is SMOL)
             alone = [t for t, _, _ in off]  # the same greedy tokens in every case
             assert [t for t, _, _ in on] == alone == [t for t, _ in both] == \
                 [t for t, _ in both_off], tp

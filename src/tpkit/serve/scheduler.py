@@ -175,8 +175,9 @@ class Scheduler:
         into = {} if into is None else into
         for r in self.running if req is None else [req]:
             full = r.prefill_end // self.pool.block_size
-            for key in self._keys(r)[r.registered:full]:
-                into.setdefault(key, r)
+            if r.registered < full:  # (a decoding one's keys are not hashed again)
+                for key in self._keys(r)[r.registered:full]:
+                    into.setdefault(key, r)
         return into
 
     def _usable(self, req: Request) -> int:
