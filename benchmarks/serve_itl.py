@@ -9,7 +9,8 @@ tokens). Measured at the clients: the gaps between the 8 streams' tokens (ITL) i
 `--settle` seconds before the long prompt arrives and after its first token (p50: the
 decode-only level; the streams' contexts grow meanwhile, so both are shown) and while
 it is computed (the gaps ending between its arrival and its first token: p50, p99),
-and its time to first token (TTFT). Then the streams close (the server cancels them).
+and its time to first token (TTFT), and the pacer's gauges on /metrics at that moment
+(its last budget, D and costs). Then the streams close (the server cancels them).
 The figure of the target: p99 during the long prompt / p50 before it, and / p50 after
 it (the decode-only level at the streams' longer contexts, where the long prompt's
 last pieces ran).
@@ -36,6 +37,7 @@ import sys
 import tempfile
 import threading
 import time
+import urllib.request
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
@@ -79,6 +81,7 @@ def one_run(port: int, long: int, vocab: int, settle: float) -> dict:
     arrive = time.perf_counter()
     ttft = one_request(port, long_ids, 2)[0]
     first = arrive + ttft
+    pacing = pacer_state(port)
     ended = [len(t) for t in times]
     time.sleep(settle)
     last = time.perf_counter()
@@ -93,7 +96,21 @@ def one_run(port: int, long: int, vocab: int, settle: float) -> dict:
                 itl_p50_after=pct(after, .5),
                 itl_p50_during=pct(during, .5), itl_p99_during=pct(during, .99),
                 gaps_during=len(during), long_ttft=ttft,
-                streams_ended_early=sum(n >= long + 64 for n in ended))
+                streams_ended_early=sum(n >= long + 64 for n in ended), **pacing)
+
+
+def pacer_state(port: int) -> dict:
+    """The pacer's gauges on /metrics (its last budget, D, costs; none when it is off)."""
+    from prometheus_client.parser import text_string_to_metric_families
+
+    text = urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=30).read()
+    out = {}
+    for fam in text_string_to_metric_families(text.decode()):
+        for s in fam.samples:
+            if s.name.startswith("tpkit_pacing_") and s.name != "tpkit_pacing_itl_ratio":
+                out[s.name.removeprefix("tpkit_pacing_") + "".join(
+                    f"_{v}" for v in s.labels.values())] = s.value
+    return out
 
 
 def main() -> None:
@@ -133,6 +150,11 @@ def main() -> None:
                   f" p99 {r['itl_p99_before']:.3f} s, after p50 {r['itl_p50_after']:.3f} s, "
                   f"during p50 {r['itl_p50_during']:.3f} p99 {r['itl_p99_during']:.3f} s, TTFT "
                   f"{r['long_ttft']:.1f} s; load {loads[-1][0]:.1f}", flush=True)
+            if "decode_step_seconds" in r:  # at the long prompt's first token
+                print(f"  pacer: budget {r['prompt_budget_tokens']:.0f} tokens, D "
+                      f"{r['decode_step_seconds']:.4f} s, a {r['cost_seconds_token']:.2e} "
+                      f"b {r['cost_seconds_token_kpos']:.2e} g {r['cost_seconds_kkeys']:.2e}"
+                      f" s", flush=True)
     med = lambda rows, k: statistics.median(r[k] for r in rows)  # noqa: E731
     one = [x[0] for x in loads]
     print(f"\nload average (1 min) {min(one):.1f}-{max(one):.1f} over the run; "
