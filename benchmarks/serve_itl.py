@@ -9,19 +9,20 @@ tokens). Measured at the clients: the gaps between the 8 streams' tokens (ITL) i
 `--settle` seconds before the long prompt arrives and after its first token (p50: the
 decode-only level; the streams' contexts grow meanwhile, so both are shown) and while
 it is computed (the gaps ending between its arrival and its first token: p50, p99),
-and its time to first token (TTFT). Then the streams close (the server cancels them).
+and its time to first token (TTFT), and the pacer's gauges on /metrics at that moment
+(its last budget, D and costs). Then the streams close (the server cancels them).
 The figure of the target: p99 during the long prompt / p50 before it, and / p50 after
 it (the decode-only level at the streams' longer contexts, where the long prompt's
 last pieces ran).
 
     PYTHONPATH=src python benchmarks/serve_itl.py [--long 4096] [--rounds 5]
-        [--itl-ratio 1.5,0] [--prefill-per-step 256] [--folder HF_DIR]
+        [--itl-ratio 1.5,0] [--prefill-per-step 256] [--tp 1] [--folder HF_DIR]
         [--out bench-results/serve_itl.json]
 
 Default model: SmolLM2-135M's shapes with random weights (transformers' init, seed 0),
 8192 positions, made in a temporary folder; `--folder` takes a Hugging Face folder (the
-real SmolLM2-135M-Instruct, for one). Each server computes with one torch thread
-(`OMP_NUM_THREADS=1`). Prints a markdown table of medians and the load average.
+real SmolLM2-135M-Instruct, for one). Each server process computes with one torch
+thread (`OMP_NUM_THREADS=1`; `--tp 2`: two processes, 9 heads split 5 + 4). Prints a markdown table of medians and the load average.
 """
 
 from __future__ import annotations
@@ -36,6 +37,7 @@ import sys
 import tempfile
 import threading
 import time
+import urllib.request
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
@@ -79,6 +81,7 @@ def one_run(port: int, long: int, vocab: int, settle: float) -> dict:
     arrive = time.perf_counter()
     ttft = one_request(port, long_ids, 2)[0]
     first = arrive + ttft
+    pacing = pacer_state(port)
     ended = [len(t) for t in times]
     time.sleep(settle)
     last = time.perf_counter()
@@ -93,7 +96,21 @@ def one_run(port: int, long: int, vocab: int, settle: float) -> dict:
                 itl_p50_after=pct(after, .5),
                 itl_p50_during=pct(during, .5), itl_p99_during=pct(during, .99),
                 gaps_during=len(during), long_ttft=ttft,
-                streams_ended_early=sum(n >= long + 64 for n in ended))
+                streams_ended_early=sum(n >= long + 64 for n in ended), **pacing)
+
+
+def pacer_state(port: int) -> dict:
+    """The pacer's gauges on /metrics (its last budget, D, costs; none when it is off)."""
+    from prometheus_client.parser import text_string_to_metric_families
+
+    text = urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=30).read()
+    out = {}
+    for fam in text_string_to_metric_families(text.decode()):
+        for s in fam.samples:
+            if s.name.startswith("tpkit_pacing_") and s.name != "tpkit_pacing_itl_ratio":
+                out[s.name.removeprefix("tpkit_pacing_") + "".join(
+                    f"_{v}" for v in s.labels.values())] = s.value
+    return out
 
 
 def main() -> None:
@@ -104,6 +121,7 @@ def main() -> None:
                     help="the contenders' tpkit serve --itl-ratio (0: the fixed budget)")
     ap.add_argument("--prefill-per-step", type=int, default=256,
                     help="tpkit serve --prefill-per-step (every contender)")
+    ap.add_argument("--tp", type=int, default=1, help="tpkit serve --tp (every contender)")
     ap.add_argument("--settle", type=float, default=3.0,
                     help="seconds the streams run before the long prompt arrives")
     ap.add_argument("--folder", default=None, help="HF folder (default: a random SmolLM2-"
@@ -120,7 +138,8 @@ def main() -> None:
     for i in range(args.rounds):
         for ratio in ratios:
             proc, port = start(folder, ["--itl-ratio", ratio, "--prefill-per-step",
-                                        str(args.prefill_per_step)], args.long + 128)
+                                        str(args.prefill_per_step), "--tp", str(args.tp)],
+                               args.long + 128)
             try:
                 runs[ratio].append(one_run(port, args.long, vocab, args.settle))
             finally:
@@ -131,11 +150,16 @@ def main() -> None:
                   f" p99 {r['itl_p99_before']:.3f} s, after p50 {r['itl_p50_after']:.3f} s, "
                   f"during p50 {r['itl_p50_during']:.3f} p99 {r['itl_p99_during']:.3f} s, TTFT "
                   f"{r['long_ttft']:.1f} s; load {loads[-1][0]:.1f}", flush=True)
+            if "decode_step_seconds" in r:  # at the long prompt's first token
+                print(f"  pacer: budget {r['prompt_budget_tokens']:.0f} tokens, D "
+                      f"{r['decode_step_seconds']:.4f} s, a {r['cost_seconds_token']:.2e} "
+                      f"b {r['cost_seconds_token_kpos']:.2e} g {r['cost_seconds_kkeys']:.2e}"
+                      f" s", flush=True)
     med = lambda rows, k: statistics.median(r[k] for r in rows)  # noqa: E731
     one = [x[0] for x in loads]
     print(f"\nload average (1 min) {min(one):.1f}-{max(one):.1f} over the run; "
           f"{os.cpu_count()} CPUs; {args.rounds} alternating round(s), medians; "
-          f"{DECODERS} streams, a {args.long}-token prompt; {folder.name}\n")
+          f"{DECODERS} streams, a {args.long}-token prompt; tp={args.tp}; {folder.name}\n")
     print("| --itl-ratio | ITL p50 / p99 before (s) | ITL p50 after (s) | ITL p50 during (s) "
           "| ITL p99 during (s) | p99 during / p50 before, after | long prompt's TTFT (s) |")
     print("|---|---:|---:|---:|---:|---:|---:|")
@@ -153,7 +177,7 @@ def main() -> None:
         print(f"\nwarning: {early} stream(s) ended before the long prompt's first token")
     Path(args.out).parent.mkdir(parents=True, exist_ok=True)
     Path(args.out).write_text(json.dumps(dict(runs=runs, loads=loads, long=args.long,
-                                              folder=str(folder)), indent=1))
+                                              tp=args.tp, folder=str(folder)), indent=1))
 
 
 if __name__ == "__main__":

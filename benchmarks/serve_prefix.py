@@ -4,7 +4,11 @@ a Hugging Face folder), through the real CLI and the HTTP API, in one run:
 1. prefix cache: 16 clients at once, each one request of a shared 512-token system
    prompt + its own 16-48 tokens (greedy, 16 new tokens): time to first token p50/p99
    and the prompt tokens the server computed (its /metrics), prefix cache on against
-   `--no-prefix-cache`;
+   `--no-prefix-cache`, at each `--prefix-prefill-per-step` budget (256, the server's
+   default: the first request's pieces fill the steps while the others wait; 0: no
+   limit); `--busy-prompt N`: the clients arrive while the server computes an unrelated
+   N-token prompt, so they are queued in one step (all admitted at once unless the
+   others wait for the first one's blocks: `serve.scheduler`);
 2. a long prompt arriving under load: 8 clients streaming 64 tokens each, and after
    a second one more client sends a `--long`-token prompt: the gaps between the 8
    streams' tokens (ITL) p50 and p99, at each `--prefill-per-step` budget (256, the
@@ -13,7 +17,9 @@ a Hugging Face folder), through the real CLI and the HTTP API, in one run:
    the long prompt is computed in pieces of the budget between the decodes.
 
     PYTHONPATH=src python benchmarks/serve_prefix.py [--long 4096] [--rounds 1]
-        [--prefill-per-step 256,32,0] [--no-prefix] [--out bench-results/serve_prefix.json]
+        [--prefill-per-step 256,32,0] [--prefix-prefill-per-step 256] [--busy-prompt 0]
+        [--no-prefix]
+        [--no-long] [--folder HF_DIR] [--out bench-results/serve_prefix.json]
 
 Each server runs with one torch thread (`OMP_NUM_THREADS=1`); a warm-up request that
 shares nothing comes first. `--rounds` alternates the contenders and reports medians.
@@ -92,18 +98,20 @@ def together(port: int, work: list[tuple[list[int], int]], delays=None) -> list:
     return out
 
 
-def prefix_round(folder: Path, cache: bool, vocab: int) -> dict:
+def prefix_round(folder: Path, cache: bool, vocab: int, prefill: int, busy: int) -> dict:
     rng = random.Random(0)
     system = [rng.randrange(vocab) for _ in range(SYSTEM)]
     work = [(system + [rng.randrange(vocab) for _ in range(rng.randrange(16, 49))], 16)
             for _ in range(CLIENTS)]
-    proc, port = start(folder, [] if cache else ["--no-prefix-cache"], 1024)
+    blocker = [([rng.randrange(vocab) for _ in range(busy)], 1)] if busy else []
+    flags = ["--prefill-per-step", str(prefill)] + ([] if cache else ["--no-prefix-cache"])
+    proc, port = start(folder, flags, 1024)
     try:
-        before = computed(port)
-        res = together(port, work)
-        ttft = [r[0] for r in res]
+        before = computed(port)  # the clients 0.3 s after the busy prompt (its step runs)
+        res = together(port, blocker + work, [0.0] * len(blocker) + [0.3 * bool(busy)] * CLIENTS)
+        ttft = [r[0] for r in res[len(blocker):]]
         return dict(ttft_p50=pct(ttft, .5), ttft_p99=pct(ttft, .99),
-                    computed=computed(port) - before, prompt=sum(len(p) for p, _ in work))
+                    computed=computed(port) - before - busy, prompt=sum(len(p) for p, _ in work))
     finally:
         stop(proc)
 
@@ -128,7 +136,13 @@ def main() -> None:
     ap.add_argument("--rounds", type=int, default=1, help="alternating rounds (medians)")
     ap.add_argument("--prefill-per-step", default="256,32,0",
                     help="the long-prompt round's contenders (0: no limit)")
+    ap.add_argument("--prefix-prefill-per-step", default="256",
+                    help="the prefix-cache round's --prefill-per-step budgets (0: no limit)")
+    ap.add_argument("--busy-prompt", type=int, default=0, metavar="N",
+                    help="the prefix round: a prompt of N unrelated tokens sent 0.3 s before "
+                    "the clients, so they arrive while its prefill runs (in one step)")
     ap.add_argument("--no-prefix", action="store_true", help="skip the prefix-cache round")
+    ap.add_argument("--no-long", action="store_true", help="skip the long-prompt round")
     ap.add_argument("--folder", default=None, help="HF folder (default: a temporary one)")
     ap.add_argument("--out", default="bench-results/serve_prefix.json", help="JSON results")
     args = ap.parse_args()
@@ -137,33 +151,39 @@ def main() -> None:
     folder = make_folder(Path(args.folder or tmp.name) / f"smollm2-random-{positions}",
                          positions)
     vocab = SMOLLM2_135M["vocab_size"]
-    budgets = [int(x) for x in args.prefill_per_step.split(",")]
-    loads, prefix, long = [os.getloadavg()[0]], {True: [], False: []}, {b: [] for b in budgets}
+    budgets = [] if args.no_long else [int(x) for x in args.prefill_per_step.split(",")]
+    contenders = [] if args.no_prefix else [
+        (cache, int(b)) for b in args.prefix_prefill_per_step.split(",") for cache in (True, False)]
+    loads, long = [os.getloadavg()[0]], {b: [] for b in budgets}
+    prefix: dict = {c: [] for c in contenders}
     for _ in range(args.rounds):
-        for cache in () if args.no_prefix else (True, False):
-            prefix[cache].append(prefix_round(folder, cache, vocab))
+        for cache, prefill in contenders:
+            prefix[cache, prefill].append(prefix_round(folder, cache, vocab, prefill,
+                                                       args.busy_prompt))
         for prefill in budgets:
             long[prefill].append(long_round(folder, prefill, args.long, vocab))
         loads.append(os.getloadavg()[0])
     med = lambda rows, k: statistics.median(r[k] for r in rows)  # noqa: E731
     print(f"\nload average (1 min) {min(loads):.1f}-{max(loads):.1f}; "
           f"{args.rounds} round(s), medians\n")
-    print("| prefix cache | TTFT p50 (s) | TTFT p99 (s) | prompt tokens computed / sent |")
-    print("|---|---:|---:|---:|")
-    for cache in () if args.no_prefix else (True, False):
-        r = prefix[cache]
-        print(f"| {'on' if cache else 'off'} | {med(r, 'ttft_p50'):.2f} | "
+    print("| --prefill-per-step | prefix cache | TTFT p50 (s) | TTFT p99 (s) | "
+          "prompt tokens computed / sent |")
+    print("|---|---|---:|---:|---:|")
+    for (cache, prefill), r in prefix.items():
+        print(f"| {prefill} | {'on' if cache else 'off'} | {med(r, 'ttft_p50'):.2f} | "
               f"{med(r, 'ttft_p99'):.2f} | {med(r, 'computed'):.0f} / {r[0]['prompt']} |")
-    print(f"\n| --prefill-per-step | ITL p50 (s) | ITL p99 (s) | p99 / p50 | "
-          f"{args.long}-token prompt's TTFT (s) |")
-    print("|---|---:|---:|---:|---:|")
-    for prefill in budgets:
-        r = long[prefill]
-        p50, p99 = med(r, "itl_p50"), med(r, "itl_p99")
-        print(f"| {prefill} | {p50:.3f} | {p99:.3f} | {p99 / p50:.1f} | "
-              f"{med(r, 'long_ttft'):.1f} |")
+    if budgets:
+        print(f"\n| --prefill-per-step | ITL p50 (s) | ITL p99 (s) | p99 / p50 | "
+              f"{args.long}-token prompt's TTFT (s) |")
+        print("|---|---:|---:|---:|---:|")
+        for prefill in budgets:
+            r = long[prefill]
+            p50, p99 = med(r, "itl_p50"), med(r, "itl_p99")
+            print(f"| {prefill} | {p50:.3f} | {p99:.3f} | {p99 / p50:.1f} | "
+                  f"{med(r, 'long_ttft'):.1f} |")
     Path(args.out).parent.mkdir(parents=True, exist_ok=True)
-    Path(args.out).write_text(json.dumps(dict(prefix={str(k): v for k, v in prefix.items()},
+    Path(args.out).write_text(json.dumps(dict(prefix={f"{'on' if c else 'off'},{b}": v
+                                                      for (c, b), v in prefix.items()},
                                               long={str(k): v for k, v in long.items()},
                                               loads=loads), indent=1))
 

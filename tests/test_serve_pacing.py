@@ -8,10 +8,13 @@ prompt gets the whole prefill_per_step (its prompt's blocks taken at once, adjac
 and the batch-invariant mode's pieces ignore it; the pacer, fed the times of a known cost model, learns it, ramps from the floor by
 doubling, and then keeps every step of a 4k-token prompt within the ratio, also when
 the machine gets busier mid-prompt (a decode-only step every REFRESH steps); the engine computes the
-pieces its pacer allows, and each request's greedy tokens are those it gets alone.
+pieces its pacer allows, and each request's greedy tokens are those it gets alone;
+/metrics (prometheus_client's parser) shows the pacer's ratio, budget and costs.
 """
 
 from __future__ import annotations
+
+import time
 
 import pytest
 
@@ -178,10 +181,11 @@ def _model():
     return model
 
 
-class _Fixed:
+class _Fixed(Pacer):
     """A budget source of N tokens a step."""
 
     def __init__(self, n: int) -> None:
+        super().__init__(1.5)
         self.n, self.starts = n, []
 
     def budget(self, start: int) -> int:
@@ -219,3 +223,42 @@ def test_the_engine_computes_the_pieces_its_pacer_allows_and_tokens_stay_exact()
             assert engine.pacer.decode_s is not None
     assert Engine(model, max_batch=4, max_len=96, decode_chunk=2, itl_ratio=1.5).pacer is None
     assert Engine(model, max_batch=4, max_len=96).pacer is None  # off unless asked
+
+
+def test_metrics_show_the_pacers_budget_and_costs(chat_llama, serve_in_threads):
+    """Served with --itl-ratio 1.5: two streams decode while a 90-token prompt arrives;
+    /metrics, read by prometheus_client's parser, shows the ratio, the budget the pacer
+    gave the last step with a prompt (the last it answered) and its decode-only step
+    time and costs, as the pacer holds them."""
+    from urllib.request import urlopen
+
+    from prometheus_client.parser import text_string_to_metric_families
+
+    from tpkit.weights.sources import load_model
+    from tpkit.weights.tokenizer import load_tokenizer
+
+    model = load_model(chat_llama, ParallelMesh.single())
+    engine = Engine(model, max_batch=4, max_len=128, itl_ratio=1.5)
+    answers, budget = [], engine.pacer.budget
+    engine.pacer.budget = lambda start: answers.append(budget(start)) or answers[-1]
+    params = SamplingParams(max_tokens=30, ignore_eos=True)
+    with serve_in_threads(engine, "llama", load_tokenizer(chat_llama)) as (url, _, _):
+        streams = [engine.submit([5 + i, 6, 7], params) for i in range(2)]
+        while min(len(r.tokens) for r in streams) < 3:
+            time.sleep(0.01)
+        long = engine.submit([(3 * i) % 50 + 4 for i in range(90)], params)
+        for r in [*streams, long]:
+            list(r)  # until it ends
+        deadline = time.monotonic() + 30
+        while engine.metrics.batch_size and time.monotonic() < deadline:
+            time.sleep(0.01)  # the last step's accounting (after its requests ended)
+        fams = {f.name: f for f in text_string_to_metric_families(
+            urlopen(url + "/metrics").read().decode())}
+    got = lambda name: [s.value for s in fams[name].samples]  # noqa: E731
+    pacer = engine.pacer
+    assert got("tpkit_pacing_itl_ratio") == [1.5]
+    assert got("tpkit_pacing_prompt_budget_tokens") == [answers[-1]]
+    assert got("tpkit_pacing_decode_step_seconds") == [pacer.decode_s] and pacer.decode_s > 0
+    costs = {s.labels["term"]: s.value for s in fams["tpkit_pacing_cost_seconds"].samples}
+    assert costs == dict(zip(("token", "token_kpos", "kkeys"), pacer.costs()))
+    assert pacer.largest > 0  # it saw steps with pieces and decodes: costs were fitted

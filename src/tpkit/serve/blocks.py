@@ -4,7 +4,7 @@ of every token before it, so a second request starting with the same tokens (a s
 prompt, few-shot examples) reuses the blocks instead of computing them again.
 
     pool = BlockPool(block_size=16, max_blocks=512)
-    hits = pool.lookup(prompt, limit)       # the cached blocks of its prefix (now in use)
+    hits = pool.lookup(keys)                # the cached blocks of its prefix (now in use)
     fresh = pool.allocate(3)                # None when the pool is full
     pool.register(block, key)               # once its 16 tokens are computed
     pool.release(blocks)                    # a finished request: cached ones stay findable
@@ -72,6 +72,13 @@ class BlockPool:
         for block in found:
             self._use(block)
         return found
+
+    def cached(self, keys: list[int]) -> int:
+        """How many of `keys` (a prefix's chain keys) `lookup` would find; nothing taken."""
+        n = 0
+        while self.caching and n < len(keys) and keys[n] in self.by_key:
+            n += 1
+        return n
 
     def allocate(self, n: int) -> list[int] | None:
         """n blocks for one request (None, and nothing taken, if the pool cannot)."""

@@ -22,11 +22,11 @@ kept for the prefix cache, at most `kv_cache_bytes` per rank (default: what
 max_batch x max_len tokens take, today's worst case, never reserved up front).
 
 Prompt tokens per step (default mode): at most `prefill_per_step`; while requests
-decode and `itl_ratio` > 0 (`tpkit serve`'s default 1.5; 0, off, for the Python API and
-`tpkit generate`, where no one watches the gaps between tokens), also what keeps the
+decode and `itl_ratio` > 0 (`tpkit serve --itl-ratio 1.5`; 0, off, the default: pacing
+costs throughput when many clients start together), also what keeps the
 step within `itl_ratio` x a decode-only step, learnt from the steps' wall times
 (`serve.pacing`): a long prompt's time to first token traded for the running streams'
-inter-token latency.
+inter-token latency (its budget and learnt costs: the tpkit_pacing_* gauges of /metrics).
 
 How a decode runs is `decode_chunk`:
 - None (the default, `tpkit serve` without --batch-invariant): one forward per step of
@@ -52,7 +52,7 @@ from torch import nn
 
 from tpkit.model.paged_kv import EVERY, LAST, PagedCache
 from tpkit.serve.blocks import BlockPool
-from tpkit.serve.metrics import Metrics
+from tpkit.serve.metrics import Metrics, Pacing
 from tpkit.serve.output import OutputProcessor
 from tpkit.serve.pacing import Pacer, check_ratio
 from tpkit.serve.params import SamplingParams
@@ -150,6 +150,7 @@ class Engine(Intake):
                                    piece=max(block_size, piece // block_size * block_size))
         # the batch-invariant mode's pieces are fixed: nothing to pace
         self.pacer = Pacer(itl_ratio) if itl_ratio and decode_chunk is None else None
+        self.paced = 0  # the pacer's budget for the last step with a prompt to compute
         self.outputs = OutputProcessor(tokenizer, set(getattr(tokenizer, "eos_ids", None)
                                                       or []))
         self.tokenizer_lock = self.outputs.lock
@@ -232,7 +233,10 @@ class Engine(Intake):
                 if req.cancelled:
                     self._end(req, "cancelled")
             start = self.scheduler.prompt_start() if self.pacer else None
-            out = self.scheduler.schedule(None if start is None else self.pacer.budget(start))
+            budget = None if start is None else self.pacer.budget(start)
+            out = self.scheduler.schedule(budget)
+        if budget is not None:
+            self.paced = budget
         for req in out.preempted:  # recomputed from its first token: scored again
             req.prompt_logprobs, req.prompt_top = req.prompt_logprobs[:1], req.prompt_top[:1]
         if out.empty:
@@ -316,6 +320,9 @@ class Engine(Intake):
             m.prefix_hit_tokens += sum(r.cached for r in out.admitted) * self.pool.block_size
             m.kv_blocks_used, m.kv_bytes = self.pool.in_use, self.runner.cache.nbytes()
             m.preemptions += len(out.preempted)
+            if self.pacer is not None:
+                p = self.pacer
+                m.pacing = Pacing(p.ratio, self.paced, p.decode_s, p.costs())
         ledger.clear()  # counted: the ledger of a long-running server stays bounded
 
     # -- the end -----------------------------------------------------------------------

@@ -10,13 +10,22 @@ through prometheus_client (a collector: the engine keeps plain numbers, under a 
     tpkit_prompt_tokens_computed_total                 (prefilled: prefix-cache hits not)
     tpkit_prefix_cache_hit_tokens_total, tpkit_preemptions_total
     tpkit_kv_blocks_used, tpkit_kv_cache_bytes         (gauges: blocks in use, bytes held)
+    with prompt pacing on (`--itl-ratio R`, `serve.pacing`; vLLM has no such gauges):
+    tpkit_pacing_itl_ratio                             (R)
+    tpkit_pacing_prompt_budget_tokens                  (the budget it gave the last step
+                                                        with a prompt to compute; 0: a
+                                                        decode-only step measuring D)
+    tpkit_pacing_decode_step_seconds                   (D, a decode-only step; NaN: unseen)
+    tpkit_pacing_cost_seconds{term="token"|"token_kpos"|"kkeys"}  (its learned costs a, b, g)
 """
 
 from __future__ import annotations
 
 import bisect
+import math
 import threading
 from collections import Counter
+from typing import NamedTuple
 
 BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0)
 
@@ -35,6 +44,16 @@ class Histogram:
         self.n += 1
 
 
+class Pacing(NamedTuple):
+    """The pacer's state after a step: its ratio, the last budget it gave, a decode-only
+    step's seconds (None: not measured yet) and its learned costs (a, b, g)."""
+
+    ratio: float
+    budget: int
+    decode_s: float | None
+    costs: tuple[float, float, float]
+
+
 class Metrics:
     """Everything `/metrics` shows; updated by the engine, read by the HTTP threads."""
 
@@ -48,6 +67,7 @@ class Metrics:
         self.kv_blocks_used = self.kv_bytes = 0
         self.embedding_inputs = 0
         self.ttft, self.itl = Histogram(), Histogram()
+        self.pacing: Pacing | None = None  # with prompt pacing on
 
     def collect(self):
         """The metric families (prometheus_client's collector protocol)."""
@@ -88,6 +108,8 @@ class Metrics:
                     buckets.append((le, total))
                 out.append(HistogramMetricFamily(f"tpkit_{name}", doc, buckets=buckets,
                                                  sum_value=h.sum))
+            if self.pacing is not None:
+                out.extend(_pacing(self.pacing, GaugeMetricFamily))
             col = CounterMetricFamily("tpkit_collectives", "collectives the tp group ran",
                                       labels=["op"])
             for k, v in sorted(self.collectives.items()):
@@ -102,3 +124,20 @@ class Metrics:
         registry = CollectorRegistry(auto_describe=False)
         registry.register(self)
         return generate_latest(registry).decode()
+
+
+def _pacing(p: Pacing, gauge) -> list:
+    costs = gauge("tpkit_pacing_cost_seconds", "the pacer's learned seconds per prompt "
+                  "token (token), per token per 1024 positions of its context (token_kpos), "
+                  "per 1024 keys a piece reads (kkeys)", labels=["term"])
+    for term, v in zip(("token", "token_kpos", "kkeys"), p.costs):
+        costs.add_metric([term], v)
+    return [gauge("tpkit_pacing_itl_ratio", "a step with prompt pieces at most this many "
+                  "decode-only steps (--itl-ratio)", value=p.ratio),
+            gauge("tpkit_pacing_prompt_budget_tokens", "prompt tokens the pacer allowed the "
+                  "last step that had a prompt to compute (0: a decode-only step)",
+                  value=p.budget),
+            gauge("tpkit_pacing_decode_step_seconds", "a decode-only step's seconds, as the "
+                  "pacer measured them (NaN: not yet)",
+                  value=math.nan if p.decode_s is None else p.decode_s),
+            costs]

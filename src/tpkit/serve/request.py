@@ -78,6 +78,9 @@ class Request:
         self.cached = 0  # prompt tokens found in the prefix cache (not computed)
         self.registered = 0  # its full blocks entered in the prefix cache
         self.prefill_end = 0  # tokens computed as a prefill since it was (re)admitted
+        self.keys: tuple[int, list[int]] = (0, [])  # its full blocks' chain keys, at a length
+        self.waits: tuple[object, int, int] | None = None  # (request computing its prefix,
+        # that one's computed tokens when last seen, steps it made no progress since)
         self.arrived, self.first_at, self.last_at = time.perf_counter(), None, None
         self.prev_at: float | None = None  # the token before the last one's time
         self.events: queue.Queue = queue.Queue()

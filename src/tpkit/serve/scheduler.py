@@ -10,7 +10,17 @@ keys in its blocks. Each step, in order:
        tokens in flight (prompt + max_tokens of the running) stay within
        `max_tokens_in_flight`, and KV blocks can be had: the prefix cache gives the
        full blocks of its prompt that some request computed before (`blocks`), the
-       rest of the prompt is computed in pieces.
+       rest of the prompt is computed in pieces. A waiting request whose next prefix
+       block a running request (or one admitted this step) is computing waits for it
+       in the queue (those behind it that share nothing go ahead), and is admitted
+       with it from the cache: requests arriving together with one system prompt
+       compute it once. (vLLM v1 computes such a block once per request of the batch;
+       SGLang defers the requests whose prefix matches one being scheduled, as here;
+       sharing the uncomputed block in the same forward would rest on the attention
+       writing every piece's keys before any piece reads them, and the follower could
+       not run ahead of the first anyway: a piece needs every key before it.) It
+       waits only while that request progresses: after STALL steps without, it
+       computes the block itself (never a wait on a preempted or stalled request).
 Prompt tokens computed per step are at most `prefill_per_step` (0: no limit; one piece
 always runs), so decodes and pieces of prompts share a step (chunked prefill) and a long
 prompt never stalls the running requests for more than one piece. While requests
@@ -45,6 +55,7 @@ from tpkit.serve.blocks import BlockPool, block_keys
 from tpkit.serve.request import Request
 
 FLOOR = 4  # prompt tokens a step computes at least while requests decode
+STALL = 2  # steps a request waits on another's computing its prefix without progress
 
 @dataclass
 class Forward:
@@ -111,8 +122,12 @@ class Scheduler:
             else:
                 pieces.append((req, n))
                 left -= n
-        while self.waiting and len(self.running) < self.max_batch:
-            req = self.waiting[0]
+        computing = self._computing() if self.waiting and self.pool.caching else {}
+        for req in list(self.waiting):
+            if len(self.running) >= self.max_batch:
+                break
+            if self._defer(req, computing):
+                continue  # its prefix is being computed: it waits for the cache
             held = sum(len(r.prompt) + r.params.max_tokens for r in self.running)
             if held + len(req.prompt) + req.params.max_tokens > self.budget:
                 break  # first come, first served: it waits, and those behind it
@@ -121,9 +136,11 @@ class Scheduler:
                 break  # this step's prompt budget is spent
             if not self._admit(req):
                 break
-            self.waiting.popleft()
+            self.waiting.remove(req)
             self.running.append(req)
             out.admitted.append(req)
+            if self.pool.caching:  # its prompt's blocks: those behind it may wait for them
+                self._computing(req, computing)
             n = self._next(req, left, opens and not pieces)
             if n == 0 or not self._room(req, req.computed + n, out):
                 continue
@@ -144,6 +161,52 @@ class Scheduler:
                 return req.computed
         return 0 if self.waiting else None
 
+    def _keys(self, req: Request) -> list[int]:
+        """The chain keys of the full blocks of `req`'s tokens (kept while they last)."""
+        n = _tokens(req)
+        if req.keys[0] != n:
+            req.keys = (n, block_keys(req.prompt + req.tokens, self.pool.block_size))
+        return req.keys[1]
+
+    def _computing(self, req: Request | None = None,
+                   into: dict[int, Request] | None = None) -> dict[int, Request]:
+        """Chain key -> the running request (or only `req`) computing that full block of
+        its prompt, not yet in the prefix cache."""
+        into = {} if into is None else into
+        for r in self.running if req is None else [req]:
+            full = r.prefill_end // self.pool.block_size
+            if r.registered < full:  # (a decoding one's keys are not hashed again)
+                for key in self._keys(r)[r.registered:full]:
+                    into.setdefault(key, r)
+        return into
+
+    def _usable(self, req: Request) -> int:
+        """How many full blocks of `req`'s tokens the prefix cache may give it."""
+        if req.params.echo and req.params.logprobs is not None:
+            return 0  # every prompt position's logits are needed: nothing from the cache
+        usable = (_tokens(req) - 1) // self.pool.block_size  # one token at least computed
+        if self.invariant:
+            usable = usable * self.pool.block_size // self.piece * self.piece // \
+                self.pool.block_size
+        return usable
+
+    def _defer(self, req: Request, computing: dict[int, Request]) -> bool:
+        """Does waiting `req` wait for a running request computing the next block of its
+        prefix (it is admitted once that block is in the cache)? Only while that request
+        progresses: after STALL steps without, `req` computes the block itself."""
+        keys = self._keys(req)[:self._usable(req)] if computing else []
+        hit = self.pool.cached(keys)
+        owner = computing.get(keys[hit]) if hit < len(keys) else None
+        if owner is None:
+            req.waits = None
+            return False
+        seen = req.waits
+        if seen is None or seen[0] is not owner or owner.computed > seen[1]:
+            req.waits = (owner, owner.computed, 0)
+            return True
+        req.waits = (owner, owner.computed, seen[2] + 1)
+        return seen[2] + 1 <= STALL
+
     def _next(self, req: Request, left: float, first: bool) -> int:
         """Tokens of `req` to compute this step (0: none, the budget is spent)."""
         todo = _tokens(req) - req.computed
@@ -157,18 +220,11 @@ class Scheduler:
 
     def _admit(self, req: Request) -> bool:
         """Find its cached prefix and take its blocks (False: it must wait)."""
-        bs, everything = self.pool.block_size, req.prompt + req.tokens
-        hits: list[int] = []
-        if req.params.echo and req.params.logprobs is not None:
-            pass  # every prompt position's logits are needed: nothing from the cache
-        else:
-            usable = (len(everything) - 1) // bs  # one token at least is computed
-            if self.invariant:
-                usable = usable * bs // self.piece * self.piece // bs
-            hits = self.pool.lookup(block_keys(everything, bs, upto=usable))
-        req.blocks, req.computed = hits, len(hits) * bs
+        bs = self.pool.block_size
+        hits = self.pool.lookup(self._keys(req)[:self._usable(req)])
+        req.blocks, req.computed, req.waits = hits, len(hits) * bs, None
         req.cached = req.registered = len(hits)
-        req.prefill_end = len(everything)
+        req.prefill_end = _tokens(req)
         if self.invariant:
             need = -(-(len(req.prompt) + req.params.max_tokens) // bs) - len(hits)
         else:
@@ -224,7 +280,7 @@ class Scheduler:
                 req.computed = piece.start + len(piece.tokens)
                 full = min(req.computed, req.prefill_end) // bs
                 if full > req.registered:
-                    keys = block_keys(req.prompt + req.tokens, bs, upto=full)
+                    keys = self._keys(req)
                     for b in range(req.registered, full):
                         self.pool.register(req.blocks[b], keys[b])
                     req.registered = full
