@@ -76,10 +76,11 @@ class DecodePlan:
     args: tuple  # (meta pointer, rows, threads) as ctypes objects
 
 
-def decode_plan(rows: list[tuple[int, list[int], int, int]], block_size: int, device
-                ) -> DecodePlan | None:
+def decode_plan(rows: list[tuple[int, list[int], int, int]], block_size: int, device,
+                threads: int | None = None) -> DecodePlan | None:
     """The plan of decode rows (row, block table, lo, end), or None where the kernel
-    cannot run (no row, not on the CPU, no library)."""
+    cannot run (no row, not on the CPU, no library). `threads`: at most this many
+    (default torch's intra-op count)."""
     if not rows or torch.device(device).type != "cpu" or load() is None:
         return None
     head, tables = [], []
@@ -88,7 +89,7 @@ def decode_plan(rows: list[tuple[int, list[int], int, int]], block_size: int, de
         tables += blocks
     meta = torch.tensor(head + tables, dtype=torch.long)
     args = (ctypes.c_void_p(meta.data_ptr()), ctypes.c_int(len(rows)),
-            ctypes.c_int(block_size), ctypes.c_int(torch.get_num_threads()))
+            ctypes.c_int(block_size), ctypes.c_int(threads or torch.get_num_threads()))
     return DecodePlan(meta, len(rows), args)
 
 
