@@ -30,7 +30,7 @@ namespace {
 
 constexpr int TILE = 16;  // keys per score tile (the lanes of the score loop)
 constexpr int LANES = 16;  // lanes of the softmax denominator's sum
-constexpr int64_t THREAD_WORK = 1 << 20;  // q.k and p.v multiply-adds before threads pay
+constexpr int64_t THREAD_WORK = 1 << 22;  // q.k and p.v multiply-adds before threads pay
 
 inline float widen(float x) { return x; }
 inline float widen(uint16_t x) {
@@ -86,52 +86,106 @@ struct Call {
   const int32_t* kv_map;  // [nq]
   int nrows, nq, nkv, hd, bs;
   float scale;
-  std::vector<std::vector<int>> heads;  // kv head -> its query heads
+  std::vector<int> order;  // the query heads sorted by kv head (stable)
+  std::vector<int> first;  // [nkv + 1]: kv head kv's heads are order[first[kv]:first[kv+1]]
   int64_t max_len;
 };
 
+// q . k over hd in 16 lanes (lane l sums d = l, l + 16, ... in order), then a fixed tree.
+template <int HD>
+inline float dot(const float* __restrict a, const float* __restrict b, int hd) {
+  if (HD > 0) hd = HD;
+  float lane[LANES] = {};
+  int d = 0;
+  for (; d + LANES <= hd; d += LANES)
+    for (int l = 0; l < LANES; ++l) lane[l] += a[d + l] * b[d + l];
+  for (int l = 0; d + l < hd; ++l) lane[l] += a[d + l] * b[d + l];
+  for (int w = LANES / 2; w >= 1; w /= 2)
+    for (int l = 0; l < w; ++l) lane[l] += lane[l + w];
+  return lane[0];
+}
+
+// acc[d] += sum over the tile's keys t, in order, of p[t] * v[t][d].
+template <int HD>
+inline void axpy_tile(float* __restrict acc, const float* __restrict p, const float* v,
+                      int64_t stride, int n, int hd) {
+  if (HD > 0) {
+    float a[HD > 0 ? HD : 1];
+    for (int d = 0; d < HD; ++d) a[d] = acc[d];
+    for (int t = 0; t < n; ++t)
+      for (int d = 0; d < HD; ++d) a[d] += p[t] * v[t * stride + d];
+    for (int d = 0; d < HD; ++d) acc[d] = a[d];
+  } else {
+    for (int t = 0; t < n; ++t)
+      for (int d = 0; d < hd; ++d) acc[d] += p[t] * v[t * stride + d];
+  }
+}
+
+// A tile of n rows (keys or values) as float: the cache itself (stride: positions), or
+// bfloat16 widened into buf (stride hd).
+inline const float* rows(const float* src, int, int64_t, int, float*, int64_t* stride_out,
+                         int64_t stride) {
+  *stride_out = stride;
+  return src;
+}
+inline const float* rows(const uint16_t* src, int n, int64_t stride, int hd, float* buf,
+                         int64_t* stride_out, int64_t) {
+  for (int t = 0; t < n; ++t)
+    for (int d = 0; d < hd; ++d) buf[t * hd + d] = widen(src[t * stride + d]);
+  *stride_out = hd;
+  return buf;
+}
+
+// Ask for the next block's part of the item (its n positions' kv heads k0..k1) while
+// this one is computed: the blocks lie anywhere, so the hardware cannot guess the jump.
 template <typename T>
-void item(const Call& c, int64_t w, float* __restrict scratch) {
-  const int64_t* m = c.meta + 4 * (w / c.nkv);
-  const int kvh = int(w % c.nkv);
-  const std::vector<int>& heads = c.heads[kvh];
-  const int g = int(heads.size()), hd = c.hd, bs = c.bs;
+inline void prefetch(const T* base, int n, int64_t stride, int64_t len) {
+  for (int t = 0; t < n; ++t)
+    for (int64_t e = 0; e < len; e += 64 / int64_t(sizeof(T)))
+      __builtin_prefetch(base + t * stride + e);
+}
+
+// One work item: row r's query heads that read kv heads k0 <= kvh < k1.
+template <typename T, int HD>
+void item(const Call& c, int64_t r, int k0, int k1, float* __restrict scratch) {
+  const int64_t* m = c.meta + 4 * r;
+  const int hd = HD > 0 ? HD : c.hd, bs = c.bs;
   const int64_t row = m[0], lo = m[2], end = m[3], L = end - lo;
+  const int g = c.first[k1] - c.first[k0];  // the item's heads, kv head by kv head
   if (g == 0 || L <= 0) return;
+  const int* heads = c.order.data() + c.first[k0];
   const int64_t* table = c.meta + 4 * int64_t(c.nrows) + m[1];
   const int64_t kstride = int64_t(c.nkv) * hd;  // elements from one position to the next
-  const T* K = static_cast<const T*>(c.k) + int64_t(kvh) * hd;
-  const T* V = static_cast<const T*>(c.v) + int64_t(kvh) * hd;
   const T* Q = static_cast<const T*>(c.q) + row * c.nq * hd;
   T* O = static_cast<T*>(c.out) + row * c.nq * hd;
 
   float* __restrict qf = scratch;  // [g, hd]
-  float* __restrict kt = qf + g * hd;  // [hd, TILE]: a tile of keys, transposed
-  float* __restrict vf = kt + hd * TILE;  // [hd]: one value row
-  float* __restrict acc = vf + hd;  // [g, hd]
-  float* __restrict s = acc + g * hd;  // [g, L]: scores, then probabilities
+  float* __restrict buf = qf + g * hd;  // [TILE, hd]: a bfloat16 tile widened
+  float* __restrict acc = buf + TILE * hd;  // [g, hd]
+  float* __restrict denom = acc + g * hd;  // [g]
+  float* __restrict s = denom + g;  // [g, L]: scores, then probabilities
   for (int i = 0; i < g; ++i)
     for (int d = 0; d < hd; ++d) qf[i * hd + d] = widen(Q[heads[i] * hd + d]);
 
-  // pass 1: scores, a tile of up to 16 keys (never across a block) at a time
+  // pass 1: scores, a tile of up to 16 positions (never across a block) at a time, each
+  // position's kv heads side by side in the cache
   for (int64_t j = lo; j < end;) {
     const int64_t off = j % bs;
     const int n = int(std::min<int64_t>({TILE, bs - off, end - j}));
-    const T* kb = K + (table[j / bs] * bs + off) * kstride;
-    for (int d = 0; d < hd; ++d)
-      for (int t = 0; t < TILE; ++t) kt[d * TILE + t] = t < n ? widen(kb[t * kstride + d]) : 0.0f;
-    for (int i = 0; i < g; ++i) {
-      float sc[TILE] = {};
-      const float* qi = qf + i * hd;
-      for (int d = 0; d < hd; ++d)
-        for (int t = 0; t < TILE; ++t) sc[t] += qi[d] * kt[d * TILE + t];
-      float* si = s + i * L + (j - lo);
-      for (int t = 0; t < n; ++t) si[t] = sc[t] * c.scale;
+    const T* kb = static_cast<const T*>(c.k) + (table[j / bs] * bs + off) * kstride;
+    if (off + n == bs && j + n < end)  // the last tile of a block: fetch the next block
+      prefetch(static_cast<const T*>(c.k) + table[j / bs + 1] * bs * kstride + k0 * hd,
+               int(std::min<int64_t>(bs, end - j - n)), kstride, int64_t(k1 - k0) * hd);
+    for (int kv = k0, i = 0; kv < k1; ++kv) {
+      int64_t st;
+      const float* kf = rows(kb + int64_t(kv) * hd, n, kstride, hd, buf, &st, kstride);
+      for (const int i1 = c.first[kv + 1] - c.first[k0]; i < i1; ++i)
+        for (int t = 0; t < n; ++t)
+          s[i * L + (j - lo) + t] = dot<HD>(qf + i * hd, kf + t * st, hd) * c.scale;
     }
     j += n;
   }
   // pass 2: p = exp(score - max), the denominator in 16 lanes then a fixed tree
-  float denom[32];
   for (int i = 0; i < g; ++i) {
     float* si = s + i * L;
     float mx = si[0];
@@ -142,41 +196,58 @@ void item(const Call& c, int64_t w, float* __restrict scratch) {
     for (; j + LANES <= L; j += LANES)
       for (int l = 0; l < LANES; ++l) lane[l] += si[j + l];
     for (int l = 0; j + l < L; ++l) lane[l] += si[j + l];
-    for (int w2 = LANES / 2; w2 >= 1; w2 /= 2)
-      for (int l = 0; l < w2; ++l) lane[l] += lane[l + w2];
-    denom[i] = lane[0];  // g <= 32: checked by the caller
+    for (int w = LANES / 2; w >= 1; w /= 2)
+      for (int l = 0; l < w; ++l) lane[l] += lane[l + w];
+    denom[i] = lane[0];
   }
-  // pass 3: out = sum_j p_j v_j, in key order, each element its own sum
+  // pass 3: out = sum_j p_j v_j, each element summed over the keys in order
   std::fill(acc, acc + g * hd, 0.0f);
-  for (int64_t j = lo; j < end; ++j) {
-    const T* vb = V + (table[j / bs] * bs + j % bs) * kstride;
-    for (int d = 0; d < hd; ++d) vf[d] = widen(vb[d]);
-    for (int i = 0; i < g; ++i) {
-      const float p = s[i * L + (j - lo)];
-      float* ai = acc + i * hd;
-      for (int d = 0; d < hd; ++d) ai[d] += p * vf[d];
+  for (int64_t j = lo; j < end;) {
+    const int64_t off = j % bs;
+    const int n = int(std::min<int64_t>({TILE, bs - off, end - j}));
+    const T* vb = static_cast<const T*>(c.v) + (table[j / bs] * bs + off) * kstride;
+    if (off + n == bs && j + n < end)
+      prefetch(static_cast<const T*>(c.v) + table[j / bs + 1] * bs * kstride + k0 * hd,
+               int(std::min<int64_t>(bs, end - j - n)), kstride, int64_t(k1 - k0) * hd);
+    for (int kv = k0, i = 0; kv < k1; ++kv) {
+      int64_t st;
+      const float* vf = rows(vb + int64_t(kv) * hd, n, kstride, hd, buf, &st, kstride);
+      for (const int i1 = c.first[kv + 1] - c.first[k0]; i < i1; ++i)
+        axpy_tile<HD>(acc + i * hd, s + i * L + (j - lo), vf, st, n, hd);
     }
+    j += n;
   }
   for (int i = 0; i < g; ++i)
     for (int d = 0; d < hd; ++d) narrow(acc[i * hd + d] / denom[i], O + heads[i] * hd + d);
 }
 
+// Work items: whole rows (every kv head: each position's keys read as one contiguous
+// run) when there are at least as many rows as threads, else (row, kv head). Either way
+// each (row, head) is computed whole, in the same order, by one thread.
 template <typename T>
 void run(const Call& c, int threads) {
-  const int64_t items = int64_t(c.nrows) * c.nkv;
   int64_t keys = 0;
   for (int r = 0; r < c.nrows; ++r) keys += c.meta[4 * r + 3] - c.meta[4 * r + 2];
   const int64_t work = 2 * keys * c.nq * c.hd;
-  int64_t gmax = 0;
-  for (const auto& h : c.heads) gmax = std::max<int64_t>(gmax, int64_t(h.size()));
-  const size_t need = size_t((2 * gmax + TILE + 1) * c.hd + gmax * c.max_len);
+  int nt = work >= THREAD_WORK ? std::max(1, threads) : 1;
+  const int per_row = c.nrows >= nt ? 1 : c.nkv;  // items per row
+  const int64_t items = int64_t(c.nrows) * per_row;
+  nt = int(std::min<int64_t>(nt, items));
+  const size_t need = size_t((2 * c.nq + TILE + 1) * c.hd + c.nq + c.nq * c.max_len);
   std::atomic<int64_t> next{0};
-  auto worker = [&c, &next, items, need]() {
+  auto worker = [&c, &next, items, need, per_row]() {
     std::vector<float> scratch(need);
-    for (int64_t w; (w = next.fetch_add(1, std::memory_order_relaxed)) < items;)
-      item<T>(c, w, scratch.data());
+    for (int64_t w; (w = next.fetch_add(1, std::memory_order_relaxed)) < items;) {
+      const int64_t r = w / per_row;
+      const int k0 = per_row == 1 ? 0 : int(w % per_row), k1 = per_row == 1 ? c.nkv : k0 + 1;
+      if (c.hd == 64)
+        item<T, 64>(c, r, k0, k1, scratch.data());
+      else if (c.hd == 128)
+        item<T, 128>(c, r, k0, k1, scratch.data());
+      else
+        item<T, 0>(c, r, k0, k1, scratch.data());
+    }
   };
-  int nt = work >= THREAD_WORK ? int(std::min<int64_t>(threads, items)) : 1;
   std::vector<std::thread> pool;
   for (int i = 1; i < nt; ++i) {
     try {
@@ -194,19 +265,22 @@ void run(const Call& c, int threads) {
 extern "C" {
 
 // 0: done; -1: a dtype it does not take (0 float32, 1 bfloat16); -2: a query head maps
-// to no local kv head, or more than 32 query heads share one.
+// to no local kv head.
 int tpk_paged_attention(const void* q, const void* k, const void* v, void* out,
                         const int64_t* meta, const int32_t* kv_map, int nrows, int nq,
                         int nkv, int hd, int bs, int dtype, int threads) {
   Call c{q, k, v, out, meta, kv_map, nrows, nq, nkv, hd, bs,
-         float(1.0 / std::sqrt(double(hd))), std::vector<std::vector<int>>(nkv), 0};
+         float(1.0 / std::sqrt(double(hd))), {}, std::vector<int>(nkv + 1, 0), 0};
   for (int h = 0; h < nq; ++h) {
     if (kv_map[h] < 0 || kv_map[h] >= nkv) return -2;
-    c.heads[kv_map[h]].push_back(h);
+    ++c.first[kv_map[h] + 1];
   }
-  for (const auto& h : c.heads)
-    if (h.size() > 32) return -2;
-  for (int r = 0; r < nrows; ++r) c.max_len = std::max(c.max_len, meta[4 * r + 3] - meta[4 * r + 2]);
+  for (int kv = 0; kv < nkv; ++kv) c.first[kv + 1] += c.first[kv];
+  for (int kv = 0; kv < nkv; ++kv)
+    for (int h = 0; h < nq; ++h)
+      if (kv_map[h] == kv) c.order.push_back(h);
+  for (int r = 0; r < nrows; ++r)
+    c.max_len = std::max(c.max_len, meta[4 * r + 3] - meta[4 * r + 2]);
   if (dtype == 0)
     run<float>(c, threads);
   else if (dtype == 1)
