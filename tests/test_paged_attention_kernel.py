@@ -78,11 +78,11 @@ def _reference(q_r, k, v, table, lo, end, heads, dtype=torch.float64):
 @pytest.mark.parametrize("nq, nkv, index", LAYOUTS)
 @pytest.mark.parametrize("window", [None, 20])
 def test_float32_matches_float64_and_sdpa(nq, nkv, index, window):
-    lengths = [1, 16, 17, 45, 130]
-    k, v = _cache(nkv)
+    lengths = [1, 16, 17, 45, 130, 1100]  # 1100: three chunks of the kernel's work, merged
+    k, v = _cache(nkv, blocks=200)
     q = torch.randn(len(lengths), nq, 64, generator=torch.Generator().manual_seed(3))
     rows = [(r, t, max(0, n - window) if window else 0, n)
-            for r, (n, t) in enumerate(zip(lengths, _tables(lengths)))]
+            for r, (n, t) in enumerate(zip(lengths, _tables(lengths, blocks=200)))]
     out = _kernel(q, k, v, rows, nq, nkv, index)
     heads = _heads(nq, nkv, index)
     for r, table, lo, end in rows:
@@ -118,30 +118,30 @@ def test_bfloat16_within_one_ulp_of_float64(nq, nkv, index):
 @kernel
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_a_row_has_the_same_bits_alone_among_others_threaded_and_scattered(dtype):
-    """Row "mine" (300 keys) alone, then at another row index among long rows (above the
-    work threshold, so two threads share the call), then with its blocks adjacent."""
+    """Row "mine" (1100 keys: three chunks of work) alone, then at another row index among
+    long rows (above the work threshold, so two threads share the call), then with its
+    blocks adjacent."""
     nq, nkv, index = 5, 2, kv_index(9, 3, 2, 0)
     k, v = _cache(nkv, blocks=200, dtype=dtype, seed=2)
     g = torch.Generator().manual_seed(5)
     q = torch.randn(6, nq, 64, generator=g).to(dtype)
-    mine = _tables([300], blocks=200, seed=7)[0]
-    others = _tables([700, 900, 500, 64, 1], blocks=200, seed=8)
-    others = [[b for b in t if b not in mine] for t in others]  # apart from mine
-    alone = _kernel(q[:1], k, v, [(0, mine, 0, 300)], nq, nkv, index, threads=1)[0]
-    rows = [(r, t, 0, min(n, len(t) * BS))
-            for r, (t, n) in enumerate(zip(others, [700, 900, 500, 64, 1]))]
+    mine = _tables([1100], blocks=200, seed=7)[0]
+    lengths = [700, 900, 500, 64, 1]
+    others = _tables(lengths, blocks=200, seed=8)  # (sharing some of mine: only read)
+    alone = _kernel(q[:1], k, v, [(0, mine, 0, 1100)], nq, nkv, index, threads=1)[0]
+    rows = [(r, t, 0, n) for r, (t, n) in enumerate(zip(others, lengths))]
     q2 = torch.cat([q[1:], q[:1]])  # mine is row 5 now
     for threads in (1, 2):
-        among = _kernel(q2, k, v, rows + [(5, mine, 0, 300)], nq, nkv, index, threads)
+        among = _kernel(q2, k, v, rows + [(5, mine, 0, 1100)], nq, nkv, index, threads)
         assert torch.equal(among[5], alone), threads
-    adjacent = list(range(100, 100 + len(mine)))  # the same keys moved to adjacent blocks
+    adjacent = list(range(120, 120 + len(mine)))  # the same keys moved to adjacent blocks
     k2, v2 = k.clone(), v.clone()
     for new, old in zip(adjacent, mine):
         for t, src in ((k2, k), (v2, v)):
             t[new * BS:(new + 1) * BS] = src[old * BS:(old + 1) * BS]
-    moved = _kernel(q[:1], k2, v2, [(0, adjacent, 0, 300)], nq, nkv, index, threads=2)[0]
+    moved = _kernel(q[:1], k2, v2, [(0, adjacent, 0, 1100)], nq, nkv, index, threads=2)[0]
     assert torch.equal(moved, alone)
-    assert not torch.equal(alone, _kernel(q[1:2], k, v, [(0, mine, 0, 300)], nq, nkv, index)[0])
+    assert not torch.equal(alone, _kernel(q[1:2], k, v, [(0, mine, 0, 1100)], nq, nkv, index)[0])
 
 
 def _decode_logits(model, ids, keep):

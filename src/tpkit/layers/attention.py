@@ -215,12 +215,10 @@ class ParallelAttention(nn.Module):
             q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
         cache.k[batch.write] = k[:, :, 0]  # [T, kv_local, hd] into their blocks
         cache.v[batch.write] = v[:, :, 0]
-        plan = batch.decode
+        plan = batch.decode if paged_attention.usable(q, cache.k) else None
         if plan is not None:  # the decode rows: one native call (`layers.paged_attention`)
             kv = paged_attention.kv_map(q.shape[1], cache.k.shape[1],
                                         None if self.kv_index is None else tuple(self.kv_index))
-            plan = plan if kv is not None and paged_attention.usable(q, cache.k) else None
-        if plan is not None:
             y = torch.empty(q.shape[0], q.shape[1], q.shape[3], dtype=q.dtype)  # [T, nq, hd]
             paged_attention.attend(q[:, :, 0].contiguous(), cache.k, cache.v, y, plan, kv)
         gqa, uneven = q.shape[1] != cache.k.shape[1], self.kv_index is not None

@@ -6,18 +6,20 @@
 //   k, v [positions, nkv, hd], position = table_r[j / bs] * bs + j % bs
 // with the kv head kv_map[h] (GQA: a plain group or an uneven mapping); scale = 1/sqrt(hd).
 //
-// Batch invariance by construction: a work item is one (row, kv head), computed whole
-// by one thread in an order fixed by the row's own length: each score is a dot product
-// summed over d in order (lanes over 16 keys, the sum of each lane sequential over d),
-// the softmax's denominator summed in 16 lanes (j % 16) then a fixed tree, each output
-// element summed over j in order. Nothing depends on the other rows, on the number of
-// threads, or on where the blocks lie.
+// Batch invariance by construction: a work item is (row, chunk of 512 keys) for every
+// head, computed whole by one thread in an order fixed by the row's own keys: each score
+// a dot product in 16 lanes over d (lane l sums d = l, l + 16, ... in order) then a fixed
+// tree, the softmax's denominator in 16 lanes (j % 16) then a fixed tree, each output
+// element summed over j in order; a row's chunks then merged in chunk order (one chunk:
+// the division alone). Nothing depends on the other rows, on the number of threads, or
+// on where the blocks lie.
 //
-// Softmax in two passes: every score stored, their max, then exp(score - max) (a
-// vectorisable Cephes-style exp, ~1 ulp). float32 or bfloat16 caches and queries
+// Softmax in two passes per chunk: every score stored, their max, then exp(score - max)
+// (a vectorisable Cephes-style exp, ~1 ulp). float32 or bfloat16 caches and queries
 // (bfloat16: widened exactly to float, float accumulation, the output rounded to
 // nearest even once). Threads (std::thread, not OpenMP) over the work items only when
-// the call's work is above THREAD_WORK multiply-adds.
+// the call's work is above THREAD_WORK multiply-adds. The next block of a row is
+// prefetched (blocks lie anywhere: the hardware prefetcher cannot follow the table).
 #include <algorithm>
 #include <atomic>
 #include <cmath>
@@ -29,7 +31,8 @@
 namespace {
 
 constexpr int TILE = 16;  // keys per score tile (the lanes of the score loop)
-constexpr int LANES = 16;  // lanes of the softmax denominator's sum
+constexpr int LANES = 16;  // lanes of a dot product and of the softmax denominator's sum
+constexpr int64_t CHUNK = 512;  // keys per work item (a row's chunks: fixed by its keys)
 constexpr int64_t THREAD_WORK = 1 << 22;  // q.k and p.v multiply-adds before threads pay
 
 inline float widen(float x) { return x; }
@@ -88,7 +91,6 @@ struct Call {
   float scale;
   std::vector<int> order;  // the query heads sorted by kv head (stable)
   std::vector<int> first;  // [nkv + 1]: kv head kv's heads are order[first[kv]:first[kv+1]]
-  int64_t max_len;
 };
 
 // q . k over hd in 16 lanes (lane l sums d = l, l + 16, ... in order), then a fixed tree.
@@ -145,49 +147,46 @@ inline void prefetch(const T* base, int n, int64_t stride, int64_t len) {
       __builtin_prefetch(base + t * stride + e);
 }
 
-// One work item: row r's query heads that read kv heads k0 <= kvh < k1.
+// One work item: keys lo + CHUNK * chunk .. (at most CHUNK of them) of row r, every
+// query head: its max score, sum of exp(score - max) and unnormalised output go to
+// part [nq, hd + 2] (heads in kv order).
 template <typename T, int HD>
-void item(const Call& c, int64_t r, int k0, int k1, float* __restrict scratch) {
+void item(const Call& c, int64_t r, int64_t chunk, float* __restrict part,
+          float* __restrict scratch) {
   const int64_t* m = c.meta + 4 * r;
-  const int hd = HD > 0 ? HD : c.hd, bs = c.bs;
-  const int64_t row = m[0], lo = m[2], end = m[3], L = end - lo;
-  const int g = c.first[k1] - c.first[k0];  // the item's heads, kv head by kv head
-  if (g == 0 || L <= 0) return;
-  const int* heads = c.order.data() + c.first[k0];
+  const int hd = HD > 0 ? HD : c.hd, bs = c.bs, g = c.nq;
+  const int64_t lo = m[2] + CHUNK * chunk, end = std::min(m[3], lo + CHUNK), L = end - lo;
   const int64_t* table = c.meta + 4 * int64_t(c.nrows) + m[1];
   const int64_t kstride = int64_t(c.nkv) * hd;  // elements from one position to the next
-  const T* Q = static_cast<const T*>(c.q) + row * c.nq * hd;
-  T* O = static_cast<T*>(c.out) + row * c.nq * hd;
+  const int len = c.nkv * hd;  // a position's keys (or values): one contiguous run
+  const T* Q = static_cast<const T*>(c.q) + m[0] * c.nq * hd;
 
   float* __restrict qf = scratch;  // [g, hd]
   float* __restrict buf = qf + g * hd;  // [TILE, hd]: a bfloat16 tile widened
-  float* __restrict acc = buf + TILE * hd;  // [g, hd]
-  float* __restrict denom = acc + g * hd;  // [g]
-  float* __restrict s = denom + g;  // [g, L]: scores, then probabilities
+  float* __restrict s = buf + TILE * hd;  // [g, CHUNK]: scores, then probabilities
   for (int i = 0; i < g; ++i)
-    for (int d = 0; d < hd; ++d) qf[i * hd + d] = widen(Q[heads[i] * hd + d]);
+    for (int d = 0; d < hd; ++d) qf[i * hd + d] = widen(Q[c.order[i] * hd + d]);
 
-  // pass 1: scores, a tile of up to 16 positions (never across a block) at a time, each
-  // position's kv heads side by side in the cache
+  // pass 1: scores, a tile of up to 16 positions (never across a block) at a time
   for (int64_t j = lo; j < end;) {
     const int64_t off = j % bs;
     const int n = int(std::min<int64_t>({TILE, bs - off, end - j}));
     const T* kb = static_cast<const T*>(c.k) + (table[j / bs] * bs + off) * kstride;
     if (off + n == bs && j + n < end)  // the last tile of a block: fetch the next block
-      prefetch(static_cast<const T*>(c.k) + table[j / bs + 1] * bs * kstride + k0 * hd,
-               int(std::min<int64_t>(bs, end - j - n)), kstride, int64_t(k1 - k0) * hd);
-    for (int kv = k0, i = 0; kv < k1; ++kv) {
+      prefetch(static_cast<const T*>(c.k) + table[j / bs + 1] * bs * kstride,
+               int(std::min<int64_t>(bs, end - j - n)), kstride, len);
+    for (int kv = 0, i = 0; kv < c.nkv; ++kv) {
       int64_t st;
       const float* kf = rows(kb + int64_t(kv) * hd, n, kstride, hd, buf, &st, kstride);
-      for (const int i1 = c.first[kv + 1] - c.first[k0]; i < i1; ++i)
+      for (; i < c.first[kv + 1]; ++i)
         for (int t = 0; t < n; ++t)
-          s[i * L + (j - lo) + t] = dot<HD>(qf + i * hd, kf + t * st, hd) * c.scale;
+          s[i * CHUNK + (j - lo) + t] = dot<HD>(qf + i * hd, kf + t * st, hd) * c.scale;
     }
     j += n;
   }
-  // pass 2: p = exp(score - max), the denominator in 16 lanes then a fixed tree
+  // pass 2: p = exp(score - max), their sum in 16 lanes then a fixed tree
   for (int i = 0; i < g; ++i) {
-    float* si = s + i * L;
+    float* si = s + i * CHUNK;
     float mx = si[0];
     for (int64_t j = 1; j < L; ++j) mx = si[j] > mx ? si[j] : mx;
     for (int64_t j = 0; j < L; ++j) si[j] = exp_neg(si[j] - mx);
@@ -198,54 +197,78 @@ void item(const Call& c, int64_t r, int k0, int k1, float* __restrict scratch) {
     for (int l = 0; j + l < L; ++l) lane[l] += si[j + l];
     for (int w = LANES / 2; w >= 1; w /= 2)
       for (int l = 0; l < w; ++l) lane[l] += lane[l + w];
-    denom[i] = lane[0];
+    part[i * (hd + 2)] = mx;
+    part[i * (hd + 2) + 1] = lane[0];
+    std::fill(part + i * (hd + 2) + 2, part + (i + 1) * (hd + 2), 0.0f);
   }
-  // pass 3: out = sum_j p_j v_j, each element summed over the keys in order
-  std::fill(acc, acc + g * hd, 0.0f);
+  // pass 3: sum_j p_j v_j, each element summed over the keys in order
   for (int64_t j = lo; j < end;) {
     const int64_t off = j % bs;
     const int n = int(std::min<int64_t>({TILE, bs - off, end - j}));
     const T* vb = static_cast<const T*>(c.v) + (table[j / bs] * bs + off) * kstride;
     if (off + n == bs && j + n < end)
-      prefetch(static_cast<const T*>(c.v) + table[j / bs + 1] * bs * kstride + k0 * hd,
-               int(std::min<int64_t>(bs, end - j - n)), kstride, int64_t(k1 - k0) * hd);
-    for (int kv = k0, i = 0; kv < k1; ++kv) {
+      prefetch(static_cast<const T*>(c.v) + table[j / bs + 1] * bs * kstride,
+               int(std::min<int64_t>(bs, end - j - n)), kstride, len);
+    for (int kv = 0, i = 0; kv < c.nkv; ++kv) {
       int64_t st;
       const float* vf = rows(vb + int64_t(kv) * hd, n, kstride, hd, buf, &st, kstride);
-      for (const int i1 = c.first[kv + 1] - c.first[k0]; i < i1; ++i)
-        axpy_tile<HD>(acc + i * hd, s + i * L + (j - lo), vf, st, n, hd);
+      for (; i < c.first[kv + 1]; ++i)
+        axpy_tile<HD>(part + i * (hd + 2) + 2, s + i * CHUNK + (j - lo), vf, st, n, hd);
     }
     j += n;
   }
-  for (int i = 0; i < g; ++i)
-    for (int d = 0; d < hd; ++d) narrow(acc[i * hd + d] / denom[i], O + heads[i] * hd + d);
 }
 
-// Work items: whole rows (every kv head: each position's keys read as one contiguous
-// run) when there are at least as many rows as threads, else (row, kv head). Either way
-// each (row, head) is computed whole, in the same order, by one thread.
+// Row r's output from its chunks' parts, merged in chunk order: with M the largest max,
+// out = sum_c e^(m_c - M) acc_c / sum_c e^(m_c - M) l_c (one chunk: acc / l exactly).
+template <typename T>
+void merge(const Call& c, int64_t r, const float* part, int64_t chunks, float* num) {
+  const int hd = c.hd, w = hd + 2;
+  T* O = static_cast<T*>(c.out) + c.meta[4 * r] * c.nq * hd;
+  for (int i = 0; i < c.nq; ++i) {
+    const float* pi = part + i * w;
+    float M = pi[0];
+    for (int64_t ch = 1; ch < chunks; ++ch) M = std::max(M, pi[ch * c.nq * w]);
+    float den = 0.0f;
+    std::fill(num, num + hd, 0.0f);
+    for (int64_t ch = 0; ch < chunks; ++ch) {
+      const float* p = pi + ch * c.nq * w;
+      const float e = exp_neg(p[0] - M);
+      den += e * p[1];
+      for (int d = 0; d < hd; ++d) num[d] += e * p[2 + d];
+    }
+    for (int d = 0; d < hd; ++d) narrow(num[d] / den, O + c.order[i] * hd + d);
+  }
+}
+
+// Work items: (row, chunk of CHUNK keys), each computed whole by one thread; a row's
+// chunks are fixed by its own keys, so its bits never depend on the threads or rows.
 template <typename T>
 void run(const Call& c, int threads) {
+  std::vector<int64_t> first(c.nrows + 1, 0);  // row r's items: first[r] .. first[r + 1]
   int64_t keys = 0;
-  for (int r = 0; r < c.nrows; ++r) keys += c.meta[4 * r + 3] - c.meta[4 * r + 2];
+  for (int r = 0; r < c.nrows; ++r) {
+    const int64_t L = std::max<int64_t>(c.meta[4 * r + 3] - c.meta[4 * r + 2], 0);
+    keys += L;
+    first[r + 1] = first[r] + (L + CHUNK - 1) / CHUNK;
+  }
+  const int64_t items = first[c.nrows], w = c.nq * int64_t(c.hd + 2);
+  std::vector<float> part(size_t(items * w));
   const int64_t work = 2 * keys * c.nq * c.hd;
-  int nt = work >= THREAD_WORK ? std::max(1, threads) : 1;
-  const int per_row = c.nrows >= nt ? 1 : c.nkv;  // items per row
-  const int64_t items = int64_t(c.nrows) * per_row;
-  nt = int(std::min<int64_t>(nt, items));
-  const size_t need = size_t((2 * c.nq + TILE + 1) * c.hd + c.nq + c.nq * c.max_len);
+  const int nt = int(std::min<int64_t>(work >= THREAD_WORK ? std::max(1, threads) : 1, items));
+  const size_t need = size_t((c.nq + TILE + 1) * c.hd + c.nq * CHUNK);
   std::atomic<int64_t> next{0};
-  auto worker = [&c, &next, items, need, per_row]() {
+  auto worker = [&]() {
     std::vector<float> scratch(need);
-    for (int64_t w; (w = next.fetch_add(1, std::memory_order_relaxed)) < items;) {
-      const int64_t r = w / per_row;
-      const int k0 = per_row == 1 ? 0 : int(w % per_row), k1 = per_row == 1 ? c.nkv : k0 + 1;
+    for (int64_t it; (it = next.fetch_add(1, std::memory_order_relaxed)) < items;) {
+      const int64_t r = std::upper_bound(first.begin(), first.end(), it) - first.begin() - 1;
+      float* p = part.data() + it * w;
       if (c.hd == 64)
-        item<T, 64>(c, r, k0, k1, scratch.data());
+        item<T, 64>(c, r, it - first[r], p, scratch.data());
       else if (c.hd == 128)
-        item<T, 128>(c, r, k0, k1, scratch.data());
+        item<T, 128>(c, r, it - first[r], p, scratch.data());
       else
-        item<T, 0>(c, r, k0, k1, scratch.data());
+        item<T, 0>(c, r, it - first[r], p, scratch.data());
     }
   };
   std::vector<std::thread> pool;
@@ -258,6 +281,9 @@ void run(const Call& c, int threads) {
   }
   worker();
   for (auto& t : pool) t.join();
+  std::vector<float> num(c.hd);
+  for (int r = 0; r < c.nrows; ++r)
+    if (first[r + 1] > first[r]) merge<T>(c, r, part.data() + first[r] * w, first[r + 1] - first[r], num.data());
 }
 
 }  // namespace
@@ -270,7 +296,7 @@ int tpk_paged_attention(const void* q, const void* k, const void* v, void* out,
                         const int64_t* meta, const int32_t* kv_map, int nrows, int nq,
                         int nkv, int hd, int bs, int dtype, int threads) {
   Call c{q, k, v, out, meta, kv_map, nrows, nq, nkv, hd, bs,
-         float(1.0 / std::sqrt(double(hd))), {}, std::vector<int>(nkv + 1, 0), 0};
+         float(1.0 / std::sqrt(double(hd))), {}, std::vector<int>(nkv + 1, 0)};
   for (int h = 0; h < nq; ++h) {
     if (kv_map[h] < 0 || kv_map[h] >= nkv) return -2;
     ++c.first[kv_map[h] + 1];
@@ -279,8 +305,6 @@ int tpk_paged_attention(const void* q, const void* k, const void* v, void* out,
   for (int kv = 0; kv < nkv; ++kv)
     for (int h = 0; h < nq; ++h)
       if (kv_map[h] == kv) c.order.push_back(h);
-  for (int r = 0; r < nrows; ++r)
-    c.max_len = std::max(c.max_len, meta[4 * r + 3] - meta[4 * r + 2]);
   if (dtype == 0)
     run<float>(c, threads);
   else if (dtype == 1)
