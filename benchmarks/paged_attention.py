@@ -7,17 +7,21 @@ SDPA loop it replaces (one fused attention per sequence), side by side in one ru
 1. A decode step of SmolLM2-135M (the folder's weights; without --folder, random weights
    of its shape), tp=1, loaded to decode (`load_model(..., decode=True)`): `PagedCache(m,
    16)`, 1 or 8 sequences prefilled with 40 tokens, then `paged_kv.forward(m, cache,
-   [Piece([7], 40 + k, blocks)...], greedy=True)`, kernel and SDPA alternating, median.
+   [Piece([7], 40 + k, blocks)...], greedy=True)`; then 1 x 4096 and 8 x 2048 keys. The
+   kernel (as by default, and at torch's thread count) and SDPA alternating, medians.
 2. One layer's `_attend_paged` alone (the cache writes, rotary, then the attention) on
-   its own cache at 1 or 8 sequences of 45 or 4096 keys, blocks scattered: the kernel at
-   torch's thread count and at one thread, against the SDPA loop.
+   its own cache at 1 or 8 sequences of 45 or 4096 keys, blocks scattered: the kernel
+   (both ways) against the SDPA loop.
+Run it again with OMP_WAIT_POLICY=passive to see the kernel's threads pay in the step
+(`layers.paged_attention`: by default torch's OpenMP workers spin on the other cores).
 Medians of alternating rounds (`common.round_robin`); the load average is printed and
 written (bench-results/paged_attention.json): quote figures with it.
 """
 
 from __future__ import annotations
 
-import ctypes
+import argparse
+import functools
 import os
 import statistics
 import tempfile
@@ -42,36 +46,50 @@ def smollm2_shaped(folder: Path) -> Path:
 
 
 class Kernel:
-    """Switch the kernel off (`layers.paged_attention.load` gives None) and on again."""
+    """Switch between the kernel as it runs by default (`kernel_threads()`: one thread
+    unless OMP_WAIT_POLICY=passive), the kernel forced to torch's thread count, and SDPA
+    (the kernel unavailable: `layers.paged_attention.load` gives None)."""
 
     def __init__(self) -> None:
         from tpkit.layers import paged_attention as pa
+        from tpkit.model import paged_kv
 
-        self.pa, self.load = pa, pa.load
+        self.pa, self.kv, self.load, self.plan = pa, paged_kv, pa.load, paged_kv.decode_plan
 
-    def on(self, yes: bool) -> None:
-        self.pa.load = self.load if yes else (lambda: None)
+    def on(self, mode: str = "kernel") -> None:
+        self.pa.load = (lambda: None) if mode == "sdpa" else self.load
+        self.kv.decode_plan = (functools.partial(self.plan, threads=torch.get_num_threads())
+                               if mode == ALL else self.plan)
 
 
-def step_case(model, dtype, b: int, reps: int, kernel: Kernel) -> dict:
-    """Part 1: the decode step of `b` sequences, kernel vs SDPA."""
+ALL = "kernel, all threads"
+MODES = ("kernel", ALL, "sdpa")
+
+
+def step_case(model, dtype, b: int, keys: int, reps: int, kernel: Kernel) -> dict:
+    """Part 1: the decode step of `b` sequences at about `keys` keys each, in each mode.
+    keys 40: the sequences' 40-token prompts prefilled first; more: the cache's zeros
+    stand for the prompts (the time does not depend on the values)."""
     from tpkit.model.paged_kv import NONE, PagedCache, Piece, forward
 
+    nb = (keys + 80) // 16 + 1
     cache = PagedCache(model, 16, dtype)
-    cache.grow(1 + 8 * b)
-    tables = [[1 + 8 * i + j for j in range(8)] for i in range(b)]
-    forward(model, cache, [Piece([(11 * i + j) % 1000 + 5 for j in range(40)], 0, t, NONE)
-                           for i, t in enumerate(tables)])
-    k = [0, 0]  # a position counter per contender
+    cache.grow(1 + nb * b)
+    tables = [[1 + nb * i + j for j in range(nb)] for i in range(b)]
+    if keys == 40:
+        forward(model, cache, [Piece([(11 * i + j) % 1000 + 5 for j in range(40)], 0, t, NONE)
+                               for i, t in enumerate(tables)])
+    k = dict.fromkeys(MODES, 0)  # a position counter per contender
 
-    def step(yes: bool) -> None:
-        kernel.on(yes)
-        k[yes] = (k[yes] + 1) % 80
-        forward(model, cache, [Piece([7], 40 + k[yes], t) for t in tables], greedy=True)
-        kernel.on(True)
-    times = round_robin([Contender("kernel", lambda: step(True)),
-                         Contender("sdpa", lambda: step(False))], reps, warmup=3)
-    return _row(f"decode step, {b} seq x 41-120 keys", times)
+    def step(mode: str) -> None:
+        kernel.on(mode)
+        k[mode] = (k[mode] + 1) % 80
+        forward(model, cache, [Piece([7], keys + k[mode], t) for t in tables], greedy=True)
+        kernel.on()
+    times = round_robin([Contender(m, functools.partial(step, m)) for m in MODES], reps,
+                        warmup=3)
+    span = "41-120" if keys == 40 else f"{keys + 1}-{keys + 80}"
+    return _row(f"decode step, {b} seq x {span} keys", times)
 
 
 def attention_case(attn, dtype, b: int, L: int, budget: float, kernel: Kernel) -> dict:
@@ -90,12 +108,10 @@ def attention_case(attn, dtype, b: int, L: int, budget: float, kernel: Kernel) -
     q = torch.randn(b, nq, 1, hd, generator=g).to(dtype)
     kq, vq = (torch.randn(b, nkv, 1, hd, generator=g).to(dtype) for _ in range(2))
     batches = {}
-    for name in ("kernel", "kernel 1 thread", "sdpa"):
-        kernel.on(name != "sdpa")
-        batches[name] = layout(pieces, 16, attn.sliding_window, 8192, "cpu")[1]
-        kernel.on(True)
-    one = batches["kernel 1 thread"].decode
-    one.args = one.args[:3] + (ctypes.c_int(1),)
+    for mode in MODES:
+        kernel.on(mode)
+        batches[mode] = layout(pieces, 16, attn.sliding_window, 8192, "cpu")[1]
+        kernel.on()
 
     def call(name):
         return lambda: attn._attend_paged(q, kq, vq, PagedKV(k, v, batches[name]))
@@ -117,6 +133,8 @@ def main() -> None:
     p.add_argument("--folder", type=Path, default=None,
                    help="a SmolLM2-135M Hugging Face folder (default: random weights)")
     p.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"])
+    p.add_argument("--long", action=argparse.BooleanOptionalAction, default=True,
+                   help="also the steps at 1 x 4096 and 8 x 2048 keys (default: yes)")
     args = p.parse_args()
     from tpkit.layers import paged_attention as pa
     from tpkit.weights.sources import load_model
@@ -130,7 +148,9 @@ def main() -> None:
         model = load_model(str(folder), tp=1, dtype=dtype, decode=True)
     load = os.getloadavg()
     with torch.no_grad():
-        rows = [step_case(model, dtype, b, 10 if args.quick else 40, kernel) for b in (1, 8)]
+        steps = [(1, 40), (8, 40)] + ([(1, 4096), (8, 2048)] if args.long else [])
+        rows = [step_case(model, dtype, b, keys, 10 if args.quick else 40, kernel)
+                for b, keys in steps]
         shapes = [(8, 4096)] if args.quick else [(1, 45), (8, 45), (1, 4096), (8, 4096)]
         rows += [attention_case(model.layers["0"].attn, dtype, b, L,
                                 args.budget or (2.0 if args.quick else 10.0), kernel)
@@ -139,13 +159,14 @@ def main() -> None:
     print_table(f"paged decode attention, SmolLM2-135M shapes, {args.dtype}, torch threads "
                 f"{torch.get_num_threads()}; load average {load[0][0]:.2f} before, "
                 f"{load[1][0]:.2f} after (ms, medians of alternating rounds)",
-                ["case", "SDPA loop", "kernel", "kernel 1 thread", "SDPA / kernel", "rounds"],
+                ["case", "SDPA loop", f"kernel ({pa.kernel_threads()} thread(s))",
+                 f"kernel, {torch.get_num_threads()} threads", "SDPA / kernel", "rounds"],
                 [[r["case"], f"{r['ms']['sdpa']:.3f}", f"{r['ms']['kernel']:.3f}",
-                  f"{r['ms'].get('kernel 1 thread', float('nan')):.3f}",
+                  f"{r['ms'][ALL]:.3f}",
                   f"{r['speedup']:.2f}x", str(r["rounds"])] for r in rows])
-    path = write_json("paged_attention", dict(environment=environment(), load_average=load,
-                                              dtype=args.dtype, folder=str(args.folder),
-                                              rows=rows))
+    path = write_json("paged_attention", dict(
+        environment=environment(), load_average=load, dtype=args.dtype,
+        folder=str(args.folder), omp_wait_policy=os.environ.get("OMP_WAIT_POLICY"), rows=rows))
     print(f"wrote {path}")
 
 

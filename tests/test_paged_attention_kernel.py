@@ -186,3 +186,12 @@ def test_model_decode_is_as_accurate_as_the_full_forward_with_and_without_the_ke
     def err(x):
         return ((x.double() - want).norm() / want.norm()).item()
     assert err(fast) <= 2 * err(full) and err(slow) <= 2 * err(full), (err(fast), err(slow))
+
+
+def test_threads_only_where_torch_workers_sleep(monkeypatch):
+    """By default one thread (torch's OpenMP workers spin after each matmul); torch's
+    intra-op count under OMP_WAIT_POLICY=passive."""
+    monkeypatch.delenv("OMP_WAIT_POLICY", raising=False)
+    assert pa.kernel_threads() == 1
+    monkeypatch.setenv("OMP_WAIT_POLICY", "PASSIVE")
+    assert pa.kernel_threads() == torch.get_num_threads()

@@ -25,10 +25,15 @@ Guarantees:
   ~1e-6 relative of a float64 reference in float32, within 1 bfloat16 ulp of the float64
   reference rounded in bfloat16 (tests/test_paged_attention_kernel.py). Not SDPA's bits:
   a different order of the same sums.
-- Threads: std::thread over the work items, at most torch's intra-op count (never
-  OpenMP: a second OpenMP runtime beside torch's spins against it), only above 4M
-  multiply-adds a call (one row of ~3.6k keys, eight of ~460); below it, the calling
-  thread alone (starting a thread costs more than the work).
+- Threads: std::thread over the work items (never OpenMP: a second OpenMP runtime beside
+  torch's spins against it), only above 4M multiply-adds a call (one row of ~3.6k keys,
+  eight of ~460; below it a thread costs more than the work), and only under
+  OMP_WAIT_POLICY=passive (then up to torch's intra-op count). By default torch's
+  OpenMP workers spin for milliseconds after every parallel op (libgomp's default
+  spin), so right after a layer's matmul a thread of ours shares a core with a spinning
+  worker and gains nothing: measured on 2 cores, 8 rows x 4096 keys after a matmul
+  5.5 ms at 2 threads vs 5.3 at one; with nothing before it 2.7 vs 5.1; with
+  OMP_WAIT_POLICY=passive the threads pay after a matmul too.
 
 The library is compiled for this CPU (-O3 -march=native: built per machine at install,
 its name hashing the CPU's flags) by `comm.native.NativeLibrary`, like the shared-memory
@@ -42,6 +47,7 @@ from __future__ import annotations
 
 import ctypes
 import functools
+import os
 import sys
 from dataclasses import dataclass
 from pathlib import Path
@@ -77,11 +83,18 @@ class DecodePlan:
     args: tuple  # (meta pointer, rows, threads) as ctypes objects
 
 
+def kernel_threads() -> int:
+    """How many threads a call may use: torch's intra-op count where its OpenMP workers
+    sleep when idle (OMP_WAIT_POLICY=passive), else 1 (module docstring: Threads)."""
+    passive = os.environ.get("OMP_WAIT_POLICY", "").lower() == "passive"
+    return torch.get_num_threads() if passive else 1
+
+
 def decode_plan(rows: list[tuple[int, list[int], int, int]], block_size: int, device,
                 threads: int | None = None) -> DecodePlan | None:
     """The plan of decode rows (row, block table, lo, end), or None where the kernel
     cannot run (no row, not on the CPU, no library). `threads`: at most this many
-    (default torch's intra-op count)."""
+    (default `kernel_threads()`)."""
     if not rows or torch.device(device).type != "cpu" or load() is None:
         return None
     head, tables = [], []
@@ -90,7 +103,7 @@ def decode_plan(rows: list[tuple[int, list[int], int, int]], block_size: int, de
         tables += blocks
     meta = torch.tensor(head + tables, dtype=torch.long)
     args = (ctypes.c_void_p(meta.data_ptr()), ctypes.c_int(len(rows)),
-            ctypes.c_int(block_size), ctypes.c_int(threads or torch.get_num_threads()))
+            ctypes.c_int(block_size), ctypes.c_int(threads or kernel_threads()))
     return DecodePlan(meta, len(rows), args)
 
 
