@@ -68,15 +68,19 @@ MODES = ("kernel", ALL, "sdpa")
 
 def step_case(model, dtype, b: int, keys: int, reps: int, kernel: Kernel) -> dict:
     """Part 1: the decode step of `b` sequences at about `keys` keys each, in each mode.
-    keys 40: the sequences' 40-token prompts prefilled first; more: the cache's zeros
-    stand for the prompts (the time does not depend on the values)."""
+    keys 40: the sequences' 40-token prompts prefilled first; more: random keys and values
+    stand for the prompts (the time does not depend on the values; written, so that they
+    are read from memory, not from the zero page of untouched pages)."""
     from tpkit.model.paged_kv import NONE, PagedCache, Piece, forward
 
     nb = (keys + 80) // 16 + 1
     cache = PagedCache(model, 16, dtype)
     cache.grow(1 + nb * b)
     tables = [[1 + nb * i + j for j in range(nb)] for i in range(b)]
-    if keys == 40:
+    if keys != 40:
+        for t in (*cache.k, *cache.v):
+            t.normal_()
+    else:
         forward(model, cache, [Piece([(11 * i + j) % 1000 + 5 for j in range(40)], 0, t, NONE)
                                for i, t in enumerate(tables)])
     k = dict.fromkeys(MODES, 0)  # a position counter per contender

@@ -119,8 +119,8 @@ def test_bfloat16_within_one_ulp_of_float64(nq, nkv, index):
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_a_row_has_the_same_bits_alone_among_others_threaded_and_scattered(dtype):
     """Row "mine" (1100 keys: three chunks of work) alone, then at another row index among
-    long rows (above the work threshold, so two threads share the call), then with its
-    blocks adjacent."""
+    long rows (above the work threshold, so two threads share the call: torch's OpenMP
+    team's or the kernel's own), then with its blocks adjacent."""
     nq, nkv, index = 5, 2, kv_index(9, 3, 2, 0)
     k, v = _cache(nkv, blocks=200, dtype=dtype, seed=2)
     g = torch.Generator().manual_seed(5)
@@ -131,7 +131,7 @@ def test_a_row_has_the_same_bits_alone_among_others_threaded_and_scattered(dtype
     alone = _kernel(q[:1], k, v, [(0, mine, 0, 1100)], nq, nkv, index, threads=1)[0]
     rows = [(r, t, 0, n) for r, (t, n) in enumerate(zip(others, lengths))]
     q2 = torch.cat([q[1:], q[:1]])  # mine is row 5 now
-    for threads in (1, 2):
+    for threads in (1, 2, -2):  # -2: two std::threads instead of torch's OpenMP team
         among = _kernel(q2, k, v, rows + [(5, mine, 0, 1100)], nq, nkv, index, threads)
         assert torch.equal(among[5], alone), threads
     adjacent = list(range(120, 120 + len(mine)))  # the same keys moved to adjacent blocks
@@ -188,10 +188,14 @@ def test_model_decode_is_as_accurate_as_the_full_forward_with_and_without_the_ke
     assert err(fast) <= 2 * err(full) and err(slow) <= 2 * err(full), (err(fast), err(slow))
 
 
-def test_threads_only_where_torch_workers_sleep(monkeypatch):
-    """By default one thread (torch's OpenMP workers spin after each matmul); torch's
-    intra-op count under OMP_WAIT_POLICY=passive."""
+def test_threads_on_torchs_team_or_where_its_workers_sleep(monkeypatch):
+    """torch's OpenMP team (found in this process): torch's intra-op count whatever the
+    wait policy; without it, own threads only under OMP_WAIT_POLICY=passive."""
     monkeypatch.delenv("OMP_WAIT_POLICY", raising=False)
+    if pa.load() is not None:
+        assert pa.torch_pool()  # this torch runs on libgomp
+        assert pa.kernel_threads() == torch.get_num_threads()
+    monkeypatch.setattr(pa, "torch_pool", lambda: False)
     assert pa.kernel_threads() == 1
     monkeypatch.setenv("OMP_WAIT_POLICY", "PASSIVE")
     assert pa.kernel_threads() == torch.get_num_threads()

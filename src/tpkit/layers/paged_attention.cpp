@@ -17,14 +17,17 @@
 // Softmax in two passes per chunk: every score stored, their max, then exp(score - max)
 // (a vectorisable Cephes-style exp, ~1 ulp). float32 or bfloat16 caches and queries
 // (bfloat16: widened exactly to float, float accumulation, the output rounded to
-// nearest even once). Threads (std::thread, not OpenMP) over the work items only when
-// the call's work is above THREAD_WORK multiply-adds. The next block of a row is
+// nearest even once). Threads over the work items only when the call's work is above
+// THREAD_WORK multiply-adds: torch's own OpenMP team where the process has one (never a
+// second OpenMP runtime), else std::threads above SPAWN_WORK. The next block of a row is
 // prefetched (blocks lie anywhere: the hardware prefetcher cannot follow the table).
 #include <algorithm>
+#include <cstdlib>
 #include <atomic>
 #include <cmath>
 #include <cstdint>
 #include <cstring>
+#include <dlfcn.h>
 #include <thread>
 #include <vector>
 
@@ -33,7 +36,21 @@ namespace {
 constexpr int TILE = 16;  // keys per score tile (the lanes of the score loop)
 constexpr int LANES = 16;  // lanes of a dot product and of the softmax denominator's sum
 constexpr int64_t CHUNK = 512;  // keys per work item (a row's chunks: fixed by its keys)
-constexpr int64_t THREAD_WORK = 1 << 22;  // q.k and p.v multiply-adds before threads pay
+constexpr int64_t THREAD_WORK = 1 << 20;  // multiply-adds before torch's pool pays
+constexpr int64_t SPAWN_WORK = 1 << 22;  // ... before threads of our own pay
+
+// torch's OpenMP team, when this process has one (libgomp's entry point, or a runtime
+// that provides it): its workers are the ones spinning after every torch op, so work
+// handed to them starts at once, where a thread of ours would share a core with one.
+using GompParallel = void (*)(void (*)(void*), void*, unsigned, unsigned);
+GompParallel gomp_parallel() {
+  static const GompParallel f = reinterpret_cast<GompParallel>(dlsym(RTLD_DEFAULT, "GOMP_parallel"));
+  return f;
+}
+template <class F>
+void call(void* f) {
+  (*static_cast<F*>(f))();
+}
 
 inline float widen(float x) { return x; }
 inline float widen(uint16_t x) {
@@ -255,7 +272,9 @@ void run(const Call& c, int threads) {
   const int64_t items = first[c.nrows], w = c.nq * int64_t(c.hd + 2);
   std::vector<float> part(size_t(items * w));
   const int64_t work = 2 * keys * c.nq * c.hd;
-  const int nt = int(std::min<int64_t>(work >= THREAD_WORK ? std::max(1, threads) : 1, items));
+  const GompParallel pool = threads > 0 ? gomp_parallel() : nullptr;  // < 0: our own
+  const int64_t enough = pool != nullptr ? THREAD_WORK : SPAWN_WORK;
+  const int nt = int(std::min<int64_t>(work >= enough ? std::max(1, std::abs(threads)) : 1, items));
   const size_t need = size_t((c.nq + TILE + 1) * c.hd + c.nq * CHUNK);
   std::atomic<int64_t> next{0};
   auto worker = [&]() {
@@ -271,16 +290,20 @@ void run(const Call& c, int threads) {
         item<T, 0>(c, r, it - first[r], p, scratch.data());
     }
   };
-  std::vector<std::thread> pool;
-  for (int i = 1; i < nt; ++i) {
-    try {
-      pool.emplace_back(worker);
-    } catch (...) {  // no thread to be had: the others (and this one) do the work
-      break;
+  if (nt > 1 && pool != nullptr) {
+    pool(&call<decltype(worker)>, &worker, unsigned(nt), 0);  // on torch's team; joins
+  } else {
+    std::vector<std::thread> own;
+    for (int i = 1; i < nt; ++i) {
+      try {
+        own.emplace_back(worker);
+      } catch (...) {  // no thread to be had: the others (and this one) do the work
+        break;
+      }
     }
+    worker();
+    for (auto& t : own) t.join();
   }
-  worker();
-  for (auto& t : pool) t.join();
   std::vector<float> num(c.hd);
   for (int r = 0; r < c.nrows; ++r)
     if (first[r + 1] > first[r]) merge<T>(c, r, part.data() + first[r] * w, first[r + 1] - first[r], num.data());
@@ -290,8 +313,12 @@ void run(const Call& c, int threads) {
 
 extern "C" {
 
+// 1 if calls run on torch's OpenMP team (GOMP_parallel found in the process), else 0.
+int tpk_paged_attention_pool() { return gomp_parallel() != nullptr; }
+
 // 0: done; -1: a dtype it does not take (0 float32, 1 bfloat16); -2: a query head maps
-// to no local kv head.
+// to no local kv head. threads: at most that many on torch's team where the process has
+// one; -n: n std::threads of its own (the fallback, forced: for the tests).
 int tpk_paged_attention(const void* q, const void* k, const void* v, void* out,
                         const int64_t* meta, const int32_t* kv_map, int nrows, int nq,
                         int nkv, int hd, int bs, int dtype, int threads) {

@@ -25,15 +25,16 @@ Guarantees:
   ~1e-6 relative of a float64 reference in float32, within 1 bfloat16 ulp of the float64
   reference rounded in bfloat16 (tests/test_paged_attention_kernel.py). Not SDPA's bits:
   a different order of the same sums.
-- Threads: std::thread over the work items (never OpenMP: a second OpenMP runtime beside
-  torch's spins against it), only above 4M multiply-adds a call (one row of ~3.6k keys,
-  eight of ~460; below it a thread costs more than the work), and only under
-  OMP_WAIT_POLICY=passive (then up to torch's intra-op count). By default torch's
-  OpenMP workers spin for milliseconds after every parallel op (libgomp's default
-  spin), so right after a layer's matmul a thread of ours shares a core with a spinning
-  worker and gains nothing: measured on 2 cores, 8 rows x 4096 keys after a matmul
-  5.5 ms at 2 threads vs 5.3 at one; with nothing before it 2.7 vs 5.1; with
-  OMP_WAIT_POLICY=passive the threads pay after a matmul too.
+- Threads: the work items spread over torch's own OpenMP team (libgomp's
+  `GOMP_parallel`, found in the process: the workers torch already runs, never a second
+  OpenMP runtime), up to torch's intra-op count, above 1M multiply-adds a call (one row
+  of ~900 keys, eight of ~115). The team's workers spin for milliseconds after every
+  torch op (libgomp's default), so right after a layer's matmul they take the work at
+  once; threads of the kernel's own would share a core with a spinning worker and gain
+  nothing (measured on 2 cores, 8 rows x 4096 keys after a matmul: 5.5 ms at 2 such
+  threads vs 5.3 at one; with nothing before: 2.7 vs 5.1). Without such a team (torch
+  built on another backend) std::threads serve, above 4M multiply-adds, and only under
+  OMP_WAIT_POLICY=passive (torch's workers then sleep when idle).
 
 The library is compiled for this CPU (-O3 -march=native: built per machine at install,
 its name hashing the CPU's flags) by `comm.native.NativeLibrary`, like the shared-memory
@@ -83,18 +84,26 @@ class DecodePlan:
     args: tuple  # (meta pointer, rows, threads) as ctypes objects
 
 
+@functools.lru_cache(maxsize=1)
+def torch_pool() -> bool:
+    """Whether the kernel's threads are torch's own OpenMP team (module docstring)."""
+    lib = load()
+    return lib is not None and lib.tpk_paged_attention_pool() == 1
+
+
 def kernel_threads() -> int:
-    """How many threads a call may use: torch's intra-op count where its OpenMP workers
-    sleep when idle (OMP_WAIT_POLICY=passive), else 1 (module docstring: Threads)."""
+    """How many threads a call may use: torch's intra-op count on torch's own OpenMP team,
+    or with threads of its own where torch's workers sleep when idle
+    (OMP_WAIT_POLICY=passive); else 1 (module docstring: Threads)."""
     passive = os.environ.get("OMP_WAIT_POLICY", "").lower() == "passive"
-    return torch.get_num_threads() if passive else 1
+    return torch.get_num_threads() if torch_pool() or passive else 1
 
 
 def decode_plan(rows: list[tuple[int, list[int], int, int]], block_size: int, device,
                 threads: int | None = None) -> DecodePlan | None:
     """The plan of decode rows (row, block table, lo, end), or None where the kernel
     cannot run (no row, not on the CPU, no library). `threads`: at most this many
-    (default `kernel_threads()`)."""
+    (default `kernel_threads()`; -n: n threads of the kernel's own, not torch's team)."""
     if not rows or torch.device(device).type != "cpu" or load() is None:
         return None
     head, tables = [], []
