@@ -2,18 +2,16 @@
 SDPA loop it replaces (one fused attention per sequence), side by side in one run.
 
     .venv/bin/python benchmarks/paged_attention.py [--folder HF_DIR] [--dtype bfloat16]
-                                                   [--quick]
+                                                   [--no-long] [--quick]
 
 1. A decode step of SmolLM2-135M (the folder's weights; without --folder, random weights
    of its shape), tp=1, loaded to decode (`load_model(..., decode=True)`): `PagedCache(m,
    16)`, 1 or 8 sequences prefilled with 40 tokens, then `paged_kv.forward(m, cache,
    [Piece([7], 40 + k, blocks)...], greedy=True)`; then 1 x 4096 and 8 x 2048 keys. The
-   kernel (as by default, and at torch's thread count) and SDPA alternating, medians.
+   kernel (as by default: torch's threads; and on one thread) and SDPA alternating.
 2. One layer's `_attend_paged` alone (the cache writes, rotary, then the attention) on
    its own cache at 1 or 8 sequences of 45 or 4096 keys, blocks scattered: the kernel
    (both ways) against the SDPA loop.
-Run it again with OMP_WAIT_POLICY=passive to see the kernel's threads pay in the step
-(`layers.paged_attention`: by default torch's OpenMP workers spin on the other cores).
 Medians of alternating rounds (`common.round_robin`); the load average is printed and
 written (bench-results/paged_attention.json): quote figures with it.
 """
@@ -46,9 +44,9 @@ def smollm2_shaped(folder: Path) -> Path:
 
 
 class Kernel:
-    """Switch between the kernel as it runs by default (`kernel_threads()`: one thread
-    unless OMP_WAIT_POLICY=passive), the kernel forced to torch's thread count, and SDPA
-    (the kernel unavailable: `layers.paged_attention.load` gives None)."""
+    """Switch between the kernel as it runs by default (`kernel_threads()`: torch's
+    OpenMP team), the kernel on one thread, and SDPA (the kernel unavailable:
+    `layers.paged_attention.load` gives None)."""
 
     def __init__(self) -> None:
         from tpkit.layers import paged_attention as pa
@@ -58,12 +56,12 @@ class Kernel:
 
     def on(self, mode: str = "kernel") -> None:
         self.pa.load = (lambda: None) if mode == "sdpa" else self.load
-        self.kv.decode_plan = (functools.partial(self.plan, threads=torch.get_num_threads())
-                               if mode == ALL else self.plan)
+        self.kv.decode_plan = (functools.partial(self.plan, threads=1) if mode == ONE
+                               else self.plan)
 
 
-ALL = "kernel, all threads"
-MODES = ("kernel", ALL, "sdpa")
+ONE = "kernel, 1 thread"
+MODES = ("kernel", ONE, "sdpa")
 
 
 def step_case(model, dtype, b: int, keys: int, reps: int, kernel: Kernel) -> dict:
@@ -163,10 +161,10 @@ def main() -> None:
     print_table(f"paged decode attention, SmolLM2-135M shapes, {args.dtype}, torch threads "
                 f"{torch.get_num_threads()}; load average {load[0][0]:.2f} before, "
                 f"{load[1][0]:.2f} after (ms, medians of alternating rounds)",
-                ["case", "SDPA loop", f"kernel ({pa.kernel_threads()} thread(s))",
-                 f"kernel, {torch.get_num_threads()} threads", "SDPA / kernel", "rounds"],
+                ["case", "SDPA loop", f"kernel ({pa.kernel_threads()} threads)", ONE,
+                 "SDPA / kernel", "rounds"],
                 [[r["case"], f"{r['ms']['sdpa']:.3f}", f"{r['ms']['kernel']:.3f}",
-                  f"{r['ms'][ALL]:.3f}",
+                  f"{r['ms'][ONE]:.3f}",
                   f"{r['speedup']:.2f}x", str(r["rounds"])] for r in rows])
     path = write_json("paged_attention", dict(
         environment=environment(), load_average=load, dtype=args.dtype,
