@@ -199,3 +199,13 @@ def test_threads_on_torchs_team_or_where_its_workers_sleep(monkeypatch):
     assert pa.kernel_threads() == 1
     monkeypatch.setenv("OMP_WAIT_POLICY", "PASSIVE")
     assert pa.kernel_threads() == torch.get_num_threads()
+
+
+def test_the_library_is_named_after_the_cpu_it_was_built_for(monkeypatch):
+    """-march=native: a tree copied to another CPU builds its own library rather than
+    load one that may use instructions that CPU lacks; the shm library is portable."""
+    from tpkit.comm import native, shm_build
+
+    here, shm = pa.LIBRARY.library_path(), shm_build.library_path()
+    monkeypatch.setattr(native, "cpu_signature", lambda: b"another cpu")
+    assert pa.LIBRARY.library_path() != here and shm_build.library_path() == shm
