@@ -19,6 +19,7 @@
                      decoding packs the weights for it once
       float16        not accelerated (no amx_fp16, amx_tile, avx512_fp16): --dtype float16
                      is emulated, slower than float32 here
+      attention      decode rows: one native call a layer (float32, bfloat16)
       cuda           none
 
 `--version` reads package metadata only (no torch import: instant); `tpkit version`
@@ -130,7 +131,8 @@ def _devices() -> str:
 
 def fast_paths() -> list[tuple[str, str]]:
     """(name, state): torch's CPU capability, whether bfloat16 and float16 matmuls are
-    accelerated on this CPU (its flags and oneDNN), and the GPU when there is one."""
+    accelerated on this CPU (its flags and oneDNN), whether the decode rows' attention
+    kernel is built, and the GPU when there is one."""
     # lazy: `tpkit version` runs, and says so, without torch
     import torch
 
@@ -154,6 +156,12 @@ def fast_paths() -> list[tuple[str, str]]:
                     if fast
                     else f"not accelerated ({why if has else 'no ' + ', '.join(wanted)}): "
                          f"--dtype {dtype} is emulated, slower than float32 here"))
+    from tpkit.layers import paged_attention
+
+    out.append(("attention", "decode rows: one native call a layer (float32, bfloat16)"
+                if paged_attention.load() is not None else
+                f"decode rows on SDPA, one call a sequence (native kernel unavailable: "
+                f"{paged_attention.LIBRARY.unavailable_reason()})"))
     gpus = gpu_names()
     out.append(("cuda", f"{', '.join(gpus)} (bfloat16 {'native' if gpu_bf16() else 'emulated'})"
                 if gpus else "none"))

@@ -33,6 +33,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from tpkit.comm.group import CommGroup
+from tpkit.layers import paged_attention
 from tpkit.layers.linear import ColumnParallelLinear, RowParallelLinear
 from tpkit.layers.norm import Norm
 from tpkit.layers.random import TPRandom
@@ -56,7 +57,8 @@ class PagedBatch:
     those blocks' nb * block_size positions), gathered a block at a time (a row at a
     time cost ~3x as much: ~100 ms a step at 4k keys for SmolLM2-135M here); `mask`
     [rows, L] (None: every key). `angles`: the rows' rotary cos and sin, read from the
-    table once per forward for every layer that rotates alike."""
+    table once per forward for every layer that rotates alike. `decode`: the rows of
+    one token for the native kernel (`layers.paged_attention`; None: every row on SDPA)."""
 
     positions: torch.Tensor
     write: torch.Tensor
@@ -64,6 +66,7 @@ class PagedBatch:
     rope_len: int
     block_size: int
     angles: dict = field(default_factory=dict)
+    decode: paged_attention.DecodePlan | None = None
 
 
 @dataclass
@@ -196,10 +199,12 @@ class ParallelAttention(nn.Module):
 
     def _attend_paged(self, q, k, v, cache: PagedKV) -> torch.Tensor:
         """q, k, v [T, heads, 1, hd] (a row per token): write the keys and values into their
-        blocks, then each sequence's rows attend over its own keys only, one fused
-        attention per sequence on exactly its keys: its result depends on its own tokens
-        alone, never on the other rows or on how full the cache is (batched, the CPU's
-        fused attention would split its work over threads by batch row)."""
+        blocks, then each sequence's rows attend over its own keys only: the decode rows
+        (one token) in one native call for all of them (`layers.paged_attention`), each
+        longer piece in a fused attention of its own on exactly its keys. Either way a
+        row's result depends on its own tokens alone, never on the other rows or on how
+        full the cache is (batched, the CPU's fused attention would split its work over
+        threads by batch row)."""
         batch = cache.batch
         if self.rope_theta is not None:
             how = (self.rope_dim, self.rope_theta, self.rope_llama3)
@@ -210,18 +215,29 @@ class ParallelAttention(nn.Module):
             q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
         cache.k[batch.write] = k[:, :, 0]  # [T, kv_local, hd] into their blocks
         cache.v[batch.write] = v[:, :, 0]
+        plan = batch.decode if paged_attention.usable(q, cache.k) else None
+        if plan is not None:  # the decode rows: one native call (`layers.paged_attention`)
+            kv = paged_attention.kv_map(q.shape[1], cache.k.shape[1],
+                                        None if self.kv_index is None else tuple(self.kv_index))
+            y = torch.empty(q.shape[0], q.shape[1], q.shape[3], dtype=q.dtype)  # [T, nq, hd]
+            paged_attention.attend(q[:, :, 0].contiguous(), cache.k, cache.v, y, plan, kv)
         gqa, uneven = q.shape[1] != cache.k.shape[1], self.kv_index is not None
         out = []
         for first, n, keys, mask in batch.seqs:
+            if plan is not None and n == 1:
+                continue  # computed above
             k_i = _paged(cache.k, keys, batch.block_size).transpose(0, 1)[None]
             v_i = _paged(cache.v, keys, batch.block_size).transpose(0, 1)[None]  # [1, kv, L, hd]
             if uneven:
                 k_i, v_i = self.for_queries(k_i), self.for_queries(v_i)
             q_i = q[first:first + n, :, 0].transpose(0, 1)[None]  # [1, nq, n, hd]
-            y = F.scaled_dot_product_attention(q_i, k_i, v_i, mask,
-                                               enable_gqa=gqa and not uneven)
-            out.append(y[0].transpose(0, 1)[:, :, None])  # [n, nq, 1, hd]
-        return torch.cat(out)
+            y_i = F.scaled_dot_product_attention(q_i, k_i, v_i, mask,
+                                                 enable_gqa=gqa and not uneven)[0]
+            if plan is None:
+                out.append(y_i.transpose(0, 1)[:, :, None])  # [n, nq, 1, hd]
+            else:
+                y[first:first + n] = y_i.transpose(0, 1)
+        return torch.cat(out) if plan is None else y[:, :, None]
 
     def _attend(self, q, k, v, attention_mask, rng):
         s, t = q.shape[2], k.shape[2]

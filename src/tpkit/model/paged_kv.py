@@ -41,6 +41,7 @@ from torch import nn
 
 from tpkit.comm import all_gather
 from tpkit.layers.attention import PagedBatch, PagedKV
+from tpkit.layers.paged_attention import decode_plan
 from tpkit.spec.errors import UserError
 
 NONE, LAST, EVERY = 0, 1, 2  # which logits a piece asks for
@@ -108,7 +109,7 @@ class PagedCache:
 def layout(pieces: list[Piece], block_size: int, window: int | None, rope_len: int,
            device) -> tuple[torch.Tensor, PagedBatch]:
     """ids [T, 1] and the `PagedBatch` of a forward of `pieces`."""
-    ids, pos, write, seqs, row = [], [], [], [], 0
+    ids, pos, write, seqs, decodes, row = [], [], [], [], [], 0
     for p in pieces:
         n, end = len(p.tokens), p.start + len(p.tokens)
         table = torch.tensor(p.blocks, dtype=torch.long)
@@ -132,9 +133,11 @@ def layout(pieces: list[Piece], block_size: int, window: int | None, rope_len: i
         pos.append(positions)
         write.append(flat[p.start:end])
         seqs.append((row, n, keys, mask))
+        if n == 1:  # a decode row: the kernel reads keys lo..end through its table
+            decodes.append((row, p.blocks, lo, end))
         row += n
     batch = PagedBatch(torch.cat(pos).to(device), torch.cat(write).to(device), seqs, rope_len,
-                       block_size)
+                       block_size, decode=decode_plan(decodes, block_size, device))
     return torch.tensor(ids, dtype=torch.long, device=device)[:, None], batch
 
 
