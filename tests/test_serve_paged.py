@@ -23,6 +23,7 @@ import pytest
 import torch
 
 from checkpoint_helpers import LLAMA, SMOL, fill, random_full
+from tpkit.layers.quant import for_decode
 from tpkit.mesh import ParallelMesh
 from tpkit.model.paged_kv import LAST, PagedCache, Piece, forward
 from tpkit.model.transformer import Transformer
@@ -39,10 +40,13 @@ NEW = 6
 
 
 def _model(mesh, config):
+    """Decode-only weights, as `tpkit serve` loads them (`for_decode`): oneDNN's products
+    give a row the same bits wherever it sits in the batch (MKL's F.linear does not
+    always: with an odd input width, SMOL's 99, row 1 of two rounds unlike row 0)."""
     config = config.with_(max_seq_len=256)  # rotary: no weight depends on it
     model = Transformer(config, mesh)
     fill(model, random_full(config, seed=5, scale=1.0), mesh)
-    return model
+    return for_decode(model)
 
 
 def prefix_worker(mesh, config):
@@ -90,10 +94,7 @@ def test_a_shared_prefix_is_computed_once_and_changes_no_bit(run_tp, config):
             if chunk is not None:  # batch invariant: the same bits, cache or not
                 alone = [(t, lp) for t, lp, _ in off]
                 assert [(t, lp) for t, lp, _ in on] == alone and both == both_off, tp
-                # and together as alone (not at tp=2 with 9 heads, 5 + 4: there the
-                # log-probs move in the last bits with the rows beside them, cache or not,
-                # as before this test; the tokens are equal below)
-                assert both == alone or (tp > 1 and config is SMOL)
+                assert both == alone, tp  # and together as alone
             alone = [t for t, _, _ in off]  # the same greedy tokens in every case
             assert [t for t, _, _ in on] == alone == [t for t, _ in both] == \
                 [t for t, _ in both_off], tp

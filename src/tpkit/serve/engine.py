@@ -36,7 +36,9 @@ How a decode runs is `decode_chunk`:
 - C (batch invariant: `--batch-invariant --decode-chunk C`): decodes in forwards of
   exactly C rows, prompts in pieces cut at multiples of `piece` tokens, each its own
   forward: a request's tokens and log-probabilities are bit for bit the same whatever
-  else runs, and with or without the prefix cache (`serve.scheduler`).
+  else runs, and with or without the prefix cache (`serve.scheduler`), for a model
+  with decode-only weights (`layers.quant.for_decode`, what `tpkit serve` loads): MKL's
+  `F.linear` of a trainable one may round a row by its place among the rows.
 """
 
 from __future__ import annotations
