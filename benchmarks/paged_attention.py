@@ -107,8 +107,7 @@ def attention_case(attn, dtype, b: int, L: int, budget: float, kernel: Kernel) -
     perm = (torch.randperm(blocks - 1, generator=g) + 1).tolist()  # scattered blocks
     k, v = (torch.randn(blocks * 16, nkv, hd, generator=g).to(dtype) for _ in range(2))
     pieces = [Piece([7], L - 1, perm[i * nb:(i + 1) * nb]) for i in range(b)]
-    q = torch.randn(b, nq, 1, hd, generator=g).to(dtype)
-    kq, vq = (torch.randn(b, nkv, 1, hd, generator=g).to(dtype) for _ in range(2))
+    heads = torch.randn(b, nq + 2 * nkv, hd, generator=g).to(dtype)  # a row's q, k, v
     batches = {}
     for mode in MODES:
         kernel.on(mode)
@@ -116,7 +115,7 @@ def attention_case(attn, dtype, b: int, L: int, budget: float, kernel: Kernel) -
         kernel.on()
 
     def call(name):
-        return lambda: attn._attend_paged(q, kq, vq, PagedKV(k, v, batches[name]))
+        return lambda: attn._attend_paged(heads, PagedKV(k, v, batches[name]))
     t0 = time.perf_counter()
     call("sdpa")()
     reps = reps_for(3 * (time.perf_counter() - t0), budget, lo=7, hi=200)

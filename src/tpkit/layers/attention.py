@@ -150,6 +150,9 @@ class ParallelAttention(nn.Module):
         qkv = self.qkv(x)  # [b, s, (nh/tp + 2 kv_local) hd]
         b, s, _ = qkv.shape
         hd, nq, nkv = self.head_dim, self.local_heads, self.local_kv
+        if kv_cache is not None:  # rows of one token: [T, 1, ...]
+            y = self._attend_paged(qkv.view(b, nq + 2 * nkv, hd), kv_cache)  # [T, nq, hd]
+            return self.out(y.view(b, s, nq * hd))  # [T, 1, h] summed over tp
         q, k, v = qkv.split([nq * hd, nkv * hd, nkv * hd], dim=-1)
         q = q.view(b, s, nq, hd).transpose(1, 2)  # [b, nh/tp, s, hd]
         k = k.view(b, s, nkv, hd).transpose(1, 2)  # [b, kv_local, s, hd]
@@ -157,19 +160,16 @@ class ParallelAttention(nn.Module):
         if self.q_norm is not None:
             q, k = self.q_norm(q), self.k_norm(k)  # over each head's hd
         ring = self.cp is not None and self.cp.size > 1  # this rank holds 2 chunks of S
-        if kv_cache is not None:
-            y = self._attend_paged(q, k, v, kv_cache)  # [T, nh/tp, 1, hd]
-        else:
-            if self.rope_theta is not None:
-                cos, sin = self._angles(s, x.device, ring)
-                q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
-            if ring:  # keys and values around the cp ring; kv heads travel unrepeated
-                if self.kv_index is not None:  # unless the groups are uneven here
-                    k, v = self.for_queries(k), self.for_queries(v)
-                y = ring_attention(q, k, v, self.cp)  # [b, nh/tp, s, hd]
-                return self.out(y.transpose(1, 2).reshape(b, s, nq * hd))  # [b, s, h] over tp
-            k, v = self.for_queries(k), self.for_queries(v)  # [b, nq, s, hd]
-            y = self._attend(q, k, v, attention_mask, rng)  # [b, nh/tp, s, hd]
+        if self.rope_theta is not None:
+            cos, sin = self._angles(s, x.device, ring)
+            q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
+        if ring:  # keys and values around the cp ring; kv heads travel unrepeated
+            if self.kv_index is not None:  # unless the groups are uneven here
+                k, v = self.for_queries(k), self.for_queries(v)
+            y = ring_attention(q, k, v, self.cp)  # [b, nh/tp, s, hd]
+            return self.out(y.transpose(1, 2).reshape(b, s, nq * hd))  # [b, s, h] over tp
+        k, v = self.for_queries(k), self.for_queries(v)  # [b, nq, s, hd]
+        y = self._attend(q, k, v, attention_mask, rng)  # [b, nh/tp, s, hd]
         y = y.transpose(1, 2).reshape(b, s, nq * hd)  # [b, s, h/tp]
         return self.out(y)  # [b, s, h] summed over tp
 
@@ -197,32 +197,35 @@ class ParallelAttention(nn.Module):
         pos = cp_positions(s, self.cp, device=device)  # [s] global positions
         return cos[pos], sin[pos]
 
-    def _attend_paged(self, q, k, v, cache: PagedKV) -> torch.Tensor:
-        """q, k, v [T, heads, 1, hd] (a row per token): write the keys and values into their
+    def _attend_paged(self, heads: torch.Tensor, cache: PagedKV) -> torch.Tensor:
+        """heads [T, nq + 2 kv_local, hd] (a row per token, its q, k, v heads) -> [T, nq, hd]:
+        q and k normed and rotated together, the keys and values written into their
         blocks, then each sequence's rows attend over its own keys only: the decode rows
         (one token) in one native call for all of them (`layers.paged_attention`), each
         longer piece in a fused attention of its own on exactly its keys. Either way a
         row's result depends on its own tokens alone, never on the other rows or on how
         full the cache is (batched, the CPU's fused attention would split its work over
         threads by batch row)."""
-        batch = cache.batch
+        batch, nq, T = cache.batch, self.local_heads, heads.shape[0]
+        qk, v = heads[:, :nq + self.local_kv], heads[:, nq + self.local_kv:]
+        if self.q_norm is not None:
+            qk = torch.cat([self.q_norm(qk[:, :nq]), self.k_norm(qk[:, nq:])], 1)
         if self.rope_theta is not None:
             how = (self.rope_dim, self.rope_theta, self.rope_llama3)
-            if how not in batch.angles:  # [T, 1, 1, rd] each, shared by the layers
-                batch.angles[how] = rope_at(batch.positions[:, None], *how[:2],
-                                            batch.rope_len, how[2])
-            cos, sin = batch.angles[how]
-            q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
-        cache.k[batch.write] = k[:, :, 0]  # [T, kv_local, hd] into their blocks
-        cache.v[batch.write] = v[:, :, 0]
+            if how not in batch.angles:  # [T, 1, rd] each, shared by the layers
+                batch.angles[how] = tuple(a.view(T, 1, -1) for a in rope_at(
+                    batch.positions[:, None], *how[:2], batch.rope_len, how[2]))
+            qk = apply_rope(qk, *batch.angles[how])  # q and k heads alike
+        q = qk[:, :nq]
+        cache.k[batch.write] = qk[:, nq:]  # [T, kv_local, hd] into their blocks
+        cache.v[batch.write] = v
         plan = batch.decode if paged_attention.usable(q, cache.k) else None
+        y = torch.empty(T, nq, q.shape[2], dtype=q.dtype)  # [T, nq, hd]
         if plan is not None:  # the decode rows: one native call (`layers.paged_attention`)
-            kv = paged_attention.kv_map(q.shape[1], cache.k.shape[1],
+            kv = paged_attention.kv_map(nq, cache.k.shape[1],
                                         None if self.kv_index is None else tuple(self.kv_index))
-            y = torch.empty(q.shape[0], q.shape[1], q.shape[3], dtype=q.dtype)  # [T, nq, hd]
-            paged_attention.attend(q[:, :, 0].contiguous(), cache.k, cache.v, y, plan, kv)
-        gqa, uneven = q.shape[1] != cache.k.shape[1], self.kv_index is not None
-        out = []
+            paged_attention.attend(q.contiguous(), cache.k, cache.v, y, plan, kv)
+        gqa, uneven = nq != cache.k.shape[1], self.kv_index is not None
         for first, n, keys, mask in batch.seqs:
             if plan is not None and n == 1:
                 continue  # computed above
@@ -230,14 +233,10 @@ class ParallelAttention(nn.Module):
             v_i = _paged(cache.v, keys, batch.block_size).transpose(0, 1)[None]  # [1, kv, L, hd]
             if uneven:
                 k_i, v_i = self.for_queries(k_i), self.for_queries(v_i)
-            q_i = q[first:first + n, :, 0].transpose(0, 1)[None]  # [1, nq, n, hd]
-            y_i = F.scaled_dot_product_attention(q_i, k_i, v_i, mask,
-                                                 enable_gqa=gqa and not uneven)[0]
-            if plan is None:
-                out.append(y_i.transpose(0, 1)[:, :, None])  # [n, nq, 1, hd]
-            else:
-                y[first:first + n] = y_i.transpose(0, 1)
-        return torch.cat(out) if plan is None else y[:, :, None]
+            q_i = q[first:first + n].transpose(0, 1)[None]  # [1, nq, n, hd]
+            y[first:first + n] = F.scaled_dot_product_attention(
+                q_i, k_i, v_i, mask, enable_gqa=gqa and not uneven)[0].transpose(0, 1)
+        return y
 
     def _attend(self, q, k, v, attention_mask, rng):
         s, t = q.shape[2], k.shape[2]
