@@ -220,7 +220,7 @@ class ParallelAttention(nn.Module):
         cache.k[batch.write] = qk[:, nq:]  # [T, kv_local, hd] into their blocks
         cache.v[batch.write] = v
         plan = batch.decode if paged_attention.usable(q, cache.k) else None
-        y = torch.empty(T, nq, q.shape[2], dtype=q.dtype)  # [T, nq, hd]
+        y = torch.empty(T, nq, q.shape[2], dtype=q.dtype, device=q.device)  # [T, nq, hd]
         if plan is not None:  # the decode rows: one native call (`layers.paged_attention`)
             kv = paged_attention.kv_map(nq, cache.k.shape[1],
                                         None if self.kv_index is None else tuple(self.kv_index))
