@@ -33,7 +33,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from tpkit.comm.group import CommGroup
-from tpkit.layers import paged_attention
+from tpkit.layers import decode_ops, paged_attention
 from tpkit.layers.linear import ColumnParallelLinear, RowParallelLinear
 from tpkit.layers.norm import Norm
 from tpkit.layers.random import TPRandom
@@ -173,6 +173,16 @@ class ParallelAttention(nn.Module):
         y = y.transpose(1, 2).reshape(b, s, nq * hd)  # [b, s, h/tp]
         return self.out(y)  # [b, s, h] summed over tp
 
+    def decode_rows(self, x: torch.Tensor, cache: PagedKV, residual: torch.Tensor
+                    ) -> torch.Tensor:
+        """residual + self(x) for a decode's rows x [T, 1, h] with native decode-only
+        weights (`layers.decode_ops`; `Block`'s fast path): the qkv product, the paged
+        attention, the output product with the bias and residual in it (tp=1)."""
+        T = x.shape[0]
+        qkv = self.qkv.decoding.rows(x, self.qkv.bias)  # [T, 1, (nq + 2 kv) hd]
+        y = self._attend_paged(qkv.view(T, -1, self.head_dim), cache)  # [T, nq, hd]
+        return self.out.decode_rows(y.view(T, 1, -1), residual)
+
     @property
     def ring_heads(self) -> int:
         """Key/value heads this rank sends around a context-parallel ring: its kv heads,
@@ -206,19 +216,29 @@ class ParallelAttention(nn.Module):
         row's result depends on its own tokens alone, never on the other rows or on how
         full the cache is (batched, the CPU's fused attention would split its work over
         threads by batch row)."""
-        batch, nq, T = cache.batch, self.local_heads, heads.shape[0]
-        qk, v = heads[:, :nq + self.local_kv], heads[:, nq + self.local_kv:]
+        batch, nq, nkv, T = cache.batch, self.local_heads, self.local_kv, heads.shape[0]
+        qk, v = heads[:, :nq + nkv], heads[:, nq + nkv:]
         if self.q_norm is not None:
             qk = torch.cat([self.q_norm(qk[:, :nq]), self.k_norm(qk[:, nq:])], 1)
+        angles = None
         if self.rope_theta is not None:
             how = (self.rope_dim, self.rope_theta, self.rope_llama3)
             if how not in batch.angles:  # [T, 1, rd] each, shared by the layers
                 batch.angles[how] = tuple(a.view(T, 1, -1) for a in rope_at(
                     batch.positions[:, None], *how[:2], batch.rope_len, how[2]))
-            qk = apply_rope(qk, *batch.angles[how])  # q and k heads alike
+            angles = batch.angles[how]
+        if decode_ops.takes(heads, cache.k):  # one native call: rotate, write the cache
+            if self.q_norm is not None:
+                heads[:, :nq + nkv] = qk
+            decode_ops.rope_write(heads, nq + nkv, nkv, *(angles or (None, None)),
+                                  batch.write, cache.k, cache.v)
+            qk = heads[:, :nq + nkv]
+        else:
+            if angles is not None:
+                qk = apply_rope(qk, *angles)  # q and k heads alike
+            cache.k[batch.write] = qk[:, nq:]  # [T, kv_local, hd] into their blocks
+            cache.v[batch.write] = v
         q = qk[:, :nq]
-        cache.k[batch.write] = qk[:, nq:]  # [T, kv_local, hd] into their blocks
-        cache.v[batch.write] = v
         plan = batch.decode if paged_attention.usable(q, cache.k) else None
         y = torch.empty(T, nq, q.shape[2], dtype=q.dtype, device=q.device)  # [T, nq, hd]
         if plan is not None:  # the decode rows: one native call (`layers.paged_attention`)

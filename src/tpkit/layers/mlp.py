@@ -81,8 +81,21 @@ class ParallelMLP(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         """x [b, s, h] -> [b, s, h]; one all-reduce forward, one backward."""
+        if self.activation == "swiglu" and self.fc1.decoding is not None:  # decode-only
+            a = self.fc1.decoding.gated(x, self.fc1.bias)  # the gate fused, or None
+            if a is not None:
+                return self.fc2(a)
         y = self.fc1(x)  # [b, s, ffn/tp] (or [b, s, 2ffn/tp] fused)
         return self.fc2(self.act(y))  # [b, s, h], summed over tp
+
+
+    def decode_rows(self, x: torch.Tensor, residual: torch.Tensor) -> torch.Tensor:
+        """residual + self(x) for a decode's rows with native decode-only weights
+        (`layers.decode_ops`; `Block`'s fast path): SwiGLU's gate fused in fc1's call."""
+        fc1 = self.fc1.decoding.rows
+        h = fc1.gated(x, self.fc1.bias) if self.activation == "swiglu" else \
+            self.act(fc1(x, self.fc1.bias))
+        return self.fc2.decode_rows(h, residual)
 
 
 class ColumnColumnMLP(nn.Module):

@@ -14,6 +14,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from tpkit.layers import decode_ops
 from tpkit.layers.sharding import set_meta
 from tpkit.spec.config import NORMS
 
@@ -34,13 +35,20 @@ class Norm(nn.Module):
             if kind == "layernorm" else None
         for p in self.parameters():
             set_meta(p, sequence_parallel=sequence_parallel)
+        self.native = False  # a decode-only model's norms: one native call (`for_decode`)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         """x [..., h] -> [..., h]."""
+        if self.native and x.dtype == self.weight.dtype and x.device.type == "cpu":
+            return decode_ops.norm(x, self.weight, self.bias, self.eps, self.offset)
         w = self.weight + self.offset if self.offset else self.weight  # [h]
         if self.kind == "layernorm":
             return F.layer_norm(x, (self.hidden,), w, self.bias, self.eps)
         return F.rms_norm(x, (self.hidden,), w, self.eps)  # torch's fused kernel
+
+    def native_rows(self, x: torch.Tensor) -> torch.Tensor:
+        """`self(x)` by `layers.decode_ops` (a decode-only model's norm: `native` set)."""
+        return decode_ops.norm(x, self.weight, self.bias, self.eps, self.offset)
 
     def extra_repr(self) -> str:
         return f"{self.kind}, hidden={self.hidden}, eps={self.eps}, offset={self.offset}"

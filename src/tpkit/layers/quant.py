@@ -32,7 +32,9 @@ from torch import nn
 
 from tpkit.comm import all_reduce
 from tpkit.comm.group import CommGroup
+from tpkit.layers import decode_ops
 from tpkit.layers.linear import ColumnParallelLinear, RowParallelLinear
+from tpkit.layers.norm import Norm
 from tpkit.spec.config import QUANTIZE
 from tpkit.spec.errors import UserError
 
@@ -49,6 +51,8 @@ class Int8Weight(nn.Module):
         self.register_buffer("q", q.contiguous())  # [out, in] int8
         self.register_buffer("scale", scale.contiguous())  # [out] bfloat16
         self.fast = q.shape[1] % KERNEL_K == 0
+        self.rows = decode_ops.Operand(self.q, self.scale) \
+            if decode_ops.usable(self.q, torch.float32) else None  # <= ROWS rows: native
 
     @classmethod
     def of(cls, w: torch.Tensor, group: CommGroup | None = None) -> Int8Weight:
@@ -67,6 +71,8 @@ class Int8Weight(nn.Module):
         return self.q.shape
 
     def forward(self, x: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
+        if self.rows is not None and decode_ops.fits(x):  # x as is, float sums
+            return self.rows(x, bias)
         shape = x.shape
         x2 = x.reshape(-1, shape[-1]).to(torch.bfloat16).contiguous()  # [n, in]
         if self.fast:
@@ -75,6 +81,10 @@ class Int8Weight(nn.Module):
             y = F.linear(x2, self.q.to(torch.bfloat16) * self.scale[:, None])
         y = y.to(x.dtype).reshape(*shape[:-1], y.shape[-1])
         return y if bias is None else y + bias
+
+    def gated(self, x: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor | None:
+        """silu(x gate^T) * (x up^T) in one call (`decode_ops`), or None where it cannot."""
+        return _gated(self.rows, x, bias)
 
     def dequantized(self) -> torch.Tensor:
         """The weight it stands for, [out, in] float32 (q * scale)."""
@@ -119,8 +129,57 @@ class PackedWeight(nn.Module):
     def forward(self, x: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
         return torch.ops.mkldnn._linear_pointwise(x, self.packed, bias, "none", [], "")
 
+    def gated(self, x: torch.Tensor, bias: torch.Tensor | None = None) -> None:
+        """No fused gate here (`RowsWeight.gated`): None."""
+        return None
+
     def extra_repr(self) -> str:
         return f"{list(self._shape)}, oneDNN blocked layout"
+
+
+class RowsWeight(nn.Module):
+    """A float32 or bfloat16 weight [out, in] kept as is for `layers.decode_ops`: a call
+    of at most `decode_ops.ROWS` rows (a decode step) is one native product, the weight
+    read once on torch's threads; a longer one (a prompt) is `F.linear`."""
+
+    def __init__(self, w: torch.Tensor) -> None:
+        super().__init__()
+        self.rows = decode_ops.Operand(w.detach())
+        self.register_buffer("w", self.rows.w, persistent=False)
+
+    @property
+    def shape(self) -> torch.Size:
+        """The weight's shape [out, in]."""
+        return self.w.shape
+
+    def forward(self, x: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
+        if decode_ops.fits(x) and x.dtype == self.w.dtype:
+            return self.rows(x, bias)
+        return F.linear(x, self.w, bias)
+
+    def gated(self, x: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor | None:
+        """silu(x gate^T) * (x up^T) in one call (`decode_ops`), or None where it cannot."""
+        return _gated(self.rows, x, bias) if x.dtype == self.w.dtype else None
+
+    def extra_repr(self) -> str:
+        return f"{list(self.w.shape)}, native at <= {decode_ops.ROWS} rows"
+
+
+def _gated(rows: decode_ops.Operand | None, x: torch.Tensor, bias: torch.Tensor | None
+           ) -> torch.Tensor | None:
+    if rows is None or not decode_ops.fits(x):
+        return None
+    return rows.gated(x, bias)
+
+
+def decode_form(w: torch.Tensor, quantize: str | None = None,
+                group: CommGroup | None = None) -> nn.Module | None:
+    """The decode-only form of a weight (`for_decode`), or None: keep it as it is."""
+    if quantize:
+        return Int8Weight.of(w, group)
+    if decode_ops.usable(w, w.dtype):
+        return RowsWeight(w)
+    return PackedWeight(w) if PackedWeight.available(w.dtype) else None
 
 
 def for_decode(model: nn.Module, quantize: str | None = None) -> nn.Module:
@@ -128,26 +187,33 @@ def for_decode(model: nn.Module, quantize: str | None = None) -> nn.Module:
     row-parallel linear weight (and the head) in the form this machine multiplies
     fastest, and the float weight gone (nothing trains it, nothing reads it):
     `quantize="int8"`: an `Int8Weight` (row-parallel layers all-reduce their row
-    maxima: call it on every rank); else float32 and bfloat16 weights a `PackedWeight`
-    where oneDNN takes them (float16 ones stay). Returns the model, in eval mode."""
+    maxima: call it on every rank); else float32 and bfloat16 weights a `RowsWeight`
+    (the native decode products, `layers.decode_ops`) or, without that library, a
+    `PackedWeight` where oneDNN takes them (float16 ones stay). Returns the model, in
+    eval mode."""
     if quantize is not None and quantize not in QUANTIZE:
         raise UserError(f"quantize={quantize!r} is not one of {', '.join(QUANTIZE)}")
     linears = [(n, m) for n, m in model.named_modules()
                if isinstance(m, ColumnParallelLinear | RowParallelLinear)]
-    dtype = next((m.weight.dtype for _, m in linears), None)
-    if quantize is None and not PackedWeight.available(dtype):
-        return model
+    w = linears[0][1].weight if linears else None
+    if w is None or not (quantize or decode_ops.usable(w, w.dtype)
+                         or PackedWeight.available(w.dtype)):
+        return model  # float16 (or a CUDA model) without quantizing: the weights stay
     model.eval()
     for name, m in linears:
         if m.sequence_parallel:
             raise UserError(f"{name}: decode-only weights run without sequence parallelism")
         row = isinstance(m, RowParallelLinear)
-        m.decoding = Int8Weight.of(m.weight, m.group if row else None) if quantize \
-            else PackedWeight(m.weight)
+        m.decoding = decode_form(m.weight, quantize, m.group if row else None)
         del m.weight
+    if decode_ops.load() is not None:  # the norms of float32 / bfloat16 rows: one call each
+        for m in model.modules():
+            if isinstance(m, Norm) and m.weight.dtype in (torch.float32, torch.bfloat16) \
+                    and m.weight.device.type == "cpu":
+                m.native = True
     if getattr(model, "is_last_stage", False) and hasattr(model, "head_weight"):
         w = model.head_weight  # whole rows: int8 has tp=1's scales
-        model.head_decoding = Int8Weight.of(w) if quantize else PackedWeight(w)
+        model.head_decoding = decode_form(w, quantize)
         if getattr(model, "head", None) is not None:
             del model.head.weight  # untied: only the decoding copy is read
     return model

@@ -17,6 +17,7 @@ import torch
 from torch import nn
 
 from tpkit.comm.group import CommGroup
+from tpkit.layers import decode_ops
 from tpkit.layers.attention import PagedKV, ParallelAttention
 from tpkit.layers.experts import ParallelMoE
 from tpkit.layers.mlp import ParallelMLP
@@ -49,10 +50,34 @@ class Block(nn.Module):
         self.mlp = ParallelMoE.from_config(c, group, expert_parallel=expert_parallel,
                                            seed=mlp_seed, **own) if c.num_experts else \
             ParallelMLP.from_config(c, group, seed=mlp_seed, **own)  # top-k experts, or dense
+        self._native = None  # whether decode rows take `_decode` (decided at the first)
+
+    def native_decode(self) -> bool:
+        """Whether this layer's decode rows run on `layers.decode_ops` alone (`_decode`):
+        a pre-norm dense layer whose norms and linear weights are all native decode-only
+        ones (`layers.quant.for_decode` with the library), not training, no SP, no cp."""
+        if self._native is None:
+            at, mlp = self.attn, self.mlp
+            lin = [getattr(m, "decoding", None) for m in
+                   (at.qkv, at.out, getattr(mlp, "fc1", None), getattr(mlp, "fc2", None))]
+            self._native = (self.pre_norm and not self.parallel_residual and not self.training
+                            and not self.sequence_parallel and isinstance(mlp, ParallelMLP)
+                            and self.attn_norm.native and self.mlp_norm.native
+                            and (at.cp is None or at.cp.size == 1)
+                            and all(getattr(d, "rows", None) is not None for d in lin))
+        return self._native
+
+    def _decode(self, x: torch.Tensor, kv_cache: PagedKV) -> torch.Tensor:
+        """A decode's rows x [T, 1, h] (T <= decode_ops.ROWS) with native kernels only:
+        norm, attention, norm, MLP, each residual added inside the last product (tp=1)."""
+        x = self.attn.decode_rows(self.attn_norm.native_rows(x), kv_cache, x)
+        return self.mlp.decode_rows(self.mlp_norm.native_rows(x), x)
 
     def forward(self, x: torch.Tensor, attention_mask: torch.Tensor | None = None,
                 rng: TPRandom | None = None, kv_cache: PagedKV | None = None) -> torch.Tensor:
         """x [b, s, h] ([b, s/tp, h] with SP) -> same shape."""
+        if kv_cache is not None and decode_ops.fits(x) and self.native_decode():
+            return self._decode(x, kv_cache)
         sharded = self.sequence_parallel  # residual stream split over tp only with SP
         if self.parallel_residual:
             a = self.attn(self.attn_norm(x), attention_mask, rng, kv_cache)

@@ -1,0 +1,387 @@
+// A decode step's native kernels (called through ctypes: layers/decode_ops.py): the
+// products of a few rows (tpk_linear), the norms (tpk_norm), the rotary embedding with
+// the KV-cache write (tpk_rope_write).
+//
+// tpk_linear: y[m, n] = res[m, n] + (sum_k x[m, k] w[n, k] * scale[n] + bias[n]), m < M
+// w [N, K] float32, bfloat16 or int8 (scale [N]: int8's row scales, else none), streamed
+// once for all M rows; x, y, bias, res float32 or bfloat16; every sum float32, y rounded
+// once. Gated (SwiGLU's fused [gate; up] weight of 2F rows): y[m, j] = silu(g) * u with g
+// row j's sum, u row F + j's, y [M, F].
+//
+// Batch invariance by construction: y[m, n] is one dot product summed in a fixed order
+// (U accumulators of L lanes by fused multiply-adds, a fixed tree, the K % L last terms
+// in order), then scale, bias and res: the same whatever M, whatever the thread count or
+// which thread computes it. L is the vector width (16 with AVX-512, else 8): the bits
+// are this machine's, not another's.
+//
+// Threads: torch's own OpenMP team (GOMP_parallel, like the paged attention) above
+// THREAD_WORK multiply-adds, work items of ITEM output columns taken in any order, each
+// computed whole by one thread (a weight row one stream from memory).
+#include <algorithm>
+#include <atomic>
+#include <cmath>
+#include <cstdint>
+#include <cstring>
+#include <dlfcn.h>
+#include <vector>
+#if defined(__AVX2__)
+#include <immintrin.h>
+#endif
+
+namespace {
+
+#if defined(__AVX512F__)
+constexpr int L = 16;
+#else
+constexpr int L = 8;
+#endif
+typedef float vf __attribute__((vector_size(L * 4)));
+typedef uint32_t vu __attribute__((vector_size(L * 4)));
+typedef int32_t vi __attribute__((vector_size(L * 4)));
+typedef uint16_t vh __attribute__((vector_size(L * 2)));
+typedef int8_t vb __attribute__((vector_size(L)));
+
+constexpr int64_t ITEM = 32;  // output columns per work item
+constexpr int U = 2;  // accumulators per dot product
+constexpr int64_t THREAD_WORK = 1 << 15;  // multiply-adds before torch's team pays
+
+using GompParallel = void (*)(void (*)(void*), void*, unsigned, unsigned);
+GompParallel gomp_parallel() {
+  static const GompParallel f = reinterpret_cast<GompParallel>(dlsym(RTLD_DEFAULT, "GOMP_parallel"));
+  return f;
+}
+template <class F>
+void call(void* f) {
+  (*static_cast<F*>(f))();
+}
+
+inline float widen(float x) { return x; }
+inline float widen(uint16_t x) {
+  uint32_t u = uint32_t(x) << 16;
+  float f;
+  std::memcpy(&f, &u, 4);
+  return f;
+}
+inline float widen(int8_t x) { return float(x); }
+inline void narrow(float x, float* out) { *out = x; }
+inline void narrow(float x, uint16_t* out) {  // round to nearest even (torch's rule)
+  uint32_t u;
+  std::memcpy(&u, &x, 4);
+  if ((u & 0x7fffffffu) > 0x7f800000u) {
+    *out = 0x7fc0;
+    return;
+  }
+  u += 0x7fffu + ((u >> 16) & 1u);
+  *out = uint16_t(u >> 16);
+}
+
+inline vf load(const float* p) {
+  vf v;
+  std::memcpy(&v, p, sizeof v);
+  return v;
+}
+inline vf load(const uint16_t* p) {
+#if defined(__AVX512F__)
+  return vf(_mm512_castsi512_ps(_mm512_slli_epi32(
+      _mm512_cvtepu16_epi32(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p))), 16)));
+#elif defined(__AVX2__)
+  return vf(_mm256_castsi256_ps(_mm256_slli_epi32(
+      _mm256_cvtepu16_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p))), 16)));
+#endif
+  vh h;
+  std::memcpy(&h, p, sizeof h);
+  vu u = __builtin_convertvector(h, vu) << 16;
+  vf v;
+  std::memcpy(&v, &u, sizeof v);
+  return v;
+}
+inline vf load(const int8_t* p) {
+#if defined(__AVX512F__)
+  return vf(_mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p)))));
+#elif defined(__AVX2__)
+  return vf(_mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(p)))));
+#endif
+  vb b;
+  std::memcpy(&b, p, sizeof b);
+  return __builtin_convertvector(__builtin_convertvector(b, vi), vf);
+}
+
+#if defined(__AVX2__)
+inline float tree8(__m256 a) {  // lane l += lane l + 4, then l + 2, then l + 1
+  const __m128 v4 = _mm_add_ps(_mm256_castps256_ps128(a), _mm256_extractf128_ps(a, 1));
+  const __m128 v2 = _mm_add_ps(v4, _mm_movehl_ps(v4, v4));
+  return _mm_cvtss_f32(_mm_add_ss(v2, _mm_shuffle_ps(v2, v2, 1)));
+}
+#endif
+
+inline float tree(vf a) {  // the lanes summed pairwise, a fixed tree
+#if defined(__AVX512F__)
+  const __m512 z = __m512(a);
+  return tree8(_mm256_add_ps(_mm512_castps512_ps256(z),
+                             _mm256_castpd_ps(_mm512_extractf64x4_pd(_mm512_castps_pd(z), 1))));
+#elif defined(__AVX2__)
+  return tree8(__m256(a));
+#endif
+  float lane[L];
+  std::memcpy(lane, &a, sizeof lane);
+  for (int w = L / 2; w >= 1; w /= 2)
+    for (int l = 0; l < w; ++l) lane[l] += lane[l + w];
+  return lane[0];
+}
+
+// sum of a[i] (b given: of a[i] * b[i]) for i < n: L lanes in order, the fixed tree, the
+// n % L last terms in order.
+inline float lanes_sum(const float* a, int64_t n, const float* b) {
+  vf acc = vf{};
+  int64_t i = 0;
+  for (; i + L <= n; i += L) acc += b != nullptr ? load(a + i) * load(b + i) : load(a + i);
+  float t = tree(acc);
+  for (; i < n; ++i) t += b != nullptr ? a[i] * b[i] : a[i];
+  return t;
+}
+
+struct Call {
+  const float* x;  // [M, K] float32 (bfloat16 inputs widened first)
+  const void* w;
+  const float* scale;  // [N] or null
+  const void* bias;  // [N] in y's dtype, or null
+  void* y;
+  int64_t M, K, N, F;  // F: y's columns (N, or N / 2 gated)
+  int gate;
+  const void* res;  // [M, F] in y's dtype, added last, or null
+};
+
+// R weight rows (w[r], each [K]) against C input rows (x, stride K): s[r * C + c]. Each
+// dot product in U accumulators of L lanes (element k goes to accumulator (k / L) % U,
+// lane k % L; the last whole vectors after the last full U L step to accumulator 0), in
+// order of k; then a0 + a1, the fixed tree over the lanes, and the K % L last products
+// in order: the same order whatever R and C (which only share the loads).
+template <class W, int R, int C>
+inline void dots(const float* x, const W* const* w, int64_t K, float* s) {
+  vf acc[R][C][U];
+  for (int r = 0; r < R; ++r)
+    for (int c = 0; c < C; ++c)
+      for (int u = 0; u < U; ++u) acc[r][c][u] = vf{};
+  int64_t k = 0;
+  for (; k + U * L <= K; k += U * L)
+    for (int u = 0; u < U; ++u)
+      for (int r = 0; r < R; ++r) {
+        const vf wv = load(w[r] + k + u * L);
+        for (int c = 0; c < C; ++c) acc[r][c][u] += wv * load(x + c * K + k + u * L);
+      }
+  for (; k + L <= K; k += L)
+    for (int r = 0; r < R; ++r) {
+      const vf wv = load(w[r] + k);
+      for (int c = 0; c < C; ++c) acc[r][c][0] += wv * load(x + c * K + k);
+    }
+  for (int r = 0; r < R; ++r)
+    for (int c = 0; c < C; ++c) {
+      float t = tree(acc[r][c][0] + acc[r][c][1]);
+      for (int64_t j = k; j < K; ++j) t += x[c * K + j] * widen(w[r][j]);
+      s[r * C + c] = t;
+    }
+}
+
+template <class W, class Y>
+inline float finish(const Call& c, int64_t n, float s) {
+  if (c.scale != nullptr) s *= c.scale[n];
+  if (c.bias != nullptr) s += widen(static_cast<const Y*>(c.bias)[n]);
+  return s;
+}
+
+inline float silu(float g) { return g / (1.0f + std::exp(-g)); }
+
+// Output columns f0 .. f1 (at most ITEM) of y for every input row: each weight row (two
+// a column gated: gate, up) streamed from memory once, against up to 4 input rows at a
+// time (the rest of them read it again from cache).
+template <class W, class Y>
+void columns(const Call& c, int64_t f0, int64_t f1) {
+  const W* w = static_cast<const W*>(c.w);
+  Y* y = static_cast<Y*>(c.y);
+  const int per = 1 + c.gate;
+  float s[2][4];
+  for (int64_t f = f0; f < f1; ++f)
+    for (int64_t m = 0; m < c.M;) {
+      const int C = c.M - m >= 4 ? 4 : c.M - m >= 2 ? 2 : 1;
+      const float* x = c.x + m * c.K;
+      for (int g = 0; g < per; ++g) {
+        const W* row = w + (f + g * c.F) * c.K;
+        if (C == 4)
+          dots<W, 1, 4>(x, &row, c.K, s[g]);
+        else if (C == 2)
+          dots<W, 1, 2>(x, &row, c.K, s[g]);
+        else
+          dots<W, 1, 1>(x, &row, c.K, s[g]);
+      }
+      for (int cc = 0; cc < C; ++cc) {
+        const float v = finish<W, Y>(c, f, s[0][cc]);
+        float o = c.gate ? silu(v) * finish<W, Y>(c, c.F + f, s[1][cc]) : v;
+        if (c.res != nullptr) o = widen(static_cast<const Y*>(c.res)[(m + cc) * c.F + f]) + o;
+        narrow(o, y + (m + cc) * c.F + f);
+      }
+      m += C;
+    }
+}
+
+template <class W, class Y>
+void run(const Call& c, int threads) {
+  const GompParallel pool = gomp_parallel();
+  const int64_t work = c.M * c.N * c.K;
+  const int nt = int(std::min<int64_t>(pool != nullptr && work >= THREAD_WORK ? std::max(threads, 1) : 1, c.F / 4 + 1));
+  if (nt <= 1) {
+    columns<W, Y>(c, 0, c.F);
+    return;
+  }
+  const int64_t items = (c.F + ITEM - 1) / ITEM;
+  std::atomic<int64_t> next{0};
+  auto worker = [&]() {
+    for (int64_t it; (it = next.fetch_add(1, std::memory_order_relaxed)) < items;)
+      columns<W, Y>(c, it * ITEM, std::min(c.F, (it + 1) * ITEM));
+  };
+  pool(&call<decltype(worker)>, &worker, unsigned(nt), 0);  // on torch's team; joins
+}
+
+template <class W>
+int dispatch_y(const Call& c, int ydtype, int threads) {
+  if (ydtype == 0)
+    run<W, float>(c, threads);
+  else if (ydtype == 1)
+    run<W, uint16_t>(c, threads);
+  else
+    return -1;
+  return 0;
+}
+
+
+// ---- norms ----------------------------------------------------------------------------
+// Each row of x [M, H]: RMSNorm y = h / sqrt(mean(h^2) + eps) * (w + offset), or LayerNorm
+// y = (h - mean) / sqrt(mean((h - mean)^2) + eps) * w + b, every sum float32 (L lanes in
+// order of the elements, the fixed tree), y rounded once.
+template <class T>
+void norm_rows(const T* x, const T* w, const T* b, T* y, int64_t M, int64_t H, float eps,
+               float offset, int layer) {
+  std::vector<float> h(static_cast<size_t>(H));
+  for (int64_t m = 0; m < M; ++m) {
+    const T* xm = x + m * H;
+    for (int64_t i = 0; i < H; ++i) h[i] = widen(xm[i]);
+    float mean = 0.0f;
+    if (layer) {
+      mean = lanes_sum(h.data(), H, nullptr) / float(H);
+      for (int64_t i = 0; i < H; ++i) h[i] -= mean;
+    }
+    const float inv = 1.0f / std::sqrt(lanes_sum(h.data(), H, h.data()) / float(H) + eps);
+    T* ym = y + m * H;
+    for (int64_t i = 0; i < H; ++i) {
+      float v = h[i] * inv * (widen(w[i]) + offset);
+      if (b != nullptr) v += widen(b[i]);
+      narrow(v, ym + i);
+    }
+  }
+}
+
+// ---- rotary embedding and the cache write ---------------------------------------------
+// Row t of heads (row stride S elements): its nr rotated heads (q then k), each's first rd
+// dims by Llama's rotate-half, x * cos + rotate_half(x) * sin with rotate_half(x) =
+// [-x2, x1], every product and sum rounded in float32 as torch's (no fused multiply-add),
+// then rounded to T once; then its nkv k heads (the last rotated ones) and the nkv v heads
+// after them copied into the cache k, v [positions, nkv, hd] at position write[t].
+template <class T>
+__attribute__((optimize("fp-contract=off")))
+void rope_write(T* heads, int64_t rows, int64_t S, int nr, int nkv, int hd, const float* cos,
+                const float* sin, int rd, const int64_t* write, T* ck, T* cv) {
+  const int half = rd / 2;
+  std::vector<float> x(static_cast<size_t>(rd));
+  for (int64_t t = 0; t < rows; ++t) {
+    T* row = heads + t * S;
+    const float* c = cos + t * rd;
+    const float* s = sin + t * rd;
+    for (int h = 0; h < nr && rd > 0; ++h) {
+      T* e = row + int64_t(h) * hd;
+      for (int i = 0; i < rd; ++i) x[i] = widen(e[i]);
+      for (int i = 0; i < half; ++i) {
+        const float a = x[i] * c[i], r = -x[i + half] * s[i];
+        narrow(a + r, e + i);
+      }
+      for (int i = half; i < rd; ++i) {
+        const float a = x[i] * c[i], r = x[i - half] * s[i];
+        narrow(a + r, e + i);
+      }
+    }
+    if (write != nullptr) {
+      const int64_t len = int64_t(nkv) * hd;
+      std::memcpy(ck + write[t] * len, row + int64_t(nr - nkv) * hd, size_t(len) * sizeof(T));
+      std::memcpy(cv + write[t] * len, row + int64_t(nr) * hd, size_t(len) * sizeof(T));
+    }
+  }
+}
+
+}  // namespace
+
+extern "C" {
+
+// 1 if calls run on torch's OpenMP team (GOMP_parallel found in the process), else 0.
+int tpk_decode_ops_pool() { return gomp_parallel() != nullptr; }
+
+// The vector width L (the lanes of every dot product).
+int tpk_decode_ops_lanes() { return L; }
+
+// dtypes: 0 float32, 1 bfloat16, 2 int8 (w only; needs scale). x, y: 0 or 1, one dtype
+// (bias and res in it too; either may be null). gate: 1 for silu(gate) * up over w's two
+// halves (N even).
+// 0: done; -1: a dtype it does not take; -2: bad sizes.
+int tpk_linear(const void* x, const void* w, const float* scale, const void* bias,
+               const void* res, void* y, int64_t M, int64_t K, int64_t N, int xdtype, int wdtype, int gate,
+                    int threads) {
+  if (M < 0 || K <= 0 || N <= 0 || (gate && N % 2)) return -2;
+  if ((wdtype == 2) != (scale != nullptr)) return -1;
+  std::vector<float> wide;
+  const float* xf = static_cast<const float*>(x);
+  if (xdtype == 1) {
+    wide.resize(size_t(M * K));
+    const uint16_t* xb = static_cast<const uint16_t*>(x);
+    for (int64_t i = 0; i < M * K; ++i) wide[i] = widen(xb[i]);
+    xf = wide.data();
+  } else if (xdtype != 0) {
+    return -1;
+  }
+  Call c{xf, w, scale, bias, y, M, K, N, gate ? N / 2 : N, gate, res};
+  if (M == 0) return 0;
+  if (wdtype == 0) return dispatch_y<float>(c, xdtype, threads);
+  if (wdtype == 1) return dispatch_y<uint16_t>(c, xdtype, threads);
+  if (wdtype == 2) return dispatch_y<int8_t>(c, xdtype, threads);
+  return -1;
+}
+
+// Rows of x [M, H] normalized (norm_rows): kind 0 RMSNorm, 1 LayerNorm (b may be null);
+// dtype 0 float32, 1 bfloat16 (x, w, b, y alike). 0: done; -1: a dtype it does not take.
+int tpk_norm(const void* x, const void* w, const void* b, void* y, int64_t M, int64_t H,
+             float eps, float offset, int kind, int dtype) {
+  if (dtype == 0)
+    norm_rows(static_cast<const float*>(x), static_cast<const float*>(w),
+              static_cast<const float*>(b), static_cast<float*>(y), M, H, eps, offset, kind);
+  else if (dtype == 1)
+    norm_rows(static_cast<const uint16_t*>(x), static_cast<const uint16_t*>(w),
+              static_cast<const uint16_t*>(b), static_cast<uint16_t*>(y), M, H, eps, offset, kind);
+  else
+    return -1;
+  return 0;
+}
+
+// Rotary embedding of each row's first nr heads in place, then its k and v heads into the
+// cache at write[t] (rope_write; write null: no cache write). cos, sin float32 [rows, rd].
+int tpk_rope_write(void* heads, int64_t rows, int64_t S, int nr, int nkv, int hd,
+                   const float* cos, const float* sin, int rd, const int64_t* write, void* ck,
+                   void* cv, int dtype) {
+  if (rd % 2 || rd > hd || nkv > nr) return -2;
+  if (dtype == 0)
+    rope_write(static_cast<float*>(heads), rows, S, nr, nkv, hd, cos, sin, rd, write,
+               static_cast<float*>(ck), static_cast<float*>(cv));
+  else if (dtype == 1)
+    rope_write(static_cast<uint16_t*>(heads), rows, S, nr, nkv, hd, cos, sin, rd, write,
+               static_cast<uint16_t*>(ck), static_cast<uint16_t*>(cv));
+  else
+    return -1;
+  return 0;
+}
+
+}  // extern "C"

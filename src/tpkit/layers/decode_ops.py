@@ -1,0 +1,182 @@
+"""A decode step's products in one native call each: a few rows times a weight read once.
+
+    y = decode_ops.linear(x, w, bias, scale=None, gate=False)   # x [M, K], w [N, K]
+
+y [M, N] = x @ w^T (* scale) + bias, or with `gate` (SwiGLU's fused [gate; up] weight of
+2F rows) y [M, F] = silu(x @ gate^T) * (x @ up^T), the activation fused into the product.
+w float32, bfloat16 or int8 (with `scale` [N] float32: int8's row scales); x, y and the
+bias float32 or bfloat16. Every sum is float32; y is rounded once to x's dtype.
+
+Why: at one to eight rows a decode's products read the weights once and do little
+arithmetic; what costs is each call's fixed overhead (oneDNN's ~20 us per small product
+measured on the machine of docs/benchmarks.md, 120 products a token for a 30-layer
+model) and the threads. This kernel hands the output columns to torch's own OpenMP team
+(the workers spinning after every torch op) in one call with no reorder and no
+allocation, and fuses what follows a product where the layer lets it (the bias, the
+row scales of int8, SwiGLU's gate).
+
+Guarantees:
+- Batch invariance by construction: y[m, n] is one dot product summed in a fixed order
+  (L lanes of fused multiply-adds over k, a fixed tree, the remainder in order), the
+  same whatever the other rows, the thread count or which thread computes it. L is the
+  CPU's vector width (16 with AVX-512, else 8): bits are per machine, like the library.
+- Accuracy: float32 sums of exact products of widened values: within K float32
+  roundings of F.linear (tests/test_decode_ops.py).
+
+Used by the decode-only weights (`layers.quant`) for calls of at most `ROWS` rows (a
+decode step); longer pieces (a prompt) keep torch's matmuls. Without the library (no
+compiler, a CUDA tensor, float16, TPKIT_DECODE_OPS_DISABLE=1) `usable` is False and every call
+keeps torch's matmul.
+
+    python -m tpkit.layers.decode_ops   # build it (what `make` runs after installing)
+"""
+
+from __future__ import annotations
+
+import ctypes
+import functools
+import sys
+from pathlib import Path
+
+import torch
+
+from tpkit.comm.native import NativeLibrary
+
+ROWS = 8  # calls of at most this many rows take the kernel
+SOURCE = Path(__file__).with_name("decode_ops.cpp")
+LIBRARY = NativeLibrary(
+    "decode_ops", (SOURCE,), Path(__file__).with_name("_native_build"),
+    ("-O3", "-march=native", "-std=c++17", "-ffp-contract=fast", "-shared", "-fPIC",
+     "-fno-strict-aliasing"),
+    signatures={name: (None, ctypes.c_int) for name in  # ctypes objects passed
+                ("tpk_linear", "tpk_norm", "tpk_rope_write")},
+    disable_env="TPKIT_DECODE_OPS_DISABLE", per_cpu=True)
+DTYPES = {torch.float32: 0, torch.bfloat16: 1, torch.int8: 2}
+NULL = ctypes.c_void_p(None)
+INTS = [ctypes.c_int(i) for i in range(257)]  # small int arguments, made once
+
+
+@functools.lru_cache(maxsize=1)  # one load per process
+def load() -> ctypes.CDLL | None:
+    """The loaded kernel, or None (no compiler, or TPKIT_DECODE_OPS_DISABLE=1)."""
+    return LIBRARY.open()
+
+
+def usable(w: torch.Tensor, dtype: torch.dtype) -> bool:
+    """Whether the kernel takes a weight `w` with activations of `dtype`."""
+    return (w.device.type == "cpu" and w.dtype in DTYPES and dtype in (torch.float32,
+            torch.bfloat16) and w.is_contiguous() and load() is not None)
+
+
+def fits(x: torch.Tensor) -> bool:
+    """Whether a call on x [..., K] takes the kernel: at most `ROWS` rows, on the CPU, of
+    a dtype it takes."""
+    return (x.device.type == "cpu" and x.dtype in (torch.float32, torch.bfloat16)
+            and x.numel() <= ROWS * x.shape[-1])
+
+
+class Operand:
+    """A weight (and its int8 scales, its bias) held for the kernel: the pointers made
+    once, the tensors kept alive."""
+
+    def __init__(self, w: torch.Tensor, scale: torch.Tensor | None = None) -> None:
+        self.w, self.scale = w.contiguous(), scale
+        if scale is not None:
+            self.scale = scale.float().contiguous()
+        self.n, self.k = self.w.shape
+        self.args = (ctypes.c_void_p(self.w.data_ptr()),
+                     NULL if self.scale is None else ctypes.c_void_p(self.scale.data_ptr()))
+        self.sizes = (ctypes.c_int64(self.k), ctypes.c_int64(self.n))
+        self.wdtype = INTS[DTYPES[self.w.dtype]]
+
+    def __call__(self, x: torch.Tensor, bias: torch.Tensor | None = None,
+                 residual: torch.Tensor | None = None, threads: int | None = None
+                 ) -> torch.Tensor:
+        """x [..., K] (float32 or bfloat16) -> residual + (x w^T + bias) [..., N] in x's
+        dtype (residual [..., N] contiguous, or None)."""
+        return self._run(x, bias, False, threads, residual)
+
+    def gated(self, x: torch.Tensor, bias: torch.Tensor | None = None,
+              threads: int | None = None) -> torch.Tensor:
+        """x [..., K] -> silu(x gate^T + b_gate) * (x up^T + b_up) [..., N/2]: the weight's
+        rows are [gate; up] (SwiGLU's fused first matrix)."""
+        return self._run(x, bias, True, threads)
+
+    def _run(self, x, bias, gate, threads, residual=None):
+        if not x.is_contiguous():
+            x = x.contiguous()
+        out = self.n // 2 if gate else self.n
+        y = torch.empty(*x.shape[:-1], out, dtype=x.dtype)  # no reshape, no view: ~1.3 us each
+        if bias is not None and bias.dtype != x.dtype:
+            bias = bias.to(x.dtype)
+        if residual is not None and (residual.dtype != x.dtype or not residual.is_contiguous()):
+            residual = residual.to(x.dtype).contiguous()
+        rc = load().tpk_linear(
+            ctypes.c_void_p(x.data_ptr()), *self.args,
+            NULL if bias is None else ctypes.c_void_p(bias.data_ptr()),
+            NULL if residual is None else ctypes.c_void_p(residual.data_ptr()),
+            ctypes.c_void_p(y.data_ptr()), ctypes.c_int64(x.numel() // self.k), *self.sizes,
+            INTS[DTYPES[x.dtype]], self.wdtype, INTS[gate],
+            INTS[threads or torch.get_num_threads()])
+        if rc != 0:
+            raise RuntimeError(f"tpk_linear returned {rc}")
+        return y
+
+
+def norm(x: torch.Tensor, w: torch.Tensor, b: torch.Tensor | None, eps: float,
+         offset: float = 0.0) -> torch.Tensor:
+    """RMSNorm (`b` None) or LayerNorm of x [..., H] over its last dimension, scaled by
+    (w + offset) (+ b): every sum float32, rounded once to x's dtype. x, w, b: one dtype
+    of `DTYPES`' floats, on the CPU."""
+    if not x.is_contiguous():
+        x = x.contiguous()
+    y = torch.empty_like(x)
+    rc = load().tpk_norm(ctypes.c_void_p(x.data_ptr()), ctypes.c_void_p(w.data_ptr()),
+                         NULL if b is None else ctypes.c_void_p(b.data_ptr()),
+                         ctypes.c_void_p(y.data_ptr()), ctypes.c_int64(x.numel() // w.numel()),
+                         ctypes.c_int64(w.numel()), ctypes.c_float(eps),
+                         ctypes.c_float(offset), INTS[int(b is not None)],
+                         INTS[DTYPES[x.dtype]])
+    if rc != 0:
+        raise RuntimeError(f"tpk_norm returned {rc}")
+    return y
+
+
+def takes(heads: torch.Tensor, cache: torch.Tensor) -> bool:
+    """Whether `rope_write` takes these rows of heads and this cache."""
+    return (heads.device.type == "cpu" and heads.dtype in (torch.float32, torch.bfloat16)
+            and cache.dtype == heads.dtype and cache.is_contiguous() and heads.stride(2) == 1
+            and heads.stride(1) == heads.shape[2] and load() is not None)
+
+
+def rope_write(heads: torch.Tensor, rotated: int, kv: int, cos: torch.Tensor | None,
+               sin: torch.Tensor | None, write: torch.Tensor | None = None,
+               cache_k: torch.Tensor | None = None, cache_v: torch.Tensor | None = None
+               ) -> None:
+    """In place: heads [T, nh, hd] (rows of contiguous heads, any row stride) get their
+    first `rotated` heads rotated (Llama's rotate-half on the first cos.shape[-1] dims,
+    torch's float32 roundings: `layers.rotary.apply_rope` bit for bit), then, `write`
+    given, heads rotated - kv .. rotated (k) and rotated .. rotated + kv (v) copied into
+    cache_k, cache_v [positions, kv, hd] at positions write [T]. cos, sin float32 [T, rd]
+    (None: nothing rotates). `takes` says which tensors it takes."""
+    T, _, hd = heads.shape
+    rotated_dims = 0
+    if cos is not None:
+        cos, sin = cos.reshape(T, -1).contiguous(), sin.reshape(T, -1).contiguous()
+        rotated_dims = cos.shape[1]
+    ptr = (lambda t: NULL if t is None else ctypes.c_void_p(t.data_ptr()))
+    rc = load().tpk_rope_write(
+        ctypes.c_void_p(heads.data_ptr()), ctypes.c_int64(T), ctypes.c_int64(heads.stride(0)),
+        INTS[rotated], INTS[kv], INTS[hd], ptr(cos), ptr(sin), INTS[rotated_dims], ptr(write),
+        ptr(cache_k), ptr(cache_v), INTS[DTYPES[heads.dtype]])
+    if rc != 0:
+        raise RuntimeError(f"tpk_rope_write returned {rc}")
+
+
+def main() -> int:
+    """Build the library; print where it is."""
+    return LIBRARY.main("rows kernel", "decode products run on torch's matmuls")
+
+
+if __name__ == "__main__":
+    sys.exit(main())
