@@ -1,0 +1,183 @@
+"""The decode step's native kernels (`layers.decode_ops`) and the layer path built on them.
+
+Checked against float64 references: the products of a few rows (float32, bfloat16 and
+int8 weights; bias, residual, SwiGLU's gate fused) within K float32 roundings of the sum
+of |terms| (bfloat16 outputs: plus one bfloat16 rounding); a row's bits the same alone or
+among 8 rows, at 1 or 2 threads (batch invariance by construction); the norms (RMSNorm,
+LayerNorm, Gemma's offset) within a few float32 roundings, bfloat16 within one bfloat16
+rounding of the reference; the rotary embedding and cache write bit for bit
+`apply_rope` + the cache's index writes (full and partial rotary, none). A decode-only
+model (`for_decode`) takes the native layer path on every layer of every decode step and
+its token-by-token logits are as close to the float64 model's as its float32 full
+forward's, for a Llama (GQA, SwiGLU, RMSNorm) and a GPT-2 (LayerNorm, GELU, biases).
+Without the library (TPKIT_DECODE_OPS_DISABLE=1) the weights are packed as before.
+"""
+
+from __future__ import annotations
+
+import copy
+import os
+import subprocess
+import sys
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from checkpoint_helpers import LLAMA, SMOL, fill, random_full
+from test_paged_attention_kernel import _decode_logits
+from tpkit.layers import decode_ops as D
+from tpkit.layers.quant import QMAX, for_decode
+from tpkit.layers.rotary import apply_rope, rope_at
+from tpkit.mesh import ParallelMesh
+from tpkit.model import block
+from tpkit.model.transformer import Transformer
+from tpkit.spec import get_preset
+
+pytestmark = pytest.mark.skipif(D.load() is None, reason="no C++ compiler: the kernels are off")
+U32 = 2.0 ** -23  # a float32 rounding unit (relative)
+UBF = 2.0 ** -8  # a bfloat16 one
+
+
+def _operands(n, k, wdtype, seed):
+    g = torch.Generator().manual_seed(seed)
+    w = torch.randn(n, k, generator=g)
+    if wdtype == torch.int8:
+        scale = w.abs().amax(1) / QMAX
+        q = torch.round(w / scale[:, None]).clamp(-QMAX, QMAX).to(torch.int8)
+        return D.Operand(q, scale), q.double() * scale.double()[:, None]
+    w = w.to(wdtype)
+    return D.Operand(w), w.double()
+
+
+@pytest.mark.parametrize("wdtype", [torch.float32, torch.bfloat16, torch.int8])
+@pytest.mark.parametrize("xdtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("k", [40, 99, 576])
+def test_products_within_k_roundings_of_float64(wdtype, xdtype, k):
+    op, w = _operands(33, k, wdtype, seed=k)
+    g = torch.Generator().manual_seed(1)
+    for rows in (1, 3, 8):
+        x = torch.randn(rows, 1, k, generator=g).to(xdtype)
+        b = torch.randn(33, generator=g).to(xdtype)
+        res = torch.randn(rows, 1, 33, generator=g).to(xdtype)
+        xd, bd = x.double(), b.double()
+        for got, want, extra in (
+                (op(x), xd @ w.t(), 0),
+                (op(x, b, res), res.double() + (xd @ w.t() + bd), (bd.abs() + res.double().abs()))):
+            assert got.dtype == xdtype and got.shape == (rows, 1, 33)
+            bound = k * U32 * (xd.abs() @ w.abs().t()) + 2 * U32 * extra
+            if xdtype == torch.bfloat16:  # the output rounded once
+                bound = bound + UBF * want.abs()
+            assert ((got.double() - want).abs() <= bound + 1e-30).all(), (rows, wdtype)
+
+
+@pytest.mark.parametrize("wdtype", [torch.float32, torch.bfloat16, torch.int8])
+def test_gated_product_is_silu_of_gate_times_up(wdtype):
+    op, w = _operands(2 * 24, 64, wdtype, seed=3)
+    x = torch.randn(5, 1, 64, generator=torch.Generator().manual_seed(4))
+    got = op.gated(x)
+    h = x.double() @ w.t()
+    want = F.silu(h[..., :24]) * h[..., 24:]
+    scale = (x.double().abs() @ w.abs().t())
+    bound = 64 * U32 * (scale[..., :24] * h[..., 24:].abs() + scale[..., 24:] * 2) + 8 * U32 * want.abs()
+    assert got.shape == (5, 1, 24) and ((got.double() - want).abs() <= bound).all()
+
+
+@pytest.mark.parametrize("wdtype", [torch.float32, torch.bfloat16, torch.int8])
+def test_a_rows_bits_do_not_depend_on_the_other_rows_or_the_threads(wdtype):
+    op, _ = _operands(300, 99, wdtype, seed=5)
+    x = torch.randn(8, 1, 99, generator=torch.Generator().manual_seed(6))
+    together = op(x, threads=2)
+    for m in range(8):
+        for threads in (1, 2):
+            assert torch.equal(op(x[m:m + 1], threads=threads), together[m:m + 1])
+    assert torch.equal(op(x[2:5], threads=1), together[2:5])
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("kind", ["rms", "layer", "rms+offset"])
+def test_norms_match_float64(dtype, kind):
+    g = torch.Generator().manual_seed(7)
+    x = (3 * torch.randn(4, 1, 99, generator=g) + 1).to(dtype)
+    w = torch.randn(99, generator=g).to(dtype)
+    b = torch.randn(99, generator=g).to(dtype) if kind == "layer" else None
+    offset = 1.0 if kind == "rms+offset" else 0.0
+    got = D.norm(x, w, b, 1e-5, offset)
+    xd, wd = x.double(), w.double() + offset
+    if kind == "layer":
+        want = F.layer_norm(xd, (99,), wd, b.double(), 1e-5)
+    else:
+        want = xd * torch.rsqrt(xd.pow(2).mean(-1, keepdim=True) + 1e-5) * wd
+    scale = want.abs() + wd.abs()
+    tol = 64 * U32 * scale if dtype == torch.float32 else UBF * want.abs() + 64 * U32 * scale
+    assert got.dtype == dtype and ((got.double() - want).abs() <= tol).all()
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("rd", [64, 32, 0])
+def test_rope_and_cache_write_are_apply_rope_and_index_writes_bit_for_bit(dtype, rd):
+    T, nq, nkv, hd = 3, 9, 3, 64
+    g = torch.Generator().manual_seed(8)
+    heads = torch.randn(T, nq + 2 * nkv, hd, generator=g).to(dtype)
+    write = torch.tensor([3, 40, 63])
+    qk = heads[:, :nq + nkv]
+    angles = (None, None)
+    if rd:
+        cos, sin = rope_at(torch.tensor([[5], [17], [300]]), rd, 10000.0, 512)
+        angles = (cos.view(T, 1, -1), sin.view(T, 1, -1))
+        qk = apply_rope(qk, *angles)
+    ck, cv = (torch.zeros(64, nkv, hd, dtype=dtype) for _ in range(2))
+    got = heads.clone()
+    D.rope_write(got, nq + nkv, nkv, *angles, write, ck, cv)
+    assert torch.equal(got[:, :nq + nkv], qk) and torch.equal(got[:, nq + nkv:], heads[:, nq + nkv:])
+    assert torch.equal(ck[write], qk[:, nq:]) and torch.equal(cv[write], heads[:, nq + nkv:])
+    ck[write], cv[write] = 0, 0
+    assert not ck.any() and not cv.any()  # nothing else written
+
+
+GPT = get_preset("gpt2-tiny").with_(name="gpt-t", vocab_size=257, hidden=64, num_layers=2,
+                                    num_heads=4, ffn=200, dropout=0.0)
+
+
+@pytest.mark.parametrize("config", [SMOL, GPT], ids=["smol-swiglu", "gpt2-gelu-bias"])
+def test_decode_only_model_takes_the_native_layer_and_is_as_accurate(monkeypatch, config):
+    """Every layer of every decode step runs `Block._decode` (counted), and the
+    token-by-token logits are as close to the float64 model's full forward as the float32
+    full forward is (within 2x: random weights amplify float32 rounding)."""
+    model = Transformer(config, ParallelMesh.single())
+    fill(model, random_full(config, seed=5, scale=1.0), ParallelMesh.single())
+    ids = torch.randint(0, 257, (3, 20), generator=torch.Generator().manual_seed(6))
+    with torch.no_grad():
+        want = copy.deepcopy(model).double()(ids)[:, 14:, :257]
+        full = model(ids)[:, 14:, :257]
+    for_decode(model)
+    calls = []
+    fast = block.Block._decode
+    monkeypatch.setattr(block.Block, "_decode", lambda *a: calls.append(1) or fast(*a))
+    with torch.no_grad():
+        got = _decode_logits(model, ids, 14)[..., :257]
+    assert len(calls) == 6 * config.num_layers  # 6 decode steps, every layer native
+
+    def err(x):
+        return ((x.double() - want).norm() / want.norm()).item()
+    assert err(got) <= 2 * err(full) + 1e-6, (err(got), err(full))
+
+
+def test_without_the_library_decode_weights_are_packed_as_before():
+    code = ("import torch\n"
+            "from tpkit.layers import decode_ops\n"
+            "from tpkit.layers.quant import for_decode, PackedWeight\n"
+            "from tpkit.mesh import ParallelMesh\n"
+            "from tpkit.model.transformer import Transformer\n"
+            "from checkpoint_helpers import LLAMA\n"
+            "assert decode_ops.load() is None\n"
+            "m = for_decode(Transformer(LLAMA, ParallelMesh.single()))\n"
+            "d = m.layers[next(iter(m.layers))].mlp.fc2.decoding\n"
+            "assert d is None or isinstance(d, PackedWeight), d\n"
+            "assert not m.layers[next(iter(m.layers))].attn_norm.native\n"
+            "print('ok')\n")
+    env = {**os.environ, "TPKIT_DECODE_OPS_DISABLE": "1",
+           "PYTHONPATH": os.pathsep.join([os.path.dirname(__file__), *sys.path])}
+    done = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True,
+                          text=True, timeout=120)
+    assert done.stdout.strip() == "ok", done.stderr[-2000:]
