@@ -141,7 +141,7 @@ GPT = get_preset("gpt2-tiny").with_(name="gpt-t", vocab_size=257, hidden=64, num
 
 @pytest.mark.parametrize("config", [SMOL, GPT], ids=["smol-swiglu", "gpt2-gelu-bias"])
 def test_decode_only_model_takes_the_native_layer_and_is_as_accurate(monkeypatch, config):
-    """Every layer of every decode step runs `Block._decode` (counted), and the
+    """Every layer of every decode step runs `block._NativeLayer` (counted), and the
     token-by-token logits are as close to the float64 model's full forward as the float32
     full forward is (within 2x: random weights amplify float32 rounding)."""
     model = Transformer(config, ParallelMesh.single())
@@ -152,8 +152,8 @@ def test_decode_only_model_takes_the_native_layer_and_is_as_accurate(monkeypatch
         full = model(ids)[:, 14:, :257]
     for_decode(model)
     calls = []
-    fast = block.Block._decode
-    monkeypatch.setattr(block.Block, "_decode", lambda *a: calls.append(1) or fast(*a))
+    fast = block._NativeLayer.__call__
+    monkeypatch.setattr(block._NativeLayer, "__call__", lambda *a: calls.append(1) or fast(*a))
     with torch.no_grad():
         got = _decode_logits(model, ids, 14)[..., :257]
     assert len(calls) == 6 * config.num_layers  # 6 decode steps, every layer native

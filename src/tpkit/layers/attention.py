@@ -58,7 +58,9 @@ class PagedBatch:
     time cost ~3x as much: ~100 ms a step at 4k keys for SmolLM2-135M here); `mask`
     [rows, L] (None: every key). `angles`: the rows' rotary cos and sin, read from the
     table once per forward for every layer that rotates alike. `decode`: the rows of
-    one token for the native kernel (`layers.paged_attention`; None: every row on SDPA)."""
+    one token for the native kernel (`layers.paged_attention`; None: every row on SDPA).
+    `native`: whether the rows rotate and write the cache natively (`layers.decode_ops`),
+    decided by the first layer."""
 
     positions: torch.Tensor
     write: torch.Tensor
@@ -67,6 +69,7 @@ class PagedBatch:
     block_size: int
     angles: dict = field(default_factory=dict)
     decode: paged_attention.DecodePlan | None = None
+    native: bool | None = None  # whether `decode_ops.rope_write` takes them (first layer decides)
 
 
 @dataclass
@@ -115,6 +118,7 @@ class ParallelAttention(nn.Module):
         q_heads, kv_local = heads_of_rank(num_heads, kv, tp, group.rank)
         self.local_heads, self.local_kv = len(q_heads), len(kv_local)
         self.kv_index = kv_index(num_heads, kv, tp, group.rank)  # None: a plain repeat
+        self._kv_key = None if self.kv_index is None else tuple(self.kv_index)
         self.causal, self.dropout = c.causal, c.dropout
         self.rope_theta = c.rope_theta if c.position == "rope" else None
         self.rope_dim, self.sliding_window, self.rope_llama3 = (c.rope_dim, c.sliding_window,
@@ -173,16 +177,6 @@ class ParallelAttention(nn.Module):
         y = y.transpose(1, 2).reshape(b, s, nq * hd)  # [b, s, h/tp]
         return self.out(y)  # [b, s, h] summed over tp
 
-    def decode_rows(self, x: torch.Tensor, cache: PagedKV, residual: torch.Tensor
-                    ) -> torch.Tensor:
-        """residual + self(x) for a decode's rows x [T, 1, h] with native decode-only
-        weights (`layers.decode_ops`; `Block`'s fast path): the qkv product, the paged
-        attention, the output product with the bias and residual in it (tp=1)."""
-        T = x.shape[0]
-        qkv = self.qkv.decoding.rows(x, self.qkv.bias)  # [T, 1, (nq + 2 kv) hd]
-        y = self._attend_paged(qkv.view(T, -1, self.head_dim), cache)  # [T, nq, hd]
-        return self.out.decode_rows(y.view(T, 1, -1), residual)
-
     @property
     def ring_heads(self) -> int:
         """Key/value heads this rank sends around a context-parallel ring: its kv heads,
@@ -223,28 +217,33 @@ class ParallelAttention(nn.Module):
         angles = None
         if self.rope_theta is not None:
             how = (self.rope_dim, self.rope_theta, self.rope_llama3)
-            if how not in batch.angles:  # [T, 1, rd] each, shared by the layers
-                batch.angles[how] = tuple(a.view(T, 1, -1) for a in rope_at(
-                    batch.positions[:, None], *how[:2], batch.rope_len, how[2]))
-            angles = batch.angles[how]
-        if decode_ops.takes(heads, cache.k):  # one native call: rotate, write the cache
+            angles = batch.angles.get(how)
+            if angles is None:  # [T, 1, rd] each (contiguous), shared by the layers
+                angles = batch.angles[how] = tuple(a.reshape(T, 1, -1).contiguous() for a in
+                                                   rope_at(batch.positions[:, None], *how[:2],
+                                                           batch.rope_len, how[2]))
+        native = batch.native
+        if native is None:  # decided once per forward: the same tensors' kinds every layer
+            native = batch.native = decode_ops.takes(heads, cache.k)
+        if native:  # one native call: rotate q and k, write k and v into their blocks
             if self.q_norm is not None:
                 heads[:, :nq + nkv] = qk
             decode_ops.rope_write(heads, nq + nkv, nkv, *(angles or (None, None)),
                                   batch.write, cache.k, cache.v)
-            qk = heads[:, :nq + nkv]
+            qk = heads  # q: its first nq heads of every row
         else:
             if angles is not None:
                 qk = apply_rope(qk, *angles)  # q and k heads alike
             cache.k[batch.write] = qk[:, nq:]  # [T, kv_local, hd] into their blocks
             cache.v[batch.write] = v
-        q = qk[:, :nq]
-        plan = batch.decode if paged_attention.usable(q, cache.k) else None
-        y = torch.empty(T, nq, q.shape[2], dtype=q.dtype, device=q.device)  # [T, nq, hd]
+        plan = batch.decode if native or paged_attention.usable(qk, cache.k) else None
+        y = torch.empty(T, nq, heads.shape[2], dtype=heads.dtype, device=heads.device)
         if plan is not None:  # the decode rows: one native call (`layers.paged_attention`)
-            kv = paged_attention.kv_map(nq, cache.k.shape[1],
-                                        None if self.kv_index is None else tuple(self.kv_index))
-            paged_attention.attend(q.contiguous(), cache.k, cache.v, y, plan, kv)
+            kv = paged_attention.kv_map(nq, cache.k.shape[1], self._kv_key)
+            paged_attention.attend(qk[:, :nq], cache.k, cache.v, y, plan, kv)
+            if plan.rows == T:
+                return y  # every row was a decode row
+        q = qk[:, :nq]
         gqa, uneven = nq != cache.k.shape[1], self.kv_index is not None
         for first, n, keys, mask in batch.seqs:
             if plan is not None and n == 1:

@@ -157,13 +157,10 @@ def rope_write(heads: torch.Tensor, rotated: int, kv: int, cos: torch.Tensor | N
     first `rotated` heads rotated (Llama's rotate-half on the first cos.shape[-1] dims,
     torch's float32 roundings: `layers.rotary.apply_rope` bit for bit), then, `write`
     given, heads rotated - kv .. rotated (k) and rotated .. rotated + kv (v) copied into
-    cache_k, cache_v [positions, kv, hd] at positions write [T]. cos, sin float32 [T, rd]
-    (None: nothing rotates). `takes` says which tensors it takes."""
+    cache_k, cache_v [positions, kv, hd] at positions write [T]. cos, sin contiguous
+    float32 [T, 1, rd] (None: nothing rotates). `takes` says which tensors it takes."""
     T, _, hd = heads.shape
-    rotated_dims = 0
-    if cos is not None:
-        cos, sin = cos.reshape(T, -1).contiguous(), sin.reshape(T, -1).contiguous()
-        rotated_dims = cos.shape[1]
+    rotated_dims = 0 if cos is None else cos.shape[-1]  # cos, sin contiguous [T, ..., rd]
     ptr = (lambda t: NULL if t is None else ctypes.c_void_p(t.data_ptr()))
     rc = load().tpk_rope_write(
         ctypes.c_void_p(heads.data_ptr()), ctypes.c_int64(T), ctypes.c_int64(heads.stride(0)),

@@ -210,14 +210,6 @@ class RowParallelLinear(nn.Module):
             return self.decoding(x)  # [b, s, out], a partial sum
         return F.linear(x, self.weight)  # [b, s, out], a partial sum
 
-    def decode_rows(self, x: torch.Tensor, residual: torch.Tensor) -> torch.Tensor:
-        """residual + self(x) for a decode's rows with native decode-only weights
-        (`layers.decode_ops`): at tp=1 one call, the bias and the residual added in it."""
-        if self.group.size == 1:
-            return self.decoding.rows(x, self.bias, residual)
-        y = ops.reduce_from_tp(self.decoding.rows(x), self.group)  # [T, 1, out]
-        return residual + (y + self.bias if self.bias is not None else y)
-
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         """x [b, s, in/tp] (or [b, s, in] if not input_is_parallel) -> [b, s, out]."""
         y = self.partial(x)  # [b, s, out], partial over tp

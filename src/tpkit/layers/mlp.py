@@ -89,14 +89,6 @@ class ParallelMLP(nn.Module):
         return self.fc2(self.act(y))  # [b, s, h], summed over tp
 
 
-    def decode_rows(self, x: torch.Tensor, residual: torch.Tensor) -> torch.Tensor:
-        """residual + self(x) for a decode's rows with native decode-only weights
-        (`layers.decode_ops`; `Block`'s fast path): SwiGLU's gate fused in fc1's call."""
-        fc1 = self.fc1.decoding.rows
-        h = fc1.gated(x, self.fc1.bias) if self.activation == "swiglu" else \
-            self.act(fc1(x, self.fc1.bias))
-        return self.fc2.decode_rows(h, residual)
-
 
 class ColumnColumnMLP(nn.Module):
     """Both matrices split by columns (quiz answer 2's wrong option), to count its traffic."""

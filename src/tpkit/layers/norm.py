@@ -46,9 +46,5 @@ class Norm(nn.Module):
             return F.layer_norm(x, (self.hidden,), w, self.bias, self.eps)
         return F.rms_norm(x, (self.hidden,), w, self.eps)  # torch's fused kernel
 
-    def native_rows(self, x: torch.Tensor) -> torch.Tensor:
-        """`self(x)` by `layers.decode_ops` (a decode-only model's norm: `native` set)."""
-        return decode_ops.norm(x, self.weight, self.bias, self.eps, self.offset)
-
     def extra_repr(self) -> str:
         return f"{self.kind}, hidden={self.hidden}, eps={self.eps}, offset={self.offset}"

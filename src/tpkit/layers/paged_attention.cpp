@@ -105,6 +105,7 @@ struct Call {
   const int64_t* meta;  // [nrows, 4]: row, table offset, lo, end; then the tables
   const int32_t* kv_map;  // [nq]
   int nrows, nq, nkv, hd, bs;
+  int64_t qstride;  // elements from one row of q to the next (its heads contiguous)
   float scale;
   std::vector<int> order;  // the query heads sorted by kv head (stable)
   std::vector<int> first;  // [nkv + 1]: kv head kv's heads are order[first[kv]:first[kv+1]]
@@ -176,7 +177,7 @@ void item(const Call& c, int64_t r, int64_t chunk, float* __restrict part,
   const int64_t* table = c.meta + 4 * int64_t(c.nrows) + m[1];
   const int64_t kstride = int64_t(c.nkv) * hd;  // elements from one position to the next
   const int len = c.nkv * hd;  // a position's keys (or values): one contiguous run
-  const T* Q = static_cast<const T*>(c.q) + m[0] * c.nq * hd;
+  const T* Q = static_cast<const T*>(c.q) + m[0] * c.qstride;
 
   float* __restrict qf = scratch;  // [g, hd]
   float* __restrict buf = qf + g * hd;  // [TILE, hd]: a bfloat16 tile widened
@@ -318,12 +319,14 @@ int tpk_paged_attention_pool() { return gomp_parallel() != nullptr; }
 
 // 0: done; -1: a dtype it does not take (0 float32, 1 bfloat16); -2: a query head maps
 // to no local kv head. threads: at most that many on torch's team where the process has
-// one; -n: n std::threads of its own (the fallback, forced: for the tests).
+// one; -n: n std::threads of its own (the fallback, forced: for the tests). qstride:
+// elements from one row of q to the next (<= 0: nq * hd, q contiguous).
 int tpk_paged_attention(const void* q, const void* k, const void* v, void* out,
                         const int64_t* meta, const int32_t* kv_map, int nrows, int nq,
-                        int nkv, int hd, int bs, int dtype, int threads) {
+                        int nkv, int hd, int bs, int dtype, int threads, int64_t qstride) {
   Call c{q, k, v, out, meta, kv_map, nrows, nq, nkv, hd, bs,
-         float(1.0 / std::sqrt(double(hd))), {}, std::vector<int>(nkv + 1, 0)};
+         qstride > 0 ? qstride : int64_t(nq) * hd, float(1.0 / std::sqrt(double(hd))), {},
+         std::vector<int>(nkv + 1, 0)};
   for (int h = 0; h < nq; ++h) {
     if (kv_map[h] < 0 || kv_map[h] >= nkv) return -2;
     ++c.first[kv_map[h] + 1];

@@ -134,15 +134,19 @@ def usable(q: torch.Tensor, k: torch.Tensor) -> bool:
 
 def attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, out: torch.Tensor,
            plan: DecodePlan, kv: tuple[torch.Tensor, object]) -> None:
-    """out[row] for every decode row of `plan` (module docstring). q, out [T, nq, hd]
-    contiguous, k, v [positions, nkv, hd] contiguous, all of one dtype (`usable`)."""
+    """out[row] for every decode row of `plan` (module docstring). q [T, nq, hd] (its
+    heads contiguous: q[t] may be the first heads of a longer row, as the q of a fused
+    qkv), out [T, nq, hd] contiguous, k, v [positions, nkv, hd] contiguous, all of one
+    dtype (`usable`)."""
     T, nq, hd = q.shape
+    if q.stride(2) != 1 or q.stride(1) != hd:
+        q = q.contiguous()
     meta, rows, bs, threads = plan.args
     rc = load().tpk_paged_attention(
         ctypes.c_void_p(q.data_ptr()), ctypes.c_void_p(k.data_ptr()),
         ctypes.c_void_p(v.data_ptr()), ctypes.c_void_p(out.data_ptr()), meta, kv[1], rows,
         ctypes.c_int(nq), ctypes.c_int(k.shape[1]), ctypes.c_int(hd), bs,
-        ctypes.c_int(DTYPES[q.dtype]), threads)
+        ctypes.c_int(DTYPES[q.dtype]), threads, ctypes.c_int64(q.stride(0)))
     if rc != 0:
         raise RuntimeError(f"tpk_paged_attention returned {rc}")
 

@@ -17,6 +17,7 @@ import torch
 from torch import nn
 
 from tpkit.comm.group import CommGroup
+from tpkit.comm.ops import reduce_from_tp
 from tpkit.layers import decode_ops
 from tpkit.layers.attention import PagedKV, ParallelAttention
 from tpkit.layers.experts import ParallelMoE
@@ -50,34 +51,22 @@ class Block(nn.Module):
         self.mlp = ParallelMoE.from_config(c, group, expert_parallel=expert_parallel,
                                            seed=mlp_seed, **own) if c.num_experts else \
             ParallelMLP.from_config(c, group, seed=mlp_seed, **own)  # top-k experts, or dense
-        self._native = None  # whether decode rows take `_decode` (decided at the first)
+        self._native = None  # the decode rows' native plan (`native_decode`), or False
 
-    def native_decode(self) -> bool:
-        """Whether this layer's decode rows run on `layers.decode_ops` alone (`_decode`):
+    def native_decode(self) -> _NativeLayer | None:
+        """This layer's decode rows on `layers.decode_ops` alone (`_NativeLayer`), or None:
         a pre-norm dense layer whose norms and linear weights are all native decode-only
-        ones (`layers.quant.for_decode` with the library), not training, no SP, no cp."""
+        ones (`layers.quant.for_decode` with the library), not training, no SP, no cp.
+        Decided at the first decode (the weights do not change after `for_decode`)."""
         if self._native is None:
-            at, mlp = self.attn, self.mlp
-            lin = [getattr(m, "decoding", None) for m in
-                   (at.qkv, at.out, getattr(mlp, "fc1", None), getattr(mlp, "fc2", None))]
-            self._native = (self.pre_norm and not self.parallel_residual and not self.training
-                            and not self.sequence_parallel and isinstance(mlp, ParallelMLP)
-                            and self.attn_norm.native and self.mlp_norm.native
-                            and (at.cp is None or at.cp.size == 1)
-                            and all(getattr(d, "rows", None) is not None for d in lin))
-        return self._native
-
-    def _decode(self, x: torch.Tensor, kv_cache: PagedKV) -> torch.Tensor:
-        """A decode's rows x [T, 1, h] (T <= decode_ops.ROWS) with native kernels only:
-        norm, attention, norm, MLP, each residual added inside the last product (tp=1)."""
-        x = self.attn.decode_rows(self.attn_norm.native_rows(x), kv_cache, x)
-        return self.mlp.decode_rows(self.mlp_norm.native_rows(x), x)
+            self._native = _NativeLayer.of(self) or False
+        return self._native or None
 
     def forward(self, x: torch.Tensor, attention_mask: torch.Tensor | None = None,
                 rng: TPRandom | None = None, kv_cache: PagedKV | None = None) -> torch.Tensor:
         """x [b, s, h] ([b, s/tp, h] with SP) -> same shape."""
         if kv_cache is not None and decode_ops.fits(x) and self.native_decode():
-            return self._decode(x, kv_cache)
+            return self._native(x, kv_cache)
         sharded = self.sequence_parallel  # residual stream split over tp only with SP
         if self.parallel_residual:
             a = self.attn(self.attn_norm(x), attention_mask, rng, kv_cache)
@@ -94,3 +83,56 @@ class Block(nn.Module):
         m = self.mlp(x)
         return self.mlp_norm(x + dropout(m, self.p, self.training, rng, sharded))
 
+
+
+class _NativeLayer:
+    """A decode-only pre-norm dense layer's decode rows x [T, 1, h] (T <= decode_ops.ROWS)
+    on the native kernels alone, the modules' tensors and kernels looked up once (a
+    module attribute costs ~1 us, a module call ~3: ~15 a layer, 30 layers a token):
+
+        h = norm(x); x = x + out(attention(qkv(h))); h = norm(x); x = x + fc2(act(fc1(h)))
+
+    at tp=1 each residual and bias added inside the product's call; at tp > 1 the
+    partial products all-reduced first, then the bias and the residual (the same sums
+    as `Block.forward`, in its order)."""
+
+    def __init__(self, b: Block) -> None:
+        at, mlp = b.attn, b.mlp
+        self.norms = [(n.weight, n.bias, n.eps, n.offset) for n in (b.attn_norm, b.mlp_norm)]
+        self.qkv, self.qkv_bias = at.qkv.decoding.rows, at.qkv.bias
+        self.out, self.out_bias = at.out.decoding.rows, at.out.bias
+        self.fc1, self.fc1_bias = mlp.fc1.decoding.rows, mlp.fc1.bias
+        self.fc2, self.fc2_bias = mlp.fc2.decoding.rows, mlp.fc2.bias
+        self.gated, self.act = mlp.activation == "swiglu", mlp.act
+        self.attend, self.hd, self.group = at._attend_paged, at.head_dim, at.group
+
+    @classmethod
+    def of(cls, b: Block) -> _NativeLayer | None:
+        at, mlp = b.attn, b.mlp
+        if not (b.pre_norm and not b.parallel_residual and not b.training
+                and not b.sequence_parallel and isinstance(mlp, ParallelMLP)
+                and b.attn_norm.native and b.mlp_norm.native
+                and (at.cp is None or at.cp.size == 1)):
+            return None
+        if any(getattr(m.decoding, "rows", None) is None
+               for m in (at.qkv, at.out, mlp.fc1, mlp.fc2)):
+            return None
+        return cls(b)
+
+    def _reduce(self, y, bias, residual):
+        if self.group.size == 1:
+            return y
+        y = reduce_from_tp(y, self.group)  # [T, 1, h], the partial products summed
+        return residual + (y + bias if bias is not None else y)
+
+    def __call__(self, x: torch.Tensor, cache: PagedKV) -> torch.Tensor:
+        T, one = x.shape[0], self.group.size == 1
+        h = decode_ops.norm(x, *self.norms[0])
+        y = self.attend(self.qkv(h, self.qkv_bias).view(T, -1, self.hd), cache)  # [T, nq, hd]
+        y = y.view(T, 1, -1)
+        x = self._reduce(self.out(y, self.out_bias, x) if one else self.out(y),
+                         self.out_bias, x)
+        h = decode_ops.norm(x, *self.norms[1])
+        a = self.fc1.gated(h, self.fc1_bias) if self.gated else self.act(self.fc1(h, self.fc1_bias))
+        return self._reduce(self.fc2(a, self.fc2_bias, x) if one else self.fc2(a),
+                            self.fc2_bias, x)
