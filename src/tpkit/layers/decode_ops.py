@@ -43,6 +43,7 @@ import torch
 from tpkit.comm.native import NativeLibrary
 
 ROWS = 8  # calls of at most this many rows take the kernel
+WIDE_ROWS = 32  # ... bfloat16 ones where torch's own bfloat16 products are slow (`RowsWeight`)
 SOURCE = Path(__file__).with_name("decode_ops.cpp")
 LIBRARY = NativeLibrary(
     "decode_ops", (SOURCE,), Path(__file__).with_name("_native_build"),
@@ -68,11 +69,11 @@ def usable(w: torch.Tensor, dtype: torch.dtype) -> bool:
             torch.bfloat16) and w.is_contiguous() and load() is not None)
 
 
-def fits(x: torch.Tensor) -> bool:
-    """Whether a call on x [..., K] takes the kernel: at most `ROWS` rows, on the CPU, of
-    a dtype it takes."""
+def fits(x: torch.Tensor, rows: int = ROWS) -> bool:
+    """Whether a call on x [..., K] takes the kernel: at most `rows` rows, on the CPU, of a
+    dtype it takes."""
     return (x.device.type == "cpu" and x.dtype in (torch.float32, torch.bfloat16)
-            and x.numel() <= ROWS * x.shape[-1])
+            and x.numel() <= rows * x.shape[-1])
 
 
 class Operand:
