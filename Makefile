@@ -17,7 +17,7 @@ $(BIN)/python:
 $(STAMP): pyproject.toml | $(BIN)/python
 	$(BIN)/pip install -q torch==2.13.0
 	$(BIN)/pip install -q -e '.[dev,hf,web,track,data,serve]'
-	$(BIN)/python -c 'import tpkit.comm.shm_build as s, tpkit.layers.paged_attention as a; s.main(); a.main()'   # C++ kernels (g++, a few s)
+	$(BIN)/python -c 'import tpkit.comm.shm_build as s, tpkit.layers.paged_attention as a, tpkit.layers.decode_ops as d; s.main(); a.main(); d.main()'   # C++ kernels (g++, a few s)
 	touch $(STAMP)
 
 venv: $(STAMP)

@@ -24,13 +24,13 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from checkpoint_helpers import LLAMA, SMOL, fill, random_full
+from checkpoint_helpers import SMOL, fill, random_full
 from test_paged_attention_kernel import _decode_logits
 from tpkit.layers import decode_ops as D
 from tpkit.layers.quant import QMAX, for_decode
 from tpkit.layers.rotary import apply_rope, rope_at
 from tpkit.mesh import ParallelMesh
-from tpkit.model import block
+from tpkit.model import native_decode
 from tpkit.model.transformer import Transformer
 from tpkit.spec import get_preset
 
@@ -141,7 +141,7 @@ GPT = get_preset("gpt2-tiny").with_(name="gpt-t", vocab_size=257, hidden=64, num
 
 @pytest.mark.parametrize("config", [SMOL, GPT], ids=["smol-swiglu", "gpt2-gelu-bias"])
 def test_decode_only_model_takes_the_native_layer_and_is_as_accurate(monkeypatch, config):
-    """Every layer of every decode step runs `block._NativeLayer` (counted), and the
+    """Every layer of every decode step runs every layer in one native call (`NativeStack`, counted), and the
     token-by-token logits are as close to the float64 model's full forward as the float32
     full forward is (within 2x: random weights amplify float32 rounding)."""
     model = Transformer(config, ParallelMesh.single())
@@ -152,11 +152,12 @@ def test_decode_only_model_takes_the_native_layer_and_is_as_accurate(monkeypatch
         full = model(ids)[:, 14:, :257]
     for_decode(model)
     calls = []
-    fast = block._NativeLayer.__call__
-    monkeypatch.setattr(block._NativeLayer, "__call__", lambda *a: calls.append(1) or fast(*a))
+    fast = native_decode.NativeStack.__call__
+    monkeypatch.setattr(native_decode.NativeStack, "__call__",
+                        lambda *a: calls.append(1) or fast(*a))
     with torch.no_grad():
         got = _decode_logits(model, ids, 14)[..., :257]
-    assert len(calls) == 6 * config.num_layers  # 6 decode steps, every layer native
+    assert len(calls) == 6  # 6 decode steps, every layer in one native call each
 
     def err(x):
         return ((x.double() - want).norm() / want.norm()).item()

@@ -207,7 +207,7 @@ def test_the_engine_computes_the_pieces_its_pacer_allows_and_tokens_stay_exact()
         if pacer is not None:
             engine.pacer = pacer
         rows = []
-        hook = model.layers["0"].register_forward_pre_hook(
+        hook = model.embed.register_forward_pre_hook(  # ids [T, 1]: T rows a forward
             lambda m, a, rows=rows: rows.append(a[0].shape[0]))
         first = engine.submit(short, SamplingParams(max_tokens=12, ignore_eos=True))
         engine.step()

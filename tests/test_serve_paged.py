@@ -157,7 +157,7 @@ def test_decodes_and_a_piece_of_a_long_prompt_share_a_step():
     model = _model(ParallelMesh.single(), LLAMA)
     engine = Engine(model, max_batch=4, max_len=96, prefill_per_step=16)
     rows = []
-    model.layers["0"].register_forward_pre_hook(lambda m, a: rows.append(a[0].shape[0]))
+    model.embed.register_forward_pre_hook(lambda m, a: rows.append(a[0].shape[0]))  # ids [T, 1]
     first = engine.submit([3, 4, 5], SamplingParams(max_tokens=10))
     engine.step()
     second = engine.submit(list(range(1, 41)), SamplingParams(max_tokens=2))

@@ -216,12 +216,7 @@ class ParallelAttention(nn.Module):
             qk = torch.cat([self.q_norm(qk[:, :nq]), self.k_norm(qk[:, nq:])], 1)
         angles = None
         if self.rope_theta is not None:
-            how = (self.rope_dim, self.rope_theta, self.rope_llama3)
-            angles = batch.angles.get(how)
-            if angles is None:  # [T, 1, rd] each (contiguous), shared by the layers
-                angles = batch.angles[how] = tuple(a.reshape(T, 1, -1).contiguous() for a in
-                                                   rope_at(batch.positions[:, None], *how[:2],
-                                                           batch.rope_len, how[2]))
+            angles = paged_angles(batch, (self.rope_dim, self.rope_theta, self.rope_llama3), T)
         native = batch.native
         if native is None:  # decided once per forward: the same tensors' kinds every layer
             native = batch.native = decode_ops.takes(heads, cache.k)
@@ -277,6 +272,16 @@ class ParallelAttention(nn.Module):
             with rng.fork():
                 return F.scaled_dot_product_attention(q, k, v, mask, p, is_causal=causal)
         return F.scaled_dot_product_attention(q, k, v, mask, p, is_causal=causal)
+
+
+def paged_angles(batch: PagedBatch, how: tuple, T: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """cos, sin [T, 1, rd] (contiguous float32) of the rows' positions for rotary `how`
+    (rope_dim, theta, llama3 scaling), made once per forward and shared by the layers."""
+    angles = batch.angles.get(how)
+    if angles is None:
+        angles = batch.angles[how] = tuple(a.reshape(T, 1, -1).contiguous() for a in rope_at(
+            batch.positions[:, None], *how[:2], batch.rope_len, how[2]))
+    return angles
 
 
 def _paged(flat: torch.Tensor, keys: slice | tuple[torch.Tensor, slice], block_size: int

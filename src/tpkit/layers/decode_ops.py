@@ -44,13 +44,14 @@ from tpkit.comm.native import NativeLibrary
 
 ROWS = 8  # calls of at most this many rows take the kernel
 WIDE_ROWS = 32  # ... bfloat16 ones where torch's own bfloat16 products are slow (`RowsWeight`)
-SOURCE = Path(__file__).with_name("decode_ops.cpp")
+SOURCE = Path(__file__).with_name("decode_ops.cpp")  # + the two headers it includes
 LIBRARY = NativeLibrary(
-    "decode_ops", (SOURCE,), Path(__file__).with_name("_native_build"),
+    "decode_ops", (SOURCE, SOURCE.with_name("decode_simd.h"), SOURCE.with_name("decode_layers.h")),
+    Path(__file__).with_name("_native_build"),
     ("-O3", "-march=native", "-std=c++17", "-ffp-contract=fast", "-shared", "-fPIC",
      "-fno-strict-aliasing"),
     signatures={name: (None, ctypes.c_int) for name in  # ctypes objects passed
-                ("tpk_linear", "tpk_norm", "tpk_rope_write")},
+                ("tpk_linear", "tpk_norm", "tpk_rope_write", "tpk_layers")},
     disable_env="TPKIT_DECODE_OPS_DISABLE", per_cpu=True)
 DTYPES = {torch.float32: 0, torch.bfloat16: 1, torch.int8: 2}
 NULL = ctypes.c_void_p(None)
@@ -143,6 +144,15 @@ def norm(x: torch.Tensor, w: torch.Tensor, b: torch.Tensor | None, eps: float,
     return y
 
 
+def _ptr(t: torch.Tensor | None) -> int | None:
+    return None if t is None else t.data_ptr()
+
+
+def ptr(t: torch.Tensor | None) -> ctypes.c_void_p:
+    """A tensor's data pointer as a ctypes argument (None: a null pointer)."""
+    return NULL if t is None else ctypes.c_void_p(t.data_ptr())
+
+
 def takes(heads: torch.Tensor, cache: torch.Tensor) -> bool:
     """Whether `rope_write` takes these rows of heads and this cache."""
     return (heads.device.type == "cpu" and heads.dtype in (torch.float32, torch.bfloat16)
@@ -162,13 +172,58 @@ def rope_write(heads: torch.Tensor, rotated: int, kv: int, cos: torch.Tensor | N
     float32 [T, 1, rd] (None: nothing rotates). `takes` says which tensors it takes."""
     T, _, hd = heads.shape
     rotated_dims = 0 if cos is None else cos.shape[-1]  # cos, sin contiguous [T, ..., rd]
-    ptr = (lambda t: NULL if t is None else ctypes.c_void_p(t.data_ptr()))
     rc = load().tpk_rope_write(
         ctypes.c_void_p(heads.data_ptr()), ctypes.c_int64(T), ctypes.c_int64(heads.stride(0)),
         INTS[rotated], INTS[kv], INTS[hd], ptr(cos), ptr(sin), INTS[rotated_dims], ptr(write),
         ptr(cache_k), ptr(cache_v), INTS[DTYPES[heads.dtype]])
     if rc != 0:
         raise RuntimeError(f"tpk_rope_write returned {rc}")
+
+
+class Lin(ctypes.Structure):
+    _fields_ = [("w", ctypes.c_void_p), ("scale", ctypes.c_void_p), ("bias", ctypes.c_void_p),
+                ("n", ctypes.c_int64), ("k", ctypes.c_int64), ("wdtype", ctypes.c_int)]
+
+
+class Layer(ctypes.Structure):
+    """One layer of `run_layers` (decode_ops.cpp's `Layer`)."""
+    _fields_ = [("n1w", ctypes.c_void_p), ("n1b", ctypes.c_void_p), ("n2w", ctypes.c_void_p),
+                ("n2b", ctypes.c_void_p), ("n1eps", ctypes.c_float), ("n1off", ctypes.c_float),
+                ("n2eps", ctypes.c_float), ("n2off", ctypes.c_float), ("qkv", Lin),
+                ("out", Lin), ("fc1", Lin), ("fc2", Lin), ("act", ctypes.c_int),
+                ("nq", ctypes.c_int), ("nkv", ctypes.c_int), ("hd", ctypes.c_int),
+                ("kv_map", ctypes.c_void_p)]
+
+
+class Step(ctypes.Structure):
+    """One forward of `run_layers` (decode_ops.cpp's `Step`)."""
+    _fields_ = [("T", ctypes.c_int64), ("H", ctypes.c_int64), ("dtype", ctypes.c_int),
+                ("threads", ctypes.c_int), ("cos", ctypes.c_void_p), ("sin", ctypes.c_void_p),
+                ("rd", ctypes.c_int), ("write", ctypes.c_void_p), ("ck", ctypes.c_void_p),
+                ("cv", ctypes.c_void_p), ("attend", ctypes.c_void_p), ("meta", ctypes.c_void_p),
+                ("rows", ctypes.c_int), ("bs", ctypes.c_int), ("attend_threads", ctypes.c_int)]
+
+
+ACTS = {"swiglu": 0, "gelu": 1, "gelu_exact": 2, "relu": 3}  # `Layer.act`
+
+
+
+
+def lin(op: Operand, bias: torch.Tensor | None) -> Lin:
+    """A product of `run_layers`: the operand's weight (and int8 scales) and a bias."""
+    return Lin(op.w.data_ptr(), _ptr(op.scale), _ptr(bias), op.n, op.k, DTYPES[op.w.dtype])
+
+
+def run_layers(x: torch.Tensor, layers, work: int, step: Step) -> torch.Tensor:
+    """x [T, 1, H] through every layer of `layers` (a ctypes array of `Layer`) in one call;
+    `work`: the elements of scratch a row needs (`tpk_layers`). A new tensor."""
+    x = x.contiguous().clone()
+    scratch = torch.empty(x.shape[0] * work, dtype=x.dtype)
+    rc = load().tpk_layers(ctypes.c_void_p(x.data_ptr()), layers, ctypes.c_int(len(layers)),
+                           ctypes.byref(step), ctypes.c_void_p(scratch.data_ptr()))
+    if rc != 0:
+        raise RuntimeError(f"tpk_layers returned {rc}")
+    return x
 
 
 def main() -> int:

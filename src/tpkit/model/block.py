@@ -17,7 +17,6 @@ import torch
 from torch import nn
 
 from tpkit.comm.group import CommGroup
-from tpkit.comm.ops import reduce_from_tp
 from tpkit.layers import decode_ops
 from tpkit.layers.attention import PagedKV, ParallelAttention
 from tpkit.layers.experts import ParallelMoE
@@ -26,6 +25,7 @@ from tpkit.layers.norm import Norm
 from tpkit.layers.random import TPRandom, dropout
 from tpkit.layers.sharding import seed_for
 from tpkit.model.names import layer
+from tpkit.model.native_decode import NativeLayer
 from tpkit.spec.config import ModelConfig
 
 
@@ -53,13 +53,13 @@ class Block(nn.Module):
             ParallelMLP.from_config(c, group, seed=mlp_seed, **own)  # top-k experts, or dense
         self._native = None  # the decode rows' native plan (`native_decode`), or False
 
-    def native_decode(self) -> _NativeLayer | None:
-        """This layer's decode rows on `layers.decode_ops` alone (`_NativeLayer`), or None:
+    def native_decode(self) -> NativeLayer | None:
+        """This layer's decode rows on `layers.decode_ops` alone (`model.native_decode.NativeLayer`), or None:
         a pre-norm dense layer whose norms and linear weights are all native decode-only
         ones (`layers.quant.for_decode` with the library), not training, no SP, no cp.
         Decided at the first decode (the weights do not change after `for_decode`)."""
         if self._native is None:
-            self._native = _NativeLayer.of(self) or False
+            self._native = NativeLayer.of(self) or False
         return self._native or None
 
     def forward(self, x: torch.Tensor, attention_mask: torch.Tensor | None = None,
@@ -84,55 +84,3 @@ class Block(nn.Module):
         return self.mlp_norm(x + dropout(m, self.p, self.training, rng, sharded))
 
 
-
-class _NativeLayer:
-    """A decode-only pre-norm dense layer's decode rows x [T, 1, h] (T <= decode_ops.ROWS)
-    on the native kernels alone, the modules' tensors and kernels looked up once (a
-    module attribute costs ~1 us, a module call ~3: ~15 a layer, 30 layers a token):
-
-        h = norm(x); x = x + out(attention(qkv(h))); h = norm(x); x = x + fc2(act(fc1(h)))
-
-    at tp=1 each residual and bias added inside the product's call; at tp > 1 the
-    partial products all-reduced first, then the bias and the residual (the same sums
-    as `Block.forward`, in its order)."""
-
-    def __init__(self, b: Block) -> None:
-        at, mlp = b.attn, b.mlp
-        self.norms = [(n.weight, n.bias, n.eps, n.offset) for n in (b.attn_norm, b.mlp_norm)]
-        self.qkv, self.qkv_bias = at.qkv.decoding.rows, at.qkv.bias
-        self.out, self.out_bias = at.out.decoding.rows, at.out.bias
-        self.fc1, self.fc1_bias = mlp.fc1.decoding.rows, mlp.fc1.bias
-        self.fc2, self.fc2_bias = mlp.fc2.decoding.rows, mlp.fc2.bias
-        self.gated, self.act = mlp.activation == "swiglu", mlp.act
-        self.attend, self.hd, self.group = at._attend_paged, at.head_dim, at.group
-
-    @classmethod
-    def of(cls, b: Block) -> _NativeLayer | None:
-        at, mlp = b.attn, b.mlp
-        if not (b.pre_norm and not b.parallel_residual and not b.training
-                and not b.sequence_parallel and isinstance(mlp, ParallelMLP)
-                and b.attn_norm.native and b.mlp_norm.native
-                and (at.cp is None or at.cp.size == 1)):
-            return None
-        if any(getattr(m.decoding, "rows", None) is None
-               for m in (at.qkv, at.out, mlp.fc1, mlp.fc2)):
-            return None
-        return cls(b)
-
-    def _reduce(self, y, bias, residual):
-        if self.group.size == 1:
-            return y
-        y = reduce_from_tp(y, self.group)  # [T, 1, h], the partial products summed
-        return residual + (y + bias if bias is not None else y)
-
-    def __call__(self, x: torch.Tensor, cache: PagedKV) -> torch.Tensor:
-        T, one = x.shape[0], self.group.size == 1
-        h = decode_ops.norm(x, *self.norms[0])
-        y = self.attend(self.qkv(h, self.qkv_bias).view(T, -1, self.hd), cache)  # [T, nq, hd]
-        y = y.view(T, 1, -1)
-        x = self._reduce(self.out(y, self.out_bias, x) if one else self.out(y),
-                         self.out_bias, x)
-        h = decode_ops.norm(x, *self.norms[1])
-        a = self.fc1.gated(h, self.fc1_bias) if self.gated else self.act(self.fc1(h, self.fc1_bias))
-        return self._reduce(self.fc2(a, self.fc2_bias, x) if one else self.fc2(a),
-                            self.fc2_bias, x)

@@ -39,6 +39,7 @@ from tpkit.model import names
 from tpkit.model.block import Block
 from tpkit.model.generate import generate, pad_left
 from tpkit.model.names import EMBED_WEIGHT
+from tpkit.model.native_decode import NativeStack
 from tpkit.spec.config import ModelConfig
 from tpkit.spec.errors import UserError
 from tpkit.spec.shapes import (
@@ -169,6 +170,7 @@ class Transformer(nn.Module):
     def _make_head(self, kw) -> None:
         c, tp = self.config, self.group.size
         self.head_decoding = None  # the head in a decode-only form (`layers.quant`)
+        self._stacks = {}  # layer indices -> their NativeStack (or None), decided at a decode
         if c.tie_embeddings and self.is_first_stage:
             self.head = None  # the embedding table itself
             return
@@ -262,6 +264,13 @@ class Transformer(nn.Module):
     def _run_layers(self, indices, x, attention_mask, kv_caches) -> torch.Tensor:
         """Layers `indices` (global) in order; kv_caches[j] goes to the j-th of them."""
         seq = self.group.sp_seq  # SP: the recomputed forward (in backward) gathers it too
+        if kv_caches is not None and not self.training:  # a decode: all layers in one call?
+            key = tuple(indices)
+            if key not in self._stacks:
+                self._stacks[key] = NativeStack.of([self.layers[str(i)] for i in indices])
+            stack = self._stacks[key]
+            if stack is not None and stack.takes(x, kv_caches):
+                return stack(x, kv_caches)
         for j, i in enumerate(indices):
             layer, cache = self.layers[str(i)], kv_caches[j] if kv_caches is not None else None
             with self.mesh.ledger.scope(f"layers.{i}"):

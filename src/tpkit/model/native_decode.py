@@ -1,0 +1,148 @@
+"""A decode-only model's decode rows on the native kernels alone (`layers.decode_ops`).
+
+    NativeLayer.of(block)(x, cache)          # one pre-norm dense layer, its calls in a row
+    stack = NativeStack.of(model.layers)     # every layer in one native call (tp=1)
+    x = stack(x, kv_caches)
+
+What runs: the same kernels as `Block.forward` with decode-only weights would call one by
+one (`ParallelAttention._attend_paged`, `RowsWeight`, the native norms), without the
+modules between them: a module attribute costs ~1 us and a module call ~3, ~15 a layer,
+and at one row a 30-layer model's token is ~12 ms of weights and was ~5 ms of this. At
+tp=1 `NativeStack` runs every layer in one call (`tpk_layers`: the attention kernel
+called from C); at tp > 1 `NativeLayer` runs each layer's calls from Python with the
+all-reduces between them. Either is used only for a forward whose rows are all decode
+rows (one token each, at most `decode_ops.ROWS`) on a model every layer of which it
+takes: pre-norm, dense, native norms and decode-only weights, no SP, cp or qk-norm.
+"""
+
+from __future__ import annotations
+
+import ctypes
+
+import torch
+
+from tpkit.comm.ops import reduce_from_tp
+from tpkit.layers import decode_ops, paged_attention
+from tpkit.layers.attention import PagedKV, paged_angles
+from tpkit.layers.mlp import ParallelMLP
+
+
+class NativeLayer:
+    """A decode-only pre-norm dense layer's decode rows x [T, 1, h] (T <= decode_ops.ROWS)
+    on the native kernels alone, the modules' tensors and kernels looked up once (a
+    module attribute costs ~1 us, a module call ~3: ~15 a layer, 30 layers a token):
+
+        h = norm(x); x = x + out(attention(qkv(h))); h = norm(x); x = x + fc2(act(fc1(h)))
+
+    at tp=1 each residual and bias added inside the product's call; at tp > 1 the
+    partial products all-reduced first, then the bias and the residual (the same sums
+    as `Block.forward`, in its order)."""
+
+    def __init__(self, b) -> None:
+        at, mlp = b.attn, b.mlp
+        self.norms = [(n.weight, n.bias, n.eps, n.offset) for n in (b.attn_norm, b.mlp_norm)]
+        self.qkv, self.qkv_bias = at.qkv.decoding.rows, at.qkv.bias
+        self.out, self.out_bias = at.out.decoding.rows, at.out.bias
+        self.fc1, self.fc1_bias = mlp.fc1.decoding.rows, mlp.fc1.bias
+        self.fc2, self.fc2_bias = mlp.fc2.decoding.rows, mlp.fc2.bias
+        self.gated, self.act = mlp.activation == "swiglu", mlp.act
+        self.attend, self.hd, self.group = at._attend_paged, at.head_dim, at.group
+
+    @classmethod
+    def of(cls, b) -> NativeLayer | None:
+        at, mlp = b.attn, b.mlp
+        if not (b.pre_norm and not b.parallel_residual and not b.training
+                and not b.sequence_parallel and isinstance(mlp, ParallelMLP)
+                and b.attn_norm.native and b.mlp_norm.native
+                and (at.cp is None or at.cp.size == 1)):
+            return None
+        if any(getattr(m.decoding, "rows", None) is None
+               for m in (at.qkv, at.out, mlp.fc1, mlp.fc2)):
+            return None
+        return cls(b)
+
+    def struct(self, b) -> decode_ops.Layer:
+        """This layer as `decode_ops.Layer` (tp=1: `NativeStack`)."""
+        at = b.attn
+        (w1, b1, e1, o1), (w2, b2, e2, o2) = self.norms
+        kv = paged_attention.kv_map(at.local_heads, at.local_kv, at._kv_key)
+        return decode_ops.Layer(
+            w1.data_ptr(), None if b1 is None else b1.data_ptr(), w2.data_ptr(),
+            None if b2 is None else b2.data_ptr(), e1, o1, e2, o2,
+            decode_ops.lin(self.qkv, self.qkv_bias), decode_ops.lin(self.out, self.out_bias),
+            decode_ops.lin(self.fc1, self.fc1_bias), decode_ops.lin(self.fc2, self.fc2_bias),
+            decode_ops.ACTS[b.mlp.activation], at.local_heads, at.local_kv, at.head_dim,
+            kv[1].value)
+
+    def _reduce(self, y, bias, residual):
+        if self.group.size == 1:
+            return y
+        y = reduce_from_tp(y, self.group)  # [T, 1, h], the partial products summed
+        return residual + (y + bias if bias is not None else y)
+
+    def __call__(self, x: torch.Tensor, cache: PagedKV) -> torch.Tensor:
+        T, one = x.shape[0], self.group.size == 1
+        h = decode_ops.norm(x, *self.norms[0])
+        y = self.attend(self.qkv(h, self.qkv_bias).view(T, -1, self.hd), cache)  # [T, nq, hd]
+        y = y.view(T, 1, -1)
+        x = self._reduce(self.out(y, self.out_bias, x) if one else self.out(y),
+                         self.out_bias, x)
+        h = decode_ops.norm(x, *self.norms[1])
+        a = self.fc1.gated(h, self.fc1_bias) if self.gated else self.act(self.fc1(h, self.fc1_bias))
+        return self._reduce(self.fc2(a, self.fc2_bias, x) if one else self.fc2(a),
+                            self.fc2_bias, x)
+
+
+
+class NativeStack:
+    """Every layer of a decode-only model at tp=1 in one native call per forward
+    (`decode_ops.run_layers`): `NativeStack.of(layers)` or None where it cannot run."""
+
+    def __init__(self, plans: list[NativeLayer], blocks: list) -> None:
+        at = blocks[0].attn
+        self.how = (at.rope_dim, at.rope_theta, at.rope_llama3) if at.rope_theta else None
+        self.layers = (decode_ops.Layer * len(plans))(*(p.struct(b) for p, b in
+                                                        zip(plans, blocks)))
+        self.work = max(b.attn.hidden + p.qkv.n + b.attn.local_heads * p.hd + p.fc1.n
+                        for p, b in zip(plans, blocks))
+        self.hidden = at.hidden
+        self.attend = ctypes.cast(paged_attention.load().tpk_paged_attention,
+                                  ctypes.c_void_p).value
+
+    @classmethod
+    def of(cls, blocks: list) -> NativeStack | None:
+        plans = [b.native_decode() for b in blocks]
+        if not plans or any(p is None or p.group.size != 1 for p in plans):
+            return None
+        if paged_attention.load() is None:
+            return None
+        hows = {(b.attn.rope_dim, b.attn.rope_theta, b.attn.rope_llama3) for b in blocks}
+        if len(hows) != 1 or any(b.attn.q_norm is not None or b.mlp.activation not in
+                                 decode_ops.ACTS for b in blocks):
+            return None
+        return cls(plans, blocks)
+
+    def takes(self, x: torch.Tensor, caches: list[PagedKV]) -> bool:
+        """Whether this forward's rows are all decode rows the kernels take."""
+        batch, k = caches[0].batch, caches[0].k
+        return (batch.decode is not None and batch.decode.rows == x.shape[0]
+                and decode_ops.fits(x) and k.dtype == x.dtype and k.is_contiguous())
+
+    def __call__(self, x: torch.Tensor, caches: list[PagedKV]) -> torch.Tensor:
+        batch = caches[0].batch
+        cos = sin = None
+        if self.how is not None:
+            cos, sin = paged_angles(batch, self.how, x.shape[0])
+        n = len(caches)
+        plan = batch.decode
+        step = decode_ops.Step(
+            x.shape[0], self.hidden, decode_ops.DTYPES[x.dtype], torch.get_num_threads(),
+            None if cos is None else cos.data_ptr(), None if sin is None else sin.data_ptr(),
+            0 if cos is None else cos.shape[-1], batch.write.data_ptr(),
+            ctypes.cast((ctypes.c_void_p * n)(*(c.k.data_ptr() for c in caches)),
+                        ctypes.c_void_p),
+            ctypes.cast((ctypes.c_void_p * n)(*(c.v.data_ptr() for c in caches)),
+                        ctypes.c_void_p),
+            self.attend, plan.meta.data_ptr(), plan.rows, plan.args[2].value,
+            plan.args[3].value)
+        return decode_ops.run_layers(x, self.layers, self.work, step)
