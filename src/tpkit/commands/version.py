@@ -139,11 +139,19 @@ def fast_paths() -> list[tuple[str, str]]:
     from tpkit.host.device import LOW_PRECISION_FLAGS, cpu_flags, gpu_bf16, gpu_names
 
     flags, onednn = cpu_flags(), torch.backends.mkldnn.is_available()
+    from tpkit.layers import decode_ops
     from tpkit.layers.quant import PackedWeight
 
+    native = decode_ops.load() is not None
     out = [("cpu", f"{torch.backends.cpu.get_cpu_capability()} (torch's kernels for this "
                    f"processor)"),
-           ("float32", "decoding packs the weights for oneDNN once, on every thread"
+           ("decode", f"native products, norms and rotary for up to {decode_ops.ROWS} rows "
+                      f"(float32, bfloat16, int8 weights; {decode_ops.load().tpk_decode_ops_lanes()}"
+                      f"-lane sums), a tp=1 step's layers in one call" if native else
+                      f"torch's ops (native decode kernels unavailable: "
+                      f"{decode_ops.LIBRARY.unavailable_reason()})"),
+           ("float32", "decoding multiplies a step's rows natively" if native else
+                       "decoding packs the weights for oneDNN once, on every thread"
                        if PackedWeight.available(torch.float32)
                        else "no oneDNN in this torch: decode products as F.linear's")]
     for dtype, wanted in LOW_PRECISION_FLAGS.items():
@@ -151,11 +159,14 @@ def fast_paths() -> list[tuple[str, str]]:
         fast = bool(set(has) - {"amx_tile"}) and onednn
         why = ", ".join(has) + ("; oneDNN" if onednn else "; no oneDNN in this torch")
         packed = "; decoding packs the weights for it once" \
-            if PackedWeight.available(getattr(torch, dtype)) else ""
+            if PackedWeight.available(getattr(torch, dtype)) and not native else ""
+        if dtype == "bfloat16" and native:
+            packed = "; a decode step's rows multiplied natively"
         out.append((dtype, f"accelerated ({why}): --dtype {dtype}'s matmuls use it{packed}"
                     if fast
                     else f"not accelerated ({why if has else 'no ' + ', '.join(wanted)}): "
-                         f"--dtype {dtype} is emulated, slower than float32 here"))
+                         f"--dtype {dtype} is emulated, slower than float32 here"
+                         f"{packed.replace('; a', ' except a') if packed else ''}"))
     from tpkit.layers import paged_attention
 
     out.append(("attention", "decode rows: one native call a layer (float32, bfloat16)"
