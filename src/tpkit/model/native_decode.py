@@ -34,9 +34,9 @@ class NativeLayer:
 
         h = norm(x); x = x + out(attention(qkv(h))); h = norm(x); x = x + fc2(act(fc1(h)))
 
-    at tp=1 each residual and bias added inside the product's call; at tp > 1 the
-    partial products all-reduced first, then the bias and the residual (the same sums
-    as `Block.forward`, in its order)."""
+    at tp=1 each residual and bias added inside the product's call (`Block.forward`'s
+    sums in its order); at tp > 1 inside rank 0's partial product, before the all-reduce
+    (`_row`: no op after it)."""
 
     def __init__(self, b) -> None:
         at, mlp = b.attn, b.mlp
@@ -47,6 +47,7 @@ class NativeLayer:
         self.fc2, self.fc2_bias = mlp.fc2.decoding.rows, mlp.fc2.bias
         self.gated, self.act = mlp.activation == "swiglu", mlp.act
         self.attend, self.hd, self.group = at._attend_paged, at.head_dim, at.group
+        self.rank0 = at.group.rank == 0  # the rank whose partial products carry the residual
 
     @classmethod
     def of(cls, b) -> NativeLayer | None:
@@ -74,24 +75,23 @@ class NativeLayer:
             decode_ops.ACTS[b.mlp.activation], at.local_heads, at.local_kv, at.head_dim,
             kv[1].value)
 
-    def _reduce(self, y, bias, residual):
-        if self.group.size == 1:
-            return y
-        y = reduce_from_tp(y, self.group)  # [T, 1, h], the partial products summed
-        return residual + (y + bias if bias is not None else y)
+    def _row(self, op: decode_ops.Operand, x: torch.Tensor, bias, residual: torch.Tensor
+             ) -> torch.Tensor:
+        """residual + x W^T + bias of a row-parallel product: at tp=1 one call; at tp > 1
+        rank 0's partial product takes the residual and the bias in its call (the others'
+        nothing), then the all-reduce sums them: (residual + bias + p0) + p1 + ..."""
+        if self.rank0:
+            return reduce_from_tp(op(x, bias, residual), self.group)
+        return reduce_from_tp(op(x), self.group)
 
     def __call__(self, x: torch.Tensor, cache: PagedKV) -> torch.Tensor:
-        T, one = x.shape[0], self.group.size == 1
+        T = x.shape[0]
         h = decode_ops.norm(x, *self.norms[0])
         y = self.attend(self.qkv(h, self.qkv_bias).view(T, -1, self.hd), cache)  # [T, nq, hd]
-        y = y.view(T, 1, -1)
-        x = self._reduce(self.out(y, self.out_bias, x) if one else self.out(y),
-                         self.out_bias, x)
+        x = self._row(self.out, y.view(T, 1, -1), self.out_bias, x)
         h = decode_ops.norm(x, *self.norms[1])
         a = self.fc1.gated(h, self.fc1_bias) if self.gated else self.act(self.fc1(h, self.fc1_bias))
-        return self._reduce(self.fc2(a, self.fc2_bias, x) if one else self.fc2(a),
-                            self.fc2_bias, x)
-
+        return self._row(self.fc2, a, self.fc2_bias, x)
 
 
 class NativeStack:
