@@ -164,6 +164,27 @@ def test_decode_only_model_takes_the_native_layer_and_is_as_accurate(monkeypatch
     assert err(got) <= 2 * err(full) + 1e-6, (err(got), err(full))
 
 
+def test_the_stack_the_layer_calls_and_the_modules_give_the_same_bits(monkeypatch):
+    """float32, SwiGLU: a tp=1 step's layers in one native call (`NativeStack`), each
+    layer's native calls from Python (`NativeLayer`) and the modules themselves (`Block`
+    on the decode-only weights) run the same kernels on the same values in the same
+    order (the residual added in float32 after the bias in all three): the same logits
+    bit for bit."""
+    model = Transformer(SMOL, ParallelMesh.single())
+    fill(model, random_full(SMOL, seed=5, scale=1.0), ParallelMesh.single())
+    for_decode(model)
+    ids = torch.randint(0, 257, (3, 12), generator=torch.Generator().manual_seed(6))
+    with torch.no_grad():
+        stack = _decode_logits(model, ids, 8)
+        model._stacks.clear()
+        monkeypatch.setattr(native_decode.NativeStack, "of", classmethod(lambda cls, b: None))
+        layers = _decode_logits(model, ids, 8)
+        for b in model.layers.values():
+            b._native = False  # no NativeLayer either: the modules
+        modules = _decode_logits(model, ids, 8)
+    assert torch.equal(stack, layers) and torch.equal(stack, modules)
+
+
 def test_without_the_library_decode_weights_are_packed_as_before():
     code = ("import torch\n"
             "from tpkit.layers import decode_ops\n"
