@@ -46,7 +46,8 @@ ROWS = 8  # calls of at most this many rows take the kernel
 WIDE_ROWS = 32  # ... bfloat16 ones where torch's own bfloat16 products are slow (`RowsWeight`)
 SOURCE = Path(__file__).with_name("decode_ops.cpp")  # + the two headers it includes
 LIBRARY = NativeLibrary(
-    "decode_ops", (SOURCE, SOURCE.with_name("decode_simd.h"), SOURCE.with_name("decode_layers.h")),
+    "decode_ops", (SOURCE, *(SOURCE.with_name(h) for h in ("decode_simd.h", "decode_layers.h",
+                                                           "native_common.h"))),
     Path(__file__).with_name("_native_build"),
     ("-O3", "-march=native", "-std=c++17", "-ffp-contract=fast", "-shared", "-fPIC",
      "-fno-strict-aliasing"),

@@ -1,7 +1,8 @@
 // Vector helpers of the decode kernels (included once, by decode_ops.cpp): the lane
-// count L, exact widening of bfloat16 and int8 to float, rounding back to bfloat16,
-// vector loads and the fixed tree over the lanes, torch's OpenMP team.
+// count L, int8's widening, vector loads and the fixed tree over the lanes (torch's
+// OpenMP team and the float32 / bfloat16 conversions: native_common.h).
 #pragma once
+#include "native_common.h"
 #include <algorithm>
 #include <atomic>
 #include <cmath>
@@ -28,35 +29,7 @@ typedef uint16_t vh __attribute__((vector_size(L * 2)));
 typedef int8_t vb __attribute__((vector_size(L)));
 
 
-using GompParallel = void (*)(void (*)(void*), void*, unsigned, unsigned);
-GompParallel gomp_parallel() {
-  static const GompParallel f = reinterpret_cast<GompParallel>(dlsym(RTLD_DEFAULT, "GOMP_parallel"));
-  return f;
-}
-template <class F>
-void call(void* f) {
-  (*static_cast<F*>(f))();
-}
-
-inline float widen(float x) { return x; }
-inline float widen(uint16_t x) {
-  uint32_t u = uint32_t(x) << 16;
-  float f;
-  std::memcpy(&f, &u, 4);
-  return f;
-}
 inline float widen(int8_t x) { return float(x); }
-inline void narrow(float x, float* out) { *out = x; }
-inline void narrow(float x, uint16_t* out) {  // round to nearest even (torch's rule)
-  uint32_t u;
-  std::memcpy(&u, &x, 4);
-  if ((u & 0x7fffffffu) > 0x7f800000u) {
-    *out = 0x7fc0;
-    return;
-  }
-  u += 0x7fffu + ((u >> 16) & 1u);
-  *out = uint16_t(u >> 16);
-}
 
 inline vf load(const float* p) {
   vf v;

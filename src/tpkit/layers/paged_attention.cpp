@@ -31,6 +31,8 @@
 #include <thread>
 #include <vector>
 
+#include "native_common.h"
+
 namespace {
 
 constexpr int TILE = 16;  // keys per score tile (the lanes of the score loop)
@@ -38,38 +40,6 @@ constexpr int LANES = 16;  // lanes of a dot product and of the softmax denomina
 constexpr int64_t CHUNK = 512;  // keys per work item (a row's chunks: fixed by its keys)
 constexpr int64_t THREAD_WORK = 1 << 20;  // multiply-adds before torch's pool pays
 constexpr int64_t SPAWN_WORK = 1 << 22;  // ... before threads of our own pay
-
-// torch's OpenMP team, when this process has one (libgomp's entry point, or a runtime
-// that provides it): its workers are the ones spinning after every torch op, so work
-// handed to them starts at once, where a thread of ours would share a core with one.
-using GompParallel = void (*)(void (*)(void*), void*, unsigned, unsigned);
-GompParallel gomp_parallel() {
-  static const GompParallel f = reinterpret_cast<GompParallel>(dlsym(RTLD_DEFAULT, "GOMP_parallel"));
-  return f;
-}
-template <class F>
-void call(void* f) {
-  (*static_cast<F*>(f))();
-}
-
-inline float widen(float x) { return x; }
-inline float widen(uint16_t x) {
-  uint32_t u = uint32_t(x) << 16;
-  float f;
-  std::memcpy(&f, &u, 4);
-  return f;
-}
-inline void narrow(float x, float* out) { *out = x; }
-inline void narrow(float x, uint16_t* out) {  // round to nearest even (torch's rule)
-  uint32_t u;
-  std::memcpy(&u, &x, 4);
-  if ((u & 0x7fffffffu) > 0x7f800000u) {
-    *out = 0x7fc0;  // NaN
-    return;
-  }
-  u += 0x7fffu + ((u >> 16) & 1u);
-  *out = uint16_t(u >> 16);
-}
 
 // e^x for x <= 0 (a score minus the row's max), no float-to-int conversion so that it
 // vectorises: n = round(x log2 e) by the 1.5 * 2^23 trick, e^r on |r| <= ln2/2 by

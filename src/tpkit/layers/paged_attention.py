@@ -59,7 +59,8 @@ from tpkit.comm.native import NativeLibrary
 
 SOURCE = Path(__file__).with_name("paged_attention.cpp")
 LIBRARY = NativeLibrary(
-    "paged_attention", (SOURCE,), Path(__file__).with_name("_native_build"),
+    "paged_attention", (SOURCE, SOURCE.with_name("native_common.h")),
+    Path(__file__).with_name("_native_build"),
     ("-O3", "-march=native", "-std=c++17", "-shared", "-fPIC", "-fno-strict-aliasing",
      "-pthread"),
     signatures={"tpk_paged_attention": (None, ctypes.c_int)},  # ctypes objects passed
