@@ -89,7 +89,6 @@ class ParallelMLP(nn.Module):
         return self.fc2(self.act(y))  # [b, s, h], summed over tp
 
 
-
 class ColumnColumnMLP(nn.Module):
     """Both matrices split by columns (quiz answer 2's wrong option), to count its traffic."""
 

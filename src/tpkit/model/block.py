@@ -54,7 +54,7 @@ class Block(nn.Module):
         self._native = None  # the decode rows' native plan (`native_decode`), or False
 
     def native_decode(self) -> NativeLayer | None:
-        """This layer's decode rows on `layers.decode_ops` alone (`model.native_decode.NativeLayer`), or None:
+        """This layer's decode rows on `layers.decode_ops` alone (`NativeLayer`), or None:
         a pre-norm dense layer whose norms and linear weights are all native decode-only
         ones (`layers.quant.for_decode` with the library), not training, no SP, no cp.
         Decided at the first decode (the weights do not change after `for_decode`)."""
@@ -82,5 +82,3 @@ class Block(nn.Module):
         x = self.attn_norm(x + dropout(a, self.p, self.training, rng, sharded))
         m = self.mlp(x)
         return self.mlp_norm(x + dropout(m, self.p, self.training, rng, sharded))
-
-

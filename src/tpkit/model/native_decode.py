@@ -9,10 +9,12 @@ one (`ParallelAttention._attend_paged`, `RowsWeight`, the native norms), without
 modules between them: a module attribute costs ~1 us and a module call ~3, ~15 a layer,
 and at one row a 30-layer model's token is ~12 ms of weights and was ~5 ms of this. At
 tp=1 `NativeStack` runs every layer in one call (`tpk_layers`: the attention kernel
-called from C); at tp > 1 `NativeLayer` runs each layer's calls from Python with the
-all-reduces between them. Either is used only for a forward whose rows are all decode
-rows (one token each, at most `decode_ops.ROWS`) on a model every layer of which it
-takes: pre-norm, dense, native norms and decode-only weights, no SP, cp or qk-norm.
+called from C) for a forward whose rows are all decode rows (one token each, at most
+`decode_ops.ROWS`); otherwise (tp > 1, or a short piece of a prompt among the rows)
+`NativeLayer` runs each layer's calls from Python, the all-reduces between them, for a
+forward of at most `decode_ops.ROWS` rows. Either only on layers it takes: pre-norm,
+dense, native norms and decode-only weights, no SP or cp (the stack: no qk-norm, no
+GeGLU either).
 """
 
 from __future__ import annotations
@@ -66,8 +68,8 @@ class NativeLayer:
         """This layer as `decode_ops.Layer` (tp=1: `NativeStack`)."""
         at = b.attn
         (w1, b1, e1, o1), (w2, b2, e2, o2) = self.norms
-        kv = paged_attention.kv_map(at.local_heads, at.local_kv, at._kv_key)
-        return decode_ops.Layer(
+        kv = self.kv = paged_attention.kv_map(at.local_heads, at.local_kv, at._kv_key)  # kept:
+        return decode_ops.Layer(  # the struct holds its pointer (kv_map's cache may drop it)
             w1.data_ptr(), None if b1 is None else b1.data_ptr(), w2.data_ptr(),
             None if b2 is None else b2.data_ptr(), e1, o1, e2, o2,
             decode_ops.lin(self.qkv, self.qkv_bias), decode_ops.lin(self.out, self.out_bias),
