@@ -116,8 +116,7 @@ class Operand:
             residual = residual.to(x.dtype).contiguous()
         rc = load().tpk_linear(
             ctypes.c_void_p(x.data_ptr()), *self.args,
-            NULL if bias is None else ctypes.c_void_p(bias.data_ptr()),
-            NULL if residual is None else ctypes.c_void_p(residual.data_ptr()),
+            ptr(bias), ptr(residual),
             ctypes.c_void_p(y.data_ptr()), ctypes.c_int64(x.numel() // self.k), *self.sizes,
             INTS[DTYPES[x.dtype]], self.wdtype, INTS[gate],
             INTS[threads or torch.get_num_threads()])
@@ -135,7 +134,7 @@ def norm(x: torch.Tensor, w: torch.Tensor, b: torch.Tensor | None, eps: float,
         x = x.contiguous()
     y = torch.empty_like(x)
     rc = load().tpk_norm(ctypes.c_void_p(x.data_ptr()), ctypes.c_void_p(w.data_ptr()),
-                         NULL if b is None else ctypes.c_void_p(b.data_ptr()),
+                         ptr(b),
                          ctypes.c_void_p(y.data_ptr()), ctypes.c_int64(x.numel() // w.numel()),
                          ctypes.c_int64(w.numel()), ctypes.c_float(eps),
                          ctypes.c_float(offset), INTS[int(b is not None)],
@@ -145,7 +144,8 @@ def norm(x: torch.Tensor, w: torch.Tensor, b: torch.Tensor | None, eps: float,
     return y
 
 
-def _ptr(t: torch.Tensor | None) -> int | None:
+def address(t: torch.Tensor | None) -> int | None:
+    """A tensor's data pointer for a ctypes structure's field (None: null)."""
     return None if t is None else t.data_ptr()
 
 
@@ -212,7 +212,7 @@ ACTS = {"swiglu": 0, "gelu": 1, "gelu_exact": 2, "relu": 3}  # `Layer.act`
 
 def lin(op: Operand, bias: torch.Tensor | None) -> Lin:
     """A product of `run_layers`: the operand's weight (and int8 scales) and a bias."""
-    return Lin(op.w.data_ptr(), _ptr(op.scale), _ptr(bias), op.n, op.k, DTYPES[op.w.dtype])
+    return Lin(op.w.data_ptr(), address(op.scale), address(bias), op.n, op.k, DTYPES[op.w.dtype])
 
 
 def run_layers(x: torch.Tensor, layers, work: int, step: Step) -> torch.Tensor:

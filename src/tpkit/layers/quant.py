@@ -183,14 +183,24 @@ def _gated(rows: decode_ops.Operand | None, x: torch.Tensor, bias: torch.Tensor 
     return rows.gated(x, bias)
 
 
+def decode_kind(w: torch.Tensor, quantize: str | None = None) -> str | None:
+    """Which decode-only form a weight like `w` takes here: "int8", "rows" (the native
+    products), "packed" (oneDNN, without the native library), or None (float16, or a CUDA
+    weight, unquantized: it stays as it is)."""
+    if quantize:
+        return "int8"
+    if decode_ops.usable(w, w.dtype):
+        return "rows"
+    return "packed" if PackedWeight.available(w.dtype) else None
+
+
 def decode_form(w: torch.Tensor, quantize: str | None = None,
                 group: CommGroup | None = None) -> nn.Module | None:
-    """The decode-only form of a weight (`for_decode`), or None: keep it as it is."""
-    if quantize:
+    """The decode-only form of a weight (`for_decode`, `decode_kind`), or None: keep it."""
+    kind = decode_kind(w, quantize)
+    if kind == "int8":
         return Int8Weight.of(w, group)
-    if decode_ops.usable(w, w.dtype):
-        return RowsWeight(w)
-    return PackedWeight(w) if PackedWeight.available(w.dtype) else None
+    return RowsWeight(w) if kind == "rows" else PackedWeight(w) if kind else None
 
 
 def for_decode(model: nn.Module, quantize: str | None = None) -> nn.Module:
@@ -206,9 +216,7 @@ def for_decode(model: nn.Module, quantize: str | None = None) -> nn.Module:
         raise UserError(f"quantize={quantize!r} is not one of {', '.join(QUANTIZE)}")
     linears = [(n, m) for n, m in model.named_modules()
                if isinstance(m, ColumnParallelLinear | RowParallelLinear)]
-    w = linears[0][1].weight if linears else None
-    if w is None or not (quantize or decode_ops.usable(w, w.dtype)
-                         or PackedWeight.available(w.dtype)):
+    if not linears or decode_kind(linears[0][1].weight, quantize) is None:
         return model  # float16 (or a CUDA model) without quantizing: the weights stay
     model.eval()
     for name, m in linears:

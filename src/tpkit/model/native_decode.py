@@ -70,8 +70,8 @@ class NativeLayer:
         (w1, b1, e1, o1), (w2, b2, e2, o2) = self.norms
         kv = self.kv = paged_attention.kv_map(at.local_heads, at.local_kv, at._kv_key)  # kept:
         return decode_ops.Layer(  # the struct holds its pointer (kv_map's cache may drop it)
-            w1.data_ptr(), None if b1 is None else b1.data_ptr(), w2.data_ptr(),
-            None if b2 is None else b2.data_ptr(), e1, o1, e2, o2,
+            w1.data_ptr(), decode_ops.address(b1), w2.data_ptr(), decode_ops.address(b2),
+            e1, o1, e2, o2,
             decode_ops.lin(self.qkv, self.qkv_bias), decode_ops.lin(self.out, self.out_bias),
             decode_ops.lin(self.fc1, self.fc1_bias), decode_ops.lin(self.fc2, self.fc2_bias),
             decode_ops.ACTS[b.mlp.activation], at.local_heads, at.local_kv, at.head_dim,
@@ -139,7 +139,7 @@ class NativeStack:
         plan = batch.decode
         step = decode_ops.Step(
             x.shape[0], self.hidden, decode_ops.DTYPES[x.dtype], torch.get_num_threads(),
-            None if cos is None else cos.data_ptr(), None if sin is None else sin.data_ptr(),
+            decode_ops.address(cos), decode_ops.address(sin),
             0 if cos is None else cos.shape[-1], batch.write.data_ptr(),
             ctypes.cast((ctypes.c_void_p * n)(*(c.k.data_ptr() for c in caches)),
                         ctypes.c_void_p),
