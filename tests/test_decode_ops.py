@@ -177,12 +177,99 @@ def test_the_stack_the_layer_calls_and_the_modules_give_the_same_bits(monkeypatc
     with torch.no_grad():
         stack = _decode_logits(model, ids, 8)
         model._stacks.clear()
-        monkeypatch.setattr(native_decode.NativeStack, "of", classmethod(lambda cls, b: None))
+        monkeypatch.setattr(native_decode.NativeStack, "of", classmethod(lambda cls, b, s: None))
         layers = _decode_logits(model, ids, 8)
         for b in model.layers.values():
             b._native = False  # no NativeLayer either: the modules
         modules = _decode_logits(model, ids, 8)
     assert torch.equal(stack, layers) and torch.equal(stack, modules)
+
+
+def _stack_at_tp_worker(mesh, config):
+    """At tp > 1 a decode step's layers in one native call, the all-reduces inside it,
+    then each layer's calls from Python (`NativeLayer`, all-reduces between them): the
+    logits of both, the stack's call count, each path's all-reduces in the ledger."""
+    model = Transformer(config, mesh)
+    fill(model, random_full(config, seed=5, scale=1.0), mesh)
+    for_decode(model)
+    assert mesh.tp_group.shm is not None  # the stack's all-reduce is the channel's
+    ids = torch.randint(0, 257, (3, 12), generator=torch.Generator().manual_seed(6))
+    calls, cls = [], native_decode.NativeStack
+    fast, of = cls.__call__, cls.__dict__["of"]
+
+    def reduces():
+        return [(r.scope, r.numel, r.nbytes) for r in mesh.ledger.records
+                if r.op == "all_reduce" and r.scope.startswith("layers.") and r.numel == 3 * 72]
+    try:
+        cls.__call__ = lambda *a: calls.append(1) or fast(*a)
+        with torch.no_grad():
+            mesh.ledger.clear()
+            stack = _decode_logits(model, ids, 8)
+            on_stack = reduces()
+            model._stacks.clear()
+            cls.of = classmethod(lambda c, b, s: None)
+            mesh.ledger.clear()
+            layers = _decode_logits(model, ids, 8)
+            by_layer = reduces()
+    finally:
+        cls.__call__, cls.of = fast, of
+    return stack, layers, len(calls), on_stack, by_layer
+
+
+@pytest.mark.timeout(180)
+@pytest.mark.parametrize("tp", [2, 3])
+def test_the_stack_at_tp_sums_inside_its_call_as_the_layer_calls_do(run_tp, tp):
+    """SmolLM2's shape (9 heads, 3 kv heads, ffn 99: uneven at tp=2, even at tp=3): at
+    tp > 1 every decode step runs every layer in one native call (counted), the
+    all-reduces on the shared-memory channel inside it; its logits are the per-layer
+    path's bit for bit, its ledger the same all-reduces (2 a layer a step, one row of
+    hidden floats each, in each layer's scope: the theory), and the logits as close to
+    the float64 tp=1 model's full forward as tp=1's float32 full forward is."""
+    ids = torch.randint(0, 257, (3, 12), generator=torch.Generator().manual_seed(6))
+    full = random_full(SMOL, seed=5, scale=1.0)
+    want = Transformer(SMOL, ParallelMesh.single())
+    fill(want, full, ParallelMesh.single())
+    with torch.no_grad():
+        f32 = want(ids)[:, 8:, :257]
+        ref = want.double()(ids)[:, 8:, :257]
+
+    def err(x):
+        return ((x.double() - ref).norm() / ref.norm()).item()
+    steps = 12 - 8
+    for stack, layers, calls, on_stack, by_layer in run_tp(_stack_at_tp_worker, tp, SMOL):
+        assert calls == steps
+        assert torch.equal(stack, layers)
+        assert on_stack == by_layer
+        assert on_stack == [(f"layers.{i}", 3 * 72, 3 * 72 * 4) for _ in range(steps)
+                            for i in range(SMOL.num_layers) for _ in range(2)]
+        assert err(stack[..., :257]) <= 2 * err(f32) + 1e-6, (err(stack), err(f32))
+
+
+def _rank_dies_before_a_decode_step(mesh) -> None:
+    import signal
+
+    model = Transformer(SMOL, mesh)
+    fill(model, random_full(SMOL, seed=5, scale=1.0), mesh)
+    for_decode(model)
+    ids = torch.randint(0, 257, (1, 6), generator=torch.Generator().manual_seed(6))
+    with torch.no_grad():
+        _decode_logits(model, ids, 4)  # the stack runs (prompt, then 2 steps)
+        if mesh.rank == 1:  # rank 1 dies where it would enter the stack: rank 0 is inside
+            D.run_layers = lambda *a: os.kill(os.getpid(), signal.SIGKILL)
+        _decode_logits(model, ids, 4)
+
+
+@pytest.mark.timeout(120)
+def test_a_rank_dead_during_the_stacks_all_reduce_is_named_in_one_line():
+    from tpkit.launch import SpawnError, spawn
+
+    with pytest.raises(SpawnError) as info:  # a 60 s timeout: only the pid check is fast
+        spawn(_rank_dies_before_a_decode_step, 2, mesh=dict(tp=2, comm="shm"),
+              collective_timeout=60, timeout=100)
+    line = str(info.value)
+    assert "\n" not in line and line.startswith("rank 1 died (signal 9)"), line
+    assert "then rank 0: all_reduce over tp [0, 1] (scope layers.0, forward)" in line, line
+    assert "suspects: rank 1)" in line, line
 
 
 def test_without_the_library_decode_weights_are_packed_as_before():

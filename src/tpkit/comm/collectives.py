@@ -139,6 +139,33 @@ def all_reduce(x: torch.Tensor, group: CommGroup, op: str = "sum", *, phase: str
     return x
 
 
+def native_all_reduce(group: CommGroup) -> tuple | None:
+    """For native code that sums over the group between its own kernels (`decode_ops`'
+    layer stack at tp > 1): the shared-memory channel's all-reduce and its arguments
+    (`ShmChannel.native_all_reduce`), None where the group has no channel. Its records go
+    to `record_native`, a code it fails with to `native_failed`."""
+    return None if group.size == 1 or group.shm is None else group.shm.native_all_reduce()
+
+
+def record_native(group: CommGroup, op: str, x: torch.Tensor, spans, scopes,
+                  phase: str = "forward") -> None:
+    """Record collectives native code ran on tensors of x's size in the ledger: one per
+    (start, end) in `spans` (time.perf_counter's clock), each in its scope."""
+    ledger = group.ledger
+    if ledger.enabled:
+        for (t0, t1), scope in zip(spans, scopes):
+            ledger.add(op, group, x.numel(), _nbytes(x), t1 - t0, phase, scope, span=(t0, t1))
+
+
+def native_failed(group: CommGroup, op: str, code: int, x: torch.Tensor, scope: str,
+                  phase: str = "forward") -> None:
+    """Raise what a collective native code ran failed with (the shared-memory code
+    `code`) means: the `CollectiveFailed` naming the peer that Python's call raises."""
+    with _guarded(op, group, x.numel(), _nbytes(x), phase, scope):
+        group.shm.check(code, op)
+    raise RuntimeError(f"{op} in native code returned {code}")
+
+
 class Pending:
     """A collective in flight. `wait()` returns its result and records it in the ledger
     with the time it really cost this rank: posting it plus waiting for it (the time

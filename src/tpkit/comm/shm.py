@@ -106,7 +106,7 @@ class ShmChannel:
     def all_reduce(self, x: torch.Tensor, op: str = "sum") -> torch.Tensor:
         """Reduce `x` over the group in place (rank-order sum, float accumulation)."""
         buf = x if x.is_contiguous() else x.contiguous()
-        self._check(self._lib.tpk_all_reduce(self._b, self.rank, _ptr(buf), _csize(buf.numel()),
+        self.check(self._lib.tpk_all_reduce(self._b, self.rank, _ptr(buf), _csize(buf.numel()),
                                              DTYPES[x.dtype], REDUCE_OPS[op], self._split,
                                              self._t, self._who_ref), "all_reduce")
         if buf is not x:
@@ -115,7 +115,7 @@ class ShmChannel:
 
     def all_gather(self, out: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
         """out (contiguous, nranks * x.numel()) = every rank's contiguous `x`, in rank order."""
-        self._check(self._lib.tpk_all_gather(self._b, self.rank, _ptr(x), _ptr(out),
+        self.check(self._lib.tpk_all_gather(self._b, self.rank, _ptr(x), _ptr(out),
                                              _csize(x.numel() * x.element_size()), self._t,
                                              self._who_ref), "all_gather")
         return out
@@ -123,7 +123,7 @@ class ShmChannel:
     def reduce_scatter(self, out: torch.Tensor, inp: torch.Tensor, op: str = "sum"
                        ) -> torch.Tensor:
         """out = this rank's chunk of the sum of every rank's contiguous `inp`."""
-        self._check(self._lib.tpk_reduce_scatter(self._b, self.rank, _ptr(inp), _ptr(out),
+        self.check(self._lib.tpk_reduce_scatter(self._b, self.rank, _ptr(inp), _ptr(out),
                                                  _csize(out.numel()), DTYPES[out.dtype],
                                                  REDUCE_OPS[op], self._t, self._who_ref),
                     "reduce_scatter")
@@ -132,7 +132,7 @@ class ShmChannel:
     def broadcast(self, x: torch.Tensor, src: int) -> torch.Tensor:
         """Copy group rank `src`'s `x` into every rank's `x`, in place."""
         buf = x if x.is_contiguous() else x.contiguous()
-        self._check(self._lib.tpk_broadcast(self._b, self.rank, _ptr(buf),
+        self.check(self._lib.tpk_broadcast(self._b, self.rank, _ptr(buf),
                                             _csize(buf.numel() * buf.element_size()), src,
                                             self._t, self._who_ref), "broadcast")
         if buf is not x:
@@ -145,7 +145,7 @@ class ShmChannel:
         the receiver has been told to take it there)."""
         rc = self._lib.tpk_send(self._b, self.rank, _ptr(x), _csize(x.numel() * x.element_size()),
                                 dst, self._t, self._who_ref)
-        self._check(rc, "send")
+        self.check(rc, "send")
         return rc == 0
 
     def recv(self, x: torch.Tensor, src: int) -> bool:
@@ -153,14 +153,24 @@ class ShmChannel:
         if it comes over the process group (receive it there)."""
         rc = self._lib.tpk_recv(self._b, self.rank, _ptr(x), _csize(x.numel() * x.element_size()),
                                 src, self._t, self._who_ref)
-        self._check(rc, "recv")
+        self.check(rc, "recv")
         return rc == 0
 
     def posted(self, src: int) -> deque:
         """The receives from group rank `src` posted and not yet taken, oldest first."""
         return self._posted.setdefault(src, deque())
 
-    def _check(self, rc: int, op: str) -> None:
+    def native_all_reduce(self) -> tuple[int, int, int, int, float, int]:
+        """(tpk_all_reduce's address, segment, rank, split bytes, timeout, the address of the
+        int where a failure names the peer): for native code that sums in place between
+        its own kernels (`decode_ops`' layer stack at tp > 1); a code it returns goes to
+        `check`."""
+        fn = ctypes.cast(self._lib.tpk_all_reduce, ctypes.c_void_p).value
+        return (fn, self._base, self.rank, SPLIT_BYTES, self.timeout_s,
+                ctypes.addressof(self._who))
+
+    def check(self, rc: int, op: str) -> None:
+        """Nothing for a collective's code 0 (or 4); else raise what it means."""
         if rc in (0, 4):  # 4: a message that goes over the process group
             return
         who = self._who.value

@@ -2,15 +2,20 @@
 // kernels it calls: tpk_norm, tpk_linear, tpk_rope_write).
 #pragma once
 
+#include <ctime>
+
 namespace {
 
-// ---- a stack of layers, one call (tp=1) ------------------------------------------------
+// ---- a stack of layers, one call -------------------------------------------------------
 // Every layer of a pre-norm dense model on a decode's T rows x [T, H] (in place):
 //   h = norm1(x); qkv = h Wqkv^T + b; rotate q, k and write k, v into the layer's cache;
 //   y = attention (the paged kernel, called through `attend`); x = x + (y Wout^T + b);
 //   h = norm2(x); a = silu(h G^T) * (h U^T) (or act(h W1^T + b)); x = x + (a W2^T + b)
 // each step the kernel of the same name above (the same sums as the layer's calls one by
-// one from Python: the same bits), the buffers in `work`.
+// one from Python: the same bits), the buffers in `work`. At tp > 1 each rank holds its
+// shards (heads, fc1's columns, the products' rows) and the two row-parallel products
+// are partial: the lead rank's carries x and the bias, then the all-reduce sums the
+// ranks' in rank order, (x + b + p0) + p1 + ..., as `NativeLayer` does from Python.
 struct Lin {
   const void* w;
   const float* scale;
@@ -29,6 +34,7 @@ struct Layer {
   int nq, nkv, hd;
   const int32_t* kv_map;
 };
+using Reduce = int (*)(void*, int, void*, size_t, int, int, size_t, double, int*);
 using Attend = int (*)(const void*, const void*, const void*, void*, const int64_t*,
                        const int32_t*, int, int, int, int, int, int, int, int64_t);
 struct Step {
@@ -43,7 +49,40 @@ struct Step {
   Attend attend;
   const int64_t* meta;
   int rows, bs, attend_threads;
+  // tp > 1: the group's all-reduce after each row-parallel product (the shared-memory
+  // channel's tpk_all_reduce and its arguments; null at tp=1). lead: this rank's partial
+  // products carry the residual and the biases (the others' nothing). spans [2 n][2]:
+  // each all-reduce's start and end (CLOCK_MONOTONIC seconds, time.perf_counter's clock);
+  // failed: the index of the one that failed.
+  Reduce reduce;
+  void* rbase;
+  int rrank, lead;
+  size_t rsplit;
+  double rtimeout;
+  int* who;
+  double* spans;
+  int failed;
 };
+
+constexpr int REDUCE_FAILED = 1000;  // tpk_layers' code: this + the all-reduce's own
+
+inline double monotonic() {
+  timespec t;
+  clock_gettime(CLOCK_MONOTONIC, &t);
+  return double(t.tv_sec) + 1e-9 * double(t.tv_nsec);
+}
+
+// x [T, H] summed over the group in place (tp > 1; nothing at tp=1): all-reduce `at`.
+inline int reduced(Step* s, void* x, int64_t numel, int at) {
+  if (s->reduce == nullptr) return 0;
+  s->spans[2 * at] = monotonic();
+  const int rc = s->reduce(s->rbase, s->rrank, x, size_t(numel), s->dtype, 0, s->rsplit,
+                           s->rtimeout, s->who);
+  s->spans[2 * at + 1] = monotonic();
+  if (rc == 0) return 0;
+  s->failed = at;
+  return REDUCE_FAILED + rc;
+}
 
 template <class T>
 __attribute__((optimize("fp-contract=off")))
@@ -66,10 +105,13 @@ void activate(T* a, int64_t n, int act) {
 extern "C" {
 
 // x [T, H] in place through n layers; work: T * (H + max over the layers of qkv.n +
-// nq hd + fc1.n) elements of x's dtype. 0: done; else the first failing kernel's code.
-int tpk_layers(void* x, const Layer* layers, int n, const Step* s, void* work) {
+// nq hd + fc1.n) elements of x's dtype. 0: done; REDUCE_FAILED + the all-reduce's code
+// where one failed (s->failed: which); else the first failing kernel's code.
+int tpk_layers(void* x, const Layer* layers, int n, Step* s, void* work) {
   const int64_t T = s->T, H = s->H;
   const size_t es = s->dtype == 0 ? 4 : 2;
+  const bool lead = s->reduce == nullptr || s->lead;
+  void* res = lead ? x : nullptr;
   for (int i = 0; i < n; ++i) {
     const Layer& l = layers[i];
     const int64_t nqkv = l.qkv.n, ny = int64_t(l.nq) * l.hd;
@@ -84,8 +126,9 @@ int tpk_layers(void* x, const Layer* layers, int n, const Step* s, void* work) {
                                   s->rd, s->write, s->ck[i], s->cv[i], s->dtype);
     rc = rc ? rc : s->attend(qkv, s->ck[i], s->cv[i], y, s->meta, l.kv_map, s->rows, l.nq,
                              l.nkv, l.hd, s->bs, s->dtype, s->attend_threads, nqkv);
-    rc = rc ? rc : tpk_linear(y, l.out.w, l.out.scale, l.out.bias, x, x, T, ny, H, s->dtype,
-                              l.out.wdtype, 0, s->threads);
+    rc = rc ? rc : tpk_linear(y, l.out.w, l.out.scale, lead ? l.out.bias : nullptr, res, x,
+                              T, ny, H, s->dtype, l.out.wdtype, 0, s->threads);
+    rc = rc ? rc : reduced(s, x, T * H, 2 * i);
     rc = rc ? rc : tpk_norm(x, l.n2w, l.n2b, h, T, H, l.n2eps, l.n2off, l.n2b != nullptr, s->dtype);
     rc = rc ? rc : tpk_linear(h, l.fc1.w, l.fc1.scale, l.fc1.bias, nullptr, a, T, H, l.fc1.n,
                               s->dtype, l.fc1.wdtype, l.act == 0, s->threads);
@@ -96,8 +139,9 @@ int tpk_layers(void* x, const Layer* layers, int n, const Step* s, void* work) {
       else
         activate(reinterpret_cast<uint16_t*>(a), T * l.fc1.n, l.act);
     }
-    rc = tpk_linear(a, l.fc2.w, l.fc2.scale, l.fc2.bias, x, x, T, l.fc2.k, H, s->dtype,
-                    l.fc2.wdtype, 0, s->threads);
+    rc = tpk_linear(a, l.fc2.w, l.fc2.scale, lead ? l.fc2.bias : nullptr, res, x, T,
+                    l.fc2.k, H, s->dtype, l.fc2.wdtype, 0, s->threads);
+    rc = rc ? rc : reduced(s, x, T * H, 2 * i + 1);
     if (rc) return rc;
   }
   return 0;

@@ -202,7 +202,22 @@ class Step(ctypes.Structure):
                 ("threads", ctypes.c_int), ("cos", ctypes.c_void_p), ("sin", ctypes.c_void_p),
                 ("rd", ctypes.c_int), ("write", ctypes.c_void_p), ("ck", ctypes.c_void_p),
                 ("cv", ctypes.c_void_p), ("attend", ctypes.c_void_p), ("meta", ctypes.c_void_p),
-                ("rows", ctypes.c_int), ("bs", ctypes.c_int), ("attend_threads", ctypes.c_int)]
+                ("rows", ctypes.c_int), ("bs", ctypes.c_int), ("attend_threads", ctypes.c_int),
+                ("reduce", ctypes.c_void_p), ("rbase", ctypes.c_void_p), ("rrank", ctypes.c_int),
+                ("lead", ctypes.c_int), ("rsplit", ctypes.c_size_t), ("rtimeout", ctypes.c_double),
+                ("who", ctypes.c_void_p), ("spans", ctypes.c_void_p), ("failed", ctypes.c_int)]
+
+
+REDUCE_FAILED = 1000  # tpk_layers: an all-reduce's failure code comes back as this + it
+
+
+class ReduceFailed(RuntimeError):
+    """`run_layers`' all-reduce number `at` (2 a layer: after the attention's output
+    product, after the MLP's) returned the shared-memory code `code`."""
+
+    def __init__(self, code: int, at: int) -> None:
+        super().__init__(f"tpk_layers: all-reduce {at} returned {code}")
+        self.code, self.at = code, at
 
 
 ACTS = {"swiglu": 0, "gelu": 1, "gelu_exact": 2, "relu": 3}  # `Layer.act`
@@ -217,11 +232,14 @@ def lin(op: Operand, bias: torch.Tensor | None) -> Lin:
 
 def run_layers(x: torch.Tensor, layers, work: int, step: Step) -> torch.Tensor:
     """x [T, 1, H] through every layer of `layers` (a ctypes array of `Layer`) in one call;
-    `work`: the elements of scratch a row needs (`tpk_layers`). A new tensor."""
+    `work`: the elements of scratch a row needs (`tpk_layers`). A new tensor. At tp > 1
+    (`step.reduce` set) an all-reduce that fails raises `ReduceFailed`."""
     x = x.contiguous().clone()
     scratch = torch.empty(x.shape[0] * work, dtype=x.dtype)
     rc = load().tpk_layers(ctypes.c_void_p(x.data_ptr()), layers, ctypes.c_int(len(layers)),
                            ctypes.byref(step), ctypes.c_void_p(scratch.data_ptr()))
+    if rc > REDUCE_FAILED:
+        raise ReduceFailed(rc - REDUCE_FAILED, step.failed)
     if rc != 0:
         raise RuntimeError(f"tpk_layers returned {rc}")
     return x

@@ -1,20 +1,20 @@
 """A decode-only model's decode rows on the native kernels alone (`layers.decode_ops`).
 
     NativeLayer.of(block)(x, cache)          # one pre-norm dense layer, its calls in a row
-    stack = NativeStack.of(model.layers)     # every layer in one native call (tp=1)
+    stack = NativeStack.of(blocks, scopes)   # every layer in one native call
     x = stack(x, kv_caches)
 
 What runs: the same kernels as `Block.forward` with decode-only weights would call one by
 one (`ParallelAttention._attend_paged`, `RowsWeight`, the native norms), without the
 modules between them: a module attribute costs ~1 us and a module call ~3, ~15 a layer,
-and at one row a 30-layer model's token is ~12 ms of weights and was ~5 ms of this. At
-tp=1 `NativeStack` runs every layer in one call (`tpk_layers`: the attention kernel
-called from C) for a forward whose rows are all decode rows (one token each, at most
-`decode_ops.ROWS`); otherwise (tp > 1, or a short piece of a prompt among the rows)
-`NativeLayer` runs each layer's calls from Python, the all-reduces between them, for a
-forward of at most `decode_ops.ROWS` rows. Either only on layers it takes: pre-norm,
-dense, native norms and decode-only weights, no SP or cp (the stack: no qk-norm, no
-GeGLU either).
+and at one row a 30-layer model's token is ~12 ms of weights and was ~5 ms of this.
+`NativeStack` runs every layer in one call (`tpk_layers`: the attention kernel called
+from C, at tp > 1 the shared-memory all-reduce too) for a forward whose rows are all
+decode rows (one token each, at most `decode_ops.ROWS`); otherwise (a short piece of a
+prompt among the rows, or tp > 1 without a shared-memory channel) `NativeLayer` runs
+each layer's calls from Python, the all-reduces between them, for a forward of at most
+`decode_ops.ROWS` rows. Either only on layers it takes: pre-norm, dense, native norms
+and decode-only weights, no SP or cp (the stack: no qk-norm, no GeGLU either).
 """
 
 from __future__ import annotations
@@ -23,6 +23,7 @@ import ctypes
 
 import torch
 
+from tpkit.comm import collectives
 from tpkit.comm.ops import reduce_from_tp
 from tpkit.layers import decode_ops, paged_attention
 from tpkit.layers.attention import PagedKV, paged_angles
@@ -65,7 +66,7 @@ class NativeLayer:
         return cls(b)
 
     def struct(self, b) -> decode_ops.Layer:
-        """This layer as `decode_ops.Layer` (tp=1: `NativeStack`)."""
+        """This layer as `decode_ops.Layer` (`NativeStack`)."""
         at = b.attn
         (w1, b1, e1, o1), (w2, b2, e2, o2) = self.norms
         kv = self.kv = paged_attention.kv_map(at.local_heads, at.local_kv, at._kv_key)  # kept:
@@ -97,10 +98,12 @@ class NativeLayer:
 
 
 class NativeStack:
-    """Every layer of a decode-only model at tp=1 in one native call per forward
-    (`decode_ops.run_layers`): `NativeStack.of(layers)` or None where it cannot run."""
+    """Every layer of a decode-only model in one native call per forward
+    (`decode_ops.run_layers`): `NativeStack.of(layers, scopes)` or None where it cannot
+    run. At tp > 1 the all-reduces run inside that call too, on the group's shared-memory
+    channel (none: None), and go into the ledger afterwards, each in its layer's scope."""
 
-    def __init__(self, plans: list[NativeLayer], blocks: list) -> None:
+    def __init__(self, plans: list[NativeLayer], blocks: list, scopes: list[str]) -> None:
         at = blocks[0].attn
         self.how = (at.rope_dim, at.rope_theta, at.rope_llama3) if at.rope_theta else None
         self.layers = (decode_ops.Layer * len(plans))(*(p.struct(b) for p, b in
@@ -110,19 +113,25 @@ class NativeStack:
         self.hidden = at.hidden
         self.attend = ctypes.cast(paged_attention.load().tpk_paged_attention,
                                   ctypes.c_void_p).value
+        self.group = at.group
+        self.reduce = collectives.native_all_reduce(self.group)  # tp=1: None
+        self.scopes = [s for s in scopes for _ in range(2)]  # each all-reduce's scope
+        self.spans = (ctypes.c_double * (2 * len(self.scopes)))()
 
     @classmethod
-    def of(cls, blocks: list) -> NativeStack | None:
+    def of(cls, blocks: list, scopes: list[str]) -> NativeStack | None:
         plans = [b.native_decode() for b in blocks]
-        if not plans or any(p is None or p.group.size != 1 for p in plans):
+        if not plans or any(p is None or p.group is not plans[0].group for p in plans):
             return None
-        if paged_attention.load() is None:
+        if paged_attention.load() is None or (plans[0].group.size > 1 and
+                                              collectives.native_all_reduce(plans[0].group)
+                                              is None):
             return None
         hows = {(b.attn.rope_dim, b.attn.rope_theta, b.attn.rope_llama3) for b in blocks}
         if len(hows) != 1 or any(b.attn.q_norm is not None or b.mlp.activation not in
                                  decode_ops.ACTS for b in blocks):
             return None
-        return cls(plans, blocks)
+        return cls(plans, blocks, scopes)
 
     def takes(self, x: torch.Tensor, caches: list[PagedKV]) -> bool:
         """Whether this forward's rows are all decode rows the kernels take."""
@@ -147,4 +156,17 @@ class NativeStack:
                         ctypes.c_void_p),
             self.attend, plan.meta.data_ptr(), plan.rows, plan.args[2].value,
             plan.args[3].value)
-        return decode_ops.run_layers(x, self.layers, self.work, step)
+        if self.reduce is None:
+            return decode_ops.run_layers(x, self.layers, self.work, step)
+        fn, base, rank, split, timeout, who = self.reduce
+        step.reduce, step.rbase, step.rrank, step.lead = fn, base, rank, int(rank == 0)
+        step.rsplit, step.rtimeout, step.who = split, timeout, who
+        step.spans = ctypes.addressof(self.spans)
+        try:
+            x = decode_ops.run_layers(x, self.layers, self.work, step)
+        except decode_ops.ReduceFailed as e:
+            collectives.native_failed(self.group, "all_reduce", e.code, x, self.scopes[e.at])
+        s = self.spans
+        collectives.record_native(self.group, "all_reduce", x,
+                                  [(s[i], s[i + 1]) for i in range(0, len(s), 2)], self.scopes)
+        return x

@@ -267,7 +267,8 @@ class Transformer(nn.Module):
         if kv_caches is not None and not self.training:  # a decode: all layers in one call?
             key = tuple(indices)
             if key not in self._stacks:
-                self._stacks[key] = NativeStack.of([self.layers[str(i)] for i in indices])
+                self._stacks[key] = NativeStack.of([self.layers[str(i)] for i in indices],
+                                                   [f"layers.{i}" for i in indices])
             stack = self._stacks[key]
             if stack is not None and stack.takes(x, kv_caches):
                 return stack(x, kv_caches)
