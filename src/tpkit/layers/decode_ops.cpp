@@ -24,7 +24,6 @@ namespace {
 
 constexpr int64_t ITEM = 32;  // output columns per work item
 constexpr int U = 2;  // accumulators per dot product
-constexpr int STREAMS = 2;  // weight rows streamed at once (columns)
 constexpr int64_t PREFETCH = 1024;  // bytes ahead a weight row is asked for (measured:
                                     // bfloat16 at one row 14% faster, float32 unchanged)
 constexpr int64_t THREAD_WORK = 1 << 15;  // multiply-adds before torch's team pays
@@ -83,12 +82,14 @@ inline float finish(const Call& c, int64_t n, float s) {
 
 inline float silu(float g) { return g / (1.0f + std::exp(-g)); }
 
-// The sums of an item's weight rows at[0 .. rows) by C input rows x: s[i][c0 + c]. With
-// C < 4, STREAMS rows at a time (row j with row j + rows / STREAMS); with C = 4 (many
-// input rows: the products, not the memory, bound) one row at a time.
+// The sums of an item's weight rows at[0 .. rows) by C input rows x: s[i][c0 + c]. R rows
+// at a time from far apart (row j with rows j + rows / R, ...: separate pages, so the
+// prefetchers run R streams): R = 4 at one input row (float32 ~8% faster than 2, 1.2x
+// one stream at one thread; int8 2: its rows are short), 2 at two; with C = 4 (many input
+// rows: the products, not the memory, bound) one row at a time.
 template <class W, int C>
 void sums(const float* x, const W* const* at, int64_t rows, int64_t K, float (*s)[8], int c0) {
-  constexpr int R = C < 4 ? STREAMS : 1;
+  constexpr int R = C >= 4 ? 1 : C == 1 && sizeof(W) > 1 ? 4 : 2;
   const int64_t stride = rows / R;
   float t[R * C];
   for (int64_t j = 0; j < stride; ++j) {
@@ -106,9 +107,8 @@ void sums(const float* x, const W* const* at, int64_t rows, int64_t K, float (*s
 
 // Output columns f0 .. f1 (at most ITEM) of y for every input row, 8 input rows at a
 // time. The item's weight rows (two a column gated: gate, up) are streamed from memory
-// once each, STREAMS of them at once from far apart (separate pages: the prefetchers run
-// that many streams; one thread reads ~15% faster with two than with one), against up to
-// 4 input rows at a time (the rest read them again from cache).
+// once each, several at once (`sums`), against up to 4 input rows at a time (the rest
+// read them again from cache).
 template <class W, class Y>
 void columns(const Call& c, int64_t f0, int64_t f1) {
   const W* w = static_cast<const W*>(c.w);
