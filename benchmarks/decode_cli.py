@@ -17,7 +17,10 @@ A run `tp=N:omp1` sets OMP_NUM_THREADS=1; `tp=N:base` runs the code of `--base D
 checkout of tpkit, e.g. `git worktree add /tmp/base COMMIT`) instead of this one, so that
 a change is measured against the code before it in the same rounds; `tp=N:NAME=VALUE` sets
 an environment variable for that run (e.g. `tp=1:OMP_WAIT_POLICY=PASSIVE`). `--busy` keeps
-one other process spinning on the machine for the whole benchmark (a busy neighbour). Greedy, --ignore-eos, `--new` tokens after a
+one other process spinning on the machine for the whole benchmark (a busy neighbour).
+`--bandwidth` also measures, each round, how fast one thread and two read memory (a sum
+over 512 MB): a one-row decode streams its weights, so their ratio bounds what tp=2 (a
+thread a rank) can gain over one thread here. Greedy, --ignore-eos, `--new` tokens after a
 16-token prompt, at each `--batches` size. Rounds alternate: every variant once per round,
 the order rotating. The load average is printed before and after each round.
 """
@@ -102,6 +105,8 @@ def main() -> None:
     ap.add_argument("--base", type=Path, default=None,
                     help="another checkout, for runs tp=N:base (the code before a change)")
     ap.add_argument("--busy", action="store_true", help="a busy process beside every run")
+    ap.add_argument("--bandwidth", action="store_true",
+                    help="measure one thread's and two threads' memory reads each round")
     args = ap.parse_args()
     busy = subprocess.Popen([sys.executable, "-c", "while 1: pass"]) if args.busy else None
     try:
@@ -109,6 +114,27 @@ def main() -> None:
     finally:
         if busy is not None:
             busy.kill()
+
+
+def read_gbs(threads: int, mb: int = 512) -> float:
+    """GB/s of a sum over `mb` MB of float32 on `threads` of torch's threads (the best of
+    5): how fast that many threads stream memory."""
+    import time
+
+    import torch
+
+    before = torch.get_num_threads()
+    torch.set_num_threads(threads)
+    x = torch.ones(mb << 18)
+    try:
+        best = float("inf")
+        for _ in range(5):
+            t0 = time.perf_counter()
+            x.sum()
+            best = min(best, time.perf_counter() - t0)
+    finally:
+        torch.set_num_threads(before)
+    return x.numel() * 4 / best / 1e9
 
 
 def run_all(args: argparse.Namespace) -> None:
@@ -120,7 +146,13 @@ def run_all(args: argparse.Namespace) -> None:
                 for d in args.dtypes.split(",") for r in args.runs.split(",")]
     got: dict[tuple, list[float]] = {v: [] for v in variants}
     print(f"load before: {load()}", flush=True)
+    reads: dict[int, list[float]] = {1: [], 2: []}
     for k in range(args.rounds):
+        if args.bandwidth:
+            for t in reads:
+                reads[t].append(read_gbs(t))
+            print(f"round {k + 1}: reads memory at {reads[1][-1]:.1f} GB/s on one thread, "
+                  f"{reads[2][-1]:.1f} on two", flush=True)
         for i in range(len(variants)):
             v = variants[(k + i) % len(variants)]
             try:
@@ -142,6 +174,10 @@ def run_all(args: argparse.Namespace) -> None:
         med, base = statistics.median(got[v]), statistics.median(got[first])
         print(f"| {v[0]} | {v[3]} | {v[2]} | {v[1]} | {med:.1f} | {med / base:.2f}x | "
               + " ".join(f"{x:.1f}" for x in got[v]) + " |")
+    if args.bandwidth:
+        one, two = statistics.median(reads[1]), statistics.median(reads[2])
+        print(f"\nmemory read (medians): one thread {one:.1f} GB/s, two {two:.1f} "
+              f"({two / one:.2f}x)")
     print(f"\nload after: {load()}")
 
 
