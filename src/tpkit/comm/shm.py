@@ -107,8 +107,8 @@ class ShmChannel:
         """Reduce `x` over the group in place (rank-order sum, float accumulation)."""
         buf = x if x.is_contiguous() else x.contiguous()
         self.check(self._lib.tpk_all_reduce(self._b, self.rank, _ptr(buf), _csize(buf.numel()),
-                                             DTYPES[x.dtype], REDUCE_OPS[op], self._split,
-                                             self._t, self._who_ref), "all_reduce")
+                                            DTYPES[x.dtype], REDUCE_OPS[op], self._split,
+                                            self._t, self._who_ref), "all_reduce")
         if buf is not x:
             x.copy_(buf)
         return x
@@ -116,25 +116,25 @@ class ShmChannel:
     def all_gather(self, out: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
         """out (contiguous, nranks * x.numel()) = every rank's contiguous `x`, in rank order."""
         self.check(self._lib.tpk_all_gather(self._b, self.rank, _ptr(x), _ptr(out),
-                                             _csize(x.numel() * x.element_size()), self._t,
-                                             self._who_ref), "all_gather")
+                                            _csize(x.numel() * x.element_size()), self._t,
+                                            self._who_ref), "all_gather")
         return out
 
     def reduce_scatter(self, out: torch.Tensor, inp: torch.Tensor, op: str = "sum"
                        ) -> torch.Tensor:
         """out = this rank's chunk of the sum of every rank's contiguous `inp`."""
         self.check(self._lib.tpk_reduce_scatter(self._b, self.rank, _ptr(inp), _ptr(out),
-                                                 _csize(out.numel()), DTYPES[out.dtype],
-                                                 REDUCE_OPS[op], self._t, self._who_ref),
-                    "reduce_scatter")
+                                                _csize(out.numel()), DTYPES[out.dtype],
+                                                REDUCE_OPS[op], self._t, self._who_ref),
+                   "reduce_scatter")
         return out
 
     def broadcast(self, x: torch.Tensor, src: int) -> torch.Tensor:
         """Copy group rank `src`'s `x` into every rank's `x`, in place."""
         buf = x if x.is_contiguous() else x.contiguous()
         self.check(self._lib.tpk_broadcast(self._b, self.rank, _ptr(buf),
-                                            _csize(buf.numel() * buf.element_size()), src,
-                                            self._t, self._who_ref), "broadcast")
+                                           _csize(buf.numel() * buf.element_size()), src,
+                                           self._t, self._who_ref), "broadcast")
         if buf is not x:
             x.copy_(buf)
         return x

@@ -16,7 +16,8 @@
 //
 // Threads: torch's own OpenMP team (GOMP_parallel, like the paged attention) above
 // THREAD_WORK multiply-adds, work items of ITEM output columns taken in any order, each
-// computed whole by one thread (a weight row one stream from memory).
+// computed whole by one thread (its weight rows read a few at a time, each a stream from
+// memory: `sums`).
 
 #include "decode_simd.h"
 
