@@ -8,9 +8,13 @@ random weights, greedy, batch 1 and 8.
 Per (tp, batch): the wall time of a decode step (median over the steps, no profiler),
 then the same steps under torch.profiler, each millisecond put in one bucket by the
 op that spent it (self time):
-    matmul      aten addmm / mm / bmm / linear / _weight_int8pack_mm
+    matmul      aten addmm / mm / bmm / linear / _weight_int8pack_mm, and the native
+                products outside the layer stack (`decode_ops.Operand`: the head)
+    layers      the native layer stack (`decode_ops.run_layers`: every layer's products,
+                attention, norms and rotary in one call), less its all-reduces
     attention   scaled_dot_product_attention and its kernel, the KV cache writes
     all-reduce  the shared-memory (or gloo) all-reduces of the layers, waits included
+                (those the native stack runs: their spans, as the ledger records them)
     plan        rank 0's broadcast of the step to the followers (`serve.plan`)
     gather      the all-gather of the last logits (greedy: each rank's best)
     sampling    greedy / sampling (at tp > 1 greedy runs on every rank's vocabulary
@@ -36,8 +40,9 @@ import torch
 
 from common import environment, parser, print_table, write_json
 
-BUCKETS = ("matmul", "attention", "all-reduce", "plan", "gather", "sampling", "other ops",
-           "python")
+BUCKETS = ("matmul", "layers", "attention", "all-reduce", "plan", "gather", "sampling",
+           "other ops", "python")
+NATIVE_REDUCE = [0.0]  # seconds of the native stack's all-reduces since the last reset
 MATMUL = ("aten::addmm", "aten::mm", "aten::bmm", "aten::_weight_int8pack_mm",
           "mkldnn::_linear_pointwise")
 ATTENTION = ("sdpa", "flash_attention", "scaled_dot_product", "aten::index_put")
@@ -58,7 +63,9 @@ def _label_comm() -> None:
     """Name every collective and rank 0's sampling in the profile (record_function)."""
     import torch.distributed as dist
 
+    from tpkit.comm import collectives
     from tpkit.comm.shm import ShmChannel
+    from tpkit.layers import decode_ops
     from tpkit.model import paged_kv
     from tpkit.serve import engine, output
 
@@ -82,6 +89,14 @@ def _label_comm() -> None:
     wrap(paged_kv, "_greedy", "tpk.sampling")
     wrap(output.OutputProcessor, "push", "tpk.sampling")
     wrap(engine.Engine, "_take", "tpk.sampling")
+    wrap(decode_ops, "run_layers", "tpk.layers")
+    wrap(decode_ops.Operand, "_run", "tpk.matmul")
+    record = collectives.record_native
+
+    def counted(group, op, x, spans, scopes, phase="forward"):
+        NATIVE_REDUCE[0] += sum(b - a for a, b in spans)
+        return record(group, op, x, spans, scopes, phase)
+    collectives.record_native = counted
 
 
 def _bucket(name: str) -> str:
@@ -96,8 +111,11 @@ def _bucket(name: str) -> str:
 
 def _self_ms(prof, steps: int) -> dict[str, float]:
     """Self CPU time per bucket, ms per step. Ops inside a labelled region (a collective,
-    the sampling) count for that region."""
+    the sampling) count for that region; the native stack's all-reduces (NATIVE_REDUCE
+    since the profile began) move from its region to all-reduce."""
     out = dict.fromkeys(BUCKETS, 0.0)
+    out["layers"] -= NATIVE_REDUCE[0] * 1e3
+    out["all-reduce"] += NATIVE_REDUCE[0] * 1e3
     events = [e for e in prof.events() if e.device_type == torch.autograd.DeviceType.CPU]
     labelled = sorted((e.time_range.start, e.time_range.end, e.name[4:]) for e in events
                       if e.name.startswith("tpk."))
@@ -151,6 +169,7 @@ def _case(mesh, folder: str, batch: int, tokens: int, quantize: str | None) -> d
         prof = torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU]) \
             if run == 2 else None
         if prof:
+            NATIVE_REDUCE[0] = 0.0
             prof.__enter__()
         while engine.busy:
             t0 = time.perf_counter()
@@ -184,6 +203,7 @@ def _follower_case(mesh, folder, batch, tokens, quantize) -> dict:
             engine.step()
         engine.runner.lead_stop()
         return {}
+    NATIVE_REDUCE[0] = 0.0
     with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU]) as prof:
         steps = Runner(model, batch, 128).follow()
     return {"profile_ms": _self_ms(prof, steps)}
