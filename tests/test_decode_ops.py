@@ -144,9 +144,9 @@ GPT = get_preset("gpt2-tiny").with_(name="gpt-t", vocab_size=257, hidden=64, num
 
 @pytest.mark.parametrize("config", [SMOL, GPT], ids=["smol-swiglu", "gpt2-gelu-bias"])
 def test_decode_only_model_takes_the_native_layer_and_is_as_accurate(monkeypatch, config):
-    """Every layer of every decode step runs every layer in one native call (`NativeStack`, counted), and the
-    token-by-token logits are as close to the float64 model's full forward as the float32
-    full forward is (within 2x: random weights amplify float32 rounding)."""
+    """Every decode step runs all its layers in one native call (`NativeStack`, counted),
+    and the token-by-token logits are as close to the float64 model's full forward as the
+    float32 full forward is (within 2x: random weights amplify float32 rounding)."""
     model = Transformer(config, ParallelMesh.single())
     fill(model, random_full(config, seed=5, scale=1.0), ParallelMesh.single())
     ids = torch.randint(0, 257, (3, 20), generator=torch.Generator().manual_seed(6))
