@@ -70,3 +70,30 @@ def test_greedy_decode_on_shards_equals_the_argmax_of_the_gathered_logits(run_tp
         assert len(set(logits[busy].argmax(-1).tolist())) > 1  # not a degenerate row
         assert gathers == [3 * 2 * 3 * 4]  # [3 rows, 3] float32 from 2 ranks
         assert 3 * 2 * pad * 4 > 20 * gathers[0]  # what the logits' all-gather carries
+
+
+@pytest.mark.parametrize("n", [1, 7, 8, 49152])
+def test_the_native_best_is_torchs_argmax_and_logsumexp(n):
+    """decode_ops.best (tp=1's greedy and each shard's): the first largest column exactly,
+    NaN counted as the largest as torch's argmax, the padding after column n never read;
+    the log-sum-exp within 4 float32 ulps of float64's (its exp: a polynomial)."""
+    from tpkit.layers import decode_ops
+
+    g = torch.Generator().manual_seed(n)
+    x = torch.randn(5, n + 3, generator=g) * 8  # 3 columns of padding past n
+    x[:, n:] = 1e9  # what `best` must not read
+    x[1, n // 2] = x[1, n - 1] = 40.0  # a tie: the first
+    x[2, :n] = -3e4  # every term under exp's range but the largest
+    x[2, n - 1] = -2e4
+    x[3, n - 1] = float("nan")  # NaN after the largest: the NaN
+    x[4, :n] = 0.0  # all equal: column 0
+    got = decode_ops.best(x, n)
+    real = x[:, :n]
+    assert torch.equal(got[:, 1].long(), real.argmax(-1))
+    top = real.double().amax(-1)
+    lse = real.double().logsumexp(-1)
+    ok = [0, 1, 2, 4]
+    assert torch.equal(got[ok, 0].double(), top[ok])
+    ulp = torch.finfo(torch.float32).eps * lse[ok].abs().clamp(min=1)
+    assert ((got[ok, 2].double() - lse[ok]).abs() <= 4 * ulp).all(), (got[ok, 2], lse[ok])
+    assert got[3, 0].isnan() and got[3, 2].isnan()

@@ -307,6 +307,42 @@ int tpk_rope_write(void* heads, int64_t rows, int64_t S, int nr, int nkv, int hd
   return 0;
 }
 
+// Each row of x [M, ld] float32, over its first n columns: out[3 m..] = (its largest
+// value, the first column holding it, log(sum exp(x - largest)) + largest): a greedy
+// token and the log-sum-exp of its log-probability, in three passes over the row (in
+// cache). A NaN counts as the largest (as torch's argmax). 0: done; -2: bad sizes.
+int tpk_best(const float* x, int64_t M, int64_t n, int64_t ld, float* out) {
+  if (M < 0 || n <= 0 || ld < n) return -2;
+  for (int64_t m = 0; m < M; ++m) {
+    const float* row = x + m * ld;
+    vf top = vf{} + row[0];
+    int64_t i = 0;
+    for (; i + L <= n; i += L) {
+      const vf v = load(row + i);
+      top = v > top ? v : top;
+    }
+    float best = row[0];
+    for (int l = 0; l < L; ++l) best = std::max(best, top[l]);
+    for (; i < n; ++i) best = std::max(best, row[i]);
+    vf acc = vf{};
+    i = 0;
+    for (; i + L <= n; i += L) acc += vexp(load(row + i) - best);
+    float sum = tree(acc);
+    for (; i < n; ++i) sum += std::exp(row[i] - best);
+    int64_t at = 0;
+    if (std::isnan(sum)) {  // a NaN somewhere (or best infinite): the first NaN, else best
+      while (at < n && !std::isnan(row[at])) ++at;
+      if (at == n) at = 0;
+      else best = row[at];
+    }
+    while (at < n && row[at] != best && !std::isnan(best)) ++at;
+    out[3 * m] = best;
+    out[3 * m + 1] = float(at);
+    out[3 * m + 2] = std::isinf(best) ? best : std::log(sum) + best;
+  }
+  return 0;
+}
+
 }  // extern "C"
 
 #include "decode_layers.h"

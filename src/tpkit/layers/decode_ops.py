@@ -52,7 +52,7 @@ LIBRARY = NativeLibrary(
     ("-O3", "-march=native", "-std=c++17", "-ffp-contract=fast", "-shared", "-fPIC",
      "-fno-strict-aliasing"),
     signatures={name: (None, ctypes.c_int) for name in  # ctypes objects passed
-                ("tpk_linear", "tpk_norm", "tpk_rope_write", "tpk_layers")},
+                ("tpk_linear", "tpk_norm", "tpk_rope_write", "tpk_layers", "tpk_best")},
     disable_env="TPKIT_DECODE_OPS_DISABLE", per_cpu=True)
 DTYPES = {torch.float32: 0, torch.bfloat16: 1, torch.int8: 2}
 NULL = ctypes.c_void_p(None)
@@ -243,6 +243,26 @@ def run_layers(x: torch.Tensor, layers, work: int, step: Step) -> torch.Tensor:
     if rc != 0:
         raise RuntimeError(f"tpk_layers returned {rc}")
     return x
+
+
+def best(logits: torch.Tensor, n: int) -> torch.Tensor:
+    """Each row of logits [m, N] over its first n columns -> [m, 3] float32: its largest
+    value, the first column holding it (torch's argmax: a NaN counts as the largest) and
+    its log-sum-exp: a greedy token and its log-probability (largest - log-sum-exp) in one
+    pass over the row's cache lines per quantity, where torch takes ~10 ops (~0.2 ms for
+    49152 columns here). Without the library: torch's ops."""
+    x = logits.float()
+    if load() is None or x.device.type != "cpu" or x.stride(-1) != 1:
+        x = x[:, :n]
+        top, idx = x.max(-1)
+        return torch.stack([top, idx.float(), x.logsumexp(-1)], -1)
+    out = torch.empty(x.shape[0], 3)
+    rc = load().tpk_best(ctypes.c_void_p(x.data_ptr()), ctypes.c_int64(x.shape[0]),
+                         ctypes.c_int64(n), ctypes.c_int64(x.stride(0)),
+                         ctypes.c_void_p(out.data_ptr()))
+    if rc != 0:
+        raise RuntimeError(f"tpk_best returned {rc}")
+    return out
 
 
 def main() -> int:

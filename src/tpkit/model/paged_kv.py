@@ -40,6 +40,7 @@ import torch
 from torch import nn
 
 from tpkit.comm import all_gather
+from tpkit.layers import decode_ops
 from tpkit.layers.attention import PagedBatch, PagedKV
 from tpkit.layers.paged_attention import decode_plan
 from tpkit.spec.errors import UserError
@@ -179,13 +180,15 @@ def _check(model: nn.Module) -> None:
 def _greedy(model: nn.Module, h: torch.Tensor) -> torch.Tensor:
     """Final hidden [b, 1, h] -> [b, 2] float32 (greedy token, its log-probability) from
     each rank's shard of the logits, gathering [b, 3] per rank (module docstring)."""
-    local = model.logits(h)[:, 0].float()  # [b, V_pad/tp]
+    local = model.logits(h)[:, 0]  # [b, V_pad/tp]
     n, tp, V = local.shape[-1], model.group.size, model.config.vocab_size
     first = model.group.rank * n  # the shard's first token id
-    pad = torch.arange(first, first + n, device=local.device) >= V  # vocabulary padding
-    local = local.masked_fill(pad, float("-inf"))
-    best, idx = local.max(-1)  # [b]: the first largest of the shard
-    mine = torch.stack([best, (idx + first).to(best.dtype), local.logsumexp(-1)], -1)
+    mine = decode_ops.best(local, max(1, min(n, V - first)))  # [b, 3]; the padding left out
+    if tp == 1:
+        return torch.stack([mine[:, 1], mine[:, 0] - mine[:, 2]], -1)
+    if first >= V:  # a shard of padding alone: no token of it can win
+        mine[:, 0] = mine[:, 2] = float("-inf")
+    mine[:, 1] += first
     every = all_gather(mine, model.group, dim=-1).view(-1, tp, 3)  # [b, tp, 3]
     vals = every[..., 0]
     win = (vals == vals.max(-1, keepdim=True).values).to(torch.int8).argmax(-1)  # first rank

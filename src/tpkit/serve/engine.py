@@ -246,8 +246,8 @@ class Engine(Intake):
             return False
         grew = out.blocks > self.runner.cache.blocks  # copies the cache: not the pieces' cost
         reqs = [r for f in out.forwards for r in f.reqs if r is not None]
-        greedy = self.model.group.size > 1 and all(  # the shards' best, not their logits
-            r.params.temperature <= 0 and r.params.logprobs is None for r in reqs)
+        greedy = all(r.params.temperature <= 0 and r.params.logprobs is None  # the
+                     for r in reqs)  # shards' best, not their logits (tp=1: one native pass)
         results = self.runner.lead_step([f.pieces for f in out.forwards], out.blocks, greedy)
         self.scheduler.computed(out)
         for fwd, (last, rest) in zip(out.forwards, results):
