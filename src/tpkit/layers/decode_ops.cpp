@@ -309,33 +309,44 @@ int tpk_rope_write(void* heads, int64_t rows, int64_t S, int nr, int nkv, int hd
 
 // Each row of x [M, ld] float32, over its first n columns: out[3 m..] = (its largest
 // value, the first column holding it, log(sum exp(x - largest)) + largest): a greedy
-// token and the log-sum-exp of its log-probability, in three passes over the row (in
-// cache). A NaN counts as the largest (as torch's argmax). 0: done; -2: bad sizes.
+// token and the log-sum-exp of its log-probability, in two passes over the row (in
+// cache; the attention's exp_neg). A NaN counts as the largest (as torch's argmax).
+// 0: done; -2: bad sizes.
 int tpk_best(const float* x, int64_t M, int64_t n, int64_t ld, float* out) {
   if (M < 0 || n <= 0 || ld < n) return -2;
   for (int64_t m = 0; m < M; ++m) {
     const float* row = x + m * ld;
-    vf top = vf{} + row[0];
+    vf top = vf{} + row[0];  // each lane's largest and the first of its columns holding
+    vi where = vi{}, pos;  // it (column 0 until a larger one)
+    for (int l = 0; l < L; ++l) pos[l] = l;
     int64_t i = 0;
-    for (; i + L <= n; i += L) {
+    for (; i + L <= n; i += L, pos += L) {
       const vf v = load(row + i);
-      top = v > top ? v : top;
+      const vi more = v > top;
+      top = more ? v : top;
+      where = more ? pos : where;
     }
     float best = row[0];
+    int64_t at = n;
     for (int l = 0; l < L; ++l) best = std::max(best, top[l]);
-    for (; i < n; ++i) best = std::max(best, row[i]);
-    vf acc = vf{};
-    i = 0;
-    for (; i + L <= n; i += L) acc += vexp(load(row + i) - best);
-    float sum = tree(acc);
-    for (; i < n; ++i) sum += std::exp(row[i] - best);
-    int64_t at = 0;
-    if (std::isnan(sum)) {  // a NaN somewhere (or best infinite): the first NaN, else best
-      while (at < n && !std::isnan(row[at])) ++at;
-      if (at == n) at = 0;
-      else best = row[at];
+    for (int l = 0; l < L; ++l)
+      if (top[l] == best) at = std::min<int64_t>(at, where[l]);
+    for (; i < n; ++i)
+      if (row[i] > best) best = row[i], at = i;
+    vf acc = vf{};  // sum of exp(x - best) in L lanes, then the fixed tree
+    float e[256];  // a tile of exponentials (a loop that vectorises)
+    for (i = 0; i < n; i += 256) {
+      const int64_t t = std::min<int64_t>(256, n - i);
+      for (int64_t j = 0; j < t; ++j) e[j] = exp_neg(row[i + j] - best);
+      for (int64_t j = t; j % L; ++j) e[j] = 0.0f;
+      for (int64_t j = 0; j < t; j += L) acc += load(e + j);
     }
-    while (at < n && row[at] != best && !std::isnan(best)) ++at;
+    const float sum = tree(acc);
+    if (std::isnan(sum)) {  // a NaN somewhere (or best infinite): the first NaN
+      int64_t nan = 0;
+      while (nan < n && !std::isnan(row[nan])) ++nan;
+      if (nan < n) best = row[nan], at = nan;
+    }
     out[3 * m] = best;
     out[3 * m + 1] = float(at);
     out[3 * m + 2] = std::isinf(best) ? best : std::log(sum) + best;

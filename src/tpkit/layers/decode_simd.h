@@ -96,27 +96,4 @@ inline float lanes_sum(const float* a, int64_t n, const float* b) {
   return t;
 }
 
-// exp(x) for x <= 0 (a softmax's x - max), Cephes' expf: x = n ln2 + r, |r| <= ln2 / 2,
-// a degree-5 polynomial in r, times 2^n; within 2 float32 ulps; 0 below -87.3 (and for
-// -inf). NaN stays NaN.
-inline vf vexp(vf x) {
-  const vf lo = vf{} - 87.3f;
-  const vi under = x < lo;
-  x = under ? lo : x;
-  const vi n = __builtin_convertvector(x * 1.44269504088896341f - 0.5f, vi);  // round
-  const vf f = __builtin_convertvector(n, vf);
-  const vf r = x - f * 0.693359375f + f * 2.12194440e-4f;
-  vf p = r * 1.9875691500e-4f + 1.3981999507e-3f;
-  p = p * r + 8.3334519073e-3f;
-  p = p * r + 4.1665795894e-2f;
-  p = p * r + 1.6666665459e-1f;
-  p = p * r + 5.0000001201e-1f;
-  p = p * r * r + r + 1.0f;
-  const vi bits = (n + 127) << 23;
-  vf scale;
-  std::memcpy(&scale, &bits, sizeof scale);
-  p *= scale;
-  return under ? vf{} : p;
-}
-
 }  // namespace

@@ -1,6 +1,6 @@
 // What the native kernels share (included once per library, by paged_attention.cpp and
-// decode_simd.h): torch's OpenMP team, and exact widening to float / rounding back of
-// float32 and bfloat16 values.
+// decode_simd.h): torch's OpenMP team, a softmax's exp, and exact widening to float /
+// rounding back of float32 and bfloat16 values.
 #pragma once
 #include <cstdint>
 #include <cstring>
@@ -19,6 +19,32 @@ GompParallel gomp_parallel() {
 template <class F>
 void call(void* f) {
   (*static_cast<F*>(f))();
+}
+
+// e^x for x <= 0 (a score minus the row's max), no float-to-int conversion so that it
+// vectorises: n = round(x log2 e) by the 1.5 * 2^23 trick, e^r on |r| <= ln2/2 by
+// Cephes' polynomial, times 2^n built from n's bits. Below -87: e^-87 (~1.6e-38).
+inline float exp_neg(float x) {
+  x = x < -87.0f ? -87.0f : x;  // a NaN stays NaN
+  const float magic = 12582912.0f;  // 1.5 * 2^23: adding it rounds to an integer
+  float t = x * 1.44269504088896341f + magic;
+  float n = t - magic;
+  float r = x - n * 0.693359375f;
+  r = r - n * -2.12194440e-4f;
+  float y = 1.9875691500e-4f;
+  y = y * r + 1.3981999507e-3f;
+  y = y * r + 8.3334519073e-3f;
+  y = y * r + 4.1665795894e-2f;
+  y = y * r + 1.6666665459e-1f;
+  y = y * r + 5.0000001201e-1f;
+  y = y * r * r + r + 1.0f;
+  uint32_t tb, mb;
+  std::memcpy(&tb, &t, 4);
+  std::memcpy(&mb, &magic, 4);
+  uint32_t bits = (tb - mb + 127u) << 23;  // 2^n
+  float p;
+  std::memcpy(&p, &bits, 4);
+  return y * p;
 }
 
 inline float widen(float x) { return x; }

@@ -41,32 +41,6 @@ constexpr int64_t CHUNK = 512;  // keys per work item (a row's chunks: fixed by 
 constexpr int64_t THREAD_WORK = 1 << 20;  // multiply-adds before torch's pool pays
 constexpr int64_t SPAWN_WORK = 1 << 22;  // ... before threads of our own pay
 
-// e^x for x <= 0 (a score minus the row's max), no float-to-int conversion so that it
-// vectorises: n = round(x log2 e) by the 1.5 * 2^23 trick, e^r on |r| <= ln2/2 by
-// Cephes' polynomial, times 2^n built from n's bits. Below -87: e^-87 (~1.6e-38).
-inline float exp_neg(float x) {
-  x = x < -87.0f ? -87.0f : x;  // a NaN stays NaN
-  const float magic = 12582912.0f;  // 1.5 * 2^23: adding it rounds to an integer
-  float t = x * 1.44269504088896341f + magic;
-  float n = t - magic;
-  float r = x - n * 0.693359375f;
-  r = r - n * -2.12194440e-4f;
-  float y = 1.9875691500e-4f;
-  y = y * r + 1.3981999507e-3f;
-  y = y * r + 8.3334519073e-3f;
-  y = y * r + 4.1665795894e-2f;
-  y = y * r + 1.6666665459e-1f;
-  y = y * r + 5.0000001201e-1f;
-  y = y * r * r + r + 1.0f;
-  uint32_t tb, mb;
-  std::memcpy(&tb, &t, 4);
-  std::memcpy(&mb, &magic, 4);
-  uint32_t bits = (tb - mb + 127u) << 23;  // 2^n
-  float p;
-  std::memcpy(&p, &bits, 4);
-  return y * p;
-}
-
 struct Call {
   const void* q;
   const void* k;
