@@ -252,6 +252,78 @@ def test_the_stack_at_tp_sums_inside_its_call_as_the_layer_calls_do(run_tp, tp, 
             assert err(stack[..., :257]) <= 2 * err(f32) + 1e-6, (err(stack), err(f32))
 
 
+def _greedy_steps(model, ids, keep):
+    """Greedy (token, log-probability) of the last positions of each row, one token at a
+    time over the paged cache (`paged_kv.forward(greedy=True)`), [b, n, 2]."""
+    from tpkit.model.paged_kv import LAST, NONE, PagedCache, Piece, forward
+
+    b, s = ids.shape
+    cache = PagedCache(model, 4)
+    cache.grow(1 + b * 3)
+    tables = [[1 + i + b * j for j in range(3)] for i in range(b)]
+    rows = ids.tolist()
+    forward(model, cache, [Piece(r[:keep], 0, t, NONE) for r, t in zip(rows, tables)])
+    return torch.stack([forward(model, cache, [Piece([r[t]], t, tab, LAST) for r, tab in
+                                               zip(rows, tables)], greedy=True)[0]
+                        for t in range(keep, s)], 1)
+
+
+def _ends_worker(mesh, config, dtype):
+    """A greedy decode's steps with the ends in the stack's call (counted), then without
+    (the final norm, head and best from Python): both results, the fused calls."""
+    model = Transformer(config, mesh)
+    fill(model, random_full(config, seed=5, scale=1.0), mesh)
+    if dtype == "int8":
+        for_decode(model, "int8")
+    else:
+        for_decode(model.to(dtype))
+    ids = torch.randint(0, 257, (3, 12), generator=torch.Generator().manual_seed(6))
+    ends, fused = native_decode.NativeEnds, []
+    of = ends.__dict__["of"]
+    with torch.no_grad():
+        model._stacks.clear()
+        done = ends.done
+        ends.done = lambda self: fused.append(self.embeds) or done(self)
+        try:
+            one_call = _greedy_steps(model, ids, 8)
+            model._stacks.clear()
+            ends.of = classmethod(lambda c, m: None)
+            split = _greedy_steps(model, ids, 8)
+        finally:
+            ends.of, ends.done = of, done
+    return one_call, split, fused
+
+
+@pytest.mark.timeout(180)
+@pytest.mark.parametrize("config, tp, dtype", [
+    (SMOL, 1, torch.float32), (SMOL, 1, torch.bfloat16), (GPT, 1, torch.float32),
+    (SMOL, 1, "int8"), (SMOL, 2, torch.float32), (GPT, 2, torch.bfloat16)],
+    ids=["smol", "smol-bf16", "gpt2-positions", "smol-int8", "smol-tp2", "gpt2-tp2-bf16"])
+def test_a_greedy_step_in_one_call_gives_the_tokens_and_logprobs_bit_for_bit(
+        run_tp, config, tp, dtype):
+    """`NativeEnds`: at tp=1 the embedding lookup (word table, GPT-2's learned positions
+    added in the model's dtype) before the layers, on every rank the final norm, the
+    head's product and the best of the shard after them, all in the stack's one call:
+    the greedy tokens and log-probabilities are the modules' path's (`model.body`, the
+    head, `paged_kv._greedy`) bit for bit, at tp=1 and tp=2 (where the embedding stays in
+    Python: its all-reduce), float32, bfloat16 and int8 weights."""
+    ids = torch.randint(0, 257, (3, 12), generator=torch.Generator().manual_seed(6))
+    for one_call, split, fused in run_tp(_ends_worker, tp, config, dtype):
+        assert torch.equal(one_call, split), (one_call - split).abs().max()
+        assert fused == [tp == 1] * 4  # every step took the one call; embedded at tp=1
+        assert len(set(one_call[..., 0].flatten().tolist())) > 2  # not a degenerate row
+        assert not torch.equal(one_call[:, :, 0].long(), ids[:, 8:])  # not the input back
+
+
+def test_a_token_id_outside_the_embedding_is_named_by_the_one_call():
+    model = Transformer(SMOL, ParallelMesh.single())
+    fill(model, random_full(SMOL, seed=5, scale=1.0), ParallelMesh.single())
+    for_decode(model)
+    bad = torch.tensor([[3, 4, 5, 6, 7, 8, 9, 10, 11, 900]])
+    with torch.no_grad(), pytest.raises(Exception, match="token id 900 is outside"):
+        _greedy_steps(model, bad, 9)
+
+
 def _rank_dies_before_a_decode_step(mesh) -> None:
     import signal
 

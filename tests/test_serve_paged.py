@@ -151,13 +151,16 @@ def test_kv_memory_follows_the_tokens_in_flight():
     assert engine.kv_cache_bytes == reserved  # the default ceiling: the old worst case
 
 
-def test_decodes_and_a_piece_of_a_long_prompt_share_a_step():
+def test_decodes_and_a_piece_of_a_long_prompt_share_a_step(monkeypatch):
     """Default mode, a 16-token prompt budget: while a request decodes, a 40-token prompt
     is computed in pieces of 16, 16, 8, each in the same forward as the decode."""
+    from tpkit.model import paged_kv
+
     model = _model(ParallelMesh.single(), LLAMA)
     engine = Engine(model, max_batch=4, max_len=96, prefill_per_step=16)
-    rows = []
-    model.embed.register_forward_pre_hook(lambda m, a: rows.append(a[0].shape[0]))  # ids [T, 1]
+    rows, layout = [], paged_kv.layout
+    monkeypatch.setattr(paged_kv, "layout", lambda pieces, *a: rows.append(
+        sum(len(p.tokens) for p in pieces)) or layout(pieces, *a))  # each forward's rows
     first = engine.submit([3, 4, 5], SamplingParams(max_tokens=10))
     engine.step()
     second = engine.submit(list(range(1, 41)), SamplingParams(max_tokens=2))

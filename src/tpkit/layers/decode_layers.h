@@ -34,15 +34,36 @@ struct Layer {
   int nq, nkv, hd;
   const int32_t* kv_map;
 };
+// What a greedy decode adds around the layers (`Step::ends`; a null pointer: not done).
+// table: the word embedding [vocab, H] (x's dtype; tp=1: each row's id looked up into x,
+// then + ptable's row of its position, a learned position table); the final norm (nw:
+// null, none); the head [N, H] (head.w null: none) into logits [T, N] (x's dtype; wide:
+// their float32 for bfloat16), then best [T, 3] over its first `valid` columns (tpk_best).
+struct Ends {
+  const void* table;
+  const void* ptable;
+  const int64_t* ids;
+  const int64_t* pos;
+  int64_t vocab;
+  const void* nw;
+  const void* nb;
+  float eps, off;
+  Lin head;
+  int64_t valid;
+  void* logits;
+  float* wide;
+  float* best;
+};
 using Reduce = int (*)(void*, int, void*, size_t, int, int, size_t, double, int*);
 using Attend = int (*)(const void*, const void*, const void*, void*, const int64_t*,
                        const int32_t*, int, int, int, int, int, int, int, int64_t);
 struct Step {
   int64_t T, H;
   int dtype, threads;
-  const float* cos;
-  const float* sin;
+  const float* cos;  // [T, rd] each row's rotary angles, or (pos given) the table's rows
+  const float* sin;  // [positions, rd] looked up at pos [T] into the work's end
   int rd;
+  const int64_t* pos;
   const int64_t* write;
   void* const* ck;  // [layers]: each layer's cache
   void* const* cv;
@@ -62,6 +83,7 @@ struct Step {
   int* who;
   double* spans;
   int failed;
+  const Ends* ends;
 };
 
 constexpr int REDUCE_FAILED = 1000;  // tpk_layers' code: this + the all-reduce's own
@@ -100,18 +122,80 @@ void activate(T* a, int64_t n, int act) {
   }
 }
 
+// Rows of x [T, H] from the embedding tables (Ends): -3 for an id outside the table.
+template <class T>
+int embed(T* x, const Ends& e, int64_t rows, int64_t H) {
+  const T* table = static_cast<const T*>(e.table);
+  const T* ptable = static_cast<const T*>(e.ptable);
+  for (int64_t t = 0; t < rows; ++t) {
+    if (e.ids[t] < 0 || e.ids[t] >= e.vocab) return -3;
+    std::memcpy(x + t * H, table + e.ids[t] * H, size_t(H) * sizeof(T));
+    if (ptable != nullptr)
+      for (int64_t d = 0; d < H; ++d)
+        narrow(widen(x[t * H + d]) + widen(ptable[e.pos[t] * H + d]), x + t * H + d);
+  }
+  return 0;
+}
+
+// After the layers (Ends): the final norm of x into h, the head's logits, their best.
+inline int head(const void* x, void* h, const Ends& e, int64_t T, int64_t H, int dtype,
+                int threads) {
+  const void* in = x;
+  int rc = 0;
+  if (e.nw != nullptr) {
+    rc = tpk_norm(x, e.nw, e.nb, h, T, H, e.eps, e.off, e.nb != nullptr, dtype);
+    in = h;
+  }
+  const Lin& w = e.head;
+  rc = rc ? rc : tpk_linear(in, w.w, w.scale, w.bias, nullptr, e.logits, T, H, w.n, dtype,
+                            w.wdtype, 0, threads);
+  if (rc) return rc;
+  const float* f = static_cast<const float*>(e.logits);
+  if (dtype == 1) {
+    const uint16_t* b = static_cast<const uint16_t*>(e.logits);
+    for (int64_t i = 0; i < T * w.n; ++i) e.wide[i] = widen(b[i]);
+    f = e.wide;
+  }
+  return tpk_best(f, T, e.valid, w.n, e.best);
+}
+
 }  // namespace
 
 extern "C" {
 
 // x [T, H] in place through n layers; work: T * (H + max over the layers of qkv.n +
-// nq hd + fc1.n) elements of x's dtype. 0: done; REDUCE_FAILED + the all-reduce's code
-// where one failed (s->failed: which); else the first failing kernel's code.
+// nq hd + fc1.n) elements of x's dtype, then (pos given) 2 T rd float32. With ends:
+// x embedded first (table given) and the head's best computed after (head.w given).
+// 0: done; REDUCE_FAILED + the all-reduce's code where one failed (s->failed: which);
+// else the first failing kernel's code (-3: a token id outside the embedding).
 int tpk_layers(void* x, const Layer* layers, int n, Step* s, void* work) {
   const int64_t T = s->T, H = s->H;
   const size_t es = s->dtype == 0 ? 4 : 2;
   const bool lead = s->reduce == nullptr || s->lead;
   void* res = lead ? x : nullptr;
+  const Ends* e = s->ends;
+  if (e != nullptr && e->table != nullptr) {
+    const int rc = s->dtype == 0 ? embed(static_cast<float*>(x), *e, T, H)
+                                 : embed(static_cast<uint16_t*>(x), *e, T, H);
+    if (rc) return rc;
+  }
+  const float* cos = s->cos;  // [T, rd]: each row's angles (looked up in the tables)
+  const float* sin = s->sin;
+  if (s->pos != nullptr && s->rd > 0) {
+    size_t most = 0;
+    for (int i = 0; i < n; ++i) {
+      const Layer& l = layers[i];
+      most = std::max(most, size_t(T * (H + l.qkv.n + int64_t(l.nq) * l.hd + l.fc1.n)) * es);
+    }
+    float* c = reinterpret_cast<float*>(static_cast<char*>(work) + (most + 63) / 64 * 64);
+    float* sn = c + T * s->rd;
+    for (int64_t t = 0; t < T; ++t) {
+      std::memcpy(c + t * s->rd, s->cos + s->pos[t] * s->rd, size_t(s->rd) * 4);
+      std::memcpy(sn + t * s->rd, s->sin + s->pos[t] * s->rd, size_t(s->rd) * 4);
+    }
+    cos = c;
+    sin = sn;
+  }
   for (int i = 0; i < n; ++i) {
     const Layer& l = layers[i];
     const int64_t nqkv = l.qkv.n, ny = int64_t(l.nq) * l.hd;
@@ -122,7 +206,7 @@ int tpk_layers(void* x, const Layer* layers, int n, Step* s, void* work) {
     int rc = tpk_norm(x, l.n1w, l.n1b, h, T, H, l.n1eps, l.n1off, l.n1b != nullptr, s->dtype);
     rc = rc ? rc : tpk_linear(h, l.qkv.w, l.qkv.scale, l.qkv.bias, nullptr, qkv, T, H, nqkv,
                               s->dtype, l.qkv.wdtype, 0, s->threads);
-    rc = rc ? rc : tpk_rope_write(qkv, T, nqkv, l.nq + l.nkv, l.nkv, l.hd, s->cos, s->sin,
+    rc = rc ? rc : tpk_rope_write(qkv, T, nqkv, l.nq + l.nkv, l.nkv, l.hd, cos, sin,
                                   s->rd, s->write, s->ck[i], s->cv[i], s->dtype);
     rc = rc ? rc : s->attend(qkv, s->ck[i], s->cv[i], y, s->meta, l.kv_map, s->rows, l.nq,
                              l.nkv, l.hd, s->bs, s->dtype, s->attend_threads, nqkv);
@@ -144,6 +228,8 @@ int tpk_layers(void* x, const Layer* layers, int n, Step* s, void* work) {
     rc = rc ? rc : reduced(s, x, T * H, 2 * i + 1);
     if (rc) return rc;
   }
+  if (e != nullptr && e->head.w != nullptr)
+    return head(x, work, *e, T, H, s->dtype, s->threads);
   return 0;
 }
 

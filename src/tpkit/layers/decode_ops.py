@@ -196,16 +196,26 @@ class Layer(ctypes.Structure):
                 ("kv_map", ctypes.c_void_p)]
 
 
+class Ends(ctypes.Structure):
+    """What a greedy decode adds around `run_layers` (decode_layers.h's `Ends`)."""
+    _fields_ = [("table", ctypes.c_void_p), ("ptable", ctypes.c_void_p), ("ids", ctypes.c_void_p),
+                ("pos", ctypes.c_void_p), ("vocab", ctypes.c_int64), ("nw", ctypes.c_void_p),
+                ("nb", ctypes.c_void_p), ("eps", ctypes.c_float), ("off", ctypes.c_float),
+                ("head", Lin), ("valid", ctypes.c_int64), ("logits", ctypes.c_void_p),
+                ("wide", ctypes.c_void_p), ("best", ctypes.c_void_p)]
+
+
 class Step(ctypes.Structure):
     """One forward of `run_layers` (decode_ops.cpp's `Step`)."""
     _fields_ = [("T", ctypes.c_int64), ("H", ctypes.c_int64), ("dtype", ctypes.c_int),
                 ("threads", ctypes.c_int), ("cos", ctypes.c_void_p), ("sin", ctypes.c_void_p),
-                ("rd", ctypes.c_int), ("write", ctypes.c_void_p), ("ck", ctypes.c_void_p),
+                ("rd", ctypes.c_int), ("pos", ctypes.c_void_p), ("write", ctypes.c_void_p), ("ck", ctypes.c_void_p),
                 ("cv", ctypes.c_void_p), ("attend", ctypes.c_void_p), ("meta", ctypes.c_void_p),
                 ("rows", ctypes.c_int), ("bs", ctypes.c_int), ("attend_threads", ctypes.c_int),
                 ("reduce", ctypes.c_void_p), ("rbase", ctypes.c_void_p), ("rrank", ctypes.c_int),
                 ("lead", ctypes.c_int), ("rsplit", ctypes.c_size_t), ("rtimeout", ctypes.c_double),
-                ("who", ctypes.c_void_p), ("spans", ctypes.c_void_p), ("failed", ctypes.c_int)]
+                ("who", ctypes.c_void_p), ("spans", ctypes.c_void_p), ("failed", ctypes.c_int),
+                ("ends", ctypes.POINTER(Ends))]
 
 
 REDUCE_FAILED = 1000  # tpk_layers: an all-reduce's failure code comes back as this + it
@@ -232,14 +242,18 @@ def lin(op: Operand, bias: torch.Tensor | None) -> Lin:
 
 def run_layers(x: torch.Tensor, layers, work: int, step: Step) -> torch.Tensor:
     """x [T, 1, H] through every layer of `layers` (a ctypes array of `Layer`) in one call;
-    `work`: the elements of scratch a row needs (`tpk_layers`). A new tensor. At tp > 1
-    (`step.reduce` set) an all-reduce that fails raises `ReduceFailed`."""
-    x = x.contiguous().clone()
-    scratch = torch.empty(x.shape[0] * work, dtype=x.dtype)
+    `work`: the bytes of scratch it needs (`tpk_layers`). A new tensor (or, with
+    `step.ends` embedding the rows, x itself, written). At tp > 1 (`step.reduce` set) an
+    all-reduce that fails raises `ReduceFailed`; -3: a token id outside the embedding."""
+    if not (step.ends and step.ends.contents.table):
+        x = x.contiguous().clone()
+    scratch = torch.empty(work, dtype=torch.uint8)
     rc = load().tpk_layers(ctypes.c_void_p(x.data_ptr()), layers, ctypes.c_int(len(layers)),
                            ctypes.byref(step), ctypes.c_void_p(scratch.data_ptr()))
     if rc > REDUCE_FAILED:
         raise ReduceFailed(rc - REDUCE_FAILED, step.failed)
+    if rc == -3:
+        raise IndexError("a token id outside the embedding table")
     if rc != 0:
         raise RuntimeError(f"tpk_layers returned {rc}")
     return x
@@ -263,6 +277,27 @@ def best(logits: torch.Tensor, n: int) -> torch.Tensor:
     if rc != 0:
         raise RuntimeError(f"tpk_best returned {rc}")
     return out
+
+
+def shard_best(logits: torch.Tensor, first: int, vocab: int) -> torch.Tensor:
+    """`best` of a vocabulary shard's logits [m, n] (columns first .., the padding past
+    `vocab` left out) in the whole vocabulary's columns: [m, 3]; a shard of padding alone
+    gives -inf (none of its columns can win)."""
+    return in_vocabulary(best(logits, columns(logits.shape[-1], first, vocab)), first, vocab)
+
+
+def columns(n: int, first: int, vocab: int) -> int:
+    """The real tokens among a shard's n columns first .. (at least 1: see in_vocabulary)."""
+    return max(1, min(n, vocab - first))
+
+
+def in_vocabulary(mine: torch.Tensor, first: int, vocab: int) -> torch.Tensor:
+    """A shard's `best` [m, 3] (columns from 0) made the whole vocabulary's, in place."""
+    if first >= vocab:
+        mine[:, 0] = mine[:, 2] = float("-inf")
+    if first:
+        mine[:, 1] += first
+    return mine
 
 
 def main() -> int:

@@ -52,9 +52,16 @@ def rope_at(positions: torch.Tensor, head_dim: int, theta: float, max_len: int,
     """cos, sin [b, 1, s, head_dim] for each row's own positions [b, s] (< max_len), read
     from one table of a size fixed by `max_len`: a position's angles never depend on
     which other rows or positions share the batch."""
-    n = 1 << max(max_len - 1, 1).bit_length()
-    cos, sin = _table(n, head_dim, float(theta), positions.device, llama3)
+    cos, sin = rope_table(head_dim, theta, max_len, positions.device, llama3)
     return cos[positions][:, None], sin[positions][:, None]
+
+
+def rope_table(head_dim: int, theta: float, max_len: int, device=None,
+               llama3: tuple | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """The table `rope_at` reads: cos, sin [n, head_dim] (contiguous float32, cached) of
+    positions 0 .. n-1, n the power of two >= max_len."""
+    n = 1 << max(max_len - 1, 1).bit_length()
+    return _table(n, head_dim, float(theta), device, llama3)
 
 
 def _rotate_half(x: torch.Tensor) -> torch.Tensor:

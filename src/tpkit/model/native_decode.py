@@ -26,8 +26,9 @@ import torch
 from tpkit.comm import collectives
 from tpkit.comm.ops import reduce_from_tp
 from tpkit.layers import decode_ops, paged_attention
-from tpkit.layers.attention import PagedKV, paged_angles
+from tpkit.layers.attention import PagedKV
 from tpkit.layers.mlp import ParallelMLP
+from tpkit.layers.rotary import rope_table
 
 
 class NativeLayer:
@@ -108,9 +109,9 @@ class NativeStack:
         self.how = (at.rope_dim, at.rope_theta, at.rope_llama3) if at.rope_theta else None
         self.layers = (decode_ops.Layer * len(plans))(*(p.struct(b) for p, b in
                                                         zip(plans, blocks)))
-        self.work = max(b.attn.hidden + p.qkv.n + b.attn.local_heads * p.hd + p.fc1.n
-                        for p, b in zip(plans, blocks))
-        self.hidden = at.hidden
+        self.row_work = max(b.attn.hidden + p.qkv.n + b.attn.local_heads * p.hd + p.fc1.n
+                            for p, b in zip(plans, blocks))  # elements a row needs
+        self.hidden, self.dtype = at.hidden, plans[0].norms[0][0].dtype  # the activations'
         self.attend = ctypes.cast(paged_attention.load().tpk_paged_attention,
                                   ctypes.c_void_p).value
         self.group = at.group
@@ -133,40 +134,121 @@ class NativeStack:
             return None
         return cls(plans, blocks, scopes)
 
-    def takes(self, x: torch.Tensor, caches: list[PagedKV]) -> bool:
-        """Whether this forward's rows are all decode rows the kernels take."""
+    def takes(self, rows: int, dtype: torch.dtype, caches: list[PagedKV]) -> bool:
+        """Whether this forward's rows (`rows` of `dtype`) are all decode rows the kernels
+        take."""
         batch, k = caches[0].batch, caches[0].k
-        return (batch.decode is not None and batch.decode.rows == x.shape[0]
-                and decode_ops.fits(x) and k.dtype == x.dtype and k.is_contiguous())
+        return (batch.decode is not None and batch.decode.rows == rows
+                and rows <= decode_ops.ROWS and dtype in (torch.float32, torch.bfloat16)
+                and k.dtype == dtype and k.is_contiguous() and k.device.type == "cpu")
 
-    def __call__(self, x: torch.Tensor, caches: list[PagedKV]) -> torch.Tensor:
+    def __call__(self, x: torch.Tensor, caches: list[PagedKV], ends: NativeEnds | None = None
+                 ) -> torch.Tensor:
+        """x [T, 1, H] through the layers; with `ends` (x: the ids [T, 1] where the ends
+        embed them) the best of each row's logits, [T, 3] (`decode_ops.best`)."""
         batch = caches[0].batch
-        cos = sin = None
-        if self.how is not None:
-            cos, sin = paged_angles(batch, self.how, x.shape[0])
-        n = len(caches)
-        plan = batch.decode
+        T, plan = x.shape[0], batch.decode
+        if self.how is not None and batch.rope_len != getattr(self, "_table", (0,))[0]:
+            self._table = (batch.rope_len, *rope_table(*self.how[:2], batch.rope_len, None,
+                                                       self.how[2]))
+        cos, sin = (None, None) if self.how is None else self._table[1:]
         step = decode_ops.Step(
-            x.shape[0], self.hidden, decode_ops.DTYPES[x.dtype], torch.get_num_threads(),
+            T, self.hidden, decode_ops.DTYPES[self.dtype], torch.get_num_threads(),
             decode_ops.address(cos), decode_ops.address(sin),
-            0 if cos is None else cos.shape[-1], batch.write.data_ptr(),
-            ctypes.cast((ctypes.c_void_p * n)(*(c.k.data_ptr() for c in caches)),
-                        ctypes.c_void_p),
-            ctypes.cast((ctypes.c_void_p * n)(*(c.v.data_ptr() for c in caches)),
-                        ctypes.c_void_p),
-            self.attend, plan.meta.data_ptr(), plan.rows, plan.args[2].value,
-            plan.args[3].value)
+            0 if cos is None else cos.shape[-1], batch.positions.data_ptr(),
+            batch.write.data_ptr(), *self._pointers(caches), self.attend, plan.meta.data_ptr(),
+            plan.rows, plan.args[2].value, plan.args[3].value)
+        work = T * self.row_work * self.dtype.itemsize + 64 + (
+            0 if cos is None else 2 * T * cos.shape[-1] * 4)
+        out = None
+        if ends is not None:
+            out = ends.point(x, batch.positions, self.dtype)
+            step.ends = ctypes.pointer(ends.struct)
+            if ends.embeds:
+                x = torch.empty(T, 1, self.hidden, dtype=self.dtype)
         if self.reduce is None:
-            return decode_ops.run_layers(x, self.layers, self.work, step)
+            x = decode_ops.run_layers(x, self.layers, work, step)
+            return x if out is None else ends.done()
         fn, base, rank, split, timeout, who = self.reduce
         step.reduce, step.rbase, step.rrank, step.lead = fn, base, rank, int(rank == 0)
         step.rsplit, step.rtimeout, step.who = split, timeout, who
         step.spans = ctypes.addressof(self.spans)
         try:
-            x = decode_ops.run_layers(x, self.layers, self.work, step)
+            x = decode_ops.run_layers(x, self.layers, work, step)
         except decode_ops.ReduceFailed as e:
             collectives.native_failed(self.group, "all_reduce", e.code, x, self.scopes[e.at])
         s = self.spans
         collectives.record_native(self.group, "all_reduce", x,
                                   [(s[i], s[i + 1]) for i in range(0, len(s), 2)], self.scopes)
-        return x
+        return x if out is None else ends.done()
+
+    def _pointers(self, caches: list[PagedKV]) -> tuple[ctypes.c_void_p, ctypes.c_void_p]:
+        """The layers' k and v caches' pointers (made again only when the cache grew)."""
+        key = caches[0].k
+        if getattr(self, "_cached", (None,))[0] is not key:
+            n = len(caches)
+            k = (ctypes.c_void_p * n)(*(c.k.data_ptr() for c in caches))
+            v = (ctypes.c_void_p * n)(*(c.v.data_ptr() for c in caches))
+            self._cached = (key, k, v, ctypes.cast(k, ctypes.c_void_p),
+                            ctypes.cast(v, ctypes.c_void_p))
+        return self._cached[3], self._cached[4]
+
+
+class NativeEnds:
+    """What a greedy decode adds around `NativeStack` in the same native call: at tp=1
+    the embedding lookup (a plain word table, a learned position table or none), and on
+    every rank the final norm, the head's product and the best of this rank's vocabulary
+    shard (`decode_ops.best`): a decode row in, [value, column, log-sum-exp] out, the
+    modules and ~20 torch ops between them gone. `NativeEnds.of(model)`: None where the
+    model's ends are not those (the modules run)."""
+
+    def __init__(self, model, embeds: bool) -> None:
+        fn, rows = model.final_norm, model.head_decoding.rows
+        e = model.embed
+        self.embeds, self.n = embeds, rows.n
+        self.first, self.vocab = model.group.rank * rows.n, model.config.vocab_size
+        self.keep = (fn, rows)  # what the struct points into
+        self.struct = decode_ops.Ends(
+            e.word.weight.data_ptr() if embeds else None,
+            decode_ops.address(e.position.weight if embeds and e.position is not None
+                               else None), None, None, e.word.weight.shape[0],
+            decode_ops.address(fn.weight if fn is not None else None),
+            decode_ops.address(fn.bias if fn is not None else None),
+            fn.eps if fn is not None else 0.0, fn.offset if fn is not None else 0.0,
+            decode_ops.lin(rows, None), decode_ops.columns(rows.n, self.first, self.vocab))
+
+    @classmethod
+    def of(cls, model) -> NativeEnds | None:
+        rows = getattr(model.head_decoding, "rows", None)
+        fn = model.final_norm
+        if rows is None or not (model.is_first_stage and model.is_last_stage) or (
+                fn is not None and not fn.native):
+            return None
+        e = model.embed
+        w = e.word.weight
+        embeds = (model.group.size == 1 and e.scale == 1.0 and e.token_type is None
+                  and e.norm is None and not e.sp and e.cp is None and w.is_contiguous()
+                  and w.dtype in (torch.float32, torch.bfloat16) and w.device.type == "cpu"
+                  and (e.position is None or (e.position.weight.dtype == w.dtype
+                                              and e.position.weight.is_contiguous())))
+        return cls(model, embeds)
+
+    def point(self, x: torch.Tensor, positions: torch.Tensor, dtype: torch.dtype
+              ) -> torch.Tensor:
+        """Point the struct at this call's tensors (x: the ids [T, 1] where it embeds);
+        the [T, 3] the call fills."""
+        T, s = x.shape[0], self.struct
+        if self.embeds:
+            ids = x.reshape(-1)
+            self.ids = ids if ids.is_contiguous() else ids.contiguous()
+            s.ids, s.pos = self.ids.data_ptr(), positions.data_ptr()
+        self.logits = torch.empty(T, self.n, dtype=dtype)
+        self.wide = torch.empty(T, self.n) if dtype != torch.float32 else None
+        self.best = torch.empty(T, 3)
+        s.logits, s.best = self.logits.data_ptr(), self.best.data_ptr()
+        s.wide = decode_ops.address(self.wide)
+        return self.best
+
+    def done(self) -> torch.Tensor:
+        """The call's [T, 3] in the whole vocabulary's columns (`decode_ops.shard_best`)."""
+        return decode_ops.in_vocabulary(self.best, self.first, self.vocab)

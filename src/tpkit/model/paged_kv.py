@@ -153,6 +153,10 @@ def forward(model: nn.Module, cache: PagedCache, pieces: list[Piece], greedy: bo
     ids, batch = layout(pieces, cache.block_size, c.sliding_window, c.max_seq_len,
                         cache.device)
     caches = [PagedKV(k, v, batch) for k, v in zip(cache.k, cache.v)]
+    if greedy and all(len(p.tokens) == 1 and p.logits == LAST for p in pieces):
+        mine = model.decode_best(ids, caches)  # one native call, or None
+        if mine is not None:
+            return _pick(model, mine), []
     h = model.body(ids, kv_caches=caches, position_offset=batch.positions)  # [T, 1, h]
     lasts = [first + n - 1 for (first, n, _, _), p in zip(batch.seqs, pieces) if p.logits]
     every = [(first, n) for (first, n, _, _), p in zip(batch.seqs, pieces)
@@ -181,14 +185,17 @@ def _greedy(model: nn.Module, h: torch.Tensor) -> torch.Tensor:
     """Final hidden [b, 1, h] -> [b, 2] float32 (greedy token, its log-probability) from
     each rank's shard of the logits, gathering [b, 3] per rank (module docstring)."""
     local = model.logits(h)[:, 0]  # [b, V_pad/tp]
-    n, tp, V = local.shape[-1], model.group.size, model.config.vocab_size
-    first = model.group.rank * n  # the shard's first token id
-    mine = decode_ops.best(local, max(1, min(n, V - first)))  # [b, 3]; the padding left out
+    first = model.group.rank * local.shape[-1]  # the shard's first token id
+    return _pick(model, decode_ops.shard_best(local, first, model.config.vocab_size))
+
+
+def _pick(model: nn.Module, mine: torch.Tensor) -> torch.Tensor:
+    """Each rank's best of its shard [b, 3] (value, token, log-sum-exp:
+    `decode_ops.shard_best`) -> [b, 2] (greedy token, its log-probability), over the
+    ranks: the first largest (torch's argmax of the whole row)."""
+    tp = model.group.size
     if tp == 1:
         return torch.stack([mine[:, 1], mine[:, 0] - mine[:, 2]], -1)
-    if first >= V:  # a shard of padding alone: no token of it can win
-        mine[:, 0] = mine[:, 2] = float("-inf")
-    mine[:, 1] += first
     every = all_gather(mine, model.group, dim=-1).view(-1, tp, 3)  # [b, tp, 3]
     vals = every[..., 0]
     win = (vals == vals.max(-1, keepdim=True).values).to(torch.int8).argmax(-1)  # first rank

@@ -25,10 +25,11 @@ import torch
 from torch import nn
 
 from tpkit.comm import compile_ready, ops
+from tpkit.layers import decode_ops
 from tpkit.layers.attention import PagedKV
 from tpkit.layers.chunked_loss import chunked_head_cross_entropy
 from tpkit.layers.cross_entropy import vocab_parallel_cross_entropy
-from tpkit.layers.embedding import VocabParallelEmbedding, padded_master
+from tpkit.layers.embedding import VocabParallelEmbedding, check_ids, padded_master
 from tpkit.layers.grads import finalize_tp_grads
 from tpkit.layers.linear import column_parallel_linear
 from tpkit.layers.norm import Norm
@@ -39,7 +40,7 @@ from tpkit.model import names
 from tpkit.model.block import Block
 from tpkit.model.generate import generate, pad_left
 from tpkit.model.names import EMBED_WEIGHT
-from tpkit.model.native_decode import NativeStack
+from tpkit.model.native_decode import NativeEnds, NativeStack
 from tpkit.spec.config import ModelConfig
 from tpkit.spec.errors import UserError
 from tpkit.spec.shapes import (
@@ -265,12 +266,9 @@ class Transformer(nn.Module):
         """Layers `indices` (global) in order; kv_caches[j] goes to the j-th of them."""
         seq = self.group.sp_seq  # SP: the recomputed forward (in backward) gathers it too
         if kv_caches is not None and not self.training:  # a decode: all layers in one call?
-            key = tuple(indices)
-            if key not in self._stacks:
-                self._stacks[key] = NativeStack.of([self.layers[str(i)] for i in indices],
-                                                   [f"layers.{i}" for i in indices])
-            stack = self._stacks[key]
-            if stack is not None and stack.takes(x, kv_caches):
+            stack = self._stack(indices)
+            if stack is not None and decode_ops.fits(x) and stack.takes(x.shape[0], x.dtype,
+                                                                        kv_caches):
                 return stack(x, kv_caches)
         for j, i in enumerate(indices):
             layer, cache = self.layers[str(i)], kv_caches[j] if kv_caches is not None else None
@@ -281,6 +279,35 @@ class Transformer(nn.Module):
                 else:
                     x = layer(x, attention_mask, self.rng, cache)
         return x
+
+    def _stack(self, indices) -> NativeStack | None:
+        """Layers `indices` in one native call (`model.native_decode`), or None."""
+        key = tuple(indices)
+        if key not in self._stacks:
+            self._stacks[key] = NativeStack.of([self.layers[str(i)] for i in indices],
+                                               [f"layers.{i}" for i in indices])
+        return self._stacks[key]
+
+    def decode_best(self, ids: torch.Tensor, kv_caches) -> torch.Tensor | None:
+        """Greedy decode rows ids [T, 1] -> the best of this rank's vocabulary shard [T, 3]
+        (value, column in the shard, log-sum-exp), the layers, final norm, head and best
+        in one native call (`NativeStack` with `NativeEnds`), or None where that cannot
+        run (the modules do: `tpkit.model.paged_kv`)."""
+        stack = self._stack(list(self.layers))
+        if stack is None or not stack.takes(ids.shape[0], stack.dtype, kv_caches):
+            return None
+        if "ends" not in self._stacks:
+            self._stacks["ends"] = NativeEnds.of(self)
+        ends = self._stacks["ends"]
+        if ends is None:
+            return None
+        positions = kv_caches[0].batch.positions
+        x = ids if ends.embeds else self._embed(ids, None, positions)
+        try:
+            return stack(x, kv_caches, ends)
+        except IndexError:  # an id outside the table: named, as the module would
+            check_ids(ids, self.config.vocab_size)
+            raise
 
     def _again(self, layer: Block, x: torch.Tensor, attention_mask, seq: int | None):
         """`layer(x)` under the sequence of its first forward (a recompute runs it again)."""
