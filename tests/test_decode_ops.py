@@ -280,18 +280,25 @@ def _ends_worker(mesh, config, dtype):
     ids = torch.randint(0, 257, (3, 12), generator=torch.Generator().manual_seed(6))
     ends, fused = native_decode.NativeEnds, []
     of = ends.__dict__["of"]
+
+    def records():
+        return sorted((r.op, r.scope or "", r.numel, r.nbytes) for r in mesh.ledger.records)
     with torch.no_grad():
         model._stacks.clear()
-        done = ends.done
-        ends.done = lambda self: fused.append(self.embeds) or done(self)
+        point = ends.point
+        ends.point = lambda self, *a: fused.append(self.embeds) or point(self, *a)
         try:
+            mesh.ledger.clear()
             one_call = _greedy_steps(model, ids, 8)
+            counts = [records()]
             model._stacks.clear()
             ends.of = classmethod(lambda c, m: None)
+            mesh.ledger.clear()
             split = _greedy_steps(model, ids, 8)
+            counts += [records()]
         finally:
-            ends.of, ends.done = of, done
-    return one_call, split, fused
+            ends.of, ends.point = of, point
+    return one_call, split, fused, counts
 
 
 @pytest.mark.timeout(180)
@@ -303,14 +310,19 @@ def test_a_greedy_step_in_one_call_gives_the_tokens_and_logprobs_bit_for_bit(
         run_tp, config, tp, dtype):
     """`NativeEnds`: at tp=1 the embedding lookup (word table, GPT-2's learned positions
     added in the model's dtype) before the layers, on every rank the final norm, the
-    head's product and the best of the shard after them, all in the stack's one call:
-    the greedy tokens and log-probabilities are the modules' path's (`model.body`, the
-    head, `paged_kv._greedy`) bit for bit, at tp=1 and tp=2 (where the embedding stays in
-    Python: its all-reduce), float32, bfloat16 and int8 weights."""
+    head's product, the best of the shard and (tp > 1) their all-gather and pick after
+    them, all in the stack's one call: the greedy tokens and log-probabilities are the
+    modules' path's (`model.body`, the head, `paged_kv._greedy`) bit for bit, at tp=1 and
+    tp=2 (the embedding's all-reduce and the all-gather inside the call), float32,
+    bfloat16 and int8 weights; the ledger holds the same collectives on both paths."""
     ids = torch.randint(0, 257, (3, 12), generator=torch.Generator().manual_seed(6))
-    for one_call, split, fused in run_tp(_ends_worker, tp, config, dtype):
+    for one_call, split, fused, (fast, slow) in run_tp(_ends_worker, tp, config, dtype):
         assert torch.equal(one_call, split), (one_call - split).abs().max()
-        assert fused == [tp == 1] * 4  # every step took the one call; embedded at tp=1
+        assert fused == [True] * 4  # every step took the one call, its embedding too
+        assert fast == slow  # the same collectives in the same scopes, counted alike
+        steps = [r[:3] for r in fast]  # 4 steps of 3 decode rows: [tp * 3, 3] gathered
+        assert steps.count(("all_gather", "", tp * 9)) == 4 * (tp > 1)
+        assert steps.count(("all_reduce", "embed", 3 * config.hidden)) == 4 * (tp > 1)
         assert len(set(one_call[..., 0].flatten().tolist())) > 2  # not a degenerate row
         assert not torch.equal(one_call[:, :, 0].long(), ids[:, 8:])  # not the input back
 

@@ -74,9 +74,10 @@ def test_greedy_decode_on_shards_equals_the_argmax_of_the_gathered_logits(run_tp
 
 @pytest.mark.parametrize("n", [1, 7, 8, 49152])
 def test_the_native_best_is_torchs_argmax_and_logsumexp(n):
-    """decode_ops.best (tp=1's greedy and each shard's): the first largest column exactly,
-    NaN counted as the largest as torch's argmax, the padding after column n never read;
-    the log-sum-exp within 4 float32 ulps of float64's (its exp: a polynomial)."""
+    """decode_ops.shard_best (tp=1's greedy and each shard's): the first largest column
+    exactly, NaN counted as the largest as torch's argmax, the padding after column n
+    never read; the log-sum-exp within 4 float32 ulps of float64's (its exp: a
+    polynomial); a shard's columns offset to token ids, a shard of padding alone -inf."""
     from tpkit.layers import decode_ops
 
     g = torch.Generator().manual_seed(n)
@@ -87,7 +88,7 @@ def test_the_native_best_is_torchs_argmax_and_logsumexp(n):
     x[2, n - 1] = -2e4
     x[3, n - 1] = float("nan")  # NaN after the largest: the NaN
     x[4, :n] = 0.0  # all equal: column 0
-    got = decode_ops.best(x, n)
+    got = decode_ops.shard_best(x, 0, n)
     real = x[:, :n]
     assert torch.equal(got[:, 1].long(), real.argmax(-1))
     top = real.double().amax(-1)
@@ -97,3 +98,7 @@ def test_the_native_best_is_torchs_argmax_and_logsumexp(n):
     ulp = torch.finfo(torch.float32).eps * lse[ok].abs().clamp(min=1)
     assert ((got[ok, 2].double() - lse[ok]).abs() <= 4 * ulp).all(), (got[ok, 2], lse[ok])
     assert got[3, 0].isnan() and got[3, 2].isnan()
+    later = decode_ops.shard_best(x, 1000, 1000 + n)  # the same shard, tokens 1000 ..
+    assert torch.equal(later[ok, 1], got[ok, 1] + 1000) and torch.equal(later[ok, 2], got[ok, 2])
+    pad = decode_ops.shard_best(x, 1000, 1000)  # past the vocabulary: padding alone
+    assert (pad[:, 0] == float("-inf")).all() and (pad[:, 2] == float("-inf")).all()

@@ -147,6 +147,12 @@ def native_all_reduce(group: CommGroup) -> tuple | None:
     return None if group.size == 1 or group.shm is None else group.shm.native_all_reduce()
 
 
+def native_all_gather(group: CommGroup) -> int | None:
+    """The shared-memory channel's all-gather for native code (`native_all_reduce`'s
+    arguments), None where the group has no channel."""
+    return None if group.size == 1 or group.shm is None else group.shm.native_all_gather()
+
+
 def record_native(group: CommGroup, op: str, x: torch.Tensor, spans, scopes,
                   phase: str = "forward") -> None:
     """Record collectives native code ran on tensors of x's size in the ledger: one per

@@ -169,6 +169,11 @@ class ShmChannel:
         return (fn, self._base, self.rank, SPLIT_BYTES, self.timeout_s,
                 ctypes.addressof(self._who))
 
+    def native_all_gather(self) -> int:
+        """tpk_all_gather's address, for native code that gathers between its own kernels
+        (the same arguments as `native_all_reduce`'s)."""
+        return ctypes.cast(self._lib.tpk_all_gather, ctypes.c_void_p).value
+
     def check(self, rc: int, op: str) -> None:
         """Nothing for a collective's code 0 (or 4); else raise what it means."""
         if rc in (0, 4):  # 4: a message that goes over the process group

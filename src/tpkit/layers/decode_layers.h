@@ -35,24 +35,33 @@ struct Layer {
   const int32_t* kv_map;
 };
 // What a greedy decode adds around the layers (`Step::ends`; a null pointer: not done).
-// table: the word embedding [vocab, H] (x's dtype; tp=1: each row's id looked up into x,
-// then + ptable's row of its position, a learned position table); the final norm (nw:
-// null, none); the head [N, H] (head.w null: none) into logits [T, N] (x's dtype; wide:
-// their float32 for bfloat16), then best [T, 3] over its first `valid` columns (tpk_best).
+// table: this rank's rows vstart .. vstart + vrows of the word embedding (x's dtype):
+// each row's id looked up into x (an id another rank holds: zeros), summed over the
+// group at tp > 1 (the all-reduce after the layers'), then + ptable's row of its
+// position (a learned position table, replicated). After the layers: the final norm (nw
+// null: none), the head's shard [N, H] into logits [T, N] (x's dtype; wide: their
+// float32 for bfloat16), its best [T, 3] (tpk_best over the first `valid` columns), at tp > 1
+// gathered from every rank into every [tp, T, 3] (`gather`: the channel's all-gather),
+// and pick [T, 2]: each row's greedy token and log-probability (tpk_pick).
+using Gather = int (*)(void*, int, const void*, void*, size_t, double, int*);
 struct Ends {
   const void* table;
   const void* ptable;
   const int64_t* ids;
   const int64_t* pos;
-  int64_t vocab;
+  int64_t vocab, vstart, vrows;
   const void* nw;
   const void* nb;
   float eps, off;
   Lin head;
-  int64_t valid;
+  int64_t valid, first;
   void* logits;
   float* wide;
   float* best;
+  Gather gather;
+  int tp;
+  float* every;
+  float* pick;
 };
 using Reduce = int (*)(void*, int, void*, size_t, int, int, size_t, double, int*);
 using Attend = int (*)(const void*, const void*, const void*, void*, const int64_t*,
@@ -122,19 +131,29 @@ void activate(T* a, int64_t n, int act) {
   }
 }
 
-// Rows of x [T, H] from the embedding tables (Ends): -3 for an id outside the table.
+// Rows of x [T, H] from this rank's rows of the word embedding (Ends; another rank's
+// id: zeros): -3 for an id outside the vocabulary.
 template <class T>
 int embed(T* x, const Ends& e, int64_t rows, int64_t H) {
   const T* table = static_cast<const T*>(e.table);
-  const T* ptable = static_cast<const T*>(e.ptable);
   for (int64_t t = 0; t < rows; ++t) {
     if (e.ids[t] < 0 || e.ids[t] >= e.vocab) return -3;
-    std::memcpy(x + t * H, table + e.ids[t] * H, size_t(H) * sizeof(T));
-    if (ptable != nullptr)
-      for (int64_t d = 0; d < H; ++d)
-        narrow(widen(x[t * H + d]) + widen(ptable[e.pos[t] * H + d]), x + t * H + d);
+    const int64_t r = e.ids[t] - e.vstart;
+    if (r >= 0 && r < e.vrows)
+      std::memcpy(x + t * H, table + r * H, size_t(H) * sizeof(T));
+    else
+      std::memset(x + t * H, 0, size_t(H) * sizeof(T));
   }
   return 0;
+}
+
+// x [T, H] += each row's learned position (Ends::ptable), rounded once to x's dtype.
+template <class T>
+void positions(T* x, const Ends& e, int64_t rows, int64_t H) {
+  const T* p = static_cast<const T*>(e.ptable);
+  for (int64_t t = 0; t < rows; ++t)
+    for (int64_t d = 0; d < H; ++d)
+      narrow(widen(x[t * H + d]) + widen(p[e.pos[t] * H + d]), x + t * H + d);
 }
 
 // After the layers (Ends): the final norm of x into h, the head's logits, their best.
@@ -156,7 +175,7 @@ inline int head(const void* x, void* h, const Ends& e, int64_t T, int64_t H, int
     for (int64_t i = 0; i < T * w.n; ++i) e.wide[i] = widen(b[i]);
     f = e.wide;
   }
-  return tpk_best(f, T, e.valid, w.n, e.best);
+  return tpk_best(f, T, e.valid, w.n, e.first, e.vocab, e.best);
 }
 
 }  // namespace
@@ -165,7 +184,8 @@ extern "C" {
 
 // x [T, H] in place through n layers; work: T * (H + max over the layers of qkv.n +
 // nq hd + fc1.n) elements of x's dtype, then (pos given) 2 T rd float32. With ends:
-// x embedded first (table given) and the head's best computed after (head.w given).
+// x embedded first (table given; at tp > 1 all-reduce 2n), the head's best computed
+// after (head.w given) and, pick given, the greedy tokens (at tp > 1 all-gather 2n + 1).
 // 0: done; REDUCE_FAILED + the all-reduce's code where one failed (s->failed: which);
 // else the first failing kernel's code (-3: a token id outside the embedding).
 int tpk_layers(void* x, const Layer* layers, int n, Step* s, void* work) {
@@ -174,10 +194,13 @@ int tpk_layers(void* x, const Layer* layers, int n, Step* s, void* work) {
   const bool lead = s->reduce == nullptr || s->lead;
   void* res = lead ? x : nullptr;
   const Ends* e = s->ends;
-  if (e != nullptr && e->table != nullptr) {
-    const int rc = s->dtype == 0 ? embed(static_cast<float*>(x), *e, T, H)
-                                 : embed(static_cast<uint16_t*>(x), *e, T, H);
+  if (e != nullptr && e->table != nullptr) {  // all-reduce 2n: the embedding's
+    int rc = s->dtype == 0 ? embed(static_cast<float*>(x), *e, T, H)
+                           : embed(static_cast<uint16_t*>(x), *e, T, H);
+    rc = rc ? rc : reduced(s, x, T * H, 2 * n);
     if (rc) return rc;
+    if (e->ptable != nullptr && s->dtype == 0) positions(static_cast<float*>(x), *e, T, H);
+    if (e->ptable != nullptr && s->dtype == 1) positions(static_cast<uint16_t*>(x), *e, T, H);
   }
   const float* cos = s->cos;  // [T, rd]: each row's angles (looked up in the tables)
   const float* sin = s->sin;
@@ -228,9 +251,22 @@ int tpk_layers(void* x, const Layer* layers, int n, Step* s, void* work) {
     rc = rc ? rc : reduced(s, x, T * H, 2 * i + 1);
     if (rc) return rc;
   }
-  if (e != nullptr && e->head.w != nullptr)
-    return head(x, work, *e, T, H, s->dtype, s->threads);
-  return 0;
+  if (e == nullptr || e->head.w == nullptr) return 0;
+  int rc = head(x, work, *e, T, H, s->dtype, s->threads);
+  if (rc || e->pick == nullptr) return rc;
+  const float* every = e->best;  // at tp > 1 every rank's: the all-gather 2n + 1
+  if (e->gather != nullptr) {
+    s->spans[2 * (2 * n + 1)] = monotonic();
+    rc = e->gather(s->rbase, s->rrank, e->best, e->every, size_t(T) * 3 * 4, s->rtimeout,
+                   s->who);
+    s->spans[2 * (2 * n + 1) + 1] = monotonic();
+    if (rc) {
+      s->failed = 2 * n + 1;
+      return REDUCE_FAILED + rc;
+    }
+    every = e->every;
+  }
+  return tpk_pick(every, e->tp, T, e->pick);
 }
 
 }  // extern "C"

@@ -307,12 +307,15 @@ int tpk_rope_write(void* heads, int64_t rows, int64_t S, int nr, int nkv, int hd
   return 0;
 }
 
-// Each row of x [M, ld] float32, over its first n columns: out[3 m..] = (its largest
-// value, the first column holding it, log(sum exp(x - largest)) + largest): a greedy
-// token and the log-sum-exp of its log-probability, in two passes over the row (in
-// cache; the attention's exp_neg). A NaN counts as the largest (as torch's argmax).
+// Each row of x [M, ld] float32 (a shard of a vocabulary's logits: columns first ..),
+// over its first n columns: out[3 m..] = (its largest value, first + the first column
+// holding it: a token id, log(sum exp(x - largest)) + largest): a greedy token and the
+// log-sum-exp of its log-probability, in two passes over the row (in cache; the
+// attention's exp_neg). A NaN counts as the largest (as torch's argmax). A shard of
+// padding alone (first >= vocab) gives -inf, -inf: none of its columns can win.
 // 0: done; -2: bad sizes.
-int tpk_best(const float* x, int64_t M, int64_t n, int64_t ld, float* out) {
+int tpk_best(const float* x, int64_t M, int64_t n, int64_t ld, int64_t first, int64_t vocab,
+             float* out) {
   if (M < 0 || n <= 0 || ld < n) return -2;
   for (int64_t m = 0; m < M; ++m) {
     const float* row = x + m * ld;
@@ -347,9 +350,36 @@ int tpk_best(const float* x, int64_t M, int64_t n, int64_t ld, float* out) {
       while (nan < n && !std::isnan(row[nan])) ++nan;
       if (nan < n) best = row[nan], at = nan;
     }
-    out[3 * m] = best;
-    out[3 * m + 1] = float(at);
-    out[3 * m + 2] = std::isinf(best) ? best : std::log(sum) + best;
+    const bool padding = first >= vocab;
+    out[3 * m] = padding ? -INFINITY : best;
+    out[3 * m + 1] = float(at) + float(first);
+    out[3 * m + 2] = padding ? -INFINITY : std::isinf(best) ? best : std::log(sum) + best;
+  }
+  return 0;
+}
+
+// Each row's greedy token and log-probability [T, 2] from every rank's best of its
+// shard, every [tp, T, 3] (rank-major; tpk_best's, columns as token ids): the token of
+// the first rank with the largest value (torch's argmax of the whole row), value -
+// log(sum over the ranks of exp(their log-sum-exp)) (the largest first, so no overflow).
+int tpk_pick(const float* every, int tp, int64_t T, float* out) {
+  if (tp < 1 || T < 0) return -2;
+  for (int64_t t = 0; t < T; ++t) {
+    int win = 0;
+    float top = every[3 * t], m = every[3 * t + 2];
+    for (int r = 1; r < tp; ++r) {
+      const float* b = every + 3 * (r * T + t);
+      if (b[0] > top) top = b[0], win = r;
+      m = std::max(m, b[2]);
+    }
+    float lse = m;
+    if (tp > 1 && std::isfinite(m)) {
+      float sum = 0.0f;
+      for (int r = 0; r < tp; ++r) sum += std::exp(every[3 * (r * T + t) + 2] - m);
+      lse = m + std::log(sum);
+    }
+    out[2 * t] = every[3 * (win * T + t) + 1];
+    out[2 * t + 1] = top - lse;
   }
   return 0;
 }

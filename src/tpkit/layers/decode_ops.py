@@ -52,7 +52,8 @@ LIBRARY = NativeLibrary(
     ("-O3", "-march=native", "-std=c++17", "-ffp-contract=fast", "-shared", "-fPIC",
      "-fno-strict-aliasing"),
     signatures={name: (None, ctypes.c_int) for name in  # ctypes objects passed
-                ("tpk_linear", "tpk_norm", "tpk_rope_write", "tpk_layers", "tpk_best")},
+                ("tpk_linear", "tpk_norm", "tpk_rope_write", "tpk_layers", "tpk_best",
+                 "tpk_pick")},
     disable_env="TPKIT_DECODE_OPS_DISABLE", per_cpu=True)
 DTYPES = {torch.float32: 0, torch.bfloat16: 1, torch.int8: 2}
 NULL = ctypes.c_void_p(None)
@@ -199,10 +200,12 @@ class Layer(ctypes.Structure):
 class Ends(ctypes.Structure):
     """What a greedy decode adds around `run_layers` (decode_layers.h's `Ends`)."""
     _fields_ = [("table", ctypes.c_void_p), ("ptable", ctypes.c_void_p), ("ids", ctypes.c_void_p),
-                ("pos", ctypes.c_void_p), ("vocab", ctypes.c_int64), ("nw", ctypes.c_void_p),
-                ("nb", ctypes.c_void_p), ("eps", ctypes.c_float), ("off", ctypes.c_float),
-                ("head", Lin), ("valid", ctypes.c_int64), ("logits", ctypes.c_void_p),
-                ("wide", ctypes.c_void_p), ("best", ctypes.c_void_p)]
+                ("pos", ctypes.c_void_p), ("vocab", ctypes.c_int64), ("vstart", ctypes.c_int64),
+                ("vrows", ctypes.c_int64), ("nw", ctypes.c_void_p), ("nb", ctypes.c_void_p),
+                ("eps", ctypes.c_float), ("off", ctypes.c_float), ("head", Lin),
+                ("valid", ctypes.c_int64), ("first", ctypes.c_int64), ("logits", ctypes.c_void_p),
+                ("wide", ctypes.c_void_p), ("best", ctypes.c_void_p), ("gather", ctypes.c_void_p),
+                ("tp", ctypes.c_int), ("every", ctypes.c_void_p), ("pick", ctypes.c_void_p)]
 
 
 class Step(ctypes.Structure):
@@ -259,45 +262,51 @@ def run_layers(x: torch.Tensor, layers, work: int, step: Step) -> torch.Tensor:
     return x
 
 
-def best(logits: torch.Tensor, n: int) -> torch.Tensor:
-    """Each row of logits [m, N] over its first n columns -> [m, 3] float32: its largest
-    value, the first column holding it (torch's argmax: a NaN counts as the largest) and
-    its log-sum-exp: a greedy token and its log-probability (largest - log-sum-exp) in one
-    pass over the row's cache lines per quantity, where torch takes ~10 ops (~0.2 ms for
-    49152 columns here). Without the library: torch's ops."""
-    x = logits.float()
+def shard_best(logits: torch.Tensor, first: int, vocab: int) -> torch.Tensor:
+    """Each row of a vocabulary shard's logits [m, n] (the tokens first .., the padding
+    past `vocab` left out) -> [m, 3] float32: its largest value, the token holding it
+    first (torch's argmax: a NaN counts as the largest) and its log-sum-exp; a shard of
+    padding alone gives -inf, -inf (none of its columns can win). Greedy decoding's token
+    and log-probability (largest - log-sum-exp) in two passes over the row, where torch
+    takes ~10 ops (~0.2 ms for 49152 columns here). Without the library: torch's ops."""
+    x, n = logits.float(), columns(logits.shape[-1], first, vocab)
     if load() is None or x.device.type != "cpu" or x.stride(-1) != 1:
-        x = x[:, :n]
-        top, idx = x.max(-1)
-        return torch.stack([top, idx.float(), x.logsumexp(-1)], -1)
+        top, idx = x[:, :n].max(-1)
+        out = torch.stack([top, idx.float() + first, x[:, :n].logsumexp(-1)], -1)
+        if first >= vocab:
+            out[:, 0] = out[:, 2] = float("-inf")
+        return out
     out = torch.empty(x.shape[0], 3)
     rc = load().tpk_best(ctypes.c_void_p(x.data_ptr()), ctypes.c_int64(x.shape[0]),
-                         ctypes.c_int64(n), ctypes.c_int64(x.stride(0)),
-                         ctypes.c_void_p(out.data_ptr()))
+                         ctypes.c_int64(n), ctypes.c_int64(x.stride(0)), ctypes.c_int64(first),
+                         ctypes.c_int64(vocab), ctypes.c_void_p(out.data_ptr()))
     if rc != 0:
         raise RuntimeError(f"tpk_best returned {rc}")
     return out
 
 
-def shard_best(logits: torch.Tensor, first: int, vocab: int) -> torch.Tensor:
-    """`best` of a vocabulary shard's logits [m, n] (columns first .., the padding past
-    `vocab` left out) in the whole vocabulary's columns: [m, 3]; a shard of padding alone
-    gives -inf (none of its columns can win)."""
-    return in_vocabulary(best(logits, columns(logits.shape[-1], first, vocab)), first, vocab)
+def pick(every: torch.Tensor, tp: int) -> torch.Tensor:
+    """Every rank's `shard_best` [tp * m, 3] (rank-major) -> [m, 2]: each row's greedy
+    token (the first rank with the largest value: torch's argmax of the whole row) and
+    its log-probability (value - the log-sum-exp over the ranks' log-sum-exps)."""
+    m = every.shape[0] // tp
+    if load() is None:
+        every = every.view(tp, m, 3).transpose(0, 1)  # [m, tp, 3]
+        vals = every[..., 0]
+        win = (vals == vals.max(-1, keepdim=True).values).to(torch.int8).argmax(-1)
+        top = every[torch.arange(m), win]  # [m, 3]
+        return torch.stack([top[:, 1], top[:, 0] - every[..., 2].logsumexp(-1)], -1)
+    every, out = every.float().contiguous(), torch.empty(m, 2)
+    rc = load().tpk_pick(ctypes.c_void_p(every.data_ptr()), INTS[tp], ctypes.c_int64(m),
+                         ctypes.c_void_p(out.data_ptr()))
+    if rc != 0:
+        raise RuntimeError(f"tpk_pick returned {rc}")
+    return out
 
 
 def columns(n: int, first: int, vocab: int) -> int:
-    """The real tokens among a shard's n columns first .. (at least 1: see in_vocabulary)."""
+    """The real tokens among a shard's n columns first .. (at least 1)."""
     return max(1, min(n, vocab - first))
-
-
-def in_vocabulary(mine: torch.Tensor, first: int, vocab: int) -> torch.Tensor:
-    """A shard's `best` [m, 3] (columns from 0) made the whole vocabulary's, in place."""
-    if first >= vocab:
-        mine[:, 0] = mine[:, 2] = float("-inf")
-    if first:
-        mine[:, 1] += first
-    return mine
 
 
 def main() -> int:

@@ -117,7 +117,7 @@ class NativeStack:
         self.group = at.group
         self.reduce = collectives.native_all_reduce(self.group)  # tp=1: None
         self.scopes = [s for s in scopes for _ in range(2)]  # each all-reduce's scope
-        self.spans = (ctypes.c_double * (2 * len(self.scopes)))()
+        self.spans = (ctypes.c_double * (2 * len(self.scopes) + 4))()  # + the ends' two
 
     @classmethod
     def of(cls, blocks: list, scopes: list[str]) -> NativeStack | None:
@@ -145,7 +145,7 @@ class NativeStack:
     def __call__(self, x: torch.Tensor, caches: list[PagedKV], ends: NativeEnds | None = None
                  ) -> torch.Tensor:
         """x [T, 1, H] through the layers; with `ends` (x: the ids [T, 1] where the ends
-        embed them) the best of each row's logits, [T, 3] (`decode_ops.best`)."""
+        embed them) each row's greedy token and log-probability [T, 2] instead."""
         batch = caches[0].batch
         T, plan = x.shape[0], batch.decode
         if self.how is not None and batch.rope_len != getattr(self, "_table", (0,))[0]:
@@ -160,27 +160,33 @@ class NativeStack:
             plan.rows, plan.args[2].value, plan.args[3].value)
         work = T * self.row_work * self.dtype.itemsize + 64 + (
             0 if cos is None else 2 * T * cos.shape[-1] * 4)
-        out = None
         if ends is not None:
-            out = ends.point(x, batch.positions, self.dtype)
-            step.ends = ctypes.pointer(ends.struct)
+            step.ends = ctypes.pointer(ends.point(x, batch.positions, self.dtype))
             if ends.embeds:
                 x = torch.empty(T, 1, self.hidden, dtype=self.dtype)
         if self.reduce is None:
             x = decode_ops.run_layers(x, self.layers, work, step)
-            return x if out is None else ends.done()
+            return x if ends is None else ends.pick
         fn, base, rank, split, timeout, who = self.reduce
         step.reduce, step.rbase, step.rrank, step.lead = fn, base, rank, int(rank == 0)
         step.rsplit, step.rtimeout, step.who = split, timeout, who
         step.spans = ctypes.addressof(self.spans)
+        ops = [("all_reduce", x, scope) for scope in self.scopes]  # what the call runs
+        if ends is not None:  # the embedding's all-reduce, the all-gather of the best
+            ops += [("all_reduce", x, "embed") if ends.embeds else None,
+                    ("all_gather", ends.every, None)]  # recorded as its output
         try:
             x = decode_ops.run_layers(x, self.layers, work, step)
         except decode_ops.ReduceFailed as e:
-            collectives.native_failed(self.group, "all_reduce", e.code, x, self.scopes[e.at])
+            op, t, scope = ops[e.at]
+            collectives.native_failed(self.group, op, e.code, t, scope)
         s = self.spans
-        collectives.record_native(self.group, "all_reduce", x,
-                                  [(s[i], s[i + 1]) for i in range(0, len(s), 2)], self.scopes)
-        return x if out is None else ends.done()
+        for i, done in enumerate(ops):
+            if done is not None:
+                collectives.record_native(self.group, done[0], done[1], [(s[2 * i],
+                                                                          s[2 * i + 1])],
+                                          [done[2]])
+        return x if ends is None else ends.pick
 
     def _pointers(self, caches: list[PagedKV]) -> tuple[ctypes.c_void_p, ctypes.c_void_p]:
         """The layers' k and v caches' pointers (made again only when the cache grew)."""
@@ -195,48 +201,52 @@ class NativeStack:
 
 
 class NativeEnds:
-    """What a greedy decode adds around `NativeStack` in the same native call: at tp=1
-    the embedding lookup (a plain word table, a learned position table or none), and on
-    every rank the final norm, the head's product and the best of this rank's vocabulary
-    shard (`decode_ops.best`): a decode row in, [value, column, log-sum-exp] out, the
-    modules and ~20 torch ops between them gone. `NativeEnds.of(model)`: None where the
-    model's ends are not those (the modules run)."""
+    """What a greedy decode adds around `NativeStack` in the same native call: the
+    embedding lookup (a plain word table, vocab-parallel: its all-reduce at tp > 1, and a
+    learned position table or none), then after the layers the final norm, the head's
+    product and the best of this rank's vocabulary shard (`decode_ops.shard_best`),
+    gathered from every rank at tp > 1 and picked (`decode_ops.pick`): decode rows' ids
+    in, their greedy tokens and log-probabilities [T, 2] out, the modules and ~30 torch
+    ops between them gone. `NativeEnds.of(model)`: None where the model's ends are not
+    those (the modules run); the embedding stays in Python where it is not a plain table."""
 
     def __init__(self, model, embeds: bool) -> None:
-        fn, rows = model.final_norm, model.head_decoding.rows
-        e = model.embed
+        fn, rows, e, g = model.final_norm, model.head_decoding.rows, model.embed, model.group
         self.embeds, self.n = embeds, rows.n
-        self.first, self.vocab = model.group.rank * rows.n, model.config.vocab_size
+        first = g.rank * rows.n  # this shard's first token id
         self.keep = (fn, rows)  # what the struct points into
         self.struct = decode_ops.Ends(
             e.word.weight.data_ptr() if embeds else None,
             decode_ops.address(e.position.weight if embeds and e.position is not None
-                               else None), None, None, e.word.weight.shape[0],
+                               else None), None, None, model.config.vocab_size,
+            e.word.vocab_start, e.word.per_rank,
             decode_ops.address(fn.weight if fn is not None else None),
             decode_ops.address(fn.bias if fn is not None else None),
             fn.eps if fn is not None else 0.0, fn.offset if fn is not None else 0.0,
-            decode_ops.lin(rows, None), decode_ops.columns(rows.n, self.first, self.vocab))
+            decode_ops.lin(rows, None), decode_ops.columns(rows.n, first, model.config.vocab_size),
+            first, None, None, None, collectives.native_all_gather(g), g.size)
 
     @classmethod
     def of(cls, model) -> NativeEnds | None:
         rows = getattr(model.head_decoding, "rows", None)
-        fn = model.final_norm
+        fn, g = model.final_norm, model.group
         if rows is None or not (model.is_first_stage and model.is_last_stage) or (
-                fn is not None and not fn.native):
+                fn is not None and not fn.native) or (
+                g.size > 1 and collectives.native_all_gather(g) is None):
             return None
         e = model.embed
         w = e.word.weight
-        embeds = (model.group.size == 1 and e.scale == 1.0 and e.token_type is None
-                  and e.norm is None and not e.sp and e.cp is None and w.is_contiguous()
-                  and w.dtype in (torch.float32, torch.bfloat16) and w.device.type == "cpu"
+        embeds = (e.scale == 1.0 and e.token_type is None and e.norm is None and not e.sp
+                  and e.cp is None and w.is_contiguous() and w.device.type == "cpu"
+                  and w.dtype in (torch.float32, torch.bfloat16)
                   and (e.position is None or (e.position.weight.dtype == w.dtype
                                               and e.position.weight.is_contiguous())))
         return cls(model, embeds)
 
     def point(self, x: torch.Tensor, positions: torch.Tensor, dtype: torch.dtype
-              ) -> torch.Tensor:
-        """Point the struct at this call's tensors (x: the ids [T, 1] where it embeds);
-        the [T, 3] the call fills."""
+              ) -> decode_ops.Ends:
+        """The struct pointed at this call's tensors (x: the ids [T, 1] where it embeds):
+        `pick` [T, 2] is what the call fills."""
         T, s = x.shape[0], self.struct
         if self.embeds:
             ids = x.reshape(-1)
@@ -244,11 +254,9 @@ class NativeEnds:
             s.ids, s.pos = self.ids.data_ptr(), positions.data_ptr()
         self.logits = torch.empty(T, self.n, dtype=dtype)
         self.wide = torch.empty(T, self.n) if dtype != torch.float32 else None
-        self.best = torch.empty(T, 3)
-        s.logits, s.best = self.logits.data_ptr(), self.best.data_ptr()
-        s.wide = decode_ops.address(self.wide)
-        return self.best
-
-    def done(self) -> torch.Tensor:
-        """The call's [T, 3] in the whole vocabulary's columns (`decode_ops.shard_best`)."""
-        return decode_ops.in_vocabulary(self.best, self.first, self.vocab)
+        self.best, self.pick = torch.empty(T, 3), torch.empty(T, 2)
+        self.every = torch.empty(s.tp * T, 3) if s.tp > 1 else None
+        s.logits, s.best, s.pick = (self.logits.data_ptr(), self.best.data_ptr(),
+                                    self.pick.data_ptr())
+        s.wide, s.every = decode_ops.address(self.wide), decode_ops.address(self.every)
+        return s

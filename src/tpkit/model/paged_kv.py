@@ -154,9 +154,9 @@ def forward(model: nn.Module, cache: PagedCache, pieces: list[Piece], greedy: bo
                         cache.device)
     caches = [PagedKV(k, v, batch) for k, v in zip(cache.k, cache.v)]
     if greedy and all(len(p.tokens) == 1 and p.logits == LAST for p in pieces):
-        mine = model.decode_best(ids, caches)  # one native call, or None
-        if mine is not None:
-            return _pick(model, mine), []
+        picked = model.decode_greedy(ids, caches)  # one native call, or None
+        if picked is not None:
+            return picked, []
     h = model.body(ids, kv_caches=caches, position_offset=batch.positions)  # [T, 1, h]
     lasts = [first + n - 1 for (first, n, _, _), p in zip(batch.seqs, pieces) if p.logits]
     every = [(first, n) for (first, n, _, _), p in zip(batch.seqs, pieces)
@@ -192,13 +192,7 @@ def _greedy(model: nn.Module, h: torch.Tensor) -> torch.Tensor:
 def _pick(model: nn.Module, mine: torch.Tensor) -> torch.Tensor:
     """Each rank's best of its shard [b, 3] (value, token, log-sum-exp:
     `decode_ops.shard_best`) -> [b, 2] (greedy token, its log-probability), over the
-    ranks: the first largest (torch's argmax of the whole row)."""
+    ranks (`decode_ops.pick`)."""
     tp = model.group.size
-    if tp == 1:
-        return torch.stack([mine[:, 1], mine[:, 0] - mine[:, 2]], -1)
-    every = all_gather(mine, model.group, dim=-1).view(-1, tp, 3)  # [b, tp, 3]
-    vals = every[..., 0]
-    win = (vals == vals.max(-1, keepdim=True).values).to(torch.int8).argmax(-1)  # first rank
-    rows = torch.arange(vals.shape[0], device=vals.device)
-    top = every[rows, win]  # [b, 3]
-    return torch.stack([top[:, 1], top[:, 0] - every[..., 2].logsumexp(-1)], -1)  # [b, 2]
+    every = mine if tp == 1 else all_gather(mine, model.group, dim=0)  # [tp * b, 3]
+    return decode_ops.pick(every, tp)

@@ -288,11 +288,11 @@ class Transformer(nn.Module):
                                                [f"layers.{i}" for i in indices])
         return self._stacks[key]
 
-    def decode_best(self, ids: torch.Tensor, kv_caches) -> torch.Tensor | None:
-        """Greedy decode rows ids [T, 1] -> the best of this rank's vocabulary shard [T, 3]
-        (value, column in the shard, log-sum-exp), the layers, final norm, head and best
+    def decode_greedy(self, ids: torch.Tensor, kv_caches) -> torch.Tensor | None:
+        """Greedy decode rows ids [T, 1] -> each row's greedy token and log-probability
+        [T, 2] (`paged_kv._greedy`'s), the embedding, layers, final norm, head and pick
         in one native call (`NativeStack` with `NativeEnds`), or None where that cannot
-        run (the modules do: `tpkit.model.paged_kv`)."""
+        run (the modules do: `tpkit.model.paged_kv`). Every tp rank calls it."""
         stack = self._stack(list(self.layers))
         if stack is None or not stack.takes(ids.shape[0], stack.dtype, kv_caches):
             return None
