@@ -148,7 +148,8 @@ def fast_paths() -> list[tuple[str, str]]:
            ("decode", f"native products, norms and rotary for up to {decode_ops.ROWS} rows "
                       f"(float32, bfloat16, int8 weights; {decode_ops.load().tpk_decode_ops_lanes()}"
                       f"-lane sums), a step's layers in one call (tp > 1: the "
-                      f"shared-memory all-reduces inside it)" if native else
+                      f"shared-memory all-reduces inside it; greedy: the embedding, head "
+                      f"and token pick too)" if native else
                       f"torch's ops (native decode kernels unavailable: "
                       f"{decode_ops.LIBRARY.unavailable_reason()})"),
            ("float32", "decoding multiplies a step's rows natively" if native else

@@ -5,12 +5,14 @@ only rank 0 needs the requests, the tokenizer and the sampler.
 One step of the group, as rank 0 broadcasts it over the tp group (through
 `tpkit.comm.broadcast`, so the ledger counts it):
 
-    header int64 [4] = [op, payload length, blocks, greedy]
-        op STEP : then the payload int64 [length], the step's forwards:
+    header int64 [4 + INLINE] = [op, payload length, blocks, greedy, the payload's first
+    INLINE integers] (a decode step's whole plan: one broadcast a step), then the rest of
+    the payload, if longer, in a second broadcast
+        op STEP : the payload int64 [length], the step's forwards:
                   [forwards, then per forward: pieces, then per piece:
                    start, tokens n, blocks m, logits kind, ids [n], block table [m]]
                   -> every rank grows its cache to `blocks`, runs each forward
-        op EMBED: then the payload int64 [length], an encoder's batch of inputs:
+        op EMBED: the payload int64 [length], an encoder's batch of inputs:
                   [rows b, their lengths n_1..n_b, then each row's ids]
                   -> every rank runs one forward of the b rows, right-padded to the
                   longest, with their attention mask (`Runner.embed_rows`)
@@ -34,6 +36,7 @@ from tpkit.model.paged_kv import PagedCache, Piece, forward
 
 STEP, EMBED, IDLE, STOP = 1, 2, 3, 4
 BLOCK_SIZE = 16  # tokens per KV block
+INLINE = 124  # payload integers sent with the header (a 1 KB message)
 
 
 class Runner:
@@ -51,20 +54,28 @@ class Runner:
         self.device = self.cache.device
         self.steps = 0
 
-    def _header(self, op: int, length: int = 0, blocks: int = 0, greedy: bool = False
-                ) -> torch.Tensor:
-        h = torch.tensor([op, length, blocks, int(greedy)], dtype=torch.long,
-                         device=self.device)
-        return broadcast(h, self.group, 0, scope="serve.plan")
+    def _header(self, op: int, payload: list[int] = (), blocks: int = 0, greedy: bool = False
+                ) -> list[int]:
+        """Rank 0: broadcast the header with `payload` (its first INLINE integers inline,
+        the rest after); followers (op 0): receive them. The payload, on every rank."""
+        h = torch.zeros(4 + INLINE, dtype=torch.long, device=self.device)
+        if op:
+            h[:4 + min(len(payload), INLINE)] = torch.tensor(
+                [op, len(payload), blocks, int(greedy), *payload[:INLINE]])
+        head = broadcast(h, self.group, 0, scope="serve.plan").tolist()
+        self.op, length, self.blocks, self.greedy = head[:4]
+        if length <= INLINE:
+            return head[4:4 + length]
+        rest = torch.tensor(payload[INLINE:], dtype=torch.long, device=self.device) if op \
+            else torch.zeros(length - INLINE, dtype=torch.long, device=self.device)
+        return head[4:] + broadcast(rest, self.group, 0, scope="serve.plan").tolist()
 
     def lead_step(self, forwards: list[list[Piece]], blocks: int, greedy: bool = False
                   ) -> list[tuple[torch.Tensor | None, list[torch.Tensor]]]:
         """Rank 0: run `forwards` on every rank (the cache grown to `blocks` first);
         each forward's (logits of its pieces' last rows, EVERY pieces' other rows)."""
-        payload = encode(forwards)
-        self._header(STEP, len(payload), blocks, greedy)
-        broadcast(torch.tensor(payload, dtype=torch.long, device=self.device), self.group, 0,
-                  scope="serve.plan")
+        if self.group.size > 1:
+            self._header(STEP, encode(forwards), blocks, greedy)
         return self._run(forwards, blocks, greedy)
 
     def _run(self, forwards, blocks: int, greedy: bool):
@@ -76,9 +87,8 @@ class Runner:
         """Rank 0: one forward of an encoder over `rows` (token ids) on every rank; the
         final hidden states [b, s, h] and the attention mask [b, s] (1: a real token)."""
         payload = [len(rows), *map(len, rows), *(t for r in rows for t in r)]
-        self._header(EMBED, len(payload))
-        broadcast(torch.tensor(payload, dtype=torch.long, device=self.device), self.group, 0,
-                  scope="serve.plan")
+        if self.group.size > 1:
+            self._header(EMBED, payload)
         return self.embed_rows(rows)
 
     @torch.no_grad()
@@ -104,23 +114,19 @@ class Runner:
     @staticmethod
     def stop_followers(model: nn.Module, slots: int = 0) -> None:
         """Rank 0, with or without a Runner: STOP to the followers."""
-        h = torch.tensor([STOP, 0, 0, 0], dtype=torch.long,
-                         device=next(model.parameters()).device)
+        h = torch.zeros(4 + INLINE, dtype=torch.long, device=next(model.parameters()).device)
+        h[0] = STOP
         broadcast(h, model.group, 0, scope="serve.plan")
 
     def follow(self) -> int:
         """Ranks > 0: run what rank 0 broadcasts until STOP; returns the steps run."""
         while True:
-            op, length, blocks, greedy = (int(v) for v in self._header(0))
-            if op == STOP:
+            flat = self._header(0)
+            if self.op == STOP:
                 return self.steps
-            if op == STEP:
-                payload = broadcast(torch.zeros(length, dtype=torch.long, device=self.device),
-                                    self.group, 0, scope="serve.plan")
-                self._run(decode(payload.tolist()), blocks, bool(greedy))
-            elif op == EMBED:
-                flat = broadcast(torch.zeros(length, dtype=torch.long, device=self.device),
-                                 self.group, 0, scope="serve.plan").tolist()
+            if self.op == STEP:
+                self._run(decode(flat), self.blocks, bool(self.greedy))
+            elif self.op == EMBED:
                 b, at, rows = flat[0], 1 + flat[0], []
                 for n in flat[1:1 + b]:
                     rows.append(flat[at:at + n])
