@@ -37,12 +37,13 @@ struct Layer {
 // What a greedy decode adds around the layers (`Step::ends`; a null pointer: not done).
 // table: this rank's rows vstart .. vstart + vrows of the word embedding (x's dtype):
 // each row's id looked up into x (an id another rank holds: zeros), summed over the
-// group at tp > 1 (the all-reduce after the layers'), then + ptable's row of its
-// position (a learned position table, replicated). After the layers: the final norm (nw
-// null: none), the head's shard [N, H] into logits [T, N] (x's dtype; wide: their
-// float32 for bfloat16), its best [T, 3] (tpk_best over the first `valid` columns), at tp > 1
-// gathered from every rank into every [tp, T, 3] (`gather`: the channel's all-gather),
-// and pick [T, 2]: each row's greedy token and log-probability (tpk_pick).
+// group at tp > 1 (all-reduce 2n: numbered after the layers' 2n), then + ptable's row of
+// its position (a learned position table, replicated). After the layers: the final norm
+// (nw null: none), the head's shard [N, H] into logits [T, N] (x's dtype; wide: their
+// float32 for bfloat16), its best [T, 3] (tpk_best over the first `valid` columns), at
+// tp > 1 gathered from every rank into every [tp, T, 3] (`gather`: the channel's
+// all-gather, number 2n + 1), and pick [T, 2]: each row's greedy token and
+// log-probability (tpk_pick).
 using Gather = int (*)(void*, int, const void*, void*, size_t, double, int*);
 struct Ends {
   const void* table;

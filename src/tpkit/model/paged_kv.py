@@ -26,7 +26,9 @@ as with LAST, in the same product). Full logits [m, V] float32 gathered over tp,
 vocab-parallel shards: per row each rank sends (its largest logit, that token, the
 log-sum-exp of its shard), [m, 3] float32 instead of [m, V/tp]; the token is the first
 largest over the ranks (so torch's argmax of the whole row, bit for bit), its
-log-probability max - logsumexp(ranks').
+log-probability max - logsumexp(ranks') (`decode_ops.shard_best` and `pick`, at tp=1
+too). A greedy forward of decode rows alone runs whole in one native call where the
+model allows it (`Transformer.decode_greedy`: the same kernels, the same bits).
 
 The cache's dtype is the model's (bfloat16 weights: a bfloat16 cache); the logits
 returned are float32 whatever the dtype.
