@@ -118,6 +118,8 @@ class NativeStack:
         self.reduce = collectives.native_all_reduce(self.group)  # tp=1: None
         self.scopes = [s for s in scopes for _ in range(2)]  # each all-reduce's scope
         self.spans = (ctypes.c_double * (2 * len(self.scopes) + 4))()  # + the ends' two
+        self._table = (0,)  # (rope_len, cos, sin): the rotary table the call reads
+        self._cached = (None,)  # (the first k cache, the caches' pointer arrays)
 
     @classmethod
     def of(cls, blocks: list, scopes: list[str]) -> NativeStack | None:
@@ -148,7 +150,7 @@ class NativeStack:
         embed them) each row's greedy token and log-probability [T, 2] instead."""
         batch = caches[0].batch
         T, plan = x.shape[0], batch.decode
-        if self.how is not None and batch.rope_len != getattr(self, "_table", (0,))[0]:
+        if self.how is not None and batch.rope_len != self._table[0]:
             self._table = (batch.rope_len, *rope_table(*self.how[:2], batch.rope_len, None,
                                                        self.how[2]))
         cos, sin = (None, None) if self.how is None else self._table[1:]
@@ -191,7 +193,7 @@ class NativeStack:
     def _pointers(self, caches: list[PagedKV]) -> tuple[ctypes.c_void_p, ctypes.c_void_p]:
         """The layers' k and v caches' pointers (made again only when the cache grew)."""
         key = caches[0].k
-        if getattr(self, "_cached", (None,))[0] is not key:
+        if self._cached[0] is not key:
             n = len(caches)
             k = (ctypes.c_void_p * n)(*(c.k.data_ptr() for c in caches))
             v = (ctypes.c_void_p * n)(*(c.v.data_ptr() for c in caches))
@@ -214,7 +216,6 @@ class NativeEnds:
         fn, rows, e, g = model.final_norm, model.head_decoding.rows, model.embed, model.group
         self.embeds, self.n = embeds, rows.n
         first = g.rank * rows.n  # this shard's first token id
-        self.keep = (fn, rows)  # what the struct points into
         self.struct = decode_ops.Ends(
             e.word.weight.data_ptr() if embeds else None,
             decode_ops.address(e.position.weight if embeds and e.position is not None

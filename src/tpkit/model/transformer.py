@@ -25,7 +25,6 @@ import torch
 from torch import nn
 
 from tpkit.comm import compile_ready, ops
-from tpkit.layers import decode_ops
 from tpkit.layers.attention import PagedKV
 from tpkit.layers.chunked_loss import chunked_head_cross_entropy
 from tpkit.layers.cross_entropy import vocab_parallel_cross_entropy
@@ -267,8 +266,7 @@ class Transformer(nn.Module):
         seq = self.group.sp_seq  # SP: the recomputed forward (in backward) gathers it too
         if kv_caches is not None and not self.training:  # a decode: all layers in one call?
             stack = self._stack(indices)
-            if stack is not None and decode_ops.fits(x) and stack.takes(x.shape[0], x.dtype,
-                                                                        kv_caches):
+            if stack is not None and stack.takes(x.shape[0], x.dtype, kv_caches):
                 return stack(x, kv_caches)
         for j, i in enumerate(indices):
             layer, cache = self.layers[str(i)], kv_caches[j] if kv_caches is not None else None
