@@ -8,7 +8,10 @@ exists), `transformers serve --continuous-batching`, and llama.cpp's `llama-serv
         --gguf F32=smollm2-f32.gguf --gguf BF16=smollm2-bf16.gguf --gguf Q8_0=smollm2-q8_0.gguf \\
         [--rounds 5] [--clients 1,8] [--max-tokens 64] [--only tpkit,llama]
 
-(or LLAMA_SERVER=... and SERVE_PEERS_GGUF_F32=... / _BF16 / _Q8_0 in the environment).
+(or LLAMA_SERVER=... and SERVE_PEERS_GGUF_F32=... / _BF16 / _Q8_0 in the environment;
+`--llama-arg=X`, repeatable, adds X to llama-server's command line: `--llama-arg=--no-repack`
+where its weight repacking crashes, as its Q8_0 did on an AMX Xeon built with
+GGML_NATIVE=ON).
 A contender whose program or file is missing is skipped with a line saying so. The GGUFs
 come from llama.cpp's own converter, e.g. `python LLAMA/convert_hf_to_gguf.py SMOLLM2
 --outtype f32 --outfile smollm2-f32.gguf` (bf16, q8_0 alike; it needs `gguf` and
@@ -140,9 +143,9 @@ def contenders(args, say) -> list[Contender]:
                 f"SERVE_PEERS_GGUF_{kind}; given: {path or 'nothing'})")
         else:
             out.append(Contender(
-                f"llama-server {kind} -t 2 -np 8",
+                " ".join([f"llama-server {kind} -t 2 -np 8", *args.llama_arg]),
                 [server, "-m", path, "-t", "2", "-np", "8", "-c", "8192", "--host", "127.0.0.1",
-                 "--port", "{port}", "--jinja"],
+                 "--port", "{port}", "--jinja", *args.llama_arg],
                 "m", Path(path).stat().st_size, extra_body={"cache_prompt": False}))
     keep = [k for k in args.only.split(",") if k] if args.only else []
     return [c for c in out if not keep or any(k in c.name for k in keep)]
@@ -277,6 +280,9 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--hf", required=True, help="the Hugging Face folder every server reads")
     ap.add_argument("--llama-server", default=None, help="llama.cpp's llama-server program")
+    ap.add_argument("--llama-arg", action="append", default=[], metavar="ARG",
+                    help="one more argument for llama-server (repeatable; e.g. --llama-arg="
+                         "--no-repack where its weight repacking crashes on this CPU)")
     ap.add_argument("--gguf", action="append", default=[], metavar="KIND=FILE",
                     help=f"a GGUF of the same folder, KIND one of {', '.join(GGUF_KINDS)}")
     ap.add_argument("--make-ggufs", default=None, metavar="CONVERT_HF_TO_GGUF_PY",
