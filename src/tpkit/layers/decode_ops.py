@@ -212,8 +212,8 @@ class Step(ctypes.Structure):
     """One forward of `run_layers` (decode_ops.cpp's `Step`)."""
     _fields_ = [("T", ctypes.c_int64), ("H", ctypes.c_int64), ("dtype", ctypes.c_int),
                 ("threads", ctypes.c_int), ("cos", ctypes.c_void_p), ("sin", ctypes.c_void_p),
-                ("rd", ctypes.c_int), ("pos", ctypes.c_void_p), ("write", ctypes.c_void_p), ("ck", ctypes.c_void_p),
-                ("cv", ctypes.c_void_p), ("attend", ctypes.c_void_p), ("meta", ctypes.c_void_p),
+                ("rd", ctypes.c_int), ("pos", ctypes.c_void_p), ("write", ctypes.c_void_p),
+                ("ck", ctypes.c_void_p), ("cv", ctypes.c_void_p), ("attend", ctypes.c_void_p), ("meta", ctypes.c_void_p),
                 ("rows", ctypes.c_int), ("bs", ctypes.c_int), ("attend_threads", ctypes.c_int),
                 ("reduce", ctypes.c_void_p), ("rbase", ctypes.c_void_p), ("rrank", ctypes.c_int),
                 ("lead", ctypes.c_int), ("rsplit", ctypes.c_size_t), ("rtimeout", ctypes.c_double),

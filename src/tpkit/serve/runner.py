@@ -55,20 +55,22 @@ class Runner:
         self.steps = 0
 
     def _header(self, op: int, payload: list[int] = (), blocks: int = 0, greedy: bool = False
-                ) -> list[int]:
+                ) -> tuple[int, int, bool, list[int]]:
         """Rank 0: broadcast the header with `payload` (its first INLINE integers inline,
-        the rest after); followers (op 0): receive them. The payload, on every rank."""
+        the rest after); followers (op 0): receive them. (op, blocks, greedy, payload), on
+        every rank."""
         h = torch.zeros(4 + INLINE, dtype=torch.long, device=self.device)
         if op:
             h[:4 + min(len(payload), INLINE)] = torch.tensor(
                 [op, len(payload), blocks, int(greedy), *payload[:INLINE]])
         head = broadcast(h, self.group, 0, scope="serve.plan").tolist()
-        self.op, length, self.blocks, self.greedy = head[:4]
-        if length <= INLINE:
-            return head[4:4 + length]
-        rest = torch.tensor(payload[INLINE:], dtype=torch.long, device=self.device) if op \
-            else torch.zeros(length - INLINE, dtype=torch.long, device=self.device)
-        return head[4:] + broadcast(rest, self.group, 0, scope="serve.plan").tolist()
+        op, length, blocks, greedy = head[:4]
+        flat = head[4:4 + length]
+        if length > INLINE:
+            rest = torch.tensor(payload[INLINE:], dtype=torch.long, device=self.device) if \
+                payload else torch.zeros(length - INLINE, dtype=torch.long, device=self.device)
+            flat += broadcast(rest, self.group, 0, scope="serve.plan").tolist()
+        return op, blocks, bool(greedy), flat
 
     def lead_step(self, forwards: list[list[Piece]], blocks: int, greedy: bool = False
                   ) -> list[tuple[torch.Tensor | None, list[torch.Tensor]]]:
@@ -121,12 +123,12 @@ class Runner:
     def follow(self) -> int:
         """Ranks > 0: run what rank 0 broadcasts until STOP; returns the steps run."""
         while True:
-            flat = self._header(0)
-            if self.op == STOP:
+            op, blocks, greedy, flat = self._header(0)
+            if op == STOP:
                 return self.steps
-            if self.op == STEP:
-                self._run(decode(flat), self.blocks, bool(self.greedy))
-            elif self.op == EMBED:
+            if op == STEP:
+                self._run(decode(flat), blocks, greedy)
+            elif op == EMBED:
                 b, at, rows = flat[0], 1 + flat[0], []
                 for n in flat[1:1 + b]:
                     rows.append(flat[at:at + n])
