@@ -8,6 +8,7 @@ collective, so a bad layout never hangs and never fails deep inside a forward.
 from __future__ import annotations
 
 from dataclasses import dataclass, field, fields, replace
+from functools import lru_cache
 
 from tpkit.spec import shapes
 from tpkit.spec.errors import UserError
@@ -128,7 +129,7 @@ class ModelConfig:
         row-parallel out and fc2 keep as many rows and the whole bias; experts are split
         like the MLP and the router replicated; norms are replicated."""
         if rank is None:
-            return max(self.layer_params(tp, r) for r in range(tp))
+            return _largest_layer_params(self, tp)
         h, hd = self.hidden, self.head_dim
         nh = shapes.even_range(self.num_heads, tp, rank)[1]
         kv = shapes.kv_range(self.num_heads, self.kv_heads, tp, rank)[1]
@@ -323,3 +324,8 @@ def get_preset(name: str) -> ModelConfig:
     except KeyError:
         raise UserError(f"unknown preset {name!r}{suggest(name, PRESETS, n=2)} (known: "
                         f"{', '.join(PRESETS)})") from None
+
+
+@lru_cache(maxsize=4096)  # the planner prices 10^4 layouts, each stage of each
+def _largest_layer_params(config: ModelConfig, tp: int) -> int:
+    return max(config.layer_params(tp, r) for r in range(tp))

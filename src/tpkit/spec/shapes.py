@@ -21,6 +21,8 @@ The runtime (layers, model, checkpoints) and the planner both import these.
 
 from __future__ import annotations
 
+from functools import lru_cache
+
 
 def even_range(n: int, parts: int, i: int) -> tuple[int, int]:
     """(offset, size) of share `i` of n units cut into `parts` shares as evenly as
@@ -59,7 +61,12 @@ def stage_layer_range(num_layers: int, pp: int, stage: int) -> range:
 
 def layers_per_stage(num_layers: int, pp: int) -> list[int]:
     """How many layers each of the pp stages holds."""
-    return [len(stage_layer_range(num_layers, pp, s)) for s in range(pp)]
+    return list(_layers_per_stage(num_layers, pp))
+
+
+@lru_cache(maxsize=1024)  # the planner asks for every stage of 10^4 layouts
+def _layers_per_stage(num_layers: int, pp: int) -> tuple[int, ...]:
+    return tuple(len(stage_layer_range(num_layers, pp, s)) for s in range(pp))
 
 
 def padded_vocab(vocab_size: int, tp: int) -> int:
