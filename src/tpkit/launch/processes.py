@@ -32,6 +32,7 @@ from tpkit.mesh import ParallelMesh
 from tpkit.spec.transport import comm_choice
 
 _CTX = None
+_PRELOAD = ["torch", "torch.distributed", "tpkit.launch", "tpkit.host.forkserver_exit"]
 
 
 def watch_launcher(lifeline, run_id: str | None = None) -> None:
@@ -56,9 +57,17 @@ def mp_context():
     global _CTX  # the multiprocessing context, created once per process (not parallel state)
     if _CTX is None:
         _CTX = mp.get_context("forkserver")
-        _CTX.set_forkserver_preload(["torch", "torch.distributed", "tpkit.launch",
-                                   "tpkit.host.forkserver_exit"])
+        _CTX.set_forkserver_preload(_PRELOAD)
     return _CTX
+
+
+def preload(*modules: str) -> None:
+    """Have the forkserver import `modules` too, once, before it forks the workers (which
+    would each import them): what a command's ranks all import. Only before this process
+    starts its first worker; later, nothing changes."""
+    _PRELOAD.extend(m for m in modules if m not in _PRELOAD)
+    if _CTX is not None:
+        _CTX.set_forkserver_preload(_PRELOAD)  # ignored once the forkserver runs
 
 
 def worker_main(rank: int, nprocs: int, port: int, tasks, results, threads: int,
