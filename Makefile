@@ -6,17 +6,22 @@ VENV    := .venv
 BIN     := $(VENV)/bin
 STAMP   := $(VENV)/.installed
 export PYTHONUNBUFFERED := 1
+# pip installs without compiling every module to bytecode (torch alone has thousands, most
+# never imported: 25 s of 35 here); Python caches the bytecode of what is imported on first
+# use, so it must be allowed to write it (an environment may say not to).
+unexport PYTHONDONTWRITEBYTECODE
+PIP     := $(BIN)/pip install -q --no-compile
 
 .PHONY: demo test test-fast bench lint venv browser clean
 
 $(BIN)/python:
 	$(PY) -m venv $(VENV)
-	$(BIN)/pip install -q --upgrade pip
+	$(PIP) --upgrade pip
 
 # torch first, pinned: the CPU build (a bare `torch` would pull a multi-GB CUDA build).
 $(STAMP): pyproject.toml | $(BIN)/python
-	$(BIN)/pip install -q torch==2.13.0
-	$(BIN)/pip install -q -e '.[dev,hf,web,track,data,serve]'
+	$(PIP) torch==2.13.0
+	$(PIP) -e '.[dev,hf,web,track,data,serve]'
 	$(BIN)/python -c 'import tpkit.comm.shm_build as s, tpkit.layers.paged_attention as a, tpkit.layers.decode_ops as d; s.main(); a.main(); d.main()'   # C++ kernels (g++, a few s)
 	touch $(STAMP)
 
@@ -34,14 +39,14 @@ demo: $(STAMP)
 	$(BIN)/tpkit verify --preset llama-tiny --tp 1,2,4 --sp
 	$(BIN)/tpkit train --preset gpt2-tiny --tp 2 --pp 2 --steps 400 --micro-batches 4 --global-batch 16 --seq 128 --out runs/demo --overwrite
 
-test: $(STAMP) browser
-	$(BIN)/python -m pytest
+test: $(STAMP) browser   # two workers (tests/conftest.py says how the files are shared out)
+	$(BIN)/python -m pytest -n 2 --dist loadgroup
 
 test-fast: $(STAMP)   # the suite without the tests marked slow (multi-process, subprocess, HF)
-	$(BIN)/python -m pytest -m "not slow"
+	$(BIN)/python -m pytest -n 2 --dist loadgroup -m "not slow"
 
 bench: $(STAMP)
-	$(BIN)/pip install -q --no-deps megatron-core   # a peer of the block benchmark; keeps torch
+	$(PIP) --no-deps megatron-core   # a peer of the block benchmark; keeps torch
 	$(BIN)/python benchmarks/run_all.py
 
 lint: $(STAMP)

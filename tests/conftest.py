@@ -12,11 +12,35 @@ from __future__ import annotations
 
 import contextlib
 import threading
+from pathlib import Path
 
 import pytest
 
 from tpkit.launch import WorkerPool
 from tpkit.mesh import ParallelMesh
+
+# `make test` runs the files on two pytest-xdist workers (`-n 2 --dist loadgroup`): a
+# file's tests stay together on one worker (its module fixtures built once), the files
+# that start torchrun agents take turns (each an agent and its workers; two at once
+# slowed each other threefold here), and the longest go first so that neither worker is
+# left alone with one at the end.
+TAKE_TURNS = {"test_restart", "test_restart_two_node", "test_two_node", "test_torchrun_flags"}
+FIRST = ["test_restart", "test_restart_two_node", "test_two_node", "test_readme_lines",
+         "test_shutdown", "test_run_safety", "test_determinism", "test_quiz_web"]
+
+
+def pytest_collection_modifyitems(config, items):
+    def group(item) -> str:
+        name = Path(str(item.fspath)).stem
+        return "torchrun" if name in TAKE_TURNS else name
+
+    def rank(item) -> int:
+        name = Path(str(item.fspath)).stem
+        return FIRST.index(name) if name in FIRST else len(FIRST)
+
+    items.sort(key=rank)  # stable: the rest keep their order
+    for item in items:
+        item.add_marker(pytest.mark.xdist_group(group(item)))
 
 
 class Pools:

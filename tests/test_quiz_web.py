@@ -236,7 +236,7 @@ def _wait(condition, timeout: float) -> bool:
 
 @pytest.mark.timeout(180)
 def test_idle_connections_time_out_and_give_their_threads_back():
-    srv = _serve(timeout=10.0)  # long enough for all 40 threads to be seen at once
+    srv = _serve(timeout=4.0)  # long enough for all 40 threads to be seen at once
     try:
         before = set(threading.enumerate())
         socks = [socket.create_connection(srv.server_address, timeout=5) for _ in range(40)]
