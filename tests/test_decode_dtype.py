@@ -146,3 +146,34 @@ def test_verify_hf_in_bfloat16_against_transformers_in_bfloat16(tmp_path, capsys
     assert "bfloat16, tp=[1, 2], reference: transformers in bfloat16" in out
     assert "<= 16 bfloat16 rounding units (2^-8) = 0.0625" in " ".join(out.split())
     assert "OK: every tp matches transformers" in out
+
+
+def greedy_worker(mesh, path):
+    """Rank 0: greedy requests of different lengths, one through a block boundary, one
+    ending first (the plans change); the others follow: (steps, steps readied)."""
+    model = load_model(open_source(path), mesh, dtype=torch.float32, decode=True)
+    runner = Runner(model, 4, 64)
+    if mesh.tp_rank != 0:
+        return runner.follow(), runner.expected
+    engine = Engine(model, max_batch=4, max_len=64, runner=runner)
+    reqs = [engine.submit(p, SamplingParams(max_tokens=n, ignore_eos=True))
+            for p, n in zip(PROMPTS, (20, 5, 12, 9))]
+    while engine.busy:
+        engine.step()
+    engine.runner.lead_stop()
+    return [(r.tokens, r.logprobs) for r in reqs]
+
+
+def test_followers_ready_the_step_they_expect_and_run_any_other(run_tp, folder):
+    """At tp=2 the follower readies the greedy step it expects while rank 0 plans it
+    (`Runner._expect`): most decode steps run readied, and where the plan is another (a
+    request ended, a row needs a new block, a prompt arrives) it runs the plan sent; the
+    tokens are tp=1's and the log-probabilities tp=1's to float32 round-off."""
+    one = run_tp(greedy_worker, 1, str(folder))[0]
+    lead, (steps, readied) = run_tp(greedy_worker, 2, str(folder))
+    assert [t for t, _ in lead] == [t for t, _ in one]
+    assert max(abs(a - b) for (_, x), (_, y) in zip(lead, one) for a, b in zip(x, y)) < 1e-4
+    # 20 steps: the prompts' prefill, then 19 of decode rows alone; not expected: the
+    # first after the prefill, those after a request ended (3), those where the rows of
+    # the 4- and 6-token prompts start a second block of 16 (2): 7 at most
+    assert steps == 20 and steps - 7 <= readied < steps, (readied, steps)

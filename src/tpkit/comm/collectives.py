@@ -73,7 +73,8 @@ def _nbytes(x: torch.Tensor) -> int:
 
 def _shm(group: CommGroup, x: torch.Tensor, copy: bool = False) -> ShmChannel | None:
     """The group's shared-memory channel if it takes `x`, else None (torch.distributed).
-    `copy`: a collective that only moves bytes (broadcast, all-gather) takes any dtype."""
+    `copy`: a collective that only moves bytes (broadcast, all-gather, a send or receive)
+    takes any dtype (a sum only the dtypes it adds)."""
     ch = group.shm
     return ch if ch is not None and ch.takes(x, copy) else None
 
@@ -159,8 +160,9 @@ def record_native(group: CommGroup, op: str, x: torch.Tensor, spans, scopes,
     (start, end) in `spans` (time.perf_counter's clock), each in its scope."""
     ledger = group.ledger
     if ledger.enabled:
+        numel, nbytes = x.numel(), _nbytes(x)
         for (t0, t1), scope in zip(spans, scopes):
-            ledger.add(op, group, x.numel(), _nbytes(x), t1 - t0, phase, scope, span=(t0, t1))
+            ledger.add(op, group, numel, nbytes, t1 - t0, phase, scope, span=(t0, t1))
 
 
 def native_failed(group: CommGroup, op: str, code: int, x: torch.Tensor, scope: str,
@@ -320,7 +322,7 @@ def broadcast(x: torch.Tensor, group: CommGroup, src: int = 0, *, phase: str = "
 def send(x: torch.Tensor, group: CommGroup, dst: int, *, phase: str = "forward",
          scope: str | None = None) -> None:
     """Point-to-point send to group rank `dst` (pipeline activations and gradients)."""
-    x, ch = x.contiguous(), _shm(group, x)
+    x, ch = x.contiguous(), _shm(group, x, copy=True)
     with _guarded("send", group, x.numel(), _nbytes(x), phase, scope, dst):
         if ch is None or not ch.send(x, dst):
             dist.send(x, dst=group.ranks[dst], group=group.pg)
@@ -335,7 +337,7 @@ def isend(x: torch.Tensor, group: CommGroup, dst: int, *, phase: str = "forward"
     if not x.is_contiguous():
         raise ValueError("isend needs a contiguous tensor (it must outlive the send)")
     _real(group)
-    ch = _shm(group, x)
+    ch = _shm(group, x, copy=True)
     with _guarded("send", group, x.numel(), _nbytes(x), phase, scope, dst):
         work = _Done() if ch is not None and ch.send(x, dst) else \
             dist.isend(x, dst=group.ranks[dst], group=group.pg)
@@ -347,7 +349,7 @@ def isend(x: torch.Tensor, group: CommGroup, dst: int, *, phase: str = "forward"
 def recv(x: torch.Tensor, group: CommGroup, src: int, *, phase: str = "forward",
          scope: str | None = None) -> torch.Tensor:
     """Point-to-point receive into `x` from group rank `src`; returns `x`."""
-    ch = _shm(group, x)
+    ch = _shm(group, x, copy=True)
     with _guarded("recv", group, x.numel(), _nbytes(x), phase, scope, src):
         if ch is None:
             dist.recv(x, src=group.ranks[src], group=group.pg)
@@ -388,9 +390,9 @@ def irecv(x: torch.Tensor, group: CommGroup, src: int, *, phase: str = "forward"
     `.wait()` returns `x` (ring attention overlaps it with a block's computation)."""
     _real(group)
     t0 = time.perf_counter()
-    ch = _shm(group, x)  # shared memory: the message is taken at wait() (it never blocks
+    ch = _shm(group, x, copy=True)  # shared memory: the message is taken at wait()
     work = _ShmRecv(ch, x, group, src) if ch is not None else \
-        dist.irecv(x, src=group.ranks[src], group=group.pg)  # the sender)
+        dist.irecv(x, src=group.ranks[src], group=group.pg)  # (it never blocks the sender)
     p = Pending(work, lambda: x, ("recv", group, x.numel(), _nbytes(x), phase, scope), peer=src)
     p._posted_s, p._posted_at = time.perf_counter() - t0, t0
     return p

@@ -98,8 +98,8 @@ class ShmChannel:
     @staticmethod
     def takes(x: torch.Tensor, copy: bool = False) -> bool:
         """True for the tensors this transport handles: CPU, a float dtype it sums (any
-        dtype for a `copy`: a broadcast or an all-gather moves bytes, such as the int64
-        step plan a serving rank 0 broadcasts every token)."""
+        dtype for a `copy`: a broadcast, an all-gather or a send moves bytes, such as the
+        int64 step plan a serving rank 0 sends every token)."""
         return x.device.type == "cpu" and (copy or x.dtype in DTYPES)
 
     # -- collectives (every rank calls the same one, with the same sizes) --------------

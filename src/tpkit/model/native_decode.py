@@ -20,6 +20,8 @@ and decode-only weights, no SP or cp (the stack: no qk-norm, no GeGLU either).
 from __future__ import annotations
 
 import ctypes
+from collections.abc import Callable
+from functools import partial
 
 import torch
 
@@ -148,6 +150,13 @@ class NativeStack:
                  ) -> torch.Tensor:
         """x [T, 1, H] through the layers; with `ends` (x: the ids [T, 1] where the ends
         embed them) each row's greedy token and log-probability [T, 2] instead."""
+        return self.ready(x, caches, ends)()
+
+    def ready(self, x: torch.Tensor, caches: list[PagedKV], ends: NativeEnds | None = None
+              ) -> Callable[[], torch.Tensor]:
+        """`self(x, caches, ends)` up to the native call: the function that makes it (a
+        follower readies the step it expects while rank 0 plans it: `serve.runner`). Until
+        it runs, the stack and `ends` are not called again."""
         batch = caches[0].batch
         T, plan = x.shape[0], batch.decode
         if self.how is not None and batch.rope_len != self._table[0]:
@@ -166,29 +175,37 @@ class NativeStack:
             step.ends = ctypes.pointer(ends.point(x, batch.positions, self.dtype))
             if ends.embeds:
                 x = torch.empty(T, 1, self.hidden, dtype=self.dtype)
+        if self.reduce is not None:
+            fn, base, rank, split, timeout, who = self.reduce
+            step.reduce, step.rbase, step.rrank, step.lead = fn, base, rank, int(rank == 0)
+            step.rsplit, step.rtimeout, step.who = split, timeout, who
+            step.spans = ctypes.addressof(self.spans)
+        return partial(self._go, x, work, step, ends, None if ends is None else ends.pick,
+                       caches)  # the step points into the caches' batch: kept alive
+
+    def _go(self, x: torch.Tensor, work: int, step: decode_ops.Step, ends: NativeEnds | None,
+            pick: torch.Tensor | None, _caches) -> torch.Tensor:
+        """The native call `ready` prepared; at tp > 1 its collectives into the ledger."""
         if self.reduce is None:
             x = decode_ops.run_layers(x, self.layers, work, step)
-            return x if ends is None else ends.pick
-        fn, base, rank, split, timeout, who = self.reduce
-        step.reduce, step.rbase, step.rrank, step.lead = fn, base, rank, int(rank == 0)
-        step.rsplit, step.rtimeout, step.who = split, timeout, who
-        step.spans = ctypes.addressof(self.spans)
-        ops = [("all_reduce", x, scope) for scope in self.scopes]  # what the call runs
-        if ends is not None:  # the embedding's all-reduce, the all-gather of the best
-            ops += [("all_reduce", x, "embed") if ends.embeds else None,
-                    ("all_gather", ends.every, None)]  # recorded as its output
+            return x if ends is None else pick
         try:
             x = decode_ops.run_layers(x, self.layers, work, step)
-        except decode_ops.ReduceFailed as e:
+        except decode_ops.ReduceFailed as e:  # the call's collectives, by number: the
+            ops = [("all_reduce", x, scope) for scope in self.scopes]  # layers', then
+            if ends is not None:  # the embedding's all-reduce and the all-gather of the best
+                ops += [("all_reduce", x, "embed"), ("all_gather", ends.every, None)]
             op, t, scope = ops[e.at]
             collectives.native_failed(self.group, op, e.code, t, scope)
-        s = self.spans
-        for i, done in enumerate(ops):
-            if done is not None:
-                collectives.record_native(self.group, done[0], done[1], [(s[2 * i],
-                                                                          s[2 * i + 1])],
-                                          [done[2]])
-        return x if ends is None else ends.pick
+        s, n = self.spans[:], len(self.scopes)  # numbered as above: the layers' all-
+        spans, scopes = list(zip(s[0:2 * n:2], s[1:2 * n:2])), self.scopes  # reduces, the
+        if ends is not None and ends.embeds:  # embedding's, the all-gather (one call each)
+            spans, scopes = spans + [(s[2 * n], s[2 * n + 1])], scopes + ["embed"]
+        collectives.record_native(self.group, "all_reduce", x, spans, scopes)
+        if ends is not None:
+            collectives.record_native(self.group, "all_gather", ends.every,
+                                      [(s[2 * n + 2], s[2 * n + 3])], [None])
+        return x if ends is None else pick
 
     def _pointers(self, caches: list[PagedKV]) -> tuple[ctypes.c_void_p, ctypes.c_void_p]:
         """The layers' k and v caches' pointers (made again only when the cache grew)."""

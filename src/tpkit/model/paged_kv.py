@@ -36,7 +36,9 @@ returned are float32 whatever the dtype.
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass, field
+from functools import partial
 
 import torch
 from torch import nn
@@ -150,15 +152,32 @@ def forward(model: nn.Module, cache: PagedCache, pieces: list[Piece], greedy: bo
     """Compute `pieces` in one forward; (logits of the LAST and EVERY pieces' last rows,
     [m, V] float32 in the pieces' order, or [m, 2] `greedy`; None if none asked for,
     [the other rows' logits [n-1, V] of each EVERY piece])."""
+    return ready(model, cache, pieces, greedy)()
+
+
+def ready(model: nn.Module, cache: PagedCache, pieces: list[Piece], greedy: bool = False
+          ) -> Callable[[], tuple[torch.Tensor | None, list[torch.Tensor]]]:
+    """`forward` up to the model's first kernel and collective: the function that runs
+    the rest (the layout made; a greedy decode's native call readied: a follower readies
+    the step it expects while rank 0 plans it, `tpkit.serve.runner`). Until it runs, the
+    cache must not grow and no other forward run."""
     _check(model)
     c = model.config
     ids, batch = layout(pieces, cache.block_size, c.sliding_window, c.max_seq_len,
                         cache.device)
     caches = [PagedKV(k, v, batch) for k, v in zip(cache.k, cache.v)]
     if greedy and all(len(p.tokens) == 1 and p.logits == LAST for p in pieces):
-        picked = model.decode_greedy(ids, caches)  # one native call, or None
-        if picked is not None:
-            return picked, []
+        run = model.greedy_ready(ids, caches)  # one native call, or None
+        if run is not None:
+            return lambda: (run(), [])
+    return partial(_modules, model, ids, batch, caches, pieces, greedy)
+
+
+@torch.no_grad()
+def _modules(model: nn.Module, ids: torch.Tensor, batch: PagedBatch, caches: list[PagedKV],
+             pieces: list[Piece], greedy: bool
+             ) -> tuple[torch.Tensor | None, list[torch.Tensor]]:
+    """`forward` on the model's modules."""
     h = model.body(ids, kv_caches=caches, position_offset=batch.positions)  # [T, 1, h]
     lasts = [first + n - 1 for (first, n, _, _), p in zip(batch.seqs, pieces) if p.logits]
     every = [(first, n) for (first, n, _, _), p in zip(batch.seqs, pieces)

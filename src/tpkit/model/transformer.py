@@ -19,6 +19,7 @@ in the one `layers` dict, run one chunk at a time by `forward_chunk(c, x)`:
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from contextlib import nullcontext
 
 import torch
@@ -291,6 +292,12 @@ class Transformer(nn.Module):
         [T, 2] (`paged_kv._greedy`'s), the embedding, layers, final norm, head and pick
         in one native call (`NativeStack` with `NativeEnds`), or None where that cannot
         run (the modules do: `tpkit.model.paged_kv`). Every tp rank calls it."""
+        run = self.greedy_ready(ids, kv_caches)
+        return None if run is None else run()
+
+    def greedy_ready(self, ids: torch.Tensor, kv_caches) -> Callable[[], torch.Tensor] | None:
+        """`decode_greedy` up to its native call: the function that makes it, or None
+        (`NativeStack.ready`)."""
         stack = self._stack(list(self.layers))
         if stack is None or not stack.takes(ids.shape[0], stack.dtype, kv_caches):
             return None
@@ -299,13 +306,20 @@ class Transformer(nn.Module):
         ends = self._stacks["ends"]
         if ends is None:
             return None
-        positions = kv_caches[0].batch.positions
-        x = ids if ends.embeds else self._embed(ids, None, positions)
-        try:
-            return stack(x, kv_caches, ends)
-        except IndexError:  # an id outside the table: named, as the module would
-            check_ids(ids, self.config.vocab_size)
-            raise
+        if ends.embeds:
+            go = stack.ready(ids, kv_caches, ends)
+        else:  # the embedding's modules run with the call (no collective before it)
+            def go() -> torch.Tensor:
+                return stack(self._embed(ids, None, kv_caches[0].batch.positions), kv_caches,
+                             ends)
+
+        def run() -> torch.Tensor:
+            try:
+                return go()
+            except IndexError:  # an id outside the table: named, as the module would
+                check_ids(ids, self.config.vocab_size)
+                raise
+        return run
 
     def _again(self, layer: Block, x: torch.Tensor, attention_mask, seq: int | None):
         """`layer(x)` under the sequence of its first forward (a recompute runs it again)."""

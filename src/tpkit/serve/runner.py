@@ -1,13 +1,14 @@
 """The executor: every tp rank runs the same forwards each step. Rank 0 decides them
-(`tpkit.serve.scheduler`), broadcasts the plan, and the others follow (`follow`), so
-only rank 0 needs the requests, the tokenizer and the sampler.
+(`tpkit.serve.scheduler`), sends the plan, and the others follow (`follow`), so only
+rank 0 needs the requests, the tokenizer and the sampler.
 
-One step of the group, as rank 0 broadcasts it over the tp group (through
-`tpkit.comm.broadcast`, so the ledger counts it):
+One step of the group, as rank 0 sends it to each other rank of the tp group (through
+`tpkit.comm.send`, so the ledger counts it; posted into shared memory, rank 0 does not
+wait for the followers to take it: the forward's first collective meets them):
 
     header int64 [4 + INLINE] = [op, payload length, blocks, greedy, the payload's first
-    INLINE integers] (a decode step's whole plan: one broadcast a step), then the rest of
-    the payload, if longer, in a second broadcast
+    INLINE integers] (a decode step's whole plan: one message a step), then the rest of
+    the payload, if longer, in a second message
         op STEP : the payload int64 [length], the step's forwards:
                   [forwards, then per forward: pieces, then per piece:
                    start, tokens n, blocks m, logits kind, ids [n], block table [m]]
@@ -31,8 +32,8 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from tpkit.comm import broadcast
-from tpkit.model.paged_kv import PagedCache, Piece, forward
+from tpkit.comm import recv, send
+from tpkit.model.paged_kv import LAST, PagedCache, Piece, forward, ready
 
 STEP, EMBED, IDLE, STOP = 1, 2, 3, 4
 BLOCK_SIZE = 16  # tokens per KV block
@@ -52,25 +53,39 @@ class Runner:
         self.max_len = max_len or model.config.max_seq_len
         self.cache = PagedCache(model, block_size)
         self.device = self.cache.device
-        self.steps = 0
+        self.steps = self.expected = 0  # steps run; of them, readied before their plan came
+        self._head = torch.zeros(4 + INLINE, dtype=torch.long, device=self.device)
+        self._ints = self._head.numpy() if self._head.device.type == "cpu" else None
 
     def _header(self, op: int, payload: list[int] = (), blocks: int = 0, greedy: bool = False
                 ) -> tuple[int, int, bool, list[int]]:
-        """Rank 0: broadcast the header with `payload` (its first INLINE integers inline,
-        the rest after); followers (op 0): receive them. (op, blocks, greedy, payload), on
-        every rank."""
-        h = torch.zeros(4 + INLINE, dtype=torch.long, device=self.device)
+        """Rank 0: send every follower the header with `payload` (its first INLINE integers
+        inline, the rest after), without waiting for them; followers (op 0): receive them.
+        (op, blocks, greedy, payload), on every rank."""
+        h = self._head
         if op:
-            h[:4 + min(len(payload), INLINE)] = torch.tensor(
-                [op, len(payload), blocks, int(greedy), *payload[:INLINE]])
-        head = broadcast(h, self.group, 0, scope="serve.plan").tolist()
+            head = [op, len(payload), blocks, int(greedy), *payload[:INLINE]]
+            h.zero_()
+            if self._ints is not None:  # the CPU tensor's numpy view: no tensor made
+                self._ints[:len(head)] = head
+            else:
+                h[:len(head)] = torch.tensor(head)
+            self._send(h)
+            if len(payload) > INLINE:
+                self._send(torch.tensor(payload[INLINE:], dtype=torch.long, device=self.device))
+            return op, blocks, greedy, list(payload)
+        head = recv(h, self.group, 0, scope="serve.plan").tolist()
         op, length, blocks, greedy = head[:4]
-        flat = head[4:4 + length]
+        flat = head[4:4 + min(length, INLINE)]
         if length > INLINE:
-            rest = torch.tensor(payload[INLINE:], dtype=torch.long, device=self.device) if \
-                payload else torch.zeros(length - INLINE, dtype=torch.long, device=self.device)
-            flat += broadcast(rest, self.group, 0, scope="serve.plan").tolist()
+            rest = torch.empty(length - INLINE, dtype=torch.long, device=self.device)
+            flat += recv(rest, self.group, 0, scope="serve.plan").tolist()
         return op, blocks, bool(greedy), flat
+
+    def _send(self, x: torch.Tensor) -> None:
+        """Rank 0: `x` to every follower (posted: shared memory copies it at once)."""
+        for dst in range(1, self.group.size):
+            send(x, self.group, dst, scope="serve.plan")
 
     def lead_step(self, forwards: list[list[Piece]], blocks: int, greedy: bool = False
                   ) -> list[tuple[torch.Tensor | None, list[torch.Tensor]]]:
@@ -118,17 +133,33 @@ class Runner:
         """Rank 0, with or without a Runner: STOP to the followers."""
         h = torch.zeros(4 + INLINE, dtype=torch.long, device=next(model.parameters()).device)
         h[0] = STOP
-        broadcast(h, model.group, 0, scope="serve.plan")
+        for dst in range(1, model.group.size):
+            send(h, model.group, dst, scope="serve.plan")
 
+    @torch.no_grad()
     def follow(self) -> int:
-        """Ranks > 0: run what rank 0 broadcasts until STOP; returns the steps run."""
+        """Ranks > 0: run what rank 0 sends until STOP; returns the steps run.
+
+        After a greedy step of decode rows alone, a follower readies the step it expects
+        next (`_expect`) while rank 0 plans it: when the plan is that one, only the native
+        call is left to make (otherwise the plan runs as sent)."""
+        expected = None  # (plan, blocks, the readied step)
         while True:
             op, blocks, greedy, flat = self._header(0)
             if op == STOP:
                 return self.steps
             if op == STEP:
-                self._run(decode(flat), blocks, greedy)
-            elif op == EMBED:
+                if expected is not None and expected[:2] == (flat, blocks) and greedy:
+                    self.steps, self.expected = self.steps + 1, self.expected + 1
+                    out = [expected[2]()]
+                else:
+                    expected = None  # (its buffers are the plan's to use now)
+                    out = self._run(decode(flat), blocks, greedy)
+                expected = self._expect(flat, out, blocks) if greedy else None
+                self.model.mesh.ledger.clear()  # rank 0 counts them (metrics)
+                continue
+            expected = None
+            if op == EMBED:
                 b, at, rows = flat[0], 1 + flat[0], []
                 for n in flat[1:1 + b]:
                     rows.append(flat[at:at + n])
@@ -136,9 +167,28 @@ class Runner:
                 self.embed_rows(rows)
             self.model.mesh.ledger.clear()  # rank 0 counts them (metrics); memory stays bounded
 
+    def _expect(self, flat: list[int], out, blocks: int) -> tuple | None:
+        """The step rank 0 plans after the greedy step `flat` that gave `out` if nothing
+        changes (every row one position on, its greedy token in, its blocks the same),
+        readied (`paged_kv.ready`): (its plan, blocks, the function that runs it), or
+        None where that is not a step of decode rows alone that fit their blocks."""
+        forwards = decode(flat)
+        if len(forwards) != 1 or out[0][0] is None:
+            return None
+        pieces, picked = forwards[0], out[0][0]
+        if picked.shape != (len(pieces), 2):
+            return None
+        nxt = []
+        for p, token in zip(pieces, picked[:, 0].tolist()):
+            if len(p.tokens) != 1 or p.logits != LAST or \
+                    p.start + 2 > len(p.blocks) * self.cache.block_size:
+                return None
+            nxt.append(Piece([int(token)], p.start + 1, p.blocks, LAST))
+        return encode([nxt]), blocks, ready(self.model, self.cache, nxt, True)
+
 
 def encode(forwards: list[list[Piece]]) -> list[int]:
-    """The plan's forwards as the flat integers a broadcast carries (`decode`)."""
+    """The plan's forwards as the flat integers a message carries (`decode`)."""
     out = [len(forwards)]
     for pieces in forwards:
         out.append(len(pieces))
