@@ -116,22 +116,6 @@ inline int reduced(Step* s, void* x, int64_t numel, int at) {
   return REDUCE_FAILED + rc;
 }
 
-template <class T>
-__attribute__((optimize("fp-contract=off")))
-void activate(T* a, int64_t n, int act) {
-  for (int64_t i = 0; i < n; ++i) {
-    const float v = widen(a[i]);
-    float o;
-    if (act == 1)
-      o = 0.5f * v * (1.0f + std::tanh(0.7978845608028654f * (v + 0.044715f * v * v * v)));
-    else if (act == 2)
-      o = 0.5f * v * (1.0f + std::erf(v * 0.7071067811865476f));
-    else
-      o = v > 0.0f ? v : 0.0f;
-    narrow(o, a + i);
-  }
-}
-
 // Rows of x [T, H] from this rank's rows of the word embedding (Ends; another rank's
 // id: zeros): -3 for an id outside the vocabulary.
 template <class T>
@@ -239,16 +223,9 @@ int tpk_layers(void* x, const Layer* layers, int n, Step* s, void* work) {
     rc = rc ? rc : reduced(s, x, T * H, 2 * i);
     rc = rc ? rc : tpk_norm(x, l.n2w, l.n2b, h, T, H, l.n2eps, l.n2off, l.n2b != nullptr, s->dtype);
     rc = rc ? rc : tpk_linear(h, l.fc1.w, l.fc1.scale, l.fc1.bias, nullptr, a, T, H, l.fc1.n,
-                              s->dtype, l.fc1.wdtype, l.act == 0, s->threads);
-    if (rc) return rc;
-    if (l.act != 0) {
-      if (s->dtype == 0)
-        activate(reinterpret_cast<float*>(a), T * l.fc1.n, l.act);
-      else
-        activate(reinterpret_cast<uint16_t*>(a), T * l.fc1.n, l.act);
-    }
-    rc = tpk_linear(a, l.fc2.w, l.fc2.scale, lead ? l.fc2.bias : nullptr, res, x, T,
-                    l.fc2.k, H, s->dtype, l.fc2.wdtype, 0, s->threads);
+                              s->dtype, l.fc1.wdtype, l.act == 0 ? 1 : 1 + l.act, s->threads);
+    rc = rc ? rc : tpk_linear(a, l.fc2.w, l.fc2.scale, lead ? l.fc2.bias : nullptr, res, x, T,
+                              l.fc2.k, H, s->dtype, l.fc2.wdtype, 0, s->threads);
     rc = rc ? rc : reduced(s, x, T * H, 2 * i + 1);
     if (rc) return rc;
   }

@@ -6,7 +6,9 @@
 // w [N, K] float32, bfloat16 or int8 (scale [N]: int8's row scales, else none), streamed
 // once for all M rows; x, y, bias, res float32 or bfloat16; every sum float32, y rounded
 // once. Gated (SwiGLU's fused [gate; up] weight of 2F rows): y[m, j] = silu(g) * u with g
-// row j's sum, u row F + j's, y [M, F].
+// row j's sum, u row F + j's, y [M, F]. Or an activation of y (GELU, ReLU: fc1's, in the
+// item that computed it, while the next rows stream in), y rounded first as if it were
+// applied to the stored product afterwards (the same bits).
 //
 // Batch invariance by construction: y[m, n] is one dot product summed in a fixed order
 // (U accumulators of L lanes by fused multiply-adds, a fixed tree, the K % L last terms
@@ -37,6 +39,7 @@ struct Call {
   void* y;
   int64_t M, K, N, F;  // F: y's columns (N, or N / 2 gated)
   int gate;
+  int act;  // 0 none, else act_one's: y = act(round(y)) (no res then)
   const void* res;  // [M, F] in y's dtype, added last, or null
 };
 
@@ -82,6 +85,16 @@ inline float finish(const Call& c, int64_t n, float s) {
 }
 
 inline float silu(float g) { return g / (1.0f + std::exp(-g)); }
+
+// An activation of one value: 1 GELU (tanh), 2 GELU (erf), 3 ReLU; the products in the
+// order written, none fused.
+__attribute__((optimize("fp-contract=off")))
+float act_one(float v, int act) {
+  if (act == 1)
+    return 0.5f * v * (1.0f + std::tanh(0.7978845608028654f * (v + 0.044715f * v * v * v)));
+  if (act == 2) return 0.5f * v * (1.0f + std::erf(v * 0.7071067811865476f));
+  return v > 0.0f ? v : 0.0f;
+}
 
 // The sums of an item's weight rows at[0 .. rows) by C input rows x: s[i][c0 + c]. R rows
 // at a time from far apart (row j with rows j + rows / R, ...: separate pages, so the
@@ -140,6 +153,11 @@ void columns(const Call& c, int64_t f0, int64_t f1) {
         const int64_t f = f0 + j;
         const float v = finish<W, Y>(c, f, s[j][m - m0]);
         float o = c.gate ? silu(v) * finish<W, Y>(c, c.F + f, s[n + j][m - m0]) : v;
+        if (c.act != 0) {
+          Y r;
+          narrow(o, &r);
+          o = act_one(widen(r), c.act);
+        }
         if (c.res != nullptr) o = widen(static_cast<const Y*>(c.res)[m * c.F + f]) + o;
         narrow(o, y + m * c.F + f);
       }
@@ -249,13 +267,14 @@ int tpk_decode_ops_pool() { return gomp_parallel() != nullptr; }
 int tpk_decode_ops_lanes() { return L; }
 
 // dtypes: 0 float32, 1 bfloat16, 2 int8 (w only; needs scale). x, y: 0 or 1, one dtype
-// (bias and res in it too; either may be null). gate: 1 for silu(gate) * up over w's two
-// halves (N even).
+// (bias and res in it too; either may be null). epilogue: 1 for silu(gate) * up over w's
+// two halves (N even); 2, 3, 4: act_one 1, 2, 3 of y (res null); else 0.
 // 0: done; -1: a dtype it does not take; -2: bad sizes.
 int tpk_linear(const void* x, const void* w, const float* scale, const void* bias,
-               const void* res, void* y, int64_t M, int64_t K, int64_t N, int xdtype, int wdtype, int gate,
-                    int threads) {
-  if (M < 0 || K <= 0 || N <= 0 || (gate && N % 2)) return -2;
+               const void* res, void* y, int64_t M, int64_t K, int64_t N, int xdtype, int wdtype,
+               int epilogue, int threads) {
+  const int gate = epilogue == 1, act = epilogue >= 2 && epilogue <= 4 ? epilogue - 1 : 0;
+  if (M < 0 || K <= 0 || N <= 0 || (gate && N % 2) || (act && res != nullptr)) return -2;
   if ((wdtype == 2) != (scale != nullptr)) return -1;
   std::vector<float> wide;
   const float* xf = static_cast<const float*>(x);
@@ -267,7 +286,7 @@ int tpk_linear(const void* x, const void* w, const float* scale, const void* bia
   } else if (xdtype != 0) {
     return -1;
   }
-  Call c{xf, w, scale, bias, y, M, K, N, gate ? N / 2 : N, gate, res};
+  Call c{xf, w, scale, bias, y, M, K, N, gate ? N / 2 : N, gate, act, res};
   if (M == 0) return 0;
   if (wdtype == 0) return dispatch_y<float>(c, xdtype, threads);
   if (wdtype == 1) return dispatch_y<uint16_t>(c, xdtype, threads);
