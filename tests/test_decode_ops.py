@@ -278,15 +278,16 @@ def _ends_worker(mesh, config, dtype):
     else:
         for_decode(model.to(dtype))
     ids = torch.randint(0, 257, (3, 12), generator=torch.Generator().manual_seed(6))
-    ends, fused = native_decode.NativeEnds, []
+    ends, stack, fused = native_decode.NativeEnds, native_decode.NativeStack, []
     of = ends.__dict__["of"]
 
     def records():
         return sorted((r.op, r.scope or "", r.numel, r.nbytes) for r in mesh.ledger.records)
     with torch.no_grad():
         model._stacks.clear()
-        point = ends.point
-        ends.point = lambda self, *a: fused.append(self.embeds) or point(self, *a)
+        go = stack._go  # every native call (the steps after the first are moved on)
+        stack._go = lambda self, x, work, step, e, *a: (
+            e is not None and fused.append(e.embeds)) or go(self, x, work, step, e, *a)
         try:
             mesh.ledger.clear()
             one_call = _greedy_steps(model, ids, 8)
@@ -297,7 +298,7 @@ def _ends_worker(mesh, config, dtype):
             split = _greedy_steps(model, ids, 8)
             counts += [records()]
         finally:
-            ends.of, ends.point = of, point
+            ends.of, stack._go = of, go
     return one_call, split, fused, counts
 
 
@@ -382,3 +383,53 @@ def test_without_the_library_decode_weights_are_packed_as_before():
     done = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True,
                           text=True, timeout=120)
     assert done.stdout.strip() == "ok", done.stderr[-2000:]
+
+
+def test_a_moved_step_is_a_fresh_steps_bits_and_two_caches_do_not_mix():
+    """After a greedy step of decode rows the next on the same block tables is moved on in
+    place (`paged_kv._moved`: positions, slots, ids, key ranges rewritten; the call's
+    arguments kept). Steps moved on give the bits of steps laid out afresh, and two
+    caches of one model decoding in turn (each re-points the model's shared ends) never
+    run on the other's buffers."""
+    from tpkit.model import paged_kv
+    from tpkit.model.paged_kv import LAST, NONE, PagedCache, Piece, forward
+
+    model = Transformer(SMOL, ParallelMesh.single())
+    fill(model, random_full(SMOL, seed=5, scale=1.0), ParallelMesh.single())
+    for_decode(model)
+    rows = torch.randint(0, 257, (2, 12), generator=torch.Generator().manual_seed(6)).tolist()
+
+    def cache_of(prompt):
+        cache = PagedCache(model, 4)
+        cache.grow(4)
+        forward(model, cache, [Piece(prompt[:6], 0, [1, 2, 3], NONE)])
+        return cache
+
+    def step(cache, prompt, t):
+        return forward(model, cache, [Piece([prompt[t]], t, [1, 2, 3], LAST)], greedy=True)[0]
+
+    with torch.no_grad():
+        alone = []
+        for prompt in rows:  # each alone, every step laid out afresh
+            cache = cache_of(prompt)
+            got = []
+            for t in range(6, 12):
+                cache.moving = None
+                got.append(step(cache, prompt, t))
+            alone.append(torch.cat(got))
+        caches, moved = [cache_of(p) for p in rows], [[], []]
+        for t in range(6, 12):  # in turn: a moved step only where its buffers are still its own
+            for i, prompt in enumerate(rows):
+                moved[i].append(step(caches[i], prompt, t))
+                assert caches[i].moving is not None
+    assert all(torch.equal(torch.cat(m), a) for m, a in zip(moved, alone))
+    one = cache_of(rows[0])  # alone, the steps after the first are moved on
+    calls = []
+    laid = paged_kv.layout
+    paged_kv.layout = lambda *a: calls.append(1) or laid(*a)
+    try:
+        with torch.no_grad():
+            got = torch.cat([step(one, rows[0], t) for t in range(6, 12)])
+    finally:
+        paged_kv.layout = laid
+    assert torch.equal(got, alone[0]) and len(calls) == 1

@@ -307,11 +307,12 @@ class Transformer(nn.Module):
         if ends is None:
             return None
         if ends.embeds:
-            go = stack.ready(ids, kv_caches, ends)
+            go, pick = stack.ready(ids, kv_caches, ends), ends.pick
         else:  # the embedding's modules run with the call (no collective before it)
             def go() -> torch.Tensor:
                 return stack(self._embed(ids, None, kv_caches[0].batch.positions), kv_caches,
                              ends)
+            pick = None
 
         def run() -> torch.Tensor:
             try:
@@ -319,6 +320,9 @@ class Transformer(nn.Module):
             except IndexError:  # an id outside the table: named, as the module would
                 check_ids(ids, self.config.vocab_size)
                 raise
+        # whether the call still points at these tensors (another call re-points `ends`):
+        # their values may change in place between calls (`paged_kv.ready`)
+        run.still = lambda: pick is None or ends.pick is pick
         return run
 
     def _again(self, layer: Block, x: torch.Tensor, attention_mask, seq: int | None):
