@@ -9,9 +9,10 @@ exists), `transformers serve --continuous-batching`, and llama.cpp's `llama-serv
         [--rounds 5] [--clients 1,8] [--max-tokens 64] [--only tpkit,llama]
 
 (or LLAMA_SERVER=... and SERVE_PEERS_GGUF_F32=... / _BF16 / _Q8_0 in the environment;
-`--llama-arg=X`, repeatable, adds X to llama-server's command line: `--llama-arg=--no-repack`
-where its weight repacking crashes, as its Q8_0 did on an AMX Xeon built with
-GGML_NATIVE=ON).
+`--llama-arg=X`, repeatable, adds X to llama-server's command line, e.g.
+`--llama-arg=--no-repack`). On a VM that advertises AMX without running it, a build with
+GGML_NATIVE=ON dies of SIGILL in its AMX Q8_0 kernel: build it with GGML_NATIVE=OFF and
+the AVX-512 flags instead (docs/benchmarks.md).
 A contender whose program or file is missing is skipped with a line saying so. The GGUFs
 come from llama.cpp's own converter, e.g. `python LLAMA/convert_hf_to_gguf.py SMOLLM2
 --outtype f32 --outfile smollm2-f32.gguf` (bf16, q8_0 alike; it needs `gguf` and
@@ -281,8 +282,8 @@ def main() -> None:
     ap.add_argument("--hf", required=True, help="the Hugging Face folder every server reads")
     ap.add_argument("--llama-server", default=None, help="llama.cpp's llama-server program")
     ap.add_argument("--llama-arg", action="append", default=[], metavar="ARG",
-                    help="one more argument for llama-server (repeatable; e.g. --llama-arg="
-                         "--no-repack where its weight repacking crashes on this CPU)")
+                    help="one more argument for llama-server (repeatable; e.g. "
+                         "--llama-arg=--no-repack)")
     ap.add_argument("--gguf", action="append", default=[], metavar="KIND=FILE",
                     help=f"a GGUF of the same folder, KIND one of {', '.join(GGUF_KINDS)}")
     ap.add_argument("--make-ggufs", default=None, metavar="CONVERT_HF_TO_GGUF_PY",
