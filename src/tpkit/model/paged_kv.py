@@ -162,7 +162,8 @@ def ready(model: nn.Module, cache: PagedCache, pieces: list[Piece], greedy: bool
     """`forward` up to the model's first kernel and collective: the function that runs
     the rest (the layout made; a greedy decode's native call readied: a follower readies
     the step it expects while rank 0 plans it, `tpkit.serve.runner`). Until it runs, the
-    cache must not grow and no other forward run."""
+    cache must not grow and no other forward run or be readied on it (a greedy step of
+    decode rows is moved on in the same buffers: `_moved`)."""
     _check(model)
     c = model.config
     decodes = greedy and all(len(p.tokens) == 1 and p.logits == LAST for p in pieces)
