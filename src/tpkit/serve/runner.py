@@ -70,9 +70,10 @@ class Runner:
                 self._ints[:len(head)] = head
             else:
                 h[:len(head)] = torch.tensor(head)
-            self._send(h)
+            post(h, self.group)
             if len(payload) > INLINE:
-                self._send(torch.tensor(payload[INLINE:], dtype=torch.long, device=self.device))
+                post(torch.tensor(payload[INLINE:], dtype=torch.long, device=self.device),
+                     self.group)
             return op, blocks, greedy, list(payload)
         head = recv(h, self.group, 0, scope="serve.plan").tolist()
         op, length, blocks, greedy = head[:4]
@@ -81,11 +82,6 @@ class Runner:
             rest = torch.empty(length - INLINE, dtype=torch.long, device=self.device)
             flat += recv(rest, self.group, 0, scope="serve.plan").tolist()
         return op, blocks, bool(greedy), flat
-
-    def _send(self, x: torch.Tensor) -> None:
-        """Rank 0: `x` to every follower (posted: shared memory copies it at once)."""
-        for dst in range(1, self.group.size):
-            send(x, self.group, dst, scope="serve.plan")
 
     def lead_step(self, forwards: list[list[Piece]], blocks: int, greedy: bool = False
                   ) -> list[tuple[torch.Tensor | None, list[torch.Tensor]]]:
@@ -133,8 +129,7 @@ class Runner:
         """Rank 0, with or without a Runner: STOP to the followers."""
         h = torch.zeros(4 + INLINE, dtype=torch.long, device=next(model.parameters()).device)
         h[0] = STOP
-        for dst in range(1, model.group.size):
-            send(h, model.group, dst, scope="serve.plan")
+        post(h, model.group)
 
     @torch.no_grad()
     def follow(self) -> int:
@@ -156,9 +151,8 @@ class Runner:
                     expected = None  # (its buffers are the plan's to use now)
                     out = self._run(decode(flat), blocks, greedy)
                 expected = self._expect(flat, out, blocks) if greedy else None
-                self.model.mesh.ledger.clear()  # rank 0 counts them (metrics)
-                continue
-            expected = None
+            else:
+                expected = None
             if op == EMBED:
                 b, at, rows = flat[0], 1 + flat[0], []
                 for n in flat[1:1 + b]:
@@ -185,6 +179,13 @@ class Runner:
                 return None
             nxt.append(Piece([int(token)], p.start + 1, p.blocks, LAST))
         return encode([nxt]), blocks, ready(self.model, self.cache, nxt, True)
+
+
+def post(x: torch.Tensor, group) -> None:
+    """Rank 0: `x` to every other rank of `group` (posted: shared memory copies it at
+    once, rank 0 goes on)."""
+    for dst in range(1, group.size):
+        send(x, group, dst, scope="serve.plan")
 
 
 def encode(forwards: list[list[Piece]]) -> list[int]:
