@@ -164,7 +164,10 @@ def reference(evaluate: Callable[[], dict], note: Callable[[str], None] = print)
 
 
 def _same(x: dict, y: dict) -> bool:
-    return x["loss"] == y["loss"] and torch.equal(x["out"], y["out"])
+    """The same bits: loss, outputs and every gradient."""
+    return x["loss"] == y["loss"] and torch.equal(x["out"], y["out"]) and \
+        x["grads"].keys() == y["grads"].keys() and \
+        all(torch.equal(g, y["grads"][n]) for n, g in x["grads"].items())
 
 
 def sweep(case: Callable, args: tuple, tps: list[int], ref: dict, gather_fn: Callable,
