@@ -35,6 +35,8 @@ s, "over t" means the largest rank's ceil(s/t) tokens (SP's split, `shapes.even_
 
 from __future__ import annotations
 
+from functools import lru_cache
+
 from tpkit.spec import shapes
 from tpkit.spec.config import ModelConfig
 from tpkit.spec.theory import RECOMPUTE
@@ -115,6 +117,7 @@ def _mlp_terms(c: ModelConfig, s: float, b: int, tp: int, act: int,
     return {"MLP (fc1 output, fc2 input)": 2 * sbf}
 
 
+@lru_cache(maxsize=4096)  # the planner prices 10^4 layouts, few distinct layers among them
 def layer_activation_bytes(c: ModelConfig, s: int, b: int, tp: int = 1, sp: bool = False,
                            recompute: str = "none", act_bytes: int = 2, flash: bool = True,
                            eager: bool = False, cp: int = 1) -> float:

@@ -148,14 +148,7 @@ class ModelConfig:
         divides the heads and the ffn): 'attention' by query heads (9 heads at tp=2: 5/9,
         11% above an even split), 'gemm' by the matmul weights it holds. The largest
         rank sets the step time, as it sets the memory (`layer_params`)."""
-        def weights(p: int, r: int) -> int:  # matmul weights of rank r of p, / hidden
-            nh = shapes.even_range(self.num_heads, p, r)[1]
-            kv = shapes.kv_range(self.num_heads, self.kv_heads, p, r)[1]
-            f = shapes.even_range(self.ffn, p, r)[1]
-            return (2 * nh + 2 * kv) * self.head_dim + (3 if self.gated else 2) * f
-
-        return {"attention": shapes.heads_per_rank(self.num_heads, tp) / self.num_heads,
-                "gemm": max(weights(tp, r) for r in range(tp)) / weights(1, 0)}
+        return dict(_tp_shares(self, tp))
 
     def norm_params(self) -> int:
         """Parameters of one norm: weight and bias for LayerNorm, weight only for RMSNorm."""
@@ -329,3 +322,15 @@ def get_preset(name: str) -> ModelConfig:
 @lru_cache(maxsize=4096)  # the planner prices 10^4 layouts, each stage of each
 def _largest_layer_params(config: ModelConfig, tp: int) -> int:
     return max(config.layer_params(tp, r) for r in range(tp))
+
+
+@lru_cache(maxsize=4096)
+def _tp_shares(config: ModelConfig, tp: int) -> tuple[tuple[str, float], ...]:
+    def weights(p: int, r: int) -> int:  # matmul weights of rank r of p, / hidden
+        nh = shapes.even_range(config.num_heads, p, r)[1]
+        kv = shapes.kv_range(config.num_heads, config.kv_heads, p, r)[1]
+        f = shapes.even_range(config.ffn, p, r)[1]
+        return (2 * nh + 2 * kv) * config.head_dim + (3 if config.gated else 2) * f
+
+    return (("attention", shapes.heads_per_rank(config.num_heads, tp) / config.num_heads),
+            ("gemm", max(weights(tp, r) for r in range(tp)) / weights(1, 0)))
