@@ -35,6 +35,7 @@ from collections.abc import Callable
 from typing import NoReturn
 
 from tpkit.commands.common import HelpFormatter, explain_parse_error
+from tpkit.host import forkserver
 from tpkit.host.exit import CLOSED_PIPE, Stopped, exit_now, quiet_stdout
 from tpkit.spec.errors import RunFailed, UserError
 from tpkit.spec.words import suggest
@@ -190,6 +191,7 @@ def _warning_line(name: str, other: Callable) -> Callable:
 def _command(name: str, argv: list[str]) -> int:
     """Import, parse and run one command, its failures said in one line."""
     module_name, desc = COMMANDS[name]
+    forkserver.start_early(name, argv)  # its imports run while this process makes its own
     try:
         module = importlib.import_module(module_name)
     except ModuleNotFoundError as e:

@@ -25,7 +25,7 @@ from tpkit.checkpoint.retention import discard
 from tpkit.commands.common import group, says_default, shown
 from tpkit.commands.memory_check import check_fits
 from tpkit.host.device import best_device, cuda_available, device_name
-from tpkit.launch import decided_by_rank0, is_rank0, launch, preload, world_here
+from tpkit.launch import decided_by_rank0, is_rank0, launch, world_here
 from tpkit.parallel.schedules import CHUNKED
 from tpkit.plan.cost import model_flops_per_token
 from tpkit.plan.hardware import profile_of_device
@@ -167,9 +167,6 @@ def run(args: argparse.Namespace) -> int:
         return 0
     mesh = dict(tp=cfg.tp, pp=cfg.pp, dp=cfg.dp, cp=cfg.cp,
                 comm=comm_choice(getattr(args, "comm", None)))
-    # every rank imports this module, and Dynamo (torch.optim's step does, 2 s of CPU
-    # here): the forkserver imports them once, before it forks the ranks
-    preload(__name__, "torch._dynamo")
     results = launch(_worker, ranks=cfg.world_size, mesh=mesh, every=True,
                      setup=partial(_run_folder, cfg, args.overwrite, args.force),
                      device=best_device(),

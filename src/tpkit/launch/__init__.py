@@ -6,6 +6,8 @@ local processes that run them (`processes.py`) and the pools that hold them
     results = spawn(fn, 4, x, mesh=dict(tp=2, pp=2))       # fn(mesh, x) on 4 processes
 """
 
+from tpkit.host.forkserver import context as mp_context
+from tpkit.host.forkserver import preload
 from tpkit.launch.policy import (
     Followers,
     decided_by_rank0,
@@ -16,7 +18,7 @@ from tpkit.launch.policy import (
     world_here,
 )
 from tpkit.launch.pool import SpawnError, WorkerPool, spawn, spawn_ranks
-from tpkit.launch.processes import mp_context, preload, start_workers, stop_workers, with_transport
+from tpkit.launch.processes import start_workers, stop_workers, with_transport
 
 __all__ = ["Followers", "SpawnError", "WorkerPool", "decided_by_rank0", "is_rank0", "launch",
            "mesh_here", "mp_context", "preload", "spawn", "spawn_ranks", "start_workers", "stop_workers",

@@ -33,6 +33,7 @@ import torch
 import torch.distributed as dist
 
 from tpkit.comm.failure import DEFAULT_COLLECTIVE_TIMEOUT_S
+from tpkit.host.forkserver import stop_early, under_torchrun_env
 from tpkit.launch.pool import WorkerPool, spawn
 from tpkit.launch.processes import ended, start_workers, with_transport
 from tpkit.mesh import ParallelMesh
@@ -46,8 +47,9 @@ def _place() -> tuple[int, int] | None:
     """(rank, world size) of this process in a world started outside it: torchrun's (RANK
     and WORLD_SIZE in the environment, as tpkit's own workers have them too), or a default
     process group already initialized; None when it is alone."""
-    if "RANK" in os.environ and "WORLD_SIZE" in os.environ:
-        return int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
+    place = under_torchrun_env()
+    if place is not None:
+        return place
     loaded = sys.modules.get("torch.distributed")  # not imported: not initialized either
     if loaded is not None and loaded.is_available() and loaded.is_initialized():
         return loaded.get_rank(), loaded.get_world_size()
@@ -139,6 +141,7 @@ def _here(fn: Callable, args: tuple, ranks: int, mesh: dict, follow: Follow | No
           lead_here: bool, every: bool, device: torch.device | None, spawn_kw: dict) -> Any:
     """`launch` in a process that is alone: one rank here, n spawned, or rank 0 here."""
     if ranks == 1:
+        stop_early()  # a forkserver the CLI started for ranks there will not be
         out = _as_rank(ParallelMesh.single(device=device), fn, args, None, lead_here)
         return [out] if every else out
     if lead_here:

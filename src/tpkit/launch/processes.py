@@ -13,7 +13,6 @@ of theirs still named in /dev/shm.
 
 from __future__ import annotations
 
-import multiprocessing as mp
 import os
 import pickle
 import signal
@@ -27,12 +26,10 @@ import torch.distributed as dist
 
 from tpkit.comm.shm_names import remove_segments
 from tpkit.comm.transport import shm_ready
+from tpkit.host.forkserver import context as mp_context
 from tpkit.host.memory import make_preferred_oom_victim
 from tpkit.mesh import ParallelMesh
 from tpkit.spec.transport import comm_choice
-
-_CTX = None
-_PRELOAD = ["torch", "torch.distributed", "tpkit.launch", "tpkit.host.forkserver_exit"]
 
 
 def watch_launcher(lifeline, run_id: str | None = None) -> None:
@@ -50,24 +47,6 @@ def watch_launcher(lifeline, run_id: str | None = None) -> None:
         os.kill(os.getpid(), signal.SIGKILL)
 
     threading.Thread(target=wait, name="tpkit-launcher-watch", daemon=True).start()
-
-
-def mp_context():
-    """The forkserver context every tpkit worker process starts from (torch preloaded)."""
-    global _CTX  # the multiprocessing context, created once per process (not parallel state)
-    if _CTX is None:
-        _CTX = mp.get_context("forkserver")
-        _CTX.set_forkserver_preload(_PRELOAD)
-    return _CTX
-
-
-def preload(*modules: str) -> None:
-    """Have the forkserver import `modules` too, once, before it forks the workers (which
-    would each import them): what a command's ranks all import. Only before this process
-    starts its first worker; later, nothing changes."""
-    _PRELOAD.extend(m for m in modules if m not in _PRELOAD)
-    if _CTX is not None:
-        _CTX.set_forkserver_preload(_PRELOAD)  # ignored once the forkserver runs
 
 
 def worker_main(rank: int, nprocs: int, port: int, tasks, results, threads: int,
