@@ -5,6 +5,8 @@
     exit.py             end a process once its work is cleaned up, without the teardown;
                         `Stopped`, the signal that unwinds it
     forkserver_exit.py  the same for the multiprocessing forkserver (preloaded there)
+    forkserver.py       that forkserver, which every worker is forked from: what it
+                        preloads; `tpkit train` starts it before it imports torch
     addresses.py        which Host headers a local HTTP server accepts (quiz, serve)
     web.py              what those servers share: the Host and origin rule, listening
 
