@@ -67,7 +67,7 @@ def one_run(folder: str, tokens: int) -> dict[str, float]:
     inside = [0.0, 0.0]
     for s in range(5, steps):  # the first steps: the prompt, the caches warming
         for i in range(s * per, (s + 1) * per):
-            (name, a0, e0), (_, a1, e1) = r0[i], r1[i]
+            (_, a0, e0), (_, a1, e1) = r0[i], r1[i]
             k = i % per
             kind = "head" if k == per - 1 else None if k == per - 2 else \
                 "attention" if k % 2 == 0 else "mlp"
