@@ -54,3 +54,23 @@ def test_train_starts_its_forkserver_early_and_stops_it_when_alone():
     assert r.stdout.splitlines() == ["plan None", "help None", "started True False True",
                                      "stopped False None", "one None", "kept True",
                                      "torchrun None"]
+
+
+
+def test_a_mistake_on_the_command_line_stops_the_forkserver_at_once():
+    """`--tp 2` started one early; the bad --steps ends the command before any rank: the
+    command stops it on its way out (otherwise it would finish its imports first)."""
+    code = """
+import sys
+from multiprocessing import forkserver as mf
+from tpkit import cli
+try:
+    status = cli.main(["train", "--tp", "2", "--steps", "five"])
+except SystemExit as e:
+    status = e.code
+print(status, mf._forkserver._forkserver_pid)
+"""
+    r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
+                       timeout=120, env={"PYTHONPATH": SRC, "PATH": "/usr/bin:/bin"})
+    assert r.returncode == 0 and "--steps" in r.stderr, r.stderr[-2000:]
+    assert r.stdout.split() == ["2", "None"], r.stdout

@@ -190,8 +190,15 @@ def _warning_line(name: str, other: Callable) -> Callable:
 
 def _command(name: str, argv: list[str]) -> int:
     """Import, parse and run one command, its failures said in one line."""
-    module_name, desc = COMMANDS[name]
     forkserver.start_early(name, argv)  # its imports run while this process makes its own
+    try:
+        return _parse_and_run(name, argv)
+    finally:
+        forkserver.stop_early()  # a mistake before any rank started: it goes at once
+
+
+def _parse_and_run(name: str, argv: list[str]) -> int:
+    module_name, desc = COMMANDS[name]
     try:
         module = importlib.import_module(module_name)
     except ModuleNotFoundError as e:
