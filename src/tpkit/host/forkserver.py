@@ -71,7 +71,10 @@ def start_early(command: str, argv: list[str]) -> None:
     preload(*COMMANDS[command])
     mp.get_context("forkserver").set_forkserver_preload(PRELOAD)
     before = forkserver._forkserver._forkserver_pid  # None: none runs in this process
-    forkserver.ensure_running()
+    try:
+        forkserver.ensure_running()
+    except OSError:  # (no socket here, no process left): the first fork says it, as before
+        return
     if before is None and _ctx is None:  # ours, and nothing forked from it yet
         _early = forkserver._forkserver._forkserver_pid
 
