@@ -47,8 +47,7 @@ def preload(*modules: str) -> None:
     """Have the forkserver import `modules` too, once, before it forks the workers (which
     would each import them). Only before it runs; later, nothing changes."""
     PRELOAD.extend(m for m in modules if m not in PRELOAD)
-    if _ctx is not None:
-        _ctx.set_forkserver_preload(PRELOAD)
+    mp.get_context("forkserver").set_forkserver_preload(PRELOAD)  # one context a process
 
 
 def under_torchrun_env() -> tuple[int, int] | None:
@@ -69,7 +68,6 @@ def start_early(command: str, argv: list[str]) -> None:
             under_torchrun_env() or not _names_ranks(argv):
         return
     preload(*COMMANDS[command])
-    mp.get_context("forkserver").set_forkserver_preload(PRELOAD)
     before = forkserver._forkserver._forkserver_pid  # None: none runs in this process
     try:
         forkserver.ensure_running()
