@@ -11,7 +11,9 @@ arrived; after the previous meet both left together, so the difference of arriva
 times is how much longer one rank computed that segment. Per run: the mean of rank 1's
 arrival minus rank 0's (negative: rank 0 was the slower) over the attention segments,
 the MLP segments and the head, and each rank's time inside the collectives per step
-(its waiting, mostly). Threads at tp=1 share each product's columns out dynamically, so
+(its waiting, mostly); then the distribution of one collective's time inside (median,
+p90, p99, max) and the time counted from the later rank's arrival (the exchange itself,
+a few us, plus any wake-up of a rank that had gone to sleep, or its virtual CPU's). Threads at tp=1 share each product's columns out dynamically, so
 a slower core simply takes fewer; two ranks with fixed halves cannot: whichever is
 slower in a run sets every segment's pace.
 """
@@ -65,6 +67,8 @@ def one_run(folder: str, tokens: int) -> dict[str, float]:
     steps = min(len(r0), len(r1)) // per
     late: dict[str, list[float]] = {"attention": [], "mlp": [], "head": []}
     inside = [0.0, 0.0]
+    waits: list[list[float]] = [[], []]  # each collective's time inside it, us, per rank
+    after = [0.0, 0.0]  # ... counted from the later arrival: the exchange, and any wake-up
     for s in range(5, steps):  # the first steps: the prompt, the caches warming
         for i in range(s * per, (s + 1) * per):
             (_, a0, e0), (_, a1, e1) = r0[i], r1[i]
@@ -75,9 +79,18 @@ def one_run(folder: str, tokens: int) -> dict[str, float]:
                 late[kind].append((a1 - a0) * 1e3)
             inside[0] += e0 - a0
             inside[1] += e1 - a1
+            waits[0].append((e0 - a0) * 1e6)
+            waits[1].append((e1 - a1) * 1e6)
+            after[0] += e0 - max(a0, a1)
+            after[1] += e1 - max(a0, a1)
     n = steps - 5
-    return {**{k: statistics.mean(v) for k, v in late.items()},
-            "rank0_ms": inside[0] / n * 1e3, "rank1_ms": inside[1] / n * 1e3}
+    tails = {}
+    for r in (0, 1):
+        w = sorted(waits[r])
+        tails[f"rank{r}_p"] = [w[int(q * (len(w) - 1))] for q in (0.5, 0.9, 0.99)] + [w[-1]]
+    return {**{k: statistics.mean(v) for k, v in late.items()}, **tails,
+            "rank0_ms": inside[0] / n * 1e3, "rank1_ms": inside[1] / n * 1e3,
+            "rank0_after_ms": after[0] / n * 1e3, "rank1_after_ms": after[1] / n * 1e3}
 
 
 def main() -> None:
@@ -97,6 +110,11 @@ def main() -> None:
         print(f"run {r + 1}: attention {m['attention']:+.3f}  mlp {m['mlp']:+.3f}  head "
               f"{m['head']:+.3f} | rank 0 {m['rank0_ms']:.2f}  rank 1 {m['rank1_ms']:.2f}",
               flush=True)
+        for k in (0, 1):
+            p = m[f"rank{k}_p"]
+            print(f"       rank {k}: a collective's time inside, us: median {p[0]:.0f}, p90 "
+                  f"{p[1]:.0f}, p99 {p[2]:.0f}, max {p[3]:.0f}; after both had arrived "
+                  f"{m[f'rank{k}_after_ms']:.2f} ms a step", flush=True)
 
 
 if __name__ == "__main__":

@@ -1,7 +1,9 @@
 """Decode tokens/s through the CLI a user types, `tpkit generate`, variants alternating:
 tp=1 with torch's default threads, tp=1 with one thread, tp=2, each dtype, on one or more
 model folders. Each figure is the tokens/s that `tpkit generate` prints (generation only,
-after loading), from a fresh process per run; the table gives the median of the rounds.
+after loading), from a fresh process per run; the table gives the median of the rounds,
+and the median of each round's ratio to the first run (the host's speed drifts by 10-20%
+over minutes here: runs of one round are seconds apart, so their ratio is the steadier).
 
     .venv/bin/python benchmarks/decode_cli.py --make gpt2                  # GPT-2 124M, random
     .venv/bin/python benchmarks/decode_cli.py --folder smollm2=SMOLLM2 \\
@@ -145,6 +147,7 @@ def run_all(args: argparse.Namespace) -> None:
     variants = [(f, r, d, int(b)) for f in folders for b in args.batches.split(",")
                 for d in args.dtypes.split(",") for r in args.runs.split(",")]
     got: dict[tuple, list[float]] = {v: [] for v in variants}
+    by_round: dict[tuple, dict[int, float]] = {v: {} for v in variants}
     print(f"load before: {load()}", flush=True)
     reads: dict[int, list[float]] = {1: [], 2: []}
     for k in range(args.rounds):
@@ -158,21 +161,25 @@ def run_all(args: argparse.Namespace) -> None:
             try:
                 got[v].append(tokens_s(Path(folders[v[0]]), v[1], v[2], v[3], args.new,
                                       args.base))
+                by_round[v][k] = got[v][-1]
                 print(f"round {k + 1}: {v[0]} batch {v[3]} {v[2]} {v[1]}: "
                       f"{got[v][-1]:.1f} tokens/s", flush=True)
             except RuntimeError as e:  # e.g. a loaded machine past generate's time limit
                 print(f"round {k + 1}: {' '.join(map(str, v))} failed: {e}", flush=True)
         print(f"round {k + 1}: load {load()}", flush=True)
     print(f"\nmedians of {args.rounds} rounds, `tpkit generate` tokens/s, {args.new} new tokens\n")
-    print("| model | batch | dtype | run | tokens/s | vs the first run | runs |")
-    print("|---|---:|---|---|---:|---:|---|")
+    print("| model | batch | dtype | run | tokens/s | vs the first run | the rounds' ratios' "
+          "median | runs |")
+    print("|---|---:|---|---|---:|---:|---:|---|")
     for v in variants:
         first = next(w for w in variants if w[0] == v[0] and w[2:] == v[2:])
         if not got[v] or not got[first]:
             print(f"| {v[0]} | {v[3]} | {v[2]} | {v[1]} | - | - | every run failed |")
             continue
         med, base = statistics.median(got[v]), statistics.median(got[first])
-        print(f"| {v[0]} | {v[3]} | {v[2]} | {v[1]} | {med:.1f} | {med / base:.2f}x | "
+        paired = [x / by_round[first][k] for k, x in by_round[v].items() if k in by_round[first]]
+        pair = f"{statistics.median(paired):.2f}x" if paired else "-"
+        print(f"| {v[0]} | {v[3]} | {v[2]} | {v[1]} | {med:.1f} | {med / base:.2f}x | {pair} | "
               + " ".join(f"{x:.1f}" for x in got[v]) + " |")
     if args.bandwidth:
         one, two = statistics.median(reads[1]), statistics.median(reads[2])
