@@ -13,9 +13,10 @@ arrival minus rank 0's (negative: rank 0 was the slower) over the attention segm
 the MLP segments and the head, and each rank's time inside the collectives per step
 (its waiting, mostly); then the distribution of one collective's time inside (median,
 p90, p99, max) and the time counted from the later rank's arrival (the exchange itself,
-a few us, plus any wake-up of a rank that had gone to sleep, or its virtual CPU's). Threads at tp=1 share each product's columns out dynamically, so
-a slower core simply takes fewer; two ranks with fixed halves cannot: whichever is
-slower in a run sets every segment's pace.
+a few us, plus any wake-up of a rank that had gone to sleep, or of its virtual CPU).
+Threads at tp=1 share each product's columns out dynamically, so a slower core simply
+takes fewer; two ranks with fixed halves cannot: whichever is slower in a segment sets
+its pace.
 """
 
 from __future__ import annotations

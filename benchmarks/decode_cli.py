@@ -146,8 +146,7 @@ def run_all(args: argparse.Namespace) -> None:
     folders.update({m: make(m, Path(tmp.name)) for m in args.make.split(",") if m})
     variants = [(f, r, d, int(b)) for f in folders for b in args.batches.split(",")
                 for d in args.dtypes.split(",") for r in args.runs.split(",")]
-    got: dict[tuple, list[float]] = {v: [] for v in variants}
-    by_round: dict[tuple, dict[int, float]] = {v: {} for v in variants}
+    got: dict[tuple, dict[int, float]] = {v: {} for v in variants}  # round -> tokens/s
     print(f"load before: {load()}", flush=True)
     reads: dict[int, list[float]] = {1: [], 2: []}
     for k in range(args.rounds):
@@ -159,11 +158,10 @@ def run_all(args: argparse.Namespace) -> None:
         for i in range(len(variants)):
             v = variants[(k + i) % len(variants)]
             try:
-                got[v].append(tokens_s(Path(folders[v[0]]), v[1], v[2], v[3], args.new,
-                                      args.base))
-                by_round[v][k] = got[v][-1]
+                got[v][k] = tokens_s(Path(folders[v[0]]), v[1], v[2], v[3], args.new,
+                                     args.base)
                 print(f"round {k + 1}: {v[0]} batch {v[3]} {v[2]} {v[1]}: "
-                      f"{got[v][-1]:.1f} tokens/s", flush=True)
+                      f"{got[v][k]:.1f} tokens/s", flush=True)
             except RuntimeError as e:  # e.g. a loaded machine past generate's time limit
                 print(f"round {k + 1}: {' '.join(map(str, v))} failed: {e}", flush=True)
         print(f"round {k + 1}: load {load()}", flush=True)
@@ -174,13 +172,13 @@ def run_all(args: argparse.Namespace) -> None:
     for v in variants:
         first = next(w for w in variants if w[0] == v[0] and w[2:] == v[2:])
         if not got[v] or not got[first]:
-            print(f"| {v[0]} | {v[3]} | {v[2]} | {v[1]} | - | - | every run failed |")
+            print(f"| {v[0]} | {v[3]} | {v[2]} | {v[1]} | - | - | - | every run failed |")
             continue
-        med, base = statistics.median(got[v]), statistics.median(got[first])
-        paired = [x / by_round[first][k] for k, x in by_round[v].items() if k in by_round[first]]
+        med, base = statistics.median(got[v].values()), statistics.median(got[first].values())
+        paired = [x / got[first][k] for k, x in got[v].items() if k in got[first]]
         pair = f"{statistics.median(paired):.2f}x" if paired else "-"
         print(f"| {v[0]} | {v[3]} | {v[2]} | {v[1]} | {med:.1f} | {med / base:.2f}x | {pair} | "
-              + " ".join(f"{x:.1f}" for x in got[v]) + " |")
+              + " ".join(f"{x:.1f}" for x in got[v].values()) + " |")
     if args.bandwidth:
         one, two = statistics.median(reads[1]), statistics.median(reads[2])
         print(f"\nmemory read (medians): one thread {one:.1f} GB/s, two {two:.1f} "
