@@ -6,11 +6,11 @@ difference of even one bit would make verify's comparison meaningless.
 Why verify evaluates twice: in a few fresh processes in a thousand on a loaded machine, a
 first evaluation's loss comes out 2^-16 high (the same value every time it happens,
 logits identical, every gradient moved; seen in the first wave, again on 2026-12-03 in
-this test and in 1 of the 20 processes right after it, then in none of 500 more). The causes we could force
-(alignment, layout, threads) are held deterministically in the second test; what else
-was ruled out is in docs/benchmarks.md ("Determinism of verify's reference"). A check of
-single first evaluations failed CI at that rate; the reference verify uses does not
-(two flips in three evaluations of one process)."""
+this test and in 1 of the 20 processes right after it, then in none of 500 more). The
+causes we could force (alignment, layout, threads) are held deterministically in the
+second test; what else was ruled out is in docs/benchmarks.md ("Determinism of verify's
+reference"). A check of single first evaluations failed CI at that rate; the reference
+verify uses does not (two flips in three evaluations of one process)."""
 
 from __future__ import annotations
 

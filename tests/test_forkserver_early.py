@@ -1,8 +1,8 @@
 """`tpkit train` starts the forkserver its ranks are forked from before it imports torch
 itself (`tpkit.host.forkserver.start_early`) when its command line names several ranks,
 so that both imports run at once; a run that turns out to be one process stops it, and
-one that forked from it keeps it. Each
-case in a fresh process: this one's forkserver is the test pools'."""
+one that forked from it keeps it. Each case in a fresh process: this one's forkserver is
+the test pools'."""
 
 from __future__ import annotations
 
@@ -54,7 +54,6 @@ def test_train_starts_its_forkserver_early_and_stops_it_when_alone():
     assert r.stdout.splitlines() == ["plan None", "help None", "started True False True",
                                      "stopped False None", "one None", "kept True",
                                      "torchrun None"]
-
 
 
 def test_a_mistake_on_the_command_line_stops_the_forkserver_at_once():
