@@ -98,12 +98,18 @@ float act_one(float v, int act) {
 
 // The sums of an item's weight rows at[0 .. rows) by C input rows x: s[i][c0 + c]. R rows
 // at a time from far apart (row j with rows j + rows / R, ...: separate pages, so the
-// prefetchers run R streams): R = 4 at one input row (float32 ~8% faster than 2, 1.2x
-// one stream at one thread; int8 2: its rows are short), 2 at two; with C = 4 (many input
-// rows: the products, not the memory, bound) one row at a time.
+// prefetchers run R streams), R C U accumulators in registers. With AVX-512's 32: at one
+// input row float32 8, bfloat16 4 (float32 4 -> 8: 3-4% faster at two threads; bfloat16
+// 8: slower), int8 2 (its rows are short); at two 4 (int8 2); at four 3. Measured on the
+// Sapphire Rapids machine of docs/benchmarks.md against one stream at four rows and two
+// at two (GPT-2's products, the head included): 0.71x the time at four and eight rows,
+// 0.84-0.90x at two, float32 and bfloat16, one thread or two; int8 0.83x at four. With
+// AVX2's 16 (L = 8): 4 at one input row (float32 ~8% faster than 2; int8 2), 2 at two, 1
+// at four. R only groups the loads: each sum's order is dots' whatever R.
 template <class W, int C>
 void sums(const float* x, const W* const* at, int64_t rows, int64_t K, float (*s)[8], int c0) {
-  constexpr int R = C >= 4 ? 1 : C == 1 && sizeof(W) > 1 ? 4 : 2;
+  constexpr int R = L == 16 ? (C >= 4 ? 3 : sizeof(W) == 1 ? 2 : C == 2 || sizeof(W) == 2 ? 4 : 8)
+                            : (C >= 4 ? 1 : C == 1 && sizeof(W) > 1 ? 4 : 2);
   const int64_t stride = rows / R;
   float t[R * C];
   for (int64_t j = 0; j < stride; ++j) {
