@@ -5,8 +5,9 @@ int8 weights; bias, residual, SwiGLU's gate fused) within K float32 roundings of
 of |terms| (bfloat16 outputs: plus one bfloat16 rounding); a row's bits the same alone or
 among 8 rows, at 1 or 2 threads (batch invariance by construction); the norms (RMSNorm,
 LayerNorm, Gemma's offset) within a few float32 roundings, bfloat16 within one bfloat16
-rounding of the reference; the rotary embedding and cache write bit for bit
-`apply_rope` + the cache's index writes (full and partial rotary, none). A decode-only
+rounding of the reference; the GELU fused into fc1's product F.gelu's bits; the rotary
+embedding and cache write bit for bit `apply_rope` + the cache's index writes (full and
+partial rotary, none). A decode-only
 model (`for_decode`) takes the native layer path on every layer of every decode step and
 its token-by-token logits are as close to the float64 model's as its float32 full
 forward's, for a Llama (GQA, SwiGLU, RMSNorm) and a GPT-2 (LayerNorm, GELU, biases).
@@ -19,6 +20,7 @@ Without the library (TPKIT_DECODE_OPS_DISABLE=1) the weights are packed as befor
 from __future__ import annotations
 
 import copy
+import ctypes
 import os
 import subprocess
 import sys
@@ -97,6 +99,37 @@ def test_a_rows_bits_do_not_depend_on_the_other_rows_or_the_threads(wdtype):
     assert torch.equal(op(x[2:5], threads=1), together[2:5])
 
 
+def _fused_gelu(x, threads):
+    """GELU (tanh) of x [M, F] as the kernel fuses it into a product (fc1's): x times the
+    identity (each sum one exact term and zeros), the activation as its epilogue."""
+    m, f = x.shape
+    w, y = torch.eye(f), torch.empty_like(x)
+    rc = D.load().tpk_linear(D.ptr(x), D.ptr(w), D.NULL, D.NULL, D.NULL, D.ptr(y),
+                             ctypes.c_int64(m), ctypes.c_int64(f), ctypes.c_int64(f),
+                             D.INTS[D.DTYPES[x.dtype]], D.INTS[0],
+                             D.INTS[1 + D.ACTS["gelu"]], D.INTS[threads])
+    assert rc == 0
+    return y
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_the_fused_gelu_is_torchs_bit_for_bit(dtype):
+    """The product's GELU (tanh) gives F.gelu's bits: Sleef's tanh where torch's vector
+    loop runs, std::tanh on each chunk's tail (600 elements: 24 of them; 17500 at two
+    threads: two chunks), one to eight rows, at one and two threads."""
+    g = torch.Generator().manual_seed(7)
+    before = torch.get_num_threads()
+    try:
+        for threads in (1, 2):
+            torch.set_num_threads(threads)
+            for m, f in [(1, 3072), (8, 3072), (3, 200), (8, 1536), (7, 2500), (5, 333)]:
+                x = (torch.randn(m, f, generator=g) * 3).to(dtype)
+                want = F.gelu(x, approximate="tanh")
+                assert torch.equal(_fused_gelu(x, threads), want), (threads, m, f)
+    finally:
+        torch.set_num_threads(before)
+
+
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("kind", ["rms", "layer", "rms+offset"])
 def test_norms_match_float64(dtype, kind):
@@ -167,14 +200,15 @@ def test_decode_only_model_takes_the_native_layer_and_is_as_accurate(monkeypatch
     assert err(got) <= 2 * err(full) + 1e-6, (err(got), err(full))
 
 
-def test_the_stack_the_layer_calls_and_the_modules_give_the_same_bits(monkeypatch):
-    """float32, SwiGLU: a tp=1 step's layers in one native call (`NativeStack`), each
-    layer's native calls from Python (`NativeLayer`) and the modules themselves (`Block`
-    on the decode-only weights) run the same kernels on the same values in the same
-    order (the residual added in float32 after the bias in all three): the same logits
-    bit for bit."""
-    model = Transformer(SMOL, ParallelMesh.single())
-    fill(model, random_full(SMOL, seed=5, scale=1.0), ParallelMesh.single())
+@pytest.mark.parametrize("config", [SMOL, GPT], ids=["smol-swiglu", "gpt2-gelu-bias"])
+def test_the_stack_the_layer_calls_and_the_modules_give_the_same_bits(monkeypatch, config):
+    """float32, SwiGLU and GPT-2's GELU: a tp=1 step's layers in one native call
+    (`NativeStack`), each layer's native calls from Python (`NativeLayer`) and the modules
+    themselves (`Block` on the decode-only weights) run the same kernels on the same
+    values in the same order (the residual added in float32 after the bias in all three;
+    the stack's fused GELU is F.gelu's bits): the same logits bit for bit."""
+    model = Transformer(config, ParallelMesh.single())
+    fill(model, random_full(config, seed=5, scale=1.0), ParallelMesh.single())
     for_decode(model)
     ids = torch.randint(0, 257, (3, 12), generator=torch.Generator().manual_seed(6))
     with torch.no_grad():
