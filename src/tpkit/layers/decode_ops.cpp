@@ -135,45 +135,50 @@ vf gelu_lanes(vf x, VecFn tanh_lanes) {
   return r;
 }
 
-// Whether torch's elementwise loop over n elements of a dtype of `bytes` takes element i
-// in its vector loop (two vectors of L float32 lanes' bytes a step), at `threads` threads.
-inline bool torch_vector(int64_t i, int64_t n, int threads, int64_t bytes) {
+// Where torch's elementwise loop over n elements of a dtype of `bytes` switches to its
+// scalar tail, for the element i: the end of the vector loop of i's chunk (two vectors
+// of L float32 lanes' bytes a step) and the chunk's end, at `threads` threads.
+inline void torch_chunk(int64_t i, int64_t n, int threads, int64_t bytes, int64_t* vec_end,
+                        int64_t* end) {
   int64_t chunk = n;
   if (n > 16384 && threads > 1) {  // GELU's grain: n / threads, one chunk a thread
     const int64_t grain = n / threads, parts = std::min<int64_t>(threads, (n + grain - 1) / grain);
     chunk = (n + parts - 1) / parts;
   }
   const int64_t start = i / chunk * chunk, len = std::min(n, start + chunk) - start;
-  const int64_t step = 2 * L * 4 / bytes;
-  return i - start < len - len % step;
+  *vec_end = start + len - len % (2 * L * 4 / bytes);
+  *end = start + len;
 }
 
 // The activation of o[0 .. n) (elements i0 .. i0 + n of y flattened), each rounded to Y
 // first (as if applied to the stored product).
 template <class Y>
 void activate(const Call& c, float* o, int64_t n, int64_t i0) {
-  for (int64_t j = 0; j < n; ++j) {
-    Y r;
-    narrow(o[j], &r);
-    o[j] = widen(r);
-  }
+  if (sizeof(Y) != 4)
+    for (int64_t j = 0; j < n; ++j) {
+      Y r;
+      narrow(o[j], &r);
+      o[j] = widen(r);
+    }
   const VecFn tanh_lanes = c.act == 1 ? sleef_tanh() : nullptr;
   if (tanh_lanes == nullptr) {
     for (int64_t j = 0; j < n; ++j) o[j] = c.act == 1 ? gelu_one(o[j]) : act_one(o[j], c.act);
     return;
   }
-  int64_t at[2 * ITEM];  // the vector loop's elements, L at a time (any lane: elementwise)
-  int64_t k = 0;
+  float lanes[2 * ITEM + L];  // the vector loop's elements, packed (any lane: elementwise)
+  int64_t at[2 * ITEM], k = 0, vec_end = 0, end = 0;
   for (int64_t j = 0; j < n; ++j) {
-    if (torch_vector(i0 + j, c.M * c.F, c.threads, sizeof(Y)))
+    if (i0 + j >= end) torch_chunk(i0 + j, c.M * c.F, c.threads, sizeof(Y), &vec_end, &end);
+    if (i0 + j < vec_end) {
+      lanes[k] = o[j];
       at[k++] = j;
-    else
+    } else {
       o[j] = gelu_one(o[j]);
+    }
   }
+  for (int64_t q = k; q % L; ++q) lanes[q] = 0.0f;
   for (int64_t q = 0; q < k; q += L) {
-    vf x = vf{};
-    for (int64_t l = 0; l < L && q + l < k; ++l) x[l] = o[at[q + l]];
-    const vf r = gelu_lanes(x, tanh_lanes);
+    const vf r = gelu_lanes(load(lanes + q), tanh_lanes);
     for (int64_t l = 0; l < L && q + l < k; ++l) o[at[q + l]] = r[l];
   }
 }
