@@ -99,12 +99,13 @@ def test_a_rows_bits_do_not_depend_on_the_other_rows_or_the_threads(wdtype):
     assert torch.equal(op(x[2:5], threads=1), together[2:5])
 
 
-def _fused_gelu(x, threads):
-    """GELU (tanh) of x [M, F] as the kernel fuses it into a product (fc1's): x times the
-    identity (each sum one exact term and zeros), the activation as its epilogue."""
+def _fused_gelu(x, threads, bias=None):
+    """GELU (tanh) of x [M, F] (+ bias [F]) as the kernel fuses it into a product (fc1's):
+    x times the identity (each sum one exact term and zeros), the activation as its
+    epilogue."""
     m, f = x.shape
     w, y = torch.eye(f), torch.empty_like(x)
-    rc = D.load().tpk_linear(D.ptr(x), D.ptr(w), D.NULL, D.NULL, D.NULL, D.ptr(y),
+    rc = D.load().tpk_linear(D.ptr(x), D.ptr(w), D.NULL, D.ptr(bias), D.NULL, D.ptr(y),
                              ctypes.c_int64(m), ctypes.c_int64(f), ctypes.c_int64(f),
                              D.INTS[D.DTYPES[x.dtype]], D.INTS[0],
                              D.INTS[1 + D.ACTS["gelu"]], D.INTS[threads])
@@ -128,6 +129,11 @@ def test_the_fused_gelu_is_torchs_bit_for_bit(dtype):
                 assert torch.equal(_fused_gelu(x, threads), want), (threads, m, f)
     finally:
         torch.set_num_threads(before)
+    special = torch.tensor([float("-inf"), float("inf"), float("nan"), 0.0, -0.0, 1e30,
+                            -1e30, 1e-40] * 4).to(dtype)  # through the bias: x is 0
+    got = _fused_gelu(torch.zeros(1, 32, dtype=dtype), 1, special)
+    torch.testing.assert_close(got[0], F.gelu(special, approximate="tanh"), rtol=0, atol=0,
+                               equal_nan=True)
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])

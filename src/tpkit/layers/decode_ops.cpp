@@ -100,12 +100,13 @@ float act_one(float v, int act) {
 // GELU (tanh) as torch computes it on this CPU, bit for bit (ATen's Gelu.h through
 // cpu_kernel_vec): x^3 = x x x, inner = beta (x + kappa x^3), 0.5 x (1 + tanh(inner)),
 // with Sleef's tanh (libtorch_cpu's own, L lanes) on the elements torch's vector loop
-// takes and std::tanh on the rest; -inf gives 0. Which elements (`torch_vector`): torch
+// takes and std::tanh on the rest (-inf gives NaN, as torch's). Which elements (`torch_chunk`): torch
 // runs its loop over the flattened output [M, F], in one chunk a thread above 16384
-// elements, each chunk's last (its length mod two vectors) elements scalar. 2.5-20x
-// faster than std::tanh on every element (the act_one of before, whose bits were not
-// torch's: ~8% of GPT-2's activations 1 ulp apart), which took 11% of a decode step of 8
-// rows. Without torch's Sleef (not loaded) every element is scalar.
+// elements, each chunk's last (its length mod two vectors) elements scalar; multiply-adds
+// fused as torch's build fuses them (tested: F.gelu's bits). Before, std::tanh on every
+// element (act_one, whose bits were not torch's: ~8% of GPT-2's activations 1 ulp apart)
+// took 11% of a decode step of 8 rows; now 3%. Without torch's Sleef every element is
+// scalar.
 constexpr double kGeluBeta = M_SQRT2 * M_2_SQRTPI * 0.5, kGeluKappa = 0.044715;
 using VecFn = vf (*)(vf);
 VecFn sleef_tanh() {
@@ -119,7 +120,6 @@ VecFn sleef_tanh() {
 
 __attribute__((optimize("fp-contract=fast")))
 float gelu_one(float x) {
-  if (std::isinf(x)) return x > 0.0f ? x : 0.0f;
   const float cube = x * x * x;
   const float inner = float(kGeluBeta) * (x + float(kGeluKappa) * cube);
   return 0.5f * x * (1.0f + std::tanh(inner));
@@ -129,10 +129,7 @@ __attribute__((optimize("fp-contract=fast")))
 vf gelu_lanes(vf x, VecFn tanh_lanes) {
   const vf cube = x * x * x;
   const vf inner = float(kGeluBeta) * (x + float(kGeluKappa) * cube);
-  vf r = 0.5f * x * (1.0f + tanh_lanes(inner));
-  for (int l = 0; l < L; ++l)
-    if (x[l] == -INFINITY) r[l] = 0.0f;
-  return r;
+  return 0.5f * x * (1.0f + tanh_lanes(inner));
 }
 
 // Where torch's elementwise loop over n elements of a dtype of `bytes` switches to its
