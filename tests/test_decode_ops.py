@@ -7,10 +7,11 @@ among 8 rows, at 1 or 2 threads (batch invariance by construction); the norms (R
 LayerNorm, Gemma's offset) within a few float32 roundings, bfloat16 within one bfloat16
 rounding of the reference; the GELU fused into fc1's product F.gelu's bits; the rotary
 embedding and cache write bit for bit `apply_rope` + the cache's index writes (full and
-partial rotary, none). A decode-only
-model (`for_decode`) takes the native layer path on every layer of every decode step and
-its token-by-token logits are as close to the float64 model's as its float32 full
-forward's, for a Llama (GQA, SwiGLU, RMSNorm) and a GPT-2 (LayerNorm, GELU, biases).
+partial rotary, none). A decode-only model (`for_decode`) takes the native layer path on
+every layer of every decode step and its token-by-token logits are as close to the
+float64 model's as its float32 full forward's, for a Llama (GQA, SwiGLU, RMSNorm) and a
+GPT-2 (LayerNorm, GELU, biases); its three paths (one native call, the layer calls, the
+modules) give the same bits for both.
 At tp > 1 (SmolLM2's 9 heads: uneven at tp=2, even at 3) the stack sums inside its
 call on the shared-memory channel: the per-layer path's logits bit for bit and its
 ledger records, and a rank killed while the other is inside it named in one line.

@@ -39,7 +39,7 @@ struct Call {
   void* y;
   int64_t M, K, N, F;  // F: y's columns (N, or N / 2 gated)
   int gate;
-  int act;  // 0 none, else act_one's: y = act(round(y)) (no res then)
+  int act;  // 0 none, else y = act(round(y)) (no res then): 1 GELU (tanh), 2 GELU (erf), 3 ReLU
   const void* res;  // [M, F] in y's dtype, added last, or null
   int threads;  // torch's thread count (GELU's: `activate`)
 };
@@ -100,13 +100,13 @@ float act_one(float v, int act) {
 // GELU (tanh) as torch computes it on this CPU, bit for bit (ATen's Gelu.h through
 // cpu_kernel_vec): x^3 = x x x, inner = beta (x + kappa x^3), 0.5 x (1 + tanh(inner)),
 // with Sleef's tanh (libtorch_cpu's own, L lanes) on the elements torch's vector loop
-// takes and std::tanh on the rest (-inf gives NaN, as torch's). Which elements (`torch_chunk`): torch
-// runs its loop over the flattened output [M, F], in one chunk a thread above 16384
-// elements, each chunk's last (its length mod two vectors) elements scalar; multiply-adds
-// fused as torch's build fuses them (tested: F.gelu's bits). Before, std::tanh on every
-// element (act_one, whose bits were not torch's: ~8% of GPT-2's activations 1 ulp apart)
-// took 11% of a decode step of 8 rows; now 3%. Without torch's Sleef every element is
-// scalar.
+// takes and std::tanh on the rest (-inf gives NaN, as torch's). Which elements
+// (`torch_chunk`): torch runs its loop over the flattened output [M, F], in one chunk a
+// thread above 16384 elements, each chunk's last (its length mod two vectors) elements
+// scalar. Multiply-adds fused as torch's build fuses them (tested: F.gelu's bits).
+// Before, std::tanh on every element (act_one, whose bits were not torch's: ~8% of
+// GPT-2's activations 1 ulp apart) took 11% of a decode step of 8 rows; now 3%. Without
+// torch's Sleef every element is scalar.
 constexpr double kGeluBeta = M_SQRT2 * M_2_SQRTPI * 0.5, kGeluKappa = 0.044715;
 using VecFn = vf (*)(vf);
 VecFn sleef_tanh() {
