@@ -151,12 +151,11 @@ inline void torch_chunk(int64_t i, int64_t n, int threads, int64_t bytes, int64_
 // first (as if applied to the stored product).
 template <class Y>
 void activate(const Call& c, float* o, int64_t n, int64_t i0) {
-  if (sizeof(Y) != 4)
-    for (int64_t j = 0; j < n; ++j) {
-      Y r;
-      narrow(o[j], &r);
-      o[j] = widen(r);
-    }
+  for (int64_t j = 0; j < n; ++j) {
+    Y r;
+    narrow(o[j], &r);
+    o[j] = widen(r);
+  }
   const VecFn tanh_lanes = c.act == 1 ? sleef_tanh() : nullptr;
   if (tanh_lanes == nullptr) {
     for (int64_t j = 0; j < n; ++j) o[j] = c.act == 1 ? gelu_one(o[j]) : act_one(o[j], c.act);
