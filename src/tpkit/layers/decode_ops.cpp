@@ -87,16 +87,6 @@ inline float finish(const Call& c, int64_t n, float s) {
 
 inline float silu(float g) { return g / (1.0f + std::exp(-g)); }
 
-// An activation of one value: 1 GELU (tanh), 2 GELU (erf), 3 ReLU; the products in the
-// order written, none fused.
-__attribute__((optimize("fp-contract=off")))
-float act_one(float v, int act) {
-  if (act == 1)
-    return 0.5f * v * (1.0f + std::tanh(0.7978845608028654f * (v + 0.044715f * v * v * v)));
-  if (act == 2) return 0.5f * v * (1.0f + std::erf(v * 0.7071067811865476f));
-  return v > 0.0f ? v : 0.0f;
-}
-
 // GELU (tanh) as torch computes it on this CPU, bit for bit (ATen's Gelu.h through
 // cpu_kernel_vec): x^3 = x x x, inner = beta (x + kappa x^3), 0.5 x (1 + tanh(inner)),
 // with Sleef's tanh (libtorch_cpu's own, L lanes) on the elements torch's vector loop
@@ -104,8 +94,8 @@ float act_one(float v, int act) {
 // (`torch_chunk`): torch runs its loop over the flattened output [M, F], in one chunk a
 // thread above 16384 elements, each chunk's last (its length mod two vectors) elements
 // scalar. Multiply-adds fused as torch's build fuses them (tested: F.gelu's bits).
-// Before, std::tanh on every element (act_one, whose bits were not torch's: ~8% of
-// GPT-2's activations 1 ulp apart) took 11% of a decode step of 8 rows; now 3%. Without
+// Before, std::tanh on every element (in another order, whose bits were not torch's: ~8%
+// of GPT-2's activations 1 ulp apart) took 11% of a decode step of 8 rows; now 3%. Without
 // torch's Sleef every element is scalar.
 constexpr double kGeluBeta = M_SQRT2 * M_2_SQRTPI * 0.5, kGeluKappa = 0.044715;
 using VecFn = vf (*)(vf);
@@ -123,6 +113,15 @@ float gelu_one(float x) {
   const float cube = x * x * x;
   const float inner = float(kGeluBeta) * (x + float(kGeluKappa) * cube);
   return 0.5f * x * (1.0f + std::tanh(inner));
+}
+
+// An activation of one value: 1 GELU (tanh, gelu_one), 2 GELU (erf; the products in the
+// order written, none fused), 3 ReLU.
+__attribute__((optimize("fp-contract=off")))
+float act_one(float v, int act) {
+  if (act == 1) return gelu_one(v);
+  if (act == 2) return 0.5f * v * (1.0f + std::erf(v * 0.7071067811865476f));
+  return v > 0.0f ? v : 0.0f;
 }
 
 __attribute__((optimize("fp-contract=fast")))
@@ -158,7 +157,7 @@ void activate(const Call& c, float* o, int64_t n, int64_t i0) {
   }
   const VecFn tanh_lanes = c.act == 1 ? sleef_tanh() : nullptr;
   if (tanh_lanes == nullptr) {
-    for (int64_t j = 0; j < n; ++j) o[j] = c.act == 1 ? gelu_one(o[j]) : act_one(o[j], c.act);
+    for (int64_t j = 0; j < n; ++j) o[j] = act_one(o[j], c.act);
     return;
   }
   float lanes[2 * ITEM + L];  // the vector loop's elements, packed (any lane: elementwise)
