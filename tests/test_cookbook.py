@@ -3,7 +3,9 @@ fresh folder (`.venv/bin/tpkit ...` lines through the real CLI entry `tpkit.cli.
 `.venv/bin/python tests/...` lines as that script, Python blocks as code). Then checked: the JSONL file's
 documents are in index.json, the tp=2 run and its resume with a new learning rate have
 one metrics row and one TensorBoard loss point per step, the resume named its changes,
-the run folder keeps the new config, and the export is a folder transformers loads."""
+the run folder keeps the new config, the export is a folder transformers loads, and
+`tpkit generate` prints text after the prompt (not blanks), the very text transformers
+prints. Every folder it writes is the cookbook's own (`notes-*`): none of the README's."""
 
 from __future__ import annotations
 
@@ -25,6 +27,12 @@ BLOCK = re.compile(r"```(bash|python)\n(.*?)```", re.S)
 def blocks() -> list[tuple[str, str]]:
     """(language, code) of each fenced block of the cookbook, in order."""
     return BLOCK.findall((ROOT / "docs" / "cookbook.md").read_text())
+
+
+def written(text: str) -> set[str]:
+    """The folders a text's command lines write: `--out X` and `convert SRC X`."""
+    return set(re.findall(r"--out (\S+)", text)) | \
+        set(re.findall(r"tpkit convert \S+ (\S+)", text))
 
 
 def _run_line(line: str, monkeypatch) -> None:
@@ -53,17 +61,23 @@ def test_every_block_of_the_cookbook_runs(tmp_path, monkeypatch, capsys):
                 _run_line(line, monkeypatch)
         said.append(capsys.readouterr())
     lines = [s for s in Path("corpus.txt").read_text().splitlines() if s.strip()]
-    assert json.loads(Path("data/index.json").read_text())["documents"] == len(lines)
+    assert json.loads(Path("notes-data/index.json").read_text())["documents"] == len(lines)
     assert "bytes in the tp group at the last step" in said[3].out
-    assert "with changes: steps: 6 -> 10; lr: 0.01 -> 0.003" in said[4].err
-    rows = [json.loads(r) for r in Path("run/metrics.jsonl").read_text().splitlines()]
-    assert [r["step"] for r in rows] == list(range(1, 11)) and rows[-1]["lr"] < 3e-3
+    assert "with changes: steps: 100 -> 200; lr: 0.01 -> 0.003" in said[4].err
+    rows = [json.loads(r) for r in Path("notes-run/metrics.jsonl").read_text().splitlines()]
+    assert [r["step"] for r in rows] == list(range(1, 201)) and rows[-1]["lr"] < 3e-3
 
     from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
 
-    events = EventAccumulator("run/tb")
+    events = EventAccumulator("notes-run/tb")
     events.Reload()
-    assert [e.step for e in events.Scalars("train/loss")] == list(range(1, 11))
-    assert 'lr = 0.003' in Path("run/config.toml").read_text()
-    assert (Path("export") / "config.json").is_file() and Path("resharded").is_dir()
-    assert said[6].out.startswith("Tensor parallelism splits")
+    assert [e.step for e in events.Scalars("train/loss")] == list(range(1, 201))
+    assert 'lr = 0.003' in Path("notes-run/config.toml").read_text()
+    assert (Path("notes-export") / "config.json").is_file() and Path("notes-tp1").is_dir()
+    prompt = "Tensor parallelism splits"
+    ours = next(s for s in said[5].out.splitlines() if s.startswith(prompt))
+    assert ours.removeprefix(prompt).strip(), f"generate printed blanks: {ours!r}"
+    assert said[6].out.strip() == ours.strip()  # transformers, greedy: the same text
+    ours = written("".join(code for _, code in blocks()))
+    theirs = written((ROOT / "README.md").read_text())
+    assert len(ours) == 4 and not ours & theirs, f"the README writes these too: {ours & theirs}"
