@@ -37,6 +37,9 @@ from tpkit.train.tokens import INDEX, TokenStream, open_shards
 from tpkit.weights.tokenizer import ByteTokenizer, has_tokenizer
 
 
+EMBEDDED_PROMPT = 'The "return" statement'  # a heading of the embedded corpus (the demo's hint)
+
+
 def embedded_text() -> str:
     """The text of Python's help topics, in a fixed order."""
     return "\n\n".join(topics[k] for k in sorted(topics))

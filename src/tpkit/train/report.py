@@ -19,6 +19,9 @@ from rich.table import Table
 from tpkit.comm.ledger_tables import render
 from tpkit.spec.words import plural
 from tpkit.train.config import TrainConfig
+from tpkit.train.data import EMBEDDED_PROMPT, embedded_text
+
+STILL_GUESSING = 1.5  # loss per token above which a byte-level model writes no sentences
 
 
 @dataclass(frozen=True)
@@ -96,10 +99,25 @@ def report(result: RunSummary, tables: list[str]) -> str:
         lines.append(f"loss curve {result.plot}")
     if result.checkpoint:
         lines.append(f"checkpoint {result.checkpoint}")
-        tp = f" --tp {c.tp}" if c.tp > 1 else ""  # the run's own tp: one the model admits
-        lines.append(f"sample it:  tpkit generate --checkpoint {shlex.quote(result.checkpoint)}"
-                     f"{tp} --prompt 'The return statement' --temperature 0.8 --top-k 40")
+        lines += sample_hint(result)
     return "\n".join(lines)
+
+
+def sample_hint(result: RunSummary) -> list[str]:
+    """The `tpkit generate` line that samples the run's last checkpoint; on the embedded
+    corpus, a prompt from it and, while the loss is high, what such a model writes."""
+    c = result.config
+    tp = f" --tp {c.tp}" if c.tp > 1 else ""  # the run's own tp: one the model admits
+    prompt = EMBEDDED_PROMPT if c.data is None else "<a few words of your data>"
+    lines = [f"sample it:  tpkit generate --checkpoint {shlex.quote(result.checkpoint)}"
+             f"{tp} --prompt {shlex.quote(prompt)} --temperature 0.8 --top-k 40"]
+    if c.data is None and result.tail_loss > STILL_GUESSING:
+        lines.append(f"  (a prompt from its corpus, Python's help text, "
+                     f"{len(embedded_text()) // 1000} KB: after {plural(c.steps, 'step')}, at "
+                     f"a loss of {result.tail_loss:.2f}, a model this small writes much the same "
+                     f"word-like pieces whatever the prompt and repeats itself (greedy: "
+                     f"\"the the the\"): the run works, it has not learnt the language)")
+    return lines
 
 
 def theory_rows(ledger, expects: list) -> list[dict]:
