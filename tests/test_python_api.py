@@ -1,7 +1,7 @@
 """The public Python entry points: `tpkit.load`, `model.generate`, `tpkit.spawn`.
 
-Checked: `import tpkit` imports no torch (the names resolve on first use); the README's
-"Use it from Python" example runs as written (a tp=2 model generates the tokens of the
+Checked: `import tpkit` imports no torch (the names resolve on first use); docs/python.md's
+example runs as written (a tp=2 model generates the tokens of the
 tp=1 model); `tpkit.load` refuses a tp it cannot honour in one line.
 """
 
@@ -46,8 +46,7 @@ def test_commands_start_without_dynamo():
 
 
 def readme_example() -> str:
-    text = (ROOT / "README.md").read_text()
-    section = text.split("## Use it from Python", 1)[1].split("\n## ", 1)[0]
+    section = (ROOT / "docs" / "python.md").read_text()
     return re.search(r"```python\n(.*?)```", section, re.S).group(1)
 
 

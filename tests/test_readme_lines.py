@@ -1,5 +1,6 @@
-"""The README's "What you can do" block runs as pasted, one line after another, in one
-fresh folder (a new user's first minutes): through the CLI's entry (`tpkit.cli.main`,
+"""The README's command blocks of the quiz, training and planning paths run as pasted, one
+line after another, in one fresh folder (a new user's first minutes): through the CLI's
+entry (`tpkit.cli.main`,
 what the installed `tpkit` runs; one process, so torch is imported once), with
 `--steps 2` on the train lines, `--compile-backend aot_eager` added where `--compile`
 appears (Inductor's C++ code generation takes minutes on a 2-core machine;
@@ -21,12 +22,18 @@ from tpkit.cli import main
 ROOT = Path(__file__).resolve().parents[1]
 
 
+PATHS = ("## Learn with the quiz", "## Train", "## Plan")  # the README's sections, in order
+
+
 def what_you_can_do() -> list[str]:
-    """The command lines of the README's first bash block under "What you can do"."""
+    """The command lines of the first bash block of each of the README's `PATHS`."""
     text = (ROOT / "README.md").read_text()
-    section = text[text.index("## What you can do"):]
-    block = re.search(r"```bash\n(.*?)```", section, re.S).group(1)
-    return [line.split("  #")[0].strip() for line in block.splitlines() if line.strip()]
+    lines = []
+    for heading in PATHS:
+        section = text[text.index(f"\n{heading}\n"):]
+        block = re.search(r"```bash\n(.*?)```", section, re.S).group(1)
+        lines += [line.split("  #")[0].strip() for line in block.splitlines() if line.strip()]
+    return lines
 
 
 def reduced(line: str) -> list[str]:

@@ -167,11 +167,13 @@ def test_budget_queue_refusal_and_cancel():
 @pytest.mark.slow
 @pytest.mark.timeout(180)
 def test_readme_engine_example_runs(tmp_path):
-    """README, "Serve it": the Engine example, as written, on a saved llama-t checkpoint."""
+    """docs/serving.md, "The engine without HTTP": the Engine example, as written, on a
+    saved llama-t checkpoint."""
     from tpkit.checkpoint import store
 
     root = Path(__file__).resolve().parent.parent
-    section = (root / "README.md").read_text().split("## Serve it", 1)[1].split("\n## ", 1)[0]
+    section = (root / "docs" / "serving.md").read_text().split(
+        "## The engine without HTTP", 1)[1].split("\n## ", 1)[0]
     code = re.findall(r"```python\n(.*?)```", section, re.S)[-1]
     (tmp_path / "engine.py").write_text(code)
     store.save(tmp_path / "ckpt", _model(ParallelMesh.single(), LLAMA))
