@@ -4,7 +4,7 @@ Splits the weight matrices *inside* each layer across devices (Megatron style),
 combines the partial results with collectives that a ledger counts, composes that
 with pipeline and data parallelism, and explains all of it (`tpkit quiz`).
 
-The Python entry points (README, "Use it from Python"):
+The Python entry points (docs/python.md):
 
     model = tpkit.load(path)                   # one process: the whole model
     model = tpkit.load(path, mesh)             # this rank's shard, at mesh's layout

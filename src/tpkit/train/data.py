@@ -36,7 +36,6 @@ from tpkit.train.tokenizing import Tokenized
 from tpkit.train.tokens import INDEX, TokenStream, open_shards
 from tpkit.weights.tokenizer import ByteTokenizer, has_tokenizer
 
-
 EMBEDDED_PROMPT = 'The "return" statement'  # a heading of the embedded corpus (the demo's hint)
 
 
