@@ -158,6 +158,19 @@ def test_the_check_catches_rows_that_lie():
     assert said == ["`tpkit serve` against llama.cpp: 1.91x is not in the sections it cites"]
 
 
+def test_the_current_results_are_in_the_sections_they_cite():
+    """docs/benchmarks.md's top table: each figure is in the sections its row names."""
+    top = (ROOT / "docs" / "benchmarks.md").read_text().split("\n## ", 2)[1]
+    rows = [r for r in top.splitlines() if r.startswith("| ") and '"' in r]
+    assert len(rows) >= 8
+    for row in rows:
+        figure = row.strip("|").split("|")[1]
+        said = " ".join(section_text("docs/benchmarks.md", t) or ""
+                        for t in re.findall(r'"([^"]+)"', row))
+        missing = [f for f in re.findall(r"\d+\.\d+", figure) if f not in said]
+        assert missing == [], (row, missing)
+
+
 def test_the_sources_named_in_the_docs_exist():
     serving = (ROOT / "docs" / "serving.md").read_text()
     where = serving.split("Where each figure was measured", 1)[1].split("\n\n", 1)[0]
