@@ -43,6 +43,7 @@ How a decode runs is `decode_chunk`:
 
 from __future__ import annotations
 
+import dataclasses
 import sys
 import threading
 import time
@@ -163,7 +164,7 @@ class Engine(Intake):
     def submit(self, prompt_ids: list[int], params: SamplingParams | None = None) -> Request:
         """Queue a prompt (token ids); returns its handle. `TooLong` if it can never fit,
         `RequestFailed` (503) once the engine stopped accepting."""
-        params = params or SamplingParams()
+        params = self.to_the_end(len(prompt_ids), params or SamplingParams())
         self.check(prompt_ids, params)
         with self._intake() as rid:
             req = Request(rid, list(prompt_ids), params)
@@ -193,6 +194,19 @@ class Engine(Intake):
                         if isinstance(ev, Token) and ev.text:
                             on_token(r, ev.text)
         return reqs
+
+    def to_the_end(self, n: int, params: SamplingParams) -> SamplingParams:
+        """`params` with max_tokens None (a chat request without one, as OpenAI's) made
+        what is left after a prompt of `n` tokens: of the context, the server's budget
+        and the KV cache, whichever is least; TooLong if nothing is left."""
+        if params.max_tokens is not None:
+            return params
+        room = min(self.max_len, self.budget,
+                   (self.pool.max_blocks - 1) * self.pool.block_size) - n
+        if room < 1:
+            raise TooLong(f"the prompt ({n} tokens) leaves no room to generate in the "
+                          f"context of {min(self.max_len, self.budget)} tokens")
+        return dataclasses.replace(params, max_tokens=room)
 
     def check(self, prompt_ids: list[int], params: SamplingParams) -> None:
         """UserError (TooLong for length) for a request this engine cannot run."""

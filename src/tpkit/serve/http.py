@@ -91,6 +91,11 @@ def build_api(app: App, guard: Guard) -> FastAPI:
         refusal = guard.refusal(request.method, request.headers)
         if refusal is not None:  # a refused body is not read
             return error(request, api.ApiError(*refusal), close=True)
+        if request.method != "OPTIONS" and (unkeyed := app.refusal(
+                request.url.path, request.headers.get("Authorization"))) is not None:
+            response = error(request, unkeyed, close=True)
+            response.headers["WWW-Authenticate"] = "Bearer"
+            return response
         return await call_next(request)
 
     @fa.exception_handler(HTTPException)
@@ -159,7 +164,8 @@ def _failed(req: Request | None, e: Exception) -> api.ApiError:
     return api.ApiError(500, why)
 
 
-def _submit_all(app: App, prompts: list[list[int]], params, n: int, put) -> list[Request]:
+def _submit_all(app: App, prompts: list[list[int]], params, n: int, put, chat: bool
+                ) -> list[Request]:
     """n choices of each prompt (choice i of prompt p: index p * n + i; a seed s gives
     choice i the seed s ^ i); their events go to put(index, event). One refused:
     those submitted are cancelled, the ApiError raised."""
@@ -169,7 +175,7 @@ def _submit_all(app: App, prompts: list[list[int]], params, n: int, put) -> list
             for i in range(n):
                 q = params if i == 0 or params.seed is None else \
                     dataclasses.replace(params, seed=params.seed ^ i)
-                reqs.append(app.submit(ids, q, functools.partial(put, len(reqs))))
+                reqs.append(app.submit(ids, q, functools.partial(put, len(reqs)), chat))
     except api.ApiError:
         _cancel(reqs)
         raise
@@ -196,11 +202,11 @@ async def _post(app: App, request: HttpRequest, chat: bool, error, ok, cors) -> 
 
         try:
             asked, prompts = await run_in_threadpool(app.parse, raw, chat)
-            reqs = _submit_all(app, prompts, asked.sampling(), asked.n or 1, put)
+            reqs = _submit_all(app, prompts, asked.sampling(), asked.n or 1, put, chat)
         except api.ApiError as e:
             return error(request, e)
         rid = f"{'chatcmpl' if chat else 'cmpl'}-{reqs[0].id}"
-        usage = _usage(prompts)
+        usage = app.usage(prompts, asked.n or 1)
         if asked.stream:
             streaming = True
             return StreamingResponse(
@@ -220,7 +226,8 @@ async def _post(app: App, request: HttpRequest, chat: bool, error, ok, cors) -> 
                 _cancel(reqs)
                 return error(request, api.ApiError(ev.status, ev.message))
             left -= isinstance(ev, Done)
-        body = api.completion(rid, app.name, "", None, usage(reqs), chat, app.created)
+        body = api.completion(rid, app.name, "", None, usage(reqs), chat, app.created,
+                              fingerprint=app.fingerprint)
         body["choices"] = [_choice(app, r, chat, i) for i, r in enumerate(reqs)]
         return ok(request, body)
     except Exception as e:  # noqa: BLE001 - this request fails alone; the server goes on
@@ -234,16 +241,6 @@ async def _post(app: App, request: HttpRequest, chat: bool, error, ok, cors) -> 
 def _cancel(reqs: list[Request]) -> None:
     for r in reqs:
         r.cancel()
-
-
-def _usage(prompts: list[list[int]]):
-    """OpenAI's usage of a request's choices: each prompt counted once."""
-    p = sum(map(len, prompts))
-
-    def of(reqs: list[Request]) -> dict:
-        c = sum(len(r.tokens) for r in reqs)
-        return dict(prompt_tokens=p, completion_tokens=c, total_tokens=p + c)
-    return of
 
 
 def _echoed(app: App, req: Request, chat: bool) -> tuple[str, dict | None]:
@@ -286,17 +283,18 @@ async def _stream(app: App, reqs: list[Request], events: asyncio.Queue, rid: str
     """The server-sent events of a streamed answer, its choices interleaved as their
     tokens come (echo: a choice's prompt first); a client gone cancels them."""
     name, created, left = app.name, app.created, len(reqs)
+    chunk = functools.partial(api.chunk, fingerprint=app.fingerprint)
     tokens, offsets, started = [0] * len(reqs), [0] * len(reqs), [False] * len(reqs)
     try:
         if chat:  # the assistant's role comes first
-            yield _sse(api.chunk(rid, name, None, None, chat, created, first=True))
+            yield _sse(chunk(rid, name, None, None, chat, created, first=True))
         while left:
             c, ev = await events.get()
             req = reqs[c]
             if not started[c] and req.params.echo and not isinstance(ev, Failed):
                 text, block = _echoed(app, req, chat)
                 offsets[c] = sum(map(len, block["tokens"])) if block else 0
-                yield _sse(api.chunk(rid, name, text, None, chat, created, logprobs=block,
+                yield _sse(chunk(rid, name, text, None, chat, created, logprobs=block,
                                      index=c))
             started[c] = True
             if isinstance(ev, Token):  # one chunk per token (its text may be held back)
@@ -306,17 +304,17 @@ async def _stream(app: App, reqs: list[Request], events: asyncio.Queue, rid: str
                     block = _logprobs(app, req, chat, i, i + 1, offsets[c])
                     offsets[c] += len("".join((block or {}).get("tokens", ())))
                     tokens[c] += 1
-                yield _sse(api.chunk(rid, name, ev.text, None, chat, created, logprobs=block,
+                yield _sse(chunk(rid, name, ev.text, None, chat, created, logprobs=block,
                                      index=c))
             elif isinstance(ev, Done):
                 left -= 1
-                yield _sse(api.chunk(rid, name, None, ev.reason, chat, created, index=c))
+                yield _sse(chunk(rid, name, None, ev.reason, chat, created, index=c))
             else:
                 left = 0
                 _cancel(reqs)
                 yield _sse(api.ApiError(ev.status, ev.message).body())
         if usage is not None and all(r.finish_reason for r in reqs):
-            yield _sse(api.usage_chunk(rid, name, usage(reqs), chat, created))
+            yield _sse(api.usage_chunk(rid, name, usage(reqs), chat, created, app.fingerprint))
         yield b"data: [DONE]\n\n"
     except Exception as e:  # noqa: BLE001 - a bug met writing this answer: its error event
         left = 0

@@ -101,20 +101,23 @@ def chat_ids(body: dict, tokenizer, lock,
 
 
 def completion(rid: str, model: str, text: str, finish: str | None, usage: dict | None,
-               chat: bool, created: int, logprobs: dict | None = None) -> dict:
-    """A whole (non-streamed) completion or chat completion."""
+               chat: bool, created: int, logprobs: dict | None = None,
+               fingerprint: str | None = None) -> dict:
+    """A whole (non-streamed) completion or chat completion (`fingerprint`: its
+    `system_fingerprint`, `tpkit.serve.app.fingerprint`)."""
     choice = {"index": 0, "logprobs": logprobs, "finish_reason": finish}
     if chat:
         choice["message"] = {"role": "assistant", "content": text}
     else:
         choice["text"] = text
     return {"id": rid, "object": "chat.completion" if chat else "text_completion",
-            "created": created, "model": model, "choices": [choice], "usage": usage}
+            "created": created, "model": model, "system_fingerprint": fingerprint,
+            "choices": [choice], "usage": usage}
 
 
 def chunk(rid: str, model: str, text: str | None, finish: str | None, chat: bool,
           created: int, first: bool = False, logprobs: dict | None = None,
-          index: int = 0) -> dict:
+          index: int = 0, fingerprint: str | None = None) -> dict:
     """One streamed chunk (`data: {...}`) of choice `index`: a piece of text, or the
     finish reason."""
     choice: dict = {"index": index, "logprobs": logprobs, "finish_reason": finish}
@@ -126,13 +129,16 @@ def chunk(rid: str, model: str, text: str | None, finish: str | None, chat: bool
     else:
         choice["text"] = text or ""
     return {"id": rid, "object": "chat.completion.chunk" if chat else "text_completion",
-            "created": created, "model": model, "choices": [choice]}
+            "created": created, "model": model, "system_fingerprint": fingerprint,
+            "choices": [choice]}
 
 
-def usage_chunk(rid: str, model: str, usage: dict, chat: bool, created: int) -> dict:
+def usage_chunk(rid: str, model: str, usage: dict, chat: bool, created: int,
+                fingerprint: str | None = None) -> dict:
     """The last chunk when `stream_options.include_usage` is set: no choices, the usage."""
     return {"id": rid, "object": "chat.completion.chunk" if chat else "text_completion",
-            "created": created, "model": model, "choices": [], "usage": usage}
+            "created": created, "model": model, "system_fingerprint": fingerprint,
+            "choices": [], "usage": usage}
 
 
 def embeddings(model: str, vectors: list, tokens: int) -> dict:

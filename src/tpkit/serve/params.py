@@ -28,7 +28,7 @@ def _number(x) -> bool:
 
 # field -> (is the value good?, what it must be): the bounds of every sampling value
 RULES: dict[str, tuple[Callable[[object], bool], str]] = {
-    "max_tokens": (lambda x: _int(x) and x >= 1, "must be an integer >= 1"),
+    "max_tokens": (lambda x: x is None or _int(x) and x >= 1, "must be an integer >= 1"),
     "temperature": (lambda x: _number(x) and 0 <= x <= MAX_TEMPERATURE,
                     f"must be a number in [0, {MAX_TEMPERATURE:g}] (0, or below "
                     f"{GREEDY_BELOW:g}: greedy)"),
@@ -65,7 +65,8 @@ class SamplingError(UserError):
 
 @dataclass(frozen=True)
 class SamplingParams:
-    """max_tokens new tokens at most; greedy at temperature 0 (or below `GREEDY_BELOW`,
+    """max_tokens new tokens at most (None: up to the end of the context, which
+    `Engine.submit` resolves to a number); greedy at temperature 0 (or below `GREEDY_BELOW`,
     where sampling is greedy in the limit and float32 overflows), else sampled with
     top-k (0: off), top-p (1: off) and a seed (a 64-bit integer; None: a fresh one);
     generation ends at the first `stop` string (not included in the text) or
@@ -73,7 +74,7 @@ class SamplingParams:
     token's log-probability under the model (before temperature) and the k likeliest
     tokens' (0 <= k <= 20); with `echo`, the prompt's tokens' too. Bounds: `RULES`."""
 
-    max_tokens: int = 16
+    max_tokens: int | None = 16
     temperature: float = 0.0
     top_p: float = 1.0
     top_k: int = 0

@@ -44,6 +44,13 @@ MAX_DEPTH = 16  # of [ and { in a body: a chat message's content parts need ~5
 ECHO = "echo=True: a completion (not chat) may echo its prompt (echo=true)"
 MAX_N, MAX_PROMPTS = 16, 32  # choices per prompt; prompts per completion request
 MAX_INPUTS = 2048  # inputs per embeddings request (OpenAI's limit)
+COMPLETION_MAX_TOKENS = 16  # a completion without max_tokens (OpenAI's and vLLM's default);
+# a chat completion without one generates to the end of its answer or of the context
+
+
+def given_or(x, default):
+    """`x`, or `default` where it is None (absent)."""
+    return default if x is None else x
 
 
 # -- bytes to a JSON object ------------------------------------------------------------
@@ -143,12 +150,43 @@ class StreamOptions(_Strict):
     include_usage: StrictBool | None = None
 
 
+def _parts(content):
+    """A message's content as one text: a string, or a list of text parts
+    (`[{"type": "text", "text": ...}]`, as LangChain and many SDKs send it) joined with
+    newlines, as vLLM joins them; another part type is refused by name."""
+    if not isinstance(content, list):
+        return content
+    texts = []
+    for i, part in enumerate(content):
+        kind = part.get("type") if isinstance(part, dict) else None
+        if kind != "text":
+            _refuse(f"content[{i}].type={shown(kind)}: only text parts are served "
+                    f"({{\"type\": \"text\", \"text\": ...}}); this is a text model")
+        if set(part) - {"type", "text"} or not isinstance(part.get("text"), str):
+            _refuse(f"content[{i}] must be {{\"type\": \"text\", \"text\": a string}}")
+        texts.append(part["text"])
+    return "\n".join(texts)
+
+
 class Message(_Strict):
-    """One chat message: a role and its text."""
+    """One chat message: a role and its text (a string or a list of text parts; an
+    assistant's may be null)."""
 
     role: Word
-    content: Text
+    content: Text | None
     name: Text | None = None
+
+    @field_validator("content", mode="before")
+    @classmethod
+    def _text(cls, v):
+        return _parts(v)
+
+    @field_validator("content")
+    @classmethod
+    def _needed(cls, v, info: ValidationInfo):
+        return _refuse("content must be a string or a list of text parts (null only in "
+                       "an assistant's message)") if v is None and \
+            info.data.get("role") != "assistant" else v
 
 
 class _Request(_Strict):
@@ -191,10 +229,9 @@ class _Request(_Strict):
 
     def _params(self, max_tokens: int | None, logprobs: int | None, echo: bool
                 ) -> SamplingParams:
-        def given(x, default):
-            return default if x is None else x
+        given = given_or
         return SamplingParams(
-            max_tokens=given(max_tokens, 16), temperature=given(self.temperature, 1.0),
+            max_tokens=max_tokens, temperature=given(self.temperature, 1.0),
             top_p=given(self.top_p, 1.0), top_k=given(self.top_k, 0), seed=self.seed,
             stop=self.stop or (), ignore_eos=self.ignore_eos, logprobs=logprobs, echo=echo)
 
@@ -227,7 +264,8 @@ class CompletionRequest(_Request):
 
     def sampling(self) -> SamplingParams:
         """The SamplingParams asked for (`logprobs: k`: the k likeliest per token)."""
-        return self._params(self.max_tokens, self.logprobs, self.echo)
+        return self._params(given_or(self.max_tokens, COMPLETION_MAX_TOKENS), self.logprobs,
+                            self.echo)
 
 
 class ChatRequest(_Request):
@@ -240,6 +278,30 @@ class ChatRequest(_Request):
     logprobs: StrictBool | None = None
     top_logprobs: Annotated[StrictInt | None, _rule("logprobs", "top_logprobs")] = None
     echo: StrictBool = False
+    # what clients send by habit: no tools (null or []), "auto"/"none", plain text
+    tools: list[dict] | None = None
+    tool_choice: Text | dict | None = None
+    parallel_tool_calls: StrictBool | None = None
+    response_format: dict | None = None
+
+    @field_validator("tools")
+    @classmethod
+    def _no_tools(cls, v):
+        return _refuse(f"tools: {len(v)} tool(s) given; tool calls are not served yet "
+                       "(send tools: null or [])") if v else v
+
+    @field_validator("tool_choice")
+    @classmethod
+    def _no_choice(cls, v):
+        return _refuse(f"tool_choice={_short(v)}: without tools only \"none\" or \"auto\" "
+                       "is taken") if v not in (None, "none", "auto") else v
+
+    @field_validator("response_format")
+    @classmethod
+    def _text_only(cls, v):
+        return _refuse(f"response_format={_short(v)}: only {{\"type\": \"text\"}} is "
+                       "served yet (structured outputs are not)") \
+            if v is not None and v != {"type": "text"} else v
 
     @field_validator("echo")
     @classmethod
