@@ -25,6 +25,7 @@ import openai
 import pytest
 
 from tpkit.mesh import ParallelMesh
+from tpkit.weights.tokenizer import load_tokenizer
 
 SRC = str(Path(__file__).resolve().parents[1] / "src")
 MSG = [{"role": "user", "content": "Tensor parallelism\nsplits the weight"}]
@@ -47,7 +48,7 @@ def status(url: str, path: str, key: str | None = None) -> int:
         return e.code
 
 
-def check_surface(client, max_len: int, tp: int) -> None:
+def check_surface(client, max_len: int, tp: int, tok) -> None:
     """The checks both layouts pass (greedy: the same request gives the same text)."""
     plain = chat(client, MSG, max_tokens=8)
     parts = chat(client, PARTS, max_tokens=8, tools=[], tool_choice="auto",
@@ -67,6 +68,7 @@ def check_surface(client, max_len: int, tp: int) -> None:
     with pytest.raises(openai.BadRequestError, match="context_length_exceeded|exceeds") as e:
         chat(client, [{"role": "user", "content": "layer " * 300}], max_tokens=4)
     assert e.value.body["code"] == "context_length_exceeded" and e.value.status_code == 400
+    check_logits_shaped(client, tok)
     for bad, named in [({"messages": [{"role": "user", "content": [
             {"type": "image_url", "image_url": {"url": "http://x/y.png"}}]}]}, "image_url"),
             ({"tools": [{"type": "function", "function": {"name": "f"}}]}, "tools"),
@@ -76,9 +78,27 @@ def check_surface(client, max_len: int, tp: int) -> None:
             client.chat.completions.create(model="llama", **body)
 
 
+def check_logits_shaped(client, tok) -> None:
+    """logit_bias +100 forces a token; penalties change a greedy answer that repeats;
+    values that ask for nothing change nothing; a token outside the vocabulary is a 400."""
+    def complete(**kw):
+        r = client.completions.create(model="llama", prompt="Tensor parallelism",
+                                      temperature=0, max_tokens=8, **kw)
+        return r.choices[0].text
+
+    plain = complete()
+    assert complete(presence_penalty=0, frequency_penalty=0, logit_bias={},
+                    extra_body={"repetition_penalty": 1.0, "min_tokens": 0}) == plain
+    forced = complete(logit_bias={"100": 100}, extra_body={"ignore_eos": True})
+    assert forced == tok.decode([100] * 8) != plain
+    assert complete(extra_body={"repetition_penalty": 100.0}) != plain
+    with pytest.raises(openai.BadRequestError, match="logit_bias"):
+        complete(logit_bias={"99999999": 5})
+
+
 def test_surface_at_tp1(openai_server, chat_llama):
     _, client, engine = openai_server
-    check_surface(client, engine.max_len, 1)
+    check_surface(client, engine.max_len, 1, load_tokenizer(chat_llama))
     long = [{"role": "user", "content": "a prompt no other test sends, " * 4}]
     first, again = chat(client, long, max_tokens=2), chat(client, long, max_tokens=2)
     assert first.usage.prompt_tokens_details.cached_tokens == 0
@@ -90,7 +110,6 @@ def test_surface_at_tp1(openai_server, chat_llama):
 def test_api_key_at_tp1(chat_llama, serve_in_threads):
     from tpkit.serve import Engine
     from tpkit.weights.sources import load_model
-    from tpkit.weights.tokenizer import load_tokenizer
 
     model, tok = load_model(chat_llama, ParallelMesh.single()), load_tokenizer(chat_llama)
     engine = Engine(model, tokenizer=tok, max_batch=2)
@@ -127,7 +146,7 @@ def test_surface_at_tp2_with_the_key_from_the_environment(chat_llama):
         assert line.startswith("tpkit serve: http://127.0.0.1:"), (line, proc.stderr.read())
         url, max_len = line.split()[2], int(line.split("max_len=")[1])
         client = openai.OpenAI(base_url=url, api_key="k2", max_retries=0, timeout=60)
-        check_surface(client, max_len, 2)
+        check_surface(client, max_len, 2, load_tokenizer(chat_llama))
         with pytest.raises(openai.AuthenticationError):
             openai.OpenAI(base_url=url, api_key="k1", max_retries=0).models.list()
         assert json.loads(urllib.request.urlopen(url.removesuffix("/v1") + "/health",
@@ -138,3 +157,34 @@ def test_surface_at_tp2_with_the_key_from_the_environment(chat_llama):
             proc.wait(timeout=30)
         except subprocess.TimeoutExpired:
             proc.kill()
+
+
+def test_logits_shaped_as_openai_and_vllm_say():
+    """`serve.logits.process` against the formulas written out token by token:
+    repetition (l > 0: l / r, else l * r, over prompt and answer), then
+    l -= f * count + p * (count > 0) over the answer, then the bias, then min_tokens'
+    -inf on end-of-sequence tokens."""
+    import torch
+
+    from tpkit.serve.logits import process
+    from tpkit.serve.params import SamplingParams
+
+    g = torch.Generator().manual_seed(0)
+    logits = torch.randn(50, generator=g)
+    prompt, tokens, eos = [3, 4, 4], [7, 7, 9, 3], {2}
+    params = SamplingParams(repetition_penalty=1.3, frequency_penalty=0.4,
+                            presence_penalty=0.25, logit_bias=((11, -100), (7, 2.5)),
+                            min_tokens=5)
+    want = logits.tolist()
+    for t in set(prompt + tokens):
+        want[t] = want[t] / 1.3 if want[t] > 0 else want[t] * 1.3
+    for t in set(tokens):
+        want[t] -= 0.4 * tokens.count(t) + 0.25
+    want[11] -= 100
+    want[7] += 2.5
+    want[2] = float("-inf")
+    got = process(logits, params, prompt, tokens, eos)
+    assert torch.allclose(got, torch.tensor(want), rtol=1e-6, atol=0)
+    assert process(logits, SamplingParams(), prompt, tokens, eos) is logits  # untouched
+    ended = process(logits, SamplingParams(min_tokens=4), prompt, tokens, eos)
+    assert ended[2] == logits[2]  # 4 tokens generated: the end may come

@@ -55,6 +55,7 @@ from torch import nn
 
 from tpkit.model.paged_kv import EVERY, LAST, PagedCache
 from tpkit.serve.blocks import BlockPool
+from tpkit.serve.logits import shaped
 from tpkit.serve.metrics import Metrics, Pacing
 from tpkit.serve.output import OutputProcessor
 from tpkit.serve.pacing import Pacer, check_ratio
@@ -216,6 +217,10 @@ class Engine(Intake):
         bad = sorted({t for t in prompt_ids if not (isinstance(t, int) and 0 <= t < vocab)})
         if bad:
             raise UserError(f"prompt token ids {bad[:5]} are outside the model's vocabulary [0, {vocab})")
+        far = [t for t, _ in params.logit_bias if t >= vocab]
+        if far:
+            raise UserError(f"logit_bias names token ids {far[:5]} outside the model's "
+                            f"vocabulary [0, {vocab})")
         if params.stop and self.tokenizer is None:
             raise UserError("stop strings need a tokenizer (Engine(..., tokenizer=...))")
         need = n + params.max_tokens
@@ -260,8 +265,9 @@ class Engine(Intake):
             return False
         grew = out.blocks > self.runner.cache.blocks  # copies the cache: not the pieces' cost
         reqs = [r for f in out.forwards for r in f.reqs if r is not None]
-        greedy = all(r.params.temperature <= 0 and r.params.logprobs is None  # the
-                     for r in reqs)  # shards' best, not their logits (tp=1: one native pass)
+        greedy = all(r.params.temperature <= 0 and r.params.logprobs is None and not
+                     shaped(r.params)  # the shards' best, not their logits (tp=1: one
+                     for r in reqs)  # native pass); penalties and bias need the logits
         results = self.runner.lead_step([f.pieces for f in out.forwards], out.blocks, greedy)
         self.scheduler.computed(out)
         for fwd, (last, rest) in zip(out.forwards, results):

@@ -19,6 +19,7 @@ import threading
 import torch
 
 from tpkit.model.sampling import sample
+from tpkit.serve.logits import process
 from tpkit.serve.params import StopText
 from tpkit.serve.request import Request
 from tpkit.weights.tokenizer import TextStream
@@ -53,9 +54,12 @@ class OutputProcessor:
         req.prompt_top += _likeliest(logp, req.params.logprobs or 0)
 
     def take(self, req: Request, logits: torch.Tensor) -> str | None:
-        """The next token of `req` from its full logits [V]; why it ends here, if it does."""
+        """The next token of `req` from its full logits [V] (shaped by its penalties and
+        bias first, `serve.logits`; its log-probabilities are the model's); why it ends
+        here, if it does."""
         p = req.params
-        tok = int(sample(logits[None], p.temperature, p.top_k, p.top_p, req.gen)[0, 0])
+        chosen = process(logits, p, req.prompt, req.tokens, self.eos)  # penalties, bias
+        tok = int(sample(chosen[None], p.temperature, p.top_k, p.top_p, req.gen)[0, 0])
         logp = torch.log_softmax(logits.float(), -1)  # [V]
         top = _likeliest(logp[None], p.logprobs)[0] if p.logprobs is not None else None
         return self.push(req, tok, float(logp[tok]), top)

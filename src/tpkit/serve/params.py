@@ -40,6 +40,15 @@ RULES: dict[str, tuple[Callable[[object], bool], str]] = {
                  f"must be an integer in [0, {MAX_LOGPROBS}]"),
     "stop": (lambda x: isinstance(x, tuple | list) and all(isinstance(s, str) and s for s in x),
              "must be non-empty strings"),
+    "presence_penalty": (lambda x: _number(x) and -2 <= x <= 2, "must be a number in [-2, 2]"),
+    "frequency_penalty": (lambda x: _number(x) and -2 <= x <= 2, "must be a number in [-2, 2]"),
+    "repetition_penalty": (lambda x: _number(x) and 0 < x <= MAX_TEMPERATURE,
+                           f"must be a number in (0, {MAX_TEMPERATURE:g}] (1: off)"),
+    "min_tokens": (lambda x: _int(x) and x >= 0, "must be an integer >= 0"),
+    "logit_bias": (lambda x: isinstance(x, tuple | list) and all(
+        isinstance(p, tuple | list) and len(p) == 2 and _int(p[0]) and p[0] >= 0 and
+        _number(p[1]) and -100 <= p[1] <= 100 for p in x),
+        "must map token ids to biases in [-100, 100]"),
 }
 
 
@@ -72,7 +81,9 @@ class SamplingParams:
     generation ends at the first `stop` string (not included in the text) or
     end-of-sequence token unless `ignore_eos`. `logprobs`: None, or k: each chosen
     token's log-probability under the model (before temperature) and the k likeliest
-    tokens' (0 <= k <= 20); with `echo`, the prompt's tokens' too. Bounds: `RULES`."""
+    tokens' (0 <= k <= 20); with `echo`, the prompt's tokens' too. The penalties,
+    `logit_bias` and `min_tokens` shape the logits first (`tpkit.serve.logits`).
+    Bounds: `RULES`."""
 
     max_tokens: int | None = 16
     temperature: float = 0.0
@@ -83,10 +94,17 @@ class SamplingParams:
     ignore_eos: bool = False
     logprobs: int | None = None
     echo: bool = False
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
+    repetition_penalty: float = 1.0
+    logit_bias: tuple[tuple[int, float], ...] = ()  # (token id, bias) pairs
+    min_tokens: int = 0
 
     def __post_init__(self) -> None:
         bad = [(f.name, getattr(self, f.name), RULES[f.name][1]) for f in fields(self)
                if f.name in RULES and problem(f.name, getattr(self, f.name))]
+        if not bad and self.max_tokens is not None and self.min_tokens > self.max_tokens:
+            bad = [("min_tokens", self.min_tokens, f"must be <= max_tokens={self.max_tokens}")]
         if bad:
             raise SamplingError(bad)
 

@@ -38,7 +38,7 @@ from pydantic import (
 from pydantic_core import PydanticCustomError
 
 from tpkit.serve.openai_api import ApiError
-from tpkit.serve.params import SamplingParams, problem, shown
+from tpkit.serve.params import SamplingError, SamplingParams, problem, shown
 
 MAX_DEPTH = 16  # of [ and { in a body: a chat message's content parts need ~5
 ECHO = "echo=True: a completion (not chat) may echo its prompt (echo=true)"
@@ -204,8 +204,11 @@ class _Request(_Strict):
     stream_options: StreamOptions | None = None
     user: Text | None = None
     ignore_eos: StrictBool = False
-    presence_penalty: Number = None
-    frequency_penalty: Number = None
+    presence_penalty: Annotated[Number, _rule("presence_penalty")] = None
+    frequency_penalty: Annotated[Number, _rule("frequency_penalty")] = None
+    repetition_penalty: Annotated[Number, _rule("repetition_penalty")] = None  # vLLM's
+    logit_bias: dict[str, StrictInt | StrictFloat] | None = None
+    min_tokens: Annotated[StrictInt | None, _rule("min_tokens")] = None  # vLLM's
 
     @field_validator("stop")
     @classmethod
@@ -222,18 +225,36 @@ class _Request(_Strict):
         return _refuse(f"n={v!r} must be an integer in [1, {MAX_N}] (choices per prompt)") \
             if v is not None and not 1 <= v <= MAX_N else v
 
-    @field_validator("presence_penalty", "frequency_penalty")
+    @field_validator("logit_bias")
     @classmethod
-    def _no_penalty(cls, v, info: ValidationInfo):
-        return _refuse(f"{info.field_name} is not supported (only 0)") if v else v
+    def _bias(cls, v):
+        if v is None:
+            return v
+        bad = [k for k in v if not (k.isascii() and k.isdigit())]
+        if bad:
+            _refuse(f"logit_bias: the key {_short(bad[0])} is not a token id (a decimal "
+                    f"integer as a string)")
+        pairs = tuple((int(k), b) for k, b in v.items())
+        why = problem("logit_bias", pairs)
+        return _refuse(why) if why else pairs
 
     def _params(self, max_tokens: int | None, logprobs: int | None, echo: bool
                 ) -> SamplingParams:
         given = given_or
+        try:
+            return self._sampling(max_tokens, logprobs, echo, given)
+        except SamplingError as e:  # what no one field shows (min_tokens > max_tokens)
+            raise ApiError(400, str(e), e.problems[0][0], "invalid_value") from None
+
+    def _sampling(self, max_tokens, logprobs, echo, given) -> SamplingParams:
         return SamplingParams(
             max_tokens=max_tokens, temperature=given(self.temperature, 1.0),
             top_p=given(self.top_p, 1.0), top_k=given(self.top_k, 0), seed=self.seed,
-            stop=self.stop or (), ignore_eos=self.ignore_eos, logprobs=logprobs, echo=echo)
+            stop=self.stop or (), ignore_eos=self.ignore_eos, logprobs=logprobs, echo=echo,
+            presence_penalty=given(self.presence_penalty, 0.0),
+            frequency_penalty=given(self.frequency_penalty, 0.0),
+            repetition_penalty=given(self.repetition_penalty, 1.0),
+            logit_bias=self.logit_bias or (), min_tokens=given(self.min_tokens, 0))
 
     @property
     def include_usage(self) -> bool:
