@@ -72,7 +72,7 @@ def check_surface(client, max_len: int, tp: int, tok) -> None:
     for bad, named in [({"messages": [{"role": "user", "content": [
             {"type": "image_url", "image_url": {"url": "http://x/y.png"}}]}]}, "image_url"),
             ({"tools": [{"type": "function", "function": {"name": "f"}}]}, "tools"),
-            ({"response_format": {"type": "json_object"}}, "response_format")]:
+            ({"response_format": {"type": "xml"}}, "response_format")]:
         body = {"messages": MSG, "max_tokens": 2, **bad}
         with pytest.raises(openai.BadRequestError, match=named):
             client.chat.completions.create(model="llama", **body)
@@ -147,6 +147,9 @@ def test_surface_at_tp2_with_the_key_from_the_environment(chat_llama):
         url, max_len = line.split()[2], int(line.split("max_len=")[1])
         client = openai.OpenAI(base_url=url, api_key="k2", max_retries=0, timeout=60)
         check_surface(client, max_len, 2, load_tokenizer(chat_llama))
+        from test_serve_structured import SCHEMAS, check_schemas
+
+        check_schemas(client, SCHEMAS[:3])  # structured outputs at tp=2
         with pytest.raises(openai.AuthenticationError):
             openai.OpenAI(base_url=url, api_key="k1", max_retries=0).models.list()
         assert json.loads(urllib.request.urlopen(url.removesuffix("/v1") + "/health",

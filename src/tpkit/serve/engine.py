@@ -156,7 +156,7 @@ class Engine(Intake):
         self.pacer = Pacer(itl_ratio) if itl_ratio and decode_chunk is None else None
         self.paced = 0  # the pacer's budget for the last step with a prompt to compute
         self.outputs = OutputProcessor(tokenizer, set(getattr(tokenizer, "eos_ids", None)
-                                                      or []))
+                                                      or []), model.config.vocab_size)
         self.tokenizer_lock = self.outputs.lock
         self.metrics = Metrics()
         super().__init__()

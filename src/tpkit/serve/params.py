@@ -82,7 +82,8 @@ class SamplingParams:
     end-of-sequence token unless `ignore_eos`. `logprobs`: None, or k: each chosen
     token's log-probability under the model (before temperature) and the k likeliest
     tokens' (0 <= k <= 20); with `echo`, the prompt's tokens' too. The penalties,
-    `logit_bias` and `min_tokens` shape the logits first (`tpkit.serve.logits`).
+    `logit_bias` and `min_tokens` shape the logits first (`tpkit.serve.logits`), then
+    `grammar` masks them (`tpkit.serve.grammar`: structured outputs).
     Bounds: `RULES`."""
 
     max_tokens: int | None = 16
@@ -99,6 +100,7 @@ class SamplingParams:
     repetition_penalty: float = 1.0
     logit_bias: tuple[tuple[int, float], ...] = ()  # (token id, bias) pairs
     min_tokens: int = 0
+    grammar: str | None = None  # what the output must match (`serve.grammar`)
 
     def __post_init__(self) -> None:
         bad = [(f.name, getattr(self, f.name), RULES[f.name][1]) for f in fields(self)

@@ -37,8 +37,10 @@ from pydantic import (
 )
 from pydantic_core import PydanticCustomError
 
+from tpkit.serve import grammar
 from tpkit.serve.openai_api import ApiError
 from tpkit.serve.params import SamplingError, SamplingParams, problem, shown
+from tpkit.spec.errors import UserError
 
 MAX_DEPTH = 16  # of [ and { in a body: a chat message's content parts need ~5
 ECHO = "echo=True: a completion (not chat) may echo its prompt (echo=true)"
@@ -254,7 +256,12 @@ class _Request(_Strict):
             presence_penalty=given(self.presence_penalty, 0.0),
             frequency_penalty=given(self.frequency_penalty, 0.0),
             repetition_penalty=given(self.repetition_penalty, 1.0),
-            logit_bias=self.logit_bias or (), min_tokens=given(self.min_tokens, 0))
+            logit_bias=self.logit_bias or (), min_tokens=given(self.min_tokens, 0),
+            grammar=self._grammar())
+
+    def _grammar(self) -> str | None:
+        fmt = getattr(self, "response_format", None)
+        return grammar.from_response_format(fmt) if fmt is not None else None
 
     @property
     def include_usage(self) -> bool:
@@ -319,10 +326,12 @@ class ChatRequest(_Request):
 
     @field_validator("response_format")
     @classmethod
-    def _text_only(cls, v):
-        return _refuse(f"response_format={_short(v)}: only {{\"type\": \"text\"}} is "
-                       "served yet (structured outputs are not)") \
-            if v is not None and v != {"type": "text"} else v
+    def _compiles(cls, v):
+        try:
+            grammar.from_response_format(v) if v is not None else None  # cached
+        except UserError as e:
+            _refuse(str(e))
+        return v
 
     @field_validator("echo")
     @classmethod
