@@ -71,7 +71,8 @@ def check_surface(client, max_len: int, tp: int, tok) -> None:
     check_logits_shaped(client, tok)
     for bad, named in [({"messages": [{"role": "user", "content": [
             {"type": "image_url", "image_url": {"url": "http://x/y.png"}}]}]}, "image_url"),
-            ({"tools": [{"type": "function", "function": {"name": "f"}}]}, "tools"),
+            ({"tools": [{"type": "function", "function": {"name": "f"}}],
+              "tool_choice": {"type": "function", "function": {"name": "g"}}}, "'g'"),
             ({"response_format": {"type": "xml"}}, "response_format")]:
         body = {"messages": MSG, "max_tokens": 2, **bad}
         with pytest.raises(openai.BadRequestError, match=named):
@@ -150,6 +151,9 @@ def test_surface_at_tp2_with_the_key_from_the_environment(chat_llama):
         from test_serve_structured import SCHEMAS, check_schemas
 
         check_schemas(client, SCHEMAS[:3])  # structured outputs at tp=2
+        from test_serve_tools import check_forced
+
+        check_forced(client)  # forced tool calls at tp=2
         with pytest.raises(openai.AuthenticationError):
             openai.OpenAI(base_url=url, api_key="k1", max_retries=0).models.list()
         assert json.loads(urllib.request.urlopen(url.removesuffix("/v1") + "/health",

@@ -12,7 +12,7 @@ import threading
 import time
 
 from tpkit.serve import openai_api as api
-from tpkit.serve import protocol
+from tpkit.serve import protocol, tools
 from tpkit.serve.embedder import Embedder, EmbedJob
 from tpkit.serve.engine import Engine, TooLong
 from tpkit.serve.openai_api import MAX_BODY
@@ -45,6 +45,8 @@ class App:
         self._key = None if api_key is None else f"Bearer {api_key}".encode()
         self.metrics_need_key = metrics_need_key
         self.fingerprint = fingerprint(engine.model)
+        self.tool_style = tools.style(getattr(getattr(tokenizer, "hf", None),
+                                              "chat_template", None))
 
     def refusal(self, path: str, authorization: str | None) -> api.ApiError | None:
         """The 401 of a request without the server's key (None: it may pass). With
@@ -86,8 +88,9 @@ class App:
         self._served(req.model)
         lock = self.engine.tokenizer_lock
         if chat:
-            messages = [{"role": m.role, "content": m.content or ""} for m in req.messages]
-            return req, [api.chat_ids({"messages": messages}, self.tokenizer, lock)]
+            messages = [m.for_template() for m in req.messages]
+            return req, [api.chat_ids({"messages": messages}, self.tokenizer, lock,
+                                      tools=req.offered)]
         return req, [api.prompt_ids(p, self.tokenizer, lock) for p in req.prompt]
 
     def _served(self, model: str | None) -> None:
@@ -150,6 +153,17 @@ class App:
             raise api.ApiError(400, str(e)) from None
         except RequestFailed as e:
             raise api.ApiError(e.status, str(e)) from None
+
+    def tool_answer(self, asked, text: str, reason: str | None) -> tuple[dict, str | None]:
+        """(the assistant's message, the finish reason) of a chat answer that may call
+        tools (`asked.offered`): its calls as `tool_calls` (finish "tool_calls"), or its
+        text."""
+        calls = tools.calls(text, asked.offered, asked.choice, self.tool_style) \
+            if asked.offered and reason == "stop" else None
+        if not calls:
+            return {"role": "assistant", "content": text}, reason
+        rest = None if asked.forced else tools.text_around(text, self.tool_style)
+        return {"role": "assistant", "content": rest, "tool_calls": calls}, "tool_calls"
 
     def usage(self, prompts: list[list[int]], n: int):
         """OpenAI's usage of a request's choices (a function of their handles): each

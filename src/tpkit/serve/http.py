@@ -47,9 +47,9 @@ from starlette.exceptions import HTTPException
 from uvicorn.protocols.http.h11_impl import H11Protocol
 
 from tpkit.host.web import HOST, Guard, bound_socket
+from tpkit.serve import answers, protocol
 from tpkit.serve import embeddings as embed_route
 from tpkit.serve import openai_api as api
-from tpkit.serve import protocol
 from tpkit.serve.app import App
 from tpkit.serve.request import Done, Failed, Request, Token
 
@@ -210,7 +210,8 @@ async def _post(app: App, request: HttpRequest, chat: bool, error, ok, cors) -> 
         if asked.stream:
             streaming = True
             return StreamingResponse(
-                _stream(app, reqs, events, rid, chat, usage if asked.include_usage else None),
+                _stream(app, reqs, events, rid, chat, usage if asked.include_usage else None,
+                        asked if chat and asked.offered else None),
                 200, {**cors(request), "Cache-Control": "no-store"},
                 "text/event-stream; charset=utf-8")
         left = len(reqs)
@@ -228,7 +229,11 @@ async def _post(app: App, request: HttpRequest, chat: bool, error, ok, cors) -> 
             left -= isinstance(ev, Done)
         body = api.completion(rid, app.name, "", None, usage(reqs), chat, app.created,
                               fingerprint=app.fingerprint)
-        body["choices"] = [_choice(app, r, chat, i) for i, r in enumerate(reqs)]
+        body["choices"] = [answers.choice(app, r, chat, i) for i, r in enumerate(reqs)]
+        if chat and asked.offered:  # a call or text: the answer's whole text says
+            for ch, r in zip(body["choices"], reqs):
+                ch["message"], ch["finish_reason"] = app.tool_answer(asked, r.text,
+                                                                     ch["finish_reason"])
         return ok(request, body)
     except Exception as e:  # noqa: BLE001 - this request fails alone; the server goes on
         _cancel(reqs)
@@ -243,45 +248,12 @@ def _cancel(reqs: list[Request]) -> None:
         r.cancel()
 
 
-def _echoed(app: App, req: Request, chat: bool) -> tuple[str, dict | None]:
-    """An echoed prompt's text and (asked for) its log-probabilities block."""
-    with app.engine.tokenizer_lock:
-        text = app.tokenizer.decode(req.prompt)
-    if req.params.logprobs is None:
-        return text, None
-    return text, api.logprobs_block(chat, req.prompt, req.prompt_logprobs, req.prompt_top,
-                                    app.tokenizer, app.engine.tokenizer_lock)
-
-
-def _choice(app: App, req: Request, chat: bool, index: int) -> dict:
-    """Choice `index` of a whole answer: its text (after the prompt, with echo) and
-    log-probabilities."""
-    text, logprobs = req.text, _logprobs(app, req, chat, 0, len(req.tokens))
-    if req.params.echo:  # the prompt first (its own log-probabilities, if asked)
-        shown, before = _echoed(app, req, chat)
-        text = shown + text
-        if before is not None:
-            after = _logprobs(app, req, chat, 0, len(req.tokens),
-                              offset=sum(map(len, before["tokens"])))
-            logprobs = {k: before[k] + after[k] for k in before}
-    choice = api.completion("", "", text, req.finish_reason, None, chat, 0,
-                            logprobs)["choices"][0]
-    return {**choice, "index": index}
-
-
-def _logprobs(app: App, req: Request, chat: bool, lo: int, hi: int, offset: int = 0
-              ) -> dict | None:
-    """Tokens lo..hi-1's log-probabilities in the API's shape (None: not asked for)."""
-    if req.params.logprobs is None:
-        return None
-    return api.logprobs_block(chat, req.tokens[lo:hi], req.logprobs[lo:hi], req.top[lo:hi],
-                              app.tokenizer, app.engine.tokenizer_lock, offset)
-
-
 async def _stream(app: App, reqs: list[Request], events: asyncio.Queue, rid: str,
-                  chat: bool, usage):
+                  chat: bool, usage, tooled=None):
     """The server-sent events of a streamed answer, its choices interleaved as their
-    tokens come (echo: a choice's prompt first); a client gone cancels them."""
+    tokens come (echo: a choice's prompt first); a client gone cancels them. A chat
+    that offers tools (`tooled`: its request) sends each choice whole at its end, as
+    text or as `delta.tool_calls`."""
     name, created, left = app.name, app.created, len(reqs)
     chunk = functools.partial(api.chunk, fingerprint=app.fingerprint)
     tokens, offsets, started = [0] * len(reqs), [0] * len(reqs), [False] * len(reqs)
@@ -292,23 +264,30 @@ async def _stream(app: App, reqs: list[Request], events: asyncio.Queue, rid: str
             c, ev = await events.get()
             req = reqs[c]
             if not started[c] and req.params.echo and not isinstance(ev, Failed):
-                text, block = _echoed(app, req, chat)
+                text, block = answers.echoed(app, req, chat)
                 offsets[c] = sum(map(len, block["tokens"])) if block else 0
                 yield _sse(chunk(rid, name, text, None, chat, created, logprobs=block,
                                      index=c))
             started[c] = True
+            if isinstance(ev, Token) and tooled is not None:
+                continue  # said at the end, once it is known to be a call or text
             if isinstance(ev, Token):  # one chunk per token (its text may be held back)
                 block = None
                 if ev.token is not None:  # a token (None: text held back until the end)
                     i = tokens[c]
-                    block = _logprobs(app, req, chat, i, i + 1, offsets[c])
+                    block = answers.token_logprobs(app, req, chat, i, i + 1, offsets[c])
                     offsets[c] += len("".join((block or {}).get("tokens", ())))
                     tokens[c] += 1
                 yield _sse(chunk(rid, name, ev.text, None, chat, created, logprobs=block,
                                      index=c))
             elif isinstance(ev, Done):
                 left -= 1
-                yield _sse(chunk(rid, name, None, ev.reason, chat, created, index=c))
+                reason = ev.reason
+                if tooled is not None:
+                    message, reason = app.tool_answer(tooled, req.text, reason)
+                    yield _sse(answers.whole(chunk(rid, name, None, None, chat, created, index=c),
+                                      message))
+                yield _sse(chunk(rid, name, None, reason, chat, created, index=c))
             else:
                 left = 0
                 _cancel(reqs)

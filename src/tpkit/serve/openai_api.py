@@ -80,9 +80,11 @@ def prompt_ids(prompt: str | list[int], tokenizer, lock) -> list[int]:
 
 
 def chat_ids(body: dict, tokenizer, lock,
-             instead: str = "use /v1/completions with a prompt instead") -> list[int]:
-    """The messages of a chat request ({role, content} strings, validated) rendered by the
-    tokenizer's own chat template; a tokenizer without one is an ApiError saying what to
+             instead: str = "use /v1/completions with a prompt instead",
+             tools: list[dict] | None = None) -> list[int]:
+    """The messages of a chat request ({role, content} strings, validated; an assistant's
+    `tool_calls`, a tool's `tool_call_id`) and its `tools` rendered by the tokenizer's
+    own chat template; a tokenizer without one is an ApiError saying what to
     do `instead` (in the caller's terms: the server's endpoint, the CLI's flag), one
     whose template refuses the messages an ApiError 400 too."""
     hf = getattr(tokenizer, "hf", None)
@@ -91,8 +93,7 @@ def chat_ids(body: dict, tokenizer, lock,
                        "messages")
     try:
         with lock:
-            ids = hf.apply_chat_template([{"role": m["role"], "content": m["content"]}
-                                          for m in body["messages"]],
+            ids = hf.apply_chat_template(body["messages"], tools=tools or None,
                                          add_generation_prompt=True, tokenize=True)
     except Exception as e:  # noqa: BLE001 - a template's raise_exception("roles must ...")
         raise ApiError(400, f"the chat template refused these messages: {e}",

@@ -23,23 +23,35 @@ import re
 from typing import Annotated, Any, Literal
 
 from pydantic import (
-    AfterValidator,
     BaseModel,
-    ConfigDict,
     Field,
     StrictBool,
     StrictFloat,
     StrictInt,
-    StrictStr,
     ValidationError,
     ValidationInfo,
     field_validator,
+    model_validator,
 )
-from pydantic_core import PydanticCustomError
 
-from tpkit.serve import grammar
+from tpkit.serve import grammar, tools
+from tpkit.serve.fields import (
+    Batch,
+    Number,
+    Stop,
+    StreamOptions,
+    Strict,
+    Text,
+    as_batch,
+    few,
+    given_or,
+    refuse,
+    rule,
+    short,
+)
+from tpkit.serve.messages import Chosen, Message, Tool
 from tpkit.serve.openai_api import ApiError
-from tpkit.serve.params import SamplingError, SamplingParams, problem, shown
+from tpkit.serve.params import SamplingError, SamplingParams, problem
 from tpkit.spec.errors import UserError
 
 MAX_DEPTH = 16  # of [ and { in a body: a chat message's content parts need ~5
@@ -48,11 +60,6 @@ MAX_N, MAX_PROMPTS = 16, 32  # choices per prompt; prompts per completion reques
 MAX_INPUTS = 2048  # inputs per embeddings request (OpenAI's limit)
 COMPLETION_MAX_TOKENS = 16  # a completion without max_tokens (OpenAI's and vLLM's default);
 # a chat completion without one generates to the end of its answer or of the context
-
-
-def given_or(x, default):
-    """`x`, or `default` where it is None (absent)."""
-    return default if x is None else x
 
 
 # -- bytes to a JSON object ------------------------------------------------------------
@@ -96,121 +103,26 @@ def parse_json(raw: bytes) -> dict:
     return body
 
 
-# -- the fields ------------------------------------------------------------------------
-def _utf8(s: str) -> str:
-    try:
-        s.encode("utf-8")
-    except UnicodeEncodeError as e:
-        raise PydanticCustomError("invalid_text", "must be text (a lone surrogate at "
-                                  "character {at} is not UTF-8)", {"at": e.start}) from None
-    return s
-
-
-def _rule(name: str, as_name: str | None = None) -> AfterValidator:
-    """`params.RULES[name]` as a field's validator (None passes: the default)."""
-    def check(value):
-        why = None if value is None else problem(name, value, as_name)
-        if why is not None:
-            raise PydanticCustomError("invalid_value", why)
-        return value
-    return AfterValidator(check)
-
-
-def _refuse(why: str):
-    raise PydanticCustomError("invalid_value", why)
-
-
-Text = Annotated[StrictStr, AfterValidator(_utf8)]
-Word = Annotated[Text, Field(min_length=1)]
-Number = Annotated[StrictInt | StrictFloat | None, Field(description="must be a number")]
-Stop = Annotated[Text | Annotated[list[Text], Field(fail_fast=True)] | None,
-                 Field(description="must be a string or a list of strings")]
-TokenIds = Annotated[list[StrictInt], Field(min_length=1, fail_fast=True)]  # one error: fast
-Batch = (Word | TokenIds | Annotated[list[Word], Field(min_length=1, fail_fast=True)] |
-         Annotated[list[TokenIds], Field(min_length=1, fail_fast=True)])  # one, or a list
-
-
-def _few(p, field: str, most: int):
-    """A batch of at most `most` (checked before the union is tried on each of them)."""
-    if isinstance(p, list) and len(p) > most and isinstance(p[0], str | list):
-        _refuse(f"{field}: a batch of {len(p)} {field}s; at most {most} per request")
-    return p
-
-
-def _as_batch(p) -> list:
-    """A validated `Batch` as the list of its members."""
-    return list(p) if isinstance(p, list) and isinstance(p[0], str | list) else [p]
-
-
-class _Strict(BaseModel):
-    model_config = ConfigDict(strict=True, extra="forbid", frozen=True)
-
-
-class StreamOptions(_Strict):
-    """`stream_options`: the usage counts as a last chunk."""
-
-    include_usage: StrictBool | None = None
-
-
-def _parts(content):
-    """A message's content as one text: a string, or a list of text parts
-    (`[{"type": "text", "text": ...}]`, as LangChain and many SDKs send it) joined with
-    newlines, as vLLM joins them; another part type is refused by name."""
-    if not isinstance(content, list):
-        return content
-    texts = []
-    for i, part in enumerate(content):
-        kind = part.get("type") if isinstance(part, dict) else None
-        if kind != "text":
-            _refuse(f"content[{i}].type={shown(kind)}: only text parts are served "
-                    f"({{\"type\": \"text\", \"text\": ...}}); this is a text model")
-        if set(part) - {"type", "text"} or not isinstance(part.get("text"), str):
-            _refuse(f"content[{i}] must be {{\"type\": \"text\", \"text\": a string}}")
-        texts.append(part["text"])
-    return "\n".join(texts)
-
-
-class Message(_Strict):
-    """One chat message: a role and its text (a string or a list of text parts; an
-    assistant's may be null)."""
-
-    role: Word
-    content: Text | None
-    name: Text | None = None
-
-    @field_validator("content", mode="before")
-    @classmethod
-    def _text(cls, v):
-        return _parts(v)
-
-    @field_validator("content")
-    @classmethod
-    def _needed(cls, v, info: ValidationInfo):
-        return _refuse("content must be a string or a list of text parts (null only in "
-                       "an assistant's message)") if v is None and \
-            info.data.get("role") != "assistant" else v
-
-
-class _Request(_Strict):
+class _Request(Strict):
     """The fields both endpoints take (OpenAI's defaults: temperature 1, top_p 1)."""
 
     model: Text | None = None
-    max_tokens: Annotated[StrictInt | None, _rule("max_tokens")] = None
-    temperature: Annotated[Number, _rule("temperature")] = None
-    top_p: Annotated[Number, _rule("top_p")] = None
-    top_k: Annotated[StrictInt | None, _rule("top_k")] = None
-    seed: Annotated[StrictInt | None, _rule("seed")] = None
+    max_tokens: Annotated[StrictInt | None, rule("max_tokens")] = None
+    temperature: Annotated[Number, rule("temperature")] = None
+    top_p: Annotated[Number, rule("top_p")] = None
+    top_k: Annotated[StrictInt | None, rule("top_k")] = None
+    seed: Annotated[StrictInt | None, rule("seed")] = None
     stop: Stop = None
     n: StrictInt | None = None
     stream: StrictBool | None = None
     stream_options: StreamOptions | None = None
     user: Text | None = None
     ignore_eos: StrictBool = False
-    presence_penalty: Annotated[Number, _rule("presence_penalty")] = None
-    frequency_penalty: Annotated[Number, _rule("frequency_penalty")] = None
-    repetition_penalty: Annotated[Number, _rule("repetition_penalty")] = None  # vLLM's
+    presence_penalty: Annotated[Number, rule("presence_penalty")] = None
+    frequency_penalty: Annotated[Number, rule("frequency_penalty")] = None
+    repetition_penalty: Annotated[Number, rule("repetition_penalty")] = None  # vLLM's
     logit_bias: dict[str, StrictInt | StrictFloat] | None = None
-    min_tokens: Annotated[StrictInt | None, _rule("min_tokens")] = None  # vLLM's
+    min_tokens: Annotated[StrictInt | None, rule("min_tokens")] = None  # vLLM's
 
     @field_validator("stop")
     @classmethod
@@ -219,12 +131,12 @@ class _Request(_Strict):
             return v
         stop = (v,) if isinstance(v, str) else tuple(v)
         why = problem("stop", stop)
-        return _refuse(why) if why else stop
+        return refuse(why) if why else stop
 
     @field_validator("n")
     @classmethod
     def _choices(cls, v):
-        return _refuse(f"n={v!r} must be an integer in [1, {MAX_N}] (choices per prompt)") \
+        return refuse(f"n={v!r} must be an integer in [1, {MAX_N}] (choices per prompt)") \
             if v is not None and not 1 <= v <= MAX_N else v
 
     @field_validator("logit_bias")
@@ -234,11 +146,11 @@ class _Request(_Strict):
             return v
         bad = [k for k in v if not (k.isascii() and k.isdigit())]
         if bad:
-            _refuse(f"logit_bias: the key {_short(bad[0])} is not a token id (a decimal "
+            refuse(f"logit_bias: the key {short(bad[0])} is not a token id (a decimal "
                     f"integer as a string)")
         pairs = tuple((int(k), b) for k, b in v.items())
         why = problem("logit_bias", pairs)
-        return _refuse(why) if why else pairs
+        return refuse(why) if why else pairs
 
     def _params(self, max_tokens: int | None, logprobs: int | None, echo: bool
                 ) -> SamplingParams:
@@ -260,6 +172,9 @@ class _Request(_Strict):
             grammar=self._grammar())
 
     def _grammar(self) -> str | None:
+        if getattr(self, "forced", False):
+            return tools.forced_grammar(self.offered, self.choice,
+                                        self.parallel_tool_calls is not False)
         fmt = getattr(self, "response_format", None)
         return grammar.from_response_format(fmt) if fmt is not None else None
 
@@ -275,7 +190,7 @@ class CompletionRequest(_Request):
 
     prompt: Annotated[Batch, Field(description="must be a non-empty string, a list of token "
                                                "ids, or a list of those (a batch of prompts)")]
-    logprobs: Annotated[StrictInt | None, _rule("logprobs")] = None
+    logprobs: Annotated[StrictInt | None, rule("logprobs")] = None
     echo: StrictBool = False
     top_logprobs: Annotated[None, Field(description="is a chat parameter: a completion "
                                                     "takes logprobs=k")] = None
@@ -283,12 +198,12 @@ class CompletionRequest(_Request):
     @field_validator("prompt", mode="before")
     @classmethod
     def _few_prompts(cls, p):  # before the union is tried on each of a batch's prompts
-        return _few(p, "prompt", MAX_PROMPTS)
+        return few(p, "prompt", MAX_PROMPTS)
 
     @field_validator("prompt")
     @classmethod
     def _batch(cls, p):
-        return _as_batch(p)
+        return as_batch(p)
 
     def sampling(self) -> SamplingParams:
         """The SamplingParams asked for (`logprobs: k`: the k likeliest per token)."""
@@ -301,28 +216,45 @@ class ChatRequest(_Request):
 
     messages: Annotated[list[Message], Field(min_length=1, fail_fast=True, description=
                         "must be a non-empty list of {role, content} strings")]
-    max_completion_tokens: Annotated[StrictInt | None, _rule("max_tokens",
+    max_completion_tokens: Annotated[StrictInt | None, rule("max_tokens",
                                                              "max_completion_tokens")] = None
     logprobs: StrictBool | None = None
-    top_logprobs: Annotated[StrictInt | None, _rule("logprobs", "top_logprobs")] = None
+    top_logprobs: Annotated[StrictInt | None, rule("logprobs", "top_logprobs")] = None
     echo: StrictBool = False
-    # what clients send by habit: no tools (null or []), "auto"/"none", plain text
-    tools: list[dict] | None = None
-    tool_choice: Text | dict | None = None
+    tools: list[Tool] | None = None  # null or []: no tools, as some clients always send
+    tool_choice: Literal["none", "auto", "required"] | Chosen | None = None
     parallel_tool_calls: StrictBool | None = None
     response_format: dict | None = None
 
-    @field_validator("tools")
-    @classmethod
-    def _no_tools(cls, v):
-        return _refuse(f"tools: {len(v)} tool(s) given; tool calls are not served yet "
-                       "(send tools: null or [])") if v else v
+    @model_validator(mode="after")
+    def _tools_agree(self):
+        if self.tool_choice not in (None, "none", "auto") and not self.tools:
+            refuse(f"tool_choice={short(self.choice)} needs tools")
+        try:
+            tools.known(self.offered, self.choice)
+        except KeyError as e:
+            refuse(e.args[0])
+        if self.forced and self.response_format not in (None, {"type": "text"}):
+            refuse("response_format and a forced tool call (tool_choice) cannot be asked "
+                   "together")
+        return self
 
-    @field_validator("tool_choice")
-    @classmethod
-    def _no_choice(cls, v):
-        return _refuse(f"tool_choice={_short(v)}: without tools only \"none\" or \"auto\" "
-                       "is taken") if v not in (None, "none", "auto") else v
+    @property
+    def offered(self) -> list[dict]:
+        """The tools the template renders (none with tool_choice "none")."""
+        return [] if self.tool_choice == "none" else \
+            [t.model_dump(exclude_none=True) for t in self.tools or ()]
+
+    @property
+    def choice(self):
+        """tool_choice as `tpkit.serve.tools` takes it (default "auto")."""
+        c = self.tool_choice or "auto"
+        return c if isinstance(c, str) else c.model_dump()
+
+    @property
+    def forced(self) -> bool:
+        """Must the answer be a tool call (the grammar makes it one)?"""
+        return bool(self.offered) and self.choice not in ("auto", "none")
 
     @field_validator("response_format")
     @classmethod
@@ -330,18 +262,18 @@ class ChatRequest(_Request):
         try:
             grammar.from_response_format(v) if v is not None else None  # cached
         except UserError as e:
-            _refuse(str(e))
+            refuse(str(e))
         return v
 
     @field_validator("echo")
     @classmethod
     def _echo(cls, v):
-        return _refuse(ECHO) if v else v
+        return refuse(ECHO) if v else v
 
     @field_validator("top_logprobs")
     @classmethod
     def _needs_logprobs(cls, v, info: ValidationInfo):
-        return _refuse("top_logprobs needs logprobs=true") if v is not None and not \
+        return refuse("top_logprobs needs logprobs=true") if v is not None and not \
             info.data.get("logprobs") else v
 
     def sampling(self) -> SamplingParams:
@@ -350,7 +282,7 @@ class ChatRequest(_Request):
         return self._params(self.max_completion_tokens or self.max_tokens, lp, False)
 
 
-class EmbeddingRequest(_Strict):
+class EmbeddingRequest(Strict):
     """POST /v1/embeddings: a string, a list of token ids, or a list of those (at most
     `MAX_INPUTS`); `input` is always the list of inputs once validated."""
 
@@ -365,12 +297,12 @@ class EmbeddingRequest(_Strict):
     @field_validator("input", mode="before")
     @classmethod
     def _few_inputs(cls, p):
-        return _few(p, "input", MAX_INPUTS)
+        return few(p, "input", MAX_INPUTS)
 
     @field_validator("input")
     @classmethod
     def _batch(cls, p):
-        return _as_batch(p)
+        return as_batch(p)
 
 
 # -- pydantic's errors as OpenAI's -----------------------------------------------------
@@ -406,7 +338,7 @@ def _api_error(errors: list[dict], body: dict, model: type[BaseModel]) -> ApiErr
     field = model.model_fields.get(str(e["loc"][0]))
     top = field is not None and "." not in path and "[" not in path and e["type"] != "missing"
     words = (field.description if top else None) or WORDS.get(e["type"], e["msg"].lower())
-    got = f"={_short(value)}" if e["type"] != "missing" else ""
+    got = f"={short(value)}" if e["type"] != "missing" else ""
     return ApiError(400, f"{path}{got} {words}", path, "invalid_type")
 
 
@@ -425,8 +357,3 @@ def _where(body: Any, loc: tuple) -> tuple[str, Any]:
         else:
             break
     return path, value
-
-
-def _short(value: Any) -> str:
-    text = shown(value)
-    return text if len(text) <= 40 else text[:37] + "..."
