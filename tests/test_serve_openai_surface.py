@@ -7,8 +7,10 @@ of its answer or of the context (OpenAI's default), a completion keeps OpenAI's 
 `usage.prompt_tokens_details.cached_tokens` counts the prefix cache's tokens;
 `system_fingerprint` names tpkit's version, dtype and tp; a prompt over the context is
 a 400 `context_length_exceeded`; `--api-key` (or TPKIT_API_KEY) guards every /v1/ path
-with a 401 in OpenAI's shape, /health stays open. At tp=1 in this process, and at tp=2
-through `tpkit serve` as a user runs it.
+with a 401 in OpenAI's shape, /health stays open; logit_bias and the penalties shape
+the logits as their formulas say. At tp=1 in this process, and at tp=2 through `tpkit
+serve` as a user runs it (with structured outputs, forced tool calls and the Responses
+API of their own files).
 """
 
 from __future__ import annotations
@@ -154,6 +156,9 @@ def test_surface_at_tp2_with_the_key_from_the_environment(chat_llama):
         from test_serve_tools import check_forced
 
         check_forced(client)  # forced tool calls at tp=2
+        from test_serve_responses import check_responses
+
+        check_responses(client)  # the Responses API at tp=2
         with pytest.raises(openai.AuthenticationError):
             openai.OpenAI(base_url=url, api_key="k1", max_retries=0).models.list()
         assert json.loads(urllib.request.urlopen(url.removesuffix("/v1") + "/health",

@@ -17,6 +17,7 @@ from tpkit.serve.embedder import Embedder, EmbedJob
 from tpkit.serve.engine import Engine, TooLong
 from tpkit.serve.openai_api import MAX_BODY
 from tpkit.serve.request import Request, RequestFailed
+from tpkit.serve.responses import to_chat
 from tpkit.spec.errors import UserError
 
 
@@ -79,11 +80,14 @@ class App:
         with self._active:
             return self._active.wait_for(lambda: self.active == 0, timeout)
 
-    def parse(self, raw: bytes, chat: bool
+    def parse(self, raw: bytes, chat: bool, responses: bool = False
               ) -> tuple[protocol.CompletionRequest | protocol.ChatRequest, list[list[int]]]:
-        """(the request, the ids of each of its prompts) of a POST body; ApiError for a
-        bad one."""
+        """(the request, the ids of each of its prompts) of a POST body (`responses`: a
+        Responses API body, taken as the chat request it asks for); ApiError for a bad
+        one."""
         body = protocol.parse_json(raw)
+        if responses:
+            body = to_chat(body)
         req = protocol.validate(body, chat)
         self._served(req.model)
         lock = self.engine.tokenizer_lock

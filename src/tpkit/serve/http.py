@@ -50,6 +50,7 @@ from tpkit.host.web import HOST, Guard, bound_socket
 from tpkit.serve import answers, protocol
 from tpkit.serve import embeddings as embed_route
 from tpkit.serve import openai_api as api
+from tpkit.serve import responses as answer
 from tpkit.serve.app import App
 from tpkit.serve.request import Done, Failed, Request, Token
 
@@ -138,6 +139,10 @@ def build_api(app: App, guard: Guard) -> FastAPI:
     async def chat_completions(request: HttpRequest):
         return await _post(app, request, True, error, ok, cors)
 
+    @fa.post("/v1/responses", summary="a response (OpenAI's Responses API)")
+    async def responses(request: HttpRequest):
+        return await _post(app, request, True, error, ok, cors, responses=True)
+
     @fa.post("/v1/embeddings", summary="embeddings of an encoder model (OpenAI's API)",
              openapi_extra=_schema(protocol.EmbeddingRequest))
     async def embeddings(request: HttpRequest):
@@ -182,7 +187,8 @@ def _submit_all(app: App, prompts: list[list[int]], params, n: int, put, chat: b
     return reqs
 
 
-async def _post(app: App, request: HttpRequest, chat: bool, error, ok, cors) -> Response:
+async def _post(app: App, request: HttpRequest, chat: bool, error, ok, cors,
+                responses: bool = False) -> Response:
     if (refusal := app.not_served(embeddings=False)) is not None:
         return error(request, refusal)  # an encoder's server
     app.enter()
@@ -201,7 +207,7 @@ async def _post(app: App, request: HttpRequest, chat: bool, error, ok, cors) -> 
                 pass  # the event loop has ended (the server stopped)
 
         try:
-            asked, prompts = await run_in_threadpool(app.parse, raw, chat)
+            asked, prompts = await run_in_threadpool(app.parse, raw, chat, responses)
             reqs = _submit_all(app, prompts, asked.sampling(), asked.n or 1, put, chat)
         except api.ApiError as e:
             return error(request, e)
@@ -209,9 +215,10 @@ async def _post(app: App, request: HttpRequest, chat: bool, error, ok, cors) -> 
         usage = app.usage(prompts, asked.n or 1)
         if asked.stream:
             streaming = True
-            return StreamingResponse(
+            return StreamingResponse(_closing(app, reqs, answer.stream(
+                app, reqs[0], events, str(reqs[0].id), asked, usage) if responses else
                 _stream(app, reqs, events, rid, chat, usage if asked.include_usage else None,
-                        asked if chat and asked.offered else None),
+                        asked if chat and asked.offered else None)),
                 200, {**cors(request), "Cache-Control": "no-store"},
                 "text/event-stream; charset=utf-8")
         left = len(reqs)
@@ -234,7 +241,7 @@ async def _post(app: App, request: HttpRequest, chat: bool, error, ok, cors) -> 
             for ch, r in zip(body["choices"], reqs):
                 ch["message"], ch["finish_reason"] = app.tool_answer(asked, r.text,
                                                                      ch["finish_reason"])
-        return ok(request, body)
+        return ok(request, answer.whole(app, str(reqs[0].id), body) if responses else body)
     except Exception as e:  # noqa: BLE001 - this request fails alone; the server goes on
         _cancel(reqs)
         return error(request, _failed(None, e), close=True)
@@ -296,13 +303,21 @@ async def _stream(app: App, reqs: list[Request], events: asyncio.Queue, rid: str
             yield _sse(api.usage_chunk(rid, name, usage(reqs), chat, created, app.fingerprint))
         yield b"data: [DONE]\n\n"
     except Exception as e:  # noqa: BLE001 - a bug met writing this answer: its error event
-        left = 0
         _cancel(reqs)
         yield _sse(_failed(None, e).body())
         yield b"data: [DONE]\n\n"
+
+
+async def _closing(app: App, reqs: list[Request], events):
+    """A stream of events that, however it ends (the client gone, a bug), leaves no
+    generation running (their blocks are freed at the next step) and the POST done."""
+    try:
+        async for e in events:
+            yield e
+    except Exception as e:  # noqa: BLE001 - a bug met writing this answer: its error event
+        yield _sse(_failed(None, e).body())
     finally:
-        if left:
-            _cancel(reqs)  # the client went away: their blocks are freed at the next step
+        _cancel([r for r in reqs if not r.done])
         app.leave()
 
 
