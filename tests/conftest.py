@@ -103,15 +103,16 @@ def chat_llama(tmp_path_factory):
 
 
 @contextlib.contextmanager
-def serving(engine, name: str, tok):
+def serving(engine, name: str, tok, **app_kw):
     """`engine` (an Engine or an Embedder) served as `name` on a free loopback port, its
-    HTTP front and serving loop in threads: (base URL, OpenAI client, engine)."""
+    HTTP front and serving loop in threads: (base URL, OpenAI client, engine). `app_kw`:
+    the App's (api_key=...)."""
     import openai
 
     from tpkit.serve.http import App, make_server
     from tpkit.serve.loop import serve_loop
 
-    httpd = make_server(App(engine, name, tok, timeout=10.0), "127.0.0.1", 0)
+    httpd = make_server(App(engine, name, tok, timeout=10.0, **app_kw), "127.0.0.1", 0)
     stop = threading.Event()
     threads = [threading.Thread(target=httpd.serve_forever, daemon=True),
                threading.Thread(target=serve_loop, args=(engine, stop), daemon=True)]
@@ -119,8 +120,8 @@ def serving(engine, name: str, tok):
         t.start()
     url = f"http://127.0.0.1:{httpd.server_address[1]}"
     try:
-        yield url, openai.OpenAI(base_url=url + "/v1", api_key="none", max_retries=0,
-                                 timeout=60), engine
+        yield url, openai.OpenAI(base_url=url + "/v1", api_key=app_kw.get("api_key", "none"),
+                                 max_retries=0, timeout=60), engine
     finally:
         stop.set()
         httpd.shutdown()

@@ -4,7 +4,7 @@ tokenizer and a chat template.
 At tp=1 the server runs in this process (the HTTP front and the serving loop in
 threads): a completion, a streamed chat completion whose chunks concatenate to the
 non-streamed text, stop strings, max_tokens, usage counts, log-probabilities equal to
-transformers' (completion and chat, streamed too), 400 / 404 / 413 in OpenAI's
+transformers' (completion and chat, streamed too), 400 / 404 in OpenAI's
 error shape, /metrics and /health, 16 concurrent requests each equal to its solo output
 and to `tpkit generate`'s, and a client that hangs up freeing its slot.
 """
@@ -192,7 +192,8 @@ def test_errors_in_openai_shape(server):
         client.completions.create(model="gpt-4", prompt="Tensor", max_tokens=4)
     with pytest.raises(openai.APIStatusError, match="exceeds the context of 128") as e:
         complete(client, "layer " * 200, max_tokens=4)
-    assert e.value.status_code == 413 and e.value.body["code"] == "context_length_exceeded"
+    assert e.value.status_code == 400 and e.value.body["code"] == "context_length_exceeded"
+    assert "801 tokens" in e.value.body["message"]  # both lengths, as OpenAI's message
     with pytest.raises(ApiError, match="no chat template"):  # a byte-level preset has none
         chat_ids({"messages": [{"role": "user", "content": "x"}]}, ByteTokenizer(),
                  threading.Lock())

@@ -12,13 +12,15 @@ SIGTERM, SIGINT or SIGHUP: stop accepting (503), let running requests finish for
 `--drain-seconds`, cancel the rest, stop the workers, exit 128 + the signal. A worker
 that dies: every waiting request gets 503 and the server exits 1 naming the rank; a
 request the server fails on gets 500 alone. Whatever `--host`, the Host header must be
-one of the server's names (`--allowed-host` adds one), and a browser page of another
-origin is refused unless `--allow-origin` names it.
+one of the server's names (`--allowed-host` adds one), a browser page of another
+origin is refused unless `--allow-origin` names it, and with `--api-key KEY` (or
+TPKIT_API_KEY) every /v1/ request needs `Authorization: Bearer KEY`.
 """
 
 from __future__ import annotations
 
 import argparse
+import os
 import signal
 import threading
 from pathlib import Path
@@ -67,6 +69,12 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                    help="a web page's origin (http://app.example:3000; *: any) whose "
                         "browser requests are served, with CORS headers; repeatable "
                         "(default: none, cross-origin requests are refused)")
+    g.add_argument("--api-key", default=None, metavar="KEY",
+                   help="every /v1/ request needs 'Authorization: Bearer KEY' (401 "
+                        "otherwise; /health stays open); default: the environment "
+                        "variable TPKIT_API_KEY, else no key")
+    g.add_argument("--metrics-need-key", action="store_true",
+                   help="/metrics needs the API key too (default: open, as /health)")
     add_pool_arguments(g, 8, "sequences generated at once: KV slots per rank")
     g.add_argument("--prefill-per-step", type=int, default=PREFILL_PER_STEP, metavar="T",
                    help="prompt tokens prefilled per step, at most (a longer prompt alone; "
@@ -118,9 +126,18 @@ def _check_args(args: argparse.Namespace) -> None:
     decode_chunk(args)  # --decode-chunk needs --batch-invariant
 
 
+def api_key(args: argparse.Namespace) -> str | None:
+    """The key requests need: --api-key, else $TPKIT_API_KEY, else none."""
+    key = args.api_key if args.api_key is not None else os.environ.get("TPKIT_API_KEY")
+    if key is not None and not key.strip():
+        raise UserError("--api-key (or TPKIT_API_KEY) must not be empty")
+    return key
+
+
 def run(args: argparse.Namespace) -> int:
     """Load the model on every rank, serve on rank 0 until a signal or a worker's death."""
     _check_args(args)
+    api_key(args)  # an empty key is refused before any loading
     try:
         import prometheus_client  # noqa: F401 - /metrics (lazy: the serve extra is optional)
 
@@ -164,7 +181,8 @@ def _serve(mesh: ParallelMesh, args, source, sock, pooling, followers=None) -> N
                         kv_cache_bytes=args.kv_cache_bytes,
                         prefix_caching=not args.no_prefix_cache)
     name = args.served_model_name or Path(str(args.checkpoint).rstrip("/")).resolve().name
-    app = App(engine, name, tokenizer, max_body=args.max_body_bytes, timeout=args.timeout)
+    app = App(engine, name, tokenizer, max_body=args.max_body_bytes, timeout=args.timeout,
+              api_key=api_key(args), metrics_need_key=args.metrics_need_key)
     server = make_server(app, args.host, args.port, allowed_hosts=args.allowed_host,
                          allowed_origins=args.allow_origin, sock=sock)
     stop, got = threading.Event(), []

@@ -7,26 +7,62 @@ validated request and prompt ids (`parse`, `parse_embeddings`), and their submis
 
 from __future__ import annotations
 
+import hmac
 import threading
 import time
 
 from tpkit.serve import openai_api as api
-from tpkit.serve import protocol
+from tpkit.serve import protocol, tools
 from tpkit.serve.embedder import Embedder, EmbedJob
 from tpkit.serve.engine import Engine, TooLong
 from tpkit.serve.openai_api import MAX_BODY
 from tpkit.serve.request import Request, RequestFailed
+from tpkit.serve.responses import to_chat
 from tpkit.spec.errors import UserError
+
+
+def fingerprint(model) -> str:
+    """`system_fingerprint`: what decides the outputs besides the weights and the
+    request: tpkit's version, the weights' dtype, the tensor-parallel size."""
+    from tpkit import __version__
+
+    first = next(iter(model.parameters()), None)
+    dtype = "?" if first is None else str(first.dtype).removeprefix("torch.")
+    mesh = getattr(model, "mesh", None)
+    return f"tpkit-{__version__}-{dtype}-tp{mesh.tp_size if mesh else 1}"
 
 
 class App:
     """What the routes serve: the engine, the model's name, the tokenizer, the limits."""
 
     def __init__(self, engine: Engine | Embedder, model_name: str, tokenizer, *, max_body: int = MAX_BODY,
-                 timeout: float = 30.0) -> None:
+                 timeout: float = 30.0, api_key: str | None = None,
+                 metrics_need_key: bool = False) -> None:
         self.engine, self.name, self.tokenizer = engine, model_name, tokenizer
         self.max_body, self.timeout, self.created = max_body, timeout, int(time.time())
         self.active, self._active = 0, threading.Condition()  # POSTs being answered
+        if api_key is not None and not api_key.strip():
+            raise UserError("--api-key (or TPKIT_API_KEY) must not be empty")
+        self._key = None if api_key is None else f"Bearer {api_key}".encode()
+        self.metrics_need_key = metrics_need_key
+        self.fingerprint = fingerprint(engine.model)
+        self.tool_style = tools.style(getattr(getattr(tokenizer, "hf", None),
+                                              "chat_template", None))
+
+    def refusal(self, path: str, authorization: str | None) -> api.ApiError | None:
+        """The 401 of a request without the server's key (None: it may pass). With
+        `--api-key`, every /v1/ path needs `Authorization: Bearer KEY` (compared in
+        constant time); /health stays open, /metrics too unless `metrics_need_key`."""
+        if self._key is None or not (path.startswith("/v1/") or
+                                     path == "/metrics" and self.metrics_need_key):
+            return None
+        given = (authorization or "").encode("utf-8", "surrogateescape")
+        if hmac.compare_digest(given, self._key):
+            return None
+        why = "no API key given" if not authorization else "the API key is not this server's"
+        return api.ApiError(401, f"{why}: send the header 'Authorization: Bearer KEY' with "
+                                 f"the key the server was started with (--api-key)",
+                            None, "invalid_api_key")
 
     def enter(self) -> None:
         """A POST starts being answered."""
@@ -44,16 +80,21 @@ class App:
         with self._active:
             return self._active.wait_for(lambda: self.active == 0, timeout)
 
-    def parse(self, raw: bytes, chat: bool
+    def parse(self, raw: bytes, chat: bool, responses: bool = False
               ) -> tuple[protocol.CompletionRequest | protocol.ChatRequest, list[list[int]]]:
-        """(the request, the ids of each of its prompts) of a POST body; ApiError for a
-        bad one."""
+        """(the request, the ids of each of its prompts) of a POST body (`responses`: a
+        Responses API body, taken as the chat request it asks for); ApiError for a bad
+        one."""
         body = protocol.parse_json(raw)
+        if responses:
+            body = to_chat(body)
         req = protocol.validate(body, chat)
         self._served(req.model)
         lock = self.engine.tokenizer_lock
         if chat:
-            return req, [api.chat_ids(body, self.tokenizer, lock)]
+            messages = [m.for_template() for m in req.messages]
+            return req, [api.chat_ids({"messages": messages}, self.tokenizer, lock,
+                                      tools=req.offered)]
         return req, [api.prompt_ids(p, self.tokenizer, lock) for p in req.prompt]
 
     def _served(self, model: str | None) -> None:
@@ -101,17 +142,43 @@ class App:
         except RequestFailed as e:
             raise api.ApiError(e.status, str(e)) from None
 
-    def submit(self, ids: list[int], params, on_event=None) -> Request:
-        """Engine.submit with its errors as ApiErrors (413 too long, 400, 503); its events
-        go to `on_event` (`Request.attach`)."""
+    def submit(self, ids: list[int], params, on_event=None, chat: bool = False) -> Request:
+        """Engine.submit with its errors as ApiErrors (400, `context_length_exceeded`
+        among them; 503); its events go to `on_event` (`Request.attach`)."""
         try:
             req = self.engine.submit(ids, params)
             if on_event is not None:
                 req.attach(on_event)
             return req
-        except TooLong as e:
-            raise api.ApiError(413, str(e), "max_tokens") from None
+        except TooLong as e:  # OpenAI's answer to a prompt over the context
+            raise api.ApiError(400, str(e), "messages" if chat else "prompt",
+                               "context_length_exceeded") from None
         except UserError as e:
             raise api.ApiError(400, str(e)) from None
         except RequestFailed as e:
             raise api.ApiError(e.status, str(e)) from None
+
+    def tool_answer(self, asked, text: str, reason: str | None) -> tuple[dict, str | None]:
+        """(the assistant's message, the finish reason) of a chat answer that may call
+        tools (`asked.offered`): its calls as `tool_calls` (finish "tool_calls"), or its
+        text."""
+        calls = tools.calls(text, asked.offered, asked.choice, self.tool_style) \
+            if asked.offered and reason == "stop" else None
+        if not calls:
+            return {"role": "assistant", "content": text}, reason
+        rest = None if asked.forced else tools.text_around(text, self.tool_style)
+        return {"role": "assistant", "content": rest, "tool_calls": calls}, "tool_calls"
+
+    def usage(self, prompts: list[list[int]], n: int):
+        """OpenAI's usage of a request's choices (a function of their handles): each
+        prompt counted once, with the tokens of it the prefix cache gave
+        (`prompt_tokens_details.cached_tokens`: its first choice's; the others share
+        its blocks)."""
+        p, block = sum(map(len, prompts)), self.engine.pool.block_size
+
+        def of(reqs: list[Request]) -> dict:
+            c = sum(len(r.tokens) for r in reqs)
+            cached = sum(min(len(r.prompt), r.cached * block) for r in reqs[::n])
+            return dict(prompt_tokens=p, completion_tokens=c, total_tokens=p + c,
+                        prompt_tokens_details={"cached_tokens": cached})
+        return of

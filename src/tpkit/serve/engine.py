@@ -43,6 +43,7 @@ How a decode runs is `decode_chunk`:
 
 from __future__ import annotations
 
+import dataclasses
 import sys
 import threading
 import time
@@ -54,6 +55,7 @@ from torch import nn
 
 from tpkit.model.paged_kv import EVERY, LAST, PagedCache
 from tpkit.serve.blocks import BlockPool
+from tpkit.serve.logits import shaped
 from tpkit.serve.metrics import Metrics, Pacing
 from tpkit.serve.output import OutputProcessor
 from tpkit.serve.pacing import Pacer, check_ratio
@@ -154,7 +156,7 @@ class Engine(Intake):
         self.pacer = Pacer(itl_ratio) if itl_ratio and decode_chunk is None else None
         self.paced = 0  # the pacer's budget for the last step with a prompt to compute
         self.outputs = OutputProcessor(tokenizer, set(getattr(tokenizer, "eos_ids", None)
-                                                      or []))
+                                                      or []), model.config.vocab_size)
         self.tokenizer_lock = self.outputs.lock
         self.metrics = Metrics()
         super().__init__()
@@ -163,7 +165,7 @@ class Engine(Intake):
     def submit(self, prompt_ids: list[int], params: SamplingParams | None = None) -> Request:
         """Queue a prompt (token ids); returns its handle. `TooLong` if it can never fit,
         `RequestFailed` (503) once the engine stopped accepting."""
-        params = params or SamplingParams()
+        params = self.to_the_end(len(prompt_ids), params or SamplingParams())
         self.check(prompt_ids, params)
         with self._intake() as rid:
             req = Request(rid, list(prompt_ids), params)
@@ -194,6 +196,19 @@ class Engine(Intake):
                             on_token(r, ev.text)
         return reqs
 
+    def to_the_end(self, n: int, params: SamplingParams) -> SamplingParams:
+        """`params` with max_tokens None (a chat request without one, as OpenAI's) made
+        what is left after a prompt of `n` tokens: of the context, the server's budget
+        and the KV cache, whichever is least; TooLong if nothing is left."""
+        if params.max_tokens is not None:
+            return params
+        room = min(self.max_len, self.budget,
+                   (self.pool.max_blocks - 1) * self.pool.block_size) - n
+        if room < 1:
+            raise TooLong(f"the prompt ({n} tokens) leaves no room to generate in the "
+                          f"context of {min(self.max_len, self.budget)} tokens")
+        return dataclasses.replace(params, max_tokens=room)
+
     def check(self, prompt_ids: list[int], params: SamplingParams) -> None:
         """UserError (TooLong for length) for a request this engine cannot run."""
         n, vocab = len(prompt_ids), self.model.config.vocab_size
@@ -202,6 +217,10 @@ class Engine(Intake):
         bad = sorted({t for t in prompt_ids if not (isinstance(t, int) and 0 <= t < vocab)})
         if bad:
             raise UserError(f"prompt token ids {bad[:5]} are outside the model's vocabulary [0, {vocab})")
+        far = [t for t, _ in params.logit_bias if t >= vocab]
+        if far:
+            raise UserError(f"logit_bias names token ids {far[:5]} outside the model's "
+                            f"vocabulary [0, {vocab})")
         if params.stop and self.tokenizer is None:
             raise UserError("stop strings need a tokenizer (Engine(..., tokenizer=...))")
         need = n + params.max_tokens
@@ -246,8 +265,9 @@ class Engine(Intake):
             return False
         grew = out.blocks > self.runner.cache.blocks  # copies the cache: not the pieces' cost
         reqs = [r for f in out.forwards for r in f.reqs if r is not None]
-        greedy = all(r.params.temperature <= 0 and r.params.logprobs is None  # the
-                     for r in reqs)  # shards' best, not their logits (tp=1: one native pass)
+        greedy = all(r.params.temperature <= 0 and r.params.logprobs is None and not
+                     shaped(r.params)  # the shards' best, not their logits (tp=1: one
+                     for r in reqs)  # native pass); penalties and bias need the logits
         results = self.runner.lead_step([f.pieces for f in out.forwards], out.blocks, greedy)
         self.scheduler.computed(out)
         for fwd, (last, rest) in zip(out.forwards, results):

@@ -47,9 +47,10 @@ from starlette.exceptions import HTTPException
 from uvicorn.protocols.http.h11_impl import H11Protocol
 
 from tpkit.host.web import HOST, Guard, bound_socket
+from tpkit.serve import answers, protocol
 from tpkit.serve import embeddings as embed_route
 from tpkit.serve import openai_api as api
-from tpkit.serve import protocol
+from tpkit.serve import responses as answer
 from tpkit.serve.app import App
 from tpkit.serve.request import Done, Failed, Request, Token
 
@@ -91,6 +92,11 @@ def build_api(app: App, guard: Guard) -> FastAPI:
         refusal = guard.refusal(request.method, request.headers)
         if refusal is not None:  # a refused body is not read
             return error(request, api.ApiError(*refusal), close=True)
+        if request.method != "OPTIONS" and (unkeyed := app.refusal(
+                request.url.path, request.headers.get("Authorization"))) is not None:
+            response = error(request, unkeyed, close=True)
+            response.headers["WWW-Authenticate"] = "Bearer"
+            return response
         return await call_next(request)
 
     @fa.exception_handler(HTTPException)
@@ -133,6 +139,10 @@ def build_api(app: App, guard: Guard) -> FastAPI:
     async def chat_completions(request: HttpRequest):
         return await _post(app, request, True, error, ok, cors)
 
+    @fa.post("/v1/responses", summary="a response (OpenAI's Responses API)")
+    async def responses(request: HttpRequest):
+        return await _post(app, request, True, error, ok, cors, responses=True)
+
     @fa.post("/v1/embeddings", summary="embeddings of an encoder model (OpenAI's API)",
              openapi_extra=_schema(protocol.EmbeddingRequest))
     async def embeddings(request: HttpRequest):
@@ -159,7 +169,8 @@ def _failed(req: Request | None, e: Exception) -> api.ApiError:
     return api.ApiError(500, why)
 
 
-def _submit_all(app: App, prompts: list[list[int]], params, n: int, put) -> list[Request]:
+def _submit_all(app: App, prompts: list[list[int]], params, n: int, put, chat: bool
+                ) -> list[Request]:
     """n choices of each prompt (choice i of prompt p: index p * n + i; a seed s gives
     choice i the seed s ^ i); their events go to put(index, event). One refused:
     those submitted are cancelled, the ApiError raised."""
@@ -169,14 +180,15 @@ def _submit_all(app: App, prompts: list[list[int]], params, n: int, put) -> list
             for i in range(n):
                 q = params if i == 0 or params.seed is None else \
                     dataclasses.replace(params, seed=params.seed ^ i)
-                reqs.append(app.submit(ids, q, functools.partial(put, len(reqs))))
+                reqs.append(app.submit(ids, q, functools.partial(put, len(reqs)), chat))
     except api.ApiError:
         _cancel(reqs)
         raise
     return reqs
 
 
-async def _post(app: App, request: HttpRequest, chat: bool, error, ok, cors) -> Response:
+async def _post(app: App, request: HttpRequest, chat: bool, error, ok, cors,
+                responses: bool = False) -> Response:
     if (refusal := app.not_served(embeddings=False)) is not None:
         return error(request, refusal)  # an encoder's server
     app.enter()
@@ -195,16 +207,18 @@ async def _post(app: App, request: HttpRequest, chat: bool, error, ok, cors) -> 
                 pass  # the event loop has ended (the server stopped)
 
         try:
-            asked, prompts = await run_in_threadpool(app.parse, raw, chat)
-            reqs = _submit_all(app, prompts, asked.sampling(), asked.n or 1, put)
+            asked, prompts = await run_in_threadpool(app.parse, raw, chat, responses)
+            reqs = _submit_all(app, prompts, asked.sampling(), asked.n or 1, put, chat)
         except api.ApiError as e:
             return error(request, e)
         rid = f"{'chatcmpl' if chat else 'cmpl'}-{reqs[0].id}"
-        usage = _usage(prompts)
+        usage = app.usage(prompts, asked.n or 1)
         if asked.stream:
             streaming = True
-            return StreamingResponse(
-                _stream(app, reqs, events, rid, chat, usage if asked.include_usage else None),
+            return StreamingResponse(_closing(app, reqs, answer.stream(
+                app, reqs[0], events, str(reqs[0].id), asked, usage) if responses else
+                _stream(app, reqs, events, rid, chat, usage if asked.include_usage else None,
+                        asked if chat and asked.offered else None)),
                 200, {**cors(request), "Cache-Control": "no-store"},
                 "text/event-stream; charset=utf-8")
         left = len(reqs)
@@ -220,9 +234,14 @@ async def _post(app: App, request: HttpRequest, chat: bool, error, ok, cors) -> 
                 _cancel(reqs)
                 return error(request, api.ApiError(ev.status, ev.message))
             left -= isinstance(ev, Done)
-        body = api.completion(rid, app.name, "", None, usage(reqs), chat, app.created)
-        body["choices"] = [_choice(app, r, chat, i) for i, r in enumerate(reqs)]
-        return ok(request, body)
+        body = api.completion(rid, app.name, "", None, usage(reqs), chat, app.created,
+                              fingerprint=app.fingerprint)
+        body["choices"] = [answers.choice(app, r, chat, i) for i, r in enumerate(reqs)]
+        if chat and asked.offered:  # a call or text: the answer's whole text says
+            for ch, r in zip(body["choices"], reqs):
+                ch["message"], ch["finish_reason"] = app.tool_answer(asked, r.text,
+                                                                     ch["finish_reason"])
+        return ok(request, answer.whole(app, str(reqs[0].id), body) if responses else body)
     except Exception as e:  # noqa: BLE001 - this request fails alone; the server goes on
         _cancel(reqs)
         return error(request, _failed(None, e), close=True)
@@ -236,96 +255,69 @@ def _cancel(reqs: list[Request]) -> None:
         r.cancel()
 
 
-def _usage(prompts: list[list[int]]):
-    """OpenAI's usage of a request's choices: each prompt counted once."""
-    p = sum(map(len, prompts))
-
-    def of(reqs: list[Request]) -> dict:
-        c = sum(len(r.tokens) for r in reqs)
-        return dict(prompt_tokens=p, completion_tokens=c, total_tokens=p + c)
-    return of
-
-
-def _echoed(app: App, req: Request, chat: bool) -> tuple[str, dict | None]:
-    """An echoed prompt's text and (asked for) its log-probabilities block."""
-    with app.engine.tokenizer_lock:
-        text = app.tokenizer.decode(req.prompt)
-    if req.params.logprobs is None:
-        return text, None
-    return text, api.logprobs_block(chat, req.prompt, req.prompt_logprobs, req.prompt_top,
-                                    app.tokenizer, app.engine.tokenizer_lock)
-
-
-def _choice(app: App, req: Request, chat: bool, index: int) -> dict:
-    """Choice `index` of a whole answer: its text (after the prompt, with echo) and
-    log-probabilities."""
-    text, logprobs = req.text, _logprobs(app, req, chat, 0, len(req.tokens))
-    if req.params.echo:  # the prompt first (its own log-probabilities, if asked)
-        shown, before = _echoed(app, req, chat)
-        text = shown + text
-        if before is not None:
-            after = _logprobs(app, req, chat, 0, len(req.tokens),
-                              offset=sum(map(len, before["tokens"])))
-            logprobs = {k: before[k] + after[k] for k in before}
-    choice = api.completion("", "", text, req.finish_reason, None, chat, 0,
-                            logprobs)["choices"][0]
-    return {**choice, "index": index}
-
-
-def _logprobs(app: App, req: Request, chat: bool, lo: int, hi: int, offset: int = 0
-              ) -> dict | None:
-    """Tokens lo..hi-1's log-probabilities in the API's shape (None: not asked for)."""
-    if req.params.logprobs is None:
-        return None
-    return api.logprobs_block(chat, req.tokens[lo:hi], req.logprobs[lo:hi], req.top[lo:hi],
-                              app.tokenizer, app.engine.tokenizer_lock, offset)
-
-
 async def _stream(app: App, reqs: list[Request], events: asyncio.Queue, rid: str,
-                  chat: bool, usage):
+                  chat: bool, usage, tooled=None):
     """The server-sent events of a streamed answer, its choices interleaved as their
-    tokens come (echo: a choice's prompt first); a client gone cancels them."""
+    tokens come (echo: a choice's prompt first); a client gone cancels them. A chat
+    that offers tools (`tooled`: its request) sends each choice whole at its end, as
+    text or as `delta.tool_calls`."""
     name, created, left = app.name, app.created, len(reqs)
+    chunk = functools.partial(api.chunk, fingerprint=app.fingerprint)
     tokens, offsets, started = [0] * len(reqs), [0] * len(reqs), [False] * len(reqs)
     try:
         if chat:  # the assistant's role comes first
-            yield _sse(api.chunk(rid, name, None, None, chat, created, first=True))
+            yield _sse(chunk(rid, name, None, None, chat, created, first=True))
         while left:
             c, ev = await events.get()
             req = reqs[c]
             if not started[c] and req.params.echo and not isinstance(ev, Failed):
-                text, block = _echoed(app, req, chat)
+                text, block = answers.echoed(app, req, chat)
                 offsets[c] = sum(map(len, block["tokens"])) if block else 0
-                yield _sse(api.chunk(rid, name, text, None, chat, created, logprobs=block,
+                yield _sse(chunk(rid, name, text, None, chat, created, logprobs=block,
                                      index=c))
             started[c] = True
+            if isinstance(ev, Token) and tooled is not None:
+                continue  # said at the end, once it is known to be a call or text
             if isinstance(ev, Token):  # one chunk per token (its text may be held back)
                 block = None
                 if ev.token is not None:  # a token (None: text held back until the end)
                     i = tokens[c]
-                    block = _logprobs(app, req, chat, i, i + 1, offsets[c])
+                    block = answers.token_logprobs(app, req, chat, i, i + 1, offsets[c])
                     offsets[c] += len("".join((block or {}).get("tokens", ())))
                     tokens[c] += 1
-                yield _sse(api.chunk(rid, name, ev.text, None, chat, created, logprobs=block,
+                yield _sse(chunk(rid, name, ev.text, None, chat, created, logprobs=block,
                                      index=c))
             elif isinstance(ev, Done):
                 left -= 1
-                yield _sse(api.chunk(rid, name, None, ev.reason, chat, created, index=c))
+                reason = ev.reason
+                if tooled is not None:
+                    message, reason = app.tool_answer(tooled, req.text, reason)
+                    yield _sse(answers.whole(chunk(rid, name, None, None, chat, created, index=c),
+                                      message))
+                yield _sse(chunk(rid, name, None, reason, chat, created, index=c))
             else:
                 left = 0
                 _cancel(reqs)
                 yield _sse(api.ApiError(ev.status, ev.message).body())
         if usage is not None and all(r.finish_reason for r in reqs):
-            yield _sse(api.usage_chunk(rid, name, usage(reqs), chat, created))
+            yield _sse(api.usage_chunk(rid, name, usage(reqs), chat, created, app.fingerprint))
         yield b"data: [DONE]\n\n"
     except Exception as e:  # noqa: BLE001 - a bug met writing this answer: its error event
-        left = 0
         _cancel(reqs)
         yield _sse(_failed(None, e).body())
         yield b"data: [DONE]\n\n"
+
+
+async def _closing(app: App, reqs: list[Request], events):
+    """A stream of events that, however it ends (the client gone, a bug), leaves no
+    generation running (their blocks are freed at the next step) and the POST done."""
+    try:
+        async for e in events:
+            yield e
+    except Exception as e:  # noqa: BLE001 - a bug met writing this answer: its error event
+        yield _sse(_failed(None, e).body())
     finally:
-        if left:
-            _cancel(reqs)  # the client went away: their blocks are freed at the next step
+        _cancel([r for r in reqs if not r.done])
         app.leave()
 
 

@@ -80,9 +80,11 @@ def prompt_ids(prompt: str | list[int], tokenizer, lock) -> list[int]:
 
 
 def chat_ids(body: dict, tokenizer, lock,
-             instead: str = "use /v1/completions with a prompt instead") -> list[int]:
-    """The messages of a chat request ({role, content} strings, validated) rendered by the
-    tokenizer's own chat template; a tokenizer without one is an ApiError saying what to
+             instead: str = "use /v1/completions with a prompt instead",
+             tools: list[dict] | None = None) -> list[int]:
+    """The messages of a chat request ({role, content} strings, validated; an assistant's
+    `tool_calls`, a tool's `tool_call_id`) and its `tools` rendered by the tokenizer's
+    own chat template; a tokenizer without one is an ApiError saying what to
     do `instead` (in the caller's terms: the server's endpoint, the CLI's flag), one
     whose template refuses the messages an ApiError 400 too."""
     hf = getattr(tokenizer, "hf", None)
@@ -91,8 +93,7 @@ def chat_ids(body: dict, tokenizer, lock,
                        "messages")
     try:
         with lock:
-            ids = hf.apply_chat_template([{"role": m["role"], "content": m["content"]}
-                                          for m in body["messages"]],
+            ids = hf.apply_chat_template(body["messages"], tools=tools or None,
                                          add_generation_prompt=True, tokenize=True)
     except Exception as e:  # noqa: BLE001 - a template's raise_exception("roles must ...")
         raise ApiError(400, f"the chat template refused these messages: {e}",
@@ -101,20 +102,23 @@ def chat_ids(body: dict, tokenizer, lock,
 
 
 def completion(rid: str, model: str, text: str, finish: str | None, usage: dict | None,
-               chat: bool, created: int, logprobs: dict | None = None) -> dict:
-    """A whole (non-streamed) completion or chat completion."""
+               chat: bool, created: int, logprobs: dict | None = None,
+               fingerprint: str | None = None) -> dict:
+    """A whole (non-streamed) completion or chat completion (`fingerprint`: its
+    `system_fingerprint`, `tpkit.serve.app.fingerprint`)."""
     choice = {"index": 0, "logprobs": logprobs, "finish_reason": finish}
     if chat:
         choice["message"] = {"role": "assistant", "content": text}
     else:
         choice["text"] = text
     return {"id": rid, "object": "chat.completion" if chat else "text_completion",
-            "created": created, "model": model, "choices": [choice], "usage": usage}
+            "created": created, "model": model, "system_fingerprint": fingerprint,
+            "choices": [choice], "usage": usage}
 
 
 def chunk(rid: str, model: str, text: str | None, finish: str | None, chat: bool,
           created: int, first: bool = False, logprobs: dict | None = None,
-          index: int = 0) -> dict:
+          index: int = 0, fingerprint: str | None = None) -> dict:
     """One streamed chunk (`data: {...}`) of choice `index`: a piece of text, or the
     finish reason."""
     choice: dict = {"index": index, "logprobs": logprobs, "finish_reason": finish}
@@ -126,13 +130,16 @@ def chunk(rid: str, model: str, text: str | None, finish: str | None, chat: bool
     else:
         choice["text"] = text or ""
     return {"id": rid, "object": "chat.completion.chunk" if chat else "text_completion",
-            "created": created, "model": model, "choices": [choice]}
+            "created": created, "model": model, "system_fingerprint": fingerprint,
+            "choices": [choice]}
 
 
-def usage_chunk(rid: str, model: str, usage: dict, chat: bool, created: int) -> dict:
+def usage_chunk(rid: str, model: str, usage: dict, chat: bool, created: int,
+                fingerprint: str | None = None) -> dict:
     """The last chunk when `stream_options.include_usage` is set: no choices, the usage."""
     return {"id": rid, "object": "chat.completion.chunk" if chat else "text_completion",
-            "created": created, "model": model, "choices": [], "usage": usage}
+            "created": created, "model": model, "system_fingerprint": fingerprint,
+            "choices": [], "usage": usage}
 
 
 def embeddings(model: str, vectors: list, tokens: int) -> dict:

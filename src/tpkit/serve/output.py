@@ -19,6 +19,8 @@ import threading
 import torch
 
 from tpkit.model.sampling import sample
+from tpkit.serve.grammar import Grammars
+from tpkit.serve.logits import process
 from tpkit.serve.params import StopText
 from tpkit.serve.request import Request
 from tpkit.weights.tokenizer import TextStream
@@ -27,9 +29,10 @@ from tpkit.weights.tokenizer import TextStream
 class OutputProcessor:
     """Tokens and text out of logits, for rank 0's requests."""
 
-    def __init__(self, tokenizer=None, eos: set[int] | None = None) -> None:
+    def __init__(self, tokenizer=None, eos: set[int] | None = None, vocab: int = 0) -> None:
         self.tokenizer, self.eos = tokenizer, eos or set()
         self.lock = threading.Lock()  # HF tokenizers are not safe across threads
+        self.grammars = Grammars(tokenizer, vocab)  # structured outputs' matchers
 
     def start(self, req: Request, device=None) -> None:
         """A request's generator (its seed, or a fresh one), detokenizer, stop strings."""
@@ -39,6 +42,8 @@ class OutputProcessor:
         req.stream = TextStream(self.tokenizer) if self.tokenizer else None
         req.stop_text = StopText(req.params.stop)
         req.stopped_by_string = False
+        req.matcher = self.grammars.matcher(req.params.grammar) if req.params.grammar \
+            else None
         if req.params.echo and req.params.logprobs is not None:
             req.prompt_logprobs, req.prompt_top = [None], [None]  # nothing before token 0
 
@@ -53,12 +58,22 @@ class OutputProcessor:
         req.prompt_top += _likeliest(logp, req.params.logprobs or 0)
 
     def take(self, req: Request, logits: torch.Tensor) -> str | None:
-        """The next token of `req` from its full logits [V]; why it ends here, if it does."""
+        """The next token of `req` from its full logits [V] (shaped by its penalties and
+        bias first, `serve.logits`; its log-probabilities are the model's); why it ends
+        here, if it does."""
         p = req.params
-        tok = int(sample(logits[None], p.temperature, p.top_k, p.top_p, req.gen)[0, 0])
+        chosen = process(logits, p, req.prompt, req.tokens, self.eos)  # penalties, bias
+        if req.matcher is not None:  # the grammar's mask (structured outputs)
+            chosen = chosen.float().masked_fill(~req.matcher.allowed(chosen.shape[-1]),
+                                                float("-inf"))
+        tok = int(sample(chosen[None], p.temperature, p.top_k, p.top_p, req.gen)[0, 0])
+        if req.matcher is not None:
+            req.matcher.take(tok)
         logp = torch.log_softmax(logits.float(), -1)  # [V]
         top = _likeliest(logp[None], p.logprobs)[0] if p.logprobs is not None else None
-        return self.push(req, tok, float(logp[tok]), top)
+        why = self.push(req, tok, float(logp[tok]), top)
+        return "stop" if why is None and req.matcher is not None and req.matcher.done \
+            else why
 
     def push(self, req: Request, tok: int, logprob: float, top=None) -> str | None:
         """Give `req` its next token (and the text it makes safe to show); why it ends

@@ -28,7 +28,7 @@ def _number(x) -> bool:
 
 # field -> (is the value good?, what it must be): the bounds of every sampling value
 RULES: dict[str, tuple[Callable[[object], bool], str]] = {
-    "max_tokens": (lambda x: _int(x) and x >= 1, "must be an integer >= 1"),
+    "max_tokens": (lambda x: x is None or _int(x) and x >= 1, "must be an integer >= 1"),
     "temperature": (lambda x: _number(x) and 0 <= x <= MAX_TEMPERATURE,
                     f"must be a number in [0, {MAX_TEMPERATURE:g}] (0, or below "
                     f"{GREEDY_BELOW:g}: greedy)"),
@@ -40,6 +40,15 @@ RULES: dict[str, tuple[Callable[[object], bool], str]] = {
                  f"must be an integer in [0, {MAX_LOGPROBS}]"),
     "stop": (lambda x: isinstance(x, tuple | list) and all(isinstance(s, str) and s for s in x),
              "must be non-empty strings"),
+    "presence_penalty": (lambda x: _number(x) and -2 <= x <= 2, "must be a number in [-2, 2]"),
+    "frequency_penalty": (lambda x: _number(x) and -2 <= x <= 2, "must be a number in [-2, 2]"),
+    "repetition_penalty": (lambda x: _number(x) and 0 < x <= MAX_TEMPERATURE,
+                           f"must be a number in (0, {MAX_TEMPERATURE:g}] (1: off)"),
+    "min_tokens": (lambda x: _int(x) and x >= 0, "must be an integer >= 0"),
+    "logit_bias": (lambda x: isinstance(x, tuple | list) and all(
+        isinstance(p, tuple | list) and len(p) == 2 and _int(p[0]) and p[0] >= 0 and
+        _number(p[1]) and -100 <= p[1] <= 100 for p in x),
+        "must map token ids to biases in [-100, 100]"),
 }
 
 
@@ -65,15 +74,19 @@ class SamplingError(UserError):
 
 @dataclass(frozen=True)
 class SamplingParams:
-    """max_tokens new tokens at most; greedy at temperature 0 (or below `GREEDY_BELOW`,
+    """max_tokens new tokens at most (None: up to the end of the context, which
+    `Engine.submit` resolves to a number); greedy at temperature 0 (or below `GREEDY_BELOW`,
     where sampling is greedy in the limit and float32 overflows), else sampled with
     top-k (0: off), top-p (1: off) and a seed (a 64-bit integer; None: a fresh one);
     generation ends at the first `stop` string (not included in the text) or
     end-of-sequence token unless `ignore_eos`. `logprobs`: None, or k: each chosen
     token's log-probability under the model (before temperature) and the k likeliest
-    tokens' (0 <= k <= 20); with `echo`, the prompt's tokens' too. Bounds: `RULES`."""
+    tokens' (0 <= k <= 20); with `echo`, the prompt's tokens' too. The penalties,
+    `logit_bias` and `min_tokens` shape the logits first (`tpkit.serve.logits`), then
+    `grammar` masks them (`tpkit.serve.grammar`: structured outputs).
+    Bounds: `RULES`."""
 
-    max_tokens: int = 16
+    max_tokens: int | None = 16
     temperature: float = 0.0
     top_p: float = 1.0
     top_k: int = 0
@@ -82,10 +95,18 @@ class SamplingParams:
     ignore_eos: bool = False
     logprobs: int | None = None
     echo: bool = False
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
+    repetition_penalty: float = 1.0
+    logit_bias: tuple[tuple[int, float], ...] = ()  # (token id, bias) pairs
+    min_tokens: int = 0
+    grammar: str | None = None  # what the output must match (`serve.grammar`)
 
     def __post_init__(self) -> None:
         bad = [(f.name, getattr(self, f.name), RULES[f.name][1]) for f in fields(self)
                if f.name in RULES and problem(f.name, getattr(self, f.name))]
+        if not bad and self.max_tokens is not None and self.min_tokens > self.max_tokens:
+            bad = [("min_tokens", self.min_tokens, f"must be <= max_tokens={self.max_tokens}")]
         if bad:
             raise SamplingError(bad)
 

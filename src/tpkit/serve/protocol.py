@@ -23,27 +23,43 @@ import re
 from typing import Annotated, Any, Literal
 
 from pydantic import (
-    AfterValidator,
     BaseModel,
-    ConfigDict,
     Field,
     StrictBool,
     StrictFloat,
     StrictInt,
-    StrictStr,
     ValidationError,
     ValidationInfo,
     field_validator,
+    model_validator,
 )
-from pydantic_core import PydanticCustomError
 
+from tpkit.serve import grammar, tools
+from tpkit.serve.fields import (
+    Batch,
+    Number,
+    Stop,
+    StreamOptions,
+    Strict,
+    Text,
+    as_batch,
+    few,
+    given_or,
+    refuse,
+    rule,
+    short,
+)
+from tpkit.serve.messages import Chosen, Message, Tool
 from tpkit.serve.openai_api import ApiError
-from tpkit.serve.params import SamplingParams, problem, shown
+from tpkit.serve.params import SamplingError, SamplingParams, problem
+from tpkit.spec.errors import UserError
 
 MAX_DEPTH = 16  # of [ and { in a body: a chat message's content parts need ~5
 ECHO = "echo=True: a completion (not chat) may echo its prompt (echo=true)"
 MAX_N, MAX_PROMPTS = 16, 32  # choices per prompt; prompts per completion request
 MAX_INPUTS = 2048  # inputs per embeddings request (OpenAI's limit)
+COMPLETION_MAX_TOKENS = 16  # a completion without max_tokens (OpenAI's and vLLM's default);
+# a chat completion without one generates to the end of its answer or of the context
 
 
 # -- bytes to a JSON object ------------------------------------------------------------
@@ -87,87 +103,26 @@ def parse_json(raw: bytes) -> dict:
     return body
 
 
-# -- the fields ------------------------------------------------------------------------
-def _utf8(s: str) -> str:
-    try:
-        s.encode("utf-8")
-    except UnicodeEncodeError as e:
-        raise PydanticCustomError("invalid_text", "must be text (a lone surrogate at "
-                                  "character {at} is not UTF-8)", {"at": e.start}) from None
-    return s
-
-
-def _rule(name: str, as_name: str | None = None) -> AfterValidator:
-    """`params.RULES[name]` as a field's validator (None passes: the default)."""
-    def check(value):
-        why = None if value is None else problem(name, value, as_name)
-        if why is not None:
-            raise PydanticCustomError("invalid_value", why)
-        return value
-    return AfterValidator(check)
-
-
-def _refuse(why: str):
-    raise PydanticCustomError("invalid_value", why)
-
-
-Text = Annotated[StrictStr, AfterValidator(_utf8)]
-Word = Annotated[Text, Field(min_length=1)]
-Number = Annotated[StrictInt | StrictFloat | None, Field(description="must be a number")]
-Stop = Annotated[Text | Annotated[list[Text], Field(fail_fast=True)] | None,
-                 Field(description="must be a string or a list of strings")]
-TokenIds = Annotated[list[StrictInt], Field(min_length=1, fail_fast=True)]  # one error: fast
-Batch = (Word | TokenIds | Annotated[list[Word], Field(min_length=1, fail_fast=True)] |
-         Annotated[list[TokenIds], Field(min_length=1, fail_fast=True)])  # one, or a list
-
-
-def _few(p, field: str, most: int):
-    """A batch of at most `most` (checked before the union is tried on each of them)."""
-    if isinstance(p, list) and len(p) > most and isinstance(p[0], str | list):
-        _refuse(f"{field}: a batch of {len(p)} {field}s; at most {most} per request")
-    return p
-
-
-def _as_batch(p) -> list:
-    """A validated `Batch` as the list of its members."""
-    return list(p) if isinstance(p, list) and isinstance(p[0], str | list) else [p]
-
-
-class _Strict(BaseModel):
-    model_config = ConfigDict(strict=True, extra="forbid", frozen=True)
-
-
-class StreamOptions(_Strict):
-    """`stream_options`: the usage counts as a last chunk."""
-
-    include_usage: StrictBool | None = None
-
-
-class Message(_Strict):
-    """One chat message: a role and its text."""
-
-    role: Word
-    content: Text
-    name: Text | None = None
-
-
-class _Request(_Strict):
+class _Request(Strict):
     """The fields both endpoints take (OpenAI's defaults: temperature 1, top_p 1)."""
 
     model: Text | None = None
-    max_tokens: Annotated[StrictInt | None, _rule("max_tokens")] = None
-    temperature: Annotated[Number, _rule("temperature")] = None
-    top_p: Annotated[Number, _rule("top_p")] = None
-    top_k: Annotated[StrictInt | None, _rule("top_k")] = None
-    seed: Annotated[StrictInt | None, _rule("seed")] = None
+    max_tokens: Annotated[StrictInt | None, rule("max_tokens")] = None
+    temperature: Annotated[Number, rule("temperature")] = None
+    top_p: Annotated[Number, rule("top_p")] = None
+    top_k: Annotated[StrictInt | None, rule("top_k")] = None
+    seed: Annotated[StrictInt | None, rule("seed")] = None
     stop: Stop = None
     n: StrictInt | None = None
     stream: StrictBool | None = None
     stream_options: StreamOptions | None = None
     user: Text | None = None
     ignore_eos: StrictBool = False
-    presence_penalty: Number = None
-    frequency_penalty: Number = None
+    presence_penalty: Annotated[Number, rule("presence_penalty")] = None
+    frequency_penalty: Annotated[Number, rule("frequency_penalty")] = None
+    repetition_penalty: Annotated[Number, rule("repetition_penalty")] = None  # vLLM's
+    logit_bias: dict[str, StrictInt | StrictFloat] | None = None
+    min_tokens: Annotated[StrictInt | None, rule("min_tokens")] = None  # vLLM's
 
     @field_validator("stop")
     @classmethod
@@ -176,27 +131,52 @@ class _Request(_Strict):
             return v
         stop = (v,) if isinstance(v, str) else tuple(v)
         why = problem("stop", stop)
-        return _refuse(why) if why else stop
+        return refuse(why) if why else stop
 
     @field_validator("n")
     @classmethod
     def _choices(cls, v):
-        return _refuse(f"n={v!r} must be an integer in [1, {MAX_N}] (choices per prompt)") \
+        return refuse(f"n={v!r} must be an integer in [1, {MAX_N}] (choices per prompt)") \
             if v is not None and not 1 <= v <= MAX_N else v
 
-    @field_validator("presence_penalty", "frequency_penalty")
+    @field_validator("logit_bias")
     @classmethod
-    def _no_penalty(cls, v, info: ValidationInfo):
-        return _refuse(f"{info.field_name} is not supported (only 0)") if v else v
+    def _bias(cls, v):
+        if v is None:
+            return v
+        bad = [k for k in v if not (k.isascii() and k.isdigit())]
+        if bad:
+            refuse(f"logit_bias: the key {short(bad[0])} is not a token id (a decimal "
+                    f"integer as a string)")
+        pairs = tuple((int(k), b) for k, b in v.items())
+        why = problem("logit_bias", pairs)
+        return refuse(why) if why else pairs
 
     def _params(self, max_tokens: int | None, logprobs: int | None, echo: bool
                 ) -> SamplingParams:
-        def given(x, default):
-            return default if x is None else x
+        given = given_or
+        try:
+            return self._sampling(max_tokens, logprobs, echo, given)
+        except SamplingError as e:  # what no one field shows (min_tokens > max_tokens)
+            raise ApiError(400, str(e), e.problems[0][0], "invalid_value") from None
+
+    def _sampling(self, max_tokens, logprobs, echo, given) -> SamplingParams:
         return SamplingParams(
-            max_tokens=given(max_tokens, 16), temperature=given(self.temperature, 1.0),
+            max_tokens=max_tokens, temperature=given(self.temperature, 1.0),
             top_p=given(self.top_p, 1.0), top_k=given(self.top_k, 0), seed=self.seed,
-            stop=self.stop or (), ignore_eos=self.ignore_eos, logprobs=logprobs, echo=echo)
+            stop=self.stop or (), ignore_eos=self.ignore_eos, logprobs=logprobs, echo=echo,
+            presence_penalty=given(self.presence_penalty, 0.0),
+            frequency_penalty=given(self.frequency_penalty, 0.0),
+            repetition_penalty=given(self.repetition_penalty, 1.0),
+            logit_bias=self.logit_bias or (), min_tokens=given(self.min_tokens, 0),
+            grammar=self._grammar())
+
+    def _grammar(self) -> str | None:
+        if getattr(self, "forced", False):
+            return tools.forced_grammar(self.offered, self.choice,
+                                        self.parallel_tool_calls is not False)
+        fmt = getattr(self, "response_format", None)
+        return grammar.from_response_format(fmt) if fmt is not None else None
 
     @property
     def include_usage(self) -> bool:
@@ -210,7 +190,7 @@ class CompletionRequest(_Request):
 
     prompt: Annotated[Batch, Field(description="must be a non-empty string, a list of token "
                                                "ids, or a list of those (a batch of prompts)")]
-    logprobs: Annotated[StrictInt | None, _rule("logprobs")] = None
+    logprobs: Annotated[StrictInt | None, rule("logprobs")] = None
     echo: StrictBool = False
     top_logprobs: Annotated[None, Field(description="is a chat parameter: a completion "
                                                     "takes logprobs=k")] = None
@@ -218,16 +198,17 @@ class CompletionRequest(_Request):
     @field_validator("prompt", mode="before")
     @classmethod
     def _few_prompts(cls, p):  # before the union is tried on each of a batch's prompts
-        return _few(p, "prompt", MAX_PROMPTS)
+        return few(p, "prompt", MAX_PROMPTS)
 
     @field_validator("prompt")
     @classmethod
     def _batch(cls, p):
-        return _as_batch(p)
+        return as_batch(p)
 
     def sampling(self) -> SamplingParams:
         """The SamplingParams asked for (`logprobs: k`: the k likeliest per token)."""
-        return self._params(self.max_tokens, self.logprobs, self.echo)
+        return self._params(given_or(self.max_tokens, COMPLETION_MAX_TOKENS), self.logprobs,
+                            self.echo)
 
 
 class ChatRequest(_Request):
@@ -235,21 +216,64 @@ class ChatRequest(_Request):
 
     messages: Annotated[list[Message], Field(min_length=1, fail_fast=True, description=
                         "must be a non-empty list of {role, content} strings")]
-    max_completion_tokens: Annotated[StrictInt | None, _rule("max_tokens",
+    max_completion_tokens: Annotated[StrictInt | None, rule("max_tokens",
                                                              "max_completion_tokens")] = None
     logprobs: StrictBool | None = None
-    top_logprobs: Annotated[StrictInt | None, _rule("logprobs", "top_logprobs")] = None
+    top_logprobs: Annotated[StrictInt | None, rule("logprobs", "top_logprobs")] = None
     echo: StrictBool = False
+    tools: list[Tool] | None = None  # null or []: no tools, as some clients always send
+    tool_choice: Literal["none", "auto", "required"] | Chosen | None = None
+    parallel_tool_calls: StrictBool | None = None
+    response_format: dict | None = None
+
+    @model_validator(mode="after")
+    def _tools_agree(self):
+        if self.tool_choice not in (None, "none", "auto") and not self.tools:
+            refuse(f"tool_choice={short(self.choice)} needs tools")
+        try:
+            tools.known(self.offered, self.choice)
+        except KeyError as e:
+            refuse(e.args[0])
+        if self.forced and self.response_format not in (None, {"type": "text"}):
+            refuse("response_format and a forced tool call (tool_choice) cannot be asked "
+                   "together")
+        return self
+
+    @property
+    def offered(self) -> list[dict]:
+        """The tools the template renders (none with tool_choice "none")."""
+        return [] if self.tool_choice == "none" else \
+            [t.model_dump(exclude_none=True) for t in self.tools or ()]
+
+    @property
+    def choice(self):
+        """tool_choice as `tpkit.serve.tools` takes it (default "auto")."""
+        c = self.tool_choice or "auto"
+        return c if isinstance(c, str) else c.model_dump()
+
+    @property
+    def forced(self) -> bool:
+        """Must the answer be a tool call (the grammar makes it one)?"""
+        return bool(self.offered) and self.choice not in ("auto", "none")
+
+    @field_validator("response_format")
+    @classmethod
+    def _compiles(cls, v):
+        try:
+            grammar.from_response_format(v) if v is not None else None  # cached
+        except UserError as e:
+            refuse(str(e))
+        return v
 
     @field_validator("echo")
     @classmethod
     def _echo(cls, v):
-        return _refuse(ECHO) if v else v
+        return refuse(ECHO) if v else v
 
     @field_validator("top_logprobs")
     @classmethod
     def _needs_logprobs(cls, v, info: ValidationInfo):
-        return _refuse("top_logprobs needs logprobs=true") if v is not None and not \
+        return refuse("top_logprobs needs logprobs=true") if v is not None and not \
             info.data.get("logprobs") else v
 
     def sampling(self) -> SamplingParams:
@@ -258,7 +282,7 @@ class ChatRequest(_Request):
         return self._params(self.max_completion_tokens or self.max_tokens, lp, False)
 
 
-class EmbeddingRequest(_Strict):
+class EmbeddingRequest(Strict):
     """POST /v1/embeddings: a string, a list of token ids, or a list of those (at most
     `MAX_INPUTS`); `input` is always the list of inputs once validated."""
 
@@ -273,12 +297,12 @@ class EmbeddingRequest(_Strict):
     @field_validator("input", mode="before")
     @classmethod
     def _few_inputs(cls, p):
-        return _few(p, "input", MAX_INPUTS)
+        return few(p, "input", MAX_INPUTS)
 
     @field_validator("input")
     @classmethod
     def _batch(cls, p):
-        return _as_batch(p)
+        return as_batch(p)
 
 
 # -- pydantic's errors as OpenAI's -----------------------------------------------------
@@ -314,7 +338,7 @@ def _api_error(errors: list[dict], body: dict, model: type[BaseModel]) -> ApiErr
     field = model.model_fields.get(str(e["loc"][0]))
     top = field is not None and "." not in path and "[" not in path and e["type"] != "missing"
     words = (field.description if top else None) or WORDS.get(e["type"], e["msg"].lower())
-    got = f"={_short(value)}" if e["type"] != "missing" else ""
+    got = f"={short(value)}" if e["type"] != "missing" else ""
     return ApiError(400, f"{path}{got} {words}", path, "invalid_type")
 
 
@@ -333,8 +357,3 @@ def _where(body: Any, loc: tuple) -> tuple[str, Any]:
         else:
             break
     return path, value
-
-
-def _short(value: Any) -> str:
-    text = shown(value)
-    return text if len(text) <= 40 else text[:37] + "..."

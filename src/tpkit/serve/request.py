@@ -75,7 +75,7 @@ class Request:
         self.slot: int | None = None  # its place among the running (None: not running)
         self.blocks: list[int] = []  # its KV block table
         self.computed = 0  # tokens (prompt, then generated) whose keys are in its blocks
-        self.cached = 0  # prompt tokens found in the prefix cache (not computed)
+        self.cached = 0  # blocks of its prompt found in the prefix cache (not computed)
         self.registered = 0  # its full blocks entered in the prefix cache
         self.prefill_end = 0  # tokens computed as a prefill since it was (re)admitted
         self.keys: tuple[int, list[int]] = (0, [])  # its full blocks' chain keys, at a length
