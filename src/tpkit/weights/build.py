@@ -16,9 +16,12 @@ from typing import Any
 import torch
 from torch import nn
 
+from tpkit.host import memory
+from tpkit.host.memory import gib
 from tpkit.mesh import ParallelMesh
 from tpkit.model.transformer import Transformer
 from tpkit.spec.config import ModelConfig
+from tpkit.spec.errors import UserError
 from tpkit.weights.agree import raise_unless_all
 from tpkit.weights.slices import Source, read_local
 
@@ -29,9 +32,24 @@ def build_model(config: ModelConfig, mesh: ParallelMesh, source: Source | None =
     rank's slices only). Call on every rank of the mesh."""
     if source is None:
         return Transformer(config, mesh, **kw)
-    model = materialize(Transformer(config, mesh, device="meta", **kw), mesh.device)
+    model = Transformer(config, mesh, device="meta", **kw)
+    check_room(model, mesh.device, source.where)
+    model = materialize(model, mesh.device)
     load_weights(model, source, mesh)
     return model
+
+
+def check_room(model: nn.Module, device: torch.device | str, where: str) -> None:
+    """One UserError line when the weights of a meta-built model would not fit the memory
+    this machine (or its cgroup) still offers: said before anything is allocated, rather
+    than the kernel killing this or another process. Host memory only (a GPU says so
+    itself, without harm to others)."""
+    if torch.device(device).type != "cpu" or (room := memory.available()) is None:
+        return
+    need = sum(p.numel() * p.element_size() for p in model.parameters())
+    if need > room[0]:
+        raise UserError(f"{where}: the weights of {model.config.name} need {gib(need)} on "
+                        f"this rank, more than the {gib(room[0])} available ({room[1]})")
 
 
 def empty_model(config: ModelConfig, mesh: Any, **kw: Any) -> nn.Module:
