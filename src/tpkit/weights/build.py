@@ -22,7 +22,7 @@ from tpkit.mesh import ParallelMesh
 from tpkit.model.transformer import Transformer
 from tpkit.spec.config import ModelConfig
 from tpkit.spec.errors import UserError
-from tpkit.weights.agree import raise_unless_all
+from tpkit.weights.agree import attempt, raise_unless_all
 from tpkit.weights.slices import Source, read_local
 
 
@@ -33,7 +33,9 @@ def build_model(config: ModelConfig, mesh: ParallelMesh, source: Source | None =
     if source is None:
         return Transformer(config, mesh, **kw)
     model = Transformer(config, mesh, device="meta", **kw)
-    check_room(model, mesh.device, source.where)
+    raise_unless_all(mesh, attempt(check_room, model, mesh.device, source.where),
+                     f"{source.where}: another rank has no room for its weights (see its "
+                     f"error); nothing was loaded")
     model = materialize(model, mesh.device)
     load_weights(model, source, mesh)
     return model
