@@ -108,7 +108,7 @@ class ShardWriter:
             if self._file is None or self._n == self.shard_tokens:
                 self._roll()
             take = ids[:self.shard_tokens - self._n]
-            take.astype(DTYPES[self.dtype]).tofile(self._file)
+            self._file.write(take.astype(DTYPES[self.dtype]).data)  # a full disk: its errno
             self._n, ids = self._n + take.size, ids[take.size:]
 
     def _roll(self) -> None:
