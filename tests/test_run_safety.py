@@ -233,10 +233,10 @@ def test_a_failed_write_at_each_file_is_one_line_and_leaves_no_temporary(tmp_pat
 @pytest.mark.timeout(60)
 def test_nonfinite_tensors_are_never_written_and_never_loaded(tmp_path):
     from tpkit.checkpoint import manifest, store
-    from tpkit.checkpoint.finite import NonFiniteCheckpoint
     from tpkit.mesh import ParallelMesh
     from tpkit.model import Transformer
     from tpkit.spec import get_preset
+    from tpkit.weights.finite import NonFiniteCheckpoint
 
     model = Transformer(get_preset("gpt2-tiny"), ParallelMesh.single(), seed=0)
     store.save(tmp_path / "c", model, step=1)

@@ -31,8 +31,6 @@ from tpkit.checkpoint import optim_state
 from tpkit.checkpoint.codec import decode, encode
 from tpkit.checkpoint.dest import check_dest, install
 from tpkit.checkpoint.disk import writing
-from tpkit.checkpoint.finite import describe as describe_nonfinite
-from tpkit.checkpoint.finite import first_nonfinite
 from tpkit.checkpoint.manifest import write_manifest, write_record
 from tpkit.layers.sharding import meta_of, split_of
 from tpkit.mesh import ParallelMesh
@@ -48,6 +46,8 @@ from tpkit.weights.files import (
     saved_config,
     verify_file,
 )
+from tpkit.weights.finite import describe as describe_nonfinite
+from tpkit.weights.finite import first_nonfinite
 from tpkit.weights.paths import SHARDED
 from tpkit.weights.slices import read_local
 from tpkit.weights.tokenizer import copy_tokenizer

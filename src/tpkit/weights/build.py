@@ -16,6 +16,7 @@ from typing import Any
 import torch
 from torch import nn
 
+from tpkit.comm import all_reduce
 from tpkit.host import memory
 from tpkit.host.memory import gib
 from tpkit.mesh import ParallelMesh
@@ -23,6 +24,7 @@ from tpkit.model.transformer import Transformer
 from tpkit.spec.config import ModelConfig
 from tpkit.spec.errors import UserError
 from tpkit.weights.agree import attempt, raise_unless_all
+from tpkit.weights.finite import nonfinite, warn_nonfinite
 from tpkit.weights.slices import Source, read_local
 
 
@@ -79,7 +81,21 @@ def load_weights(model: nn.Module, source: Source, mesh: ParallelMesh) -> None:
         err = e
     raise_unless_all(mesh, err, f"{source.where}: another rank failed to load (see its "
                                 f"error); nothing was loaded")
+    warn_nonfinite(_nonfinite_anywhere(staged, source, mesh), source.where, mesh.rank == 0)
     copy_in(model, staged)
+
+
+def _nonfinite_anywhere(staged: dict[str, torch.Tensor], source: Source,
+                        mesh: ParallelMesh) -> list[str]:
+    """The tensors of `source` that hold NaN or inf in any rank's slice, known to every
+    rank (one max over the world of a flag per tensor)."""
+    names = sorted(source.names)
+    found = {n for n, _, _ in nonfinite(staged)}
+    flags = torch.tensor([float(n in found) for n in names] + [float(bool(found - set(names)))],
+                         device=mesh.device)
+    all_reduce(flags, mesh.mp_group, op="max", phase="checkpoint")
+    all_reduce(flags, mesh.dp_cp_group, op="max", phase="checkpoint")
+    return [n for n, f in zip([*names, "another tensor"], flags.tolist()) if f]
 
 
 def copy_in(model: nn.Module, staged: dict[str, torch.Tensor]) -> None:
