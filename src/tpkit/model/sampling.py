@@ -29,7 +29,10 @@ _WORDS, _AT = 624, 24  # MT19937's state words, and where torch's CPU state hold
 
 
 def seeded(seed: int, device: torch.device | str = "cpu") -> torch.Generator:
-    """A generator on `device` whose draws depend on all 64 bits of `seed`."""
+    """A generator on `device` whose draws depend on all 64 bits of `seed` (an integer
+    in [-2**63, 2**64), as `manual_seed` takes; an OverflowError outside)."""
+    if not -(1 << 63) <= seed < 1 << 64:
+        raise OverflowError(f"seed {seed} is not a 64-bit integer")
     g = torch.Generator(device)
     u = seed % (1 << 64)
     if g.device.type != "cpu" or u < 1 << 32:
