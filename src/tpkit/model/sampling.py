@@ -19,6 +19,7 @@ generator (Philox) takes the 64 bits as they are.
 
 from __future__ import annotations
 
+import threading
 from functools import cache
 
 import numpy as np
@@ -26,6 +27,7 @@ import torch
 
 GREEDY_BELOW = 1e-5  # a temperature under this is greedy
 _WORDS, _AT = 624, 24  # MT19937's state words, and where torch's CPU state holds them
+_LOCAL = threading.local()
 
 
 def seeded(seed: int, device: torch.device | str = "cpu") -> torch.Generator:
@@ -37,8 +39,10 @@ def seeded(seed: int, device: torch.device | str = "cpu") -> torch.Generator:
     u = seed % (1 << 64)
     if g.device.type != "cpu" or u < 1 << 32:
         return g.manual_seed(u)
-    words = np.random.RandomState(np.array([u & 0xFFFFFFFF, u >> 32], np.uint32)
-                                  ).get_state()[1].astype(np.uint64)
+    if not hasattr(_LOCAL, "mt"):  # one per thread, seeded again each time (cheaper)
+        _LOCAL.mt = np.random.RandomState()
+    _LOCAL.mt.seed(np.array([u & 0xFFFFFFFF, u >> 32], np.uint32))
+    words = _LOCAL.mt.get_state(legacy=True)[1].astype(np.uint64)
     state = _cpu_state_template().copy()
     state[:8] = np.frombuffer(np.uint64(u).tobytes(), np.uint8)  # its initial_seed()
     state[_AT:_AT + 8 * _WORDS] = np.frombuffer(words.tobytes(), np.uint8)

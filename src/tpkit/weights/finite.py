@@ -29,18 +29,24 @@ class NonFiniteWeights(UserWarning):
     """Weights just loaded hold NaN or inf."""
 
 
+def finite(t: torch.Tensor) -> bool:
+    """Whether `t` holds no NaN or inf. Screened by its sum (NaN and inf carry through a
+    sum; a finite sum means a finite tensor), the element-wise test only when the sum is
+    not finite (an overflow, or a NaN): about a sixth of its time on CPU."""
+    return (not t.is_floating_point() or bool(torch.isfinite(t.sum()))
+            or bool(torch.isfinite(t).all()))
+
+
 def nonfinite(tensors: Mapping[str, torch.Tensor]) -> list[tuple[str, int, int]]:
     """(name, non-finite count, size) of every tensor holding NaN or inf."""
     return [(name, int((~torch.isfinite(t)).sum()), t.numel()) for name, t in tensors.items()
-            if t.is_floating_point() and not bool(torch.isfinite(t).all())]
+            if not finite(t)]
 
 
 def first_nonfinite(tensors: Mapping[str, torch.Tensor]) -> tuple[str, int, int] | None:
     """(name, non-finite count, size) of the first tensor holding NaN or inf, or None."""
-    for name, t in tensors.items():
-        if t.is_floating_point() and not bool(torch.isfinite(t).all()):
-            return name, int((~torch.isfinite(t)).sum()), t.numel()
-    return None
+    return next(((name, int((~torch.isfinite(t)).sum()), t.numel())
+                 for name, t in tensors.items() if not finite(t)), None)
 
 
 def describe(found: tuple[str, int, int]) -> str:
