@@ -5,12 +5,14 @@ Starting a process costs seconds (importing torch); a pool runs many checks.
 tp=tp) and returns the per-rank results; tp=1 runs in this process on
 `ParallelMesh.single()` — the very same code, with a group of one.
 `openai_server`: `tpkit serve`'s HTTP front and serving loop at tp=1 in this process,
-shared by the files that test it through HTTP.
+shared by the files that test it through HTTP. `tiny_mount(size, ro=False)`: a small
+tmpfs (a full or read-only disk), unmounted after the test.
 """
 
 from __future__ import annotations
 
 import contextlib
+import subprocess
 import threading
 from pathlib import Path
 
@@ -148,3 +150,26 @@ def openai_server(chat_llama):
     engine = Engine(model, tokenizer=tok, max_batch=SERVE_SLOTS, decode_chunk=8)  # invariant
     with serving(engine, "llama", tok) as served:
         yield served
+
+
+@pytest.fixture
+def tiny_mount(tmp_path):
+    """mount(size, ro=False) -> a fresh tmpfs under tmp_path (we run as root here)."""
+    mounted: list[Path] = []
+
+    def mount(size: str, ro: bool = False) -> Path:
+        where = tmp_path / f"mnt{len(mounted)}"
+        where.mkdir()
+        opts = f"size={size}" + (",ro" if ro else "")
+        r = subprocess.run(["mount", "-t", "tmpfs", "-o", opts, "tmpfs", str(where)],
+                           capture_output=True, text=True)
+        if r.returncode:
+            pytest.skip(f"cannot mount a tmpfs here (needs root or CAP_SYS_ADMIN): "
+                        f"{r.stderr.strip()}")
+        mounted.append(where)
+        return where
+
+    yield mount
+    for where in mounted:  # lazily if a file there is still open: never left mounted
+        if subprocess.run(["umount", str(where)], capture_output=True).returncode:
+            subprocess.run(["umount", "-l", str(where)], check=False)

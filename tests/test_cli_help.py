@@ -26,8 +26,8 @@ def test_every_flag_has_help_and_shows_its_default(name):
     parser = _parser(name)
     formatter = HelpFormatter(parser.prog)
     for action in parser._actions:
-        if isinstance(action, argparse._HelpAction):
-            continue
+        if isinstance(action, argparse._HelpAction) or action.help == argparse.SUPPRESS:
+            continue  # --help, and the old spellings --help does not show
         what = f"tpkit {name} {'/'.join(action.option_strings) or action.dest}"
         assert action.help and action.help.strip(), f"{what} has no help text"
         text = formatter._get_help_string(action) % dict(vars(action), prog=parser.prog)

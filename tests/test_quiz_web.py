@@ -181,7 +181,8 @@ def test_answer_endpoint_gives_verdict_and_explanations(server):
     (b'{"level": 1, "number": 9, "choice": 1}', 404, "no question 9"),
     (b'{"level": 3, "number": 1, "choice": 1}', 404, "no level 3"),
     (b'{"level": 1, "number": 1, "choice": 4}', 400, "choice=4"),
-    (b'{"level": true, "number": 1, "choice": 1}', 400, "integers")])
+    (b'{"level": true, "number": 1, "choice": 1}', 400, "integers"),
+    (b"[" * 2000 + b"]" * 2000, 400, "nested too deeply")])  # was: RecursionError, dropped
 def test_bad_answers_are_refused_with_a_message(server, body, status, message):
     got, _, data = post(server, body)
     assert got == status and message in json.loads(data)["error"]

@@ -122,28 +122,6 @@ def test_a_diverging_run_stops_at_the_first_nonfinite_step(tmp_path, capsys):
     assert _finite_checkpoints(out) == [2]  # step 2 skipped its update: step 1's weights
 
 
-@pytest.fixture
-def tiny_mount(tmp_path):
-    """mount(size, ro=False) -> a fresh tmpfs under tmp_path (we run as root here)."""
-    mounted: list[Path] = []
-
-    def mount(size: str, ro: bool = False) -> Path:
-        where = tmp_path / f"mnt{len(mounted)}"
-        where.mkdir()
-        opts = f"size={size}" + (",ro" if ro else "")
-        r = subprocess.run(["mount", "-t", "tmpfs", "-o", opts, "tmpfs", str(where)],
-                           capture_output=True, text=True)
-        if r.returncode:
-            pytest.skip(f"cannot mount a tmpfs here (needs root or CAP_SYS_ADMIN): "
-                        f"{r.stderr.strip()}")
-        mounted.append(where)
-        return where
-
-    yield mount
-    for where in mounted:
-        subprocess.run(["umount", str(where)], check=False)
-
-
 @pytest.mark.slow
 @pytest.mark.timeout(900)
 def test_storage_errors_are_one_line(tiny_mount, tmp_path, capsys):
@@ -233,10 +211,10 @@ def test_a_failed_write_at_each_file_is_one_line_and_leaves_no_temporary(tmp_pat
 @pytest.mark.timeout(60)
 def test_nonfinite_tensors_are_never_written_and_never_loaded(tmp_path):
     from tpkit.checkpoint import manifest, store
-    from tpkit.checkpoint.finite import NonFiniteCheckpoint
     from tpkit.mesh import ParallelMesh
     from tpkit.model import Transformer
     from tpkit.spec import get_preset
+    from tpkit.weights.finite import NonFiniteCheckpoint
 
     model = Transformer(get_preset("gpt2-tiny"), ParallelMesh.single(), seed=0)
     store.save(tmp_path / "c", model, step=1)

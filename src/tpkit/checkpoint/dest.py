@@ -13,7 +13,8 @@ Face export (config.json beside a model.safetensors whose metadata says tpkit wr
 it). Anything else that exists is refused in one line, `overwrite` or not; so is a
 destination that is or lies inside its source, or holds it, or lies inside a
 checkpoint or a run's folder of checkpoints (that run's retention would delete it).
-A failed write removes its temporary; the destination is untouched until the rename.
+A failed write removes its temporary; the destination is untouched until the rename. A
+full disk, a quota or a read-only file system is one `StorageError` line naming it.
 """
 
 from __future__ import annotations
@@ -25,6 +26,7 @@ from collections.abc import Iterable, Iterator
 from contextlib import contextmanager
 from pathlib import Path
 
+from tpkit.checkpoint.disk import writing
 from tpkit.spec.errors import CheckpointError, UserError
 from tpkit.weights.files import FULL_FORMAT, fsync_path, read_manifest
 from tpkit.weights.hf import CONFIG_FILE, HF_WEIGHTS, written_by_tpkit
@@ -118,12 +120,13 @@ def new_artifact(dest: str | Path, kind: str, *, overwrite: bool = False,
     check_dest(dest, kind, overwrite=overwrite)
     tmp = temporary(dest)
     remove(tmp)
-    dest.parent.mkdir(parents=True, exist_ok=True)
-    if kind != FULL:
-        tmp.mkdir()
     try:
-        yield tmp
-        install(tmp, dest)
+        with writing(dest):  # a full or read-only disk: one line naming dest
+            dest.parent.mkdir(parents=True, exist_ok=True)
+            if kind != FULL:
+                tmp.mkdir()
+            yield tmp
+            install(tmp, dest)
     except BaseException:
         remove(tmp)
         raise

@@ -21,8 +21,6 @@ import torch
 from safetensors.torch import save_file
 
 from tpkit.checkpoint.disk import writing
-from tpkit.checkpoint.finite import NonFiniteCheckpoint, first_nonfinite
-from tpkit.checkpoint.finite import describe as describe_nonfinite
 from tpkit.spec.grid import world_of
 from tpkit.weights.files import (
     FORMAT,
@@ -36,6 +34,8 @@ from tpkit.weights.files import (
     split_to_json,
     write_json,
 )
+from tpkit.weights.finite import NonFiniteCheckpoint, first_nonfinite
+from tpkit.weights.finite import describe as describe_nonfinite
 from tpkit.weights.tokenizer import TOKENIZER_FILES
 
 PAUSE_ENV = "TPKIT_CKPT_PAUSE_S"  # tests: sleep after each file, to kill a save midway

@@ -31,17 +31,23 @@ from tpkit.checkpoint import optim_state
 from tpkit.checkpoint.codec import decode, encode
 from tpkit.checkpoint.dest import check_dest, install
 from tpkit.checkpoint.disk import writing
-from tpkit.checkpoint.finite import describe as describe_nonfinite
-from tpkit.checkpoint.finite import first_nonfinite
 from tpkit.checkpoint.manifest import write_manifest, write_record
 from tpkit.layers.sharding import meta_of, split_of
 from tpkit.mesh import ParallelMesh
 from tpkit.parallel.zero import ZeroAdamW
-from tpkit.spec.config import ModelConfig
-from tpkit.spec.errors import CheckpointError, UserError
+from tpkit.spec.errors import CheckpointError
 from tpkit.weights.agree import attempt, raise_unless_all
 from tpkit.weights.build import copy_in
-from tpkit.weights.files import MANIFEST, ShardedSource, rank_file, read_manifest, verify_file
+from tpkit.weights.files import (
+    MANIFEST,
+    ShardedSource,
+    rank_file,
+    read_manifest,
+    saved_config,
+    verify_file,
+)
+from tpkit.weights.finite import describe as describe_nonfinite
+from tpkit.weights.finite import first_nonfinite
 from tpkit.weights.paths import SHARDED
 from tpkit.weights.slices import read_local
 from tpkit.weights.tokenizer import copy_tokenizer
@@ -157,10 +163,8 @@ def _check_config(root: Path, manifest: dict, model: nn.Module) -> None:
     if config is None or saved is None:
         return
     mine = config.to_dict()
-    try:  # by its current names, derived values filled in (earlier manifests: None)
-        saved = ModelConfig.from_dict(saved).to_dict()
-    except (UserError, TypeError) as e:
-        raise CheckpointError(f"{root / MANIFEST}: its model config is unreadable: {e}") from None
+    # by its current names, derived values filled in (earlier manifests: None)
+    saved = saved_config(saved, root / MANIFEST).to_dict()
     diffs = [f"{k}={saved.get(k)!r} in the checkpoint, {mine.get(k)!r} in the model"
              for k in sorted(set(mine) | set(saved))
              if k not in IGNORED_CONFIG and saved.get(k) != mine.get(k)]

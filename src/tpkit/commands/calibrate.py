@@ -31,6 +31,7 @@ from tpkit.check.measure import (
     measure_op_overhead,
     measure_shared_latency,
 )
+from tpkit.commands.common import deprecated_alias
 from tpkit.plan.fit import build_profile, fit_alpha_beta, notes, ram_bytes
 from tpkit.plan.hardware import GB, default_local_path, profile_to_toml
 
@@ -38,8 +39,10 @@ from tpkit.plan.hardware import GB, default_local_path, profile_to_toml
 def add_arguments(p: argparse.ArgumentParser) -> None:
     """Options of `tpkit calibrate`."""
     p.add_argument("--out", help=f"profile file (default {default_local_path()})")
-    p.add_argument("--processes", type=int, default=2,
-                   help="processes for the all-reduce fit (4 as well, up to the cores)")
+    processes = p.add_argument("--processes", type=int, default=2,
+                               help="processes for the all-reduce fit (4 as well, up to the "
+                                    "cores)")
+    deprecated_alias(p, processes, "--nproc")
     p.add_argument("--reps", type=int, default=30, help="timed all-reduces per size")
 
 

@@ -6,6 +6,12 @@ suggestion for a misspelt command, flag or choice.
     p.add_argument("--tp", type=int, default=1, help="tensor-parallel size")
     # tpkit train --help:   --tp TP    tensor-parallel size (default: 1)
 
+A renamed flag keeps its old spelling as a deprecated alias (`deprecated_alias`): parsed
+as the new one, with one notice line on stderr, hidden from --help:
+
+    tpkit train: warning: --nproc is deprecated, use --processes (under torchrun only
+    --processes works)
+
 Pure Python (argparse; the suggestion: `tpkit.spec.words.suggest`): `tpkit --help` and
 `tpkit plan` import no torch.
 """
@@ -14,6 +20,7 @@ from __future__ import annotations
 
 import argparse
 import re
+import sys
 
 from tpkit.spec.config import QUANTIZE
 from tpkit.spec.errors import UserError
@@ -29,6 +36,31 @@ def group(parser: argparse.ArgumentParser, title: str, about: str | None = None
         if g.title == title:
             return g
     return parser.add_argument_group(title, about)
+
+
+class _Deprecated(argparse.Action):
+    """The old spelling of a flag: stores what the new one stores, after one notice."""
+
+    def __init__(self, option_strings: list[str], dest: str, new: str, **kw) -> None:
+        super().__init__(option_strings, dest, **kw)
+        self.new = new
+
+    def __call__(self, parser, namespace, values, option_string=None) -> None:
+        print(f"{parser.prog}: warning: {option_string} is deprecated, use {self.new} "
+              f"(under torchrun only {self.new} works)", file=sys.stderr)
+        setattr(namespace, self.dest, self.const if self.nargs == 0 else values)
+
+
+def deprecated_alias(where: argparse.ArgumentParser | argparse._ArgumentGroup,
+                     action: argparse.Action, old: str) -> None:
+    """Accept `old`, a former spelling of `action`'s flag, as that flag (with a one-line
+    deprecation notice; not in --help). Only where tpkit's own parser reads it: under
+    torchrun, whose parser takes abbreviations of its options anywhere on the line,
+    `tests/test_torchrun_flags` checks that torchrun refuses it rather than misreads it."""
+    where.add_argument(old, action=_Deprecated, new=action.option_strings[0], dest=action.dest,
+                       nargs=action.nargs, const=action.const, type=action.type,
+                       choices=action.choices, metavar=action.metavar,
+                       default=argparse.SUPPRESS, help=argparse.SUPPRESS)
 
 
 DTYPES = ("float32", "bfloat16", "float16")  # --dtype of generate and serve

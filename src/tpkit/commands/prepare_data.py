@@ -100,8 +100,8 @@ def prepare(files: list[str], tokenizer_at: str, out: str, dtype: str = "auto",
     meta = dict(tokenizer=tokenizer_at, eos_id=pieces.eos[0] if pieces.eos else None,
                 sources=[str(s.path) for s in pieces.sources], field=pieces.fields.name,
                 chat=chat_field is not None)
-    with replacing(Path(out), overwrite) as folder:
-        writer = ShardWriter(folder, pieces.tok.vocab_size, dtype, shard_tokens, meta=meta)
+    with replacing(Path(out), overwrite) as folder, ShardWriter(
+            folder, pieces.tok.vocab_size, dtype, shard_tokens, meta=meta) as writer:
         with byte_progress(sum(s.size for s in pieces.sources), progress) as advance:
             for ids, n in pieces:
                 writer.write(ids)

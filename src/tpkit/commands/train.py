@@ -22,7 +22,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING
 
 from tpkit.checkpoint.retention import discard
-from tpkit.commands.common import group, says_default, shown
+from tpkit.commands.common import deprecated_alias, group, says_default, shown
 from tpkit.commands.memory_check import check_fits
 from tpkit.host.device import best_device, cuda_available, device_name
 from tpkit.launch import decided_by_rank0, is_rank0, launch, world_here
@@ -70,9 +70,10 @@ def add_arguments(parser: argparse.ArgumentParser, cls: type | None = None) -> N
     parser.add_argument("--print-config", action="store_true",
                      help="print the effective config (defaults, --config, flags) as TOML, "
                           "checked as a run checks it, and exit")
-    group(parser, "parallelism").add_argument(
+    processes = group(parser, "parallelism").add_argument(
         "--processes", type=int, metavar="N",
         help="local processes to spawn (default: tp*pp*dp*cp; under torchrun: its own)")
+    deprecated_alias(group(parser, "parallelism"), processes, "--nproc")
     add_comm_argument(group(parser, "parallelism"))
     group(parser, "checkpoint").add_argument(
         "--overwrite", action="store_true",
@@ -87,17 +88,20 @@ def _add_knob(where: argparse._ArgumentGroup, k: Knob) -> None:
     """The flag of knob `k`: given, it overrides the file (default: SUPPRESS)."""
     flag, text = k.option, k.help
     if k.kind is bool:
-        where.add_argument(flag, dest=k.name, action="store_false" if k.default else
-                           "store_true", default=argparse.SUPPRESS, help=text)
-        return
-    if k.default is not None and not says_default(text):
-        text += f" (default: {shown(k.default)})"
-    if k.choices is not None:
-        where.add_argument(flag, dest=k.name, choices=k.choices, default=argparse.SUPPRESS,
-                           help=text)
+        action = where.add_argument(flag, dest=k.name, action="store_false" if k.default
+                                    else "store_true", default=argparse.SUPPRESS, help=text)
     else:
-        where.add_argument(flag, dest=k.name, type=k.kind, default=argparse.SUPPRESS,
-                           help=text, metavar=k.metavar or ("N" if k.kind is int else "X"))
+        if k.default is not None and not says_default(text):
+            text += f" (default: {shown(k.default)})"
+        if k.choices is not None:
+            action = where.add_argument(flag, dest=k.name, choices=k.choices,
+                                        default=argparse.SUPPRESS, help=text)
+        else:
+            action = where.add_argument(flag, dest=k.name, type=k.kind,
+                                        default=argparse.SUPPRESS, help=text,
+                                        metavar=k.metavar or ("N" if k.kind is int else "X"))
+    for old in k.old_flags:
+        deprecated_alias(where, action, old)
 
 
 def config_from_args(args: argparse.Namespace, world: int | None) -> TrainConfig:

@@ -29,6 +29,7 @@ from tpkit.host.addresses import allowed_hosts, host_allowed, is_loopback
 from tpkit.spec.errors import UserError
 
 T = TypeVar("T")
+MAX_PORT = 65535
 HOST = "127.0.0.1"  # what they listen on unless told: this machine only
 ALLOWED_HOST_HELP = ("a Host name clients may use besides the default ones (--host and, "
                      "for 0.0.0.0 or ::, this machine's names and addresses); repeatable")
@@ -99,8 +100,10 @@ def bound_socket(host: str, port: int) -> socket.socket:
 
 
 def listen(make: Callable[[], T], host: str, port: int) -> T:
-    """`make()` (a server bound to host:port); a busy port or a bad address as one
-    UserError line."""
+    """`make()` (a server bound to host:port); a port out of range, a busy port or a bad
+    address as one UserError line."""
+    if not 0 <= port <= MAX_PORT:
+        raise UserError(f"--port={port} must be in [0, {MAX_PORT}] (0: any free port)")
     try:
         return make()
     except OSError as e:

@@ -26,7 +26,7 @@ import torch
 from torch import nn
 
 from tpkit.model.paged_kv import PP_ERROR, PagedCache, Piece, forward
-from tpkit.model.sampling import sample
+from tpkit.model.sampling import sample, seeded
 from tpkit.spec.errors import UserError
 
 __all__ = ["PP_ERROR", "generate", "pad_left"]
@@ -70,7 +70,7 @@ def generate(model: nn.Module, ids: torch.Tensor, max_new_tokens: int, *,
     span = -(-(ids.shape[1] + max(max_new_tokens, 1)) // cache.block_size)  # blocks each
     cache.grow(1 + span * len(prompts))  # block 0 is the cache's scratch
     tables = [list(range(1 + i * span, 1 + (i + 1) * span)) for i in range(len(prompts))]
-    gen = torch.Generator(device=ids.device).manual_seed(seed)  # same draw on every rank
+    gen = seeded(seed, ids.device)  # same draw on every rank
     done = torch.zeros(ids.shape[0], 1, dtype=torch.bool, device=ids.device)
     eos = None if eos_id is None or eos_id == [] else torch.tensor(eos_id, device=ids.device)
     lengths = [len(p) for p in prompts]  # tokens each has in the cache

@@ -28,6 +28,13 @@ from typing import Any
 NUM_QUESTIONS = 8  # per level
 NUM_OPTIONS = 4
 LEVELS = (1, 2)
+_SMALL_NUMBER = re.compile(r"[1-9][0-9]?")  # ASCII only: '²'.isdigit() is True in Python
+
+
+def small_number(text: str, most: int) -> int | None:
+    """The number 1..`most` (< 100) that `text` spells in ASCII digits, else None (also
+    for a line of a million digits: never converted)."""
+    return int(text) if _SMALL_NUMBER.fullmatch(text) and int(text) <= most else None
 NBSP, NNBSP = "\u00a0", "\u202f"  # before ':' / before '?', '!', ';' (and inside « »)
 
 

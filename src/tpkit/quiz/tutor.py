@@ -20,7 +20,7 @@ import textwrap
 from collections.abc import Callable, Sequence
 from typing import TextIO
 
-from tpkit.quiz.content import NUM_OPTIONS, Item
+from tpkit.quiz.content import NUM_OPTIONS, Item, small_number
 from tpkit.spec.words import plural
 
 AnswerFn = Callable[[Item, dict], int]  # returns the chosen option's index (0-based)
@@ -35,9 +35,11 @@ class AnswerError(ValueError):
 def parse_answer(text: str, n: int = NUM_OPTIONS) -> int:
     """'3' -> 2 (0-based); AnswerError naming the text unless it is an integer in 1..n."""
     text = text.strip()
-    if not text.isdigit() or not 1 <= int(text) <= n:
-        raise AnswerError(f"answer {text!r} is not a number between 1 and {n}")
-    return int(text) - 1
+    number = small_number(text, n)
+    if number is None:
+        shown = repr(text) if len(text) <= 20 else f"{text[:12]!r}... ({len(text):,} characters)"
+        raise AnswerError(f"answer {shown} is not a number between 1 and {n}")
+    return number - 1
 
 
 def parse_answers(text: str, count: int, n: int = NUM_OPTIONS) -> list[int]:

@@ -13,16 +13,14 @@ after the learner has chosen (`check_answer`). Every refusal is an (HTTP status,
 from __future__ import annotations
 
 import json
-import re
 from http import HTTPStatus
 from typing import Any
 
-from tpkit.quiz.content import LEVELS, NUM_OPTIONS, NUM_QUESTIONS, Quiz, typeset
+from tpkit.quiz.content import LEVELS, NUM_OPTIONS, NUM_QUESTIONS, Quiz, small_number, typeset
 
 LIVE_TP = (2, 4)
 MAX_BODY = 4096  # bytes of a POST body; an answer is ~50
 Reply = tuple[HTTPStatus, dict]
-_NUMBER = re.compile(r"[1-9][0-9]?")  # ASCII digits only: '²'.isdigit() is True in Python
 
 
 def quiz_payload(quiz: Quiz, lang: str, live: bool) -> dict:
@@ -50,6 +48,8 @@ def parse_body(raw: bytes) -> dict | Reply:
         body = json.loads(raw.decode("utf-8"))
     except (UnicodeDecodeError, json.JSONDecodeError) as e:
         return HTTPStatus.BAD_REQUEST, {"error": f"the body is not JSON: {e}"}
+    except RecursionError:  # [[[[...: deeper than the parser goes (an answer has depth 1)
+        return HTTPStatus.BAD_REQUEST, {"error": "the body is nested too deeply"}
     if not isinstance(body, dict):
         return HTTPStatus.BAD_REQUEST, {"error": "the body must be a JSON object"}
     return body
@@ -80,7 +80,7 @@ def live_request(path: str, query: dict[str, list[str]], default_lang: str,
     number = path.removeprefix("/api/live/")
     tp, level = (query.get("tp") or ["2"])[0], (query.get("level") or ["1"])[0]
     lang = (query.get("lang") or [default_lang])[0]
-    if not _NUMBER.fullmatch(number) or not 1 <= int(number) <= NUM_QUESTIONS:
+    if small_number(number, NUM_QUESTIONS) is None:
         return HTTPStatus.NOT_FOUND, {"error": f"demonstrations are numbered 1 to "
                                                f"{NUM_QUESTIONS}"}
     if level not in [str(x) for x in LEVELS]:

@@ -18,7 +18,7 @@ import threading
 
 import torch
 
-from tpkit.model.sampling import sample
+from tpkit.model.sampling import sample, seeded
 from tpkit.serve.grammar import Grammars
 from tpkit.serve.logits import process
 from tpkit.serve.params import StopText
@@ -38,7 +38,7 @@ class OutputProcessor:
         """A request's generator (its seed, or a fresh one), detokenizer, stop strings."""
         seed = req.params.seed if req.params.seed is not None else \
             int.from_bytes(os.urandom(8), "little") >> 1
-        req.gen = torch.Generator(device or "cpu").manual_seed(seed)
+        req.gen = seeded(seed, device or "cpu")  # all 64 bits of the seed count
         req.stream = TextStream(self.tokenizer) if self.tokenizer else None
         req.stop_text = StopText(req.params.stop)
         req.stopped_by_string = False

@@ -7,6 +7,7 @@ collective, so a bad layout never hangs and never fails deep inside a forward.
 
 from __future__ import annotations
 
+import numbers
 from dataclasses import dataclass, field, fields, replace
 from functools import lru_cache
 
@@ -74,6 +75,9 @@ class ModelConfig:
                                     compare=False)  # the fields above that were left out
 
     def __post_init__(self) -> None:
+        said = size_problem(self)  # before anything is derived, sized or allocated from them
+        if said:
+            raise UserError(f"{self.name}: {said}")
         derived = []
         for name, rule in _DERIVE.items():  # in order: rope_dim follows head_dim
             if getattr(self, name) is None:
@@ -253,6 +257,31 @@ def _check_experts(c: ModelConfig, **_) -> list[str]:
         return [f"experts_per_token={c.experts_per_token} is not in 1..num_experts="
                 f"{c.num_experts}"]
     return []
+
+
+# The most each size may be: far above any published model (GPT-3: hidden 12288; Llama 3
+# 405B: 126 layers, ffn 53248, 128 heads; Gemma 3: vocab 262144; Qwen2.5-1M: 1010000
+# positions), far below what would exhaust a machine's memory before anything is said.
+SIZE_BOUNDS = {"vocab_size": 1 << 24, "hidden": 1 << 17, "num_layers": 1 << 12,
+               "num_heads": 1 << 14, "kv_heads": 1 << 14, "ffn": 1 << 20,
+               "head_dim": 1 << 14, "rope_dim": 1 << 14, "max_seq_len": 1 << 24,
+               "type_vocab_size": 1 << 16, "num_experts": 1 << 12,
+               "experts_per_token": 1 << 12}
+
+
+def size_problem(c: ModelConfig) -> str | None:
+    """The first size of `c` that is not an integer or lies above its `SIZE_BOUNDS`
+    (`ModelConfig` refuses it at construction: every reader of a config, a preset, a
+    manifest, a config.json, sees the same bounds before sizing anything from them)."""
+    for name, most in SIZE_BOUNDS.items():
+        value = getattr(c, name)
+        if value is None and name in _DERIVE:  # left out: derived from the others
+            continue
+        if not isinstance(value, numbers.Integral) or isinstance(value, bool):
+            return f"{name}={value!r} must be an integer"
+        if value > most:
+            return f"{name}={value:,} is above {most:,}, the most tpkit takes"
+    return None
 
 
 # How a left-out field follows the others (a zero stands in for a shape that

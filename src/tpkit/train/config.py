@@ -149,7 +149,8 @@ class TrainConfig:
     log: str = LOGGING.knob(
         "auto", "experiment trackers, comma-separated: tensorboard, wandb, mlflow, trackio "
         "(offline, under --out), or none; auto: tensorboard when it is installed (the key "
-        "log of a --config file)", flag="--trackers", metavar="LIST", check=_trackers_check)
+        "log of a --config file)", flag="--trackers", metavar="LIST", check=_trackers_check,
+        old_flags=("--log",))
     trace: str | None = LOGGING.knob(
         None, "write the last step's per-rank timeline here: trace.json (Perfetto / "
         "chrome://tracing) and step.png (also copied into the run folder) (default: none)",

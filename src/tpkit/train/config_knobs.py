@@ -50,14 +50,16 @@ class Section:
     def knob(self, default, help: str, *, choices: Iterable | None = None,
              check: Callable[[str, Any], list[str]] | None = None, flag: str | None = None,
              metavar: str | None = None, path: bool = False, fixed: str | None = None,
-             noted: bool = True) -> Any:
+             noted: bool = True, old_flags: tuple[str, ...] = ()) -> Any:
         """A dataclass field declaring a knob of this section. `check(name, value)` lists
-        its problems; `flag` replaces --name; `path`: a file or folder (written another
-        way, ./x and x, it is the same); `fixed`: why a resumed run cannot change it;
-        `noted=False`: a resume does not name its change."""
+        its problems; `flag` replaces --name; `old_flags`: its former spellings, still
+        read (deprecated); `path`: a file or folder (written another way, ./x and x, it
+        is the same); `fixed`: why a resumed run cannot change it; `noted=False`: a
+        resume does not name its change."""
         return field(default=default, metadata={KNOB: dict(
             section=self, help=help, choices=None if choices is None else tuple(choices),
-            check=check, flag=flag, metavar=metavar, path=path, fixed=fixed, noted=noted)})
+            check=check, flag=flag, metavar=metavar, path=path, fixed=fixed, noted=noted,
+            old_flags=old_flags)})
 
 
 _KINDS = {int: "an integer", float: "a number", str: "a string", bool: "true or false"}
@@ -80,6 +82,7 @@ class Knob:
     path: bool
     fixed: str | None
     noted: bool
+    old_flags: tuple[str, ...]  # former spellings of `option` (deprecated aliases)
 
     @property
     def option(self) -> str:

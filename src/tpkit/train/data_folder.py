@@ -29,6 +29,7 @@ from collections.abc import Iterator
 from contextlib import contextmanager
 from pathlib import Path
 
+from tpkit.checkpoint.disk import writing
 from tpkit.spec.errors import UserError
 from tpkit.train.run_folder import LOCK_FILE, check_writable, hold
 from tpkit.train.tokens import INDEX, index_problems
@@ -62,7 +63,7 @@ def replacing(out: Path, overwrite: bool = False) -> Iterator[Path]:
             remove_leftovers(out)
             new = _fresh(sibling(out), out)
             try:
-                with hold(new):  # after the swap, --out's lock is this one: held throughout
+                with hold(new), writing(out):  # after the swap, --out's lock is this one
                     yield new
                     _swap(new, out)
                     swapped = True

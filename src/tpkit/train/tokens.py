@@ -85,7 +85,8 @@ class TokenStream:
 
 class ShardWriter:
     """Append ids; a new shard every `shard_tokens`; `close()` writes the index last, so
-    a folder with an index.json is complete (files are written under temporary names)."""
+    a folder with an index.json is complete (files are written under temporary names).
+    Used as a context, an error closes the shard file open (a full disk: nothing held)."""
 
     def __init__(self, out: str | Path, vocab_size: int, dtype: str = "auto",
                  shard_tokens: int = 1 << 26, meta: dict | None = None) -> None:
@@ -95,6 +96,16 @@ class ShardWriter:
         self.out.mkdir(parents=True, exist_ok=True)
         self.shards: list[dict] = []
         self.max_id, self._file, self._n = -1, None, 0
+
+    def __enter__(self) -> ShardWriter:
+        return self
+
+    def __exit__(self, kind, error, tb) -> None:
+        """On an error, close the shard being written (its temporary is the caller's to
+        remove: `data_folder.replacing` removes the whole folder)."""
+        if kind is not None and self._file is not None:
+            self._file.close()
+            self._file = None
 
     def write(self, ids: list[int] | np.ndarray) -> None:
         """Append token ids (checked against the vocabulary)."""
@@ -108,7 +119,7 @@ class ShardWriter:
             if self._file is None or self._n == self.shard_tokens:
                 self._roll()
             take = ids[:self.shard_tokens - self._n]
-            take.astype(DTYPES[self.dtype]).tofile(self._file)
+            self._file.write(take.astype(DTYPES[self.dtype]).data)  # a full disk: its errno
             self._n, ids = self._n + take.size, ids[take.size:]
 
     def _roll(self) -> None:

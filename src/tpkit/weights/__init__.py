@@ -8,6 +8,7 @@ export. Run checkpoints (save, resume, retention, convert) are `tpkit.checkpoint
     build.py        build_model(config, mesh, source): meta -> allocate -> load
     agree.py        every rank agrees before anything changes
     files.py        the files of a sharded checkpoint, the manifest, ShardedSource
+    finite.py       NaN or inf in weights: refused in checkpoints, warned of on load
     hf.py           Hugging Face models in and out; hf_config: a config.json read
     families/       the Hugging Face family adapters: pure-Python recipes, one per family
     hf_check.py     a Hugging Face model at any tp against transformers itself

@@ -179,6 +179,15 @@ def read_manifest(root: str | Path) -> dict:
     return manifest
 
 
+def saved_config(d: dict, where: Path | str) -> ModelConfig:
+    """The ModelConfig a manifest or a full file's metadata holds; one CheckpointError
+    line naming `where` when it is not one (an unknown field, a size out of bounds)."""
+    try:
+        return ModelConfig.from_dict(d)
+    except (TypeError, ValueError) as e:
+        raise CheckpointError(f"{where}: its model config is unreadable: {e}") from None
+
+
 class ShardedSource:
     """Reads global slices out of the per-rank files of a checkpoint, verifying each file
     (size + sha256) the first time it is opened. `kind`: "model" (the weights) or
@@ -188,7 +197,8 @@ class ShardedSource:
         self.root, self.manifest, self.kind = Path(root), manifest, kind
         self.where, self.tp = str(root), manifest["layout"]["tp"]
         self.tensors = manifest["tensors"] if kind == "model" else manifest["optim_tensors"]
-        self.config = ModelConfig.from_dict(manifest["config"]) if manifest["config"] else None
+        self.config = saved_config(manifest["config"], self.root / MANIFEST) \
+            if manifest["config"] else None
         self.names = set(self.tensors)
         self._open: dict[str, Any] = {}
 

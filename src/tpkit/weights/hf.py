@@ -177,12 +177,24 @@ def open_hf(path_or_model: Any) -> tuple[dict, Any, str]:
         if not (root / CONFIG_FILE).is_file():
             raise CheckpointError(f"{root / CONFIG_FILE}: missing: not a Hugging Face model "
                                   f"directory")
-        hf = json.loads((root / CONFIG_FILE).read_text())
+        hf = read_config_json(root / CONFIG_FILE)
         for_model_type(hf.get("model_type"))  # an unsupported family before missing files
         return hf, _SafetensorsDir(root), str(root)
     sd = {n: p.detach() for n, p in path_or_model.named_parameters()}  # tied: once
     return path_or_model.config.to_dict(), checkpoint_names(path_or_model, sd), \
         type(path_or_model).__name__
+
+
+def read_config_json(path: Path) -> dict:
+    """A config.json as a dict; one CheckpointError line naming the file when it is not
+    JSON or not an object."""
+    try:
+        hf = json.loads(path.read_text(encoding="utf-8"))
+    except (ValueError, RecursionError) as e:  # JSONDecodeError, UnicodeDecodeError
+        raise CheckpointError(f"{path}: not valid JSON ({e})") from None
+    if not isinstance(hf, dict):
+        raise CheckpointError(f"{path}: a JSON {type(hf).__name__}, not an object")
+    return hf
 
 
 def checkpoint_names(model: nn.Module, tensors: dict[str, torch.Tensor]
@@ -201,7 +213,12 @@ def hf_source(path_or_model: Any) -> HFSource:
     """The open Source of a Hugging Face directory or live model: its tensors in tpkit's
     names, its ModelConfig (`.config`), the tpkit tensors present (`.names`)."""
     hf, tensors, where = open_hf(path_or_model)
-    fam, config = config_from_hf(hf, set(tensors.keys()))
+    try:
+        fam, config = config_from_hf(hf, set(tensors.keys()))
+    except (KeyError, TypeError, ValueError) as e:  # a field missing, of a wrong type, refused
+        said = f"no field {e}" if isinstance(e, KeyError) else str(e).splitlines()[0]
+        named = f"{where}/{CONFIG_FILE}" if isinstance(path_or_model, str | Path) else where
+        raise CheckpointError(f"{named}: {said}") from None
     return HFSource(tensors, fam, fam.table(config), where, config)
 
 

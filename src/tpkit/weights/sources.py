@@ -32,6 +32,7 @@ from tpkit.weights.files import (
     FULL_FORMAT,
     ShardedSource,
     read_manifest,
+    saved_config,
     verify_file,
     verify_full,
 )
@@ -66,7 +67,7 @@ def _open_full(path: Path, config: ModelConfig | None) -> FullSource:
     if meta.get("format") != FULL_FORMAT:
         raise CheckpointError(f"{path}: not a tpkit full safetensors file (no metadata)")
     verify_full(path, src, meta)
-    src.config = config or ModelConfig.from_dict(meta["config"])
+    src.config = config or saved_config(meta["config"], path)
     return src
 
 

@@ -23,6 +23,7 @@ from typing import Any, Protocol
 import numpy as np
 
 from tpkit.spec.config import PRESETS
+from tpkit.spec.errors import UserError
 
 # The files a Hugging Face tokenizer may consist of, and the generation settings (EOS
 # and pad ids) that transformers' generate reads: copied along with a model.
@@ -77,10 +78,18 @@ class HFTokenizer:
         from transformers import AutoTokenizer
 
         self.folder = str(folder)
-        self.hf = AutoTokenizer.from_pretrained(self.folder)
-        self.vocab_size = len(self.hf)
         gen_file = Path(folder) / "generation_config.json"  # what transformers' generate uses
-        gen = json.loads(gen_file.read_text()) if gen_file.is_file() else {}
+        try:
+            self.hf = AutoTokenizer.from_pretrained(self.folder)
+            gen = json.loads(gen_file.read_text()) if gen_file.is_file() else {}
+        except Exception as e:  # noqa: BLE001 - damaged files raise anything (JSON, KeyError,
+            # the Rust parser's Exception): one line naming the folder
+            said = str(e).strip().splitlines()[0] if str(e).strip() else ""
+            raise UserError(f"{folder}: its tokenizer files cannot be read "
+                            f"({type(e).__name__}: {said[:200]})") from None
+        if not isinstance(gen, dict):
+            raise UserError(f"{gen_file}: a JSON {type(gen).__name__}, not an object")
+        self.vocab_size = len(self.hf)
         eos = gen.get("eos_token_id", self.hf.eos_token_id)
         self.eos_ids = [eos] if isinstance(eos, int) else list(eos or [])
         self.pad_id = next((i for i in (gen.get("pad_token_id"), self.hf.pad_token_id,
