@@ -15,6 +15,7 @@ from __future__ import annotations
 import torch
 
 GREEDY_BELOW = 1e-5  # a temperature under this is greedy
+TOP_P_MIN = 2.0 ** -149  # float32's smallest positive (~1.4e-45): a top_p below is 0 there
 
 
 def filtered(logits: torch.Tensor, temperature: float, top_k: int | None = None,

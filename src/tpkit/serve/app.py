@@ -58,8 +58,8 @@ class App:
 
     def _served(self, model: str | None) -> None:
         if model not in (None, self.name):
-            raise api.ApiError(404, f"model {model!r} is not served here "
-                                    f"(GET /v1/models: {self.name!r})", "model")
+            raise api.ApiError(404, f"model {model!r} is not served here (GET /v1/models: "
+                                    f"{self.name!r})", "model", "model_not_found")
 
     @property
     def encoder(self) -> bool:
@@ -110,7 +110,7 @@ class App:
                 req.attach(on_event)
             return req
         except TooLong as e:
-            raise api.ApiError(413, str(e), "max_tokens") from None
+            raise api.ApiError(413, str(e), "max_tokens", "context_length_exceeded") from None
         except UserError as e:
             raise api.ApiError(400, str(e)) from None
         except RequestFailed as e:
