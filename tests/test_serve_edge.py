@@ -1,6 +1,7 @@
 """One request never takes the server down, through real HTTP (conftest's in-process
-server, tp=1): each bad body an adversarial user sent is a 400 in OpenAI's shape naming
-its field, answered before anything reaches the engine, while a stream runs on and
+server, tp=1): each bad body an adversarial user sent (an integer of 5000 digits, a key
+that is a lone surrogate, a top_p that is 0 in float32 among them) is a 400 in
+OpenAI's shape naming its field, answered before anything reaches the engine, while a stream runs on and
 ends with its normal text; a temperature below 1e-5 is greedy (server and `tpkit
 generate`); a request the engine fails on gets a 500 (or an error event) alone, the
 others go on; a wildcard address keeps a Host allowlist and a browser's cross-origin
@@ -42,6 +43,15 @@ BAD = [  # (path, body: dict or raw bytes, param, words of the message)
     ("completions", {"prompt": "x", "nope": 1}, "nope", "unsupported parameters: nope"),
     ("completions", b"[" * 100_000, None, "deeper than 16 levels"),
     ("completions", b'{"prompt": "x", "temperature": NaN}', None, "NaN is not a JSON"),
+    ("completions", b'{"prompt": "x", "max_tokens": ' + b"9" * 5000 + b"}", "max_tokens",
+     "an integer of 5000 digits"),  # more than int() reads: no 500
+    ("completions", b'{"prompt": [5, 7, -' + b"9" * 5000 + b"]}", "prompt[2]",
+     "an integer of 5000 digits"),
+    ("completions", {"prompt": "x", "\ud800": 1}, "\\ud800", "a key must be text"),
+    ("chat/completions", {"messages": [{"role": "user", "content": "x", "\udc00": 1}]},
+     "messages[0].\\udc00", "a key must be text"),
+    ("completions", {"prompt": "x", "temperature": 1, "top_p": 1e-46}, "top_p",
+     "at least 1.4e-45"),  # 0 in float32: every token would be dropped
     ("chat/completions", {"messages": [{"role": "user", "content": "\udfff"}]},
      "messages[0].content", "lone surrogate"),
     ("chat/completions", {"messages": [{"role": "user"}]}, "messages[0].content",

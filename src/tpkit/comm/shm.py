@@ -10,16 +10,19 @@ group, synchronised by per-rank sequence numbers in the segment, and sum in rank
 with float accumulation: every rank gets the same bits, run after run.
 
 A peer that died (its pid gone or a zombie) is noticed within about 0.1 s; one that is
-silent fails the wait after the group's timeout. Both raise `ShmPeerLost`, which
-`collectives._guarded` turns into the usual one-line `CollectiveFailed` naming it.
+silent fails the wait after the group's timeout (inside `patient()`: never). Both raise
+`ShmPeerLost`, which `collectives._guarded` turns into the usual one-line
+`CollectiveFailed` naming it.
 """
 
 from __future__ import annotations
 
 import ctypes
+import math
 import os
 import weakref
 from collections import deque
+from contextlib import contextmanager
 
 import torch
 import torch.distributed as dist
@@ -187,6 +190,17 @@ class ShmChannel:
         raise RuntimeError(f"shm {op}: the ranks of the group called different collectives or "
                            f"sizes (rank {who} differs from rank {self.rank}): a bug of the "
                            f"caller")
+
+    @contextmanager
+    def patient(self):
+        """Inside, a wait has no timeout while its peer lives (a dead one still ends it
+        within ~0.1 s): a serving follower waiting for its leader's next step, which
+        may be long in coming (rank 0 idle or busy planning; it is not in a collective)."""
+        self._t.value = math.inf
+        try:
+            yield
+        finally:
+            self._t.value = self.timeout_s
 
     def close(self) -> None:
         """Unmap the segment (also done when the channel is collected)."""

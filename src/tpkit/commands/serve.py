@@ -20,6 +20,7 @@ TPKIT_API_KEY) every /v1/ request needs `Authorization: Bearer KEY`.
 from __future__ import annotations
 
 import argparse
+import math
 import os
 import signal
 import threading
@@ -119,8 +120,10 @@ def _check_args(args: argparse.Namespace) -> None:
         bad.append(str(e))
     if not 0 <= args.port <= 65535:
         bad.append(f"--port={args.port} must be in [0, 65535]")
-    if args.timeout <= 0 or args.drain_seconds < 0:
-        bad.append("--timeout must be > 0 and --drain-seconds >= 0")
+    if not (math.isfinite(args.timeout) and args.timeout > 0):
+        bad.append(f"--timeout={args.timeout} must be a number of seconds > 0")
+    if not (math.isfinite(args.drain_seconds) and args.drain_seconds >= 0):
+        bad.append(f"--drain-seconds={args.drain_seconds} must be a number of seconds >= 0")
     if bad:
         raise UserError("; ".join(bad))
     decode_chunk(args)  # --decode-chunk needs --batch-invariant

@@ -26,6 +26,7 @@ import numpy as np
 import torch
 
 GREEDY_BELOW = 1e-5  # a temperature under this is greedy
+TOP_P_MIN = 2.0 ** -149  # float32's smallest positive (~1.4e-45): a top_p below is 0 there
 _WORDS, _AT = 624, 24  # MT19937's state words, and where torch's CPU state holds them
 _LOCAL = threading.local()
 

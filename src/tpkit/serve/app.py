@@ -99,8 +99,8 @@ class App:
 
     def _served(self, model: str | None) -> None:
         if model not in (None, self.name):
-            raise api.ApiError(404, f"model {model!r} is not served here "
-                                    f"(GET /v1/models: {self.name!r})", "model")
+            raise api.ApiError(404, f"model {model!r} is not served here (GET /v1/models: "
+                                    f"{self.name!r})", "model", "model_not_found")
 
     @property
     def encoder(self) -> bool:

@@ -25,14 +25,15 @@ from tpkit.serve import openai_api as api
 from tpkit.serve.app import App
 
 
-async def embeddings(app: App, request: HttpRequest, read_body, error, ok) -> Response:
-    """The answer to one POST /v1/embeddings (`read_body`, `error`, `ok`: the HTTP
-    layer's body reader and responses)."""
+async def embeddings(app: App, request: HttpRequest, read_body, error, ok, hung_up
+                     ) -> Response:
+    """The answer to one POST /v1/embeddings (`read_body`, `error`, `ok`, `hung_up`: the
+    HTTP layer's body reader, responses and watch on the client)."""
     refusal = app.not_served(embeddings=True)
     if refusal is not None:
         return error(request, refusal)
     app.enter()
-    job = None
+    job = gone = None
     try:
         try:
             raw = await read_body(app, request)
@@ -51,11 +52,12 @@ async def embeddings(app: App, request: HttpRequest, read_body, error, ok) -> Re
             job = app.embed(inputs, on_done)
         except api.ApiError as e:
             return error(request, e)
+        gone = hung_up(request)
         while not finished.is_set():
             try:
                 await asyncio.wait_for(finished.wait(), 0.2)
             except TimeoutError:
-                if await request.is_disconnected():
+                if gone.done():
                     job.cancel()
                     return Response(status_code=499)
         if job.error is not None:
@@ -71,4 +73,6 @@ async def embeddings(app: App, request: HttpRequest, read_body, error, ok) -> Re
         print(f"tpkit serve: error: {why}", file=sys.stderr, flush=True)
         return error(request, api.ApiError(500, why), close=True)
     finally:
+        if gone is not None:
+            gone.cancel()
         app.leave()

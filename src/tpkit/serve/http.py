@@ -146,7 +146,7 @@ def build_api(app: App, guard: Guard) -> FastAPI:
     @fa.post("/v1/embeddings", summary="embeddings of an encoder model (OpenAI's API)",
              openapi_extra=_schema(protocol.EmbeddingRequest))
     async def embeddings(request: HttpRequest):
-        return await embed_route.embeddings(app, request, _body, error, ok)
+        return await embed_route.embeddings(app, request, _body, error, ok, _hung_up)
 
     return fa
 
@@ -192,7 +192,7 @@ async def _post(app: App, request: HttpRequest, chat: bool, error, ok, cors,
     if (refusal := app.not_served(embeddings=False)) is not None:
         return error(request, refusal)  # an encoder's server
     app.enter()
-    streaming, reqs = False, []
+    streaming, reqs, gone = False, [], None
     try:
         try:
             raw = await _body(app, request)
@@ -221,14 +221,14 @@ async def _post(app: App, request: HttpRequest, chat: bool, error, ok, cors,
                         asked if chat and asked.offered else None)),
                 200, {**cors(request), "Cache-Control": "no-store"},
                 "text/event-stream; charset=utf-8")
-        left = len(reqs)
+        left, gone = len(reqs), _hung_up(request)
         while left:
+            if gone.done():  # checked at every event: tokens may never pause for long
+                _cancel(reqs)
+                return Response(status_code=499)
             try:
                 _, ev = await asyncio.wait_for(events.get(), 0.2)
             except TimeoutError:
-                if await request.is_disconnected():
-                    _cancel(reqs)
-                    return Response(status_code=499)
                 continue
             if isinstance(ev, Failed):
                 _cancel(reqs)
@@ -246,8 +246,16 @@ async def _post(app: App, request: HttpRequest, chat: bool, error, ok, cors,
         _cancel(reqs)
         return error(request, _failed(None, e), close=True)
     finally:
+        if gone is not None:
+            gone.cancel()
         if not streaming:
             app.leave()
+
+
+def _hung_up(request: HttpRequest) -> asyncio.Future:
+    """Done once the client (its body read) hangs up: awaited, since a polled
+    `is_disconnected()` never sees it behind the guard's middleware."""
+    return asyncio.ensure_future(request.receive())
 
 
 def _cancel(reqs: list[Request]) -> None:

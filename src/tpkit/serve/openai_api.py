@@ -18,7 +18,7 @@ MAX_BODY = 1 << 20  # bytes of a request body (tpkit serve --max-body-bytes)
 TYPES = {400: "invalid_request_error", 403: "invalid_request_error",
          404: "not_found_error", 413: "invalid_request_error", 415: "invalid_request_error",
          500: "internal_error", 503: "service_unavailable"}
-CODES = {404: "model_not_found", 413: "context_length_exceeded"}
+CODES = {404: "not_found", 413: "request_too_large"}  # the others say what (model, context)
 
 
 class ApiError(Exception):

@@ -10,7 +10,7 @@ import math
 from collections.abc import Callable
 from dataclasses import dataclass, field, fields
 
-from tpkit.model.sampling import GREEDY_BELOW
+from tpkit.model.sampling import GREEDY_BELOW, TOP_P_MIN
 from tpkit.spec.errors import UserError
 
 MAX_LOGPROBS = 20  # alternatives per token, as OpenAI's top_logprobs
@@ -32,7 +32,8 @@ RULES: dict[str, tuple[Callable[[object], bool], str]] = {
     "temperature": (lambda x: _number(x) and 0 <= x <= MAX_TEMPERATURE,
                     f"must be a number in [0, {MAX_TEMPERATURE:g}] (0, or below "
                     f"{GREEDY_BELOW:g}: greedy)"),
-    "top_p": (lambda x: _number(x) and 0 < x <= 1, "must be a number in (0, 1]"),
+    "top_p": (lambda x: _number(x) and TOP_P_MIN <= x <= 1,
+              f"must be a number in (0, 1] (at least {TOP_P_MIN:.2g}, float32's smallest)"),
     "top_k": (lambda x: _int(x) and x >= 0, "must be an integer >= 0 (0: off)"),
     "seed": (lambda x: x is None or _int(x) and SEED_MIN <= x <= SEED_MAX,
              "must be a 64-bit integer, in [-2^63, 2^63 - 1]"),

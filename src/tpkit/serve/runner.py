@@ -17,7 +17,9 @@ wait for the followers to take it: the forward's first collective meets them):
                   [rows b, their lengths n_1..n_b, then each row's ids]
                   -> every rank runs one forward of the b rows, right-padded to the
                   longest, with their attention mask (`Runner.embed_rows`)
-        op IDLE : nothing (a heartbeat, so an idle worker's wait never times out)
+        op IDLE : nothing (a heartbeat, so an idle worker's wait never times out; over
+                  shared memory a follower waits for a header as long as rank 0 lives,
+                  however long it takes to plan the next step)
         op STOP : the followers return
 
 Every rank then holds the same full logits (the all-gather of the forward; greedy:
@@ -28,6 +30,8 @@ block tables; each rank holds its own heads' keys in those blocks.
 """
 
 from __future__ import annotations
+
+from contextlib import nullcontext
 
 import torch
 from torch import nn
@@ -75,7 +79,9 @@ class Runner:
                 post(torch.tensor(payload[INLINE:], dtype=torch.long, device=self.device),
                      self.group)
             return op, blocks, greedy, list(payload)
-        head = recv(h, self.group, 0, scope="serve.plan").tolist()
+        ch = self.group.shm  # rank 0 may plan for long (it is in no collective then): the
+        with ch.patient() if ch is not None else nullcontext():  # wait while it lives
+            head = recv(h, self.group, 0, scope="serve.plan").tolist()
         op, length, blocks, greedy = head[:4]
         flat = head[4:4 + min(length, INLINE)]
         if length > INLINE:
