@@ -163,9 +163,14 @@ def _sample(capsys, models: Path, *flags: str) -> str:
     return out
 
 
-def test_a_top_p_below_float32_keeps_the_best_token(models, capsys):
-    greedy = _sample(capsys, models, "--temperature", "0")
-    assert _sample(capsys, models, "--temperature", "1", "--top-p", "1e-300") == greedy
+def test_a_top_p_below_float32_is_one_line_and_a_tiny_one_keeps_the_best_token(models,
+                                                                                capsys):
+    code, _, err = _main(capsys, "generate", "--checkpoint", str(models / "gpt2-tiny"),
+                         "--prompt-ids", "1,2,3", "--temperature", "1", "--top-p", "1e-300")
+    line = _one_line("generate", code, err, status=2)
+    assert "--top-p=1e-300 must be a number in (0, 1]" in line, line
+    greedy = _sample(capsys, models, "--temperature", "0")  # float32's smallest top_p:
+    assert _sample(capsys, models, "--temperature", "1", "--top-p", "1.5e-45") == greedy
 
 
 def test_every_bit_of_a_64_bit_seed_counts(models, capsys):
