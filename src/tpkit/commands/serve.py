@@ -9,9 +9,11 @@ pooled as its sentence-transformers files say (`tpkit.weights.pooling`). This pr
 engine, the sampler); `--tp N` starts ranks 1..N-1 as local processes that follow it
 (`tpkit.serve.workers`); under torchrun, rank 0 serves and the others follow.
 SIGTERM, SIGINT or SIGHUP: stop accepting (503), let running requests finish for
-`--drain-seconds`, cancel the rest, stop the workers, exit 128 + the signal. A worker
-that dies: every waiting request gets 503 and the server exits 1 naming the rank; a
-request the server fails on gets 500 alone. Whatever `--host`, the Host header must be
+`--drain-seconds`, cancel the rest, stop the workers, exit 128 + the signal, whatever
+the workers do (a step a stuck worker holds up is given up, its requests get 503, one
+line names the rank). A worker that dies, or is stuck past the collective timeout:
+every waiting request gets 503 and the server exits 1 naming the rank (/health says
+503 as soon as a worker is gone or stopped); a request the server fails on gets 500 alone. Whatever `--host`, the Host header must be
 one of the server's names (`--allowed-host` adds one), and a browser page of another
 origin is refused unless `--allow-origin` names it.
 """
@@ -25,6 +27,7 @@ from pathlib import Path
 
 import torch
 
+from tpkit.comm.failure import DEFAULT_COLLECTIVE_TIMEOUT_S
 from tpkit.commands.common import add_pool_arguments, decode_chunk, follower, group
 from tpkit.host.exit import Stopped
 from tpkit.host.web import ALLOWED_HOST_HELP, HOST, bound_socket, listen, warn_if_exposed
@@ -32,7 +35,7 @@ from tpkit.launch import SpawnError, is_rank0, launch
 from tpkit.mesh import ParallelMesh
 from tpkit.serve.embedder import Embedder
 from tpkit.serve.engine import PREFILL_PER_STEP, Engine
-from tpkit.serve.loop import serve_loop
+from tpkit.serve.loop import serve_watched
 from tpkit.serve.openai_api import MAX_BODY
 from tpkit.serve.pacing import ITL_RATIO, check_ratio
 from tpkit.serve.scheduler import FLOOR
@@ -56,6 +59,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         help="the model id clients send (default: the checkpoint folder's name)")
     p = group(parser, "parallelism")
     p.add_argument("--tp", type=int, default=1, metavar="N", help="tensor-parallel processes")
+    p.add_argument("--collective-timeout", type=float, default=DEFAULT_COLLECTIVE_TIMEOUT_S,
+                   metavar="S", help="seconds a step may wait for a stuck worker; then its "
+                   "requests get 503 and the server exits 1 naming the rank")
     add_comm_argument(p)
     g = group(parser, "serving")
     g.add_argument("--host", default=HOST, help="address to listen on (127.0.0.1: this "
@@ -111,6 +117,8 @@ def _check_args(args: argparse.Namespace) -> None:
         bad.append(str(e))
     if not 0 <= args.port <= 65535:
         bad.append(f"--port={args.port} must be in [0, 65535]")
+    if not 0 < args.collective_timeout < float("inf"):
+        bad.append(f"--collective-timeout={args.collective_timeout} must be a number > 0")
     if args.timeout <= 0 or args.drain_seconds < 0:
         bad.append("--timeout must be > 0 and --drain-seconds >= 0")
     if bad:
@@ -138,7 +146,8 @@ def run(args: argparse.Namespace) -> int:
                   args.port) if is_rank0() else None  # a busy port fails before any loading
     try:  # rank 0 serves here, the others follow (spawned, or torchrun's)
         launch(_serve, args, source, sock, pooling, ranks=args.tp, mesh=dict(tp=args.tp, comm=comm),
-               follow=follower(args, source), lead_here=True)
+               follow=follower(args, source), lead_here=True,
+               collective_timeout=args.collective_timeout)
         return 0
     finally:
         if sock is not None:
@@ -165,6 +174,7 @@ def _serve(mesh: ParallelMesh, args, source, sock, pooling, followers=None) -> N
                         prefix_caching=not args.no_prefix_cache)
     name = args.served_model_name or Path(str(args.checkpoint).rstrip("/")).resolve().name
     app = App(engine, name, tokenizer, max_body=args.max_body_bytes, timeout=args.timeout)
+    app.peers = followers  # /health: 503 while one is gone or stopped
     server = make_server(app, args.host, args.port, allowed_hosts=args.allowed_host,
                          allowed_origins=args.allow_origin, sock=sock)
     stop, got = threading.Event(), []
@@ -192,7 +202,7 @@ def _serve(mesh: ParallelMesh, args, source, sock, pooling, followers=None) -> N
               f"tokens), taken as tokens arrive; prefix cache "
               f"{'off' if args.no_prefix_cache else 'on'}", flush=True)
     try:
-        line = serve_loop(app.engine, stop, followers, args.drain_seconds)
+        line = serve_watched(app.engine, stop, followers, args.drain_seconds)
     finally:
         server.shutdown()
         app.wait_handlers(2.0)  # the answers (503s included) get written

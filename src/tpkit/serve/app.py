@@ -14,6 +14,7 @@ from tpkit.serve import openai_api as api
 from tpkit.serve import protocol
 from tpkit.serve.embedder import Embedder, EmbedJob
 from tpkit.serve.engine import Engine, TooLong
+from tpkit.serve.loop import unwell
 from tpkit.serve.openai_api import MAX_BODY
 from tpkit.serve.request import Request, RequestFailed
 from tpkit.spec.errors import UserError
@@ -27,6 +28,11 @@ class App:
         self.engine, self.name, self.tokenizer = engine, model_name, tokenizer
         self.max_body, self.timeout, self.created = max_body, timeout, int(time.time())
         self.active, self._active = 0, threading.Condition()  # POSTs being answered
+        self.peers = None  # the tp workers (`launch.Followers`), if spawned: /health asks
+
+    def health(self) -> str | None:
+        """Why /health answers 503 (`serve.loop.unwell`), or None: 200."""
+        return unwell(self.engine, self.peers)
 
     def enter(self) -> None:
         """A POST starts being answered."""

@@ -78,6 +78,7 @@ class Intake:
 
     def __init__(self) -> None:
         self.looping = False  # True while a serving loop calls step()
+        self.stepping: float | None = None  # when the loop's step in flight began (monotonic)
         self.accepting = True
         self._lock, self._wake = threading.Lock(), threading.Condition()
         self._ids = 0

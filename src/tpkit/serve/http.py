@@ -112,10 +112,12 @@ def build_api(app: App, guard: Guard) -> FastAPI:
     async def models(request: HttpRequest):
         return ok(request, api.models(app.name, app.created))
 
-    @fa.get("/health", summary="200 while accepting requests, else 503")
+    @fa.get("/health", summary="200 while accepting requests and the workers answer, else "
+                               "503 with the reason")
     async def health(request: HttpRequest):
-        up = app.engine.accepting
-        return ok(request, {"status": "ok" if up else "unavailable"}, 200 if up else 503)
+        why = app.health()
+        return ok(request, {"status": "ok"} if why is None else
+                  {"status": "unavailable", "reason": why}, 200 if why is None else 503)
 
     @fa.get("/metrics", summary="Prometheus metrics (prometheus_client)")
     async def metrics(request: HttpRequest):
