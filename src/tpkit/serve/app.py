@@ -7,6 +7,7 @@ validated request and prompt ids (`parse`, `parse_embeddings`), and their submis
 
 from __future__ import annotations
 
+import copy
 import threading
 import time
 
@@ -18,6 +19,7 @@ from tpkit.serve.loop import unwell
 from tpkit.serve.openai_api import MAX_BODY
 from tpkit.serve.request import Request, RequestFailed
 from tpkit.spec.errors import UserError
+from tpkit.weights.tokenizer import bytes_per_token
 
 
 class App:
@@ -29,6 +31,10 @@ class App:
         self.max_body, self.timeout, self.created = max_body, timeout, int(time.time())
         self.active, self._active = 0, threading.Condition()  # POSTs being answered
         self.peers = None  # the tp workers (`launch.Followers`), if spawned: /health asks
+        # prompts are tokenized by a copy of their own, never under the lock the engine's
+        # detokenizer takes (a long prompt stalled every stream); sizes are checked first
+        self._encoding = (copy.deepcopy(tokenizer), threading.Lock())
+        self._per_token = bytes_per_token(tokenizer) if tokenizer is not None else None
 
     def health(self) -> str | None:
         """Why /health answers 503 (`serve.loop.unwell`), or None: 200."""
@@ -57,10 +63,25 @@ class App:
         body = protocol.parse_json(raw)
         req = protocol.validate(body, chat)
         self._served(req.model)
-        lock = self.engine.tokenizer_lock
+        tok, lock = self._encoding
         if chat:
-            return req, [api.chat_ids(body, self.tokenizer, lock)]
-        return req, [api.prompt_ids(p, self.tokenizer, lock) for p in req.prompt]
+            return req, [api.chat_ids(body, tok, lock)]
+        for p in req.prompt:
+            self._fits(p, req.sampling().max_tokens)
+        return req, [api.prompt_ids(p, tok, lock) for p in req.prompt]
+
+    def _fits(self, prompt: str | list[int], max_tokens: int) -> None:
+        """A 413 for a text prompt too long for the context whatever its tokens (its bytes
+        / the most a token stands for, `bytes_per_token`), before it is tokenized."""
+        if not isinstance(prompt, str) or self._per_token is None:
+            return
+        size = len(prompt.encode("utf-8", "surrogatepass"))
+        least = -(-size // self._per_token)
+        if least + max_tokens > self.engine.max_len:
+            raise api.ApiError(413, f"the prompt ({size} bytes: at least {least} tokens) + "
+                                    f"max_tokens ({max_tokens}) exceeds the context of "
+                                    f"{self.engine.max_len} tokens", "prompt",
+                               "context_length_exceeded")
 
     def _served(self, model: str | None) -> None:
         if model not in (None, self.name):
@@ -107,11 +128,12 @@ class App:
         except RequestFailed as e:
             raise api.ApiError(e.status, str(e)) from None
 
-    def submit(self, ids: list[int], params, on_event=None) -> Request:
-        """Engine.submit with its errors as ApiErrors (413 too long, 400, 503); its events
-        go to `on_event` (`Request.attach`)."""
+    def submit(self, ids: list[int], params, on_event=None, group: int | None = None
+               ) -> Request:
+        """Engine.submit (in `group`'s turns) with its errors as ApiErrors (413 too long,
+        400, 503); its events go to `on_event` (`Request.attach`)."""
         try:
-            req = self.engine.submit(ids, params)
+            req = self.engine.submit(ids, params, group)
             if on_event is not None:
                 req.attach(on_event)
             return req
