@@ -144,8 +144,11 @@ def run(args: argparse.Namespace) -> int:
         read_pooling(getattr(source, "root", None))  # an encoder's; refused before any process
     sock = listen(lambda: bound_socket(args.host, args.port), args.host,
                   args.port) if is_rank0() else None  # a busy port fails before any loading
+    # rank 0's tokenizer before any process (seconds: transformers' import): once loaded,
+    # the followers wait for its first heartbeat only while it builds the engine
+    tokenizer = load_tokenizer(source_tokenizer(source)) if is_rank0() else None
     try:  # rank 0 serves here, the others follow (spawned, or torchrun's)
-        launch(_serve, args, source, sock, pooling, ranks=args.tp, mesh=dict(tp=args.tp, comm=comm),
+        launch(_serve, args, source, sock, pooling, tokenizer, ranks=args.tp, mesh=dict(tp=args.tp, comm=comm),
                follow=follower(args, source), lead_here=True,
                collective_timeout=args.collective_timeout)
         return 0
@@ -154,14 +157,14 @@ def run(args: argparse.Namespace) -> int:
             sock.close()
 
 
-def _serve(mesh: ParallelMesh, args, source, sock, pooling, followers=None) -> None:
+def _serve(mesh: ParallelMesh, args, source, sock, pooling, tokenizer, followers=None
+           ) -> None:
     """Rank 0: load, build the server complete, serve until a signal (`Stopped`) or a
     follower's death (SpawnError). `pooling`: an encoder's (it embeds), else None."""
     from tpkit.serve.http import App, make_server  # lazy: the serve extra is optional
 
     model = load_model(source, mesh, dtype=getattr(torch, args.dtype), decode=True,
                        quantize=args.quantize)
-    tokenizer = load_tokenizer(source_tokenizer(source))
     if pooling is not None:
         engine = Embedder(model, pooling, max_batch=args.max_batch, max_len=args.max_len,
                           tokens_per_forward=args.max_tokens_in_flight)
