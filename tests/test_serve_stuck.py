@@ -3,6 +3,7 @@
 in flight ends with a 503, one line names the stuck rank and no process is left; left
 alone, the step's collective times out after `--collective-timeout` and the server
 exits 1 with the stream's 503 and a line giving the real seconds waited and the step.
+At tp=1 (conftest's in-process server), a step in flight past `STUCK_S` is a 503 too.
 
 The waits are bounds (a hang check), never timings.
 """
@@ -22,8 +23,6 @@ from urllib.request import urlopen
 import pytest
 
 from test_serve_process import Served, alive, children
-
-pytestmark = pytest.mark.slow
 
 
 def health(served: Served) -> tuple[int, dict]:
@@ -96,6 +95,7 @@ def _until(check, within: float = 60.0):
     return check()
 
 
+@pytest.mark.slow
 @pytest.mark.timeout(240)
 def test_a_stopped_worker_fails_health_and_sigterm_still_stops_the_server(chat_llama):
     served = Served(chat_llama, 2)
@@ -119,6 +119,7 @@ def test_a_stopped_worker_fails_health_and_sigterm_still_stops_the_server(chat_l
         served.kill()
 
 
+@pytest.mark.slow
 @pytest.mark.timeout(240)
 def test_a_worker_stuck_past_the_collective_timeout_gives_503_and_a_true_line(chat_llama):
     # 10 s: rank 1 waits that long for rank 0's first heartbeat too, while rank 0 still
@@ -142,3 +143,25 @@ def test_a_worker_stuck_past_the_collective_timeout_gives_503_and_a_true_line(ch
         assert not alive(served.pids), alive(served.pids)
     finally:
         served.kill()
+
+
+def test_a_step_in_flight_too_long_is_a_503_of_health(openai_server, monkeypatch):
+    """The rule for a worker stuck without a sign /proc shows (a deadlock): a step in
+    flight for over `STUCK_S` (made 0.5 s here, the step held until /health said so)."""
+    from tpkit.serve import loop
+
+    url, client, engine = openai_server
+    served = Served.__new__(Served)
+    served.url = url + "/v1"
+    assert health(served) == (200, {"status": "ok"})
+    monkeypatch.setattr(loop, "STUCK_S", 0.5)
+    gate, lead_step = threading.Event(), engine.runner.lead_step
+    monkeypatch.setattr(engine.runner, "lead_step", lambda *a: (gate.wait(60), lead_step(*a))[1])
+    t = threading.Thread(target=client.completions.create,
+                         kwargs=dict(model="llama", prompt="Tensor", max_tokens=2))
+    t.start()
+    got = _until(lambda: (h := health(served))[0] == 503 and h)
+    gate.set()
+    t.join(timeout=60)
+    assert got and "(over 0.5 s): a worker may be stuck" in got[1]["reason"], got
+    assert _until(lambda: health(served) == (200, {"status": "ok"}))  # the step returned

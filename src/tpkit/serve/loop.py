@@ -91,7 +91,7 @@ def unwell(engine: Engine | Embedder, peers=None) -> str | None:
         return line
     since = engine.stepping
     if since is not None and (age := time.monotonic() - since) > STUCK_S:
-        return f"a step has waited {age:.0f} s for the tensor-parallel workers: one is stuck"
+        return f"a step has run for {age:.0f} s (over {STUCK_S:g} s): a worker may be stuck"
     return None
 
 
