@@ -98,8 +98,9 @@ def unwell(engine: Engine | Embedder, peers=None) -> str | None:
 def serve_watched(engine: Engine | Embedder, stop: threading.Event, peers=None,
                   drain_s: float = 5.0) -> str | None:
     """`serve_loop` in a thread of its own while this one (the main thread: it takes the
-    signals) waits for `stop`. Once set, the loop has `drain_s` + `GRACE_S` to end; if
-    a step is still in flight then, its requests fail with 503, one line names the stuck
+    signals) waits for `stop`. Once set, the loop has `drain_s` + `GRACE_S` to end (not
+    while a step waits on a worker gone or stopped); if a step is still in flight then,
+    its requests fail with 503, one line names the stuck
     worker and the workers are killed (the step then fails at once). The loop's answer."""
     said: list = []
 
@@ -113,7 +114,10 @@ def serve_watched(engine: Engine | Embedder, stop: threading.Event, peers=None,
     thread.start()
     while thread.is_alive() and not stop.wait(0.25):
         pass
-    thread.join(drain_s + GRACE_S)
+    deadline = time.monotonic() + drain_s + GRACE_S
+    while thread.is_alive() and time.monotonic() < deadline and not (
+            engine.stepping is not None and peers is not None and peers.unwell()):
+        thread.join(0.25)  # (a step waiting on a stopped or dead worker: no use waiting)
     if thread.is_alive():
         _give_up(engine, peers)
         thread.join(GRACE_S)
