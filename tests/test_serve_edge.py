@@ -149,10 +149,10 @@ def test_a_request_the_engine_fails_on_fails_alone(server, monkeypatch):
     alone, errors = text_of(client, **kw), engine.metrics.requests["error"]
     submit = engine.submit
 
-    def unchecked(ids, params):
+    def unchecked(ids, params, *group):
         if params.seed == 4321:
             object.__setattr__(params, "seed", 1 << 64)  # past SamplingParams' check
-        return submit(ids, params)
+        return submit(ids, params, *group)
 
     monkeypatch.setattr(engine, "submit", unchecked)
     sample = output_module.sample

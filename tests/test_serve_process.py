@@ -193,11 +193,11 @@ def test_kill_9_of_a_worker_gives_503_and_one_line(folder):
         ref = [float(logp[t, i]) for t, i in enumerate(ids[1:])]
         assert got[0] is None and max(abs(a - b) for a, b in zip(got[1:len(ids)], ref)) < 1e-4
         served.pids |= children(served.proc.pid)
-        outs, threads = _in_flight(served, 2)
         forkserver = [p for p in served.pids if p in children(served.proc.pid) and
                       children(p)]  # the workers' parent
         rank1 = [c for f in forkserver for c in children(f)]
         assert len(rank1) == 1, (forkserver, rank1)
+        outs, threads = _in_flight(served, 2)  # 110 tokens take ~0.1 s: kill at once
         os.kill(rank1[0], signal.SIGKILL)
         assert served.proc.wait(timeout=60) == 1
         for t in threads:

@@ -166,10 +166,11 @@ def record_native(group: CommGroup, op: str, x: torch.Tensor, spans, scopes,
 
 
 def native_failed(group: CommGroup, op: str, code: int, x: torch.Tensor, scope: str,
-                  phase: str = "forward") -> None:
+                  phase: str = "forward", began: float | None = None) -> None:
     """Raise what a collective native code ran failed with (the shared-memory code
-    `code`) means: the `CollectiveFailed` naming the peer that Python's call raises."""
-    with _guarded(op, group, x.numel(), _nbytes(x), phase, scope):
+    `code`) means: Python's `CollectiveFailed`, timed from `began` (perf_counter's)."""
+    with (guard := _guarded(op, group, x.numel(), _nbytes(x), phase, scope)):
+        guard.t0 = guard.t0 if began is None else began
         group.shm.check(code, op)
     raise RuntimeError(f"{op} in native code returned {code}")
 

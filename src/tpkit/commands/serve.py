@@ -9,12 +9,15 @@ pooled as its sentence-transformers files say (`tpkit.weights.pooling`). This pr
 engine, the sampler); `--tp N` starts ranks 1..N-1 as local processes that follow it
 (`tpkit.serve.workers`); under torchrun, rank 0 serves and the others follow.
 SIGTERM, SIGINT or SIGHUP: stop accepting (503), let running requests finish for
-`--drain-seconds`, cancel the rest, stop the workers, exit 128 + the signal. A worker
-that dies: every waiting request gets 503 and the server exits 1 naming the rank; a
-request the server fails on gets 500 alone. Whatever `--host`, the Host header must be
-one of the server's names (`--allowed-host` adds one), a browser page of another
-origin is refused unless `--allow-origin` names it, and with `--api-key KEY` (or
-TPKIT_API_KEY) every /v1/ request needs `Authorization: Bearer KEY`.
+`--drain-seconds`, cancel the rest, stop the workers, exit 128 + the signal, whatever
+the workers do (a step a stuck worker holds up is given up, its requests get 503, one
+line names the rank). A worker that dies, or is stuck past the collective timeout:
+every waiting request gets 503 and the server exits 1 naming the rank (/health says
+503 as soon as a worker is gone or stopped); a request the server fails on gets 500
+alone. Whatever `--host`, the Host header must be one of the server's names
+(`--allowed-host` adds one), a browser page of another origin is refused unless
+`--allow-origin` names it, and with `--api-key KEY` (or TPKIT_API_KEY) every /v1/
+request needs `Authorization: Bearer KEY`.
 """
 
 from __future__ import annotations
@@ -28,6 +31,7 @@ from pathlib import Path
 
 import torch
 
+from tpkit.comm.failure import DEFAULT_COLLECTIVE_TIMEOUT_S
 from tpkit.commands.common import add_pool_arguments, decode_chunk, follower, group
 from tpkit.host.exit import Stopped
 from tpkit.host.web import ALLOWED_HOST_HELP, HOST, bound_socket, listen, warn_if_exposed
@@ -35,7 +39,7 @@ from tpkit.launch import SpawnError, is_rank0, launch
 from tpkit.mesh import ParallelMesh
 from tpkit.serve.embedder import Embedder
 from tpkit.serve.engine import PREFILL_PER_STEP, Engine
-from tpkit.serve.loop import serve_loop
+from tpkit.serve.loop import serve_watched
 from tpkit.serve.openai_api import MAX_BODY
 from tpkit.serve.pacing import ITL_RATIO, check_ratio
 from tpkit.serve.scheduler import FLOOR
@@ -59,6 +63,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         help="the model id clients send (default: the checkpoint folder's name)")
     p = group(parser, "parallelism")
     p.add_argument("--tp", type=int, default=1, metavar="N", help="tensor-parallel processes")
+    p.add_argument("--collective-timeout", type=float, default=DEFAULT_COLLECTIVE_TIMEOUT_S,
+                   metavar="S", help="seconds a step may wait for a stuck worker; then its "
+                   "requests get 503 and the server exits 1 naming the rank")
     add_comm_argument(p)
     g = group(parser, "serving")
     g.add_argument("--host", default=HOST, help="address to listen on (127.0.0.1: this "
@@ -120,6 +127,8 @@ def _check_args(args: argparse.Namespace) -> None:
         bad.append(str(e))
     if not 0 <= args.port <= 65535:
         bad.append(f"--port={args.port} must be in [0, 65535]")
+    if not 0 < args.collective_timeout < float("inf"):
+        bad.append(f"--collective-timeout={args.collective_timeout} must be a number > 0")
     if not (math.isfinite(args.timeout) and args.timeout > 0):
         bad.append(f"--timeout={args.timeout} must be a number of seconds > 0")
     if not (math.isfinite(args.drain_seconds) and args.drain_seconds >= 0):
@@ -156,23 +165,27 @@ def run(args: argparse.Namespace) -> int:
         read_pooling(getattr(source, "root", None))  # an encoder's; refused before any process
     sock = listen(lambda: bound_socket(args.host, args.port), args.host,
                   args.port) if is_rank0() else None  # a busy port fails before any loading
+    # rank 0's tokenizer before any process (seconds: transformers' import): once loaded,
+    # the followers wait for its first heartbeat only while it builds the engine
+    tokenizer = load_tokenizer(source_tokenizer(source)) if is_rank0() else None
     try:  # rank 0 serves here, the others follow (spawned, or torchrun's)
-        launch(_serve, args, source, sock, pooling, ranks=args.tp, mesh=dict(tp=args.tp, comm=comm),
-               follow=follower(args, source), lead_here=True)
+        launch(_serve, args, source, sock, pooling, tokenizer, ranks=args.tp, mesh=dict(tp=args.tp, comm=comm),
+               follow=follower(args, source), lead_here=True,
+               collective_timeout=args.collective_timeout)
         return 0
     finally:
         if sock is not None:
             sock.close()
 
 
-def _serve(mesh: ParallelMesh, args, source, sock, pooling, followers=None) -> None:
+def _serve(mesh: ParallelMesh, args, source, sock, pooling, tokenizer, followers=None
+           ) -> None:
     """Rank 0: load, build the server complete, serve until a signal (`Stopped`) or a
     follower's death (SpawnError). `pooling`: an encoder's (it embeds), else None."""
     from tpkit.serve.http import App, make_server  # lazy: the serve extra is optional
 
     model = load_model(source, mesh, dtype=getattr(torch, args.dtype), decode=True,
                        quantize=args.quantize)
-    tokenizer = load_tokenizer(source_tokenizer(source))
     if pooling is not None:
         engine = Embedder(model, pooling, max_batch=args.max_batch, max_len=args.max_len,
                           tokens_per_forward=args.max_tokens_in_flight)
@@ -186,6 +199,7 @@ def _serve(mesh: ParallelMesh, args, source, sock, pooling, followers=None) -> N
     name = args.served_model_name or Path(str(args.checkpoint).rstrip("/")).resolve().name
     app = App(engine, name, tokenizer, max_body=args.max_body_bytes, timeout=args.timeout,
               api_key=api_key(args), metrics_need_key=args.metrics_need_key)
+    app.peers = followers  # /health: 503 while one is gone or stopped
     server = make_server(app, args.host, args.port, allowed_hosts=args.allowed_host,
                          allowed_origins=args.allow_origin, sock=sock)
     stop, got = threading.Event(), []
@@ -213,7 +227,7 @@ def _serve(mesh: ParallelMesh, args, source, sock, pooling, followers=None) -> N
               f"tokens), taken as tokens arrive; prefix cache "
               f"{'off' if args.no_prefix_cache else 'on'}", flush=True)
     try:
-        line = serve_loop(app.engine, stop, followers, args.drain_seconds)
+        line = serve_watched(app.engine, stop, followers, args.drain_seconds)
     finally:
         server.shutdown()
         app.wait_handlers(2.0)  # the answers (503s included) get written

@@ -205,9 +205,40 @@ class Followers(WorkerPool):
             return f"rank {rank} raised {payload[0]}: {payload[1].splitlines()[0][:300]}"
         return None
 
+    def unwell(self) -> str | None:
+        """'rank 1 is gone' or 'rank 1 is stopped (...)' from /proc alone (it reaps nothing,
+        safe from any thread: the server's /health asks while its loop runs), else None
+        (also where there is no /proc)."""
+        if not os.path.isdir("/proc"):
+            return None
+        for r, p in enumerate(self._procs, start=1):
+            state = _state(p.pid)
+            if state in (None, "Z", "X"):
+                return f"rank {r} (pid {p.pid}) is gone"
+            if state in ("T", "t"):
+                return f"rank {r} (pid {p.pid}) is stopped (SIGSTOP or a debugger): stuck"
+        return None
+
+    def kill(self) -> None:
+        """SIGKILL every follower now, from any thread (a collective waiting on one ends at
+        once); `close` reaps them."""
+        for p in self._procs:
+            if p.pid is not None and _state(p.pid) not in (None, "Z", "X"):
+                p.kill()
+
     def close(self, kill: bool = False) -> None:
         """The pool's close (the followers end after rank 0's STOP); then leave the group."""
         joined = bool(self._procs)
         super().close(kill)
         if joined and dist.is_initialized():
             dist.destroy_process_group()
+
+
+def _state(pid: int) -> str | None:
+    """A process's state letter in /proc (R, S, T stopped, Z zombie...), None if gone or
+    not on Linux."""
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().rsplit(")", 1)[1].split()[0]
+    except (OSError, IndexError):
+        return None

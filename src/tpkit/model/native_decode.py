@@ -20,6 +20,7 @@ and decode-only weights, no SP or cp (the stack: no qk-norm, no GeGLU either).
 from __future__ import annotations
 
 import ctypes
+import time
 from collections.abc import Callable
 from functools import partial
 
@@ -189,6 +190,7 @@ class NativeStack:
         if self.reduce is None:
             x = decode_ops.run_layers(x, self.layers, work, step)
             return x if ends is None else pick
+        began = time.perf_counter()
         try:
             x = decode_ops.run_layers(x, self.layers, work, step)
         except decode_ops.ReduceFailed as e:  # the call's collectives, by number: the
@@ -196,7 +198,7 @@ class NativeStack:
             if ends is not None:  # the embedding's all-reduce and the all-gather of the best
                 ops += [("all_reduce", x, "embed"), ("all_gather", ends.every, None)]
             op, t, scope = ops[e.at]
-            collectives.native_failed(self.group, op, e.code, t, scope)
+            collectives.native_failed(self.group, op, e.code, t, scope, began=began)
         s, n = self.spans[:], len(self.scopes)  # numbered as above: the layers' all-
         spans, scopes = list(zip(s[0:2 * n:2], s[1:2 * n:2])), self.scopes  # reduces, the
         if ends is not None and ends.embeds:  # embedding's, the all-gather (one call each)

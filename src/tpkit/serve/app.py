@@ -7,6 +7,7 @@ validated request and prompt ids (`parse`, `parse_embeddings`), and their submis
 
 from __future__ import annotations
 
+import copy
 import hmac
 import threading
 import time
@@ -15,10 +16,12 @@ from tpkit.serve import openai_api as api
 from tpkit.serve import protocol, tools
 from tpkit.serve.embedder import Embedder, EmbedJob
 from tpkit.serve.engine import Engine, TooLong
+from tpkit.serve.loop import unwell
 from tpkit.serve.openai_api import MAX_BODY
 from tpkit.serve.request import Request, RequestFailed
 from tpkit.serve.responses import to_chat
 from tpkit.spec.errors import UserError
+from tpkit.weights.tokenizer import bytes_per_token
 
 
 def fingerprint(model) -> str:
@@ -48,6 +51,11 @@ class App:
         self.fingerprint = fingerprint(engine.model)
         self.tool_style = tools.style(getattr(getattr(tokenizer, "hf", None),
                                               "chat_template", None))
+        self.peers = None  # the tp workers (`launch.Followers`), if spawned: /health asks
+        # prompts are tokenized by a copy of their own, never under the lock the engine's
+        # detokenizer takes (a long prompt stalled every stream); sizes are checked first
+        self._encoding = (copy.deepcopy(tokenizer), threading.Lock())
+        self._per_token = bytes_per_token(tokenizer) if tokenizer is not None else None
 
     def refusal(self, path: str, authorization: str | None) -> api.ApiError | None:
         """The 401 of a request without the server's key (None: it may pass). With
@@ -63,6 +71,10 @@ class App:
         return api.ApiError(401, f"{why}: send the header 'Authorization: Bearer KEY' with "
                                  f"the key the server was started with (--api-key)",
                             None, "invalid_api_key")
+
+    def health(self) -> str | None:
+        """Why /health answers 503 (`serve.loop.unwell`), or None: 200."""
+        return unwell(self.engine, self.peers)
 
     def enter(self) -> None:
         """A POST starts being answered."""
@@ -90,12 +102,26 @@ class App:
             body = to_chat(body)
         req = protocol.validate(body, chat)
         self._served(req.model)
-        lock = self.engine.tokenizer_lock
+        tok, lock = self._encoding
         if chat:
             messages = [m.for_template() for m in req.messages]
-            return req, [api.chat_ids({"messages": messages}, self.tokenizer, lock,
-                                      tools=req.offered)]
-        return req, [api.prompt_ids(p, self.tokenizer, lock) for p in req.prompt]
+            return req, [api.chat_ids({"messages": messages}, tok, lock, tools=req.offered)]
+        for p in req.prompt:
+            self._fits(p, req.sampling().max_tokens)
+        return req, [api.prompt_ids(p, tok, lock) for p in req.prompt]
+
+    def _fits(self, prompt: str | list[int], max_tokens: int) -> None:
+        """A 413 for a text prompt too long for the context whatever its tokens (its bytes
+        / the most a token stands for, `bytes_per_token`), before it is tokenized."""
+        if not isinstance(prompt, str) or self._per_token is None:
+            return
+        size = len(prompt.encode("utf-8", "surrogatepass"))
+        least = -(-size // self._per_token)
+        if least + max_tokens > self.engine.max_len:
+            raise api.ApiError(400, f"the prompt ({size} bytes: at least {least} tokens) + "
+                                    f"max_tokens ({max_tokens}) exceeds the context of "
+                                    f"{self.engine.max_len} tokens", "prompt",
+                               "context_length_exceeded")
 
     def _served(self, model: str | None) -> None:
         if model not in (None, self.name):
@@ -142,11 +168,13 @@ class App:
         except RequestFailed as e:
             raise api.ApiError(e.status, str(e)) from None
 
-    def submit(self, ids: list[int], params, on_event=None, chat: bool = False) -> Request:
-        """Engine.submit with its errors as ApiErrors (400, `context_length_exceeded`
-        among them; 503); its events go to `on_event` (`Request.attach`)."""
+    def submit(self, ids: list[int], params, on_event=None, chat: bool = False,
+               group: int | None = None) -> Request:
+        """Engine.submit (in `group`'s turns) with its errors as ApiErrors (400,
+        `context_length_exceeded` among them; 503); its events go to `on_event`
+        (`Request.attach`)."""
         try:
-            req = self.engine.submit(ids, params)
+            req = self.engine.submit(ids, params, group)
             if on_event is not None:
                 req.attach(on_event)
             return req

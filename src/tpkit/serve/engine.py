@@ -80,6 +80,7 @@ class Intake:
 
     def __init__(self) -> None:
         self.looping = False  # True while a serving loop calls step()
+        self.stepping: float | None = None  # when the loop's step in flight began (monotonic)
         self.accepting = True
         self._lock, self._wake = threading.Lock(), threading.Condition()
         self._ids = 0
@@ -162,13 +163,16 @@ class Engine(Intake):
         super().__init__()
 
     # -- requests in -------------------------------------------------------------------
-    def submit(self, prompt_ids: list[int], params: SamplingParams | None = None) -> Request:
+    def submit(self, prompt_ids: list[int], params: SamplingParams | None = None,
+               group: int | None = None) -> Request:
         """Queue a prompt (token ids); returns its handle. `TooLong` if it can never fit,
-        `RequestFailed` (503) once the engine stopped accepting."""
+        `RequestFailed` (503) once the engine stopped accepting. `group`: an earlier
+        request's id, whose turns it shares (one POST's prompts and choices: `scheduler`)."""
         params = self.to_the_end(len(prompt_ids), params or SamplingParams())
         self.check(prompt_ids, params)
         with self._intake() as rid:
             req = Request(rid, list(prompt_ids), params)
+            req.group = rid if group is None else group
             try:
                 self.outputs.start(req, self.runner.device)
             except Exception as e:  # noqa: BLE001 - an unchecked seed: this one fails

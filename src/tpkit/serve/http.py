@@ -118,10 +118,11 @@ def build_api(app: App, guard: Guard) -> FastAPI:
     async def models(request: HttpRequest):
         return ok(request, api.models(app.name, app.created))
 
-    @fa.get("/health", summary="200 while accepting requests, else 503")
+    @fa.get("/health", summary="200 while serving, else 503 and why (a worker stuck...)")
     async def health(request: HttpRequest):
-        up = app.engine.accepting
-        return ok(request, {"status": "ok" if up else "unavailable"}, 200 if up else 503)
+        why = app.health()
+        return ok(request, {"status": "ok"} if why is None else
+                  {"status": "unavailable", "reason": why}, 200 if why is None else 503)
 
     @fa.get("/metrics", summary="Prometheus metrics (prometheus_client)")
     async def metrics(request: HttpRequest):
@@ -172,15 +173,17 @@ def _failed(req: Request | None, e: Exception) -> api.ApiError:
 def _submit_all(app: App, prompts: list[list[int]], params, n: int, put, chat: bool
                 ) -> list[Request]:
     """n choices of each prompt (choice i of prompt p: index p * n + i; a seed s gives
-    choice i the seed s ^ i); their events go to put(index, event). One refused:
-    those submitted are cancelled, the ApiError raised."""
+    choice i the seed s ^ i); their events go to put(index, event); they take their turns
+    as one (the first one's group). One refused: those submitted are cancelled, the
+    ApiError raised."""
     reqs: list[Request] = []
     try:
         for ids in prompts:
             for i in range(n):
                 q = params if i == 0 or params.seed is None else \
                     dataclasses.replace(params, seed=params.seed ^ i)
-                reqs.append(app.submit(ids, q, functools.partial(put, len(reqs)), chat))
+                reqs.append(app.submit(ids, q, functools.partial(put, len(reqs)), chat,
+                                       reqs[0].id if reqs else None))
     except api.ApiError:
         _cancel(reqs)
         raise

@@ -73,6 +73,8 @@ class Request:
         self.finish_reason: str | None = None
         self.error: RequestFailed | None = None
         self.slot: int | None = None  # its place among the running (None: not running)
+        self.group = rid  # the requests of one POST share one: they take turns with others'
+        self.preempted = False  # waiting to be computed again (first in line)
         self.blocks: list[int] = []  # its KV block table
         self.computed = 0  # tokens (prompt, then generated) whose keys are in its blocks
         self.cached = 0  # blocks of its prompt found in the prefix cache (not computed)

@@ -37,6 +37,7 @@ import torch
 from torch import nn
 
 from tpkit.comm import recv, send
+from tpkit.comm.failure import CollectiveFailed
 from tpkit.model.paged_kv import LAST, PagedCache, Piece, forward, ready
 
 STEP, EMBED, IDLE, STOP = 1, 2, 3, 4
@@ -93,14 +94,19 @@ class Runner:
                   ) -> list[tuple[torch.Tensor | None, list[torch.Tensor]]]:
         """Rank 0: run `forwards` on every rank (the cache grown to `blocks` first);
         each forward's (logits of its pieces' last rows, EVERY pieces' other rows)."""
-        if self.group.size > 1:
-            self._header(STEP, encode(forwards), blocks, greedy)
-        return self._run(forwards, blocks, greedy)
+        try:
+            if self.group.size > 1:
+                self._header(STEP, encode(forwards), blocks, greedy)
+            return self._run(forwards, blocks, greedy)
+        except CollectiveFailed as e:  # a worker died or is stuck: which step it was
+            e.after_step(self.steps)
+            raise
 
     def _run(self, forwards, blocks: int, greedy: bool):
         self.cache.grow(blocks)
-        self.steps += 1
-        return [forward(self.model, self.cache, pieces, greedy) for pieces in forwards]
+        out = [forward(self.model, self.cache, pieces, greedy) for pieces in forwards]
+        self.steps += 1  # completed
+        return out
 
     def lead_embed(self, rows: list[list[int]]) -> tuple[torch.Tensor, torch.Tensor]:
         """Rank 0: one forward of an encoder over `rows` (token ids) on every rank; the
@@ -119,8 +125,9 @@ class Runner:
         for i, r in enumerate(rows):
             ids[i, :len(r)], mask[i, :len(r)] = torch.tensor(r), 1
         ids, mask = ids.to(self.device), mask.to(self.device)
+        out = self.model.hidden_states(ids, attention_mask=mask), mask
         self.steps += 1
-        return self.model.hidden_states(ids, attention_mask=mask), mask
+        return out
 
     def lead_idle(self) -> None:
         """Rank 0: a heartbeat (followers wait for the next step without timing out)."""
@@ -144,6 +151,13 @@ class Runner:
         After a greedy step of decode rows alone, a follower readies the step it expects
         next (`_expect`) while rank 0 plans it: when the plan is that one, only the native
         call is left to make (otherwise the plan runs as sent)."""
+        try:
+            return self._follow()
+        except CollectiveFailed as e:  # rank 0 died or is stuck: after which step
+            e.after_step(self.steps)
+            raise
+
+    def _follow(self) -> int:
         expected = None  # (plan, blocks, the readied step)
         while True:
             op, blocks, greedy, flat = self._header(0)
@@ -151,8 +165,8 @@ class Runner:
                 return self.steps
             if op == STEP:
                 if expected is not None and expected[:2] == (flat, blocks) and greedy:
-                    self.steps, self.expected = self.steps + 1, self.expected + 1
                     out = [expected[2]()]
+                    self.steps, self.expected = self.steps + 1, self.expected + 1
                 else:
                     expected = None  # (its buffers are the plan's to use now)
                     out = self._run(decode(flat), blocks, greedy)

@@ -6,7 +6,10 @@ A request's tokens are its prompt then what it generated; `computed` of them hav
 keys in its blocks. Each step, in order:
     1. the running requests: one token each that is decoding (its last, for the next),
        the next piece of each whose prompt is not all computed yet;
-    2. waiting requests, first come first served, while a running place is free, the
+    2. waiting requests, in turns (`_turns`: the requests of one POST, its n choices of
+       each prompt, take turns with other POSTs', so that a short request arriving behind
+       one POST of n x prompts is admitted at the next free place; first come first
+       served among equals; a preempted request first), while a running place is free, the
        tokens in flight (prompt + max_tokens of the running) stay within
        `max_tokens_in_flight`, and KV blocks can be had: the prefix cache gives the
        full blocks of its prompt that some request computed before (`blocks`), the
@@ -47,7 +50,7 @@ Two modes (`invariant`):
 
 from __future__ import annotations
 
-from collections import deque
+from collections import Counter, deque
 from dataclasses import dataclass, field
 
 from tpkit.model.paged_kv import EVERY, LAST, NONE, Piece
@@ -123,14 +126,14 @@ class Scheduler:
                 pieces.append((req, n))
                 left -= n
         computing = self._computing() if self.waiting and self.pool.caching else {}
-        for req in list(self.waiting):
+        for req in self._turns() if len(self.running) < self.max_batch else []:
             if len(self.running) >= self.max_batch:
                 break
             if self._defer(req, computing):
                 continue  # its prefix is being computed: it waits for the cache
             held = sum(len(r.prompt) + r.params.max_tokens for r in self.running)
             if held + len(req.prompt) + req.params.max_tokens > self.budget:
-                break  # first come, first served: it waits, and those behind it
+                break  # in its turn: it waits, and those behind it
             req.computed, req.prefill_end = 0, _tokens(req)
             if self._next(req, left, opens and not pieces) == 0:
                 break  # this step's prompt budget is spent
@@ -139,6 +142,7 @@ class Scheduler:
             self.waiting.remove(req)
             self.running.append(req)
             out.admitted.append(req)
+            req.preempted = False
             if self.pool.caching:  # its prompt's blocks: those behind it may wait for them
                 self._computing(req, computing)
             n = self._next(req, left, opens and not pieces)
@@ -151,6 +155,18 @@ class Scheduler:
         self._plan(out, decodes, pieces)
         out.blocks = self.pool.size
         return out
+
+    def _turns(self) -> list[Request]:
+        """The waiting requests in the order they are admitted: the preempted first, then
+        a POST's k-th request still waiting after those of the POSTs with fewer requests
+        running or waiting before it (its group's load), first come first served among
+        equal loads."""
+        load = Counter(r.group for r in self.running)
+        order = []
+        for i, req in enumerate(self.waiting):
+            order.append((not req.preempted, load[req.group], i, req))
+            load[req.group] += 1
+        return [req for *_, req in sorted(order, key=lambda o: o[:3])]
 
     def prompt_start(self) -> int | None:
         """The context position the next piece of a prompt starts at (a running
@@ -257,7 +273,7 @@ class Scheduler:
         """Release `req`'s blocks; it waits first in line to be computed again."""
         self.running.remove(req)
         self.pool.release(req.blocks)
-        req.blocks, req.computed, req.slot = [], 0, None
+        req.blocks, req.computed, req.slot, req.preempted = [], 0, None, True
         self.waiting.appendleft(req)
 
     def finish(self, req: Request) -> None:

@@ -220,3 +220,21 @@ class TextStream:
         text = self.tokenizer.decode(self.ids)
         new, self.shown = text[self.shown:], len(text)
         return new
+
+
+def bytes_per_token(tokenizer: Tokenizer) -> int | None:
+    """The most UTF-8 bytes of text one token stands for, where the tokenizer bounds it:
+    a text of n bytes then has at least ceil(n / it) tokens (a server refuses one too
+    long for its context before tokenizing it). Bounded: the byte tokenizer (1), a
+    byte-level BPE without a normalizer (its longest token or added token); None for any
+    other (a normalizer may shrink the text, unknown characters fuse into one token...)."""
+    if isinstance(tokenizer, ByteTokenizer):
+        return 1
+    hf = getattr(tokenizer, "hf", None)
+    backend = getattr(hf, "backend_tokenizer", None)
+    if backend is None or backend.normalizer is not None or \
+            type(backend.model).__name__ != "BPE" or \
+            type(backend.pre_tokenizer).__name__ != "ByteLevel":
+        return None
+    added = [len(t.content.encode("utf-8")) for t in hf.added_tokens_decoder.values()]
+    return max([1, *added, *(len(tokenizer.token_bytes(i)) for i in range(len(hf)))])
