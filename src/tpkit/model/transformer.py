@@ -350,11 +350,13 @@ class Transformer(nn.Module):
         return torch.tanh(self.pooler(hidden[:, 0]))
 
     def loss(self, last: torch.Tensor, labels: torch.Tensor, ignore_index: int = -100,
-             label_smoothing: float = 0.0) -> torch.Tensor:
+             label_smoothing: float = 0.0, divide_by: float | None = None) -> torch.Tensor:
         """Mean cross-entropy over non-ignored tokens; identical on every tp rank.
 
         `last`: what the last stage returned, the vocab-parallel logits, or with
-        `loss_chunk` the final hidden states (the head then runs inside the chunked loss)."""
+        `loss_chunk` the final hidden states (the head then runs inside the chunked loss).
+        `divide_by`: the sum over the non-ignored tokens divided by this instead of their
+        count (masked labels: the batch's count, so the step's loss is its masked mean)."""
         if self.loss_chunk:
             per_token = chunked_head_cross_entropy(
                 last, self.head_weight, labels, self.group, self.config.vocab_size,
@@ -366,6 +368,8 @@ class Transformer(nn.Module):
                 per_token = vocab_parallel_cross_entropy(
                     last, labels, self.group, self.config.vocab_size,
                     ignore_index=ignore_index, label_smoothing=label_smoothing)  # [b, s]
+        if divide_by is not None:
+            return per_token.sum() / divide_by
         return per_token.sum() / (labels != ignore_index).sum().clamp(min=1)
 
     def generate(self, ids, max_new_tokens: int = 32, **kw) -> torch.Tensor:

@@ -1,0 +1,100 @@
+"""`tpkit train --loss-on assistant`: chat data prepared with --chat-field carries a mask
+of the assistant's tokens, and the step's loss is the masked mean of the per-token
+losses over the global batch, at any layout (checked by hand with transformers)."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+
+import numpy as np
+import pytest
+import torch
+import torch.nn.functional as F
+
+from tpkit.cli import main as tpkit_main
+
+SEQ, BATCH = 32, 8
+
+
+def _chat(i: int) -> list[dict]:
+    return [{"role": "user", "content": f"what splits layer {i}?"},
+            {"role": "assistant", "content": f"tensor parallelism splits layer {i} across "
+                                             f"{i % 4 + 2} devices"},
+            {"role": "user", "content": "and then?"},
+            {"role": "assistant", "content": "the pipeline sends activations"}]
+
+
+@pytest.fixture(scope="module")
+def chats(tmp_path_factory, chat_llama):
+    root = tmp_path_factory.mktemp("chats")
+    (root / "chats.jsonl").write_text("".join(json.dumps({"messages": _chat(i)}) + "\n"
+                                              for i in range(40)))
+    assert tpkit_main(["prepare-data", str(root / "chats.jsonl"), "--chat-field", "messages",
+                       "--tokenizer", str(chat_llama), "--out", str(root / "data"),
+                       "--no-progress"]) == 0
+    return chat_llama, root / "data"
+
+
+def test_the_mask_is_the_assistants_turns_with_their_end_marker(chats):
+    from transformers import AutoTokenizer
+
+    folder, data = chats
+    ids = np.fromfile(data / "shard_00000.bin", np.uint16)
+    mask = np.fromfile(data / "mask_00000.bin", np.uint8)
+    first = int(np.flatnonzero(ids == 2)[4]) + 1  # 4 turns' </s>, then the chat's end
+    tok = AutoTokenizer.from_pretrained(str(folder))
+    said = tok.decode(ids[:first][mask[:first] == 1].tolist())
+    assert said == ("tensor parallelism splits layer 0 across 2 devices</s>\n"
+                    "the pipeline sends activations</s>\n")
+
+
+def _reference(folder, data) -> tuple[float, float]:
+    """(masked mean, plain mean) of the per-token losses of the first global batch,
+    computed here with transformers' logits and the mask file."""
+    from transformers import AutoModelForCausalLM
+
+    from tpkit.train.data import TokenLoader
+
+    ids = np.fromfile(data / "shard_00000.bin", np.uint16).astype(np.int64)
+    mask = np.fromfile(data / "mask_00000.bin", np.uint8).astype(bool)
+    windows = TokenLoader(ids, SEQ, BATCH, seed=0).window_ids(0)  # the run's first batch
+    rows = torch.tensor(np.stack([ids[w * SEQ:w * SEQ + SEQ + 1] for w in windows]))
+    keep = torch.tensor(np.stack([mask[w * SEQ + 1:w * SEQ + SEQ + 1] for w in windows]))
+    model = AutoModelForCausalLM.from_pretrained(str(folder), dtype=torch.float32)
+    with torch.no_grad():
+        logits = model(rows[:, :-1]).logits
+    per_token = F.cross_entropy(logits.flatten(0, 1), rows[:, 1:].flatten(), reduction="none")
+    return (per_token[keep.flatten()].sum() / keep.sum()).item(), per_token.mean().item()
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("layout", [["--tp", "1", "--dp", "2", "--cp", "2"],
+                                    ["--tp", "2", "--pp", "2"]])
+def test_the_loss_is_the_hand_masked_mean_at_any_layout(chats, tmp_path, layout):
+    folder, data = chats
+    masked, plain = _reference(folder, data)
+    assert abs(masked - plain) > 1e-3 * plain  # the mask changes the loss
+    done = subprocess.run(
+        [sys.executable, "-m", "tpkit", "train", "--from-hf", str(folder), "--data", str(data),
+         "--loss-on", "assistant", *layout, "--micro-batches", "2", "--global-batch",
+         str(BATCH), "--seq", str(SEQ), "--steps", "1", "--val-fraction", "0", "--out",
+         str(tmp_path / "run"), "--trackers", "none", "--no-plot", "--no-progress",
+         "--no-checkpoint"], capture_output=True, text=True, timeout=240)
+    assert done.returncode == 0, done.stderr[-2000:]
+    row = json.loads((tmp_path / "run" / "metrics.jsonl").read_text().splitlines()[0])
+    assert row["loss"] == pytest.approx(masked, rel=1e-5)
+
+
+def test_text_data_is_refused_in_one_line(chats, capsys, tmp_path):
+    folder, _ = chats
+    (tmp_path / "t.txt").write_text("plain text " * 200)
+    assert tpkit_main(["prepare-data", str(tmp_path / "t.txt"), "--tokenizer", str(folder),
+                       "--out", str(tmp_path / "text"), "--no-progress"]) == 0
+    capsys.readouterr()
+    assert tpkit_main(["train", "--from-hf", str(folder), "--data", str(tmp_path / "text"),
+                       "--loss-on", "assistant", "--steps", "1"]) == 2
+    err = capsys.readouterr().err
+    assert "loss_on='assistant' needs chat data" in err and "prepared from text" in err
+    assert len(err.strip().splitlines()) == 1
