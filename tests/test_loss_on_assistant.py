@@ -103,3 +103,16 @@ def test_text_data_is_refused_in_one_line(chats, capsys, tmp_path):
     err = capsys.readouterr().err
     assert "loss_on='assistant' needs chat data" in err and "prepared from text" in err
     assert len(err.strip().splitlines()) == 1
+
+
+@pytest.mark.slow
+def test_the_mask_is_the_same_in_shards_and_from_worker_processes(chats, tmp_path):
+    from tpkit.train.data import assistant_mask
+
+    folder, data = chats
+    assert tpkit_main(["prepare-data", str(data.parent / "chats.jsonl"), "--chat-field",
+                       "messages", "--tokenizer", str(folder), "--out", str(tmp_path / "d"),
+                       "--shard-tokens", "1000", "--workers", "2", "--no-progress"]) == 0
+    parts = assistant_mask(tmp_path / "d").parts
+    assert len(parts) > 1
+    assert np.array_equal(np.concatenate(parts), np.fromfile(data / "mask_00000.bin", np.uint8))
