@@ -47,8 +47,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    help="a Hugging Face model folder (its config.json, read as `tpkit train "
                         "--from-hf` reads it) (default: none)")
     m.add_argument("--data", metavar="PATH",
-                   help="the data the printed `tpkit train --from-hf` line trains on (default: "
-                        "the placeholder DATA_DIR)")
+                   help="the data the printed `tpkit train` line trains on (default: a "
+                        "preset's default data; with --hf the placeholder DATA_DIR)")
     for flag, help_ in (("--heads", "attention heads (default: the preset's)"),
                         ("--hidden", "hidden size (default: the preset's)"),
                         ("--layers", "transformer layers (default: the preset's)"),
@@ -135,7 +135,7 @@ def train_model(a: argparse.Namespace) -> TrainModel:
     typed by hand or changed by shape flags) any Hugging Face folder of that shape."""
     if _customised(a):
         return TrainModel.hf(None, a.data)
-    return TrainModel.preset(a.preset) if a.preset else TrainModel.hf(a.hf, a.data)
+    return TrainModel.preset(a.preset, a.data) if a.preset else TrainModel.hf(a.hf, a.data)
 
 
 def request_from_args(a: argparse.Namespace) -> Request:

@@ -42,9 +42,9 @@ class TrainModel:
     note: str | None = None
 
     @classmethod
-    def preset(cls, name: str) -> TrainModel:
-        """A tpkit preset, trained on the default data unless told otherwise."""
-        return cls(f"--preset {name}")
+    def preset(cls, name: str, data: str | None = None) -> TrainModel:
+        """A tpkit preset, trained on `data` (None: the default data)."""
+        return cls(f"--preset {name}" + (f" --data {shlex.quote(data)}" if data else ""))
 
     @classmethod
     def hf(cls, folder: str | None, data: str | None = None) -> TrainModel:
