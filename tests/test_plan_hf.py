@@ -24,11 +24,10 @@ def _train_line(out: str) -> str:
 
 
 @pytest.fixture(scope="module")
-def folder_and_data(tmp_path_factory):
-    from hf_folders import TEXT, tiny_llama_folder
+def folder_and_data(tmp_path_factory, chat_llama):
+    from hf_folders import TEXT
 
-    root = tmp_path_factory.mktemp("plan_hf")
-    folder = tiny_llama_folder(root / "llama")
+    root, folder = tmp_path_factory.mktemp("plan_hf"), chat_llama  # a tiny Llama folder
     (root / "corpus.txt").write_text(TEXT)
     assert tpkit_main(["prepare-data", str(root / "corpus.txt"), "--tokenizer", str(folder),
                        "--out", str(root / "data")]) == 0
@@ -64,9 +63,9 @@ def test_a_folder_is_planned_in_json_with_its_placeholders_named(capsys, folder_
 
 
 def test_a_shape_typed_by_hand_says_how_to_run_it(capsys):
-    out = _printed(capsys, ["plan", "--heads", "64", "--hidden", "8192", "--layers", "80",
-                            "--vocab", "152064", "--kv-heads", "8", "--ffn", "29568",
-                            "--swiglu", "--nodes", "8", "--top", "2"])
+    out = _printed(capsys, ["plan", "--heads", "32", "--hidden", "4096", "--layers", "32",
+                            "--vocab", "152064", "--kv-heads", "8", "--ffn", "11008",
+                            "--swiglu", "--nodes", "2", "--top", "2"])
     assert "cannot run" not in out
     line = _train_line(out)
     assert "-m tpkit train --from-hf FOLDER --data DATA_DIR --tp " in line
