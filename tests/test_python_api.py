@@ -24,7 +24,7 @@ def _env() -> dict:
 
 def test_import_tpkit_imports_no_torch():
     code = ("import sys, tpkit; assert 'torch' not in sys.modules, 'torch imported'; "
-            "assert tpkit.load.__name__ == 'load_model' and 'torch' in sys.modules; "
+            "assert tpkit.load.__name__ == 'load' and 'torch' in sys.modules; "
             "assert tpkit.spawn.__name__ == 'spawn_ranks'; "
             "assert tpkit.ParallelMesh.__name__ == 'ParallelMesh'\n"
             "try:\n    tpkit.nothing\nexcept AttributeError as e:\n    print(e)")

@@ -9,6 +9,7 @@ The Python entry points (docs/python.md):
     model = tpkit.load(path)                   # one process: the whole model
     model = tpkit.load(path, mesh)             # this rank's shard, at mesh's layout
     tokens = model.generate(ids, max_new_tokens=16)
+    text = model.generate("a prompt", max_new_tokens=16)   # with the tokenizer it carries
     results = tpkit.spawn(fn, 2, path)         # fn(mesh, path) on 2 local ranks (tp=2)
 
 `path` is a tpkit checkpoint, a run folder (its latest valid checkpoint), a full
@@ -27,6 +28,6 @@ from tpkit.spec.lazy import lazy_names  # noqa: E402 (pure Python, no torch)
 
 __getattr__, __dir__ = lazy_names("tpkit", {  # public name -> (module, name in it)
     "ParallelMesh": ("tpkit.mesh", "ParallelMesh"),
-    "load": ("tpkit.weights.sources", "load_model"),
+    "load": ("tpkit.weights.sources", "load"),
     "spawn": ("tpkit.launch", "spawn_ranks"),
 }, globals())

@@ -1,13 +1,15 @@
 """`tpkit plan`: the best tp/pp/dp layouts for a model on a cluster, as a table or JSON.
 
     tpkit plan --preset llama3-70b --nodes 8 --gpus-per-node 8 --hardware h100
+    tpkit plan --hf path/to/SmolLM2-135M-Instruct --hardware cpu --gpus-per-node 2
     tpkit plan --heads 32 --hidden 4096 --layers 32 --vocab 32000 --seq 4096 --json
     tpkit plan --preset gpt3-175b --nodes 16 --hardware a100-80gb --explain --top 3
     tpkit plan --preset llama3-8b --nodes 16 --seq 131072 --global-batch 16 --cp 16
 
 Below the table: what each column means, then plan #1 as Megatron-LM flags and as a
 `tpkit train` command line (or the best plan tpkit itself can run, when plan #1 needs
-context parallelism, ZeRO-2 or FSDP).
+lighter end stages): `--preset NAME` for a preset, `--from-hf FOLDER --data DATA_DIR` for
+a Hugging Face folder or a shape typed by hand (placeholders explained under the line).
 """
 
 from __future__ import annotations
@@ -15,7 +17,7 @@ from __future__ import annotations
 import argparse
 import json
 
-from tpkit.plan.command_line import tpkit_gaps
+from tpkit.plan.command_line import TrainModel, tpkit_gaps
 from tpkit.plan.hardware import PROFILES, get_hardware
 from tpkit.plan.layout import ZERO_NAMES
 from tpkit.plan.memory import GRAD_DTYPES, Precision
@@ -37,10 +39,16 @@ SEARCHED = " (default: searched)"
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
     """Options of `tpkit plan`."""
-    m = p.add_argument_group("model (a preset, or a custom shape)")
+    m = p.add_argument_group("model (a preset, a Hugging Face folder, or a custom shape)")
     m.add_argument("--preset", metavar="NAME",
                    help="a tpkit.model preset, e.g. llama3-70b, gpt3-175b (default: none, a "
                         "custom shape)")
+    m.add_argument("--hf", "--from-hf", metavar="FOLDER", dest="hf",
+                   help="a Hugging Face model folder (its config.json, read as `tpkit train "
+                        "--from-hf` reads it) (default: none)")
+    m.add_argument("--data", metavar="PATH",
+                   help="the data the printed `tpkit train` line trains on (default: a "
+                        "preset's default data; with --hf the placeholder DATA_DIR)")
     for flag, help_ in (("--heads", "attention heads (default: the preset's)"),
                         ("--hidden", "hidden size (default: the preset's)"),
                         ("--layers", "transformer layers (default: the preset's)"),
@@ -97,11 +105,14 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
 
 
 def model_from_args(a: argparse.Namespace) -> ModelConfig:
-    """The preset, or a custom model from --heads --hidden --layers --vocab (--seq)."""
+    """The preset, the Hugging Face folder's shape, or a custom model from --heads --hidden
+    --layers --vocab (--seq)."""
     custom = {"num_heads": a.heads, "hidden": a.hidden, "num_layers": a.layers,
               "vocab_size": a.vocab}
-    if a.preset:
-        cfg = get_preset(a.preset)
+    if a.preset and a.hf:
+        raise PlanError("give --preset or --hf, not both")
+    if a.preset or a.hf:
+        cfg = get_preset(a.preset) if a.preset else _hf_shape(a.hf)
         return cfg.with_(**{k: v for k, v in custom.items() if v is not None})
     missing = [k for k, v in zip(("--heads", "--hidden", "--layers", "--vocab"), custom.values())
                if v is None]
@@ -111,10 +122,26 @@ def model_from_args(a: argparse.Namespace) -> ModelConfig:
                        ffn=a.ffn, activation="swiglu" if a.swiglu else "gelu", **custom)
 
 
+def _hf_shape(folder: str) -> ModelConfig:
+    """A Hugging Face folder's ModelConfig, read by the loader's own reader (its config.json
+    and tensor names, no weights)."""
+    from tpkit.weights.hf import hf_config  # lazy: torch, which the planner does without
+
+    return hf_config(folder)
+
+
+def train_model(a: argparse.Namespace) -> TrainModel:
+    """What the printed `tpkit train` line trains: the preset, the folder, or (a shape
+    typed by hand or changed by shape flags) any Hugging Face folder of that shape."""
+    if _customised(a):
+        return TrainModel.hf(None, a.data)
+    return TrainModel.preset(a.preset, a.data) if a.preset else TrainModel.hf(a.hf, a.data)
+
+
 def request_from_args(a: argparse.Namespace) -> Request:
     """Model, cluster and pinned choices from the command line."""
     cfg = model_from_args(a)
-    if a.preset and (a.kv_heads or a.ffn):
+    if (a.preset or a.hf) and (a.kv_heads or a.ffn):
         cfg = cfg.with_(kv_heads=a.kv_heads or cfg.kv_heads, ffn=a.ffn or cfg.ffn)
     seq = a.seq or min(cfg.max_seq_len, 4096)
     if seq > cfg.max_seq_len:
@@ -139,15 +166,15 @@ def run(args: argparse.Namespace) -> int:
     req = request_from_args(args)  # a bad flag or no plan that fits: UserError, one line
     everything = plan(req, distinct=False)
     plans = (everything if args.all else best_per_degrees(everything))[:args.top]
-    preset = args.preset if args.preset and not _customised(args) else None
-    runnable = next((e for e in everything if not tpkit_gaps(e.layout, preset)), None)
+    model = train_model(args)
+    runnable = next((e for e in everything if not tpkit_gaps(e.layout)), None)
     if args.json:
-        print(json.dumps([{**plan_dict(e), "commands": commands_dict(req, e, preset)}
+        print(json.dumps([{**plan_dict(e), "commands": commands_dict(req, e, model)}
                           for e in plans], indent=1))
         return 0
 
     print_table(req, plans)
-    print_commands(req, plans, runnable, preset)
+    print_commands(req, plans, runnable, model)
     if args.explain:
         for e in plans:
             print_explain(req, e)
@@ -155,5 +182,7 @@ def run(args: argparse.Namespace) -> int:
 
 
 def _customised(a: argparse.Namespace) -> bool:
-    """A preset changed by shape flags is no longer what `tpkit train --preset` builds."""
-    return any(v is not None for v in (a.heads, a.hidden, a.layers, a.vocab, a.kv_heads, a.ffn))
+    """A shape typed by hand, or a preset or folder changed by shape flags, is no longer
+    what `tpkit train --preset` / `--from-hf FOLDER` builds."""
+    return not (a.preset or a.hf) or any(
+        v is not None for v in (a.heads, a.hidden, a.layers, a.vocab, a.kv_heads, a.ffn))

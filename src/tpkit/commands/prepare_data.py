@@ -11,7 +11,9 @@ Each document (a .txt file, a JSON line, a row) is tokenized with the model's ow
 tokenizer (`AutoTokenizer` over the folder's tokenizer files; `--tokenizer bytes` for
 tpkit's byte-level presets), followed by the tokenizer's end-of-sequence token, into
 shards of uint16 ids when the vocabulary fits (else uint32) and an index.json with a
-summary (documents, tokens, vocabulary, dtype; `tpkit.train.tokens`). The readers are
+summary (documents, tokens, vocabulary, dtype; `tpkit.train.tokens`). Chats
+(--chat-field) also get a mask of the assistant's tokens next to each shard
+(`tpkit.train.chat_mask`), which `tpkit train --loss-on assistant` trains on. The readers are
 `tpkit.train.text_sources`, the tokenizing `tpkit.train.tokenizing` (which `tpkit train
 --data FILE.jsonl` uses too). `--workers N` tokenizes in N processes (the same shards,
 in the same order). A progress bar follows the bytes read and the tokens per second.
@@ -93,20 +95,26 @@ def prepare(files: list[str], tokenizer_at: str, out: str, dtype: str = "auto",
     # lazy: torch; the command parses and checks its flags without it
     from tpkit.train.data_folder import replacing
     from tpkit.train.tokenizing import Tokenized
-    from tpkit.train.tokens import ShardWriter, dtype_for
+    from tpkit.train.tokens import MASK_KEY, ShardWriter, dtype_for
 
     pieces = Tokenized(files, tokenizer_at, text_field, chat_field, workers)
     dtype_for(pieces.tok.vocab_size, dtype)  # a dtype too small: said before --out is touched
     meta = dict(tokenizer=tokenizer_at, eos_id=pieces.eos[0] if pieces.eos else None,
                 sources=[str(s.path) for s in pieces.sources], field=pieces.fields.name,
                 chat=chat_field is not None)
+    chat = chat_field is not None  # a mask of the assistant's tokens next to the ids
     with replacing(Path(out), overwrite) as folder, ShardWriter(
-            folder, pieces.tok.vocab_size, dtype, shard_tokens, meta=meta) as writer:
+            folder, pieces.tok.vocab_size, dtype, shard_tokens, meta=meta,
+            masked=chat) as writer:
         with byte_progress(sum(s.size for s in pieces.sources), progress) as advance:
-            for ids, n in pieces:
-                writer.write(ids)
+            for ids, n, mask in pieces:
+                writer.write(ids, mask)
                 advance(n, len(ids))
         writer.meta["documents"] = pieces.documents
+        if chat:
+            writer.meta[MASK_KEY] = pieces.mask_problem is None
+            writer.meta |= {"assistant_mask_problem": pieces.mask_problem} \
+                if pieces.mask_problem else {}
         return writer.close()
 
 

@@ -41,6 +41,7 @@ from tpkit.model.block import Block
 from tpkit.model.generate import generate, pad_left
 from tpkit.model.names import EMBED_WEIGHT
 from tpkit.model.native_decode import NativeEnds, NativeStack
+from tpkit.model.text import generate_text, is_text
 from tpkit.spec.config import ModelConfig
 from tpkit.spec.errors import UserError
 from tpkit.spec.shapes import (
@@ -133,6 +134,7 @@ class Transformer(nn.Module):
         if chunks_problem(config.num_layers, pp, v):
             raise UserError(f"{config.name}: {chunks_problem(config.num_layers, pp, v)}")
         self.config, self.mesh, self.group = config, mesh, mesh.tp_group
+        self.tokenizer = None  # text in, text out (`model.text`): set by `tpkit.load`
         self.sequence_parallel, self.recompute, self.seed = sequence_parallel, recompute, seed
         self.virtual_stages = v
         # > 0: the last stage returns its final hidden states and `loss` runs the head and
@@ -350,11 +352,13 @@ class Transformer(nn.Module):
         return torch.tanh(self.pooler(hidden[:, 0]))
 
     def loss(self, last: torch.Tensor, labels: torch.Tensor, ignore_index: int = -100,
-             label_smoothing: float = 0.0) -> torch.Tensor:
+             label_smoothing: float = 0.0, divide_by: float | None = None) -> torch.Tensor:
         """Mean cross-entropy over non-ignored tokens; identical on every tp rank.
 
         `last`: what the last stage returned, the vocab-parallel logits, or with
-        `loss_chunk` the final hidden states (the head then runs inside the chunked loss)."""
+        `loss_chunk` the final hidden states (the head then runs inside the chunked loss).
+        `divide_by`: the sum over the non-ignored tokens divided by this instead of their
+        count (masked labels: the batch's count, so the step's loss is its masked mean)."""
         if self.loss_chunk:
             per_token = chunked_head_cross_entropy(
                 last, self.head_weight, labels, self.group, self.config.vocab_size,
@@ -366,12 +370,18 @@ class Transformer(nn.Module):
                 per_token = vocab_parallel_cross_entropy(
                     last, labels, self.group, self.config.vocab_size,
                     ignore_index=ignore_index, label_smoothing=label_smoothing)  # [b, s]
+        if divide_by is not None:
+            return per_token.sum() / divide_by
         return per_token.sum() / (labels != ignore_index).sum().clamp(min=1)
 
-    def generate(self, ids, max_new_tokens: int = 32, **kw) -> torch.Tensor:
+    def generate(self, ids, max_new_tokens: int = 32, **kw):
         """Tokens [b, s + n] after `ids` [b, s] (or a list of prompts, left-padded):
         `tpkit.model.generate.generate` (its keywords: temperature, top_k, eos_id...).
+        Text (a string, or a list of them) gives text, through `self.tokenizer`
+        (`tpkit.model.text`; `stream=True`: an iterator of its pieces).
         Call on every tp rank; every rank returns the same tokens."""
+        if is_text(ids):
+            return generate_text(self, ids, max_new_tokens, **kw)
         if not torch.is_tensor(ids):
             ids, kw["attention_mask"] = pad_left(ids, kw.get("pad_id", 0), self.mesh.device)
         return generate(self, ids, max_new_tokens, **kw)

@@ -70,8 +70,10 @@ class StageModel(Protocol):
         """ids [b, s] or activations -> activations, or logits [b, s, V/tp] when last;
         `seq` = s (with sequence parallelism the activations hold a part of it)."""
 
-    def loss(self, logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
-        """Mean cross-entropy (a scalar, the same on every tp rank)."""
+    def loss(self, logits: torch.Tensor, labels: torch.Tensor, *,
+             divide_by: float | None = None) -> torch.Tensor:
+        """Mean cross-entropy (a scalar, the same on every tp rank); the sum over the
+        labels not ignored divided by `divide_by` when given."""
 
 
 @dataclass
@@ -79,7 +81,8 @@ class MicroBatch:
     """One micro-batch: token ids for the first stage, labels for the last."""
 
     ids: torch.Tensor  # [b, s] long
-    labels: torch.Tensor  # [b, s] long
+    labels: torch.Tensor  # [b, s] long (-100: no loss on it)
+    divide_by: float | None = None  # the loss's divisor (None: its labels' count)
 
 
 @dataclass
@@ -106,7 +109,7 @@ def _forward(model: StageModel, link: StageLink, mb: MicroBatch, scale: float, s
     with autocast or nullcontext():
         out = model.forward_chunk(chunk, x, seq=s)  # [b, s, h] hidden, or [b, s, V/tp] logits
     if model.chunk_is_last(chunk):
-        loss = model.loss(out.float(), mb.labels)  # scalar, same on every tp rank
+        loss = model.loss(out.float(), mb.labels, divide_by=mb.divide_by)  # same on all tp
         stats.losses.append(loss.item())
         return x, loss * scale
     link.send_forward(out)

@@ -6,12 +6,17 @@
 
 tpkit runs tp, pp, dp, context parallelism, sequence parallelism, ZeRO-1, ZeRO-2,
 FSDP (both reshard modes), interleaving and full recomputation; `tpkit_gaps` names
-what a plan needs beyond that (lighter end stages, a custom shape), and the command
-then shows the best plan tpkit can run. Megatron-LM
-flags (its `arguments.py` names) are given for every plan.
+what a plan needs beyond that (lighter end stages), and the command then shows the best
+plan tpkit can run. The model is a `TrainModel`: `--preset NAME`, or `--from-hf FOLDER`
+with the data of its tokenizer (a shape typed by hand runs from a Hugging Face folder of
+that shape: `FOLDER` and `DATA_DIR` are then placeholders, explained in its note).
+Megatron-LM flags (its `arguments.py` names) are given for every plan.
 """
 
 from __future__ import annotations
+
+import shlex
+from dataclasses import dataclass
 
 from tpkit.plan.layout import Layout
 from tpkit.plan.memory import lighter_end_layers
@@ -24,21 +29,51 @@ AFTER_STEP_NOTE = ("FSDP after-step is priced as PyTorch FSDP2 runs fully_shard(
                    "say when it reshards")
 
 
-def tpkit_gaps(lay: Layout, preset: str | None) -> list[str]:
+DATA_PLACEHOLDER = "DATA_DIR"
+FOLDER_PLACEHOLDER = "FOLDER"
+
+
+@dataclass(frozen=True)
+class TrainModel:
+    """What the printed `tpkit train` line trains: its model (and data) flags, and a note
+    saying what its placeholders stand for (None: the line runs as printed)."""
+
+    flags: str
+    note: str | None = None
+
+    @classmethod
+    def preset(cls, name: str, data: str | None = None) -> TrainModel:
+        """A tpkit preset, trained on `data` (None: the default data)."""
+        return cls(f"--preset {name}" + (f" --data {shlex.quote(data)}" if data else ""))
+
+    @classmethod
+    def hf(cls, folder: str | None, data: str | None = None) -> TrainModel:
+        """A Hugging Face folder (None: a shape typed by hand, any folder of that shape) and
+        the data tokenized by its tokenizer (None: the DATA_DIR placeholder)."""
+        where = shlex.quote(folder) if folder else FOLDER_PLACEHOLDER
+        notes = [] if folder else [
+            f"{FOLDER_PLACEHOLDER}: a Hugging Face model folder of this shape (config.json and "
+            f"safetensors weights, any family `tpkit train --from-hf` reads)"]
+        if data is None:
+            notes.append(f"{DATA_PLACEHOLDER}: `tpkit prepare-data TEXT_FILES --tokenizer "
+                         f"{where} --out {DATA_PLACEHOLDER}` (or a .jsonl file)")
+        flags = f"--from-hf {where} --data {shlex.quote(data) if data else DATA_PLACEHOLDER}"
+        return cls(flags, "; ".join(notes) or None)
+
+
+def tpkit_gaps(lay: Layout) -> list[str]:
     """What `tpkit train` cannot do of this plan (empty: it runs as planned)."""
     gaps = []
     if lay.lighter_ends:
         gaps.append("one layer fewer on the first and last stages")
-    if preset is None:
-        gaps.append("a custom model shape (tpkit train takes a --preset)")
     return gaps
 
 
-def tpkit_command(preset: str, lay: Layout, seq: int, global_batch: int, nodes: int,
+def tpkit_command(model: TrainModel, lay: Layout, seq: int, global_batch: int, nodes: int,
                   per_node: int, bf16: bool = True, local: bool = False) -> str:
     """`tpkit train ...`, under torchrun unless the plan is local processes on one machine."""
     m = global_batch // (lay.dp * lay.micro_batch)  # micro-batches per step and replica
-    flags = [f"--preset {preset}", f"--tp {lay.tp}", f"--pp {lay.pp}", f"--dp {lay.dp}"]
+    flags = [model.flags, f"--tp {lay.tp}", f"--pp {lay.pp}", f"--dp {lay.dp}"]
     flags += [f"--cp {lay.cp}"] if lay.cp > 1 else []
     flags += ["--sp"] if lay.sp else []
     flags += {1: ["--zero1"], 2: ["--zero2"]}.get(lay.zero, [])

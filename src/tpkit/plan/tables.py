@@ -6,7 +6,13 @@ from __future__ import annotations
 from rich.console import Console
 from rich.table import Table
 
-from tpkit.plan.command_line import AFTER_STEP_NOTE, megatron_flags, tpkit_command, tpkit_gaps
+from tpkit.plan.command_line import (
+    AFTER_STEP_NOTE,
+    TrainModel,
+    megatron_flags,
+    tpkit_command,
+    tpkit_gaps,
+)
 from tpkit.plan.layout import ZERO_NAMES, ZERO_SHORT
 from tpkit.plan.planner import Request
 from tpkit.plan.reasons import gb
@@ -87,7 +93,7 @@ def print_table(req: Request, plans: list[Estimate], console: Console | None = N
 
 
 def print_commands(req: Request, shown: list[Estimate], runnable: Estimate | None,
-                   preset: str | None, console: Console | None = None) -> None:
+                   model: TrainModel, console: Console | None = None) -> None:
     """How to run plan #1: Megatron-LM flags, and tpkit's command for it (or for the best
     plan tpkit can run, `runnable`, saying what plan #1 needs that tpkit lacks)."""
     console = console or Console(width=max(Console().width, 120))
@@ -100,7 +106,7 @@ def print_commands(req: Request, shown: list[Estimate], runnable: Estimate | Non
         highlight=False, soft_wrap=True)
     if best.layout.keeps_gathered_weights:
         say("  (" + AFTER_STEP_NOTE + ")", highlight=False, soft_wrap=True)
-    gaps = tpkit_gaps(best.layout, preset)
+    gaps = tpkit_gaps(best.layout)
     if not gaps:
         say("Run plan #1 with tpkit:", highlight=False)
     elif runnable is None:
@@ -115,9 +121,11 @@ def print_commands(req: Request, shown: list[Estimate], runnable: Estimate | Non
             f"{gb(runnable.memory['total'])}:", highlight=False)
     bf16 = cl.hardware.accelerator.dtype != "fp32"
     local = cl.hardware.name in ("cpu", "local")
-    say("  " + tpkit_command(preset, runnable.layout if gaps else best.layout, req.seq,
+    say("  " + tpkit_command(model, runnable.layout if gaps else best.layout, req.seq,
                              req.global_batch, cl.nodes, cl.per_node, bf16, local),
         highlight=False, soft_wrap=True)
+    if model.note:
+        say(f"  (where {model.note})", highlight=False, soft_wrap=True)
 
 
 def print_explain(req: Request, e: Estimate, console: Console | None = None) -> None:
@@ -159,14 +167,14 @@ def plan_dict(e: Estimate) -> dict:
             "per_layer_s": e.per_layer}
 
 
-def commands_dict(req: Request, e: Estimate, preset: str | None) -> dict:
+def commands_dict(req: Request, e: Estimate, model: TrainModel) -> dict:
     """The tpkit and Megatron-LM command lines of one plan (tpkit's None if it cannot)."""
     cl, lay = req.cluster, e.layout
-    gaps = tpkit_gaps(lay, preset)
+    gaps = tpkit_gaps(lay)
     tpkit = None if gaps else tpkit_command(
-        preset, lay, req.seq, req.global_batch, cl.nodes, cl.per_node,
+        model, lay, req.seq, req.global_batch, cl.nodes, cl.per_node,
         cl.hardware.accelerator.dtype != "fp32", cl.hardware.name in ("cpu", "local"))
-    return {"tpkit": tpkit, "tpkit_missing": gaps,
+    return {"tpkit": tpkit, "tpkit_missing": gaps, "tpkit_placeholders": model.note,
             "note": AFTER_STEP_NOTE if lay.keeps_gathered_weights else None,
             "megatron": megatron_flags(lay, req.seq, req.global_batch, req.config.num_layers,
                                        req.precision.grad if req.precision else 4,

@@ -30,11 +30,12 @@ from tpkit.train.config_knobs import (
     knob_problems,
     sections,
 )
-from tpkit.train.data import read_by_the_model
+from tpkit.train.data import assistant_mask_problem, read_by_the_model
 from tpkit.train.trackers import problems
 from tpkit.weights.hf import hf_config
 
 DTYPES = ("float32", "bfloat16")
+LOSS_ON = ("all", "assistant")  # which tokens' predictions the loss is on
 NONFINITE_POLICIES = ("stop", "skip")  # what a NaN/inf step does (tpkit.train.nonfinite)
 
 MODEL = Section("model", "what is trained, and how it computes")
@@ -130,6 +131,10 @@ class TrainConfig:
         metavar="PATH", path=True, fixed="the data loader's position")
     val_fraction: float = DATA.knob(0.05, "held-out fraction of the data", check=Check(
         lambda v: 0.0 <= v < 1.0, "must be in [0, 1)"), fixed="the data loader's windows")
+    loss_on: str = DATA.knob(
+        "all", "the tokens the loss is on: all, or assistant (chat data prepared with "
+        "--chat-field: the assistant's turns only, as TRL's assistant_only_loss)",
+        choices=LOSS_ON)
     eval_every: int = DATA.knob(50, "validation every N steps", check=COUNT)
     eval_batches: int = DATA.knob(2, "batches per validation", check=COUNT)
 
@@ -247,6 +252,8 @@ class TrainConfig:
         said = model.problem_line(tp=self.tp, pp=self.pp, sp=self.sp, seq=self.seq)
         out += [said] if said else []
         out += self._from_hf_problems()
+        said = assistant_mask_problem(self.data) if self.loss_on == "assistant" else None
+        out += [said] if said else []
         out += self._context_problems(model)
         chunks = chunks_problem(model.num_layers, self.pp, self.virtual_stages)
         if self.virtual_stages > 1 and chunks:  # at v=1, model.problems says pp > layers

@@ -33,9 +33,10 @@ from tpkit.parallel.schedules import MicroBatch
 from tpkit.spec.errors import UserError
 from tpkit.train.text_sources import DATASETS, documents_kind, read_text
 from tpkit.train.tokenizing import Tokenized
-from tpkit.train.tokens import INDEX, TokenStream, open_shards
+from tpkit.train.tokens import INDEX, MASK_KEY, TokenStream, open_masks, open_shards, read_index
 from tpkit.weights.tokenizer import ByteTokenizer, has_tokenizer
 
+IGNORED = -100  # a label without a loss (the cross-entropy's ignore_index)
 EMBEDDED_PROMPT = 'The "return" statement'  # a heading of the embedded corpus (the demo's hint)
 
 
@@ -165,6 +166,33 @@ def tokenizer_folder(data: str | Path | None) -> Path | None:
     return Path(folder) if folder and has_tokenizer(folder) else None
 
 
+def assistant_mask_problem(data: str | Path | None) -> str | None:
+    """Why `data` cannot train with the loss on the assistant's tokens only (None: it can,
+    or its index is damaged, which reading it says)."""
+    need = ("loss_on='assistant' needs chat data with its assistant mask: a `tpkit "
+            "prepare-data CHATS.jsonl --chat-field messages --tokenizer MODEL --out DIR` folder")
+    index = Path(data) / INDEX if data else None
+    if index is None or not index.is_file():
+        return f"{need} (data={data} is not a prepare-data folder)"
+    try:
+        said = json.loads(index.read_text())
+    except (OSError, ValueError):
+        return None
+    if not isinstance(said, dict) or said.get(MASK_KEY):
+        return None
+    if not said.get("chat"):
+        return f"{need} (data={data} was prepared from text, not --chat-field)"
+    return f"{need} (data={data} has none: {said.get('assistant_mask_problem')})"
+
+
+def assistant_mask(data: str | Path) -> TokenStream:
+    """The assistant mask of a chat folder (1 per token with a loss), memory-mapped."""
+    mask = open_masks(data, read_index(Path(data)))
+    if mask is None:
+        raise UserError(assistant_mask_problem(data) or f"data={data} has no assistant mask")
+    return mask
+
+
 def split_tokens(tokens, val_fraction: float, block: int = 8192, window: int = 1
                  ) -> tuple[TokenStream, TokenStream]:
     """(train, held-out): every k-th block of `block` tokens is held out, k = 1/fraction.
@@ -197,7 +225,7 @@ class TokenLoader:
     def __init__(self, tokens: np.ndarray | TokenStream, seq: int, global_batch: int, dp_rank: int = 0,
                  dp_size: int = 1, seed: int = 0, shuffle: bool = True,
                  name: str = "training", min_windows: int | None = None,
-                 split: str = "") -> None:
+                 split: str = "", mask: TokenStream | None = None) -> None:
         if global_batch % dp_size:
             raise UserError(f"global_batch={global_batch} is not divisible by dp={dp_size}")
         self.tokens = tokens  # read a window at a time (memory-mapped shards stay on disk)
@@ -211,6 +239,8 @@ class TokenLoader:
                              f"seq={seq}, fewer than {what}{split}")
         self.position = 0  # sequences consumed, all replicas together
         self._perm: tuple[int, torch.Tensor] | None = None
+        self.mask = mask  # 1 per token the loss is on (--loss-on assistant), or None
+        self.counted: int | None = None  # labels with a loss in the last global batch
 
     def _order(self, epoch: int) -> torch.Tensor:
         if self._perm is None or self._perm[0] != epoch:
@@ -220,22 +250,36 @@ class TokenLoader:
             self._perm = (epoch, perm)
         return self._perm[1]
 
-    def window_ids(self, position: int) -> list[int]:
-        """Window indices of this replica's slice of the global batch at `position`."""
-        b = self.global_batch // self.dp_size
+    def window_ids(self, position: int, dp_rank: int | None = None) -> list[int]:
+        """Window indices of this replica's (or `dp_rank`'s) slice of the global batch at
+        `position`."""
+        b, r = self.global_batch // self.dp_size, self.dp_rank if dp_rank is None else dp_rank
         out = []
-        for i in range(position + self.dp_rank * b, position + (self.dp_rank + 1) * b):
+        for i in range(position + r * b, position + (r + 1) * b):
             out.append(int(self._order(i // self.windows)[i % self.windows]))
         return out
 
     def next_batch(self) -> tuple[torch.Tensor, torch.Tensor]:
-        """(ids, labels), each [global_batch/dp, seq] long; advances the position."""
+        """(ids, labels), each [global_batch/dp, seq] long; advances the position. With a
+        mask, labels without a loss are -100 and `counted` is the number of labels with
+        one in the whole global batch (every replica's)."""
         rows = [torch.from_numpy(np.asarray(self.tokens[w * self.seq:w * self.seq + self.seq + 1],
                                             dtype=np.int64))
                 for w in self.window_ids(self.position)]
-        self.position += self.global_batch
         batch = torch.stack(rows)  # [b, s+1]
-        return batch[:, :-1].contiguous(), batch[:, 1:].contiguous()
+        ids, labels = batch[:, :-1].contiguous(), batch[:, 1:].contiguous()
+        if self.mask is not None:
+            labels[~self._label_mask(self.window_ids(self.position))] = IGNORED
+            self.counted = sum(int(self._label_mask(self.window_ids(self.position, r)).sum())
+                               for r in range(self.dp_size))
+        self.position += self.global_batch
+        return ids, labels
+
+    def _label_mask(self, windows: list[int]) -> torch.Tensor:
+        """[len(windows), seq] bool: the labels (tokens 1..seq of each window) with a loss."""
+        s = self.seq
+        return torch.stack([torch.from_numpy(np.asarray(self.mask[w * s + 1:w * s + s + 1],
+                                                        dtype=np.bool_)) for w in windows])
 
     def state_dict(self) -> dict:
         """Position in the stream (and what it depends on)."""
@@ -260,6 +304,8 @@ def _resume_mismatch(key: str, saved, given) -> str:
     return f"{what}; start a new run (another --out) to change it"
 
 
-def micro_batches(ids: torch.Tensor, labels: torch.Tensor, m: int) -> list:
-    """Split a replica's batch [b, s] into m micro-batches [b/m, s]."""
-    return [MicroBatch(i, y) for i, y in zip(ids.chunk(m), labels.chunk(m))]
+def micro_batches(ids: torch.Tensor, labels: torch.Tensor, m: int,
+                  divide_by: float | None = None) -> list:
+    """Split a replica's batch [b, s] into m micro-batches [b/m, s] (each loss divided by
+    `divide_by` when given)."""
+    return [MicroBatch(i, y, divide_by) for i, y in zip(ids.chunk(m), labels.chunk(m))]

@@ -34,7 +34,7 @@ from tpkit.spec.errors import UserError
 from tpkit.train.run_folder import LOCK_FILE, check_writable, hold
 from tpkit.train.tokens import INDEX, index_problems
 
-OWN = re.compile(r"(index\.json|shard_\d{5}\.bin|\.(index\.json|shard_\d{5}\.bin)\.tmp|"
+OWN = re.compile(r"(index\.json|(shard|mask)_\d{5}\.bin|\.(index\.json|(shard|mask)_\d{5}\.bin)\.tmp|"
                  + re.escape(LOCK_FILE) + r"|\.tpkit-write-probe-\d+)")
 _RENAME_EXCHANGE = 2  # linux/fs.h
 _SHOWN = 4  # foreign names quoted in a refusal

@@ -34,6 +34,7 @@ from tpkit.train import run_log, trace
 from tpkit.train.config import TrainConfig
 from tpkit.train.data import (
     TokenLoader,
+    assistant_mask,
     load_tokens,
     split_tokens,
     tokenizer_folder,
@@ -59,12 +60,15 @@ def prepare(cfg: TrainConfig, mesh: ParallelMesh) -> tuple[TokenLoader, TokenLoa
     tokens = load_tokens(cfg.data, cfg.model_config().vocab_size, cfg.tokenizer_id,
                          warn=mesh.rank == 0)  # every rank checks; one says a warning
     train_tok, val_tok = split_tokens(tokens, cfg.val_fraction, window=cfg.seq + 1)
+    masks = split_tokens(assistant_mask(cfg.data), cfg.val_fraction, window=cfg.seq + 1) \
+        if cfg.loss_on == "assistant" else (None, None)  # cut as the tokens are
     split = (f" (of {len(tokens):,} tokens, {len(train_tok):,} for training and "
              f"{len(val_tok):,} held out by --val-fraction {cfg.val_fraction})")
     kw = dict(seq=cfg.seq, global_batch=cfg.global_batch, dp_rank=mesh.dp_rank,
               dp_size=mesh.dp_size, seed=cfg.seed, split=split)  # a replica's cp ranks: same rows
-    loader = TokenLoader(train_tok, **kw, name="training")
-    val = TokenLoader(val_tok, **kw, shuffle=False, name="validation", min_windows=1) \
+    loader = TokenLoader(train_tok, **kw, name="training", mask=masks[0])
+    val = TokenLoader(val_tok, **kw, shuffle=False, name="validation", min_windows=1,
+                      mask=masks[1]) \
         if cfg.val_fraction > 0 else None
     return loader, val
 

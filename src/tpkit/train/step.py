@@ -67,8 +67,14 @@ class StepContext:
     def batches(self, loader: TokenLoader) -> list:
         """The next batch of `loader`, on the device, as the run's micro-batches."""
         ids, labels = context.local_chunks(*loader.next_batch(), self.cp_group)  # [G/dp, s/cp]
-        return micro_batches(ids.to(self.mesh.device), labels.to(self.mesh.device),
-                             self.cfg.micro_batches)
+        m = self.cfg.micro_batches
+        # masked labels (--loss-on assistant): each micro-batch's loss is its sum over the
+        # batch's counted labels, times m * dp * cp (the schedule's mean over micro-batches
+        # and the gradients' over dp x cp undo it): the step's loss is the masked mean
+        divide_by = None if loader.counted is None else \
+            max(loader.counted, 1) / (m * self.mesh.dp_cp_size)
+        return micro_batches(ids.to(self.mesh.device), labels.to(self.mesh.device), m,
+                             divide_by)
 
 
 def run_step(ctx: StepContext, loader: TokenLoader, step: int) -> dict:

@@ -5,6 +5,8 @@
                            "shards": [{"file": "shard_00000.bin", "tokens": 16777216}, ...]}
       shard_00000.bin     raw little-endian ids, back to back
       shard_00001.bin
+      mask_00000.bin      chat data only: one uint8 per token, 1 for the assistant's
+                          (`chat_mask`; index: "assistant_mask": true, each shard's "mask")
 
 Written by `tpkit prepare-data` (`ShardWriter`), read by the trainer with
 `open_shards`: each shard is an `np.memmap`, and `TokenStream` serves slices of the
@@ -23,6 +25,7 @@ import numpy as np
 from tpkit.spec.errors import UserError
 
 INDEX, FORMAT = "index.json", "tpkit-tokens"
+MASK_KEY = "assistant_mask"  # in the index: true when every chat's mask was found
 DTYPES = {"uint16": np.uint16, "uint32": np.uint32}
 
 
@@ -89,13 +92,15 @@ class ShardWriter:
     Used as a context, an error closes the shard file open (a full disk: nothing held)."""
 
     def __init__(self, out: str | Path, vocab_size: int, dtype: str = "auto",
-                 shard_tokens: int = 1 << 26, meta: dict | None = None) -> None:
+                 shard_tokens: int = 1 << 26, meta: dict | None = None,
+                 masked: bool = False) -> None:
         self.out, self.vocab_size = Path(out), vocab_size
         self.dtype = dtype_for(vocab_size, dtype)
         self.shard_tokens, self.meta = shard_tokens, dict(meta or {})
         self.out.mkdir(parents=True, exist_ok=True)
         self.shards: list[dict] = []
-        self.max_id, self._file, self._n = -1, None, 0
+        self.max_id, self._file, self._n, self.masked = -1, None, 0, masked
+        self._mask = None  # the mask file of the shard being written (masked)
 
     def __enter__(self) -> ShardWriter:
         return self
@@ -106,10 +111,15 @@ class ShardWriter:
         if kind is not None and self._file is not None:
             self._file.close()
             self._file = None
+        if kind is not None and self._mask is not None:
+            self._mask.close()
+            self._mask = None
 
-    def write(self, ids: list[int] | np.ndarray) -> None:
-        """Append token ids (checked against the vocabulary)."""
+    def write(self, ids: list[int] | np.ndarray, mask: list[int] | None = None) -> None:
+        """Append token ids (checked against the vocabulary), and with `masked` their mask
+        (one 0/1 per id)."""
         ids = np.asarray(ids, dtype=np.int64)
+        mask = np.asarray(mask, dtype=np.uint8) if self.masked else None
         if ids.size and (int(ids.max()) >= self.vocab_size or int(ids.min()) < 0):
             bad = int(ids.max()) if int(ids.max()) >= self.vocab_size else int(ids.min())
             raise UserError(f"token id {bad} is outside the tokenizer's vocab_size="
@@ -120,13 +130,20 @@ class ShardWriter:
                 self._roll()
             take = ids[:self.shard_tokens - self._n]
             self._file.write(take.astype(DTYPES[self.dtype]).data)  # a full disk: its errno
+            if mask is not None:
+                self._mask.write(mask[:take.size].data)
+                mask = mask[take.size:]
             self._n, ids = self._n + take.size, ids[take.size:]
 
     def _roll(self) -> None:
         self._finish_shard()
-        name = f"shard_{len(self.shards):05d}.bin"
+        i = len(self.shards)
+        name = f"shard_{i:05d}.bin"
         self.shards.append(dict(file=name, tokens=0))
         self._file, self._n = open(self.out / f".{name}.tmp", "wb"), 0
+        if self.masked:
+            self.shards[-1]["mask"] = f"mask_{i:05d}.bin"
+            self._mask = open(self.out / f".mask_{i:05d}.bin.tmp", "wb")
 
     def _finish_shard(self) -> None:
         if self._file is not None:
@@ -135,6 +152,11 @@ class ShardWriter:
             (self.out / f".{name}.tmp").replace(self.out / name)
             self.shards[-1]["tokens"] = self._n
             self._file = None
+        if self._mask is not None:
+            self._mask.close()
+            name = self.shards[-1]["mask"]
+            (self.out / f".{name}.tmp").replace(self.out / name)
+            self._mask = None
 
     def close(self) -> dict:
         """Finish the last shard and write index.json; returns the index."""
@@ -192,12 +214,31 @@ def _int_at_least(value, low: int) -> bool:
     return isinstance(value, int) and not isinstance(value, bool) and value >= low
 
 
+def open_masks(folder: str | Path, index: dict) -> TokenStream | None:
+    """The assistant masks of a chat folder's shards, memory-mapped (None: no mask);
+    one UserError line for a mask file that is missing or of the wrong size."""
+    if not index.get(MASK_KEY):
+        return None
+    parts = []
+    for shard in index["shards"]:
+        path = Path(folder) / str(shard.get("mask"))
+        if not path.is_file() or path.stat().st_size != shard["tokens"]:
+            have = f"{path.stat().st_size} bytes" if path.is_file() else "missing"
+            raise UserError(f"{path}: {have}, the index says {shard['tokens']} tokens (one "
+                            f"mask byte each); prepare the data again")
+        if shard["tokens"]:
+            parts.append(np.memmap(path, dtype=np.uint8, mode="r"))
+    return TokenStream(parts)
+
+
 def open_shards(folder: str | Path) -> tuple[TokenStream, dict]:
     """(memory-mapped ids, index) of a `prepare-data` folder; clear errors on damage."""
     folder = Path(folder)
     index = read_index(folder)
     listed = {s["file"] for s in index["shards"]}
     stray = sorted(p.name for p in folder.glob("*shard_*.bin*") if p.name not in listed)
+    stray += sorted(p.name for p in folder.glob("*mask_*.bin*")
+                    if p.name not in {s.get("mask") for s in index["shards"]})
     if stray:  # a run that wrote into the folder after (or during) the one indexed
         raise UserError(f"{folder}: {', '.join(stray[:4])} not in {INDEX} (it lists "
                         f"{len(listed)} shard(s)): the shards are not the ones indexed; "

@@ -39,7 +39,7 @@ from tpkit.weights.files import (
 from tpkit.weights.hf import hf_source, memory_source
 from tpkit.weights.paths import FULL, SHARDED, Located, locate
 from tpkit.weights.slices import FullSource, Source
-from tpkit.weights.tokenizer import TOKENIZER_FILES, has_tokenizer
+from tpkit.weights.tokenizer import TOKENIZER_FILES, ByteTokenizer, has_tokenizer, load_tokenizer
 
 
 def open_source(source: Any, config: ModelConfig | None = None) -> Source:
@@ -91,6 +91,20 @@ def load_model(source: Any, mesh: ParallelMesh | None = None, *, tp: int | None 
     model = build_model(source.config, mesh, source, dtype=dtype,
                         sequence_parallel=sequence_parallel, expert_parallel=expert_parallel)
     return for_decode(model, quantize) if decode or quantize else model
+
+
+def load(source: Any, mesh: ParallelMesh | None = None, **kw) -> nn.Module:
+    """`tpkit.load`: `load_model(source, mesh, **kw)`, carrying the source's tokenizer as
+    `model.tokenizer` (None when it has no tokenizer files and is not a byte-level model),
+    so that `model.generate("text")` returns text (`tpkit.model.text`)."""
+    if mesh is None:  # a tp it cannot honour refused before anything is read
+        mesh = mesh_here(kw.pop("tp", None))
+    source = open_source(source)
+    model = load_model(source, mesh, **kw)
+    tok = load_tokenizer(source_tokenizer(source))
+    model.tokenizer = None if isinstance(tok, ByteTokenizer) and \
+        not model.config.byte_level else tok
+    return model
 
 
 def source_tokenizer(source: Any) -> Path | None:

@@ -60,6 +60,10 @@ class ByteTokenizer:
         """Bytes back to text; invalid UTF-8 replaced by U+FFFD."""
         return bytes(i for i in ids if 0 <= i < 256).decode("utf-8", errors="replace")
 
+    def stream(self) -> TextStream:
+        """An incremental decoder of this tokenizer's ids."""
+        return TextStream(self)
+
     def token_bytes(self, token: int) -> bytes:
         """The byte a token stands for (none for ids >= 256)."""
         return bytes([token]) if 0 <= token < 256 else b""
@@ -103,6 +107,10 @@ class HFTokenizer:
     def decode(self, ids: list[int]) -> str:
         """Text of `ids`, special tokens left out."""
         return self.hf.decode(ids, skip_special_tokens=True)
+
+    def stream(self) -> TextStream:
+        """An incremental decoder of this tokenizer's ids."""
+        return TextStream(self)
 
     def token_bytes(self, token: int) -> bytes:
         """The bytes one token stands for (a piece of a UTF-8 character, maybe; none for a
