@@ -5,7 +5,8 @@ metrics, checkpoints, the summary.
     model = train_model(cfg, mesh)         preset or Hugging Face weights (one builder)
     data_parallel = ReplicatedData | ...  dp: plain / ZeRO-1, or ZeRO-2 / FSDP
     ctx = StepContext(...)                 what a step needs, once
-    for each step: run_step(ctx, loader, step), evaluate, save_checkpoint
+    for each step: run_step(ctx, loader, step), evaluate, save_checkpoint (every
+        --ckpt-every steps, --ckpt-minutes, or at a stop signal: `_boundary`)
 
 Every rank runs this same function; rank 0 writes the metrics, the plot and the
 report. Checkpoints use `tpkit.checkpoint.store.save` (sharded, reshardable).
@@ -24,6 +25,8 @@ from tpkit.checkpoint import retention, store
 from tpkit.checkpoint.rng import capture_rng, restore_rng
 from tpkit.comm import all_reduce
 from tpkit.comm.failure import CollectiveFailed
+from tpkit.host import stop
+from tpkit.host.exit import Stopped
 from tpkit.mesh import ParallelMesh
 from tpkit.parallel import StageLink, context, ring_backward_group, tied_embedding_group
 from tpkit.parallel.divergence import check_replicas
@@ -114,7 +117,15 @@ def build_context(cfg: TrainConfig, mesh: ParallelMesh, model: torch.nn.Module,
 def train(cfg: TrainConfig, mesh: ParallelMesh, model: torch.nn.Module | None = None,
           trackers: Trackers | None = None) -> RunSummary:
     """Run `cfg.steps` steps on this rank; returns the run's summary (same on all ranks).
-    Rank 0 logs each step to `trackers` (default: those of `cfg.log`)."""
+    Rank 0 logs each step to `trackers` (default: those of `cfg.log`). A first SIGINT or
+    SIGTERM (`tpkit.host.stop`) ends the run at the next step boundary, every rank
+    agreeing: a checkpoint there, then `Stopped` saying which."""
+    with stop.honoured():
+        return _train(cfg, mesh, model, trackers)
+
+
+def _train(cfg: TrainConfig, mesh: ParallelMesh, model: torch.nn.Module | None,
+           trackers: Trackers | None) -> RunSummary:
     loader, val_loader = prepare(cfg, mesh)
     model = model or train_model(cfg, mesh)
     model.train()
@@ -127,6 +138,7 @@ def train(cfg: TrainConfig, mesh: ParallelMesh, model: torch.nn.Module | None = 
     bar = run_log.Progress(cfg.steps, lead and cfg.progress)
     rows, ckpt, tokens_per_step = [], None, cfg.global_batch * cfg.seq
     train_s = idle = busy = 0.0
+    since = time.monotonic()  # the last checkpoint (or the start), on rank 0's clock
     try:
         for step in range(start, cfg.steps):
             mesh.ledger.clear()
@@ -147,9 +159,14 @@ def train(cfg: TrainConfig, mesh: ParallelMesh, model: torch.nn.Module | None = 
             rows.append(row)  # logged before the checkpoint: a resume from it finds the row
             log.write({k: v for k, v in row.items() if k != "comm_line"})
             bar.update(row)
-            if cfg.ckpt_every and (step + 1) % cfg.ckpt_every == 0 and step + 1 < cfg.steps:
+            signum, due = _boundary(cfg, mesh, step + 1, since)
+            if due:
                 with data_parallel.full_params():
                     ckpt = save_checkpoint(cfg, mesh, model, opt, loader, step + 1, run_id)
+                since = time.monotonic()
+            if signum and step + 1 < cfg.steps:
+                raise Stopped(signum, f": saved step {step + 1} in {ckpt}" if due else
+                              f" after step {step + 1}: nothing saved (--no-checkpoint)")
     except CollectiveFailed as e:  # a dead or stuck peer: say how far the run got
         raise e.after_step(start + len(rows)) from e.__cause__
     finally:
@@ -183,6 +200,23 @@ def _close_link(link: StageLink, failing: bool, steps_done: int) -> None:
     except CollectiveFailed as e:
         if not failing:
             raise e.after_step(steps_done) from e.__cause__
+
+
+def _boundary(cfg: TrainConfig, mesh: ParallelMesh, done: int, since: float
+              ) -> tuple[int, bool]:
+    """At the end of step `done`: (the stop signal a rank got, or 0; whether to checkpoint
+    now), the same on every rank: the step interval, rank 0's clock (--ckpt-minutes since
+    `since`) and any rank's stop (`tpkit.host.stop`), agreed by one all-reduce (max) of
+    two numbers over the model's ranks then the replicas, outside the ledger's theory."""
+    late = cfg.ckpt_minutes > 0 and time.monotonic() - since >= 60 * cfg.ckpt_minutes
+    flags = torch.tensor([float(stop.asked()), float(late and mesh.rank == 0)],
+                         device=mesh.device)
+    with mesh.ledger.paused():
+        for group in (mesh.mp_group, mesh.dp_cp_group):
+            all_reduce(flags, group, "max", phase="metrics", scope="checkpoint")
+    signum, late = (int(v) for v in flags.tolist())
+    by_steps = cfg.ckpt_every > 0 and done % cfg.ckpt_every == 0
+    return signum, cfg.checkpoint and done < cfg.steps and bool(signum or late or by_steps)
 
 
 def _due(step: int, every: int, steps: int) -> bool:
