@@ -47,9 +47,10 @@ def context():
 
 def _ensure_running() -> None:
     """Start the forkserver unless it runs, with SIGINT ignored, which it and every worker
-    it forks inherit: a Ctrl-C while it imports torch, or before a worker set its own
-    handler, prints no KeyboardInterrupt traceback (the launcher stops them;
-    `tpkit.host.stop`)."""
+    it forks inherit (an ignored signal stays ignored across exec): a Ctrl-C while it
+    imports torch, or before a worker took SIGINT (`tpkit.host.stop.launcher_decides`),
+    prints no KeyboardInterrupt traceback; the launcher stops them. (A Ctrl-C in the
+    milliseconds of the start itself is lost here; the next one stops the command.)"""
     main = threading.current_thread() is threading.main_thread()
     before = signal.signal(signal.SIGINT, signal.SIG_IGN) if main else None
     try:
