@@ -149,7 +149,9 @@ class TrainConfig:
         None, "continue from a checkpoint, or a run folder (its latest valid one); auto: "
         "from the newest valid checkpoint in --out if there is one (restarts) (default: "
         "none, a new run)", metavar="PATH", path=True, noted=False)
-    checkpoint: bool = CHECKPOINT.knob(True, "write no checkpoint, not even the last")
+    checkpoint: bool = CHECKPOINT.knob(
+        True, "no checkpoint at the end, by --ckpt-minutes or at a stop signal: only every "
+        "--ckpt-every steps (0: none at all)")
 
     out: str = LOGGING.knob("runs/train", "the run folder (config.toml, metrics.jsonl, "
                                           "loss.png, checkpoints/, tb/)", metavar="DIR",

@@ -166,7 +166,7 @@ def _train(cfg: TrainConfig, mesh: ParallelMesh, model: torch.nn.Module | None,
                 since = time.monotonic()
             if signum and step + 1 < cfg.steps:
                 raise Stopped(signum, f": saved step {step + 1} in {ckpt}" if due else
-                              f" after step {step + 1}: nothing saved (--no-checkpoint)")
+                              f" after step {step + 1}: not saved (--no-checkpoint)")
     except CollectiveFailed as e:  # a dead or stuck peer: say how far the run got
         raise e.after_step(start + len(rows)) from e.__cause__
     finally:
@@ -216,7 +216,7 @@ def _boundary(cfg: TrainConfig, mesh: ParallelMesh, done: int, since: float
             all_reduce(flags, group, "max", phase="metrics", scope="checkpoint")
     signum, late = (int(v) for v in flags.tolist())
     by_steps = cfg.ckpt_every > 0 and done % cfg.ckpt_every == 0
-    return signum, cfg.checkpoint and done < cfg.steps and bool(signum or late or by_steps)
+    return signum, done < cfg.steps and (by_steps or cfg.checkpoint and bool(signum or late))
 
 
 def _due(step: int, every: int, steps: int) -> bool:
