@@ -175,3 +175,39 @@ def test_ctrl_c_ends_a_command_with_one_line(argv, ready, tmp_path):
                    _started(proc.pid, "forkserver", 0.5))
     line = _one_quiet_line(proc, signal.SIGINT, log.read_text(), err)
     assert line == f"tpkit {argv[0]}: stopped by SIGINT"
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(600)
+def test_under_torchrun_sigterm_to_the_agent_saves_on_every_rank(tmp_path):
+    """A scheduler's SIGTERM to torchrun's agent, which forwards it to each rank: the ranks
+    save at their step boundary, rank 0 alone says so, naming torchrun's own command.
+    (torchrun then prints its own SignalException traceback: torch's, not tpkit's.)"""
+    out = tmp_path / "run"
+    agent = ["--nnodes", "1", "--nproc_per_node", "2", "--rdzv-backend", "c10d",
+             "--rdzv-endpoint", "127.0.0.1:0"]
+    flags = ["train", *TRAIN, "--tp", "2", "--steps", "200", "--out", str(out)]
+    env = dict(os.environ, OMP_NUM_THREADS="1",
+               PYTHONPATH=SRC + os.pathsep + os.environ.get("PYTHONPATH", ""))
+    proc = subprocess.Popen([sys.executable, "-m", "torch.distributed.run", *agent, "-m",
+                             "tpkit", *flags], stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                            text=True, env=env, start_new_session=True)
+    seen: list[int] = []
+    try:
+        ready = _steps_written(out, 3)
+        while not ready():
+            assert proc.poll() is None, proc.communicate()[1][-3000:]
+            time.sleep(0.1)
+        seen = descendants(proc.pid)
+        proc.send_signal(signal.SIGTERM)
+        err = proc.communicate(timeout=120)[1]
+    finally:
+        kill([*seen, *(descendants(proc.pid) if proc.poll() is None else [])])
+        proc.kill()
+    ours = [line for line in err.splitlines() if line.startswith("tpkit train:")]
+    assert len(ours) == 1, err
+    said = re.fullmatch(r"tpkit train: stopped by SIGTERM: saved step (\d+) in (\S+); "
+                        r"continue with: (.*)", ours[0])
+    assert said and (Path(said[2]) / "manifest.json").exists(), ours
+    assert shlex.split(said[3]) == ["torchrun", *agent, "-m", "tpkit", *flags, "--resume",
+                                    "auto"]
