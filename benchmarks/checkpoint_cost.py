@@ -1,11 +1,17 @@
-"""What the default checkpoints cost a run: the seconds of one save (every rank's shards,
-the manifest, retention) over the seconds of the steps between two saves, at the
-default interval (--ckpt-every 500; the 10-minute clock only saves sooner on a machine
-slower than 1.2 s a step, where its share is that of one save in 10 minutes).
+"""What the default checkpoints cost a run, on 4 spawned gloo processes (tp=2 x pp=2):
 
-A run of `--steps` steps saving every `--every` steps on 4 spawned gloo processes
-(tp=2 x pp=2); each save timed on every rank (the slowest counts: all wait for it), the
-step time the median of the later steps.
+    save / 500 steps    one save (every rank's shards, the manifest, retention; the
+                        slowest rank's, all wait for it) over the steps between two
+                        saves at the default interval (--ckpt-every 500; the 10-minute
+                        clock only saves sooner where a step takes over 1.2 s, and then
+                        costs one save per 10 minutes)
+    agreement / step    the step boundary's agreement (one all-reduce of two numbers over
+                        every rank: a stop signal, rank 0's clock), run a second time
+                        right after the first (the ranks already level: its latency, not
+                        the wait for the slowest rank, which the next step would wait
+                        anyway), over the step
+
+A run of `--steps` steps saving every `--every`; medians, the slowest rank's.
 
     .venv/bin/python benchmarks/checkpoint_cost.py            # gpt2-tiny and llama-tiny
 
@@ -25,24 +31,29 @@ from tpkit.train import loop
 from tpkit.train.config import TrainConfig
 
 
-def _timed_run(mesh, cfg: TrainConfig) -> tuple[float, list[float]]:
-    """(median later step seconds, seconds of each save) on this rank."""
-    saves, save = [], loop.save_checkpoint
-
+def _timed(fn, seconds: list[float], twice: bool = False):
     def timed(*args, **kw):
+        out = fn(*args, **kw) if twice else None
         t0 = time.perf_counter()
-        out = save(*args, **kw)
-        saves.append(time.perf_counter() - t0)
+        out = fn(*args, **kw)
+        seconds.append(time.perf_counter() - t0)
         return out
 
-    loop.save_checkpoint = timed
+    return timed
+
+
+def _timed_run(mesh, cfg: TrainConfig) -> tuple[float, float, float]:
+    """(median later step seconds, median save seconds, median agreement seconds)."""
+    saves, agreements = [], []
+    loop.save_checkpoint = _timed(loop.save_checkpoint, saves)
+    loop._boundary = _timed(loop._boundary, agreements, twice=True)
     summary = loop.train(cfg, mesh)
-    return summary.later_step_s, saves
+    return summary.later_step_s, statistics.median(saves), statistics.median(agreements)
 
 
 def main() -> None:
     p = parser(__doc__)
-    p.add_argument("--steps", type=int, default=40)
+    p.add_argument("--steps", type=int, default=60)
     p.add_argument("--every", type=int, default=10)
     a = p.parse_args()
     rows, out = [], {"environment": environment(), "load_average": os.getloadavg()}
@@ -53,13 +64,15 @@ def main() -> None:
                               progress=False, plot=False, eval_every=0)
             per_rank = spawn(_timed_run, 4, cfg, mesh=dict(tp=2, pp=2), threads=1)
         step_s = statistics.median(r[0] for r in per_rank)
-        save_s = statistics.median(max(r[1][i] for r in per_rank)
-                                   for i in range(len(per_rank[0][1])))
+        save_s, agree_s = (max(r[i] for r in per_rank) for i in (1, 2))
         share = save_s / (500 * step_s)
-        rows.append([preset, f"{step_s * 1e3:.1f}", f"{save_s * 1e3:.1f}", f"{share:.2%}"])
-        out[preset] = dict(step_s=step_s, save_s=save_s, share_at_500=share)
-    print_table("a checkpoint at the default interval", ["model (tp=2 x pp=2)", "step ms", "save ms", "save / 500 steps"], rows)
-    print(f"load average {os.getloadavg()[0]:.2f}")
+        rows.append([preset, f"{step_s * 1e3:.1f}", f"{save_s * 1e3:.1f}", f"{share:.2%}",
+                     f"{agree_s * 1e3:.2f}", f"{agree_s / step_s:.1%}"])
+        out[preset] = dict(step_s=step_s, save_s=save_s, share_at_500=share,
+                           agreement_s=agree_s)
+    print_table("the default checkpoints' cost", ["model (tp=2 x pp=2)", "step ms", "save ms",
+                "save / 500 steps", "agreement ms", "agreement / step"], rows)
+    print(f"load average {os.getloadavg()[0]:.2f} (before: {out['load_average'][0]:.2f})")
     write_json("checkpoint_cost", out)
 
 

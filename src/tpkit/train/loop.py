@@ -207,13 +207,14 @@ def _boundary(cfg: TrainConfig, mesh: ParallelMesh, done: int, since: float
     """At the end of step `done`: (the stop signal a rank got, or 0; whether to checkpoint
     now), the same on every rank: the step interval, rank 0's clock (--ckpt-minutes since
     `since`) and any rank's stop (`tpkit.host.stop`), agreed by one all-reduce (max) of
-    two numbers over the model's ranks then the replicas, outside the ledger's theory."""
+    two numbers over every rank, outside the ledger's theory."""
     late = cfg.ckpt_minutes > 0 and time.monotonic() - since >= 60 * cfg.ckpt_minutes
     flags = torch.tensor([float(stop.asked()), float(late and mesh.rank == 0)],
                          device=mesh.device)
-    with mesh.ledger.paused():
-        for group in (mesh.mp_group, mesh.dp_cp_group):
-            all_reduce(flags, group, "max", phase="metrics", scope="checkpoint")
+    if mesh.world_size > 1:
+        every_rank = mesh.extra_group("boundary", "world", [tuple(range(mesh.world_size))])
+        with mesh.ledger.paused():
+            all_reduce(flags, every_rank, "max", phase="metrics", scope="checkpoint")
     signum, late = (int(v) for v in flags.tolist())
     by_steps = cfg.ckpt_every > 0 and done % cfg.ckpt_every == 0
     return signum, done < cfg.steps and (by_steps or cfg.checkpoint and bool(signum or late))
