@@ -1,13 +1,14 @@
 """Clean shutdown and dead ranks, through the real `tpkit train` (tp=2 x pp=2, 4 processes,
 for a dead rank; tp=2, 2 processes, for a signal to the launcher).
 
-- SIGTERM, SIGHUP, SIGINT to the launcher only: it kills and waits for its workers and
-  exits with 128 + the signal; SIGKILL to the launcher: each worker notices its lifeline
+- SIGTERM, SIGHUP, SIGINT to the launcher only: it kills and waits for its workers (after
+  they saved at their step boundary, for SIGTERM and SIGINT) and exits with 128 + the
+  signal, its line saying how to continue; SIGKILL to the launcher: each worker notices its lifeline
   pipe close and kills itself. Either way no descendant (workers, forkserver, resource
   tracker) is left after 10 s, and the newest complete checkpoint still verifies.
 - A rank killed (SIGKILL) or stopped (SIGSTOP) mid-run: the run stops within the
   collective timeout with one line naming that rank, what the others were waiting in
-  (collective, group, scope) and the last step completed.
+  (collective, group, scope), the last step completed and the command that continues.
 Either way nothing of the run is left in /dev/shm (its groups talk through shared memory).
 """
 
@@ -93,8 +94,11 @@ def test_a_signal_to_the_launcher_leaves_no_process(sig, tmp_path):
         _kill_all(proc, below)
     signum = getattr(signal, sig)
     assert proc.returncode == (-signum if sig == "SIGKILL" else 128 + signum), err
-    if sig != "SIGKILL":
-        assert err.strip().splitlines()[-1] == f"tpkit train: stopped by {sig}", err
+    if sig != "SIGKILL":  # SIGTERM and SIGINT save at the step boundary first; SIGHUP not
+        line = err.strip().splitlines()[-1]
+        saved = ": saved step " if sig != "SIGHUP" else "; newest checkpoint: "
+        assert line.startswith(f"tpkit train: stopped by {sig}{saved}"), err
+        assert line.endswith(" --resume auto") and "; continue with: tpkit train " in line, err
         assert "leaked semaphore" not in err and "Traceback" not in err, err
     _newest_checkpoint_verifies(tmp_path)
     _no_shared_memory_left(tmp_path)
@@ -123,4 +127,8 @@ def test_a_dead_or_stuck_rank_stops_the_run_with_one_line(sig, says, tmp_path):
     assert line.index(says) < line.index(" then rank "), line
     assert re.search(r"then rank \d: \w+ over \w+ \[[\d, ]+\] \(scope [^,]+, \w+\)", line), line
     assert "last step completed: " in line and "none" not in line.split("completed: ")[1]
+    assert line.endswith("; no checkpoint yet; continue with: tpkit train --preset gpt2-tiny "
+                         f"--tp 2 --pp 2 --steps 100000 --seq 32 --global-batch 8 "
+                         f"--micro-batches 2 --out {tmp_path} --no-progress "
+                         f"--collective-timeout 5 --resume auto"), line
     _no_shared_memory_left(tmp_path)

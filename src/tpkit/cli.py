@@ -18,7 +18,10 @@ tools: no traceback, exit status 128 + SIGPIPE = 141.
 
 SIGTERM, SIGHUP and SIGINT stop a command cleanly: its worker processes are killed
 and waited for, and it exits with 128 + the signal number, at once (the exit handlers
-run; the interpreter's teardown, seconds with torch loaded, is skipped).
+run; the interpreter's teardown, seconds with torch loaded, is skipped), with one line
+and no traceback from any process. `tpkit train` honours a first SIGINT or SIGTERM at
+its next step boundary (`tpkit.host.stop`: its ranks checkpoint, then stop); a second
+one stops it at once.
 """
 
 from __future__ import annotations
@@ -36,7 +39,9 @@ from typing import NoReturn
 
 from tpkit.commands.common import HelpFormatter, explain_parse_error
 from tpkit.host import forkserver
+from tpkit.host import stop as stop_point
 from tpkit.host.exit import CLOSED_PIPE, Stopped, exit_now, quiet_stdout
+from tpkit.host.forkserver import under_torchrun_env
 from tpkit.spec.errors import RunFailed, UserError
 from tpkit.spec.words import suggest
 
@@ -75,9 +80,11 @@ def _stop_on_signals() -> dict | None:
         return None
 
     def stop(signum, _frame):
+        if stop_point.pass_on(signum):  # `tpkit train`'s ranks save at their step boundary
+            return
         for s in _STOP_SIGNALS:
             signal.signal(s, signal.SIG_IGN)
-        raise Stopped(signum)
+        raise Stopped(signum, stop_point.AGAIN if stop_point.asked() else "")
 
     return {s: signal.signal(s, stop) for s in _STOP_SIGNALS}
 
@@ -216,18 +223,28 @@ def _parse_and_run(name: str, argv: list[str]) -> int:
     try:
         return int(module.run(args) or 0)
     except KeyboardInterrupt as e:
-        signum = getattr(e, "signum", signal.SIGINT)
-        print(f"tpkit {name}: stopped by {signal.Signals(signum).name}", file=sys.stderr)
-        return 128 + signum
+        return _stopped(name, e, e)
     except Exception as e:
+        if isinstance(getattr(e, "original", None), KeyboardInterrupt):  # the ranks stopped
+            return _stopped(name, e.original, e)
         said = explain(e)
         if said is None or args.debug or os.environ.get("TPKIT_DEBUG") == "1":
             raise
-        print(f"tpkit {name}: error: {said[0]}", file=sys.stderr)
+        print(f"tpkit {name}: error: {said[0]}{getattr(e, 'then', '')}", file=sys.stderr)
         return said[1]
     finally:
         for s, handler in (previous or {}).items():
             signal.signal(s, handler)
+
+
+def _stopped(name: str, e: KeyboardInterrupt, outer: BaseException) -> int:
+    """The one stop line (rank 0's alone under torchrun), and 128 + the signal: what the
+    stop saved (`Stopped.said`), then how to continue (`then`, from the command)."""
+    signum = getattr(e, "signum", signal.SIGINT)
+    if (under_torchrun_env() or (0, 1))[0] == 0:
+        print(f"tpkit {name}: stopped by {signal.Signals(signum).name}"
+              f"{getattr(e, 'said', '')}{getattr(outer, 'then', '')}", file=sys.stderr)
+    return 128 + signum
 
 
 def entry() -> NoReturn:

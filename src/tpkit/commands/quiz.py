@@ -96,7 +96,11 @@ def run(args: argparse.Namespace) -> int:
     except AnswerError as e:
         print(f"tpkit quiz: error: {e}", file=sys.stderr)
         return 2
-    except (KeyboardInterrupt, EOFError):
+    except KeyboardInterrupt:  # the CLI's one line "stopped by SIGINT", exit 130
+        if sys.stdin.isatty():
+            print(file=sys.stderr)  # after the terminal's ^C, on a line of its own
+        raise
+    except EOFError:
         print(file=sys.stderr)
         return 130
     return 0

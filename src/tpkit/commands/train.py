@@ -24,8 +24,10 @@ from typing import TYPE_CHECKING
 from tpkit.checkpoint.retention import discard
 from tpkit.commands.common import deprecated_alias, group, says_default, shown
 from tpkit.commands.memory_check import check_fits
+from tpkit.commands.train_continue import continue_hint, continues
 from tpkit.host.device import best_device, cuda_available, device_name
-from tpkit.launch import decided_by_rank0, is_rank0, launch, world_here
+from tpkit.host.stop import passed_on
+from tpkit.launch import decided_by_rank0, is_rank0, launch, signal_workers, world_here
 from tpkit.parallel.schedules import CHUNKED
 from tpkit.plan.cost import model_flops_per_token
 from tpkit.plan.hardware import profile_of_device
@@ -171,10 +173,16 @@ def run(args: argparse.Namespace) -> int:
         return 0
     mesh = dict(tp=cfg.tp, pp=cfg.pp, dp=cfg.dp, cp=cfg.cp,
                 comm=comm_choice(getattr(args, "comm", None)))
-    results = launch(_worker, ranks=cfg.world_size, mesh=mesh, every=True,
-                     setup=partial(_run_folder, cfg, args.overwrite, args.force),
-                     device=best_device(),
-                     collective_timeout=cfg.collective_timeout)
+    try:
+        with passed_on(signal_workers):  # a first Ctrl-C: the ranks save, then stop
+            results = launch(_worker, ranks=cfg.world_size, mesh=mesh, every=True,
+                             setup=partial(_run_folder, cfg, args.overwrite, args.force),
+                             device=best_device(),
+                             collective_timeout=cfg.collective_timeout)
+    except BaseException as e:  # a stop or a failure: the line says how to continue
+        if continues(e):
+            e.then = continue_hint(cfg.out, e)
+        raise
     if results is not None:  # rank 0
         _print_report(results)
         report_file("the merged trace", _merge_trace, cfg)

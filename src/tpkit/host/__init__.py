@@ -4,6 +4,7 @@
     memory.py           what the machine or its cgroup offers, OOM kills, peak RSS
     exit.py             end a process once its work is cleaned up, without the teardown;
                         `Stopped`, the signal that unwinds it
+    stop.py             a stop honoured at the next safe point (train's step boundary)
     forkserver_exit.py  the same for the multiprocessing forkserver (preloaded there)
     forkserver.py       that forkserver, which every worker is forked from: what it
                         preloads; `tpkit train` starts it before it imports torch

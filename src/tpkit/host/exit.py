@@ -22,11 +22,15 @@ CLOSED_PIPE = 128 + signal.SIGPIPE  # the exit status of a command whose reader 
 
 class Stopped(KeyboardInterrupt):
     """SIGTERM, SIGHUP (or SIGINT) reached this process: unwind, stopping every child;
-    the command then exits with 128 + `signum`."""
+    the command then exits with 128 + `signum`. `said`: what the stop line adds after
+    "stopped by SIGINT" (a checkpoint saved, nothing saved)."""
 
-    def __init__(self, signum: int) -> None:
+    def __init__(self, signum: int, said: str = "") -> None:
         super().__init__(signal.Signals(signum).name)
-        self.signum = signum
+        self.signum, self.said = signum, said
+
+    def __reduce__(self):  # from a spawned rank to its launcher
+        return type(self), (self.signum, self.said)
 
 
 def quiet_stdout() -> None:

@@ -18,6 +18,7 @@ from __future__ import annotations
 import multiprocessing as mp
 import os
 import signal
+import threading
 from multiprocessing import forkserver
 
 PRELOAD = ["torch", "torch.distributed", "tpkit.launch", "tpkit.host.forkserver_exit"]
@@ -40,7 +41,23 @@ def context():
     if _ctx is None:
         _ctx = mp.get_context("forkserver")
         _ctx.set_forkserver_preload(PRELOAD)
+    _ensure_running()
     return _ctx
+
+
+def _ensure_running() -> None:
+    """Start the forkserver unless it runs, with SIGINT ignored, which it and every worker
+    it forks inherit (an ignored signal stays ignored across exec): a Ctrl-C while it
+    imports torch, or before a worker took SIGINT (`tpkit.host.stop.launcher_decides`),
+    prints no KeyboardInterrupt traceback; the launcher stops them. (A Ctrl-C in the
+    milliseconds of the start itself is lost here; the next one stops the command.)"""
+    main = threading.current_thread() is threading.main_thread()
+    before = signal.signal(signal.SIGINT, signal.SIG_IGN) if main else None
+    try:
+        forkserver.ensure_running()
+    finally:
+        if before is not None:
+            signal.signal(signal.SIGINT, before)
 
 
 def preload(*modules: str) -> None:
@@ -70,7 +87,7 @@ def start_early(command: str, argv: list[str]) -> None:
     preload(*COMMANDS[command])
     before = forkserver._forkserver._forkserver_pid  # None: none runs in this process
     try:
-        forkserver.ensure_running()
+        _ensure_running()
     except OSError:  # (no socket here, no process left): the first fork says it, as before
         return
     if before is None and _ctx is None:  # ours, and nothing forked from it yet

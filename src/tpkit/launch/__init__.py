@@ -18,8 +18,8 @@ from tpkit.launch.policy import (
     world_here,
 )
 from tpkit.launch.pool import SpawnError, WorkerPool, spawn, spawn_ranks
-from tpkit.launch.processes import start_workers, stop_workers, with_transport
+from tpkit.launch.processes import signal_workers, start_workers, stop_workers, with_transport
 
 __all__ = ["Followers", "SpawnError", "WorkerPool", "decided_by_rank0", "is_rank0", "launch",
-           "mesh_here", "mp_context", "preload", "spawn", "spawn_ranks", "start_workers", "stop_workers",
+           "mesh_here", "mp_context", "preload", "signal_workers", "spawn", "spawn_ranks", "start_workers", "stop_workers",
            "under_torchrun", "with_transport", "world_here"]

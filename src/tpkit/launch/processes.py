@@ -2,11 +2,13 @@
 
     procs, tasks, results, lifeline = start_workers(range(1, 4), 4, port, ...)
     stop_workers(procs, tasks, lifeline, run_id)        # politely, or kill=True
+    signal_workers(signal.SIGINT)                       # a launcher passing a stop on
 
 Each worker (`worker_main`) joins the gloo group of the launch, then runs the tasks it is
 handed and puts each result (or error) on the shared results queue. No worker outlives
 its launcher: each watches a pipe that only the launcher holds open and kills itself
-when the launcher is gone (even by SIGKILL). Each start is one run (TPKIT_RUN_ID, in the
+when the launcher is gone (even by SIGKILL). A SIGINT (a terminal's Ctrl-C reaches
+every process of its group) is only recorded (`tpkit.host.stop`): the launcher decides. Each start is one run (TPKIT_RUN_ID, in the
 names of its shared-memory segments): whoever stops the workers also removes any segment
 of theirs still named in /dev/shm.
 """
@@ -26,6 +28,7 @@ import torch.distributed as dist
 
 from tpkit.comm.shm_names import remove_segments
 from tpkit.comm.transport import shm_ready
+from tpkit.host import stop
 from tpkit.host.forkserver import context as mp_context
 from tpkit.host.memory import make_preferred_oom_victim
 from tpkit.mesh import ParallelMesh
@@ -53,6 +56,7 @@ def worker_main(rank: int, nprocs: int, port: int, tasks, results, threads: int,
                 pg_timeout_s: float, env: dict[str, str], lifeline) -> None:
     """A worker process: join the group of `nprocs` at `port`, then run each task from
     `tasks` and put its result (or its error) on `results`; dies with the launcher."""
+    stop.launcher_decides()  # a Ctrl-C here too: recorded, quietly; the launcher decides
     watch_launcher(lifeline, env.get("TPKIT_RUN_ID"))
     make_preferred_oom_victim()  # out of memory, the kernel kills a worker, not the launcher
     os.environ.update(env)
@@ -91,6 +95,7 @@ def worker_main(rank: int, nprocs: int, port: int, tasks, results, threads: int,
             results.put((task_id, rank, "err", (type(e).__name__, str(e),
                                                 traceback.format_exc(), blob,
                                                 _secondary(e))))
+        stop.forget()  # a stop asked during this task was this task's (the next starts afresh)
     if nprocs > 1:
         dist.destroy_process_group()
 
@@ -111,10 +116,26 @@ def start_workers(ranks: range, world: int, port: int, threads: int, pg_timeout_
              for r, q in zip(ranks, tasks)]
     for p in procs:
         p.start()
+    _LIVE.update((p.pid, p) for p in procs)
     lifeline.close()
     return procs, tasks, results, keep
 
 
+_LIVE: dict = {}  # pid -> every worker this process started and has not stopped
+
+
+def signal_workers(signum: int) -> bool:
+    """Send `signum` to every worker this process started that still runs (a launcher
+    passing on the first SIGINT/SIGTERM: `tpkit.host.stop.passed_on`); False if none."""
+    sent = False
+    for p in list(_LIVE.values()):
+        if p.is_alive():
+            try:
+                os.kill(p.pid, signum)
+                sent = True
+            except ProcessLookupError:  # ended meanwhile
+                pass
+    return sent
 
 
 def stop_workers(procs: list, tasks: list, lifeline, run_id: str, kill: bool = False,
@@ -132,6 +153,7 @@ def stop_workers(procs: list, tasks: list, lifeline, run_id: str, kill: bool = F
         if p.is_alive():
             p.kill()
             p.join(timeout=5)
+        _LIVE.pop(p.pid, None)
     lifeline.close()
     remove_segments(run_id)
 

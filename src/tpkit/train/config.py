@@ -139,14 +139,24 @@ class TrainConfig:
     eval_batches: int = DATA.knob(2, "batches per validation", check=COUNT)
 
     ckpt_every: int = CHECKPOINT.knob(
-        0, "checkpoint every N steps (and always at the end; 0: only there)", check=COUNT)
+        500, "checkpoint every N steps, as torchtitan does, or sooner by --ckpt-minutes, "
+        "whichever comes first; always at the end and at a SIGINT/SIGTERM's step "
+        "boundary (0: not by steps; with --ckpt-minutes 0 too: only at the end)",
+        check=COUNT)
+    ckpt_minutes: float = CHECKPOINT.knob(
+        10.0, "also checkpoint at the first step boundary this many minutes after the "
+        "last checkpoint (or the start), rank 0's clock deciding for every rank: a slow "
+        "machine loses at most this much work (0: not by time)", check=AT_LEAST_0)
     keep_checkpoints: int = CHECKPOINT.knob(
-        3, "newest complete checkpoints to keep (0: all)", check=COUNT)
+        3, "newest complete checkpoints of this run to keep (0: all): a long run holds "
+        "at most this many, plus the one being written", check=COUNT)
     resume: str | None = CHECKPOINT.knob(  # `tpkit train` resolves it to a checkpoint folder
         None, "continue from a checkpoint, or a run folder (its latest valid one); auto: "
         "from the newest valid checkpoint in --out if there is one (restarts) (default: "
         "none, a new run)", metavar="PATH", path=True, noted=False)
-    checkpoint: bool = CHECKPOINT.knob(True, "write no checkpoint, not even the last")
+    checkpoint: bool = CHECKPOINT.knob(
+        True, "no checkpoint at the end, by --ckpt-minutes or at a stop signal: only every "
+        "--ckpt-every steps (0: none at all)")
 
     out: str = LOGGING.knob("runs/train", "the run folder (config.toml, metrics.jsonl, "
                                           "loss.png, checkpoints/, tb/)", metavar="DIR",

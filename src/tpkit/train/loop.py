@@ -5,7 +5,8 @@ metrics, checkpoints, the summary.
     model = train_model(cfg, mesh)         preset or Hugging Face weights (one builder)
     data_parallel = ReplicatedData | ...  dp: plain / ZeRO-1, or ZeRO-2 / FSDP
     ctx = StepContext(...)                 what a step needs, once
-    for each step: run_step(ctx, loader, step), evaluate, save_checkpoint
+    for each step: run_step(ctx, loader, step), evaluate, save_checkpoint (every
+        --ckpt-every steps, --ckpt-minutes, or at a stop signal: `_Boundary`)
 
 Every rank runs this same function; rank 0 writes the metrics, the plot and the
 report. Checkpoints use `tpkit.checkpoint.store.save` (sharded, reshardable).
@@ -13,6 +14,7 @@ report. Checkpoints use `tpkit.checkpoint.store.save` (sharded, reshardable).
 
 from __future__ import annotations
 
+import math
 import statistics
 import sys
 import time
@@ -24,6 +26,8 @@ from tpkit.checkpoint import retention, store
 from tpkit.checkpoint.rng import capture_rng, restore_rng
 from tpkit.comm import all_reduce
 from tpkit.comm.failure import CollectiveFailed
+from tpkit.host import stop
+from tpkit.host.exit import Stopped
 from tpkit.mesh import ParallelMesh
 from tpkit.parallel import StageLink, context, ring_backward_group, tied_embedding_group
 from tpkit.parallel.divergence import check_replicas
@@ -118,7 +122,15 @@ def build_context(cfg: TrainConfig, mesh: ParallelMesh, model: torch.nn.Module,
 def train(cfg: TrainConfig, mesh: ParallelMesh, model: torch.nn.Module | None = None,
           trackers: Trackers | None = None) -> RunSummary:
     """Run `cfg.steps` steps on this rank; returns the run's summary (same on all ranks).
-    Rank 0 logs each step to `trackers` (default: those of `cfg.log`)."""
+    Rank 0 logs each step to `trackers` (default: those of `cfg.log`). A first SIGINT or
+    SIGTERM (`tpkit.host.stop`) ends the run at the next step boundary, every rank
+    agreeing: a checkpoint there, then `Stopped` saying which."""
+    with stop.honoured():
+        return _train(cfg, mesh, model, trackers)
+
+
+def _train(cfg: TrainConfig, mesh: ParallelMesh, model: torch.nn.Module | None,
+           trackers: Trackers | None) -> RunSummary:
     loader, val_loader = prepare(cfg, mesh)
     model = model or train_model(cfg, mesh)
     model.train()
@@ -131,6 +143,7 @@ def train(cfg: TrainConfig, mesh: ParallelMesh, model: torch.nn.Module | None = 
     bar = run_log.Progress(cfg.steps, lead and cfg.progress)
     rows, ckpt, tokens_per_step = [], None, cfg.global_batch * cfg.seq
     train_s = idle = busy = 0.0
+    boundary = _Boundary(cfg, mesh)
     try:
         for step in range(start, cfg.steps):
             mesh.ledger.clear()
@@ -151,9 +164,14 @@ def train(cfg: TrainConfig, mesh: ParallelMesh, model: torch.nn.Module | None = 
             rows.append(row)  # logged before the checkpoint: a resume from it finds the row
             log.write({k: v for k, v in row.items() if k != "comm_line"})
             bar.update(row)
-            if cfg.ckpt_every and (step + 1) % cfg.ckpt_every == 0 and step + 1 < cfg.steps:
+            signum, due = boundary(step + 1, row["step_s"])
+            if due:
                 with data_parallel.full_params():
                     ckpt = save_checkpoint(cfg, mesh, model, opt, loader, step + 1, run_id)
+                boundary.since = time.monotonic()
+            if signum and step + 1 < cfg.steps:
+                raise Stopped(signum, f": saved step {step + 1} in {ckpt}" if due else
+                              f" after step {step + 1}: not saved (--no-checkpoint)")
     except CollectiveFailed as e:  # a dead or stuck peer: say how far the run got
         raise e.after_step(start + len(rows)) from e.__cause__
     finally:
@@ -187,6 +205,43 @@ def _close_link(link: StageLink, failing: bool, steps_done: int) -> None:
     except CollectiveFailed as e:
         if not failing:
             raise e.after_step(steps_done) from e.__cause__
+
+
+AGREE_S = 0.2  # at most ~5 agreements a second: their latency (a tiny all-reduce, under
+# a millisecond) stays a fraction of a percent of any step
+
+
+class _Boundary:
+    """At the end of each step: (the stop signal a rank got, or 0; whether to checkpoint
+    now), the same on every rank. The step interval is every rank's to count; a stop
+    (`tpkit.host.stop`), rank 0's clock (--ckpt-minutes since `since`, the last
+    checkpoint) and the slowest rank's step time are agreed by one all-reduce (max) over
+    every rank, outside the ledger's theory, every `every` steps: every step when steps
+    take over AGREE_S, else every ceil(AGREE_S / step) (a stop then waits that long)."""
+
+    def __init__(self, cfg: TrainConfig, mesh: ParallelMesh) -> None:
+        self.cfg, self.mesh, self.since, self.every = cfg, mesh, time.monotonic(), 1
+
+    def __call__(self, done: int, step_s: float) -> tuple[int, bool]:
+        cfg, signum, late = self.cfg, 0, False
+        if done % self.every == 0:
+            late = cfg.ckpt_minutes > 0 and self.mesh.rank == 0 and \
+                time.monotonic() - self.since >= 60 * cfg.ckpt_minutes
+            signum, late, slowest = agree(self.mesh, [stop.asked(), late, step_s])
+            self.every = max(1, math.ceil(AGREE_S / max(slowest, 1e-6)))
+        by_steps = cfg.ckpt_every > 0 and done % cfg.ckpt_every == 0
+        due = by_steps or cfg.checkpoint and bool(signum or late)
+        return int(signum), done < cfg.steps and due
+
+
+def agree(mesh: ParallelMesh, values: list[float]) -> list[float]:
+    """Each value's maximum over every rank (float32), outside the ledger's theory."""
+    flags = torch.tensor([float(v) for v in values], device=mesh.device)
+    if mesh.world_size > 1:
+        every_rank = mesh.extra_group("boundary", "world", [tuple(range(mesh.world_size))])
+        with mesh.ledger.paused():
+            all_reduce(flags, every_rank, "max", phase="metrics", scope="checkpoint")
+    return flags.tolist()
 
 
 def _due(step: int, every: int, steps: int) -> bool:

@@ -116,6 +116,13 @@ def latest(root: str | Path) -> Path | None:
     return _run_latest(Path(root), optimizer=True)
 
 
+def newest_whole(root: str | Path) -> Path | None:
+    """The newest checkpoint under `root` whose manifest reads and whose files have their
+    sizes (no checksums: quick, for a line that names it), or None."""
+    whole = [(rank, d) for rank, d, problem in _candidates(Path(root)) if problem is None]
+    return max(whole)[1] if whole else None
+
+
 def _run_latest(root: Path, optimizer: bool) -> Path | None:
     """The latest valid checkpoint of a run folder; None when `root` holds no checkpoint
     at all, a CheckpointError when it holds only damaged ones."""
