@@ -211,3 +211,20 @@ def test_under_torchrun_sigterm_to_the_agent_saves_on_every_rank(tmp_path):
     assert said and (Path(said[2]) / "manifest.json").exists(), ours
     assert shlex.split(said[3]) == ["torchrun", *agent, "-m", "tpkit", *flags, "--resume",
                                     "auto"]
+
+
+def test_no_checkpoint_means_none_unless_an_interval_is_named():
+    """`--no-checkpoint` alone writes no checkpoint, not even every --ckpt-every default
+    steps (500); with another --ckpt-every, those are written (what old scripts meant);
+    the default run checkpoints at 500 steps. (The step boundary's decision, one rank.)"""
+    from tpkit.mesh import ParallelMesh
+    from tpkit.train.config import TrainConfig
+    from tpkit.train.loop import _Boundary
+
+    def due(done: int, **kw) -> bool:
+        cfg = TrainConfig(steps=10_000, ckpt_minutes=0, **kw)
+        return _Boundary(cfg, ParallelMesh.single())(done, 0.01)[1]
+
+    assert due(500) and not due(499)
+    assert not due(500, checkpoint=False)
+    assert due(5, checkpoint=False, ckpt_every=5) and not due(6, checkpoint=False, ckpt_every=5)

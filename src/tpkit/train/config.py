@@ -155,8 +155,8 @@ class TrainConfig:
         "from the newest valid checkpoint in --out if there is one (restarts) (default: "
         "none, a new run)", metavar="PATH", path=True, noted=False)
     checkpoint: bool = CHECKPOINT.knob(
-        True, "no checkpoint at the end, by --ckpt-minutes or at a stop signal: only every "
-        "--ckpt-every steps (0: none at all)")
+        True, "no checkpoint at all: not at the end, not by steps or minutes, not at a stop "
+        "signal (with a --ckpt-every other than its default: only those)")
 
     out: str = LOGGING.knob("runs/train", "the run folder (config.toml, metrics.jsonl, "
                                           "loss.png, checkpoints/, tb/)", metavar="DIR",

@@ -207,6 +207,8 @@ def _close_link(link: StageLink, failing: bool, steps_done: int) -> None:
             raise e.after_step(steps_done) from e.__cause__
 
 
+CKPT_EVERY = TrainConfig.__dataclass_fields__["ckpt_every"].default  # --no-checkpoint
+# alone writes none; with another --ckpt-every, only those (the old scripts' meaning)
 AGREE_S = 0.2  # at most ~5 agreements a second: their latency (a tiny all-reduce, under
 # a millisecond) stays a fraction of a percent of any step
 
@@ -229,7 +231,8 @@ class _Boundary:
                 time.monotonic() - self.since >= 60 * cfg.ckpt_minutes
             signum, late, slowest = agree(self.mesh, [stop.asked(), late, step_s])
             self.every = max(1, math.ceil(AGREE_S / max(slowest, 1e-6)))
-        by_steps = cfg.ckpt_every > 0 and done % cfg.ckpt_every == 0
+        every = cfg.ckpt_every if cfg.checkpoint or cfg.ckpt_every != CKPT_EVERY else 0
+        by_steps = every > 0 and done % every == 0
         due = by_steps or cfg.checkpoint and bool(signum or late)
         return int(signum), done < cfg.steps and due
 
