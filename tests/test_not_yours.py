@@ -41,11 +41,11 @@ def cli(capsys, *argv: str) -> tuple[int, str]:
     return status, capsys.readouterr().err
 
 
-def refused(capsys, *argv: str) -> str:
-    """The one error line of a refused `tpkit ARGV` (exit 2)."""
-    status, err = cli(capsys, *argv)
+def refused(capsys, *argv: str, status: int = 2) -> str:
+    """The one error line of a refused `tpkit ARGV` (exit 2; a disk that fails: 1)."""
+    got, err = cli(capsys, *argv)
     lines = err.strip().splitlines()
-    assert status == 2 and len(lines) == 1 and "Traceback" not in err, (status, err[-2000:])
+    assert got == status and len(lines) == 1 and "Traceback" not in err, (got, err[-2000:])
     assert lines[0].startswith(f"tpkit {argv[0]}: error: "), lines
     return lines[0]
 
@@ -125,7 +125,8 @@ def test_convert_replaces_its_own_output_with_overwrite_only(runs, tmp_path, cap
 
     monkeypatch.setattr(convert, "save_file", full_disk)
     before = tree(tmp_path)
-    line = refused(capsys, "convert", run, str(outs["full"]), "--to", "full", "--overwrite")
+    line = refused(capsys, "convert", run, str(outs["full"]), "--to", "full", "--overwrite",
+                   status=1)
     assert "No space left on device" in line, line
     assert tree(tmp_path) == before  # the earlier file kept, no temporary left
     assert sorted(p.name for p in tmp_path.iterdir()) == ["f.st", "hf", "parent", "tp2"]
