@@ -16,6 +16,7 @@ import sys
 from pathlib import Path
 
 import pytest
+
 from test_cluster import made_by, needs_root, tpkit_cluster
 
 TRAIN = ["-m", "tpkit", "train", "--preset", "gpt2-tiny", "--tp", "2", "--pp", "2",
