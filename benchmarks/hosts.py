@@ -1,6 +1,7 @@
 """Layouts across two simulated hosts at two link speeds: tokens/s of `tpkit train`.
 
-    sudo PYTHONPATH=$PWD/src .venv/bin/python benchmarks/hosts.py [--reps 3] [--steps 30]
+    sudo PYTHONPATH=$PWD/src .venv/bin/python benchmarks/hosts.py [--reps 3] [--steps 40]
+        [--seq 64 --global-batch 8]
 
 Two clusters of two hosts each (`tpkit cluster`: network namespaces, links shaped
 with tbf), one per link speed (10gbit, 1gbit), both up at once. In each round every
@@ -35,11 +36,12 @@ LAYOUTS = {"tp=2 x pp=2 (tp inside hosts)": ["--tp", "2", "--pp", "2"],
 LINKS = {"10gbit": "tpb10g", "1gbit": "tpb1g"}
 
 
-def _run(layout: Layout, train: list[str], out: Path, steps: int) -> None:
+def _run(layout: Layout, train: list[str], out: Path, args) -> None:
     agent = [sys.executable, "-m", "torch.distributed.run", "--nnodes", "2",
              "--nproc_per_node", "2", "--master_addr", layout.host(0), "--master_port", "29500"]
-    cmd = ["-m", "tpkit", "train", "--preset", "gpt2-tiny", "--steps", str(steps),
-           "--no-progress", "--out", str(out), *train]
+    cmd = ["-m", "tpkit", "train", "--preset", "gpt2-tiny", "--steps", str(args.steps),
+           "--seq", str(args.seq), "--global-batch", str(args.global_batch), "--no-progress",
+           "--out", str(out), *train]
     env = dict(os.environ, OMP_NUM_THREADS="1")
     agents = [subprocess.Popen(enter_argv(layout, n, [*agent, "--node_rank", str(n), *cmd]),
                                env=env, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE,
@@ -70,8 +72,10 @@ def main() -> None:
     """Make the clusters, run the rounds, print the table, remove the clusters."""
     p = parser(__doc__.splitlines()[0])
     p.add_argument("--reps", type=int, default=3, help="rounds (each runs every contender)")
-    p.add_argument("--steps", type=int, default=30)
+    p.add_argument("--steps", type=int, default=40)
     p.add_argument("--skip", type=int, default=5, help="warm-up steps left out")
+    p.add_argument("--seq", type=int, default=64, help="tpkit train --seq")
+    p.add_argument("--global-batch", type=int, default=8, help="tpkit train --global-batch")
     args = p.parse_args()
     clusters = {link: Layout(name, 2, link) for link, name in LINKS.items()}
     contenders = [(link, name) for link in clusters for name in LAYOUTS]
@@ -86,7 +90,7 @@ def main() -> None:
                 for i in range(len(contenders)):
                     link, name = contenders[(i + r) % len(contenders)]
                     out = Path(tmp) / f"r{r}-{i}"
-                    _run(clusters[link], LAYOUTS[name], out, args.steps)
+                    _run(clusters[link], LAYOUTS[name], out, args)
                     tps[(link, name)].append(_tokens_per_s(out, args.skip))
                     losses.setdefault(name, set()).add(tuple(_losses(out)))
                     print(f"round {r}: {link:>6} {name}: {tps[(link, name)][-1]:,.0f} tokens/s",
@@ -105,14 +109,16 @@ def _report(tps: dict, losses: dict, load: list[float], args) -> None:
         base = med[(link, next(iter(LAYOUTS)))]
         rows.append([name, link, f"{m:,.0f}", f"{m / base:.2f}x",
                      " ".join(f"{x:,.0f}" for x in tps[(link, name)])])
-    print_table(f"gpt2-tiny, 2 simulated hosts x 2 processes, medians of {args.reps} rounds "
-                f"(load average {load[0]:.1f} -> {load[1]:.1f})",
+    print_table(f"gpt2-tiny, seq {args.seq} x batch {args.global_batch}, 2 simulated hosts x 2 "
+                f"processes, medians of {args.reps} rounds (load average {load[0]:.1f} -> "
+                f"{load[1]:.1f})",
                 ["layout", "link", "tokens/s", "vs tp inside", "runs"], rows)
     same = {name: len(v) == 1 for name, v in losses.items()}
     print(f"every run of a layout had the same losses, at both speeds: {same}")
-    path = write_json("hosts", dict(environment=environment(), load=load, reps=args.reps,
-                                    steps=args.steps, tokens_per_s={f"{k[0]} {k[1]}": v
-                                                                    for k, v in tps.items()}))
+    runs = {f"{link} {name}": v for (link, name), v in tps.items()}
+    path = write_json(f"hosts-seq{args.seq}-batch{args.global_batch}", dict(
+        environment=environment(), load=load, reps=args.reps, steps=args.steps,
+        tokens_per_s=runs))
     print(f"wrote {path}")
 
 
