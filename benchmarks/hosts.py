@@ -59,8 +59,9 @@ def _run(layout: Layout, train: list[str], out: Path, args) -> None:
 
 def _tokens_per_s(out: Path, skip: int) -> float:
     rows = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
-    rows = [r for r in rows if "step_s" in r and r["step"] > skip]
-    return sum(r["tokens"] for r in rows) / sum(r["step_s"] for r in rows)
+    rows = [r for r in rows if "step_s" in r]  # "tokens": the run's so far
+    return (rows[-1]["tokens"] - rows[skip - 1]["tokens"]) / \
+        sum(r["step_s"] for r in rows[skip:])
 
 
 def _losses(out: Path) -> list[float]:
