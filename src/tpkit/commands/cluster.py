@@ -22,7 +22,8 @@ from tpkit.cluster.layout import Layout, check_name, read_state
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     """up, run, status, down; --name on each (default tpkit)."""
-    sub = parser.add_subparsers(dest="action", required=True, metavar="{up,run,status,down}")
+    sub = parser.add_subparsers(dest="action", required=True, metavar="{up,run,status,down}",
+                                help="what to do (`tpkit cluster ACTION --help`)")
     up = sub.add_parser("up", help="make N hosts joined by a switch")
     up.add_argument("--hosts", type=int, default=2, help="how many hosts")
     up.add_argument("--link", default=None,
