@@ -11,8 +11,9 @@ checked against the repository.
   or several if the row says so), that day.
 - "written, never run": no section of docs/benchmarks.md records a run on several GPUs
   or on NCCL, no test or benchmark asks for the nccl backend, and the code named has it.
-- "simulated on one machine": each test named starts two torchrun agents (`--nnodes 2`)
-  on 127.0.0.1; the row says loopback unless they use network namespaces, and restarts
+- "simulated on one machine": each test named starts two torchrun agents (`--nnodes 2`);
+  the row says loopback if and only if one of them runs on 127.0.0.1, network
+  namespaces if and only if one runs them on simulated hosts (`tpkit cluster`), and restarts
   (`--max-restarts`) if and only if a test named restarts them.
 - "measured on CPU only": the sections cited measured llama.cpp's server (`llama-server`).
 And docs/serving.md's and docs/benchmarks.md's lists of sources name sections that exist.
@@ -31,6 +32,7 @@ SECTION = re.compile(r'(docs/[\w/]+\.md) "([^"]+)"')
 FILE = re.compile(r"`((?:tests|benchmarks|src)/[\w/.]+|Makefile)`")
 GPU_RUN = re.compile(r"^#+ .*\b(?:GPUs?|H100|H200|A100|B200)\b.*\d{4}-\d{2}-\d{2}", re.M)
 SEVERAL_GPUS = re.compile(r"\bGPUs\b|NCCL|multi-GPU|\bH100s\b", re.I)
+SIMULATED_HOSTS = re.compile(r'"cluster", "run"|\bip netns\b|"unshare"')  # tpkit cluster
 NCCL_ASKED = re.compile(r"""backend\s*=\s*["']nccl|init_process_group\(\s*["']nccl""")
 
 
@@ -106,11 +108,11 @@ def _status(name: str, row: dict[str, str], files: list[str], sections: list[str
         if not any("nccl" in f for f in files):
             out.append(f"{name}: the code named has no nccl path")
         return out
-    if status == "simulated on one machine":  # each test named: two agents, loopback
-        code = " ".join(files)
-        netns = "netns" in code or "unshare" in code
-        ok = all('"--nnodes", "2"' in f and "127.0.0.1" in f for f in files) and \
-            ("loopback" in text) != netns and \
+    if status == "simulated on one machine":  # each test named: two agents
+        loopback = any("127.0.0.1" in f for f in files)
+        netns = any(SIMULATED_HOSTS.search(f) for f in files)
+        ok = all('"--nnodes", "2"' in f for f in files) and ("loopback" in text) == loopback \
+            and ("network namespaces" in text) == netns and \
             ("--max-restarts" in text) == any('"--max-restarts"' in f for f in files)
         return [] if ok else [f"{name}: the tests named do not run two agents over loopback "
                               f"(or restart them) as the row says"]
@@ -145,6 +147,7 @@ def test_the_check_catches_rows_that_lie():
         '"One GPU"': '"Two GPUs"',
         "`tests/test_shm.py`, ": "",
         "`tests/test_restart_two_node.py`": "`tests/test_restart.py`",
+        ", `tests/test_two_hosts.py`": "",
     }
     found = problems(readme)
     assert found == []

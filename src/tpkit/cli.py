@@ -56,6 +56,8 @@ COMMANDS: dict[str, tuple[str, str]] = {
     "generate": ("tpkit.commands.generate", "tensor-parallel text generation with a KV cache"),
     "serve": ("tpkit.commands.serve", "serve a model over an OpenAI-compatible HTTP API "
               "(continuous batching, tensor parallel)"),
+    "cluster": ("tpkit.commands.cluster", "simulated hosts on this machine (network "
+                "namespaces, root): up, run, status, down"),
     "quiz": ("tpkit.commands.quiz", "the tensor-parallelism quiz, as a live tutor (fr/en)"),
     "presets": ("tpkit.commands.presets", "list the model presets and the Hugging Face families"),
     "version": ("tpkit.commands.version", "versions of tpkit, torch, transformers and the "

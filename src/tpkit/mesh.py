@@ -41,6 +41,7 @@ from tpkit.comm.incarnation import agree_prefix
 from tpkit.comm.ledger import Ledger
 from tpkit.comm.shm import ShmChannel
 from tpkit.comm.transport import on_one_host, shm_ready, shm_wanted
+from tpkit.host.addresses import interface_reaching
 from tpkit.host.device import default_backend, device_for
 from tpkit.spec.errors import UserError
 from tpkit.spec.grid import (
@@ -269,6 +270,13 @@ class ParallelMesh:
         cp = dict(cp=self.cp_size) if self.cp_size > 1 else {}
         return dict(tp=self.tp_size, pp=self.pp_size, dp=self.dp_size, **cp)
 
+    def transports(self) -> str:
+        """This rank's groups of more than one rank and what each travels over, e.g.
+        "tp shm, pp gloo over eth0" (`CommGroup.transport`); "none" on one rank."""
+        kinds = ("tp", "cp", "pp", "dp")
+        return ", ".join(f"{k} {self.groups[k].transport}" for k in kinds
+                         if self.groups[k].size > 1) or "none"
+
     def describe(self) -> str:
         """The rank grid as text (quiz answer 6)."""
         cp = f" x cp={self.cp_size}" if self.cp_size > 1 else ""
@@ -291,6 +299,7 @@ def _init_default_group(timeout: timedelta) -> None:
     a prefix of this incarnation (`tpkit.comm.incarnation`): after a restart
     (`--max-restarts`) the store still holds the dead incarnation's addresses under the
     same group names, and a new rank that read them would connect to a dead peer (or hang)."""
+    _gloo_interface()
     store, rank, world = next(dist.rendezvous("env://", timeout=timeout))
     store.set_timeout(timeout)
     prefix = agree_prefix(store, rank, world, timeout)
@@ -312,3 +321,15 @@ def _fill_sizes(world: int, tp: int | None, rest: int, dp: int | None) -> tuple[
     if dp is None:
         return tp, max(world // (tp * rest), 1)
     return tp, dp
+
+
+def _gloo_interface() -> None:
+    """Tell gloo which interface reaches the other hosts (GLOO_SOCKET_IFNAME, unless the
+    user set it): the one this host reaches MASTER_ADDR through. Left to gloo (this
+    host's name resolved) when that is loopback: one host, or a master address that
+    resolves to loopback here."""
+    master = os.environ.get("MASTER_ADDR")
+    if master and "GLOO_SOCKET_IFNAME" not in os.environ:
+        name = interface_reaching(master)
+        if name and name != "lo":
+            os.environ["GLOO_SOCKET_IFNAME"] = name

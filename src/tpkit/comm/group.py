@@ -8,6 +8,7 @@ use instead of the process group for the tensors it takes.
 
 from __future__ import annotations
 
+import os
 from dataclasses import dataclass, field
 
 import torch.distributed as dist
@@ -38,6 +39,18 @@ class CommGroup:
     def single(cls, name: str = "tp", ledger: Ledger | None = None) -> CommGroup:
         """A group of one: nothing is ever sent (the single-device reference)."""
         return cls(name=name, ranks=(0,), rank=0, pg=None, ledger=ledger or Ledger())
+
+    @property
+    def transport(self) -> str:
+        """What the collectives travel over: "shm", the process group's backend ("gloo
+        over eth0" when GLOO_SOCKET_IFNAME names its interface), or "none" (one rank)."""
+        if self.shm is not None:
+            return "shm"
+        if self.pg is None:
+            return "none"
+        backend = str(dist.get_backend(self.pg))
+        ifname = os.environ.get("GLOO_SOCKET_IFNAME")
+        return f"{backend} over {ifname}" if backend == "gloo" and ifname else backend
 
     def __repr__(self) -> str:
         via = ", shm" if self.shm is not None else ""

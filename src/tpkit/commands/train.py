@@ -225,7 +225,8 @@ def _say_where(mesh) -> None:
     # one write per line: ranks share the agent's stdout, and print() under
     # PYTHONUNBUFFERED writes the text and its newline separately, so two ranks' lines
     # could run together
-    sys.stdout.write(f"rank {mesh.rank}: {mesh!r}, tp group {list(mesh.tp_group.ranks)}\n")
+    sys.stdout.write(f"rank {mesh.rank}: {mesh!r}, tp group {list(mesh.tp_group.ranks)}, "
+                     f"transports: {mesh.transports()}\n")
     sys.stdout.flush()
     price = cross_node_price(mesh.tp_size, mesh.pp_size, mesh.dp_size, mesh.ranks_per_node,
                              mesh.cp_size)

@@ -55,13 +55,32 @@ def machine_names() -> set[str]:
     return names | _interface_addresses()
 
 
-def _interface_addresses() -> set[str]:
-    out = set()
+def _ipv4_interfaces() -> dict[str, str]:
+    """{interface name: its IPv4 address} (Linux; the ones without an address left out)."""
+    out = {}
     with contextlib.suppress(OSError), socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as s:
         for _, name in socket.if_nameindex():
             with contextlib.suppress(OSError):
                 req = struct.pack("256s", name.encode()[:15])
-                out.add(socket.inet_ntoa(fcntl.ioctl(s.fileno(), _SIOCGIFADDR, req)[20:24]))
+                out[name] = socket.inet_ntoa(fcntl.ioctl(s.fileno(), _SIOCGIFADDR, req)[20:24])
+    return out
+
+
+def interface_reaching(host: str) -> str | None:
+    """The name of this machine's interface whose address is the source of packets to
+    `host` (an IPv4 address or name), None if unknown. On `host` itself: the interface
+    that carries its address, not loopback."""
+    try:
+        with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as s:
+            s.connect((host, 9))  # UDP: chooses the route, sends nothing
+            source = s.getsockname()[0]
+    except OSError:
+        return None
+    return next((n for n, a in _ipv4_interfaces().items() if a == source), None)
+
+
+def _interface_addresses() -> set[str]:
+    out = set(_ipv4_interfaces().values())
     with contextlib.suppress(OSError, ValueError):  # hex address, index, prefix, ..., name
         for line in Path("/proc/net/if_inet6").read_text().splitlines():
             out.add(str(ipaddress.IPv6Address(int(line.split()[0], 16))))
