@@ -21,6 +21,7 @@ from pydantic import (
 from pydantic_core import PydanticCustomError
 
 from tpkit.serve.params import problem, shown
+from tpkit.spec.errors import UserError
 
 
 def given_or(x, default):
@@ -49,6 +50,15 @@ def rule(name: str, as_name: str | None = None) -> AfterValidator:
 
 def refuse(why: str):
     raise PydanticCustomError("invalid_value", why)
+
+
+def compiles(make, value, field: str):
+    """`value`, once `make(value)` (a grammar, cached) compiled it; refused naming `field`."""
+    try:
+        None if value is None else make(value)
+    except UserError as e:
+        refuse(f"{field}: {e}")
+    return value
 
 
 Text = Annotated[StrictStr, AfterValidator(utf8)]

@@ -38,11 +38,10 @@ def from_response_format(fmt: dict) -> str | None:
     if kind == "json_schema":
         spec = fmt.get("json_schema")
         if not isinstance(spec, dict) or not isinstance(spec.get("schema", {}), dict):
-            raise UserError("response_format.json_schema must be an object with a 'schema' "
-                            "object (and a 'name')")
+            raise UserError("json_schema must be an object with a 'schema' object (and a "
+                            "'name')")
         return _compiled(json.dumps(spec.get("schema", {}), sort_keys=True))
-    raise UserError(f"response_format.type={kind!r} must be 'text', 'json_object' or "
-                    f"'json_schema'")
+    raise UserError(f"type={kind!r} must be 'text', 'json_object' or 'json_schema'")
 
 
 def from_schema(schema: dict) -> str:
@@ -57,10 +56,10 @@ def _compiled(schema: str) -> str:
     try:
         grammar = llguidance.LLMatcher.grammar_from_json_schema(schema, defaults=COMPACT)
     except ValueError as e:
-        raise UserError(f"response_format: the schema is not valid JSON schema: {e}") from None
+        raise UserError(f"the schema is not valid JSON schema: {e}") from None
     why = llguidance.LLMatcher.validate_grammar(grammar)
     if why and not why.startswith("WARNING"):
-        raise UserError(f"response_format: the schema cannot be compiled: {why}")
+        raise UserError(f"the schema cannot be compiled: {why}")
     return grammar
 
 

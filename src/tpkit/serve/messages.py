@@ -11,9 +11,8 @@ from typing import Annotated, Literal
 from pydantic import Field, StrictBool, ValidationInfo, field_validator, model_validator
 
 from tpkit.serve import grammar
-from tpkit.serve.fields import Strict, Text, refuse
+from tpkit.serve.fields import Strict, Text, compiles, refuse
 from tpkit.serve.params import shown
-from tpkit.spec.errors import UserError
 
 Name = Annotated[Text, Field(pattern=r"^[a-zA-Z0-9_-]{1,64}$", description="must be 1 to "
                                    "64 letters, digits, _ or - (OpenAI's function names)")]
@@ -114,11 +113,7 @@ class Function(Strict):
     @field_validator("parameters")
     @classmethod
     def _compiles(cls, v):
-        try:
-            grammar.from_schema(v) if v is not None else None  # cached
-        except UserError as e:
-            refuse(str(e).replace("response_format:", "parameters:"))
-        return v
+        return compiles(grammar.from_schema, v, "parameters")
 
 
 class Tool(Strict):

@@ -45,6 +45,7 @@ from tpkit.serve.fields import (
     Strict,
     Text,
     as_batch,
+    compiles,
     few,
     given_or,
     refuse,
@@ -54,7 +55,6 @@ from tpkit.serve.fields import (
 from tpkit.serve.messages import Chosen, Message, Tool
 from tpkit.serve.openai_api import ApiError
 from tpkit.serve.params import SamplingError, SamplingParams, problem
-from tpkit.spec.errors import UserError
 
 MAX_DEPTH = 16  # of [ and { in a body: a chat message's content parts need ~5
 ECHO = "echo=True: a completion (not chat) may echo its prompt (echo=true)"
@@ -291,11 +291,7 @@ class ChatRequest(_Request):
     @field_validator("response_format")
     @classmethod
     def _compiles(cls, v):
-        try:
-            grammar.from_response_format(v) if v is not None else None  # cached
-        except UserError as e:
-            refuse(str(e))
-        return v
+        return compiles(grammar.from_response_format, v, "response_format")
 
     @field_validator("echo")
     @classmethod
