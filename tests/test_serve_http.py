@@ -232,8 +232,10 @@ def test_generate_chat_and_stop_equal_the_server(server, folder):
     assert result["texts"] == [cut.message.content]
 
 
-def test_a_client_that_hangs_up_frees_its_slot(server):
+def test_a_client_that_hangs_up_frees_its_slot(server, monkeypatch):
     url, _, engine = server
+    step = engine.step  # paced: the answer cannot end before its hang-up is seen, however
+    monkeypatch.setattr(engine, "step", lambda: (time.sleep(0.3), step())[1])  # loaded
     before = engine.metrics.requests["cancelled"]
     host, port = url.split("//")[1].split(":")
     body = json.dumps({"model": "llama", "prompt": "Tensor", "max_tokens": 100,
