@@ -8,7 +8,8 @@ None, or a mesh of one rank), or by rank 0 of a world already running (torchrun'
 `tpkit.spawn`'s), every rank getting its answer or its one UserError line:
 
 1. the checkpoint to resume (`resume_dir`): "auto" the newest valid one in `cfg.out`
-   (none: a fresh run), a run folder its latest; what differs from the checkpoint's
+   (none: a fresh run; the newest hashed once, by the decider), a run folder its latest;
+   what differs from the checkpoint's
    config is said, a change that cannot work (another model) refused;
 2. the folder checked and locked for the run (`run_folder.check_writable`, `hold`);
 3. another run's checkpoints there refused, or (a new run, `overwrite`) deleted
