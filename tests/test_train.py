@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import json
 import math
+from contextlib import nullcontext
 from pathlib import Path
 
 import pytest
@@ -13,9 +14,11 @@ import torch
 
 from tpkit.cli import main
 from tpkit.mesh import ParallelMesh
+from tpkit.spec.errors import UserError
 from tpkit.train.config import TrainConfig
 from tpkit.train.loop import train
 from tpkit.train.optim import lr_at
+from tpkit.train.run_folder import hold
 
 
 def _short_run(mesh, out: str) -> dict:
@@ -65,7 +68,7 @@ def test_bad_input_fails_on_every_rank_before_training(run_tp, tmp_path):
         (dict(pp=2, dp=1), dict(data=str(tmp_path / "nope.txt")), "nope.txt does not exist"),
     ]
     for layout, changes, message in cases:
-        errors = run_tp(_bad, 4 // (layout["pp"] * layout["dp"]), str(tmp_path), changes,
+        errors = run_tp(_bad, 4 // (layout["pp"] * layout["dp"]), str(tmp_path / "run"), changes,
                         **layout)
         assert all(message in e for e in errors), (message, errors)
 
@@ -118,6 +121,38 @@ def test_bfloat16_autocast_trains(tmp_path):
     finally:
         torch.set_num_threads(threads)
     assert all(math.isfinite(v) for v in r.losses) and r.losses[-1] < r.losses[0]
+
+
+def _auto_and_refused(mesh, out: str) -> dict:
+    """train() from Python holds the folder as `tpkit train` does (`train.run_policy`)."""
+    kw = dict(tp=mesh.tp_size, global_batch=4, seq=32, val_fraction=0.0, progress=False,
+              plot=False, out=out)
+    train(TrainConfig(**kw, steps=2), mesh)
+    auto = train(TrainConfig(**kw, steps=3, resume="auto"), mesh)  # step_000002 -> step 3
+    said = {}
+    try:
+        train(TrainConfig(**kw, steps=3), mesh)  # a new run into a run's folder
+    except UserError as e:
+        said["earlier"] = str(e)
+    with hold(Path(out)) if mesh.rank == 0 else nullcontext():  # the folder in use
+        try:
+            train(TrainConfig(**kw, steps=4, resume="auto"), mesh)
+        except UserError as e:
+            said["locked"] = str(e)
+    train(TrainConfig(**kw, steps=1), mesh, overwrite=True)  # the earlier run's go first
+    return dict(first_step=auto.first_step, losses=len(auto.losses), said=said)
+
+
+@pytest.mark.timeout(60)
+def test_train_from_python_resumes_auto_and_refuses_a_held_folder(run_tp, tmp_path):
+    for r in run_tp(_auto_and_refused, 2, str(tmp_path)):  # every rank says the same line
+        assert (r["first_step"], r["losses"]) == (3, 1)
+        assert r["said"]["earlier"].startswith(f"--out {tmp_path} holds an earlier run "
+                                               f"(checkpoints up to step_000003)")
+        assert r["said"]["locked"].startswith(f"--out {tmp_path} is in use by another run "
+                                              f"(pid ")
+        assert not any("\n" in line for line in r["said"].values())
+    assert [p.name for p in (tmp_path / "checkpoints").iterdir()] == ["step_000001"]
 
 
 def _zero1_state(mesh) -> dict:

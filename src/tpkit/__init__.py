@@ -11,6 +11,7 @@ The Python entry points (docs/python.md):
     tokens = model.generate(ids, max_new_tokens=16)
     text = model.generate("a prompt", max_new_tokens=16)   # with the tokenizer it carries
     results = tpkit.spawn(fn, 2, path)         # fn(mesh, path) on 2 local ranks (tp=2)
+    mine = tpkit.parallelize(module, mesh, {"*.fc1": "colwise", "*.fc2": "rowwise"})
 
 `path` is a tpkit checkpoint, a run folder (its latest valid checkpoint), a full
 .safetensors file or a Hugging Face directory. `import tpkit` is light: torch is
@@ -21,7 +22,7 @@ torch, and every `import tpkit.plan` runs this file first; `__dir__` lists them,
 `dir(tpkit)` and tab completion show them without importing anything.
 """
 
-__all__ = ["ParallelMesh", "load", "spawn"]
+__all__ = ["ParallelMesh", "load", "parallelize", "spawn"]
 __version__ = "0.1.0"
 
 from tpkit.spec.lazy import lazy_names  # noqa: E402 (pure Python, no torch)
@@ -29,5 +30,6 @@ from tpkit.spec.lazy import lazy_names  # noqa: E402 (pure Python, no torch)
 __getattr__, __dir__ = lazy_names("tpkit", {  # public name -> (module, name in it)
     "ParallelMesh": ("tpkit.mesh", "ParallelMesh"),
     "load": ("tpkit.weights.sources", "load"),
+    "parallelize": ("tpkit.parallel.parallelize", "parallelize"),
     "spawn": ("tpkit.launch", "spawn_ranks"),
 }, globals())

@@ -4,7 +4,8 @@
     torchrun --nnodes 2 --nproc_per_node 8 -m tpkit train --tp 8 --pp 2 ...   # one per GPU
 
 Where the ranks come from is `tpkit.launch.launch`'s decision: alone, the command checks
-the run folder (`_run_folder`), then spawns `--processes` (default tp*pp*dp*cp) local
+the run folder (`_run_folder`: the policy of `tpkit.train.run_policy`, which `train()`
+called from Python follows too), then spawns `--processes` (default tp*pp*dp*cp) local
 gloo processes; under torchrun rank 0 checks the folder and every process runs the loop
 on the mesh from the environment (tp innermost: a tp group stays on one
 node; a layout that breaks that is warned about, with the reason). Configuration
@@ -16,18 +17,17 @@ from __future__ import annotations
 import argparse
 import sys
 from collections.abc import Iterator
-from contextlib import ExitStack, contextmanager
+from contextlib import contextmanager
 from functools import partial
 from pathlib import Path
 from typing import TYPE_CHECKING
 
-from tpkit.checkpoint.retention import discard
 from tpkit.commands.common import deprecated_alias, group, says_default, shown
 from tpkit.commands.memory_check import check_fits
 from tpkit.commands.train_continue import continue_hint, continues
 from tpkit.host.device import best_device, cuda_available, device_name
 from tpkit.host.stop import passed_on
-from tpkit.launch import decided_by_rank0, is_rank0, launch, signal_workers, world_here
+from tpkit.launch import launch, signal_workers, world_here
 from tpkit.parallel.schedules import CHUNKED
 from tpkit.plan.cost import model_flops_per_token
 from tpkit.plan.hardware import profile_of_device
@@ -38,22 +38,15 @@ from tpkit.spec.shapes import default_micro_batches
 from tpkit.spec.transport import add_comm_argument, comm_choice
 from tpkit.spec.words import plural
 from tpkit.train.config import TrainConfig
-from tpkit.train.config_file import (
-    read_toml,
-    resume_changes,
-    saved_config,
-    to_toml,
-    write_run_config,
-)
+from tpkit.train.config_file import read_toml, to_toml
 from tpkit.train.config_knobs import Knob, knobs, sections
 from tpkit.train.data import load_tokens
 from tpkit.train.loop import train
 from tpkit.train.report import report
-from tpkit.train.run_folder import check_writable, earlier_runs, hold
 from tpkit.train.run_log import report_file
+from tpkit.train.run_policy import resume_dir, run_folder  # noqa: F401 (--resume's choice)
 from tpkit.train.trace import merge
 from tpkit.train.trackers import Trackers
-from tpkit.weights.paths import latest, run_checkpoints, sharded_dir
 
 if TYPE_CHECKING:
     from tpkit.train.report import RunSummary
@@ -130,7 +123,7 @@ def _default_micro_batches(cfg: TrainConfig) -> int:
 
 
 def _worker(mesh, cfg: TrainConfig) -> RunSummary:
-    return train(cfg, mesh, trackers=trackers(cfg, mesh))
+    return train(cfg, mesh, trackers=trackers(cfg, mesh), folder_held=True)  # `_run_folder`
 
 
 def flops_per_token(cfg: TrainConfig) -> float:
@@ -192,26 +185,13 @@ def run(args: argparse.Namespace) -> int:
 @contextmanager
 def _run_folder(cfg: TrainConfig, overwrite: bool, force: bool, mesh
                 ) -> Iterator[tuple[TrainConfig]]:
-    """The run's folder, decided once where `launch` decides the run (`decided_by_rank0`):
-    in this process before any rank starts (mesh None: the data and the memory are
-    checked too), or by rank 0 of torchrun's ranks. The checkpoint to resume (the newest
-    hashed once), the lock on --out, an earlier run there refused or (--overwrite)
-    deleted, the run's config written; yields (the config with the resume chosen,)."""
-    cfg = cfg.with_(resume=decided_by_rank0(mesh, resume_dir, cfg))
-    note = _resume_changes(cfg)
-    with ExitStack() as stack:
-        def take() -> None:
-            check_writable(Path(cfg.out))  # one line, before any process is spawned
-            stack.enter_context(hold(Path(cfg.out)))  # one run per folder, until it ends
-
-        decided_by_rank0(mesh, take)
-        _never_mix_runs(Path(cfg.out), cfg.resume, overwrite)
-        _say(note)  # once the folder is known to be this run's
-        if mesh is None:
-            load_tokens(cfg.data, cfg.model_config().vocab_size, cfg.tokenizer_id)  # now
-            _check_memory(cfg, force)
-        if is_rank0():
-            write_run_config(cfg, cfg.out)
+    """The run's folder, decided once where `launch` decides the run: in this process
+    before any rank starts (mesh None: the data and the memory are checked too), or by
+    rank 0 of torchrun's ranks (`train.run_policy.run_folder`: the resume chosen, the
+    folder locked, another run refused or, with --overwrite, deleted, the config
+    written); yields (the config with the resume chosen,)."""
+    check = partial(_check_data_and_memory, force=force) if mesh is None else None
+    with run_folder(cfg, mesh, overwrite, check) as cfg:
         if mesh is not None:
             _say_where(mesh)
         yield (cfg,)
@@ -234,44 +214,13 @@ def _say_where(mesh) -> None:
         print(price, file=sys.stderr, flush=True)
 
 
-def _check_memory(cfg: TrainConfig, force: bool) -> None:
-    """Local ranks on the CPU share this machine's memory: the planner's estimate of
-    their peak against what it offers (`memory_check`), before spawning them."""
+def _check_data_and_memory(cfg: TrainConfig, force: bool) -> None:
+    """Before spawning the ranks: the data read now, and (local ranks on the CPU share
+    this machine's memory) the planner's estimate of their peak against what it offers
+    (`memory_check`)."""
+    load_tokens(cfg.data, cfg.model_config().vocab_size, cfg.tokenizer_id)
     if not cuda_available():
         check_fits(cfg, force)
-
-
-def resume_dir(cfg: TrainConfig) -> str | None:
-    """The checkpoint directory `cfg.resume` names: "auto", the newest valid one in
-    --out (None: a fresh run); a run folder, its latest valid checkpoint."""
-    if cfg.resume == "auto":
-        found = latest(run_checkpoints(cfg.out))
-        return None if found is None else str(found)
-    return cfg.resume and str(sharded_dir(cfg.resume))
-
-
-def _resume_changes(cfg: TrainConfig) -> str | None:
-    """A resumed run (`cfg.resume`: the checkpoint directory `resume_dir` chose): the
-    line saying what differs from the checkpoint's config (`_say` prints it once the
-    folder is known to be this run's); a change that cannot work (another model,
-    another data order) is a UserError, now."""
-    saved = saved_config(cfg.resume) if cfg.resume else None
-    changes = resume_changes(saved, cfg) if saved is not None else []  # raises on every rank
-    return f"resuming {cfg.resume} with changes: " + "; ".join(changes) if changes else None
-
-
-def _say(note: str | None) -> None:
-    if note and is_rank0():
-        print(note, file=sys.stderr)
-
-
-def _never_mix_runs(out: Path, resume: str | None, overwrite: bool) -> None:
-    """An --out that holds another run's checkpoints: refuse, naming both runs, or (a new
-    run with --overwrite) delete them first, rank 0 only under torchrun
-    (`run_folder.earlier_runs`)."""
-    for d in earlier_runs(out, resume, overwrite):
-        if is_rank0():
-            discard(d)
 
 
 def _merge_trace(cfg: TrainConfig) -> None:

@@ -25,8 +25,8 @@ import torch
 
 from tpkit.spec.split import Piece, TPSplit
 
-__all__ = ["ParamMeta", "Piece", "TPSplit", "full_state_dict", "master_normal", "meta_of",
-           "seed_for", "set_meta", "shard", "split_of", "splits_of", "unshard"]
+__all__ = ["ParamMeta", "Piece", "TPSplit", "full_state_dict", "master_normal", "materialize",
+           "meta_of", "seed_for", "set_meta", "shard", "split_of", "splits_of", "unshard"]
 
 _META = "_tpkit_meta"  # the one attribute tpkit sets on a torch.nn.Parameter
 
@@ -50,6 +50,15 @@ def set_meta(param: torch.Tensor, **changes) -> torch.Tensor:
     """Change fields of the parameter's record (e.g. `split=`, `tied_to=`); returns it."""
     setattr(param, _META, replace(meta_of(param), **changes))
     return param
+
+
+def materialize(module: torch.nn.Module, device: torch.device | str) -> torch.nn.Module:
+    """Allocate a meta-built module on `device`, keeping its parameters' records."""
+    tags = {n: dict(vars(p)) for n, p in module.named_parameters()}
+    module.to_empty(device=device)
+    for n, p in module.named_parameters():
+        vars(p).update(tags[n])
+    return module
 
 
 def shard(full: torch.Tensor, split: TPSplit, rank: int, tp: int) -> torch.Tensor:

@@ -10,6 +10,7 @@
     sharded.py        what ZeRO-2 and FSDP share: hooks at the end of each unit's backward
     zero2.py          ZeRO-2: gradients and AdamW state sharded, weights replicated
     fsdp.py           FSDP (ZeRO-3): weights too, gathered per layer just before use
+    parallelize.py    tp on a user's own nn.Module from a plan of module names (`tpkit.parallelize`)
 """
 
 from tpkit.parallel.data_parallel import (

@@ -18,6 +18,7 @@ import math
 import statistics
 import sys
 import time
+from contextlib import ExitStack
 from pathlib import Path
 
 import torch
@@ -47,6 +48,7 @@ from tpkit.train.master import MasterWeights
 from tpkit.train.nonfinite import NonFiniteGuard
 from tpkit.train.optim import build_optimizer, build_sharding
 from tpkit.train.report import RunSummary, sharded_rows, theory_rows, theory_table
+from tpkit.train.run_policy import run_folder
 from tpkit.train.step import StepContext, evaluate, run_step
 from tpkit.train.trackers import Trackers
 from tpkit.weights.build import build_model
@@ -120,12 +122,21 @@ def build_context(cfg: TrainConfig, mesh: ParallelMesh, model: torch.nn.Module,
 
 
 def train(cfg: TrainConfig, mesh: ParallelMesh, model: torch.nn.Module | None = None,
-          trackers: Trackers | None = None) -> RunSummary:
+          trackers: Trackers | None = None, *, overwrite: bool = False,
+          folder_held: bool = False) -> RunSummary:
     """Run `cfg.steps` steps on this rank; returns the run's summary (same on all ranks).
     Rank 0 logs each step to `trackers` (default: those of `cfg.log`). A first SIGINT or
     SIGTERM (`tpkit.host.stop`) ends the run at the next step boundary, every rank
-    agreeing: a checkpoint there, then `Stopped` saying which."""
-    with stop.honoured():
+    agreeing: a checkpoint there, then `Stopped` saying which.
+
+    `cfg.out` is held for the run as `tpkit train` holds it (`run_policy.run_folder`:
+    `resume="auto"` resolved, the folder locked, another run's folder refused, or its
+    checkpoints deleted with `overwrite`), unless the caller holds it (`folder_held`:
+    the command's launcher did)."""
+    with stop.honoured(), ExitStack() as stack:
+        if not folder_held:
+            cfg.check(mesh.world_size)  # a wrong config: refused before the folder is touched
+            cfg = stack.enter_context(run_folder(cfg, mesh, overwrite))
         return _train(cfg, mesh, model, trackers)
 
 
@@ -275,7 +286,7 @@ def save_checkpoint(cfg: TrainConfig, mesh: ParallelMesh, model, opt, loader: To
 
 def resume(cfg: TrainConfig, mesh: ParallelMesh, model, opt, loader: TokenLoader) -> int:
     """Load weights, optimizer state, loader position and generators from `cfg.resume`
-    (a checkpoint directory: the command chose it, `commands.train.resume_dir`);
+    (a checkpoint directory: `run_policy.resume_dir` chose it);
     returns the next step (the learning rate follows from it: `lr_at(step)`).
 
     At another layout `load` returns rank 0's extra: its default generator goes to every

@@ -19,6 +19,7 @@ from torch import nn
 from tpkit.comm import all_reduce
 from tpkit.host import memory
 from tpkit.host.memory import gib
+from tpkit.layers.sharding import materialize
 from tpkit.mesh import ParallelMesh
 from tpkit.model.transformer import Transformer
 from tpkit.spec.config import ModelConfig
@@ -60,15 +61,6 @@ def empty_model(config: ModelConfig, mesh: Any, **kw: Any) -> nn.Module:
     """The model on the meta device at `mesh`'s coordinate: names, shapes and split tags,
     no memory."""
     return Transformer(config, mesh, device="meta", **kw)
-
-
-def materialize(model: nn.Module, device: torch.device | str) -> nn.Module:
-    """Allocate a meta-built model on `device`, keeping the parameters' split tags."""
-    tags = {n: dict(vars(p)) for n, p in model.named_parameters()}
-    model.to_empty(device=device)
-    for n, p in model.named_parameters():
-        vars(p).update(tags[n])
-    return model
 
 
 def load_weights(model: nn.Module, source: Source, mesh: ParallelMesh) -> None:
