@@ -6,23 +6,20 @@ the start of one of torchrun's options. Checked against torch's own parser."""
 from __future__ import annotations
 
 import argparse
-import importlib
 import shlex
 from pathlib import Path
 
 import pytest
 from torch.distributed.run import get_args_parser
 
-from tpkit.cli import COMMANDS, _Parser
+from tpkit.cli import command_parser
 
 README = Path(__file__).resolve().parents[1] / "README.md"
 UNDER_TORCHRUN = ("train", "generate", "serve")  # the commands that read torchrun's RANK
 
 
 def _parser(command: str) -> argparse.ArgumentParser:
-    parser = _Parser(prog=f"tpkit {command}")
-    importlib.import_module(COMMANDS[command][0]).add_arguments(parser)
-    return parser
+    return command_parser(command)
 
 
 def _torchrun(argv: list[str], capsys) -> list[str]:
