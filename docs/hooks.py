@@ -6,10 +6,14 @@
 - `reference/config.md`: `tpkit train`'s knobs, section by section, from their
   declarations (`tpkit.train.config_knobs`, `TrainConfig`).
 
+And every page's plain mention of another, `docs/X.md` in its prose, becomes a link to
+it, so that the strict build fails on a mention of a page that is gone.
+
 Nothing here is written by hand, so neither page can fall behind a flag or a knob."""
 
 from __future__ import annotations
 
+import posixpath
 import re
 from pathlib import Path
 
@@ -18,11 +22,14 @@ from mkdocs.structure.files import File
 from tpkit.cli import COMMANDS, command_parser
 from tpkit.commands.common import HelpFormatter
 from tpkit.train.config import TrainConfig
+from tpkit.train.config_file import _value as toml_value
 from tpkit.train.config_file import to_toml
 from tpkit.train.config_knobs import Knob, sections
 
 ROOT = Path(__file__).resolve().parents[1]
 WIDTH = 96  # --help's lines on the page
+CODE = re.compile(r"(^ {0,3}```.*?^ {0,3}```|`[^`\n]*`)", re.M | re.S)  # blocks, spans
+MENTION = re.compile(r"(?<![\w/\[.-])docs/([\w/]+\.md)\b(?!\])")
 
 
 def on_files(files, config):
@@ -32,6 +39,17 @@ def on_files(files, config):
     for path, text in pages.items():
         files.append(File.generated(config, path, content=text))
     return files
+
+
+def on_page_markdown(markdown, page, config, files):
+    """A page's prose mentions of `docs/X.md` as links to X (code left as it is)."""
+    here = posixpath.dirname(page.file.src_uri)
+    parts = CODE.split(markdown)  # odd parts: code
+    for i in range(0, len(parts), 2):
+        parts[i] = MENTION.sub(
+            lambda m: f"[docs/{m.group(1)}]({posixpath.relpath(m.group(1), here or '.')})",
+            parts[i])
+    return "".join(parts)
 
 
 def home() -> str:
@@ -62,12 +80,16 @@ def _cell(text: str) -> str:
     return text.replace("|", "\\|").replace("<", "&lt;").replace("\n", " ")
 
 
+def _sentence(text: str) -> str:
+    return text if text.endswith(".") else text + "."
+
+
 def _row(k: Knob) -> str:
     kind = k.kind.__name__ + (" or unset" if k.optional else "")
-    what = k.help + (f" One of {', '.join(map(str, k.choices))}." if k.choices else "")
+    what = _sentence(k.help) + (f" One of {', '.join(map(str, k.choices))}." if k.choices else "")
     if k.fixed:
         what += f" A resumed run cannot change it ({k.fixed})."
-    default = "unset" if k.default is None else repr(k.default)
+    default = "unset" if k.default is None else toml_value(k.default)
     return (f"| `{k.name}` | {kind} | `{_cell(default)}` | `{k.option}` | "
             f"{_cell(what)} |")
 
@@ -80,7 +102,8 @@ def config_page() -> str:
              "section) and a flag of `tpkit train` (the flag wins over the file). A run "
              "folder keeps the file it ran as `config.toml`.", ""]
     for name, knobs in sections(TrainConfig).items():
-        lines += [f"## [{name}]", "", f"{knobs[0].section.about}.", "",
+        about = knobs[0].section.about
+        lines += [f"## [{name}]", "", f"{about[0].upper()}{about[1:]}.", "",
                   "| key | type | default | flag | what |", "|---|---|---|---|---|",
                   *map(_row, knobs), ""]
     lines += ["## Every key with its default", "",
