@@ -175,6 +175,10 @@ def test_the_current_results_are_in_the_sections_they_cite():
                         for t in re.findall(r'"([^"]+)"', row))
         missing = [f for f in re.findall(r"\d+\.\d+", figure) if f not in said]
         assert missing == [], (row, missing)
+    page = (ROOT / "docs" / "benchmarks.md").read_text()
+    assert re.findall(r"^## (.*)", page, re.M) == [
+        "Current results", "What has never run", "How the figures are measured"], \
+        "a dated section belongs at the end of docs/benchmarks_history.md"
     tables = top.split("\n### ")[1:]  # a table per subject, each with its command
     assert len(tables) >= 4
     for table in tables:
