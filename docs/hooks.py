@@ -25,8 +25,7 @@ from mkdocs.structure.files import File
 from tpkit.cli import COMMANDS, command_parser
 from tpkit.commands.common import HelpFormatter
 from tpkit.train.config import TrainConfig
-from tpkit.train.config_file import _value as toml_value
-from tpkit.train.config_file import to_toml
+from tpkit.train.config_file import to_toml, toml_value
 from tpkit.train.config_knobs import Knob, sections
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -101,6 +100,7 @@ def _cell(text: str) -> str:
 
 
 def _sentence(text: str) -> str:
+    """`text` ending with a full stop."""
     return text if text.endswith(".") else text + "."
 
 
