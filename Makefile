@@ -12,7 +12,7 @@ export PYTHONUNBUFFERED := 1
 unexport PYTHONDONTWRITEBYTECODE
 PIP     := $(BIN)/pip install -q --no-compile
 
-.PHONY: demo test test-fast bench lint venv browser clean
+.PHONY: demo test test-fast bench lint docs venv browser clean
 
 $(BIN)/python:
 	$(PY) -m venv $(VENV)
@@ -21,7 +21,7 @@ $(BIN)/python:
 # torch first, pinned: the CPU build (a bare `torch` would pull a multi-GB CUDA build).
 $(STAMP): pyproject.toml | $(BIN)/python
 	$(PIP) torch==2.13.0
-	$(PIP) -e '.[dev,hf,web,track,data,serve]'
+	$(PIP) -e '.[dev,hf,web,track,data,serve,docs]'
 	$(BIN)/python -c 'import tpkit.comm.shm_build as s, tpkit.layers.paged_attention as a, tpkit.layers.decode_ops as d; s.main(); a.main(); d.main()'   # C++ kernels (g++, a few s)
 	touch $(STAMP)
 
@@ -49,9 +49,14 @@ bench: $(STAMP)
 	$(PIP) --no-deps megatron-core   # a peer of the block benchmark; keeps torch
 	$(BIN)/python benchmarks/run_all.py
 
+# The documentation site (mkdocs.yml) into site/: a broken link, a stale name or a page left
+# out of the navigation stops it (--strict; the suite builds it too).
+docs: $(STAMP)
+	NO_MKDOCS_2_WARNING=1 $(BIN)/mkdocs build --strict
+
 lint: $(STAMP)
-	$(BIN)/ruff check src tests benchmarks
+	$(BIN)/ruff check src tests benchmarks docs
 	$(BIN)/lint-imports
 
 clean:
-	rm -rf $(VENV) runs bench-results .pytest_cache
+	rm -rf $(VENV) runs bench-results .pytest_cache site

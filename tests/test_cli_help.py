@@ -6,19 +6,16 @@ flag or choice gets the close match; `--version` and `tpkit version` answer;
 from __future__ import annotations
 
 import argparse
-import importlib
 
 import pytest
 
-from tpkit.cli import COMMANDS, _Parser, main
+from tpkit.cli import COMMANDS, command_parser, main
 from tpkit.commands.common import HelpFormatter
 from tpkit.train.config import SECTIONS
 
 
 def _parser(name: str) -> argparse.ArgumentParser:
-    parser = _Parser(prog=f"tpkit {name}")
-    importlib.import_module(COMMANDS[name][0]).add_arguments(parser)
-    return parser
+    return command_parser(name)
 
 
 @pytest.mark.parametrize("name", sorted(COMMANDS))

@@ -8,7 +8,7 @@ first evaluation's loss comes out 2^-16 high (the same value every time it happe
 logits identical, every gradient moved; seen in the first wave, again on 2026-12-03 in
 this test and in 1 of the 20 processes right after it, then in none of 500 more). The
 causes we could force (alignment, layout, threads) are held deterministically in the
-second test; what else was ruled out is in docs/benchmarks.md ("Determinism of verify's
+second test; what else was ruled out is in docs/benchmarks_history.md ("Determinism of verify's
 reference"). A check of single first evaluations failed CI at that rate; the reference
 verify uses does not (two flips in three evaluations of one process)."""
 

@@ -1,4 +1,5 @@
-"""The README's command blocks of the quiz, training and planning paths run as pasted, one
+"""The README's command blocks of the quiz, training and planning paths, and the layouts of
+docs/training.md's "3D training", run as pasted, one
 line after another, in one fresh folder (a new user's first minutes): through the CLI's
 entry (`tpkit.cli.main`,
 what the installed `tpkit` runs; one process, so torch is imported once), with
@@ -27,14 +28,15 @@ from tpkit.cli import main
 ROOT = Path(__file__).resolve().parents[1]
 
 
-PATHS = ("## Learn with the quiz", "## Train", "## Plan")  # the README's sections, in order
+PATHS = (("README.md", "## Learn with the quiz"), ("README.md", "## Train"),
+         ("docs/training.md", "## 3D training"), ("README.md", "## Plan"))  # in order
 
 
 def what_you_can_do() -> list[str]:
-    """The command lines of the first bash block of each of the README's `PATHS`."""
-    text = (ROOT / "README.md").read_text()
+    """The command lines of the first bash block of each of the sections `PATHS` names."""
     lines = []
-    for heading in PATHS:
+    for doc, heading in PATHS:
+        text = (ROOT / doc).read_text()
         section = text[text.index(f"\n{heading}\n"):]
         block = re.search(r"```bash\n(.*?)```", section, re.S).group(1)
         lines += [line.split("  #")[0].strip() for line in block.splitlines() if line.strip()]
@@ -94,7 +96,7 @@ def commands(block: str):
 def test_the_fine_tuning_block_runs_and_generates_text(tmp_path, monkeypatch, capfd):
     monkeypatch.chdir(tmp_path)
     text = (ROOT / "README.md").read_text()
-    section = text[text.index("\n## Fine-tune a Hugging Face model\n"):]
+    section = text[text.index("\n### Fine-tune a Hugging Face model\n"):]
     block = re.search(r"```bash\n(.*?)```", section, re.S).group(1)
     said = {}
     for argv in commands(block):

@@ -6,23 +6,20 @@ the start of one of torchrun's options. Checked against torch's own parser."""
 from __future__ import annotations
 
 import argparse
-import importlib
 import shlex
 from pathlib import Path
 
 import pytest
 from torch.distributed.run import get_args_parser
 
-from tpkit.cli import COMMANDS, _Parser
+from tpkit.cli import command_parser
 
-README = Path(__file__).resolve().parents[1] / "README.md"
+GUIDE = Path(__file__).resolve().parents[1] / "docs" / "training.md"  # its torchrun line
 UNDER_TORCHRUN = ("train", "generate", "serve")  # the commands that read torchrun's RANK
 
 
 def _parser(command: str) -> argparse.ArgumentParser:
-    parser = _Parser(prog=f"tpkit {command}")
-    importlib.import_module(COMMANDS[command][0]).add_arguments(parser)
-    return parser
+    return command_parser(command)
 
 
 def _torchrun(argv: list[str], capsys) -> list[str]:
@@ -54,8 +51,8 @@ def _deprecated(action: argparse.Action) -> bool:
     return action.help == argparse.SUPPRESS and hasattr(action, "new")
 
 
-def test_the_readme_torchrun_line_takes_every_logging_flag(capsys):
-    line = next(x for x in README.read_text().splitlines() if x.startswith("torchrun "))
+def test_the_guides_torchrun_line_takes_every_logging_flag(capsys):
+    line = next(x for x in GUIDE.read_text().splitlines() if x.startswith("torchrun "))
     argv = shlex.split(line)[1:]
     assert argv[-1] == "..." and argv[argv.index("-m") + 1:][:2] == ["tpkit", "train"], line
     parser = _parser("train")

@@ -206,8 +206,19 @@ def _command(name: str, argv: list[str]) -> int:
         forkserver.stop_early()  # a mistake before any rank started: it goes at once
 
 
-def _parse_and_run(name: str, argv: list[str]) -> int:
+def command_parser(name: str, module=None) -> argparse.ArgumentParser:
+    """The parser of `tpkit <name>`, as the command reads its line (and as the CLI
+    reference of the documentation site shows it); `module`: the command's, imported."""
     module_name, desc = COMMANDS[name]
+    parser = _Parser(prog=f"tpkit {name}", description=desc)
+    (module or importlib.import_module(module_name)).add_arguments(parser)
+    parser.add_argument("--debug", action="store_true",
+                        help="print the traceback of user mistakes too (or TPKIT_DEBUG=1)")
+    return parser
+
+
+def _parse_and_run(name: str, argv: list[str]) -> int:
+    module_name = COMMANDS[name][0]
     try:
         module = importlib.import_module(module_name)
     except ModuleNotFoundError as e:
@@ -216,11 +227,7 @@ def _parse_and_run(name: str, argv: list[str]) -> int:
                   file=sys.stderr)
             return USER_MISTAKE
         raise
-    parser = _Parser(prog=f"tpkit {name}", description=desc)
-    module.add_arguments(parser)
-    parser.add_argument("--debug", action="store_true",
-                        help="print the traceback of user mistakes too (or TPKIT_DEBUG=1)")
-    args = parser.parse_args(argv)
+    args = command_parser(name, module).parse_args(argv)
     previous = _stop_on_signals()
     try:
         return int(module.run(args) or 0)

@@ -85,7 +85,7 @@ def _put(out: dict, p: Path, name: str, value, section: str | None,
     out[name] = knob.typed(value)
 
 
-def _value(v) -> str:
+def toml_value(v) -> str:
     """A TOML scalar (strings as JSON strings, which TOML reads alike)."""
     if isinstance(v, bool):
         return "true" if v else "false"
@@ -101,7 +101,7 @@ def to_toml(cfg: object, header: str = "") -> str:
     for section, ks in sections(type(cfg)).items():
         lines += ["" if lines else None, f"[{section}]"]
         values = [(k.name, getattr(cfg, k.name)) for k in ks]
-        lines += [f"{n} = {_value(v)}" if v is not None else f"# {n} = (unset)"
+        lines += [f"{n} = {toml_value(v)}" if v is not None else f"# {n} = (unset)"
                   for n, v in values]
     return "\n".join(line for line in lines if line is not None) + "\n"
 
