@@ -167,3 +167,50 @@ def test_a_lost_host_rejoins_and_the_run_finishes_as_if_uninterrupted(tmp_path, 
     assert ref.returncode == 0, ref.stderr[-3000:]
     assert _losses(out) == _losses(tmp_path / "ref")  # every step, bit for bit
 
+
+def _link(name: str, host: int, state: str) -> None:
+    subprocess.run(["ip", "-n", f"{name}-h{host}", "link", "set", "eth0", state], check=True,
+                   timeout=30)
+
+
+@pytest.mark.slow
+@needs_root
+@pytest.mark.timeout(300)
+def test_a_link_dropped_mid_collective_stops_both_hosts_naming_the_other(tmp_path, cluster):
+    name, env = cluster
+    out = tmp_path / "cut"
+    agent = [sys.executable, "-m", "torch.distributed.run", "--nnodes", "2", "--nproc-per-node",
+             "1", "--master-addr", f"{name}-h0", "--master-port", "29501"]
+    train = [*ELASTIC[:-2], "--steps", "500", "--collective-timeout", "3", "--out", str(out)]
+    agents = [subprocess.Popen([sys.executable, "-m", "tpkit", "cluster", "run", f"{name}-h{n}",
+                                "--", *agent, "--node-rank", str(n), *train], env=env,
+                               text=True, stdout=subprocess.PIPE, stderr=subprocess.PIPE)
+              for n in (0, 1)]
+    try:
+        deadline = time.monotonic() + 300
+        while not (out / "checkpoints" / "step_000004" / "manifest.json").is_file():
+            assert all(a.poll() is None for a in agents), "an agent ended before step 4"
+            assert time.monotonic() < deadline, "no checkpoint of step 4 in 300 s"
+            time.sleep(0.05)
+        _link(name, 1, "down")  # mid-run: every step is collectives between the hosts
+        cut = time.monotonic()
+        said = [a.communicate(timeout=120) for a in agents]
+        took = time.monotonic() - cut
+    finally:
+        for a in agents:
+            if a.poll() is None:
+                a.kill()
+        _lose_host(name, 0)
+        _lose_host(name, 1)
+        _link(name, 1, "up")
+    assert _left_in(name) == []
+    errors = [[x for x in err.splitlines() if x.startswith("tpkit train: error:")]
+              for _, err in said]
+    for me, other, lines in ((0, 1, errors[0]), (1, 0, errors[1])):
+        assert len(lines) == 1 and re.search(
+            rf"rank {me}: .* timed out after 3\.\d s \(a peer is stuck or cut off; suspects: "
+            rf"rank {other} on host {name}-h{other}\); last step completed: \d+", lines[0]), lines
+    assert all(a.returncode != 0 for a in agents)
+    steps = sorted(out.glob("checkpoints/step_*"))  # a .tmp is a save cut short, by name
+    assert steps and all((d / "manifest.json").is_file() for d in steps), steps  # none half
+    print(f"both hosts stopped {took:.1f} s after the link went down")
