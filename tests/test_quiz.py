@@ -312,7 +312,20 @@ def test_live_3_and_8_planner_and_counted_all_reduces(live):
         assert [x["ref"] for x in bars] == pytest.approx([k * bars[0]["value"] for k in counts])
         assert d["latency_inter_s"] > d["latency_intra_s"] > 0
         assert d["charts"][2]["kind"] == "grid" and d["charts"][2]["per_node"] == 8
+        # the arithmetic beside the measurement: why k cost (or do not cost) k x one
+        ratio, k = d["ratio_to_one"][-1], counts[-1]
+        why = "why not 8 x: one alone" if abs(ratio - k) > 0.15 * k else "as the theory says"
+        assert why in d["text"] and f"{ratio:.2f}" in d["text"]
+        assert f"384 all-reduces per micro-batch x {d['each_s'] * 1e6:.1f} us" in d["text"]
     assert b["latency_intra_s"] == pytest.approx(3 * a["latency_intra_s"])  # 2(p-1) alpha
+
+
+def test_a_line_through_sequences_splits_the_fixed_start_from_each_collective():
+    from tpkit.quiz.live_common import start_and_each
+
+    start, each = start_and_each({k: 30e-6 + k * 10e-6 for k in (1, 2, 4, 8)})
+    assert start == pytest.approx(30e-6, rel=1e-9) and each == pytest.approx(10e-6, rel=1e-9)
+    assert start_and_each({1: 5e-6, 2: 4e-6})[1] == 0.0  # never a negative cost
 
 
 @pytest.mark.timeout(120)

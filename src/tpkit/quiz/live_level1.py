@@ -20,7 +20,13 @@ from tpkit.plan.memory import Precision
 from tpkit.plan.simulate import Layout, tp_collectives
 from tpkit.quiz import live_charts as C
 from tpkit.quiz import live_ranks as R
-from tpkit.quiz.live_common import Spawner, max_diff, median_of_slowest, x_input
+from tpkit.quiz.live_common import (
+    Spawner,
+    max_diff,
+    median_of_slowest,
+    start_and_each,
+    x_input,
+)
 from tpkit.quiz.live_text import Say
 from tpkit.spec.config import PRESETS, ModelConfig
 from tpkit.spec.grid import rank_grid
@@ -256,6 +262,8 @@ def demo_latency(live: Spawner, tp: int = 2, counts: tuple[int, ...] = (1, 2, 4,
     lines = [say("head", numel=numel, tp=tp)]
     lines += [say("count", n=n, ms=measured[n] * 1e3, ratio=measured[n] / one, theory=n)
               for n in counts]
+    out["start_s"], out["each_s"] = start_and_each(measured)
+    lines += accumulation(say, counts, measured, out["start_s"], out["each_s"], n_coll)
     if ranks[0]["tcp_times"]:  # the ranks share memory: also measured over loopback TCP
         k = counts[-1]
         out["tcp_one_s"] = median_of_slowest(ranks, "tcp_times")[k] / k
@@ -273,6 +281,25 @@ def demo_latency(live: Spawner, tp: int = 2, counts: tuple[int, ...] = (1, 2, 4,
         C.bar(say("inter"), alpha[1] * 1e3, f"{alpha[1] * 1e3:.2f} ms", "comm")])
     return dict(out, text="\n".join(lines),
                 charts=[seq, step, placement_grid(Say(lang, "node"), tp)])
+
+
+DIFFERS = 0.15  # measured k-sequence vs k x one: beyond this relative gap, say why
+
+
+def accumulation(say: Say, counts: tuple[int, ...], measured: dict[int, float], start: float,
+                 each: float, n_coll: int) -> list[str]:
+    """Answer 8's arithmetic beside its measurement: the line start + k x each through
+    the sequences; why k collectives cost less than k x one when they do (the start is
+    paid once); what accumulates over the collectives of a step (each, not one)."""
+    k, one = counts[-1], measured[counts[0]] / counts[0]
+    ratio = measured[k] / one
+    lines = [say("fit", start_us=start * 1e6, each_us=each * 1e6, k=k,
+                 fit_us=(start + k * each) * 1e6, got_us=measured[k] * 1e6)]
+    lines.append(say("differs", one_us=one * 1e6, start_us=start * 1e6, each_us=each * 1e6,
+                     k=k, ratio=ratio) if abs(ratio - k) > DIFFERS * k else say("agrees"))
+    lines.append(say("accumulate", n_coll=n_coll, each_us=each * 1e6,
+                     total_ms=n_coll * each * 1e3))
+    return lines
 
 
 DEMOS = {1: demo_split, 2: demo_mlp_traffic, 3: demo_node, 4: demo_heads,
