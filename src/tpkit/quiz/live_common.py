@@ -19,6 +19,9 @@ class Spawner(Protocol):
     def spawn(self, fn: Callable, *args, tp: int, pp: int = 1, dp: int = 1) -> list:
         """Run `fn(mesh, *args)` on tp*pp*dp ranks; per-rank results in rank order."""
 
+    def across(self) -> dict | str:
+        """All-reduces timed across simulated hosts per link, or why not (one line)."""
+
 
 def x_input(b: int, s: int, h: int, seed: int = 0) -> torch.Tensor:
     """A reproducible input [b, s, h]."""
