@@ -456,7 +456,7 @@ def test_live_text_in_the_quiz_language_same_figures(live):
 
 @pytest.mark.timeout(120)
 def test_cli_live_shows_a_demonstration_after_each_answer():
-    r = _cli("--live", "--lang", "en", "--answers", "1,2,3,4,1,2,3,3")
+    r = _cli("--live", "--no-hosts", "--lang", "en", "--answers", "1,2,3,4,1,2,3,3")
     assert r.returncode == 0, r.stderr[-2000:]
     assert r.stdout.count("--- Live demonstration ---") == 8
     assert "max |diff|" in r.stdout and "all_gather forward" in r.stdout
