@@ -137,3 +137,8 @@ def test_a_dead_peer_is_named_with_its_host_when_ranks_span_hosts():
     assert "suspects: rank 1);" in e.after_step(7, ["a", "a"]).args[0]  # one host: no name
     e = pickle.loads(pickle.dumps(e.after_step(7, ["h0", "h1"])))
     assert "suspects: rank 1 on host h1); last step completed: 7" in str(e)
+    cut = CollectiveFailed("all_reduce", "tp", (0, 1, 2, 3), 2, "layers.0", "forward", 3.0,
+                           "Timed out waiting 3000ms").after_step(9, ["a", "a", "b", "b"])
+    assert str(cut).endswith("timed out after 3.0 s (a peer is stuck or cut off; suspects: "
+                             "rank 0 on host a, rank 1 on host a, rank 3 on host b); last "
+                             "step completed: 9")  # a link that went down: no reset, a wait
