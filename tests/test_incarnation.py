@@ -1,9 +1,11 @@
 """`tpkit.comm.incarnation`: the ranks of a restarted torchrun job agree on a fresh store
 prefix, whatever an earlier incarnation left in the shared store and in whatever order
-they start (threads on one TCPStore stand in for the ranks)."""
+they start (threads on one TCPStore stand in for the ranks). Opening the store: a port
+another run holds, or no store at the address, is one line naming rank and address."""
 
 from __future__ import annotations
 
+import socket
 import threading
 import time
 from datetime import timedelta
@@ -11,8 +13,8 @@ from datetime import timedelta
 import pytest
 import torch.distributed as dist
 
-from tpkit.comm.incarnation import ROOT, agree_prefix
-from tpkit.spec.errors import UserError
+from tpkit.comm.incarnation import ROOT, agree_prefix, env_store
+from tpkit.spec.errors import RunFailed, UserError
 
 TIMEOUT = timedelta(seconds=60)
 
@@ -56,3 +58,21 @@ def test_rank_0_names_the_ranks_that_never_joined():
     with pytest.raises(UserError, match=r"rank 0: ranks \[1, 2\] did not join this "
                                         r"incarnation in 1 s"):
         agree_prefix(server, 0, 3, timedelta(seconds=1))
+
+
+def test_two_runs_racing_for_one_port_and_a_store_that_never_answers(monkeypatch):
+    with socket.socket() as other:  # another run's store, listening on the port
+        other.bind(("127.0.0.1", 0))
+        other.listen()
+        port = other.getsockname()[1]
+        monkeypatch.setenv("MASTER_ADDR", "127.0.0.1")
+        monkeypatch.setenv("MASTER_PORT", str(port))
+        monkeypatch.setenv("WORLD_SIZE", "2")
+        monkeypatch.setenv("RANK", "0")
+        monkeypatch.delenv("TORCHELASTIC_USE_AGENT_STORE", raising=False)
+        with pytest.raises(UserError, match=rf"^rank 0: the run's store cannot listen on "
+                           rf"127.0.0.1:{port}: another process holds the port"):
+            env_store(timedelta(seconds=5))
+    monkeypatch.setenv("RANK", "1")  # the port is free now: nobody answers there
+    with pytest.raises(RunFailed, match=rf"^rank 1: no store answered at 127.0.0.1:{port} in 1 s"):
+        env_store(timedelta(seconds=1))

@@ -302,6 +302,7 @@ def test_live_3_and_8_planner_and_counted_all_reduces(live):
             [str(r) for r in range(tp)]  # one node
         assert len({int(c["text"]) // 8 for c in across["cells"] if c["color"] == "g0"}) == 2
     assert a["planner"]["intra_s"] != b["planner"]["intra_s"]
+    assert "simulated hosts not made here (this session measures on one host only)" in a["text"]
     a, b = _both(live, 8)
     for d in (a, b):
         counts = d["counts"]
@@ -312,7 +313,45 @@ def test_live_3_and_8_planner_and_counted_all_reduces(live):
         assert [x["ref"] for x in bars] == pytest.approx([k * bars[0]["value"] for k in counts])
         assert d["latency_inter_s"] > d["latency_intra_s"] > 0
         assert d["charts"][2]["kind"] == "grid" and d["charts"][2]["per_node"] == 8
+        # the arithmetic beside the measurement: why k cost (or do not cost) k x one
+        ratio, k = d["ratio_to_one"][-1], counts[-1]
+        why = "why not 8 x: one alone" if abs(ratio - k) > 0.15 * k else "as the theory says"
+        assert why in d["text"] and f"{ratio:.2f}" in d["text"]
+        assert f"384 all-reduces per micro-batch x {d['each_s'] * 1e6:.1f} us" in d["text"]
     assert b["latency_intra_s"] == pytest.approx(3 * a["latency_intra_s"])  # 2(p-1) alpha
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(300)
+def test_live_3_and_8_across_simulated_hosts_at_two_link_speeds(pools, tmp_path, monkeypatch):
+    import os
+    from pathlib import Path
+
+    from tpkit.cluster.checks import missing
+    from tpkit.quiz.live import LiveSession
+
+    if missing():
+        pytest.skip(missing())
+    monkeypatch.setenv("TPKIT_CLUSTER_DIR", str(tmp_path / "run"))
+    monkeypatch.setenv("TPKIT_CLUSTER_SHM", str(tmp_path / "shm"))
+    session = LiveSession(runner=pools.run, hosts=True)
+    q3, q8 = session.run(3, tp=2), session.run(8, tp=2)  # one measurement per link, shared
+    assert sorted(q3["hosts_s"]) == sorted(q8["hosts"]) == ["10gbit", "1gbit"]
+    for link, t in q3["hosts_s"].items():
+        assert t > 0 and f"link {link}: {t * 1e3:.2f} ms, {t / q3['local_layer_s']:.1f} x" \
+            in q3["text"]
+        each = q8["hosts"][link]["each_s"]
+        assert f"384 per micro-batch = {384 * each * 1e3:.1f} ms" in q8["text"]
+    names = [p.name for p in Path("/run/netns").glob(f"tq{os.getpid() % 100000}-*")]
+    assert names == [] and not (tmp_path / "run").exists()  # every cluster removed
+
+
+def test_a_line_through_sequences_splits_the_fixed_start_from_each_collective():
+    from tpkit.quiz.live_common import start_and_each
+
+    start, each = start_and_each({k: 30e-6 + k * 10e-6 for k in (1, 2, 4, 8)})
+    assert start == pytest.approx(30e-6, rel=1e-9) and each == pytest.approx(10e-6, rel=1e-9)
+    assert start_and_each({1: 5e-6, 2: 4e-6})[1] == 0.0  # never a negative cost
 
 
 @pytest.mark.timeout(120)
@@ -417,7 +456,7 @@ def test_live_text_in_the_quiz_language_same_figures(live):
 
 @pytest.mark.timeout(120)
 def test_cli_live_shows_a_demonstration_after_each_answer():
-    r = _cli("--live", "--lang", "en", "--answers", "1,2,3,4,1,2,3,3")
+    r = _cli("--live", "--no-hosts", "--lang", "en", "--answers", "1,2,3,4,1,2,3,3")
     assert r.returncode == 0, r.stderr[-2000:]
     assert r.stdout.count("--- Live demonstration ---") == 8
     assert "max |diff|" in r.stdout and "all_gather forward" in r.stdout

@@ -112,3 +112,33 @@ def test_under_torchrun_a_flipped_byte_in_one_ranks_shard_is_skipped_once(tmp_pa
     assert len(said) == 1 and "step_000002: skipped, damaged (model-tp01-pp00.safetensors: " \
         "checksum mismatch" in said[0] and said[0].endswith("step_000001"), done.stderr[-2000:]
     assert list(_losses(out)) == [1, 2, 3]
+
+
+def test_rank0_warns_when_a_restart_could_not_continue_the_run():
+    from tpkit.host.elastic import SHARED_STORE, restart_advice
+
+    two = {"GROUP_WORLD_SIZE": "2", "TORCHELASTIC_MAX_RESTARTS": "3"}
+    assert restart_advice(True, {**two, SHARED_STORE: "1"}) is None
+    assert restart_advice(False, {"TORCHELASTIC_MAX_RESTARTS": "0"}) is None  # no restarts
+    lost = restart_advice(True, two)
+    assert lost.startswith("warning: torchrun --max-restarts 3 over 2 hosts") and \
+        f"{SHARED_STORE}=1" in lost and "--resume auto" not in lost
+    alone = restart_advice(False, {"GROUP_WORLD_SIZE": "1", "TORCHELASTIC_MAX_RESTARTS": "1"})
+    assert "--resume auto" in alone and SHARED_STORE not in alone
+
+
+def test_a_dead_peer_is_named_with_its_host_when_ranks_span_hosts():
+    import pickle
+
+    from tpkit.comm.failure import CollectiveFailed
+
+    e = CollectiveFailed("recv", "pp", (0, 1), 0, "pipeline", "backward", 0.0,
+                         "Connection reset by peer", peer=1)
+    assert "suspects: rank 1);" in e.after_step(7, ["a", "a"]).args[0]  # one host: no name
+    e = pickle.loads(pickle.dumps(e.after_step(7, ["h0", "h1"])))
+    assert "suspects: rank 1 on host h1); last step completed: 7" in str(e)
+    cut = CollectiveFailed("all_reduce", "tp", (0, 1, 2, 3), 2, "layers.0", "forward", 3.0,
+                           "Timed out waiting 3000ms").after_step(9, ["a", "a", "b", "b"])
+    assert str(cut).endswith("timed out after 3.0 s (a peer is stuck or cut off; suspects: "
+                             "rank 0 on host a, rank 1 on host a, rank 3 on host b); last "
+                             "step completed: 9")  # a link that went down: no reset, a wait

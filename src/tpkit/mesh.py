@@ -37,7 +37,7 @@ import torch.distributed as dist
 
 from tpkit.comm.failure import DEFAULT_COLLECTIVE_TIMEOUT_S
 from tpkit.comm.group import CommGroup
-from tpkit.comm.incarnation import agree_prefix
+from tpkit.comm.incarnation import agree_prefix, env_store
 from tpkit.comm.ledger import Ledger
 from tpkit.comm.shm import ShmChannel
 from tpkit.comm.transport import on_one_host, shm_ready, shm_wanted
@@ -270,6 +270,11 @@ class ParallelMesh:
         cp = dict(cp=self.cp_size) if self.cp_size > 1 else {}
         return dict(tp=self.tp_size, pp=self.pp_size, dp=self.dp_size, **cp)
 
+    @property
+    def hosts(self) -> list[str] | None:
+        """Every rank's hostname, in rank order (None: not gathered, e.g. --comm gloo)."""
+        return self._hosts
+
     def transports(self) -> str:
         """This rank's groups of more than one rank and what each travels over, e.g.
         "tp shm, pp gloo over eth0" (`CommGroup.transport`); "none" on one rank."""
@@ -300,7 +305,7 @@ def _init_default_group(timeout: timedelta) -> None:
     (`--max-restarts`) the store still holds the dead incarnation's addresses under the
     same group names, and a new rank that read them would connect to a dead peer (or hang)."""
     _gloo_interface()
-    store, rank, world = next(dist.rendezvous("env://", timeout=timeout))
+    store, rank, world = env_store(timeout)
     store.set_timeout(timeout)
     prefix = agree_prefix(store, rank, world, timeout)
     dist.init_process_group(default_backend(), store=dist.PrefixStore(prefix, store),

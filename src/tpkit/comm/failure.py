@@ -7,7 +7,7 @@ raises this, naming the collective, its group and ranks, the ledger scope it ran
 how long it waited and, once the training loop adds it, the last step completed:
 
     rank 0: all_reduce over tp [0, 1] (scope layers.2.mlp, forward) timed out after
-    5.0 s (a peer is stuck; suspects: rank 1); last step completed: 12
+    5.0 s (a peer is stuck or cut off; suspects: rank 1); last step completed: 12
 """
 
 from __future__ import annotations
@@ -32,10 +32,10 @@ class CollectiveFailed(RuntimeError):
 
     def __init__(self, op: str, group: str, ranks: tuple[int, ...], me: int, scope: str,
                  phase: str, seconds: float, cause: str, peer: int | None = None,
-                 step: int | None = None) -> None:
+                 step: int | None = None, hosts: list[str] | None = None) -> None:
         self.op, self.group, self.ranks, self.me = op, group, tuple(ranks), me
         self.scope, self.phase, self.seconds, self.cause = scope, phase, seconds, cause
-        self.peer, self.step = peer, step
+        self.peer, self.step, self.hosts = peer, step, hosts
         super().__init__(self.describe())
 
     @property
@@ -50,20 +50,29 @@ class CollectiveFailed(RuntimeError):
 
     def describe(self) -> str:
         """The one-line message."""
-        what = (f"timed out after {self.seconds:.1f} s (a peer is stuck" if self.timed_out else
+        what = (f"timed out after {self.seconds:.1f} s (a peer is stuck or cut off"
+                if self.timed_out else
                 f"failed after {self.seconds:.1f} s (a peer closed the connection: it died")
-        who = ", ".join(f"rank {r}" for r in self.suspects)
+        who = ", ".join(f"rank {r}{self._on_host(r)}" for r in self.suspects)
         step = "none" if self.step is None else self.step
         return (f"rank {self.me}: {self.op} over {self.group} {list(self.ranks)} (scope "
                 f"{self.scope or 'top level'}, {self.phase}) {what}; suspects: {who}); "
                 f"last step completed: {step}")
 
-    def after_step(self, step: int) -> CollectiveFailed:
-        """This error, knowing the last step completed (set by the training loop)."""
-        self.step = step
+    def _on_host(self, rank: int) -> str:
+        """' on host NAME' when the ranks span hosts (a lost host is named), else ''."""
+        if not self.hosts or len(set(self.hosts)) < 2 or rank >= len(self.hosts):
+            return ""
+        return f" on host {self.hosts[rank]}"
+
+    def after_step(self, step: int, hosts: list[str] | None = None) -> CollectiveFailed:
+        """This error, knowing the last step completed (set by the training loop) and
+        every rank's host (`ParallelMesh.hosts`), to name the host of a suspect."""
+        self.step, self.hosts = step, hosts or self.hosts
         self.args = (self.describe(),)
         return self
 
     def __reduce__(self):
         return (CollectiveFailed, (self.op, self.group, self.ranks, self.me, self.scope,
-                                   self.phase, self.seconds, self.cause, self.peer, self.step))
+                                   self.phase, self.seconds, self.cause, self.peer, self.step,
+                                   self.hosts))

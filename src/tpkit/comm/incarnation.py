@@ -13,19 +13,42 @@ that rank's own random nonce, so a rank never takes an earlier incarnation's tok
 
     rank r > 0:  set hello/r = n_r;  token = get reply/n_r (waits);  set token/joined/r
     rank 0:      until every token/joined/r exists: set reply/hello[r] = token
+
+`env_store` opens that store from torchrun's environment, a port another run holds, or
+a store that never answers, said in one line.
 """
 
 from __future__ import annotations
 
+import os
 import time
 import uuid
 from datetime import timedelta
 
 import torch.distributed as dist
 
-from tpkit.spec.errors import UserError
+from tpkit.spec.errors import RunFailed, UserError
 
 ROOT = "tpkit/incarnation"
+
+
+def env_store(timeout: timedelta) -> tuple[dist.Store, int, int]:
+    """(store, rank, world) from torchrun's environment (MASTER_ADDR, MASTER_PORT): the
+    agents' store, or one that rank 0 serves. One line when rank 0 cannot listen on the
+    port (another run holds it: two runs racing for one port) or another rank gets no
+    answer there within `timeout`."""
+    where = f"{os.environ.get('MASTER_ADDR')}:{os.environ.get('MASTER_PORT')}"
+    me = f"rank {os.environ.get('RANK', '?')}"
+    try:
+        return next(dist.rendezvous("env://", timeout=timeout))
+    except dist.DistNetworkError as e:
+        if "EADDRINUSE" in str(e):
+            raise UserError(f"{me}: the run's store cannot listen on {where}: another "
+                            f"process holds the port (another run?); give each run its "
+                            f"own port (torchrun --master-port, --rdzv-endpoint)") from None
+        raise RunFailed(f"{me}: no store answered at {where} in "
+                        f"{timeout.total_seconds():.0f} s (its host down or unreachable, "
+                        f"or rank 0 not started)") from None
 
 
 def agree_prefix(store: dist.Store, rank: int, world: int, timeout: timedelta) -> str:

@@ -51,6 +51,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="seed of the option order (and of --shuffle); default: random")
     parser.add_argument("--live", action="store_true",
                         help="prove each answer with a real run of the library on CPU processes")
+    parser.add_argument("--no-hosts", dest="hosts", action="store_false",
+                        help="with --live: questions 3 and 8 on this host only (by default, "
+                             "run as root, also across two simulated hosts at 10 and 1 "
+                             "Gbit/s: `tpkit cluster`, about 25 s once per sitting)")
     parser.add_argument("--tp", type=int, default=2, choices=(2, 4),
                         help="tensor-parallel size of the live demonstrations (default 2)")
     parser.add_argument("--answers", default=None,
@@ -75,7 +79,7 @@ def run(args: argparse.Namespace) -> int:
         # serve returns once a signal stopped it and its workers are gone: end at once
         exit_now(serve(quiz, host=args.host, port=args.port, lang=args.lang, live=args.live,
                        comm=comm_choice(getattr(args, "comm", None)),
-                       allowed_hosts=args.allowed_host))
+                       allowed_hosts=args.allowed_host, hosts=None if args.hosts else False))
     items = quiz.items(args.lang, level=args.level, shuffle=args.shuffle, seed=args.seed)
     try:
         if args.answers is not None:
@@ -85,7 +89,8 @@ def run(args: argparse.Namespace) -> int:
         else:
             answer, echo = from_lines(sys.stdin), True
         if args.live:
-            with LiveSession(comm=comm_choice(getattr(args, "comm", None))) as session:
+            with LiveSession(comm=comm_choice(getattr(args, "comm", None)),
+                             hosts=None if args.hosts else False) as session:
                 run_tutor(items, quiz.ui(args.lang), answer, sys.stdout, echo=echo,
                           exact_score=args.answers is not None,
                           live=lambda n: session.text(n, tp=args.tp, lang=args.lang,

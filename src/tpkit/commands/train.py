@@ -26,6 +26,7 @@ from tpkit.commands.common import deprecated_alias, group, says_default, shown
 from tpkit.commands.memory_check import check_fits
 from tpkit.commands.train_continue import continue_hint, continues
 from tpkit.host.device import best_device, cuda_available, device_name
+from tpkit.host.elastic import restart_advice
 from tpkit.host.stop import passed_on
 from tpkit.launch import launch, signal_workers, world_here
 from tpkit.parallel.schedules import CHUNKED
@@ -190,18 +191,20 @@ def _run_folder(cfg: TrainConfig, overwrite: bool, force: bool, mesh
     rank 0 of torchrun's ranks (`train.run_policy.run_folder`: the resume chosen, the
     folder locked, another run refused or, with --overwrite, deleted, the config
     written); yields (the config with the resume chosen,)."""
+    auto = cfg.resume == "auto"
     check = partial(_check_data_and_memory, force=force) if mesh is None else None
     with run_folder(cfg, mesh, overwrite, check) as cfg:
         if mesh is not None:
-            _say_where(mesh)
+            _say_where(mesh, auto)
         yield (cfg,)
         if mesh is not None and mesh.rank == 0:
             print(mesh.describe())
 
 
-def _say_where(mesh) -> None:
+def _say_where(mesh, resume_auto: bool) -> None:
     """Under torchrun: each rank's place, and rank 0 the planner's price of a tp group
-    that spans nodes (the mesh warned of it)."""
+    that spans nodes (the mesh warned of it) and what a restart would lack
+    (`tpkit.host.elastic`)."""
     # one write per line: ranks share the agent's stdout, and print() under
     # PYTHONUNBUFFERED writes the text and its newline separately, so two ranks' lines
     # could run together
@@ -210,8 +213,9 @@ def _say_where(mesh) -> None:
     sys.stdout.flush()
     price = cross_node_price(mesh.tp_size, mesh.pp_size, mesh.dp_size, mesh.ranks_per_node,
                              mesh.cp_size)
-    if price and mesh.rank == 0:
-        print(price, file=sys.stderr, flush=True)
+    for line in (price, restart_advice(resume_auto)):
+        if line and mesh.rank == 0:
+            print(line, file=sys.stderr, flush=True)
 
 
 def _check_data_and_memory(cfg: TrainConfig, force: bool) -> None:

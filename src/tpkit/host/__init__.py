@@ -2,6 +2,7 @@
 
     device.py           the one place that touches CUDA: backend, device per rank
     memory.py           what the machine or its cgroup offers, OOM kills, peak RSS
+    elastic.py          what torchrun's agents need for a run to survive a lost host
     exit.py             end a process once its work is cleaned up, without the teardown;
                         `Stopped`, the signal that unwinds it
     stop.py             a stop honoured at the next safe point (train's step boundary)

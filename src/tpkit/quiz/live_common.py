@@ -19,6 +19,9 @@ class Spawner(Protocol):
     def spawn(self, fn: Callable, *args, tp: int, pp: int = 1, dp: int = 1) -> list:
         """Run `fn(mesh, *args)` on tp*pp*dp ranks; per-rank results in rank order."""
 
+    def across(self) -> dict | str:
+        """All-reduces timed across simulated hosts per link, or why not (one line)."""
+
 
 def x_input(b: int, s: int, h: int, seed: int = 0) -> torch.Tensor:
     """A reproducible input [b, s, h]."""
@@ -37,3 +40,15 @@ def median_of_slowest(per_rank: list[dict], key: str = "times") -> dict[int, flo
     counts = per_rank[0]
     return {n: statistics.median(max(r[n][i] for r in per_rank) for i in range(len(counts[n])))
             for n in counts}
+
+
+def start_and_each(measured: dict[int, float]) -> tuple[float, float]:
+    """(fixed start, cost of each) in seconds: the least-squares line t(k) = start + k x
+    each through sequences of k collectives (`median_of_slowest`); each >= 0, start >= 0."""
+    ks, ts = list(measured), list(measured.values())
+    mk, mt = statistics.fmean(ks), statistics.fmean(ts)
+    spread = sum((k - mk) ** 2 for k in ks)
+    each = max(sum((k - mk) * (t - mt) for k, t in zip(ks, ts)) / spread, 0.0) if spread else \
+        mt / mk
+    start = max(mt - each * mk, 0.0)
+    return start, each

@@ -20,7 +20,13 @@ from tpkit.plan.memory import Precision
 from tpkit.plan.simulate import Layout, tp_collectives
 from tpkit.quiz import live_charts as C
 from tpkit.quiz import live_ranks as R
-from tpkit.quiz.live_common import Spawner, max_diff, median_of_slowest, x_input
+from tpkit.quiz.live_common import (
+    Spawner,
+    max_diff,
+    median_of_slowest,
+    start_and_each,
+    x_input,
+)
 from tpkit.quiz.live_text import Say
 from tpkit.spec.config import PRESETS, ModelConfig
 from tpkit.spec.grid import rank_grid
@@ -89,12 +95,36 @@ def demo_node(live: Spawner, tp: int = 2, model: str = "gpt3-175b", hardware: st
              say("inter", ms=plan["inter_s"] * 1e3, link=plan["inter_link"],
                  ratio=plan["inter_s"] / plan["intra_s"]),
              say("measured", b=b, tp=tp, ms=times[4] * 1e3)]
+    out["hosts_s"], said = node_across_hosts(live, say, b * 128 * 256, times[4] if tp == 2 else None)
+    lines += said
     ms = [("compute_bar", plan["compute_s"], 0), ("intra_bar", plan["intra_s"], 2),
           ("inter_bar", plan["inter_s"], "comm")]
     bars = C.bars(say("chart_times", model=model, tp=tp), "ms", [
         C.bar(say(k, link=plan["intra_link" if k == "intra_bar" else "inter_link"]), v * 1e3,
               f"{v * 1e3:.2f} ms", c) for k, v, c in ms])
     return dict(out, text="\n".join(lines), charts=[bars, placement_grid(say, tp)])
+
+
+FLAT = 1.25  # slower link / faster link below this: the link's speed barely shows
+
+
+def node_across_hosts(live: Spawner, say: Say, numel: int, inside: float | None
+                      ) -> tuple[dict[str, float], list[str]]:
+    """Answer 3 measured across two simulated hosts at each link speed (`live.across`):
+    {link: seconds of 4 all-reduces of `numel` floats}, and the lines saying it against
+    `inside` (the same at tp=2 on one host; None: not measured at tp=2); or the lines
+    saying why hosts could not be made and what would change."""
+    found = live.across()
+    if isinstance(found, str) or numel not in next(iter(found.values()), {}):
+        return {}, [say("no_hosts", why=found if isinstance(found, str) else
+                        f"measured for other sizes than {numel} floats")]
+    secs = {link: median_of_slowest(jobs[numel])[4] for link, jobs in found.items()}
+    lines = [say("hosts_head")]
+    lines += [say("hosts", link=link, ms=t * 1e3) +
+              (say("hosts_ratio", ratio=t / inside) if inside else "") for link, t in secs.items()]
+    if max(secs.values()) < FLAT * min(secs.values()):
+        lines.append(say("hosts_flat", kib=numel * 4 // 1024))
+    return secs, lines
 
 
 def placement_grid(say: Say, tp: int) -> dict:
@@ -256,11 +286,15 @@ def demo_latency(live: Spawner, tp: int = 2, counts: tuple[int, ...] = (1, 2, 4,
     lines = [say("head", numel=numel, tp=tp)]
     lines += [say("count", n=n, ms=measured[n] * 1e3, ratio=measured[n] / one, theory=n)
               for n in counts]
+    out["start_s"], out["each_s"] = start_and_each(measured)
+    lines += accumulation(say, counts, measured, out["start_s"], out["each_s"], n_coll)
     if ranks[0]["tcp_times"]:  # the ranks share memory: also measured over loopback TCP
         k = counts[-1]
         out["tcp_one_s"] = median_of_slowest(ranks, "tcp_times")[k] / k
         lines.append(say("links", us_shm=one * 1e6, us_tcp=out["tcp_one_s"] * 1e6,
                          ratio=out["tcp_one_s"] / one))
+    out["hosts"], said = latency_across_hosts(live, say, numel, counts, n_coll)
+    lines += said
     lines += [say("planner", model=model, n_coll=n_coll, layers=plan["layers"], tp=tp),
               say("alpha", intra=alpha[0] * 1e3, inter=alpha[1] * 1e3,
                   intra_total=plan["intra_s"] * plan["layers"] * 1e3,
@@ -273,6 +307,45 @@ def demo_latency(live: Spawner, tp: int = 2, counts: tuple[int, ...] = (1, 2, 4,
         C.bar(say("inter"), alpha[1] * 1e3, f"{alpha[1] * 1e3:.2f} ms", "comm")])
     return dict(out, text="\n".join(lines),
                 charts=[seq, step, placement_grid(Say(lang, "node"), tp)])
+
+
+def latency_across_hosts(live: Spawner, say: Say, numel: int, counts: tuple[int, ...],
+                         n_coll: int) -> tuple[dict, list[str]]:
+    """Answer 8's sequences timed across two simulated hosts per link: the cost each
+    all-reduce adds there and what `n_coll` of them accumulate; or why not measured."""
+    found = live.across()
+    if isinstance(found, str) or any(numel not in jobs for jobs in found.values()):
+        return {}, [say("no_hosts", why=found if isinstance(found, str) else
+                        f"measured for other sizes than {numel} floats")]
+    out, lines = {}, []
+    for link, jobs in found.items():
+        measured = median_of_slowest(jobs[numel])
+        if list(measured) != list(counts):
+            continue
+        start, each = start_and_each(measured)
+        out[link] = dict(one_s=measured[counts[0]] / counts[0], start_s=start, each_s=each)
+        lines.append(say("hosts", link=link, one_us=out[link]["one_s"] * 1e6,
+                         each_us=each * 1e6, n_coll=n_coll, total_ms=n_coll * each * 1e3))
+    return out, lines
+
+
+DIFFERS = 0.15  # measured k-sequence vs k x one: beyond this relative gap, say why
+
+
+def accumulation(say: Say, counts: tuple[int, ...], measured: dict[int, float], start: float,
+                 each: float, n_coll: int) -> list[str]:
+    """Answer 8's arithmetic beside its measurement: the line start + k x each through
+    the sequences; why k collectives cost less than k x one when they do (the start is
+    paid once); what accumulates over the collectives of a step (each, not one)."""
+    k, one = counts[-1], measured[counts[0]] / counts[0]
+    ratio = measured[k] / one
+    lines = [say("fit", start_us=start * 1e6, each_us=each * 1e6, k=k,
+                 fit_us=(start + k * each) * 1e6, got_us=measured[k] * 1e6)]
+    lines.append(say("differs", one_us=one * 1e6, start_us=start * 1e6, each_us=each * 1e6,
+                     k=k, ratio=ratio) if abs(ratio - k) > DIFFERS * k else say("agrees"))
+    lines.append(say("accumulate", n_coll=n_coll, each_us=each * 1e6,
+                     total_ms=n_coll * each * 1e3))
+    return lines
 
 
 DEMOS = {1: demo_split, 2: demo_mlp_traffic, 3: demo_node, 4: demo_heads,

@@ -161,15 +161,17 @@ def make_server(quiz: Quiz, port: int = 0, lang: str = "en", live: LiveRunner | 
 
 
 def serve(quiz: Quiz, port: int = 8765, lang: str = "en", live: bool = False,
-          host: str = HOST, comm: str | None = None, allowed_hosts: Iterable[str] = ()) -> int:
+          host: str = HOST, comm: str | None = None, allowed_hosts: Iterable[str] = (),
+          hosts: bool | None = None) -> int:
     """Serve until SIGINT, SIGTERM or SIGHUP; prints the URL. Returns the exit code:
-    128 + the signal's number, as every command stopped by a signal."""
+    128 + the signal's number, as every command stopped by a signal. `hosts`: as
+    `LiveSession`'s (None: answers 3 and 8 also across simulated hosts when possible)."""
     server = listen(lambda: make_server(quiz, port, lang, None, host,
                                         allowed_hosts=allowed_hosts), host, port)
     warn_if_exposed("tpkit quiz", host, "the quiz")
     session = None
     if live:
-        session = LiveSession(comm=comm)
+        session = LiveSession(comm=comm, hosts=hosts)
         def runner(level: int, number: int, tp: int, lang_: str) -> dict:
             return session.run(number, tp, lang_, level)
 

@@ -184,17 +184,17 @@ def _train(cfg: TrainConfig, mesh: ParallelMesh, model: torch.nn.Module | None,
                 raise Stopped(signum, f": saved step {step + 1} in {ckpt}" if due else
                               f" after step {step + 1}: not saved (--no-checkpoint)")
     except CollectiveFailed as e:  # a dead or stuck peer: say how far the run got
-        raise e.after_step(start + len(rows)) from e.__cause__
+        raise e.after_step(start + len(rows), mesh.hosts) from e.__cause__
     finally:
         bar.close()
         log.close()
-        _close_link(link, sys.exc_info()[1] is not None, start + len(rows))
+        _close_link(link, sys.exc_info()[1] is not None, start + len(rows), mesh.hosts)
     if cfg.checkpoint:
         try:
             with data_parallel.full_params():
                 ckpt = save_checkpoint(cfg, mesh, model, opt, loader, cfg.steps, run_id)
         except CollectiveFailed as e:  # a peer died in the final save: every step was done
-            raise e.after_step(start + len(rows)) from e.__cause__
+            raise e.after_step(start + len(rows), mesh.hosts) from e.__cause__
     mesh.ledger.records[:] = last_records
     if cfg.trace:
         run_log.report_file("the trace", _write_trace, cfg, mesh, last_records, span)
@@ -208,14 +208,15 @@ def _write_trace(cfg: TrainConfig, mesh: ParallelMesh, records, span) -> None:
     trace.write_rank(cfg.trace, mesh.rank, title, trace.step_events(records, *span, mesh.rank))
 
 
-def _close_link(link: StageLink, failing: bool, steps_done: int) -> None:
+def _close_link(link: StageLink, failing: bool, steps_done: int, hosts: list[str] | None
+                ) -> None:
     """Wait for the last pipeline sends. When the run is already failing, a dead peer
     surfacing here again must not replace the error that says how far the run got."""
     try:
         link.close()
     except CollectiveFailed as e:
         if not failing:
-            raise e.after_step(steps_done) from e.__cause__
+            raise e.after_step(steps_done, hosts) from e.__cause__
 
 
 CKPT_EVERY = TrainConfig.__dataclass_fields__["ckpt_every"].default  # --no-checkpoint
