@@ -29,6 +29,7 @@ except ModuleNotFoundError:  # Python 3.10
     import tomli as tomllib
 
 GB = 1e9
+MIB = 2**20  # GPU memory is sized in binary units: an "80 GB" card holds 80 GiB
 TFLOPS = 1e12
 
 
@@ -74,23 +75,31 @@ ACCELERATORS: dict[str, Accelerator] = {
     # 1,555 GB/s, HBM2e 80 GB at 2,039 GB/s (SXM). gemm_efficiency 0.70 (~220 TFLOP/s in
     # Megatron's GEMMs) is the one fitted figure: chosen against Narayanan et al. 2021
     # table 1 (docs/planner.md lists the errors it leaves); cuBLAS alone gets ~0.8.
-    "a100-40gb": Accelerator("A100-SXM4-40GB", 312 * TFLOPS, 40 * GB, 1555 * GB,
+    # Memory as nvidia-smi's memory.total reports it (40,960 and 81,920 MiB): the
+    # datasheet's "40 GB" and "80 GB" are binary, 42.9 and 85.9 GB.
+    "a100-40gb": Accelerator("A100-SXM4-40GB", 312 * TFLOPS, 40960 * MIB, 1555 * GB,
                              gemm_efficiency=0.70),
-    "a100-80gb": Accelerator("A100-SXM4-80GB", 312 * TFLOPS, 80 * GB, 2039 * GB,
+    "a100-80gb": Accelerator("A100-SXM4-80GB", 312 * TFLOPS, 81920 * MIB, 2039 * GB,
                              gemm_efficiency=0.70),
     # NVIDIA H100 Tensor Core GPU datasheet: H100 SXM BF16 989 TFLOP/s dense (1,979 with
     # sparsity), 80 GB HBM3 at 3.35 TB/s. gemm_efficiency 0.65 is an assumption (no
     # published layout sweep to fit it); Dubey et al. 2024 (Llama 3) report 38-43% MFU
-    # end to end on H100, which this leaves room for.
-    "h100": Accelerator("H100-SXM5-80GB", 989 * TFLOPS, 80 * GB, 3350 * GB, gemm_efficiency=0.65),
-    # NVIDIA H200 datasheet: same compute as H100 SXM, 141 GB HBM3e at 4.8 TB/s.
-    "h200": Accelerator("H200-SXM-141GB", 989 * TFLOPS, 141 * GB, 4800 * GB, gemm_efficiency=0.65),
+    # end to end on H100, which this leaves room for. nvidia-smi reports 81,559 MiB
+    # (85.5 GB) of memory.total for the "80 GB".
+    "h100": Accelerator("H100-SXM5-80GB", 989 * TFLOPS, 81559 * MIB, 3350 * GB,
+                        gemm_efficiency=0.65),
+    # NVIDIA H200 datasheet: same compute as H100 SXM, 141 GB HBM3e at 4.8 TB/s;
+    # nvidia-smi reports 143,771 MiB (150.8 GB).
+    "h200": Accelerator("H200-SXM-141GB", 989 * TFLOPS, 143771 * MIB, 4800 * GB,
+                        gemm_efficiency=0.65),
     # NVIDIA DGX B200 datasheet: 1,440 GB HBM3e over 8 GPUs (180 GB each), 64 TB/s (8 TB/s
     # each); HGX B200 spec: BF16 2.25 PFLOP/s dense (4.5 with sparsity). Efficiency as H100.
     "b200": Accelerator("B200-180GB", 2250 * TFLOPS, 180 * GB, 8000 * GB, gemm_efficiency=0.65),
     # NVIDIA V100 datasheet: 125 TFLOP/s FP16 tensor, 32 GB HBM2 at 900 GB/s. DGX-2H runs
     # them at 450 W: Shoeybi et al. 2019 quote 39 TFLOP/s as 30% of peak, i.e. 130 TFLOP/s.
-    "v100-dgx2h": Accelerator("V100-SXM3-32GB", 130 * TFLOPS, 32 * GB, 900 * GB, dtype="fp16"),
+    # "32 GB" is 32,768 MiB.
+    "v100-dgx2h": Accelerator("V100-SXM3-32GB", 130 * TFLOPS, 32768 * MIB, 900 * GB,
+                              dtype="fp16"),
     # A nominal CPU socket: 16 cores x 2 AVX2 FMA units x 8 fp32 lanes x 2 FLOP x 3 GHz
     # = 1.5 TFLOP/s fp32; DDR4-3200 x 4 channels = 102 GB/s nominal. Replace it with a
     # measured profile (`tpkit calibrate`).
