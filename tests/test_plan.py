@@ -7,6 +7,7 @@ from __future__ import annotations
 import json
 import subprocess
 import sys
+from dataclasses import replace
 
 import pytest
 
@@ -228,6 +229,11 @@ def test_toml_profiles_round_trip_and_inherit(tmp_path):
     assert found["h100"].accelerator.peak_flops == pytest.approx(h100.accelerator.peak_flops)
     assert found["big"].accelerator.memory_bytes == 96e9
     assert found["big"].inter == h100.inter
+    assert found["h100"].intra.name == "NVLink 4"  # a measured link keeps its transport's name
+    local = replace(h100, name="local", intra=replace(h100.intra, name="shm (measured)"))
+    path.write_text(profile_to_toml(local))
+    got = load_profiles(path)["local"]
+    assert (got.intra.name, got.inter.name) == ("shm (measured)", h100.inter.name)
     path.write_text('[x]\nbase = "tpu"\n')
     with pytest.raises(HardwareError, match="not a built-in profile"):
         load_profiles(path)
@@ -288,3 +294,26 @@ def test_local_plan_prefers_data_parallel_when_collectives_cost_a_millisecond(tm
     best = plan(Request(get_preset("gpt2-tiny"), 128, 8,
                         Cluster(get_hardware("local", path), 1, 4)))[0]
     assert (best.layout.tp, best.layout.pp, best.layout.dp) == (1, 1, 4)
+
+
+def test_calibrate_says_where_it_writes_and_keeps_a_file_it_did_not_write(tmp_path, capsys):
+    mine = tmp_path / "local.toml"
+    mine.write_text("[local]\nmy = 1\n")  # the user's own file at that path
+    rc = tpkit_main(["calibrate", "--out", str(mine)])
+    err = capsys.readouterr().err
+    assert rc != 0 and mine.read_text() == "[local]\nmy = 1\n"  # untouched, nothing measured
+    assert f"--out {mine} exists and was not written by `tpkit calibrate`" in err
+    assert len(err.strip().splitlines()) == 1
+
+
+@pytest.mark.slow  # two 2-process spawns
+def test_calibrate_measures_the_transport_inside_a_host_and_gloo_across():
+    """The intra link is timed over what `tpkit train` uses between the ranks of a host
+    (shared memory where its kernels load), the inter link over gloo: not both over gloo."""
+    from tpkit.check.measure import measure_all_reduce
+    from tpkit.comm.shm_build import load
+
+    inside, samples = measure_all_reduce(2, (4096,), reps=1)
+    across, _ = measure_all_reduce(2, (4096,), reps=1, comm="gloo")
+    assert inside == ("shm" if load() is not None else "gloo") and across == "gloo"
+    assert [(p, n) for p, n, _ in samples] == [(2, 4096)]

@@ -6,7 +6,8 @@ return; the fits are pure Python in `tpkit.plan.fit`).
     elementwise a layer's mix at activation size (layer norm, tanh-GELU on the 4h MLP
                 activation, residual add): the bytes/s elementwise kernels get
     dispatch    a chain of tiny multiplies, forward + backward: seconds per dispatched op
-    all-reduce  gloo, groups of p local processes, 4 KiB .. 16 MiB; and 2 x cores
+    all-reduce  groups of p local processes, 4 KiB .. 16 MiB, over the transport a run
+                uses inside a host (shared memory) and over gloo; and 2 x cores
                 processes in pairs: the latency of a step when processes outnumber cores
 
 A "device" here is one process with one thread (how `tpkit.launch` runs tests with
@@ -102,7 +103,7 @@ def measure_op_overhead(links: int = 200) -> float:
     return _best_time(chain, reps=20) / Count.n
 
 
-def _all_reduce_worker(mesh, sizes: tuple[int, ...], reps: int) -> list[tuple[int, float]]:
+def _all_reduce_worker(mesh, sizes: tuple[int, ...], reps: int) -> tuple[str, list]:
     """Each all-reduce follows the same ~0.3 ms matmul on every rank, as in training: the
     ranks arrive from compute (not from a barrier, where gloo is still polling), so the
     time includes waking the waiting peer. The mean, not the median: a step pays the sum
@@ -121,16 +122,18 @@ def _all_reduce_worker(mesh, sizes: tuple[int, ...], reps: int) -> list[tuple[in
             if i >= 2:
                 times.append(time.perf_counter() - t0)
         out.append((n, statistics.mean(times)))
-    return out
+    return mesh.tp_group.transport, out
 
 
 def measure_all_reduce(nprocs: int, sizes: tuple[int, ...] = SIZES, reps: int = 10,
-                       groups: int = 1) -> list:
-    """[(p, bytes, seconds)] of gloo all-reduces in groups of `nprocs` local processes,
-    `groups` groups at once (rank 0's view)."""
-    results = spawn(_all_reduce_worker, nprocs * groups, sizes, reps,
-                    mesh=dict(tp=nprocs, dp=groups), threads=1)
-    return [(nprocs, n, t) for n, t in results[0]]
+                       groups: int = 1, comm: str | None = None) -> tuple[str, list]:
+    """(transport, [(p, bytes, seconds)]) of all-reduces in groups of `nprocs` local
+    processes, `groups` groups at once (rank 0's view), over `comm` as a run chooses it
+    (None: TPKIT_COMM or auto, i.e. shared memory as `tpkit train` uses between the ranks
+    of a host; "gloo": the process group, what groups across hosts use)."""
+    transport, results = spawn(_all_reduce_worker, nprocs * groups, sizes, reps,
+                               mesh=dict(tp=nprocs, dp=groups, comm=comm), threads=1)[0]
+    return transport, [(nprocs, n, t) for n, t in results]
 
 
 def measure_shared_latency(cores: int, reps: int) -> float:
@@ -139,5 +142,5 @@ def measure_shared_latency(cores: int, reps: int) -> float:
     0.0 (not measured) above 4 cores: such a host plans one process per core."""
     if cores > 4:
         return 0.0
-    (_, _, t), = measure_all_reduce(2, (4 << 10,), reps, groups=cores)
+    _, ((_, _, t),) = measure_all_reduce(2, (4 << 10,), reps, groups=cores)
     return t / 2

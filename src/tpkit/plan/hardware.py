@@ -232,6 +232,8 @@ def _scaled(d: dict, keys: dict[str, tuple[str, float]]) -> dict:
 
 def _link(d: dict, which: str, default: Link) -> Link:
     link = default
+    if f"{which}_name" in d:  # a measured link (`tpkit calibrate`), named by its transport
+        link = replace(link, name=str(d[f"{which}_name"]))
     if f"{which}_link" in d:
         if d[f"{which}_link"] not in LINKS:
             raise HardwareError(f"{which}_link={d[f'{which}_link']!r} is not one of "
@@ -250,6 +252,7 @@ def profile_to_toml(hw: Hardware, comments: dict[str, str] | None = None) -> str
               "gemm_half_dim": a.gemm_half_dim, "op_overhead_us": a.op_overhead / 1e-6,
               "cores_per_node": hw.cores_per_node,
               "shared_latency_us": hw.shared_latency / 1e-6,
+              "intra_name": hw.intra.name, "inter_name": hw.inter.name,
               "intra_bandwidth_gbs": hw.intra.bandwidth / GB,
               "intra_latency_us": hw.intra.latency / 1e-6,
               "inter_bandwidth_gbs": hw.inter.bandwidth / GB,
