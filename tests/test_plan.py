@@ -50,6 +50,30 @@ def test_group_on_intra_link_only_when_inside_a_node():
     assert cost.link_for(16, hw).bandwidth == min(360e9, 8 * 45e9)  # 8 NICs per node
 
 
+def test_devices_that_share_a_hosts_one_port_share_its_bandwidth():
+    """Simulated hosts (`tpkit cluster`), or a host with one NIC: a tp group across two
+    hosts of 2 ranks each gets the port, not 2 of them; the 2 dp groups that run at once,
+    one rank per host each, and the 2 ranks of a stage that send at once, half each."""
+    hw = replace(get_hardware("cpu"), devices_per_node=2, nics_per_node=1,
+                 inter=Link("port", 1e8, 1e-4))
+    assert cost.link_for(4, hw).bandwidth == pytest.approx(1e8)
+    assert cost.link_for(4, hw, stride=2).bandwidth == pytest.approx(0.5e8)
+    assert cost.p2p_link(4, hw).bandwidth == pytest.approx(0.5e8)
+    assert cost.link_for(4, replace(hw, nics_per_node=0)).bandwidth == pytest.approx(2e8)
+
+
+def test_calibrate_across_hosts_runs_under_torchrun_only(tmp_path, capsys, monkeypatch):
+    monkeypatch.delenv("WORLD_SIZE", raising=False)
+    out = tmp_path / "local.toml"
+    assert tpkit_main(["calibrate", "--across", "--out", str(out)]) != 0
+    assert "run `tpkit calibrate --out" in capsys.readouterr().err and not out.exists()
+    out.write_text("# tpkit calibrate, by hand\n[local]\n")
+    assert tpkit_main(["calibrate", "--across", "--out", str(out)]) != 0
+    err = capsys.readouterr().err
+    assert "--across runs under torchrun with one process per host" in err
+    assert len(err.strip().splitlines()) == 1
+
+
 # -- compute and pipeline ---------------------------------------------------------------------
 def test_gpt_layer_forward_is_24bsh2_plus_4bs2h():
     c = get_preset("gpt2-tiny")  # h=64, ffn=4h, no GQA

@@ -28,9 +28,11 @@ from __future__ import annotations
 import argparse
 import os
 import time
+from dataclasses import replace
 from pathlib import Path
 
 from tpkit.check.measure import (
+    measure_across,
     measure_all_reduce,
     measure_matmul,
     measure_memory_bandwidth,
@@ -39,7 +41,7 @@ from tpkit.check.measure import (
 )
 from tpkit.commands.common import deprecated_alias
 from tpkit.plan.fit import build_profile, fit_link, link_notes, matmul_note, ram_bytes
-from tpkit.plan.hardware import GB, default_local_path, profile_to_toml
+from tpkit.plan.hardware import GB, default_local_path, load_profiles, profile_to_toml
 from tpkit.spec.errors import UserError
 
 
@@ -51,6 +53,10 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                                     "cores)")
     deprecated_alias(p, processes, "--nproc")
     p.add_argument("--reps", type=int, default=30, help="timed all-reduces per size")
+    p.add_argument("--across", action="store_true",
+                   help="under torchrun, one process per host: time gloo between the hosts "
+                        "and write it as the inter link of the profile at --out (made by a "
+                        "plain `tpkit calibrate` first)")
 
 
 HEADER = "# tpkit calibrate"
@@ -60,6 +66,8 @@ def run(args: argparse.Namespace) -> int:
     """Measure, fit, write the profile, print what was found and where it went."""
     out = Path(args.out) if args.out else default_local_path()
     refuse_foreign(out)
+    if args.across:
+        return run_across(out, args)
     print(f"tpkit calibrate: measuring this machine into {out}", flush=True)
     cores = os.cpu_count() or 1
     print(f"matmul, float32, 1 thread and {cores} threads ...", flush=True)
@@ -101,3 +109,32 @@ def refuse_foreign(out: Path) -> None:
     if out.is_dir() or not first.startswith(HEADER):
         raise UserError(f"--out {out} exists and was not written by `tpkit calibrate`; "
                         f"remove it or give another --out")
+
+
+def run_across(out: Path, args: argparse.Namespace) -> int:
+    """The link between hosts into the profile's inter link (rank 0 writes, every rank
+    measures). Hosts that are one machine (`tpkit cluster`) share its cores and its
+    port: the profile then counts a host's share of the cores and one port per host."""
+    if not out.exists():
+        raise UserError(f"--across updates the profile at {out}: run `tpkit calibrate --out "
+                        f"{out}` on one host first")
+    if int(os.environ.get("WORLD_SIZE", "1")) < 2 or os.environ.get("LOCAL_WORLD_SIZE") != "1":
+        raise UserError("--across runs under torchrun with one process per host "
+                        "(--nproc_per_node 1) on two or more hosts")
+    found = measure_across(reps=args.reps)
+    if os.environ.get("RANK") != "0":
+        return 0
+    link = fit_link(f"{found['transport']} across hosts (measured)", found["samples"])
+    hw = load_profiles(out)["local"]
+    hosts = len(found["hosts"])
+    cores = hw.cores_per_node // hosts if found["machines"] == 1 else hw.cores_per_node
+    hw = replace(hw, inter=link, nics_per_node=1, cores_per_node=max(cores, 1),
+                 devices_per_node=max(cores, 1))
+    lines = link_notes(link, found["samples"]) + [
+        f"hosts {', '.join(found['hosts'])} on {found['machines']} machine(s): "
+        f"{hw.cores_per_node} cores and one port per host"]
+    kept = [ln for ln in out.read_text().splitlines() if ln.startswith("#")]
+    out.write_text("\n".join(kept) + "\n" + "".join(f"# {ln}\n" for ln in lines)
+                   + profile_to_toml(hw))
+    print("\n".join(lines) + f"\nwrote the inter link into {out}")
+    return 0

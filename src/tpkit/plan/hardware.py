@@ -67,6 +67,7 @@ class Hardware:
     devices_per_node: int = 8
     cores_per_node: int = 0  # compute units the devices share (CPU cores); 0: one per device
     shared_latency: float = 0.0  # collective latency per step when devices > cores (0: alpha)
+    nics_per_node: int = 0  # network ports a node's devices share; 0: one per device (DGX/HGX)
 
 
 # -- accelerators ------------------------------------------------------------------------
@@ -223,7 +224,8 @@ def profile_from_dict(name: str, d: dict) -> Hardware:
     if per_node < 1 or acc.peak_flops <= 0 or intra.bandwidth <= 0 or inter.bandwidth <= 0:
         raise HardwareError(f"[{name}] devices_per_node, peak_tflops and bandwidths must be > 0")
     return Hardware(name, acc, intra, inter, per_node, int(d.get("cores_per_node", base.cores_per_node)),
-                    float(d.get("shared_latency_us", base.shared_latency / 1e-6)) * 1e-6)
+                    float(d.get("shared_latency_us", base.shared_latency / 1e-6)) * 1e-6,
+                    int(d.get("nics_per_node", base.nics_per_node)))
 
 
 def _scaled(d: dict, keys: dict[str, tuple[str, float]]) -> dict:
@@ -251,7 +253,7 @@ def profile_to_toml(hw: Hardware, comments: dict[str, str] | None = None) -> str
               "mem_bandwidth_gbs": a.mem_bandwidth / GB, "gemm_efficiency": a.gemm_efficiency,
               "gemm_half_dim": a.gemm_half_dim, "op_overhead_us": a.op_overhead / 1e-6,
               "cores_per_node": hw.cores_per_node,
-              "shared_latency_us": hw.shared_latency / 1e-6,
+              "shared_latency_us": hw.shared_latency / 1e-6, "nics_per_node": hw.nics_per_node,
               "intra_name": hw.intra.name, "inter_name": hw.inter.name,
               "intra_bandwidth_gbs": hw.intra.bandwidth / GB,
               "intra_latency_us": hw.intra.latency / 1e-6,
