@@ -6,7 +6,7 @@
           dp = devices / (tp cp pp)    (the global batch must split over dp)
           for micro-batch, sequence parallelism, recomputation, data-parallel sharding
           (none, ZeRO-1, ZeRO-2, FSDP after-forward or after-step), interleaving
-          (every chunk count that splits the layers evenly), lighter first/last stages:
+          (2, 4, 8, ... chunks that split the layers evenly), lighter first/last stages:
               simulate; keep it if its fullest device fits in memory
 
 Plans are ranked by step time (the global batch is fixed, so by tokens/s), the best
@@ -135,10 +135,10 @@ def _variants(req: Request, degrees: tuple[int, int, int, int], mb: int,
     sp_ok = tp > 1 and not req.config.problems(tp=tp, sp=True, seq=req.seq // cp)  # spec's rule
     sps = [False, True] if sp_ok else [False]
     zeros = list(ZERO_NAMES) if weight_replicas(dp, cp) > 1 else [0]
-    # interleaving: any number of chunks that splits the layers evenly (one layer a chunk
-    # at most), the micro-batches in whole rounds of pp (Megatron's schedule)
-    chunks = [1] + (list(range(2, req.config.num_layers // pp + 2)) if pp > 1 and m % pp == 0
-                    else [])
+    # interleaving: 2, 4, 8, ... chunks while they split the layers evenly (one layer a
+    # chunk at most), the micro-batches in whole rounds of pp (Megatron's schedule)
+    top = (req.config.num_layers + 2) // pp if pp > 1 and m % pp == 0 else 1
+    chunks = [1] + [2 ** k for k in range(1, top.bit_length()) if 2 ** k <= top]
     ends = [False] + ([True] if lighter_end_layers(req.config.num_layers, pp) else [])
     reshards = _options(req, "fsdp_reshard", list(FSDP_RESHARD))
     return [Layout(tp, pp, dp, mb, sp, rc, int(z), v, cp, e, r)
