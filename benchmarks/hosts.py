@@ -78,11 +78,12 @@ def _agents(layout: Layout, argv: list[str], port: str, procs: int) -> list[str]
 def calibrate(clusters: dict[str, Layout], folder: Path, reps: int) -> dict[str, Path]:
     """The machine's profile, then one per link with that link as its inter link."""
     base = folder / "machine.toml"
+    Path("bench-results").mkdir(exist_ok=True)
     subprocess.run([sys.executable, "-m", "tpkit", "calibrate", "--out", str(base), "--reps",
                     str(reps)], check=True, stdout=subprocess.DEVNULL)
     out = {}
     for link, layout in clusters.items():
-        out[link] = folder / f"{link}.toml"
+        out[link] = Path("bench-results") / f"hosts-{link}.toml"  # kept beside the results
         out[link].write_text(base.read_text())
         said = _agents(layout, ["calibrate", "--across", "--reps", str(reps), "--out",
                                 str(out[link])], "29501", 1)

@@ -306,6 +306,11 @@ def test_more_processes_than_cores_share_them_and_wait_longer_for_peers():
     assert shared.accelerator.peak_flops == hw.accelerator.peak_flops / 2
     assert shared.accelerator.op_overhead == pytest.approx(6e-6)
     assert shared.intra.latency == 1e-3
+    # hosts that share the machine's cores (`tpkit cluster`): the same wait for a peer that
+    # is not running comes on top of the network's latency between them
+    across = Cluster(hw, 2, 4).profile.inter
+    assert across.latency == pytest.approx(hw.inter.latency + 1e-3 - hw.intra.latency)
+    assert Cluster(hw, 2, 2).profile.inter == hw.inter
     text = profile_to_toml(hw)
     assert "cores_per_node = 2" in text and "shared_latency_us = 1000" in text
 
