@@ -10,6 +10,15 @@ contender runs once, the order rotating: torchrun's two agents (`--nnodes 2
 
     tp=2 x pp=2   tp inside each host (shared memory), pp across (gloo over the link)
     tp=4          tp across the two hosts (every all-reduce over the link)
+    tp=2 x dp=2   tp inside each host, the gradients' all-reduce across
+
+Beside each, the planner's prediction from a calibration of the same link: `tpkit
+calibrate` on the machine (its cores, shared memory between the ranks of a host), then
+per cluster `tpkit calibrate --across` under torchrun, one process per host (gloo over
+the link, written as the profile's inter link; the hosts share the machine's cores and
+each has one port), and `tpkit.plan.evaluate` of the same run (model, sequence, batch,
+micro-batches as `tpkit train` picks them, the dp all-reduce after the backward as
+tpkit's loop runs it).
 
 A run's tokens/s is its tokens over its step time after `--skip` warm-up steps
 (metrics.jsonl); the table shows the median of the rounds and the load average
@@ -30,31 +39,74 @@ from pathlib import Path
 from common import environment, parser, print_table, write_json
 from tpkit.cluster.hosts import down, enter_argv, up
 from tpkit.cluster.layout import Layout
+from tpkit.plan import get_hardware
+from tpkit.plan.simulate import Cluster, evaluate
+from tpkit.plan.simulate import Layout as PlanLayout
+from tpkit.spec.config import get_preset
+from tpkit.spec.shapes import default_micro_batches
 
 LAYOUTS = {"tp=2 x pp=2 (tp inside hosts)": ["--tp", "2", "--pp", "2"],
-           "tp=4 (tp across hosts)": ["--tp", "4"]}
-LINKS = {"10gbit": "tpb10g", "1gbit": "tpb1g"}
+           "tp=4 (tp across hosts)": ["--tp", "4"],
+           "tp=2 x dp=2 (dp across hosts)": ["--tp", "2", "--dp", "2"]}
+DEGREES = {"tp=2 x pp=2 (tp inside hosts)": (2, 2, 1), "tp=4 (tp across hosts)": (4, 1, 1),
+           "tp=2 x dp=2 (dp across hosts)": (2, 1, 2)}
 
 
-def _run(layout: Layout, train: list[str], out: Path, args) -> None:
+def _agents(layout: Layout, argv: list[str], port: str, procs: int) -> list[str]:
+    """stderr of torchrun's agents, one per host, running `-m tpkit ARGV`; exits on a
+    failure with its last lines."""
     agent = [sys.executable, "-m", "torch.distributed.run", "--nnodes", "2",
-             "--nproc_per_node", "2", "--master_addr", layout.host(0), "--master_port", "29500"]
-    cmd = ["-m", "tpkit", "train", "--preset", "gpt2-tiny", "--steps", str(args.steps),
-           "--seq", str(args.seq), "--global-batch", str(args.global_batch), "--no-progress",
-           "--out", str(out), *train]
+             "--nproc_per_node", str(procs), "--master_addr", layout.host(0),
+             "--master_port", port]
     env = dict(os.environ, OMP_NUM_THREADS="1")
-    agents = [subprocess.Popen(enter_argv(layout, n, [*agent, "--node_rank", str(n), *cmd]),
-                               env=env, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE,
+    agents = [subprocess.Popen(enter_argv(layout, n, [*agent, "--node_rank", str(n), "-m",
+                                                      "tpkit", *argv]),
+                               env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
                                text=True) for n in (0, 1)]
     try:
-        errs = [a.communicate(timeout=600)[1] for a in agents]
+        outs = [a.communicate(timeout=600) for a in agents]
     finally:
         for a in agents:
             if a.poll() is None:
                 a.kill()
-    for a, err in zip(agents, errs):
+    for a, (_, err) in zip(agents, outs):
         if a.returncode != 0:
-            raise SystemExit(f"{layout.name}: {' '.join(train)} failed:\n{err[-2000:]}")
+            raise SystemExit(f"{layout.name}: tpkit {' '.join(argv)} failed:\n{err[-2000:]}")
+    return [out for out, _ in outs]
+
+
+def calibrate(clusters: dict[str, Layout], folder: Path, reps: int) -> dict[str, Path]:
+    """The machine's profile, then one per link with that link as its inter link."""
+    base = folder / "machine.toml"
+    Path("bench-results").mkdir(exist_ok=True)
+    subprocess.run([sys.executable, "-m", "tpkit", "calibrate", "--out", str(base), "--reps",
+                    str(reps)], check=True, stdout=subprocess.DEVNULL)
+    out = {}
+    for link, layout in clusters.items():
+        out[link] = Path("bench-results") / f"hosts-{link}.toml"  # kept beside the results
+        out[link].write_text(base.read_text())
+        said = _agents(layout, ["calibrate", "--across", "--reps", str(reps), "--out",
+                                str(out[link])], "29501", 1)
+        print(f"{link}: {said[0].splitlines()[0]}", flush=True)
+    return out
+
+
+def predict(profile: Path, name: str, args) -> float:
+    """The planner's tokens/s for one layout of `tpkit train --preset gpt2-tiny` on 2 hosts
+    x 2 processes."""
+    tp, pp, dp = DEGREES[name]
+    m = default_micro_batches(pp, args.global_batch // dp)
+    lay = PlanLayout(tp, pp, dp, args.global_batch // (dp * m), recompute="none")
+    cl = Cluster(get_hardware("local", profile), nodes=2, devices_per_node=2, overlap_dp=False)
+    e = evaluate(get_preset("gpt2-tiny"), args.seq, args.global_batch, lay, cl)
+    return e.tokens_per_s
+LINKS = {"10gbit": "tpb10g", "1gbit": "tpb1g"}
+
+
+def _run(layout: Layout, train: list[str], out: Path, args) -> None:
+    _agents(layout, ["train", "--preset", "gpt2-tiny", "--steps", str(args.steps), "--seq",
+                     str(args.seq), "--global-batch", str(args.global_batch), "--no-progress",
+                     "--out", str(out), *train], "29500", 2)
 
 
 def _tokens_per_s(out: Path, skip: int) -> float:
@@ -77,8 +129,11 @@ def main() -> None:
     p.add_argument("--skip", type=int, default=5, help="warm-up steps left out")
     p.add_argument("--seq", type=int, default=64, help="tpkit train --seq")
     p.add_argument("--global-batch", type=int, default=8, help="tpkit train --global-batch")
+    p.add_argument("--prefix", default="tpb", help="the clusters' names start with it")
+    p.add_argument("--calibrate-reps", type=int, default=10, help="tpkit calibrate --reps")
     args = p.parse_args()
-    clusters = {link: Layout(name, 2, link) for link, name in LINKS.items()}
+    clusters = {link: Layout(args.prefix + name.removeprefix("tpb"), 2, link)
+                for link, name in LINKS.items()}
     contenders = [(link, name) for link in clusters for name in LAYOUTS]
     tps: dict = {c: [] for c in contenders}
     losses: dict = {}
@@ -87,6 +142,9 @@ def main() -> None:
         for layout in clusters.values():
             up(layout)
         with tempfile.TemporaryDirectory() as tmp:
+            profiles = calibrate(clusters, Path(tmp), args.calibrate_reps)
+            pred = {(link, name): predict(profiles[link], name, args)
+                    for link, name in contenders}
             for r in range(args.reps):
                 for i in range(len(contenders)):
                     link, name = contenders[(i + r) % len(contenders)]
@@ -100,26 +158,28 @@ def main() -> None:
         for layout in clusters.values():
             down(layout)
     load.append(os.getloadavg()[0])
-    _report(tps, losses, load, args)
+    _report(tps, pred, losses, load, args)
 
 
-def _report(tps: dict, losses: dict, load: list[float], args) -> None:
+def _report(tps: dict, pred: dict, losses: dict, load: list[float], args) -> None:
     med = {c: statistics.median(v) for c, v in tps.items()}
     rows = []
     for (link, name), m in med.items():
         base = med[(link, next(iter(LAYOUTS)))]
-        rows.append([name, link, f"{m:,.0f}", f"{m / base:.2f}x",
-                     " ".join(f"{x:,.0f}" for x in tps[(link, name)])])
+        p = pred[(link, name)]
+        rows.append([name, link, f"{m:,.0f}", f"{m / base:.2f}x", f"{p:,.0f}",
+                     f"{m / p - 1:+.0%}", " ".join(f"{x:,.0f}" for x in tps[(link, name)])])
     print_table(f"gpt2-tiny, seq {args.seq} x batch {args.global_batch}, 2 simulated hosts x 2 "
                 f"processes, medians of {args.reps} rounds (load average {load[0]:.1f} -> "
                 f"{load[1]:.1f})",
-                ["layout", "link", "tokens/s", "vs tp inside", "runs"], rows)
+                ["layout", "link", "tokens/s", "vs tp inside", "planner", "step time: planner "
+                 "vs measured", "runs"], rows)
     same = {name: len(v) == 1 for name, v in losses.items()}
     print(f"every run of a layout had the same losses, at both speeds: {same}")
     runs = {f"{link} {name}": v for (link, name), v in tps.items()}
     path = write_json(f"hosts-seq{args.seq}-batch{args.global_batch}", dict(
         environment=environment(), load=load, reps=args.reps, steps=args.steps,
-        tokens_per_s=runs))
+        tokens_per_s=runs, predicted={f"{k[0]} {k[1]}": v for k, v in pred.items()}))
     print(f"wrote {path}")
 
 

@@ -7,6 +7,7 @@ from __future__ import annotations
 import json
 import subprocess
 import sys
+from dataclasses import replace
 
 import pytest
 
@@ -47,6 +48,30 @@ def test_group_on_intra_link_only_when_inside_a_node():
     assert cost.link_for(8, hw).bandwidth == hw.intra.bandwidth
     assert cost.link_for(16, hw, stride=8).bandwidth == 45e9  # one rank per node: one NIC
     assert cost.link_for(16, hw).bandwidth == min(360e9, 8 * 45e9)  # 8 NICs per node
+
+
+def test_devices_that_share_a_hosts_one_port_share_its_bandwidth():
+    """Simulated hosts (`tpkit cluster`), or a host with one NIC: a tp group across two
+    hosts of 2 ranks each gets the port, not 2 of them; the 2 dp groups that run at once,
+    one rank per host each, and the 2 ranks of a stage that send at once, half each."""
+    hw = replace(get_hardware("cpu"), devices_per_node=2, nics_per_node=1,
+                 inter=Link("port", 1e8, 1e-4))
+    assert cost.link_for(4, hw).bandwidth == pytest.approx(1e8)
+    assert cost.link_for(4, hw, stride=2).bandwidth == pytest.approx(0.5e8)
+    assert cost.p2p_link(4, hw).bandwidth == pytest.approx(0.5e8)
+    assert cost.link_for(4, replace(hw, nics_per_node=0)).bandwidth == pytest.approx(2e8)
+
+
+def test_calibrate_across_hosts_runs_under_torchrun_only(tmp_path, capsys, monkeypatch):
+    monkeypatch.delenv("WORLD_SIZE", raising=False)
+    out = tmp_path / "local.toml"
+    assert tpkit_main(["calibrate", "--across", "--out", str(out)]) != 0
+    assert "run `tpkit calibrate --out" in capsys.readouterr().err and not out.exists()
+    out.write_text("# tpkit calibrate, by hand\n[local]\n")
+    assert tpkit_main(["calibrate", "--across", "--out", str(out)]) != 0
+    err = capsys.readouterr().err
+    assert "--across runs under torchrun with one process per host" in err
+    assert len(err.strip().splitlines()) == 1
 
 
 # -- compute and pipeline ---------------------------------------------------------------------
@@ -228,6 +253,11 @@ def test_toml_profiles_round_trip_and_inherit(tmp_path):
     assert found["h100"].accelerator.peak_flops == pytest.approx(h100.accelerator.peak_flops)
     assert found["big"].accelerator.memory_bytes == 96e9
     assert found["big"].inter == h100.inter
+    assert found["h100"].intra.name == "NVLink 4"  # a measured link keeps its transport's name
+    local = replace(h100, name="local", intra=replace(h100.intra, name="shm (measured)"))
+    path.write_text(profile_to_toml(local))
+    got = load_profiles(path)["local"]
+    assert (got.intra.name, got.inter.name) == ("shm (measured)", h100.inter.name)
     path.write_text('[x]\nbase = "tpu"\n')
     with pytest.raises(HardwareError, match="not a built-in profile"):
         load_profiles(path)
@@ -276,6 +306,11 @@ def test_more_processes_than_cores_share_them_and_wait_longer_for_peers():
     assert shared.accelerator.peak_flops == hw.accelerator.peak_flops / 2
     assert shared.accelerator.op_overhead == pytest.approx(6e-6)
     assert shared.intra.latency == 1e-3
+    # hosts that share the machine's cores (`tpkit cluster`): the same wait for a peer that
+    # is not running comes on top of the network's latency between them
+    across = Cluster(hw, 2, 4).profile.inter
+    assert across.latency == pytest.approx(hw.inter.latency + 1e-3 - hw.intra.latency)
+    assert Cluster(hw, 2, 2).profile.inter == hw.inter
     text = profile_to_toml(hw)
     assert "cores_per_node = 2" in text and "shared_latency_us = 1000" in text
 
@@ -288,3 +323,26 @@ def test_local_plan_prefers_data_parallel_when_collectives_cost_a_millisecond(tm
     best = plan(Request(get_preset("gpt2-tiny"), 128, 8,
                         Cluster(get_hardware("local", path), 1, 4)))[0]
     assert (best.layout.tp, best.layout.pp, best.layout.dp) == (1, 1, 4)
+
+
+def test_calibrate_says_where_it_writes_and_keeps_a_file_it_did_not_write(tmp_path, capsys):
+    mine = tmp_path / "local.toml"
+    mine.write_text("[local]\nmy = 1\n")  # the user's own file at that path
+    rc = tpkit_main(["calibrate", "--out", str(mine)])
+    err = capsys.readouterr().err
+    assert rc != 0 and mine.read_text() == "[local]\nmy = 1\n"  # untouched, nothing measured
+    assert f"--out {mine} exists and was not written by `tpkit calibrate`" in err
+    assert len(err.strip().splitlines()) == 1
+
+
+@pytest.mark.slow  # two 2-process spawns
+def test_calibrate_measures_the_transport_inside_a_host_and_gloo_across():
+    """The intra link is timed over what `tpkit train` uses between the ranks of a host
+    (shared memory where its kernels load), the inter link over gloo: not both over gloo."""
+    from tpkit.check.measure import measure_all_reduce
+    from tpkit.comm.shm_build import load
+
+    inside, samples = measure_all_reduce(2, (4096,), reps=1)
+    across, _ = measure_all_reduce(2, (4096,), reps=1, comm="gloo")
+    assert inside == ("shm" if load() is not None else "gloo") and across == "gloo"
+    assert [(p, n) for p, n, _ in samples] == [(2, 4096)]

@@ -112,7 +112,56 @@ def test_llama3_405b_as_published_is_within_ten_percent_once_weights_are_kept():
     assert before.tflops_per_device < 0.5 * published
     assert abs(after.tflops_per_device / published - 1) < 0.10
     assert after.terms["dp"] < 0.05 * before.terms["dp"]  # 1 AG + 1 RS instead of 32 x 3
-    assert after.memory["total"] > 80e9 > before.memory["total"]
+    assert after.memory["total"] > get_hardware("h100").accelerator.memory_bytes > \
+        before.memory["total"]
+
+
+def _searched(row: tuple) -> tuple:
+    """`tpkit plan`'s pick for a table 4 row given what the paper states (tp, cp, pp, dp,
+    one sequence a micro-batch, no recomputation), the rest left to the search."""
+    gpus, tp, cp, pp, dp, seq, gbs, tflops, _ = row
+    roce = replace(get_hardware("h100"), inter=LINKS["roce-400"])
+    cl = Cluster(roce, nodes=gpus // 8)
+    c = get_preset("llama3-405b").with_(max_seq_len=seq)
+    fixed = dict(tp=tp, cp=cp, pp=pp, dp=dp, micro_batch=1, recompute="none")
+    paper = Layout(tp, pp, dp, 1, True, "none", 2, papers.LLAMA3_INTERLEAVE, cp, True)
+    return plan(Request(c, seq, gbs, cl, fixed))[0], evaluate(c, seq, gbs, paper, cl), tflops
+
+
+@pytest.mark.parametrize("row", papers.LLAMA3_TABLE4, ids=lambda r: f"{r[0]}-gpus-seq-{r[5]}")
+def test_llama3_405b_searched_is_within_twenty_percent_where_the_layout_fits(row):
+    """The search tries every interleaving that splits the layers evenly and both FSDP
+    reshardings (it tried v <= 2 and after-forward only: 163 and 230 TFLOP/s for the
+    16,384-GPU runs), and a per-micro-batch reduce-scatter hides behind a forward and a
+    backward, not a backward alone. The layout the paper describes is priced within 20%
+    on all three; the search finds it wherever it fits in the card's usable 90%. At 8,192
+    GPUs it needs more than that (141 one-layer chunks in flight on stage 1, the
+    interleaved warm-up of m = 32): the known miss, docs/planner.md."""
+    best, paper, published = _searched(row)
+    assert abs(paper.tflops_per_device / published - 1) < 0.20
+    assert best.fits
+    if row[0] == 16384:  # 16 micro-batches a step: all 128 chunk forwards in flight
+        assert paper.fits and best.layout.interleave == papers.LLAMA3_INTERLEAVE
+        assert abs(best.tflops_per_device / published - 1) < 0.20
+    else:
+        assert not paper.fits  # the card's "80 GB" are 85.5e9 bytes: still over 90% of it
+        assert paper.memory["total"] < get_hardware("h100").accelerator.memory_bytes
+
+
+def test_a_reduce_scatter_per_micro_batch_hides_behind_a_forward_and_a_backward():
+    """ZeRO-2's m reduce-scatters: each one's window runs until the next is issued (the
+    next micro-batch's forward, or another chunk's, and its backward); the last one has
+    only its backward. Priced by the spec's ring of the stage's gradients."""
+    from tpkit.plan.data_parallel import dp_time
+    link = LINKS["ib-ndr"]
+    lay = Layout(1, 1, DP, 1, zero=2)
+    rs = reduce_scatter_time(N * 4, DP, link)
+    ag = all_gather_time(N * 2, DP, link)
+    fwd, bwd = 0.4 * rs, 0.8 * rs  # rs outlasts a backward, not a forward + backward
+    got = dp_time(N, 1, lay, link, 4, 2, M, fwd, bwd)
+    assert got == pytest.approx((rs - bwd) + ag)  # only the last one shows
+    assert dp_time(N, 1, lay, link, 4, 2, M, fwd, bwd, overlap=False) == pytest.approx(
+        M * rs + ag)
 
 
 def test_llama3_layout_gives_valid_megatron_flags():
@@ -154,8 +203,10 @@ def test_command_line_option_help_table_and_json(capsys):
     best = json.loads(_run(capsys, [*argv, "--fsdp-reshard", "after-step", "--json"]))[0]
     assert best["fsdp_reshard"] == "after-step" and best["commands"]["note"]
     assert best["memory_breakdown_gb"]["grads"] > best["memory_breakdown_gb"]["optimizer"]
-    default = json.loads(_run(capsys, [*argv, "--json"]))[0]  # FSDP2's default unless asked
-    assert default["fsdp_reshard"] == "after-forward" and default["commands"]["note"] is None
+    pinned = json.loads(_run(capsys, [*argv, "--fsdp-reshard", "after-forward", "--json"]))[0]
+    assert pinned["fsdp_reshard"] == "after-forward" and pinned["commands"]["note"] is None
+    default = json.loads(_run(capsys, [*argv, "--json"]))[0]  # searched: the faster that fits
+    assert default["step_time_s"] <= min(pinned["step_time_s"], best["step_time_s"])
 
 
 def test_cpu_and_local_profiles_predict_tpkits_eager_block():

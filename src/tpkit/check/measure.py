@@ -6,7 +6,8 @@ return; the fits are pure Python in `tpkit.plan.fit`).
     elementwise a layer's mix at activation size (layer norm, tanh-GELU on the 4h MLP
                 activation, residual add): the bytes/s elementwise kernels get
     dispatch    a chain of tiny multiplies, forward + backward: seconds per dispatched op
-    all-reduce  gloo, groups of p local processes, 4 KiB .. 16 MiB; and 2 x cores
+    all-reduce  groups of p local processes, 4 KiB .. 16 MiB, over the transport a run
+                uses inside a host (shared memory) and over gloo; and 2 x cores
                 processes in pairs: the latency of a step when processes outnumber cores
 
 A "device" here is one process with one thread (how `tpkit.launch` runs tests with
@@ -15,8 +16,10 @@ A "device" here is one process with one thread (how `tpkit.launch` runs tests wi
 
 from __future__ import annotations
 
+import socket
 import statistics
 import time
+from pathlib import Path
 
 import torch
 import torch.nn.functional as F
@@ -102,7 +105,8 @@ def measure_op_overhead(links: int = 200) -> float:
     return _best_time(chain, reps=20) / Count.n
 
 
-def _all_reduce_worker(mesh, sizes: tuple[int, ...], reps: int) -> list[tuple[int, float]]:
+def _all_reduce_worker(mesh, sizes: tuple[int, ...], reps: int,
+                       group: str = "tp") -> tuple[str, list]:
     """Each all-reduce follows the same ~0.3 ms matmul on every rank, as in training: the
     ranks arrive from compute (not from a barrier, where gloo is still polling), so the
     time includes waking the waiting peer. The mean, not the median: a step pays the sum
@@ -117,20 +121,22 @@ def _all_reduce_worker(mesh, sizes: tuple[int, ...], reps: int) -> list[tuple[in
         for i in range(reps + 2):
             a @ a @ a @ a  # [192, 192]: ~0.3 ms of work between collectives
             t0 = time.perf_counter()
-            all_reduce(x, mesh.tp_group)
+            all_reduce(x, mesh.groups[group])
             if i >= 2:
                 times.append(time.perf_counter() - t0)
         out.append((n, statistics.mean(times)))
-    return out
+    return mesh.groups[group].transport, out
 
 
 def measure_all_reduce(nprocs: int, sizes: tuple[int, ...] = SIZES, reps: int = 10,
-                       groups: int = 1) -> list:
-    """[(p, bytes, seconds)] of gloo all-reduces in groups of `nprocs` local processes,
-    `groups` groups at once (rank 0's view)."""
-    results = spawn(_all_reduce_worker, nprocs * groups, sizes, reps,
-                    mesh=dict(tp=nprocs, dp=groups), threads=1)
-    return [(nprocs, n, t) for n, t in results[0]]
+                       groups: int = 1, comm: str | None = None) -> tuple[str, list]:
+    """(transport, [(p, bytes, seconds)]) of all-reduces in groups of `nprocs` local
+    processes, `groups` groups at once (rank 0's view), over `comm` as a run chooses it
+    (None: TPKIT_COMM or auto, i.e. shared memory as `tpkit train` uses between the ranks
+    of a host; "gloo": the process group, what groups across hosts use)."""
+    transport, results = spawn(_all_reduce_worker, nprocs * groups, sizes, reps,
+                               mesh=dict(tp=nprocs, dp=groups, comm=comm), threads=1)[0]
+    return transport, [(nprocs, n, t) for n, t in results]
 
 
 def measure_shared_latency(cores: int, reps: int) -> float:
@@ -139,5 +145,29 @@ def measure_shared_latency(cores: int, reps: int) -> float:
     0.0 (not measured) above 4 cores: such a host plans one process per core."""
     if cores > 4:
         return 0.0
-    (_, _, t), = measure_all_reduce(2, (4 << 10,), reps, groups=cores)
+    _, ((_, _, t),) = measure_all_reduce(2, (4 << 10,), reps, groups=cores)
     return t / 2
+
+
+def measure_across(sizes: tuple[int, ...] = SIZES, reps: int = 10) -> dict:
+    """Under torchrun with one process per host: all-reduces over all of them, as `tpkit
+    train`'s groups across hosts run them (the same mesh, transport and interface).
+
+    Returns (on every rank) {"transport", "samples": [(p, bytes, seconds)] (rank 0's
+    view), "hosts": each rank's hostname, "machines": how many distinct kernels (boot ids)
+    run them: simulated hosts (`tpkit cluster`) are one machine and share its cores}.
+    """
+    import torch.distributed as dist
+
+    from tpkit.mesh import ParallelMesh
+
+    mesh = ParallelMesh.from_env(tp=1, dp=None)
+    transport, got = _all_reduce_worker(mesh, sizes, reps, group="dp")
+    me = (socket.gethostname(), Path("/proc/sys/kernel/random/boot_id").read_text().strip())
+    everyone: list = [None] * mesh.world_size
+    dist.all_gather_object(everyone, me)
+    samples: list = [got]
+    dist.broadcast_object_list(samples, src=0)
+    dist.destroy_process_group()
+    return {"transport": transport, "samples": [(mesh.dp_size, n, t) for n, t in samples[0]],
+            "hosts": [h for h, _ in everyone], "machines": len({b for _, b in everyone})}

@@ -85,7 +85,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                        f"{k} {v}" for k, v in ZERO_NAMES.items()) + SEARCHED)
     f.add_argument("--zero1", choices=("on", "off"),
                    help="same as --zero 1 / --zero 0" + SEARCHED)
-    f.add_argument("--fsdp-reshard", choices=FSDP_RESHARD, default="after-forward",
+    f.add_argument("--fsdp-reshard", choices=FSDP_RESHARD,
                    help="when FSDP frees the weights it gathered: after-forward (PyTorch "
                         "FSDP2's default, reshard_after_forward=True: gathered again for every "
                         "micro-batch's forward and backward, gradients reduce-scattered each "
@@ -93,7 +93,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                         "resharding or gradient sync until the last backward, as "
                         "torch.distributed.pipelining runs it: gathered once per step and kept, "
                         "gradients accumulated unsharded and reduce-scattered once; the "
-                        "stage's full weights and gradients stay in memory)")
+                        "stage's full weights and gradients stay in memory)" + SEARCHED)
     o = p.add_argument_group("output")
     o.add_argument("--top", type=int, default=8, help="how many plans to show")
     o.add_argument("--json", action="store_true", help="JSON list of plans, best first")

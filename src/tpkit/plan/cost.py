@@ -61,20 +61,34 @@ def link_for(span: int, hw: Hardware, stride: int = 1) -> Link:
     through NICs, and NCCL spreads its channels over the NICs of the group's ranks: a
     group with k ranks per node gets k NICs (each GPU owns one on DGX/HGX), at most the
     intra-node rate. So a tp group that fills whole nodes uses all their NICs, while
-    the dp groups, one rank per node each, get one NIC apiece.
+    the dp groups, one rank per node each, get one NIC apiece. Where a node has fewer
+    NICs than devices (`nics_per_node`: hosts with one network port), the groups that
+    run at once share them: each of k ranks per node gets nics/devices of a port.
     """
     per_node = hw.devices_per_node
     if group_fits_node(span, per_node):
         return hw.intra
     k = max(1, min(span, per_node) // stride)
-    bandwidth = min(hw.intra.bandwidth, k * hw.inter.bandwidth)
-    name = hw.inter.name + (f" x{k} NICs" if k > 1 else "")
+    ports = k * nic_share(hw)
+    bandwidth = min(hw.intra.bandwidth, ports * hw.inter.bandwidth)
+    name = hw.inter.name + (f" x{ports:g} NICs" if ports != 1 else "")
     return Link(name, bandwidth, hw.inter.latency)
 
 
+def nic_share(hw: Hardware) -> float:
+    """Network ports per device: 1 on DGX/HGX, less where the devices share a port."""
+    nics = hw.nics_per_node or hw.devices_per_node
+    return min(1.0, nics / hw.devices_per_node)
+
+
 def p2p_link(span: int, hw: Hardware) -> Link:
-    """Stage-to-stage sends: each rank sends its own 1/tp share through its own NIC."""
-    return hw.intra if group_fits_node(span, hw.devices_per_node) else hw.inter
+    """Stage-to-stage sends: each rank sends its own 1/tp share through its NIC (its share
+    of one, where a node's devices share ports)."""
+    if group_fits_node(span, hw.devices_per_node):
+        return hw.intra
+    share = nic_share(hw)
+    return hw.inter if share == 1 else Link(hw.inter.name, share * hw.inter.bandwidth,
+                                            hw.inter.latency)
 
 
 # -- compute ---------------------------------------------------------------------------------

@@ -7,10 +7,12 @@ rank (its tp/pp shard). Collectives come from the spec's theory where tpkit runs
     stage     per step                              overlapped with
     none      all-reduce G                          the last micro-batch's backward
     ZeRO-1    reduce-scatter G, all-gather W        RS: last backward; AG: not (after the step)
-    ZeRO-2    m x reduce-scatter G, all-gather W    each RS: its micro-batch's backward
-    FSDP      m x (AG W forward, AG W + RS G        forward / backward compute of the
-              backward), layer by layer             micro-batch, prefetching the next layer;
-                                                    the first layer's gather is exposed
+    ZeRO-2    m x reduce-scatter G, all-gather W    each RS: the compute until the next
+                                                    one (its backward and the next forward),
+                                                    the last one: its backward only
+    FSDP      m x (AG W forward, AG W + RS G        the same windows (the next forward
+              backward), layer by layer             and backward), prefetching layer by
+                                                    layer; the first layer's gather exposed
     FSDP,     AG W at the first forward, kept;      AG: the first micro-batch's forward,
     after-    RS G after the last backward          prefetching (first layer exposed);
     step      (`theory.fully_sharded`)              RS: the last micro-batch's backward
@@ -19,6 +21,12 @@ FSDP's counts come from `tpkit.spec.theory.fully_sharded` (`Layout.fsdp_reshard`
 pipeline the first stage starts the step and ends it (1F1B and interleaved alike), so
 its first forward and last backward are the windows a per-step gather and reduce-scatter
 can hide behind; the later stages gather while they wait for their first activations.
+
+A collective issued once per micro-batch runs on its own stream while the rank computes:
+it is exposed only where it outlasts the compute between two of its kind, one
+micro-batch's forward and backward on this stage (a pipeline runs the next micro-batch's
+forward, or another chunk's, while the last gradients are reduced); the step's last one
+has only its own backward behind it.
 
 Megatron overlaps the ZeRO-1 reduce-scatter with backward (--overlap-grad-reduce);
 tpkit's own `ZeroAdamW` runs it after backward, so on tpkit it is exposed.
@@ -63,7 +71,7 @@ def dp_time(params: int, layer_count: int, lay: Layout, link: Link, grad_bytes: 
         sync = parts.get("all_reduce", 0.0) + parts.get("reduce_scatter", 0.0)
         return (max(sync - bwd, 0.0) if overlap else sync) + parts.get("all_gather", 0.0)
     if lay.zero == 2:
-        return m * (max(rs - bwd, 0.0) if overlap else rs) + ag
+        return (per_micro_batch(rs, m, fwd, bwd) if overlap else m * rs) + ag
     return fsdp_time(params, layer_count, lay, link, grad_bytes, weight_bytes, m, fwd, bwd,
                      overlap)
 
@@ -83,9 +91,19 @@ def fsdp_time(params: int, layer_count: int, lay: Layout, link: Link, grad_bytes
     ag, rs = once[("all_gather", "forward")], once[("reduce_scatter", "grads")]
     regather = once.get(("all_gather", "backward"), 0.0)
     first = ag / max(layer_count, 1)  # nothing to hide the first layer's gather behind
-    forward = rounds[("all_gather", "forward")] * (max(ag - fwd, 0.0) + first)
-    backward = max(regather + rs - bwd, 0.0) + (first if regather else 0.0)
-    return forward + rounds[("reduce_scatter", "grads")] * backward
+    gathers = rounds[("all_gather", "forward")]
+    if gathers == 1:  # after-step: one gather behind the first forward, one RS at the end
+        return max(ag - fwd, 0.0) + first + max(rs - bwd, 0.0)
+    # after-forward: per micro-batch, gather, re-gather and reduce-scatter on one link
+    busy = ag + regather + rs
+    return per_micro_batch(busy, gathers, fwd, bwd) + gathers * first * (2 if regather else 1)
+
+
+def per_micro_batch(seconds: float, m: int, fwd: float, bwd: float) -> float:
+    """Exposed seconds of `m` collectives of `seconds` each, one per micro-batch: each hides
+    behind the compute until the next is issued (a forward and a backward), the last
+    behind its own backward only."""
+    return (m - 1) * max(seconds - fwd - bwd, 0.0) + max(seconds - bwd, 0.0)
 
 
 def optimizer_shards(lay: Layout) -> int:

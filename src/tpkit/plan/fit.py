@@ -49,15 +49,21 @@ def fit_alpha_beta(samples: list[tuple[int, float, float]]) -> tuple[float, floa
 
 
 # -- profile ----------------------------------------------------------------------------------
-def build_profile(gemm1: list, mem_bw: float, alpha: float, bandwidth: float,
+def build_profile(gemm1: list, mem_bw: float, intra: Link, inter: Link,
                   ram_bytes: float, cores: int, op_overhead: float = 0.0,
                   shared_latency: float = 0.0) -> Hardware:
-    """The `local` profile: one device = one process with one thread, one per core."""
+    """The `local` profile: one device = one process with one thread, one per core;
+    `intra` the measured transport between the ranks of this host, `inter` across hosts."""
     peak, d_half = fit_gemm(gemm1)
     acc = Accelerator("local CPU core (measured)", peak, ram_bytes / cores, mem_bw, dtype="fp32",
                       gemm_efficiency=1.0, gemm_half_dim=d_half, op_overhead=op_overhead)
-    link = Link("gloo (measured)", bandwidth, alpha)
-    return Hardware("local", acc, link, link, cores, cores, shared_latency)
+    return Hardware("local", acc, intra, inter, cores, cores, shared_latency)
+
+
+def fit_link(name: str, samples: list[tuple[int, float, float]]) -> Link:
+    """A Link named `name` from all-reduce samples (the ring model's alpha and B)."""
+    alpha, bw = fit_alpha_beta(samples)
+    return Link(name, bw, alpha)
 
 
 def ram_bytes() -> float:
@@ -69,12 +75,19 @@ def ram_bytes() -> float:
 
 
 
-def notes(one: list, allt: list, samples: list, alpha: float, bw: float) -> list[str]:
+def matmul_note(one: list, allt: list) -> str:
+    """One line: the GEMM fit of one thread and the best rates."""
     peak1, dh1 = fit_gemm(one)
-    lines = [f"matmul 1 thread: fit peak {peak1 / 1e9:.1f} GFLOP/s, d_half {dh1:.0f}; best "
-             f"measured {max(r for _, r in one) / 1e9:.1f} GFLOP/s, all threads "
-             f"{max(r for _, r in allt) / 1e9:.1f} GFLOP/s",
-             f"all-reduce fit: alpha {alpha * 1e6:.1f} us, bandwidth {bw / GB:.2f} GB/s"]
+    return (f"matmul 1 thread: fit peak {peak1 / 1e9:.1f} GFLOP/s, d_half {dh1:.0f}; best "
+            f"measured {max(r for _, r in one) / 1e9:.1f} GFLOP/s, all threads "
+            f"{max(r for _, r in allt) / 1e9:.1f} GFLOP/s")
+
+
+def link_notes(link: Link, samples: list) -> list[str]:
+    """The fit of one link and each sample against it."""
+    alpha, bw = link.latency, link.bandwidth
+    lines = [f"all-reduce over {link.name}: alpha {alpha * 1e6:.1f} us, bandwidth "
+             f"{bw / GB:.2f} GB/s"]
     for p, n, t in samples:
         model = 2 * (p - 1) * alpha + 2 * (p - 1) / p * n / bw
         lines.append(f"  p={p} {n >> 10:>6} KiB: measured {t * 1e3:8.3f} ms, fit "

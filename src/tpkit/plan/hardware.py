@@ -29,6 +29,7 @@ except ModuleNotFoundError:  # Python 3.10
     import tomli as tomllib
 
 GB = 1e9
+MIB = 2**20  # GPU memory is sized in binary units: an "80 GB" card holds 80 GiB
 TFLOPS = 1e12
 
 
@@ -66,6 +67,7 @@ class Hardware:
     devices_per_node: int = 8
     cores_per_node: int = 0  # compute units the devices share (CPU cores); 0: one per device
     shared_latency: float = 0.0  # collective latency per step when devices > cores (0: alpha)
+    nics_per_node: int = 0  # network ports a node's devices share; 0: one per device (DGX/HGX)
 
 
 # -- accelerators ------------------------------------------------------------------------
@@ -74,23 +76,31 @@ ACCELERATORS: dict[str, Accelerator] = {
     # 1,555 GB/s, HBM2e 80 GB at 2,039 GB/s (SXM). gemm_efficiency 0.70 (~220 TFLOP/s in
     # Megatron's GEMMs) is the one fitted figure: chosen against Narayanan et al. 2021
     # table 1 (docs/planner.md lists the errors it leaves); cuBLAS alone gets ~0.8.
-    "a100-40gb": Accelerator("A100-SXM4-40GB", 312 * TFLOPS, 40 * GB, 1555 * GB,
+    # Memory as nvidia-smi's memory.total reports it (40,960 and 81,920 MiB): the
+    # datasheet's "40 GB" and "80 GB" are binary, 42.9 and 85.9 GB.
+    "a100-40gb": Accelerator("A100-SXM4-40GB", 312 * TFLOPS, 40960 * MIB, 1555 * GB,
                              gemm_efficiency=0.70),
-    "a100-80gb": Accelerator("A100-SXM4-80GB", 312 * TFLOPS, 80 * GB, 2039 * GB,
+    "a100-80gb": Accelerator("A100-SXM4-80GB", 312 * TFLOPS, 81920 * MIB, 2039 * GB,
                              gemm_efficiency=0.70),
     # NVIDIA H100 Tensor Core GPU datasheet: H100 SXM BF16 989 TFLOP/s dense (1,979 with
     # sparsity), 80 GB HBM3 at 3.35 TB/s. gemm_efficiency 0.65 is an assumption (no
     # published layout sweep to fit it); Dubey et al. 2024 (Llama 3) report 38-43% MFU
-    # end to end on H100, which this leaves room for.
-    "h100": Accelerator("H100-SXM5-80GB", 989 * TFLOPS, 80 * GB, 3350 * GB, gemm_efficiency=0.65),
-    # NVIDIA H200 datasheet: same compute as H100 SXM, 141 GB HBM3e at 4.8 TB/s.
-    "h200": Accelerator("H200-SXM-141GB", 989 * TFLOPS, 141 * GB, 4800 * GB, gemm_efficiency=0.65),
+    # end to end on H100, which this leaves room for. nvidia-smi reports 81,559 MiB
+    # (85.5 GB) of memory.total for the "80 GB".
+    "h100": Accelerator("H100-SXM5-80GB", 989 * TFLOPS, 81559 * MIB, 3350 * GB,
+                        gemm_efficiency=0.65),
+    # NVIDIA H200 datasheet: same compute as H100 SXM, 141 GB HBM3e at 4.8 TB/s;
+    # nvidia-smi reports 143,771 MiB (150.8 GB).
+    "h200": Accelerator("H200-SXM-141GB", 989 * TFLOPS, 143771 * MIB, 4800 * GB,
+                        gemm_efficiency=0.65),
     # NVIDIA DGX B200 datasheet: 1,440 GB HBM3e over 8 GPUs (180 GB each), 64 TB/s (8 TB/s
     # each); HGX B200 spec: BF16 2.25 PFLOP/s dense (4.5 with sparsity). Efficiency as H100.
     "b200": Accelerator("B200-180GB", 2250 * TFLOPS, 180 * GB, 8000 * GB, gemm_efficiency=0.65),
     # NVIDIA V100 datasheet: 125 TFLOP/s FP16 tensor, 32 GB HBM2 at 900 GB/s. DGX-2H runs
     # them at 450 W: Shoeybi et al. 2019 quote 39 TFLOP/s as 30% of peak, i.e. 130 TFLOP/s.
-    "v100-dgx2h": Accelerator("V100-SXM3-32GB", 130 * TFLOPS, 32 * GB, 900 * GB, dtype="fp16"),
+    # "32 GB" is 32,768 MiB.
+    "v100-dgx2h": Accelerator("V100-SXM3-32GB", 130 * TFLOPS, 32768 * MIB, 900 * GB,
+                              dtype="fp16"),
     # A nominal CPU socket: 16 cores x 2 AVX2 FMA units x 8 fp32 lanes x 2 FLOP x 3 GHz
     # = 1.5 TFLOP/s fp32; DDR4-3200 x 4 channels = 102 GB/s nominal. Replace it with a
     # measured profile (`tpkit calibrate`).
@@ -214,7 +224,8 @@ def profile_from_dict(name: str, d: dict) -> Hardware:
     if per_node < 1 or acc.peak_flops <= 0 or intra.bandwidth <= 0 or inter.bandwidth <= 0:
         raise HardwareError(f"[{name}] devices_per_node, peak_tflops and bandwidths must be > 0")
     return Hardware(name, acc, intra, inter, per_node, int(d.get("cores_per_node", base.cores_per_node)),
-                    float(d.get("shared_latency_us", base.shared_latency / 1e-6)) * 1e-6)
+                    float(d.get("shared_latency_us", base.shared_latency / 1e-6)) * 1e-6,
+                    int(d.get("nics_per_node", base.nics_per_node)))
 
 
 def _scaled(d: dict, keys: dict[str, tuple[str, float]]) -> dict:
@@ -223,6 +234,8 @@ def _scaled(d: dict, keys: dict[str, tuple[str, float]]) -> dict:
 
 def _link(d: dict, which: str, default: Link) -> Link:
     link = default
+    if f"{which}_name" in d:  # a measured link (`tpkit calibrate`), named by its transport
+        link = replace(link, name=str(d[f"{which}_name"]))
     if f"{which}_link" in d:
         if d[f"{which}_link"] not in LINKS:
             raise HardwareError(f"{which}_link={d[f'{which}_link']!r} is not one of "
@@ -240,7 +253,8 @@ def profile_to_toml(hw: Hardware, comments: dict[str, str] | None = None) -> str
               "mem_bandwidth_gbs": a.mem_bandwidth / GB, "gemm_efficiency": a.gemm_efficiency,
               "gemm_half_dim": a.gemm_half_dim, "op_overhead_us": a.op_overhead / 1e-6,
               "cores_per_node": hw.cores_per_node,
-              "shared_latency_us": hw.shared_latency / 1e-6,
+              "shared_latency_us": hw.shared_latency / 1e-6, "nics_per_node": hw.nics_per_node,
+              "intra_name": hw.intra.name, "inter_name": hw.inter.name,
               "intra_bandwidth_gbs": hw.intra.bandwidth / GB,
               "intra_latency_us": hw.intra.latency / 1e-6,
               "inter_bandwidth_gbs": hw.inter.bandwidth / GB,

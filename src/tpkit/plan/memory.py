@@ -41,6 +41,7 @@ and v repeated for GQA) instead of Megatron-Core's fused kernels.
 from __future__ import annotations
 
 from dataclasses import dataclass
+from functools import lru_cache
 
 from tpkit.plan.activations import layer_activation_bytes
 from tpkit.plan.layout import Layout
@@ -187,6 +188,12 @@ def memory_per_stage(c: ModelConfig, seq: int, lay: Layout, m: int, prec: Precis
 
 def stage_params(c: ModelConfig, lay: Layout, stage: int) -> int:
     """`params_per_rank` of `stage` with the plan's layers per stage."""
-    even = layers_per_stage(c.num_layers, lay.pp)[stage]
-    moved = layout_stage_layers(c.num_layers, lay)[stage] - even
-    return params_per_rank(c, lay.tp, lay.pp, stage) + moved * c.layer_params(lay.tp)
+    return _stage_params(c, lay.tp, lay.pp, lay.lighter_ends, stage)
+
+
+@lru_cache(maxsize=8192)  # the planner asks for every stage of 10^4 layouts: few distinct
+def _stage_params(c: ModelConfig, tp: int, pp: int, lighter_ends: bool, stage: int) -> int:
+    even = layers_per_stage(c.num_layers, pp)[stage]
+    moved = layout_stage_layers(c.num_layers, Layout(tp, pp, 1, 1, lighter_ends=lighter_ends))[
+        stage] - even
+    return params_per_rank(c, tp, pp, stage) + moved * c.layer_params(tp)

@@ -5,8 +5,8 @@
         for pp in divisors(devices / (tp cp))   (at most one layer per stage)
           dp = devices / (tp cp pp)    (the global batch must split over dp)
           for micro-batch, sequence parallelism, recomputation, data-parallel sharding
-          (none, ZeRO-1, ZeRO-2, FSDP; FSDP resharding as pinned, default FSDP2's
-          after-forward), interleaving, lighter first/last stages:
+          (none, ZeRO-1, ZeRO-2, FSDP after-forward or after-step), interleaving
+          (2, 4, 8, ... chunks that split the layers evenly), lighter first/last stages:
               simulate; keep it if its fullest device fits in memory
 
 Plans are ranked by step time (the global batch is fixed, so by tokens/s), the best
@@ -25,7 +25,7 @@ from tpkit.plan.simulate import Cluster, Estimate, Layout, evaluate
 from tpkit.spec.config import ModelConfig
 from tpkit.spec.errors import UserError
 from tpkit.spec.grid import weight_replicas, world_of
-from tpkit.spec.theory import RECOMPUTE
+from tpkit.spec.theory import FSDP_RESHARD, RECOMPUTE
 
 MICRO_BATCHES = (1, 2, 4, 8, 16, 32)
 CHOICES = ("tp", "cp", "pp", "dp", "micro_batch", "sp", "recompute", "zero", "interleave",
@@ -135,15 +135,17 @@ def _variants(req: Request, degrees: tuple[int, int, int, int], mb: int,
     sp_ok = tp > 1 and not req.config.problems(tp=tp, sp=True, seq=req.seq // cp)  # spec's rule
     sps = [False, True] if sp_ok else [False]
     zeros = list(ZERO_NAMES) if weight_replicas(dp, cp) > 1 else [0]
-    chunks = [1] + ([2] if pp > 1 and m % pp == 0 and req.config.num_layers % (2 * pp) == 0
-                    else [])
+    # interleaving: 2, 4, 8, ... chunks while they split the layers evenly (one layer a
+    # chunk at most), the micro-batches in whole rounds of pp (Megatron's schedule)
+    top = (req.config.num_layers + 2) // pp if pp > 1 and m % pp == 0 else 1
+    chunks = [1] + [2 ** k for k in range(1, top.bit_length()) if 2 ** k <= top]
     ends = [False] + ([True] if lighter_end_layers(req.config.num_layers, pp) else [])
-    reshard = _options(req, "fsdp_reshard", ["after-forward"])[0]
-    return [Layout(tp, pp, dp, mb, sp, rc, int(z), v, cp, e,
-                   reshard if int(z) >= 3 else "after-forward")
+    reshards = _options(req, "fsdp_reshard", list(FSDP_RESHARD))
+    return [Layout(tp, pp, dp, mb, sp, rc, int(z), v, cp, e, r)
             for sp in _options(req, "sp", sps) for rc in _options(req, "recompute", list(RECOMPUTE))
             for z in _options(req, "zero", zeros) for v in _options(req, "interleave", chunks)
             for e in _options(req, "lighter_ends", ends)
+            for r in (reshards if int(z) >= 3 else ["after-forward"])
             if chunks_split_evenly(req.config.num_layers, pp, v, e)]
 
 

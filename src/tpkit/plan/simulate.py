@@ -72,7 +72,9 @@ class Cluster:
 
         More devices than cores (CPU processes) time-share them: each gets cores/devices
         of a core (FLOP/s and bytes/s divided, dispatch time multiplied), and a collective
-        step waits `shared_latency` for a peer that is not running.
+        step waits `shared_latency` for a peer that is not running: inside a node that is
+        the step's latency, across nodes (hosts that share one machine's cores) the wait
+        beyond the node's own latency comes on top of the network's.
         """
         hw = replace(self.hardware, devices_per_node=self.per_node)
         share = self.per_node / hw.cores_per_node if hw.cores_per_node else 1.0
@@ -82,7 +84,9 @@ class Cluster:
         acc = replace(a, peak_flops=a.peak_flops / share, mem_bandwidth=a.mem_bandwidth / share,
                       op_overhead=a.op_overhead * share)
         intra = replace(hw.intra, latency=hw.shared_latency or hw.intra.latency)
-        return replace(hw, accelerator=acc, intra=intra)
+        wait = max(intra.latency - hw.intra.latency, 0.0)
+        inter = replace(hw.inter, latency=hw.inter.latency + wait)
+        return replace(hw, accelerator=acc, intra=intra, inter=inter)
 
 
 @dataclass
