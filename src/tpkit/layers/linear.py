@@ -142,6 +142,7 @@ class ColumnParallelLinear(nn.Module):
         self.bias = set_meta(nn.Parameter(torch.empty(local, **kw)),
                              split=self.split) if bias else None
         self.decoding = None  # the weight in a decode-only form (`layers.quant.for_decode`)
+        self.lora = None  # its low-rank adapters (`layers.lora.LoRA`), or None
         self.reset_parameters()
 
     def reset_parameters(self) -> None:
@@ -152,6 +153,8 @@ class ColumnParallelLinear(nn.Module):
         """x [b, s, in] (or [b, s/tp, in] with sequence parallelism) -> [b, s, out/tp]."""
         if self.decoding is not None:  # a decode (f is the identity forward)
             y = self.decoding(x, self.bias)
+        elif self.lora is not None:  # W x + s B A x, in the base's one collective
+            y = self.lora.column(x, self)
         else:
             y = column_parallel_linear(x, self.weight, self.bias, self.group,
                                        self.sequence_parallel)  # [b, s, out/tp]
@@ -196,6 +199,7 @@ class RowParallelLinear(nn.Module):
         self.bias = set_meta(nn.Parameter(torch.empty(out_features, **kw)),
                              sequence_parallel=sequence_parallel) if bias else None
         self.decoding = None  # the weight in a decode-only form (`layers.quant.for_decode`)
+        self.lora = None  # its low-rank adapters (`layers.lora.LoRA`), or None
         self.reset_parameters()
 
     def reset_parameters(self) -> None:
@@ -208,7 +212,8 @@ class RowParallelLinear(nn.Module):
             x = ops.scatter_to_tp(x, self.group)  # [b, s, in/tp]
         if self.decoding is not None:  # decode-only weights (`layers.quant`)
             return self.decoding(x)  # [b, s, out], a partial sum
-        return F.linear(x, self.weight)  # [b, s, out], a partial sum
+        y = F.linear(x, self.weight)  # [b, s, out], a partial sum
+        return y if self.lora is None else y + self.lora.row_delta(x)  # summed alike
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         """x [b, s, in/tp] (or [b, s, in] if not input_is_parallel) -> [b, s, out]."""

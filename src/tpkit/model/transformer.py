@@ -32,6 +32,7 @@ from tpkit.layers.cross_entropy import vocab_parallel_cross_entropy
 from tpkit.layers.embedding import VocabParallelEmbedding, check_ids, padded_master
 from tpkit.layers.grads import finalize_tp_grads
 from tpkit.layers.linear import column_parallel_linear
+from tpkit.layers.lora import freeze_base
 from tpkit.layers.norm import Norm
 from tpkit.layers.random import TPRandom, checkpointed, dropout
 from tpkit.layers.ring_attention import cp_positions
@@ -169,6 +170,8 @@ class Transformer(nn.Module):
             self._make_head(kw)
             self.pooler = replicated_linear(config, seed, names.POOLER, kw) if config.pooler \
                 else None
+        if config.lora_rank:
+            freeze_base(self)  # LoRA: only the adapters train
 
     def _make_head(self, kw) -> None:
         c, tp = self.config, self.group.size
