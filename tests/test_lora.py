@@ -94,13 +94,15 @@ def test_every_adapted_linear_is_the_hand_written_reference():
 @pytest.fixture(scope="module")
 def runs(smol, run_tp, tmp_path_factory):
     """tp=1 and tp=2 runs of 4 steps (checkpoints at 2 and 4), the tp=2 run resumed from
-    tp=1's step 2, one step of a full fine-tune at tp=2 (what the base sends), and tp=2
-    with sequence parallelism."""
+    tp=1's step 2, one step of a full fine-tune at tp=2 (what the base sends), tp=2 with
+    sequence parallelism and recomputation, and tp=1 in bf16 on fp32 master weights."""
     root = tmp_path_factory.mktemp("runs")
     threads = torch.get_num_threads()
     torch.set_num_threads(1)  # like the pool's workers
     try:
         one = _train(ParallelMesh.single(), _cfg(smol, root / "tp1"))
+        mixed = _train(ParallelMesh.single(), _cfg(smol, root / "bf16", dtype="bfloat16",
+                                                   master_weights=True, checkpoint=False))
     finally:
         torch.set_num_threads(threads)
     two = run_tp(_train, 2, _cfg(smol, root / "tp2", tp=2))[0]
@@ -108,8 +110,9 @@ def runs(smol, run_tp, tmp_path_factory):
     resumed = run_tp(_train, 2, _cfg(smol, root / "resumed", tp=2, resume=str(step2)))[0]
     full = run_tp(_train, 2, _cfg(smol, root / "full", tp=2, lora_rank=0, steps=1,
                                   checkpoint=False))[0]
-    sp = run_tp(_train, 2, _cfg(smol, root / "sp", tp=2, sp=True, checkpoint=False))[0]
-    return dict(root=root, one=one, two=two, resumed=resumed, full=full, sp=sp)
+    sp = run_tp(_train, 2, _cfg(smol, root / "sp", tp=2, sp=True, recompute=True,
+                                checkpoint=False))[0]
+    return dict(root=root, one=one, two=two, resumed=resumed, full=full, sp=sp, mixed=mixed)
 
 
 @pytest.mark.slow
@@ -120,8 +123,11 @@ def test_tp2_trains_the_adapters_as_tp1_sending_what_the_base_sends(runs):
     assert _worst(two["losses"], one["losses"]) <= 1e-5
     assert two["theory_ok"]
     assert two["sent"] == full["sent"] and sum(full["sent"].values()) > 0
-    # with SP the frozen embedding's backward all-gather is the one thing not sent
+    # with SP the frozen embedding's backward all-gather is the one thing not sent; the
+    # recomputed layers take the adapters' gradients although their input takes none
     assert runs["sp"]["theory_ok"] and _worst(runs["sp"]["losses"], one["losses"]) <= 1e-5
+    # bf16 on fp32 masters: every weight and activation rounded to 8 bits of mantissa
+    assert _worst(runs["mixed"]["losses"], one["losses"]) <= 1e-2
 
 
 @pytest.mark.slow

@@ -61,10 +61,12 @@ class _ColumnLinear(torch.autograd.Function):
         else:
             pending = C.all_reduce_async(dx, ctx.group, scope=ctx.scope)
         dy2 = dy.reshape(-1, dy.shape[-1])  # [b*s, out/tp]
-        dw = dy2.t().matmul(x.reshape(-1, x.shape[-1]))  # [out/tp, in]
-        db = dy2.sum(0) if ctx.has_bias else None
-        x_dtype, w_dtype = ctx.dtypes
-        return pending.wait().to(x_dtype), dw.to(w_dtype), db, None, None
+        dw = db = None  # a frozen weight (LoRA's base): not computed
+        if ctx.needs_input_grad[1]:
+            dw = dy2.t().matmul(x.reshape(-1, x.shape[-1])).to(ctx.dtypes[1])  # [out/tp, in]
+        if ctx.has_bias and ctx.needs_input_grad[2]:
+            db = dy2.sum(0)
+        return pending.wait().to(ctx.dtypes[0]), dw, db, None, None
 
 
 def column_parallel_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None,

@@ -278,6 +278,8 @@ class Transformer(nn.Module):
             layer, cache = self.layers[str(i)], kv_caches[j] if kv_caches is not None else None
             with self.mesh.ledger.scope(f"layers.{i}"):
                 if self.recompute and self.training and cache is None:
+                    if not x.requires_grad and self.config.lora_rank:  # a frozen stem: the
+                        x = x.detach().requires_grad_()  # checkpoint needs a grad to pass
                     x = checkpointed(lambda t, lay=layer: self._again(lay, t, attention_mask, seq),
                                      self.rng, x)
                 else:

@@ -223,13 +223,13 @@ class TrainConfig:
     @cached_property
     def _model_config(self):
         if self.from_hf is None:
-            return self._adapted(get_preset(self.preset))
+            return self.adapted(get_preset(self.preset))
         try:
-            return self._adapted(hf_config(self.from_hf))
+            return self.adapted(hf_config(self.from_hf))
         except UserError as e:  # no config.json, an unsupported family, missing weights
             raise UserError(f"from_hf={self.from_hf}: {e}") from e
 
-    def _adapted(self, model):
+    def adapted(self, model):
         """`model` with the LoRA adapters asked for (none: as it is)."""
         if not self.lora_rank:
             return model
