@@ -94,8 +94,9 @@ def test_every_adapted_linear_is_the_hand_written_reference():
 @pytest.fixture(scope="module")
 def runs(smol, run_tp, tmp_path_factory):
     """tp=1 and tp=2 runs of 4 steps (checkpoints at 2 and 4), the tp=2 run resumed from
-    tp=1's step 2, one step of a full fine-tune at tp=2 (what the base sends), tp=2 with
-    sequence parallelism and recomputation, and tp=1 in bf16 on fp32 master weights."""
+    tp=1's step 2, one step of a full fine-tune at tp=2 (what the base sends) and one of
+    adapters on o and down only, tp=2 with sequence parallelism and recomputation, and
+    tp=1 in bf16 on fp32 master weights."""
     root = tmp_path_factory.mktemp("runs")
     threads = torch.get_num_threads()
     torch.set_num_threads(1)  # like the pool's workers
@@ -112,7 +113,10 @@ def runs(smol, run_tp, tmp_path_factory):
                                   checkpoint=False))[0]
     sp = run_tp(_train, 2, _cfg(smol, root / "sp", tp=2, sp=True, recompute=True,
                                 checkpoint=False))[0]
-    return dict(root=root, one=one, two=two, resumed=resumed, full=full, sp=sp, mixed=mixed)
+    late = run_tp(_train, 2, _cfg(smol, root / "late", tp=2, lora_targets="o,down", steps=1,
+                                  checkpoint=False))[0]  # layer 0's qkv: no adapter
+    return dict(root=root, one=one, two=two, resumed=resumed, full=full, sp=sp, mixed=mixed,
+                late=late)
 
 
 @pytest.mark.slow
@@ -123,6 +127,7 @@ def test_tp2_trains_the_adapters_as_tp1_sending_what_the_base_sends(runs):
     assert _worst(two["losses"], one["losses"]) <= 1e-5
     assert two["theory_ok"]
     assert two["sent"] == full["sent"] and sum(full["sent"].values()) > 0
+    assert runs["late"]["sent"] == full["sent"] and runs["late"]["theory_ok"]
     # with SP the frozen embedding's backward all-gather is the one thing not sent; the
     # recomputed layers take the adapters' gradients although their input takes none
     assert runs["sp"]["theory_ok"] and _worst(runs["sp"]["losses"], one["losses"]) <= 1e-5

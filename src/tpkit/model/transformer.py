@@ -270,6 +270,8 @@ class Transformer(nn.Module):
     def _run_layers(self, indices, x, attention_mask, kv_caches) -> torch.Tensor:
         """Layers `indices` (global) in order; kv_caches[j] goes to the j-th of them."""
         seq = self.group.sp_seq  # SP: the recomputed forward (in backward) gathers it too
+        if self.config.lora_rank and torch.is_grad_enabled() and not x.requires_grad:
+            x = x.detach().requires_grad_()  # LoRA's frozen stem: each layer sends as ever
         if kv_caches is not None and not self.training:  # a decode: all layers in one call?
             stack = self._stack(indices)
             if stack is not None and stack.takes(x.shape[0], x.dtype, kv_caches):
@@ -278,8 +280,6 @@ class Transformer(nn.Module):
             layer, cache = self.layers[str(i)], kv_caches[j] if kv_caches is not None else None
             with self.mesh.ledger.scope(f"layers.{i}"):
                 if self.recompute and self.training and cache is None:
-                    if not x.requires_grad and self.config.lora_rank:  # a frozen stem: the
-                        x = x.detach().requires_grad_()  # checkpoint needs a grad to pass
                     x = checkpointed(lambda t, lay=layer: self._again(lay, t, attention_mask, seq),
                                      self.rng, x)
                 else:
