@@ -6,6 +6,8 @@ export: in one process, without a process per rank (`tpkit convert` is the comma
     reshard("runs/ckpt/step-100", "ckpt-tp1", tp=1)  # + optimizer state
     to_hf("runs/ckpt/step-100", "hf-out")            # a directory transformers loads
     to_hf(model, "hf-out", overwrite=True)           # replacing an earlier export
+    to_peft("runs/lora", "adapter")                  # LoRA: PEFT's adapter folder
+    to_hf("runs/lora", "merged", merge=True)         # LoRA: folded into the weights
 
 Each writes a new name or an empty folder, or replaces (`overwrite`) tpkit's own
 artifact of the same kind, through a hidden temporary renamed into place; never into,
@@ -32,6 +34,7 @@ from tpkit.checkpoint.optim_state import keys_by_param
 from tpkit.layers.sharding import split_of
 from tpkit.mesh import ParallelMesh
 from tpkit.spec.config import ModelConfig
+from tpkit.spec.errors import UserError
 from tpkit.weights.build import empty_model
 from tpkit.weights.files import (
     FULL_FORMAT,
@@ -41,7 +44,8 @@ from tpkit.weights.files import (
     verify_file,
 )
 from tpkit.weights.hf import write_hf
-from tpkit.weights.paths import FULL, HF, SHARDED
+from tpkit.weights.paths import FULL, HF, PEFT, SHARDED
+from tpkit.weights.peft import merged_source, write_peft
 from tpkit.weights.slices import read_local
 from tpkit.weights.sources import open_source, source_tokenizer
 from tpkit.weights.tokenizer import copy_tokenizer, export_tokenizer
@@ -54,14 +58,28 @@ def meta_model(config: ModelConfig, tp: int, pp: int, rank: int) -> nn.Module:
 
 
 def to_hf(source: Any, out_dir: str | Path, config: ModelConfig | None = None, *,
-          overwrite: bool = False) -> Path:
+          overwrite: bool = False, merge: bool = False) -> Path:
     """A Hugging Face directory from any source `open_source` takes (a path, an open
     source, a tp=1 model or a dict); with the source's tokenizer files (or, for a tpkit
-    preset, a byte-level tokenizer)."""
+    preset, a byte-level tokenizer). LoRA adapters (`merge`): folded into their weights."""
     src = open_source(source, config)
-    with new_artifact(out_dir, HF, overwrite=overwrite, sources=_origins(source, src)) as tmp:
-        write_hf(src, tmp)
-        export_tokenizer(source_tokenizer(src), tmp, src.config.name)
+    tokenizer, origins = source_tokenizer(src), _origins(source, src)
+    if src.config.lora_rank and not merge:
+        raise UserError(f"{src.where}: holds LoRA adapters: --to hf --merge writes the "
+                        f"model with them folded in, --to peft the adapters alone")
+    model = merged_source(src) if merge else src
+    with new_artifact(out_dir, HF, overwrite=overwrite, sources=origins) as tmp:
+        write_hf(model, tmp)
+        export_tokenizer(tokenizer, tmp, src.config.name)
+    return Path(out_dir)
+
+
+def to_peft(source: Any, out_dir: str | Path, *, overwrite: bool = False) -> Path:
+    """PEFT's adapter folder (`peft.PeftModel.from_pretrained(model, out_dir)`) of the
+    LoRA adapters of a checkpoint, full file or run folder."""
+    src = open_source(source)
+    with new_artifact(out_dir, PEFT, overwrite=overwrite, sources=_origins(source, src)) as tmp:
+        write_peft(src, tmp)
     return Path(out_dir)
 
 

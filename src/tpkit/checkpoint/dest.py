@@ -10,7 +10,8 @@ kind, replaced only with `overwrite` (`tpkit convert --overwrite`). What tpkit k
 as its own (`own_kind`): a sharded checkpoint (manifest.json of format
 tpkit-checkpoint), a full file (safetensors metadata of format tpkit-full), a Hugging
 Face export (config.json beside a model.safetensors whose metadata says tpkit wrote
-it). Anything else that exists is refused in one line, `overwrite` or not; so is a
+it), a PEFT adapter folder (adapter_config.json beside such an
+adapter_model.safetensors). Anything else that exists is refused in one line, `overwrite` or not; so is a
 destination that is or lies inside its source, or holds it, or lies inside a
 checkpoint or a run's folder of checkpoints (that run's retention would delete it).
 A failed write removes its temporary; the destination is untouched until the rename. A
@@ -30,11 +31,12 @@ from tpkit.checkpoint.disk import writing
 from tpkit.spec.errors import CheckpointError, UserError
 from tpkit.weights.files import FULL_FORMAT, fsync_path, read_manifest
 from tpkit.weights.hf import CONFIG_FILE, HF_WEIGHTS, written_by_tpkit
-from tpkit.weights.paths import FULL, HF, SHARDED, enclosing_checkpoints
+from tpkit.weights.paths import FULL, HF, PEFT, SHARDED, enclosing_checkpoints
+from tpkit.weights.peft import ADAPTER_CONFIG, ADAPTER_WEIGHTS
 from tpkit.weights.slices import open_safetensors
 
 WHAT = {SHARDED: "sharded tpkit checkpoint", FULL: "tpkit full safetensors file",
-        HF: "Hugging Face folder exported by tpkit"}
+        HF: "Hugging Face folder exported by tpkit", PEFT: "PEFT adapter folder exported by tpkit"}
 
 
 def own_kind(path: Path) -> str | None:
@@ -52,6 +54,8 @@ def own_kind(path: Path) -> str | None:
         pass
     if (path / CONFIG_FILE).is_file() and written_by_tpkit(path / HF_WEIGHTS):
         return HF
+    if (path / ADAPTER_CONFIG).is_file() and written_by_tpkit(path / ADAPTER_WEIGHTS):
+        return PEFT
     return None
 
 

@@ -81,16 +81,19 @@ class _ChunkedHeadCE(torch.autograd.Function):
         h, w, target, m, sum_exp = ctx.saved_tensors
         group, vocab_size, ignore_index = ctx.args
         dh = torch.empty_like(h)  # [N, hid]
-        dw = torch.zeros(w.shape, dtype=torch.float32, device=w.device)  # [V/tp, hid], fp32 sum
+        dw = torch.zeros(w.shape, dtype=torch.float32, device=w.device) \
+            if ctx.needs_input_grad[1] else None  # [V/tp, hid], fp32 sum; frozen (LoRA): none
         chunk_grad = _compiled(_chunk_grad, ctx.backend)
         for a, b in _spans(h.shape[0], ctx.chunk):
             logits = F.linear(h[a:b], w)  # [c, V/tp], recomputed
             g = chunk_grad(logits, target[a:b], group, vocab_size, ignore_index, ctx.smoothing,
                            m[a:b], sum_exp[a:b], grad_loss[a:b]).to(w.dtype)  # [c, V/tp]
             dh[a:b] = g.matmul(w)  # [c, hid]
-            _accumulate(dw, g.t(), h[a:b])  # [V/tp, hid]
+            if dw is not None:
+                _accumulate(dw, g.t(), h[a:b])  # [V/tp, hid]
         h_dtype, w_dtype = ctx.dtypes
-        return dh.to(h_dtype), dw.to(w_dtype), None, None, None, None, None, None, None
+        dw = dw if dw is None else dw.to(w_dtype)
+        return dh.to(h_dtype), dw, None, None, None, None, None, None, None
 
 
 def chunked_head_cross_entropy(h: torch.Tensor, weight: torch.Tensor, target: torch.Tensor,

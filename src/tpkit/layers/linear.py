@@ -61,10 +61,12 @@ class _ColumnLinear(torch.autograd.Function):
         else:
             pending = C.all_reduce_async(dx, ctx.group, scope=ctx.scope)
         dy2 = dy.reshape(-1, dy.shape[-1])  # [b*s, out/tp]
-        dw = dy2.t().matmul(x.reshape(-1, x.shape[-1]))  # [out/tp, in]
-        db = dy2.sum(0) if ctx.has_bias else None
-        x_dtype, w_dtype = ctx.dtypes
-        return pending.wait().to(x_dtype), dw.to(w_dtype), db, None, None
+        dw = db = None  # a frozen weight (LoRA's base): not computed
+        if ctx.needs_input_grad[1]:
+            dw = dy2.t().matmul(x.reshape(-1, x.shape[-1])).to(ctx.dtypes[1])  # [out/tp, in]
+        if ctx.has_bias and ctx.needs_input_grad[2]:
+            db = dy2.sum(0)
+        return pending.wait().to(ctx.dtypes[0]), dw, db, None, None
 
 
 def column_parallel_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None,
@@ -142,6 +144,7 @@ class ColumnParallelLinear(nn.Module):
         self.bias = set_meta(nn.Parameter(torch.empty(local, **kw)),
                              split=self.split) if bias else None
         self.decoding = None  # the weight in a decode-only form (`layers.quant.for_decode`)
+        self.lora = None  # its low-rank adapters (`layers.lora.LoRA`), or None
         self.reset_parameters()
 
     def reset_parameters(self) -> None:
@@ -152,6 +155,8 @@ class ColumnParallelLinear(nn.Module):
         """x [b, s, in] (or [b, s/tp, in] with sequence parallelism) -> [b, s, out/tp]."""
         if self.decoding is not None:  # a decode (f is the identity forward)
             y = self.decoding(x, self.bias)
+        elif self.lora is not None:  # W x + s B A x, in the base's one collective
+            y = self.lora.column(x, self)
         else:
             y = column_parallel_linear(x, self.weight, self.bias, self.group,
                                        self.sequence_parallel)  # [b, s, out/tp]
@@ -196,6 +201,7 @@ class RowParallelLinear(nn.Module):
         self.bias = set_meta(nn.Parameter(torch.empty(out_features, **kw)),
                              sequence_parallel=sequence_parallel) if bias else None
         self.decoding = None  # the weight in a decode-only form (`layers.quant.for_decode`)
+        self.lora = None  # its low-rank adapters (`layers.lora.LoRA`), or None
         self.reset_parameters()
 
     def reset_parameters(self) -> None:
@@ -208,7 +214,8 @@ class RowParallelLinear(nn.Module):
             x = ops.scatter_to_tp(x, self.group)  # [b, s, in/tp]
         if self.decoding is not None:  # decode-only weights (`layers.quant`)
             return self.decoding(x)  # [b, s, out], a partial sum
-        return F.linear(x, self.weight)  # [b, s, out], a partial sum
+        y = F.linear(x, self.weight)  # [b, s, out], a partial sum
+        return y if self.lora is None else y + self.lora.row_delta(x)  # summed alike
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         """x [b, s, in/tp] (or [b, s, in] if not input_is_parallel) -> [b, s, out]."""

@@ -34,6 +34,7 @@ from tpkit.comm import all_reduce
 from tpkit.comm.group import CommGroup
 from tpkit.layers import decode_ops
 from tpkit.layers.linear import ColumnParallelLinear, RowParallelLinear
+from tpkit.layers.lora import merge_adapters
 from tpkit.layers.norm import Norm
 from tpkit.spec.config import QUANTIZE
 from tpkit.spec.errors import UserError
@@ -214,6 +215,7 @@ def for_decode(model: nn.Module, quantize: str | None = None) -> nn.Module:
     eval mode."""
     if quantize is not None and quantize not in QUANTIZE:
         raise UserError(f"quantize={quantize!r} is not one of {', '.join(QUANTIZE)}")
+    merge_adapters(model)  # LoRA: W + s B A, decoded as one weight
     linears = [(n, m) for n, m in model.named_modules()
                if isinstance(m, ColumnParallelLinear | RowParallelLinear)]
     if not linears or decode_kind(linears[0][1].weight, quantize) is None:

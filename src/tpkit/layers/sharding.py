@@ -39,6 +39,7 @@ class ParamMeta:
     sequence_parallel: bool = False  # replicated, but each tp rank's gradient is partial
     tied_to: str | None = None  # the name of the parameter it is a copy of (on another stage)
     logical_size: int | None = None  # rows along dim 0 past it are vocabulary padding
+    adapter: bool = False  # a LoRA factor (`layers.lora`): trained, the rest frozen
 
 
 def meta_of(param: torch.Tensor) -> ParamMeta:

@@ -17,7 +17,7 @@ import torch
 from torch import nn
 
 from tpkit.comm.group import CommGroup
-from tpkit.layers import decode_ops
+from tpkit.layers import decode_ops, lora
 from tpkit.layers.attention import PagedKV, ParallelAttention
 from tpkit.layers.experts import ParallelMoE
 from tpkit.layers.mlp import ParallelMLP
@@ -51,6 +51,8 @@ class Block(nn.Module):
         self.mlp = ParallelMoE.from_config(c, group, expert_parallel=expert_parallel,
                                            seed=mlp_seed, **own) if c.num_experts else \
             ParallelMLP.from_config(c, group, seed=mlp_seed, **own)  # top-k experts, or dense
+        if c.lora_rank:  # low-rank adapters on the targeted linears (the model freezes the rest)
+            lora.attach(self, c, seed_for(seed, f"{name}.lora"))
         self._native = None  # the decode rows' native plan (`native_decode`), or False
 
     def native_decode(self) -> NativeLayer | None:

@@ -32,6 +32,7 @@ from tpkit.layers.cross_entropy import vocab_parallel_cross_entropy
 from tpkit.layers.embedding import VocabParallelEmbedding, check_ids, padded_master
 from tpkit.layers.grads import finalize_tp_grads
 from tpkit.layers.linear import column_parallel_linear
+from tpkit.layers.lora import freeze_base
 from tpkit.layers.norm import Norm
 from tpkit.layers.random import TPRandom, checkpointed, dropout
 from tpkit.layers.ring_attention import cp_positions
@@ -169,6 +170,8 @@ class Transformer(nn.Module):
             self._make_head(kw)
             self.pooler = replicated_linear(config, seed, names.POOLER, kw) if config.pooler \
                 else None
+        if config.lora_rank:
+            freeze_base(self)  # LoRA: only the adapters train
 
     def _make_head(self, kw) -> None:
         c, tp = self.config, self.group.size
@@ -267,6 +270,8 @@ class Transformer(nn.Module):
     def _run_layers(self, indices, x, attention_mask, kv_caches) -> torch.Tensor:
         """Layers `indices` (global) in order; kv_caches[j] goes to the j-th of them."""
         seq = self.group.sp_seq  # SP: the recomputed forward (in backward) gathers it too
+        if self.config.lora_rank and torch.is_grad_enabled() and not x.requires_grad:
+            x = x.detach().requires_grad_()  # LoRA's frozen stem: each layer sends as ever
         if kv_caches is not None and not self.training:  # a decode: all layers in one call?
             stack = self._stack(indices)
             if stack is not None and stack.takes(x.shape[0], x.dtype, kv_caches):

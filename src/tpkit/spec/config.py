@@ -19,6 +19,7 @@ NORMS = ("layernorm", "rmsnorm")
 ACTIVATIONS = ("gelu", "gelu_exact", "swiglu", "geglu", "relu")  # gelu: tanh; exact: erf (BERT)
 GATED = {"swiglu": "silu", "geglu": "gelu"}  # act(gate) * up, with act = this element-wise
 POSITIONS = ("learned", "rope")
+LORA_TARGETS = ("q", "k", "v", "o", "gate", "up", "down")  # the linear layers LoRA adapts
 QUANTIZE = ("int8",)  # weight-only quantization a loaded model takes (`tpkit.layers.quant`)
 
 
@@ -71,6 +72,9 @@ class ModelConfig:
     num_experts: int = 0  # > 0: a mixture-of-experts MLP, top-k routed (Mixtral)
     experts_per_token: int = 2
     pooler: bool = False  # BERT's tanh(W h[:, 0] + b) on the last stage
+    lora_rank: int = 0  # > 0: low-rank adapters on `lora_targets`, the rest frozen
+    lora_alpha: float = 0.0  # the adapters' output times lora_alpha / lora_rank
+    lora_targets: tuple[str, ...] = ()  # of LORA_TARGETS
     derived: frozenset[str] = field(default=frozenset(), init=False, repr=False,
                                     compare=False)  # the fields above that were left out
 
@@ -108,8 +112,10 @@ class ModelConfig:
         return replace(self, **{**dict.fromkeys(self.derived), **changes})
 
     def to_dict(self) -> dict:
-        """Plain dict of every field, derived values included (for manifests and JSON)."""
-        return {f.name: getattr(self, f.name) for f in fields(self) if f.init}
+        """Plain dict of every field, derived values included (for manifests and JSON);
+        the lora fields only for a model with adapters (manifests read as before)."""
+        return {f.name: getattr(self, f.name) for f in fields(self)
+                if f.init and (self.lora_rank or not f.name.startswith("lora_"))}
 
     @classmethod
     def from_dict(cls, d: dict) -> ModelConfig:
@@ -119,8 +125,9 @@ class ModelConfig:
         unknown = set(d) - {f.name for f in fields(cls) if f.init}
         if unknown:
             raise UserError(f"unknown ModelConfig fields: {sorted(unknown)}")
-        if d.get("rope_llama3") is not None:  # JSON gives a list
-            d = dict(d, rope_llama3=tuple(d["rope_llama3"]))
+        for name in ("rope_llama3", "lora_targets"):  # JSON gives a list
+            if d.get(name) is not None:
+                d = dict(d, **{name: tuple(d[name])})
         return cls(**d)
 
     # -- parameter counts (unpadded vocabulary) ------------------------------------------
@@ -204,7 +211,7 @@ class ModelConfig:
         """Every reason this model cannot run at (tp, pp, sp, seq); empty when it can."""
         out: list[str] = []
         for check in (_check_shape, _check_heads, _check_ffn, _check_pipeline,
-                      _check_sequence, _check_choices, _check_experts):
+                      _check_sequence, _check_choices, _check_experts, _check_lora):
             out += check(self, tp=tp, pp=pp, sp=sp, seq=seq)
         return out
 
@@ -257,6 +264,26 @@ def _check_experts(c: ModelConfig, **_) -> list[str]:
         return [f"experts_per_token={c.experts_per_token} is not in 1..num_experts="
                 f"{c.num_experts}"]
     return []
+
+
+def _check_lora(c: ModelConfig, **_) -> list[str]:
+    if not (c.lora_rank or c.lora_targets):
+        return []
+    out = [f"lora_targets {t!r} is not one of {LORA_TARGETS}" for t in c.lora_targets
+           if t not in LORA_TARGETS]
+    if c.lora_rank < 1 or not c.lora_targets:
+        out.append(f"lora_rank={c.lora_rank} with lora_targets={list(c.lora_targets)}: "
+                   f"LoRA needs a rank >= 1 and at least one target")
+    if c.lora_alpha <= 0:
+        out.append(f"lora_alpha={c.lora_alpha} must be positive")
+    if "gate" in c.lora_targets and not c.gated:
+        out.append(f"lora_targets 'gate': activation={c.activation!r} has no gate "
+                   f"(its MLP's first layer is 'up')")
+    mlp = sorted(set(c.lora_targets) & {"gate", "up", "down"})
+    if c.num_experts and mlp:
+        out.append(f"lora_targets {mlp} on a mixture-of-experts MLP are not supported "
+                   f"(adapt q, k, v, o)")
+    return out
 
 
 # The most each size may be: far above any published model (GPT-3: hidden 12288; Llama 3

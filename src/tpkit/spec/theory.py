@@ -119,14 +119,17 @@ def layer(b: int, s: int, h: int, tp: int, sp: bool = False,
     return out
 
 
-def embedding(b: int, s: int, h: int, tp: int, sp: bool = False) -> list[Expect]:
+def embedding(b: int, s: int, h: int, tp: int, sp: bool = False, trains: bool = True
+              ) -> list[Expect]:
     """Vocab-parallel embedding: the masked partial lookups are summed once (with SP a
-    reduce-scatter, whose conjugate all-gathers the gradient back for the table)."""
+    reduce-scatter, whose conjugate all-gathers the gradient back for the table, unless
+    the table is frozen: LoRA, `trains=False`)."""
     if tp == 1:
         return []
     if sp:
         n = b * sp_padded_seq(s, tp) * h
-        return [Expect("reduce_scatter", "forward", n), Expect("all_gather", "backward", n)]
+        back = [Expect("all_gather", "backward", n)] if trains else []
+        return [Expect("reduce_scatter", "forward", n), *back]
     return [Expect("all_reduce", "forward", b * s * h)]
 
 
@@ -142,11 +145,11 @@ def head(b: int, s: int, h: int, tp: int, sp: bool = False) -> list[Expect]:
 
 
 def stage(*, b: int, s: int, h: int, tp: int, num_layers: int, sp: bool = False,
-          first: bool = True, last: bool = True, recompute: str = "none", loss_chunk: int = 0
-          ) -> list[Expect]:
+          first: bool = True, last: bool = True, recompute: str = "none", loss_chunk: int = 0,
+          embedding_trains: bool = True) -> list[Expect]:
     """Tensor-parallel traffic of one micro-batch through a pipeline stage holding
     `num_layers` layers (the whole model when first and last)."""
-    out = embedding(b, s, h, tp, sp) if first else []
+    out = embedding(b, s, h, tp, sp, embedding_trains) if first else []
     out += layer(b, s, h, tp, sp, recompute) * num_layers
     if last:
         out += head(b, s, h, tp, sp) + cross_entropy(b, s, tp, loss_chunk)
@@ -172,7 +175,7 @@ def cross_entropy(b: int, s: int, tp: int, chunk: int = 0) -> list[Expect]:
 def stage_step(*, b: int, s: int, h: int, tp: int, pp: int, num_layers: int,
                micro_batches: int, sp: bool = False, first: bool = True, last: bool = True,
                chunks: int = 1, recompute: str = "none", loss_chunk: int = 0,
-               tp_rank: int = 0) -> list[Expect]:
+               tp_rank: int = 0, embedding_trains: bool = True) -> list[Expect]:
     """What one training step of m = `micro_batches` must send on a rank's tp and pp
     groups (keywords as `stage`'s, plus pp, the micro-batches, the stage's chunks and
     the rank's place in its tp group).
@@ -184,7 +187,7 @@ def stage_step(*, b: int, s: int, h: int, tp: int, pp: int, num_layers: int,
     out of the very last chunk and into the very first.
     """
     one = stage(b=b, s=s, h=h, tp=tp, num_layers=num_layers, sp=sp, first=first, last=last,
-                recompute=recompute, loss_chunk=loss_chunk)
+                recompute=recompute, loss_chunk=loss_chunk, embedding_trains=embedding_trains)
     act = b * (even_range(s, tp, tp_rank)[1] if sp else s) * h
     out, into = chunks - last, chunks - first  # activations leaving / entering the stage
     if pp > 1 and out:

@@ -15,7 +15,7 @@ from pathlib import Path
 
 from tpkit.comm.failure import DEFAULT_COLLECTIVE_TIMEOUT_S
 from tpkit.parallel.schedules import CHUNKED, SCHEDULES, schedule_problems
-from tpkit.spec.config import get_preset
+from tpkit.spec.config import LORA_TARGETS, get_preset
 from tpkit.spec.errors import UserError
 from tpkit.spec.grid import world_of
 from tpkit.spec.shapes import LOSS_CHUNK_SAYS, chunks_problem, interleave_problem, loss_chunk_ok
@@ -63,6 +63,18 @@ class TrainConfig:
     from_hf: str | None = MODEL.knob(
         None, "fine-tune a Hugging Face model folder (its config, weights; its tokenizer "
         "goes into the checkpoints) (default: none, the preset)", metavar="DIR", path=True,
+        fixed=ANOTHER_MODEL)
+    lora_rank: int = MODEL.knob(
+        0, "train low-rank adapters of this rank (LoRA), the model's weights frozen and "
+        "without optimizer state; at any tp, A and B split as their base weight (0: off, "
+        "every weight trains)", check=COUNT, fixed=ANOTHER_MODEL)
+    lora_alpha: float | None = MODEL.knob(
+        None, "the adapters' output is scaled by lora_alpha / lora_rank (default: the rank, "
+        "a scale of 1)", check=Check(lambda v: v > 0, "must be positive"), fixed=ANOTHER_MODEL)
+    lora_targets: str = MODEL.knob(
+        "q,k,v,o", "the linear layers adapted, comma-separated, of " + ",".join(LORA_TARGETS),
+        metavar="LIST", check=Check(lambda v: bool(v) and set(v.split(",")) <= set(LORA_TARGETS),
+                                    "must be a comma-separated list of " + ",".join(LORA_TARGETS)),
         fixed=ANOTHER_MODEL)
     dtype: str = MODEL.knob("float32", "compute dtype (bfloat16: autocast)", choices=DTYPES)
     master_weights: bool = MODEL.knob(
@@ -211,12 +223,18 @@ class TrainConfig:
     @cached_property
     def _model_config(self):
         if self.from_hf is None:
-            return get_preset(self.preset)
-
+            return self.adapted(get_preset(self.preset))
         try:
-            return hf_config(self.from_hf)
+            return self.adapted(hf_config(self.from_hf))
         except UserError as e:  # no config.json, an unsupported family, missing weights
             raise UserError(f"from_hf={self.from_hf}: {e}") from e
+
+    def adapted(self, model):
+        """`model` with the LoRA adapters asked for (none: as it is)."""
+        if not self.lora_rank:
+            return model
+        return replace(model, lora_rank=self.lora_rank, lora_targets=tuple(
+            self.lora_targets.split(",")), lora_alpha=float(self.lora_alpha or self.lora_rank))
 
     @property
     def tokenizer_id(self) -> str | None:
@@ -295,6 +313,9 @@ class TrainConfig:
         out = [f"choose one of {' / '.join(chosen)} (each shards more than the one before)"] \
             if len(chosen) > 1 else []
         sharded = "fsdp" if self.fsdp else "zero2" if self.zero2 else None
+        if sharded and self.lora_rank:
+            out.append(f"{sharded} with lora_rank is not supported: the adapters are small, "
+                       f"train them with plain data parallelism or --zero1")
         if sharded and self.master_weights:
             out.append(f"{sharded} with master_weights is not supported: the shards are the "
                        f"fp32 masters; train with dtype='bfloat16' (autocast) instead")

@@ -359,7 +359,8 @@ def _theory_tables(cfg: TrainConfig, mesh: ParallelMesh, model, sharding
                                 first=model.is_first_stage, last=model.is_last_stage,
                                 chunks=model.virtual_stages,
                                 recompute="full" if cfg.recompute else "none",
-                                loss_chunk=model.loss_chunk, tp_rank=mesh.tp_rank)
+                                loss_chunk=model.loss_chunk, tp_rank=mesh.tp_rank,
+                                embedding_trains=not model.config.lora_rank)
     rows = theory_rows(mesh.ledger, expects)
     tables = theory_table(rows, f"{_where(mesh)}: tp/pp traffic of one step vs theory")
     if sharding:  # the dp traffic of ZeRO-2 / FSDP against tpkit.spec.theory

@@ -36,7 +36,8 @@ class MasterWeights:
         self.master, self.compute = master, compute
         self.pairs = [(pm, pc) for (_, pm), (_, pc) in pairs]
         for pm, pc in self.pairs:
-            pc.register_post_accumulate_grad_hook(lambda p, m=pm: _move_grad(p, m))
+            if pc.requires_grad:  # not a frozen one (LoRA's base)
+                pc.register_post_accumulate_grad_hook(lambda p, m=pm: _move_grad(p, m))
         self.copy_to_compute()
 
     @torch.no_grad()

@@ -20,6 +20,7 @@ from tpkit.comm import all_reduce
 from tpkit.host import memory
 from tpkit.host.memory import gib
 from tpkit.layers.sharding import materialize
+from tpkit.layers.lora import reset_adapters
 from tpkit.mesh import ParallelMesh
 from tpkit.model.transformer import Transformer
 from tpkit.spec.config import ModelConfig
@@ -40,6 +41,7 @@ def build_model(config: ModelConfig, mesh: ParallelMesh, source: Source | None =
                      f"{source.where}: another rank has no room for its weights (see its "
                      f"error); nothing was loaded")
     model = materialize(model, mesh.device)
+    reset_adapters(model)  # LoRA: a base model's source has none
     load_weights(model, source, mesh)
     return model
 
@@ -94,4 +96,5 @@ def copy_in(model: nn.Module, staged: dict[str, torch.Tensor]) -> None:
     """Copy staged tensors (name -> this rank's slice) into the model's parameters."""
     with torch.no_grad():
         for name, p in model.named_parameters():
-            p.copy_(staged[name])
+            if name in staged:  # all but the adapters a base model's source lacks
+                p.copy_(staged[name])

@@ -38,7 +38,7 @@ from tpkit.weights.slices import DictSource, open_safetensors
 
 CONFIG_FILE = "config.json"  # what makes a directory a Hugging Face model
 HF_WEIGHTS = "model.safetensors"  # the one weights file of an export
-_MARK = ("written_by", "tpkit")  # in an export's safetensors metadata: tpkit's own
+MARK = ("written_by", "tpkit")  # in an export's safetensors metadata: tpkit's own
 
 # -- reading ----------------------------------------------------------------------------
 class HFSource:
@@ -255,15 +255,16 @@ def write_hf(src: Any, out_dir: str | Path) -> Path:
             _put_back(full, recipe, fam.prefixes[0], tensors)
     out.mkdir(parents=True, exist_ok=True)
     save_file({k: v.contiguous() for k, v in tensors.items()}, str(out / HF_WEIGHTS),
-              metadata={"format": "pt", _MARK[0]: _MARK[1]})
+              metadata={"format": "pt", MARK[0]: MARK[1]})
     (out / CONFIG_FILE).write_text(json.dumps(fam.to_hf(config), indent=1))
     return out
 
 
 def written_by_tpkit(weights: Path) -> bool:
-    """Whether `weights` is the model.safetensors of an export `write_hf` wrote."""
+    """Whether `weights` is the safetensors file of an export tpkit wrote (`write_hf`'s
+    model.safetensors, `weights.peft`'s adapters)."""
     try:
-        return (open_safetensors(weights).metadata() or {}).get(_MARK[0]) == _MARK[1]
+        return (open_safetensors(weights).metadata() or {}).get(MARK[0]) == MARK[1]
     except CheckpointError:
         return False
 

@@ -41,6 +41,7 @@ from tpkit.weights.hf import CONFIG_FILE
 
 RUN_CHECKPOINTS = "checkpoints"  # the folder of checkpoints inside a run folder
 SHARDED, FULL, HF = "sharded", "full", "hf"
+PEFT = "peft"  # a LoRA adapter folder as PEFT reads it (`tpkit.weights.peft`)
 
 
 @dataclass(frozen=True)

@@ -106,7 +106,8 @@ def read_local(model: nn.Module, source: Source, mesh, *, own_only: bool = False
                state_keys: dict[str, list[str]] | None = None) -> dict[str, torch.Tensor]:
     """This rank's slice (at `mesh`'s tp rank and size) of every parameter of `model`,
     read from `source` by the parameter's split tag: name -> tensor in its dtype. A tied
-    copy reads its owner's tensor; `own_only` leaves tied copies out.
+    copy reads its owner's tensor; `own_only` leaves tied copies out. LoRA adapters the
+    source lacks (a base model's weights) are left out: they keep their initial values.
 
     With `state_keys` (parameter -> keys of its saved optimizer state) it reads the
     state instead: "{param}::{key}" -> tensor, split like the parameter (a scalar whole).
@@ -114,7 +115,8 @@ def read_local(model: nn.Module, source: Source, mesh, *, own_only: bool = False
     out = {}
     for name, p in model.named_parameters():
         owner = meta_of(p).tied_to
-        if owner and own_only:
+        if owner and own_only or state_keys is None and meta_of(p).adapter \
+                and name not in source.names:
             continue
         src = owner or name
         rows = meta_of(p).logical_size  # the vocabulary: rows past it are padding
