@@ -19,8 +19,8 @@ from torch import nn
 from tpkit.comm import all_reduce
 from tpkit.host import memory
 from tpkit.host.memory import gib
-from tpkit.layers.sharding import materialize
 from tpkit.layers.lora import reset_adapters
+from tpkit.layers.sharding import materialize
 from tpkit.mesh import ParallelMesh
 from tpkit.model.transformer import Transformer
 from tpkit.spec.config import ModelConfig
