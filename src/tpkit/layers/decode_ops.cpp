@@ -467,6 +467,36 @@ int tpk_best(const float* x, int64_t M, int64_t n, int64_t ld, int64_t first, in
   return 0;
 }
 
+// A grammar's mask on tpk_best's rows: each row m of x (as tpk_best's) whose bitmask
+// bits[m, :words] (bit t: token t allowed, over the whole vocabulary) is not all ones
+// gets out[3 m], out[3 m + 1] = the largest value over its allowed columns and the first
+// allowed column holding it (a NaN the largest; none above -inf: -inf at column 0, as
+// torch's argmax of the row with -inf where not allowed); its log-sum-exp stays the
+// model's (out[3 m + 2], over every column). 0: done; -2: bad sizes.
+int tpk_allowed(const float* x, int64_t M, int64_t n, int64_t ld, int64_t first,
+                const uint32_t* bits, int64_t words, float* out) {
+  if (M < 0 || n <= 0 || ld < n || first < 0 || words <= 0) return -2;
+  const int64_t end = std::min<int64_t>(n, words * 32 - first);  // columns with a bit
+  for (int64_t m = 0; m < M; ++m) {
+    const uint32_t* b = bits + m * words;
+    bool every = true;
+    for (int64_t w = 0; w < words && every; ++w) every = b[w] == ~uint32_t(0);
+    if (every) continue;
+    const float* row = x + m * ld;
+    float best = -INFINITY;
+    int64_t at = 0;
+    for (int64_t i = 0; i < end; ++i) {
+      const int64_t t = first + i;
+      if (!((b[t >> 5] >> (t & 31)) & 1u)) continue;
+      if (std::isnan(row[i])) { best = row[i], at = i; break; }
+      if (row[i] > best) best = row[i], at = i;
+    }
+    out[3 * m] = best;
+    out[3 * m + 1] = float(at) + float(first);
+  }
+  return 0;
+}
+
 // Each row's greedy token and log-probability [T, 2] from every rank's best of its
 // shard, every [tp, T, 3] (rank-major; tpk_best's, columns as token ids): the token of
 // the first rank with the largest value (torch's argmax of the whole row), value -
