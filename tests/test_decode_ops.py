@@ -488,8 +488,9 @@ def test_a_moved_step_is_a_fresh_steps_bits_and_two_caches_do_not_mix():
     assert torch.equal(got, alone[0]) and len(calls) == 1
 
 
-@pytest.mark.parametrize("native", [True, False], ids=["library", "torch"])
-def test_a_grammars_mask_on_the_shards_is_torchs_masked_argmax(monkeypatch, native):
+@pytest.mark.parametrize("native, V", [(True, 100), (True, 1001), (False, 100)],
+                         ids=["library", "library-wide", "torch"])
+def test_a_grammars_mask_on_the_shards_is_torchs_masked_argmax(monkeypatch, native, V):
     """`shard_best(allowed=)`, each of tp = 1, 2, 3 shards masked by the same bitmask over
     the whole vocabulary, then `pick`: the first largest allowed token of the whole row
     (torch's argmax with -inf where not allowed: an allowed NaN wins, a disallowed one
@@ -497,9 +498,9 @@ def test_a_grammars_mask_on_the_shards_is_torchs_masked_argmax(monkeypatch, nati
     (log_softmax, within float32 round-off); a row of all ones is the unmasked best."""
     if not native:
         monkeypatch.setattr(D, "load", lambda: None)
-    V, g = 100, torch.Generator().manual_seed(3)
+    g = torch.Generator().manual_seed(3)
     x = torch.randn(5, V, generator=g) * 4
-    bits = torch.randint(-2**31, 2**31 - 1, (5, 4), dtype=torch.int32, generator=g)
+    bits = torch.randint(-2**31, 2**31 - 1, (5, -(-V // 32)), dtype=torch.int32, generator=g)
     bits[1] = -1  # every token
     ok = D.unpacked(bits, 0, V)
     x[2, ok[2].nonzero()[7]] = float("nan")  # an allowed NaN: it wins

@@ -27,8 +27,9 @@ Every rank then holds the same full logits (the all-gather of the forward; greed
 the same greedy tokens and log-probabilities, `paged_kv.forward(greedy=True)`); rank 0
 samples from them and its next plan carries the chosen tokens, so the followers never
 sample: no generator to keep in step, one source of truth. A greedy request's grammar
-masks every rank's shard, each rank holding the same matcher state (`serve.masks`). Rank 0's plan carries the
-block tables; each rank holds its own heads' keys in those blocks.
+masks every rank's shard, each rank holding the same matcher state (`serve.masks`).
+Rank 0's plan carries the block tables; each rank holds its own heads' keys in those
+blocks.
 """
 
 from __future__ import annotations
