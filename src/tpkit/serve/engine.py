@@ -160,7 +160,7 @@ class Engine(Intake):
         self.outputs = OutputProcessor(tokenizer, set(getattr(tokenizer, "eos_ids", None)
                                                       or []), model.config.vocab_size)
         self.tokenizer_lock = self.outputs.lock
-        self.masks = Lead()  # grammars' masks on every rank's shard (`serve.masks`)
+        self.masks = Lead(model.group.size > 1)  # grammars' masks on every rank's shard
         self.metrics = Metrics()
         super().__init__()
 

@@ -33,9 +33,11 @@ from tpkit.serve.grammar import Grammars, Matcher
 
 
 class Lead:
-    """Rank 0's side: each step's trailer, and the bitmasks of its own shard."""
+    """Rank 0's side: each step's trailer (`followers`: there are some to send it to),
+    and the bitmasks of its own shard."""
 
-    def __init__(self) -> None:
+    def __init__(self, followers: bool = True) -> None:
+        self.followers = followers
         self.held: dict[int, int] = {}  # request id -> tokens the followers' mirror took
 
     def plan(self, forwards, greedy: bool) -> tuple[list[int], list[torch.Tensor | None]]:
@@ -49,7 +51,7 @@ class Lead:
             rows = [req for piece, req in zip(fwd.pieces, fwd.reqs) if piece.logits]
             masks.append(bitmasks([getattr(r, "matcher", None) for r in rows]))
             for j, req in enumerate(rows):
-                if req is not None and getattr(req, "matcher", None) is not None:
+                if self.followers and getattr(req, "matcher", None) is not None:
                     trailer += self._entry(f, j, req, held)
         self.held = held
         return [*trailer, len(trailer) + 1], masks
