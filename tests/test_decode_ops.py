@@ -293,9 +293,10 @@ def test_the_stack_at_tp_sums_inside_its_call_as_the_layer_calls_do(run_tp, tp, 
             assert err(stack[..., :257]) <= 2 * err(f32) + 1e-6, (err(stack), err(f32))
 
 
-def _greedy_steps(model, ids, keep):
+def _greedy_steps(model, ids, keep, allowed=None):
     """Greedy (token, log-probability) of the last positions of each row, one token at a
-    time over the paged cache (`paged_kv.forward(greedy=True)`), [b, n, 2]."""
+    time over the paged cache (`paged_kv.forward(greedy=True)`, each row's step masked by
+    the bitmasks `allowed` [b, words] given), [b, n, 2]."""
     from tpkit.model.paged_kv import LAST, NONE, PagedCache, Piece, forward
 
     b, s = ids.shape
@@ -305,8 +306,8 @@ def _greedy_steps(model, ids, keep):
     rows = ids.tolist()
     forward(model, cache, [Piece(r[:keep], 0, t, NONE) for r, t in zip(rows, tables)])
     return torch.stack([forward(model, cache, [Piece([r[t]], t, tab, LAST) for r, tab in
-                                               zip(rows, tables)], greedy=True)[0]
-                        for t in range(keep, s)], 1)
+                                               zip(rows, tables)], greedy=True,
+                                allowed=allowed)[0] for t in range(keep, s)], 1)
 
 
 def _ends_worker(mesh, config, dtype):
@@ -333,14 +334,20 @@ def _ends_worker(mesh, config, dtype):
             mesh.ledger.clear()
             one_call = _greedy_steps(model, ids, 8)
             counts = [records()]
+            masked = [_greedy_steps(model, ids, 8, MASK)]  # a grammar's, in the call
             model._stacks.clear()
             ends.of = classmethod(lambda c, m: None)
             mesh.ledger.clear()
             split = _greedy_steps(model, ids, 8)
             counts += [records()]
+            masked.append(_greedy_steps(model, ids, 8, MASK))  # ... on the shards after
         finally:
             ends.of, stack._go = of, go
-    return one_call, split, fused, counts
+    return one_call, split, fused, counts, masked
+
+
+MASK = torch.randint(-2**31, 2**31 - 1, (3, 9), dtype=torch.int32,  # 257 tokens' bits,
+                     generator=torch.Generator().manual_seed(8))  # about half allowed
 
 
 @pytest.mark.timeout(180)
@@ -358,9 +365,14 @@ def test_a_greedy_step_in_one_call_gives_the_tokens_and_logprobs_bit_for_bit(
     tp=2 (the embedding's all-reduce and the all-gather inside the call), float32,
     bfloat16 and int8 weights; the ledger holds the same collectives on both paths."""
     ids = torch.randint(0, 257, (3, 12), generator=torch.Generator().manual_seed(6))
-    for one_call, split, fused, (fast, slow) in run_tp(_ends_worker, tp, config, dtype):
+    for one_call, split, fused, (fast, slow), masked in run_tp(_ends_worker, tp, config,
+                                                                 dtype):
         assert torch.equal(one_call, split), (one_call - split).abs().max()
-        assert fused == [True] * 4  # every step took the one call, its embedding too
+        assert fused == [True] * 8  # every step took the one call, its embedding too
+        assert torch.equal(masked[0], masked[1])  # a grammar's mask: the same bits
+        ok = D.unpacked(MASK, 0, 257)
+        assert all(ok[b, t] for b in range(3) for t in masked[0][b, :, 0].long().tolist())
+        assert not torch.equal(masked[0][..., 0], one_call[..., 0])  # the mask mattered
         assert fast == slow  # the same collectives in the same scopes, counted alike
         steps = [r[:3] for r in fast]  # 4 steps of 3 decode rows: [tp * 3, 3] gathered
         assert steps.count(("all_gather", "", tp * 9)) == 4 * (tp > 1)
@@ -474,3 +486,34 @@ def test_a_moved_step_is_a_fresh_steps_bits_and_two_caches_do_not_mix():
     finally:
         paged_kv.layout = laid
     assert torch.equal(got, alone[0]) and len(calls) == 1
+
+
+@pytest.mark.parametrize("native, V", [(True, 100), (True, 1001), (False, 100)],
+                         ids=["library", "library-wide", "torch"])
+def test_a_grammars_mask_on_the_shards_is_torchs_masked_argmax(monkeypatch, native, V):
+    """`shard_best(allowed=)`, each of tp = 1, 2, 3 shards masked by the same bitmask over
+    the whole vocabulary, then `pick`: the first largest allowed token of the whole row
+    (torch's argmax with -inf where not allowed: an allowed NaN wins, a disallowed one
+    does not, none above -inf gives token 0), its log-probability the unmasked row's
+    (log_softmax, within float32 round-off); a row of all ones is the unmasked best."""
+    if not native:
+        monkeypatch.setattr(D, "load", lambda: None)
+    g = torch.Generator().manual_seed(3)
+    x = torch.randn(5, V, generator=g) * 4
+    bits = torch.randint(-2**31, 2**31 - 1, (5, -(-V // 32)), dtype=torch.int32, generator=g)
+    bits[1] = -1  # every token
+    ok = D.unpacked(bits, 0, V)
+    x[2, ok[2].nonzero()[7]] = float("nan")  # an allowed NaN: it wins
+    x[3, (~ok[3]).nonzero()[0]] = float("nan")  # a disallowed one: not
+    x[4, ok[4]] = float("-inf")  # every allowed token -inf: torch's argmax, token 0
+    want = x.masked_fill(~ok, float("-inf")).argmax(-1)
+    logp = x.log_softmax(-1).gather(1, want[:, None])[:, 0]
+    for tp in (1, 2, 3):
+        n = -(-V // tp)
+        every = torch.cat([D.shard_best(x[:, r * n:(r + 1) * n].contiguous(), r * n, V, bits)
+                           for r in range(tp)])
+        got = D.pick(every, tp)
+        assert torch.equal(got[:, 0].long(), want), (tp, got[:, 0], want)
+        fine = [0, 1]  # (row 3: a NaN in the row, its log-sum-exp NaN)
+        assert torch.allclose(got[fine, 1], logp[fine], rtol=1e-5, atol=0), tp
+    assert torch.equal(D.shard_best(x, 0, V, bits)[1], D.shard_best(x, 0, V)[1])

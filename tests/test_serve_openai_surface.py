@@ -138,7 +138,7 @@ def test_empty_api_key_is_one_line():
 
 @pytest.mark.slow
 @pytest.mark.timeout(240)
-def test_surface_at_tp2_with_the_key_from_the_environment(chat_llama):
+def test_surface_at_tp2_with_the_key_from_the_environment(chat_llama, serve_in_threads):
     env = {**os.environ, "PYTHONPATH": SRC, "TPKIT_API_KEY": "k2"}
     proc = subprocess.Popen([sys.executable, "-m", "tpkit", "serve", "--checkpoint",
                              str(chat_llama), "--tp", "2", "--port", "0", "--max-batch", "2",
@@ -150,9 +150,16 @@ def test_surface_at_tp2_with_the_key_from_the_environment(chat_llama):
         url, max_len = line.split()[2], int(line.split("max_len=")[1])
         client = openai.OpenAI(base_url=url, api_key="k2", max_retries=0, timeout=60)
         check_surface(client, max_len, 2, load_tokenizer(chat_llama))
-        from test_serve_structured import SCHEMAS, check_schemas
+        from test_serve_structured import SCHEMAS, check_schemas, greedy
 
-        check_schemas(client, SCHEMAS)  # structured outputs at tp=2, every schema
+        answers = check_schemas(client, SCHEMAS)  # structured outputs at tp=2, every schema
+        from tpkit.serve import Engine
+        from tpkit.weights.sources import load_model
+
+        one = Engine(load_model(chat_llama, ParallelMesh.single()), max_batch=2,
+                     tokenizer=load_tokenizer(chat_llama))  # as `tpkit serve` at tp=1
+        with serve_in_threads(one, "llama", one.tokenizer) as (_, tp1, _):
+            assert answers == [greedy(tp1, s) for s in SCHEMAS]  # each shard masked: tp=1's
         from test_serve_tools import check_forced
 
         check_forced(client)  # forced tool calls at tp=2

@@ -18,8 +18,10 @@ from enum import Enum
 import jsonschema
 import openai
 import pytest
+import torch
 from pydantic import BaseModel, Field
 
+from tpkit.layers import decode_ops
 from tpkit.mesh import ParallelMesh
 from tpkit.serve import grammar
 from tpkit.serve.params import SamplingParams
@@ -64,19 +66,28 @@ def valid(text: str, schema: dict) -> None:
     jsonschema.validate(json.loads(text), schema)
 
 
-def check_schemas(client, schemas, sampled_seeds=(7,)) -> None:
-    """Each schema: greedy, then sampled with n=2; every choice complete and valid."""
+def greedy(client, schema: dict) -> str:
+    """The greedy answer to MSG with `schema`, complete and valid."""
+    r = client.chat.completions.create(model="llama", messages=MSG, temperature=0,
+                                       response_format=fmt(schema))
+    assert r.choices[0].finish_reason == "stop", (schema, r.choices[0])
+    valid(r.choices[0].message.content, schema)
+    return r.choices[0].message.content
+
+
+def check_schemas(client, schemas, sampled_seeds=(7,)) -> list[str]:
+    """Each schema: greedy, then sampled with n=2; every choice complete and valid. The
+    greedy answers."""
+    answers = []
     for schema in schemas:
-        r = client.chat.completions.create(model="llama", messages=MSG, temperature=0,
-                                           response_format=fmt(schema))
-        assert r.choices[0].finish_reason == "stop", (schema, r.choices[0])
-        valid(r.choices[0].message.content, schema)
+        answers.append(greedy(client, schema))
         for seed in sampled_seeds:
             s = client.chat.completions.create(model="llama", messages=MSG, temperature=1.0,
                                                seed=seed, n=2, response_format=fmt(schema))
             for c in s.choices:
                 assert c.finish_reason == "stop", (schema, c)
                 valid(c.message.content, schema)
+    return answers
 
 
 def test_ten_schemas_greedy_and_sampled(openai_server):
@@ -137,9 +148,11 @@ def test_greedy_with_a_schema_same_with_and_without_prefix_cache(chat_llama):
 
     model, tok = load_model(chat_llama, ParallelMesh.single()), load_tokenizer(chat_llama)
     ids = tok.encode("Tensor parallelism splits the weight matrices of each layer " * 2)
-    outs = []
+    outs, steps = [], []
     for caching in (True, False):
         engine = Engine(model, tokenizer=tok, max_batch=2, prefix_caching=caching)
+        lead = engine.runner.lead_step  # greedy with a schema: the shards' best, masked
+        engine.runner.lead_step = lambda *a, lead=lead: (steps.append(a[2]), lead(*a))[1]
         for schema in SCHEMAS[:3]:
             p = SamplingParams(max_tokens=40, grammar=grammar.from_schema(schema))
             first, again = engine.generate([ids], p)[0], engine.generate([ids], p)[0]
@@ -147,6 +160,53 @@ def test_greedy_with_a_schema_same_with_and_without_prefix_cache(chat_llama):
             valid(tok.decode(first.tokens), schema)
             outs.append(first.tokens)
     assert outs[:3] == outs[3:]
+    assert steps and all(steps)  # every step on the greedy path (no logits gathered)
     nothing = SamplingParams(max_tokens=8, grammar='start: ""')  # only the end may come
     r = Engine(model, tokenizer=tok, max_batch=1).generate([ids], nothing)[0]
     assert r.finish_reason == "stop" and r.tokens == tok.eos_ids[:1]
+
+
+def test_every_rank_masks_its_shard_with_rank_0s_bits(chat_llama):
+    """`serve.masks`: a follower's mirrors, fed only the plans' trailers, give the same
+    bitmasks as rank 0's matchers step after step: rows of several requests (one
+    without a grammar: all ones) in any order, a step that is not greedy (the mirrors
+    dropped, the grammar and every token sent again after), and the trailer a follower
+    expects after a greedy step is the one rank 0 sends."""
+    from types import SimpleNamespace as NS
+
+    from tpkit.model.paged_kv import LAST, Piece
+    from tpkit.serve.masks import Lead, Mirrors, expect
+    from tpkit.serve.runner import encode
+    from tpkit.weights.tokenizer import load_tokenizer
+
+    tok = load_tokenizer(chat_llama)
+    vocab = len(tok.hf)
+    grammars = grammar.Grammars(tok, vocab)
+    reqs = [NS(id=i, tokens=[], params=NS(grammar=g), matcher=g and grammars.matcher(g))
+            for i, g in enumerate([grammar.from_schema(SCHEMAS[0]), None,
+                                   grammar.from_schema(SCHEMAS[9])])]
+    lead, mirrors = Lead(), Mirrors(lambda: grammar.Grammars(tok, vocab))
+    steps = [([0, 1, 2], True), ([2, 0], True), ([0, 2], False), ([0], True), ([0], True)]
+    want = None  # the trailer a follower expects next
+    for k, (order, greedy) in enumerate(steps):
+        rows = [reqs[i] for i in order]
+        fwd = NS(pieces=[Piece([1], 5, [1], LAST) for _ in rows], reqs=rows)
+        trailer, mine = lead.plan([fwd], greedy)
+        flat = encode([fwd.pieces]) + trailer
+        if k == len(steps) - 1:  # what the follower expected after the greedy step before
+            assert trailer == want
+        theirs = mirrors.follow(flat, [len(rows)], greedy)
+        if not greedy:
+            assert mine == theirs == [None]
+        else:
+            assert torch.equal(mine[0], theirs[0])
+            assert (mine[0][order.index(1)] == -1).all() if 1 in order else True
+        picked = []
+        for r in rows:  # each request's first allowed token, as the shards' best would be
+            t = 0 if r.matcher is None else int(decode_ops.unpacked(
+                torch.from_numpy(r.matcher.bits()[None].copy()), 0, vocab)[0].nonzero()[0])
+            if r.matcher is not None:
+                r.matcher.take(t)
+            r.tokens.append(t)
+            picked.append(t)
+        want = expect(flat, picked)

@@ -3,7 +3,8 @@ are forced by the grammar engine, so that a model whose chat template has no too
 format (the test model's) still returns valid calls: each call names an offered
 function and its `arguments` are a JSON string valid against that function's schema
 (checked by jsonschema), finish_reason "tool_calls"; `parallel_tool_calls=false` gives
-one call; streamed, the `delta.tool_calls` chunks assemble into the same calls; a round
+one call; streamed, the `delta.tool_calls` chunks carry each call's arguments as they
+are generated and assemble (the openai client's stream) into the same calls; a round
 trip (the call, the client's answer as a `role: "tool"` message, the model's next
 turn) is taken; `tool_choice="none"` renders no tools. The template formats that
 "auto" parses (Hermes' `<tool_call>`, Llama 3's JSON) are checked on their text.
@@ -64,19 +65,23 @@ def test_forced_calls_valid_against_their_schemas(openai_server):
 
 
 def test_streamed_calls_assemble_into_the_same_calls(openai_server):
+    """Forced calls stream as they are generated (vLLM's way): a call's id and name
+    once its name is complete, then its arguments in fragments, token by token; the
+    openai client's stream assembly gives the calls of the same request unstreamed."""
     client = openai_server[1]
-    whole = chat(client, tools=TOOLS, tool_choice="required").choices[0].message.tool_calls
-    parts: dict[int, dict] = {}
-    finish = None
-    for chunk in chat(client, tools=TOOLS, tool_choice="required", stream=True):
-        for d in chunk.choices[0].delta.tool_calls or ():  # as clients assemble them
-            p = parts.setdefault(d.index, {"name": "", "arguments": ""})
-            p["name"] += d.function.name or ""
-            p["arguments"] += d.function.arguments or ""
-        finish = chunk.choices[0].finish_reason or finish
-    assert finish == "tool_calls"
-    assert [parts[i] for i in sorted(parts)] == \
-        [{"name": c.function.name, "arguments": c.function.arguments} for c in whole]
+    for choice in ("required", {"type": "function", "function": {"name": "get_weather"}}):
+        whole = chat(client, tools=TOOLS, tool_choice=choice).choices[0].message.tool_calls
+        with client.chat.completions.stream(model="llama", messages=MSG, temperature=0,
+                                            tools=TOOLS, tool_choice=choice) as stream:
+            fragments = [d.function.arguments for e in stream if e.type == "chunk"
+                         for d in e.chunk.choices[0].delta.tool_calls or ()
+                         if d.function.arguments]
+            final = stream.get_final_completion().choices[0]
+        assert final.finish_reason == "tool_calls"
+        assert [(c.function.name, c.function.arguments) for c in final.message.tool_calls] \
+            == [(c.function.name, c.function.arguments) for c in whole]
+        assert len(fragments) > 3 * len(whole)  # incremental: many pieces of arguments
+        valid_calls(final.message)
 
 
 def test_a_round_trip_and_none(openai_server):

@@ -43,7 +43,8 @@ struct Layer {
 // float32 for bfloat16), its best [T, 3] (tpk_best over the first `valid` columns), at
 // tp > 1 gathered from every rank into every [tp, T, 3] (`gather`: the channel's
 // all-gather, number 2n + 1), and pick [T, 2]: each row's greedy token and
-// log-probability (tpk_pick).
+// log-probability (tpk_pick). mask (null: none): each row's grammar bitmask over the
+// whole vocabulary, `words` 32-bit words a row, applied to its best (tpk_allowed).
 using Gather = int (*)(void*, int, const void*, void*, size_t, double, int*);
 struct Ends {
   const void* table;
@@ -63,6 +64,8 @@ struct Ends {
   int tp;
   float* every;
   float* pick;
+  const uint32_t* mask;
+  int64_t words;
 };
 using Reduce = int (*)(void*, int, void*, size_t, int, int, size_t, double, int*);
 using Attend = int (*)(const void*, const void*, const void*, void*, const int64_t*,
@@ -160,7 +163,10 @@ inline int head(const void* x, void* h, const Ends& e, int64_t T, int64_t H, int
     for (int64_t i = 0; i < T * w.n; ++i) e.wide[i] = widen(b[i]);
     f = e.wide;
   }
-  return tpk_best(f, T, e.valid, w.n, e.first, e.vocab, e.best);
+  rc = tpk_best(f, T, e.valid, w.n, e.first, e.vocab, e.best);
+  if (rc == 0 && e.mask != nullptr)
+    rc = tpk_allowed(f, T, e.valid, w.n, e.first, e.mask, e.words, e.best);
+  return rc;
 }
 
 }  // namespace

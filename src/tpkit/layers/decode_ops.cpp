@@ -467,6 +467,60 @@ int tpk_best(const float* x, int64_t M, int64_t n, int64_t ld, int64_t first, in
   return 0;
 }
 
+// A grammar's mask on tpk_best's rows: each row m of x (as tpk_best's) whose bitmask
+// bits[m, :words] (bit t: token t allowed, over the whole vocabulary) is not all ones
+// gets out[3 m], out[3 m + 1] = the largest value over its allowed columns and the first
+// allowed column holding it (a NaN the largest; none above -inf: -inf at column 0, as
+// torch's argmax of the row with -inf where not allowed); its log-sum-exp stays the
+// model's (out[3 m + 2], over every column). L columns at a time (their L bits a lane
+// mask) where the row holds no NaN (its log-sum-exp says), else column by column.
+// 0: done; -2: bad sizes.
+int tpk_allowed(const float* x, int64_t M, int64_t n, int64_t ld, int64_t first,
+                const uint32_t* bits, int64_t words, float* out) {
+  if (M < 0 || n <= 0 || ld < n || first < 0 || words <= 0) return -2;
+  const int64_t end = std::min<int64_t>(n, words * 32 - first);  // columns with a bit
+  const uint32_t low = L == 32 ? ~0u : (1u << L) - 1;
+  vu lane;
+  for (int l = 0; l < L; ++l) lane[l] = l;
+  for (int64_t m = 0; m < M; ++m) {
+    const uint32_t* b = bits + m * words;
+    bool every = true;
+    for (int64_t w = 0; w < words && every; ++w) every = b[w] == ~uint32_t(0);
+    if (every) continue;
+    const float* row = x + m * ld;
+    float best = -INFINITY;
+    int64_t at = 0, i = 0;
+    if (!std::isnan(out[3 * m + 2])) {  // no NaN in the row: L lanes, each its first best
+      vf top = vf{} - INFINITY;
+      vi where = vi{}, pos;
+      for (int l = 0; l < L; ++l) pos[l] = l;
+      for (; i + L <= end; i += L, pos += L) {
+        const int64_t t = first + i, w = t >> 5;
+        const uint64_t pair = uint64_t(b[w]) | (w + 1 < words ? uint64_t(b[w + 1]) << 32 : 0);
+        const uint32_t on = uint32_t(pair >> (t & 31)) & low;
+        if (on == 0) continue;
+        const vf v = load(row + i);
+        const vi more = (((vu{} + on) >> lane) & 1u) != 0 & (v > top);
+        top = more ? v : top;
+        where = more ? pos : where;
+      }
+      for (int l = 0; l < L; ++l) best = std::max(best, top[l]);
+      at = n;
+      for (int l = 0; l < L; ++l)
+        if (top[l] == best) at = std::min<int64_t>(at, where[l]);
+    }
+    for (; i < end; ++i) {  // the rest (or a row with a NaN: all of it)
+      const int64_t t = first + i;
+      if (!((b[t >> 5] >> (t & 31)) & 1u)) continue;
+      if (std::isnan(row[i])) { best = row[i], at = i; break; }
+      if (row[i] > best) best = row[i], at = i;
+    }
+    out[3 * m] = best;
+    out[3 * m + 1] = float(at) + float(first);
+  }
+  return 0;
+}
+
 // Each row's greedy token and log-probability [T, 2] from every rank's best of its
 // shard, every [tp, T, 3] (rank-major; tpk_best's, columns as token ids): the token of
 // the first rank with the largest value (torch's argmax of the whole row), value -

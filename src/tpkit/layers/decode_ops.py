@@ -38,6 +38,7 @@ import functools
 import sys
 from pathlib import Path
 
+import numpy as np
 import torch
 
 from tpkit.comm.native import NativeLibrary
@@ -53,7 +54,7 @@ LIBRARY = NativeLibrary(
      "-fno-strict-aliasing"),
     signatures={name: (None, ctypes.c_int) for name in  # ctypes objects passed
                 ("tpk_linear", "tpk_norm", "tpk_rope_write", "tpk_layers", "tpk_best",
-                 "tpk_pick")},
+                 "tpk_pick", "tpk_allowed")},
     disable_env="TPKIT_DECODE_OPS_DISABLE", per_cpu=True)
 DTYPES = {torch.float32: 0, torch.bfloat16: 1, torch.int8: 2}
 NULL = ctypes.c_void_p(None)
@@ -205,7 +206,8 @@ class Ends(ctypes.Structure):
                 ("eps", ctypes.c_float), ("off", ctypes.c_float), ("head", Lin),
                 ("valid", ctypes.c_int64), ("first", ctypes.c_int64), ("logits", ctypes.c_void_p),
                 ("wide", ctypes.c_void_p), ("best", ctypes.c_void_p), ("gather", ctypes.c_void_p),
-                ("tp", ctypes.c_int), ("every", ctypes.c_void_p), ("pick", ctypes.c_void_p)]
+                ("tp", ctypes.c_int), ("every", ctypes.c_void_p), ("pick", ctypes.c_void_p),
+                ("mask", ctypes.c_void_p), ("words", ctypes.c_int64)]
 
 
 class Step(ctypes.Structure):
@@ -262,26 +264,54 @@ def run_layers(x: torch.Tensor, layers, work: int, step: Step) -> torch.Tensor:
     return x
 
 
-def shard_best(logits: torch.Tensor, first: int, vocab: int) -> torch.Tensor:
+def shard_best(logits: torch.Tensor, first: int, vocab: int,
+               allowed: torch.Tensor | None = None) -> torch.Tensor:
     """Each row of a vocabulary shard's logits [m, n] (the tokens first .., the padding
     past `vocab` left out) -> [m, 3] float32: its largest value, the token holding it
     first (torch's argmax: a NaN counts as the largest) and its log-sum-exp; a shard of
     padding alone gives -inf, -inf (none of its columns can win). Greedy decoding's token
     and log-probability (largest - log-sum-exp) in two passes over the row, where torch
-    takes ~10 ops (~0.2 ms for 49152 columns here). Without the library: torch's ops."""
+    takes ~10 ops (~0.2 ms for 49152 columns here). Without the library: torch's ops.
+
+    `allowed` (a grammar's mask): int32 [m, words], each row's bitmask over the whole
+    vocabulary (bit t of word t // 32: token t may come): the largest value and its token
+    are then those of the allowed columns (torch's argmax of the row with -inf where not
+    allowed), the log-sum-exp still the whole shard's (the model's log-probability)."""
     x, n = logits.float(), columns(logits.shape[-1], first, vocab)
     if load() is None or x.device.type != "cpu" or x.stride(-1) != 1:
         top, idx = x[:, :n].max(-1)
         out = torch.stack([top, idx.float() + first, x[:, :n].logsumexp(-1)], -1)
         if first >= vocab:
             out[:, 0] = out[:, 2] = float("-inf")
+        if allowed is not None:
+            ok = unpacked(allowed, first, n)
+            top, idx = x[:, :n].masked_fill(~ok, float("-inf")).max(-1)
+            out[:, 0], out[:, 1] = top, idx.float() + first
         return out
     out = torch.empty(x.shape[0], 3)
     rc = load().tpk_best(ctypes.c_void_p(x.data_ptr()), ctypes.c_int64(x.shape[0]),
                          ctypes.c_int64(n), ctypes.c_int64(x.stride(0)), ctypes.c_int64(first),
                          ctypes.c_int64(vocab), ctypes.c_void_p(out.data_ptr()))
+    if rc == 0 and allowed is not None:
+        allowed = allowed.contiguous()
+        rc = load().tpk_allowed(ctypes.c_void_p(x.data_ptr()), ctypes.c_int64(x.shape[0]),
+                                ctypes.c_int64(n), ctypes.c_int64(x.stride(0)),
+                                ctypes.c_int64(first), ctypes.c_void_p(allowed.data_ptr()),
+                                ctypes.c_int64(allowed.shape[-1]),
+                                ctypes.c_void_p(out.data_ptr()))
     if rc != 0:
         raise RuntimeError(f"tpk_best returned {rc}")
+    return out
+
+
+def unpacked(bits: torch.Tensor, first: int, n: int) -> torch.Tensor:
+    """Bitmasks int32 [m, words] (token t: bit t % 32 of word t // 32) -> bool [m, n]:
+    tokens first .. first + n (False past the bitmask)."""
+    flat = bits.contiguous().view(torch.uint8)  # little-endian words: bytes in token order
+    every = torch.from_numpy(np.unpackbits(flat.numpy(), axis=-1, bitorder="little"))
+    out = torch.zeros(bits.shape[0], n, dtype=torch.bool)
+    got = every[:, first:first + n].bool()
+    out[:, :got.shape[1]] = got
     return out
 
 

@@ -185,8 +185,12 @@ class NativeStack:
                        caches)  # the step points into the caches' batch: kept alive
 
     def _go(self, x: torch.Tensor, work: int, step: decode_ops.Step, ends: NativeEnds | None,
-            pick: torch.Tensor | None, _caches) -> torch.Tensor:
-        """The native call `ready` prepared; at tp > 1 its collectives into the ledger."""
+            pick: torch.Tensor | None, _caches, allowed: torch.Tensor | None = None
+            ) -> torch.Tensor:
+        """The native call `ready` prepared; at tp > 1 its collectives into the ledger.
+        `allowed`: the rows' grammar bitmasks for the ends' best (`NativeEnds.allow`)."""
+        if ends is not None:
+            ends.allow(allowed)
         if self.reduce is None:
             x = decode_ops.run_layers(x, self.layers, work, step)
             return x if ends is None else pick
@@ -262,6 +266,13 @@ class NativeEnds:
                   and (e.position is None or (e.position.weight.dtype == w.dtype
                                               and e.position.weight.is_contiguous())))
         return cls(model, embeds)
+
+    def allow(self, bits: torch.Tensor | None) -> None:
+        """The next call's grammar bitmasks, int32 [T, words] over the whole vocabulary
+        (`decode_ops.shard_best`'s `allowed`), or None: no mask."""
+        self.bits = None if bits is None else bits.contiguous()
+        self.struct.mask = decode_ops.address(self.bits)
+        self.struct.words = 0 if bits is None else bits.shape[-1]
 
     def point(self, x: torch.Tensor, positions: torch.Tensor, dtype: torch.dtype
               ) -> decode_ops.Ends:

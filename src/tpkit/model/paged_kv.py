@@ -27,8 +27,12 @@ vocab-parallel shards: per row each rank sends (its largest logit, that token, t
 log-sum-exp of its shard), [m, 3] float32 instead of [m, V/tp]; the token is the first
 largest over the ranks (so torch's argmax of the whole row, bit for bit), its
 log-probability max - logsumexp(ranks') (`decode_ops.shard_best` and `pick`, at tp=1
-too). A greedy forward of decode rows alone runs whole in one native call where the
-model allows it (`Transformer.decode_greedy`: the same kernels, the same bits).
+too). A grammar (structured outputs) masks each rank's own shard the same way: the
+rows' bitmasks over the whole vocabulary (`allowed`), the same on every rank, limit
+each shard's largest to its allowed tokens, its log-sum-exp kept (the token's
+log-probability stays the model's). A greedy forward of decode rows alone runs whole in
+one native call where the model allows it (`Transformer.decode_greedy`: the same
+kernels, the same bits, the mask included).
 
 The cache's dtype is the model's (bfloat16 weights: a bfloat16 cache); the logits
 returned are float32 whatever the dtype.
@@ -149,18 +153,20 @@ def layout(pieces: list[Piece], block_size: int, window: int | None, rope_len: i
 
 
 @torch.no_grad()
-def forward(model: nn.Module, cache: PagedCache, pieces: list[Piece], greedy: bool = False
+def forward(model: nn.Module, cache: PagedCache, pieces: list[Piece], greedy: bool = False,
+            allowed: torch.Tensor | None = None
             ) -> tuple[torch.Tensor | None, list[torch.Tensor]]:
     """Compute `pieces` in one forward; (logits of the LAST and EVERY pieces' last rows,
     [m, V] float32 in the pieces' order, or [m, 2] `greedy`; None if none asked for,
-    [the other rows' logits [n-1, V] of each EVERY piece])."""
-    return ready(model, cache, pieces, greedy)()
+    [the other rows' logits [n-1, V] of each EVERY piece]). `allowed` (greedy): the m
+    rows' grammar bitmasks, int32 [m, words] (`decode_ops.shard_best`), or None."""
+    return ready(model, cache, pieces, greedy)(allowed)
 
 
 def ready(model: nn.Module, cache: PagedCache, pieces: list[Piece], greedy: bool = False
-          ) -> Callable[[], tuple[torch.Tensor | None, list[torch.Tensor]]]:
+          ) -> Callable[..., tuple[torch.Tensor | None, list[torch.Tensor]]]:
     """`forward` up to the model's first kernel and collective: the function that runs
-    the rest (the layout made; a greedy decode's native call readied: a follower readies
+    the rest, given `forward`'s `allowed` (the layout made; a greedy decode's native call readied: a follower readies
     the step it expects while rank 0 plans it, `tpkit.serve.runner`). Until it runs, the
     cache must not grow and no other forward run or be readied on it (a greedy step of
     decode rows is moved on in the same buffers: `_moved`)."""
@@ -176,8 +182,8 @@ def ready(model: nn.Module, cache: PagedCache, pieces: list[Piece], greedy: bool
     if decodes:
         native = model.greedy_ready(ids, caches)  # one native call, or None
         if native is not None:
-            def run():  # a copy: the call's buffers are used again by the next step
-                return native().clone(), []
+            def run(allowed=None):  # a copy: the call's buffers serve the next step too
+                return native(allowed).clone(), []
             cache.moving = _Moving(pieces, batch.positions.numpy(), batch.write.numpy(),
                                    ids.numpy()[:, 0], batch.decode.meta.numpy(), run,
                                    native.still, cache.k[0])
@@ -226,7 +232,7 @@ def _moved(cache: PagedCache, pieces: list[Piece], window: int | None) -> Callab
 
 @torch.no_grad()
 def _modules(model: nn.Module, ids: torch.Tensor, batch: PagedBatch, caches: list[PagedKV],
-             pieces: list[Piece], greedy: bool
+             pieces: list[Piece], greedy: bool, allowed: torch.Tensor | None = None
              ) -> tuple[torch.Tensor | None, list[torch.Tensor]]:
     """`forward` on the model's modules."""
     h = model.body(ids, kv_caches=caches, position_offset=batch.positions)  # [T, 1, h]
@@ -237,7 +243,7 @@ def _modules(model: nn.Module, ids: torch.Tensor, batch: PagedBatch, caches: lis
     if not lasts:
         return None, rest
     last = h[torch.tensor(lasts, device=h.device)]  # [m, 1, h]
-    return (_greedy(model, last) if greedy else _full(model, last)), rest
+    return (_greedy(model, last, allowed) if greedy else _full(model, last)), rest
 
 
 def _full(model: nn.Module, h: torch.Tensor) -> torch.Tensor:
@@ -253,12 +259,15 @@ def _check(model: nn.Module) -> None:
         raise UserError(PP_ERROR)
 
 
-def _greedy(model: nn.Module, h: torch.Tensor) -> torch.Tensor:
+def _greedy(model: nn.Module, h: torch.Tensor, allowed: torch.Tensor | None = None
+            ) -> torch.Tensor:
     """Final hidden [b, 1, h] -> [b, 2] float32 (greedy token, its log-probability) from
-    each rank's shard of the logits, gathering [b, 3] per rank (module docstring)."""
+    each rank's shard of the logits (masked by `allowed`), gathering [b, 3] per rank
+    (module docstring)."""
     local = model.logits(h)[:, 0]  # [b, V_pad/tp]
     first = model.group.rank * local.shape[-1]  # the shard's first token id
-    return _pick(model, decode_ops.shard_best(local, first, model.config.vocab_size))
+    return _pick(model, decode_ops.shard_best(local, first, model.config.vocab_size,
+                                              allowed))
 
 
 def _pick(model: nn.Module, mine: torch.Tensor) -> torch.Tensor:

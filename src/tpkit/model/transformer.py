@@ -303,8 +303,8 @@ class Transformer(nn.Module):
         return None if run is None else run()
 
     def greedy_ready(self, ids: torch.Tensor, kv_caches) -> Callable[[], torch.Tensor] | None:
-        """`decode_greedy` up to its native call: the function that makes it, or None
-        (`NativeStack.ready`)."""
+        """`decode_greedy` up to its native call: the function that makes it (given the
+        rows' grammar bitmasks or None: `NativeEnds.allow`), or None (`NativeStack.ready`)."""
         stack = self._stack(list(self.layers))
         if stack is None or not stack.takes(ids.shape[0], stack.dtype, kv_caches):
             return None
@@ -316,14 +316,14 @@ class Transformer(nn.Module):
         if ends.embeds:
             go, pick = stack.ready(ids, kv_caches, ends), ends.pick
         else:  # the embedding's modules run with the call (no collective before it)
-            def go() -> torch.Tensor:
-                return stack(self._embed(ids, None, kv_caches[0].batch.positions), kv_caches,
-                             ends)
+            def go(allowed=None) -> torch.Tensor:
+                x = self._embed(ids, None, kv_caches[0].batch.positions)
+                return stack.ready(x, kv_caches, ends)(allowed)
             pick = None
 
-        def run() -> torch.Tensor:
+        def run(allowed: torch.Tensor | None = None) -> torch.Tensor:  # grammars' bitmasks
             try:
-                return go()
+                return go(allowed)
             except IndexError:  # an id outside the table: named, as the module would
                 check_ids(ids, self.config.vocab_size)
                 raise

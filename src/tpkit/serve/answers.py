@@ -1,11 +1,12 @@
 """A generated answer's JSON, from the request handles: a choice of a whole answer
-(its text, an echoed prompt first, log-probabilities in each API's shape), and a
-streamed chunk that carries a whole message (a chat that offered tools).
+(its text, an echoed prompt first, log-probabilities in each API's shape), and the
+streamed chunks of a chat that offered tools (`Tooled`).
 """
 
 from __future__ import annotations
 
 from tpkit.serve import openai_api as api
+from tpkit.serve import tools
 from tpkit.serve.app import App
 from tpkit.serve.request import Request
 
@@ -52,3 +53,27 @@ def whole(chunk: dict, message: dict) -> dict:
         delta["tool_calls"] = [{"index": i, **c} for i, c in enumerate(delta["tool_calls"])]
     chunk["choices"][0]["delta"] = delta
     return chunk
+
+
+class Tooled:
+    """A streamed choice of a chat that offered tools (`asked`: its request): a forced
+    call's `delta.tool_calls` as its text comes (`tools.Streamed`, vLLM's way); any other
+    answer held until its end, when it is known to be calls or text, and sent whole."""
+
+    def __init__(self, app: App, asked) -> None:
+        self.app, self.asked = app, asked
+        self.calls = tools.Streamed(asked.choice) if asked.forced else None
+
+    def token(self, chunk: dict, text: str) -> dict | None:
+        """`chunk` carrying what the answer's next `text` adds (None: nothing yet)."""
+        deltas = self.calls.feed(text) if self.calls is not None else []
+        if not deltas:
+            return None
+        chunk["choices"][0]["delta"] = {"tool_calls": deltas}
+        return chunk
+
+    def end(self, chunk: dict, text: str, reason: str) -> tuple[dict | None, str]:
+        """At the end: `chunk` carrying the whole message (None: a forced call, streamed
+        already) and the finish reason ("tool_calls" for calls)."""
+        message, reason = self.app.tool_answer(self.asked, text, reason)
+        return (None if self.calls is not None else whole(chunk, message)), reason

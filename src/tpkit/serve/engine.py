@@ -56,6 +56,7 @@ from torch import nn
 from tpkit.model.paged_kv import EVERY, LAST, PagedCache
 from tpkit.serve.blocks import BlockPool
 from tpkit.serve.logits import shaped
+from tpkit.serve.masks import Lead
 from tpkit.serve.metrics import Metrics, Pacing
 from tpkit.serve.output import OutputProcessor
 from tpkit.serve.pacing import Pacer, check_ratio
@@ -159,6 +160,7 @@ class Engine(Intake):
         self.outputs = OutputProcessor(tokenizer, set(getattr(tokenizer, "eos_ids", None)
                                                       or []), model.config.vocab_size)
         self.tokenizer_lock = self.outputs.lock
+        self.masks = Lead(model.group.size > 1)  # grammars' masks on every rank's shard
         self.metrics = Metrics()
         super().__init__()
 
@@ -272,7 +274,9 @@ class Engine(Intake):
         greedy = all(r.params.temperature <= 0 and r.params.logprobs is None and not
                      shaped(r.params)  # the shards' best, not their logits (tp=1: one
                      for r in reqs)  # native pass); penalties and bias need the logits
-        results = self.runner.lead_step([f.pieces for f in out.forwards], out.blocks, greedy)
+        masks = self.masks.plan(out.forwards, greedy)  # grammars': every rank's shard
+        results = self.runner.lead_step([f.pieces for f in out.forwards], out.blocks, greedy,
+                                        masks)
         self.scheduler.computed(out)
         for fwd, (last, rest) in zip(out.forwards, results):
             j = k = 0  # rows of `last`, entries of `rest`
@@ -299,7 +303,7 @@ class Engine(Intake):
         if not end:
             return
         if greedy:
-            why = self.outputs.push(req, int(row[0]), float(row[1]))
+            why = self.outputs.chosen(req, int(row[0]), float(row[1]))
         else:
             why = self.outputs.take(req, row)
         if len(req.tokens) > 1:

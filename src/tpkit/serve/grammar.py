@@ -9,9 +9,10 @@ with no per-tokenizer compilation; xgrammar would pull triton into a CPU install
 
 JSON is compact (no free whitespace: a model cannot wander in blanks). A schema the
 engine cannot compile is a `UserError` naming the construct; schemas are compiled once
-and kept (`from_response_format` caches by the schema's text). The mask is applied to
-rank 0's full logits before sampling, whatever the tp (every rank's logits are
-gathered there anyway for sampling), so it is the same mask at any tp.
+and kept (`from_response_format` caches by the schema's text). A greedy request's mask
+is applied on every tp rank to its own vocabulary shard (`bits()`, the same on every
+rank: `serve.masks`); a sampled request's to rank 0's full logits before the draw
+(which needs them gathered anyway): the same mask at any tp.
 """
 
 from __future__ import annotations
@@ -100,6 +101,16 @@ class Matcher:
         bits = np.unpackbits(np.frombuffer(self.m.compute_bitmask(), np.uint8),
                              bitorder="little")[:min(width, self.vocab)].astype(bool)
         return torch.from_numpy(np.pad(bits, (0, width - len(bits))))
+
+    @property
+    def words(self) -> int:
+        """32-bit words of `bits()`."""
+        return -(-self.vocab // 32)
+
+    def bits(self) -> np.ndarray:
+        """int32 [words]: the tokens allowed next as a bitmask (token t: bit t % 32 of
+        word t // 32), the same on every rank in the same state (`serve.masks`)."""
+        return np.frombuffer(self.m.compute_bitmask(), np.int32)[:self.words]
 
     def take(self, token: int) -> None:
         """The sequence goes on with `token` (one `allowed()` let through)."""

@@ -270,9 +270,9 @@ async def _stream(app: App, reqs: list[Request], events: asyncio.Queue, rid: str
                   chat: bool, usage, tooled=None):
     """The server-sent events of a streamed answer, its choices interleaved as their
     tokens come (echo: a choice's prompt first); a client gone cancels them. A chat
-    that offers tools (`tooled`: its request) sends each choice whole at its end, as
-    text or as `delta.tool_calls`."""
+    that offers tools (`tooled`: its request): `answers.Tooled`."""
     name, created, left = app.name, app.created, len(reqs)
+    held = [answers.Tooled(app, tooled) if tooled is not None else None for _ in reqs]
     chunk = functools.partial(api.chunk, fingerprint=app.fingerprint)
     tokens, offsets, started = [0] * len(reqs), [0] * len(reqs), [False] * len(reqs)
     try:
@@ -287,8 +287,12 @@ async def _stream(app: App, reqs: list[Request], events: asyncio.Queue, rid: str
                 yield _sse(chunk(rid, name, text, None, chat, created, logprobs=block,
                                      index=c))
             started[c] = True
-            if isinstance(ev, Token) and tooled is not None:
-                continue  # said at the end, once it is known to be a call or text
+            if isinstance(ev, Token) and tooled is not None:  # a forced call's deltas
+                said = held[c].token(chunk(rid, name, None, None, chat, created, index=c),
+                                     ev.text)
+                if said is not None:
+                    yield _sse(said)
+                continue
             if isinstance(ev, Token):  # one chunk per token (its text may be held back)
                 block = None
                 if ev.token is not None:  # a token (None: text held back until the end)
@@ -302,9 +306,10 @@ async def _stream(app: App, reqs: list[Request], events: asyncio.Queue, rid: str
                 left -= 1
                 reason = ev.reason
                 if tooled is not None:
-                    message, reason = app.tool_answer(tooled, req.text, reason)
-                    yield _sse(answers.whole(chunk(rid, name, None, None, chat, created, index=c),
-                                      message))
+                    said, reason = held[c].end(chunk(rid, name, None, None, chat, created,
+                                                     index=c), req.text, reason)
+                    if said is not None:
+                        yield _sse(said)
                 yield _sse(chunk(rid, name, None, reason, chat, created, index=c))
             else:
                 left = 0

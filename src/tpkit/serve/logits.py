@@ -22,11 +22,8 @@ from tpkit.serve.params import SamplingParams
 
 
 def shaped(params: SamplingParams) -> bool:
-    """Does `params` change a request's logits at all (a grammar's mask included)?"""
-    return _processed(params) or params.grammar is not None
-
-
-def _processed(params: SamplingParams) -> bool:
+    """Does `params` change a request's logits here? (A grammar's mask does not count: it
+    masks every rank's shard, greedy or not: `serve.masks`.)"""
     return bool(params.presence_penalty or params.frequency_penalty or params.logit_bias
                 or params.repetition_penalty != 1.0 or params.min_tokens)
 
@@ -35,7 +32,7 @@ def process(logits: torch.Tensor, params: SamplingParams, prompt: list[int],
             tokens: list[int], eos: set[int]) -> torch.Tensor:
     """`logits` [V] as `params` shape them (the module's table), given the prompt and the
     tokens generated so far; `logits` itself when they ask for nothing."""
-    if not _processed(params):
+    if not shaped(params):
         return logits
     x = logits.float().clone()  # [V]
     vocab = x.shape[0]

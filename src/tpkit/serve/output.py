@@ -5,6 +5,7 @@ sampling (each request's own seeded generator), log-probabilities, the detokeniz
     outputs = OutputProcessor(tokenizer, eos_ids)
     outputs.start(req)                              # its generator, text stream, stops
     why = outputs.take(req, logits)                 # None, or "stop" / "length"
+    why = outputs.chosen(req, token, logprob)       # a token chosen on the greedy path
     tail = outputs.tail(req, by_string)             # the text still held at the end
 
 Nothing here runs a forward or touches the KV cache; an error here is one request's
@@ -67,11 +68,17 @@ class OutputProcessor:
             chosen = chosen.float().masked_fill(~req.matcher.allowed(chosen.shape[-1]),
                                                 float("-inf"))
         tok = int(sample(chosen[None], p.temperature, p.top_k, p.top_p, req.gen)[0, 0])
-        if req.matcher is not None:
-            req.matcher.take(tok)
         logp = torch.log_softmax(logits.float(), -1)  # [V]
         top = _likeliest(logp[None], p.logprobs)[0] if p.logprobs is not None else None
-        why = self.push(req, tok, float(logp[tok]), top)
+        return self.chosen(req, tok, float(logp[tok]), top)
+
+    def chosen(self, req: Request, tok: int, logprob: float, top=None) -> str | None:
+        """`req`'s next token, chosen (by `take`, or on the greedy path: the shards' best,
+        its grammar's mask applied on every rank, `serve.masks`): its grammar moved on,
+        then `push`; why it ends here ("stop" too once the grammar is complete)."""
+        if req.matcher is not None:
+            req.matcher.take(tok)
+        why = self.push(req, tok, logprob, top)
         return "stop" if why is None and req.matcher is not None and req.matcher.done \
             else why
 

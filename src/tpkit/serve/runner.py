@@ -11,7 +11,8 @@ wait for the followers to take it: the forward's first collective meets them):
     the payload, if longer, in a second message
         op STEP : the payload int64 [length], the step's forwards:
                   [forwards, then per forward: pieces, then per piece:
-                   start, tokens n, blocks m, logits kind, ids [n], block table [m]]
+                   start, tokens n, blocks m, logits kind, ids [n], block table [m]],
+                  then the grammars' trailer (`serve.masks`: [..., its length])
                   -> every rank grows its cache to `blocks`, runs each forward
         op EMBED: the payload int64 [length], an encoder's batch of inputs:
                   [rows b, their lengths n_1..n_b, then each row's ids]
@@ -25,8 +26,10 @@ wait for the followers to take it: the forward's first collective meets them):
 Every rank then holds the same full logits (the all-gather of the forward; greedy:
 the same greedy tokens and log-probabilities, `paged_kv.forward(greedy=True)`); rank 0
 samples from them and its next plan carries the chosen tokens, so the followers never
-sample: no generator to keep in step, one source of truth. Rank 0's plan carries the
-block tables; each rank holds its own heads' keys in those blocks.
+sample: no generator to keep in step, one source of truth. A greedy request's grammar
+masks every rank's shard, each rank holding the same matcher state (`serve.masks`).
+Rank 0's plan carries the block tables; each rank holds its own heads' keys in those
+blocks.
 """
 
 from __future__ import annotations
@@ -39,6 +42,7 @@ from torch import nn
 from tpkit.comm import recv, send
 from tpkit.comm.failure import CollectiveFailed
 from tpkit.model.paged_kv import LAST, PagedCache, Piece, forward, ready
+from tpkit.serve.masks import Mirrors, expect
 
 STEP, EMBED, IDLE, STOP = 1, 2, 3, 4
 BLOCK_SIZE = 16  # tokens per KV block
@@ -52,8 +56,10 @@ class Runner:
     needs only the model, and grows its cache to what each plan says)."""
 
     def __init__(self, model: nn.Module, slots: int = 8, max_len: int | None = None,
-                 chunk: int | None = None, block_size: int = BLOCK_SIZE) -> None:
+                 chunk: int | None = None, block_size: int = BLOCK_SIZE,
+                 mirrors: Mirrors | None = None) -> None:
         self.model, self.group = model.eval(), model.group
+        self.mirrors = mirrors or Mirrors()  # a follower's grammars (`serve.masks`)
         self.slots, self.chunk = slots, chunk
         self.max_len = max_len or model.config.max_seq_len
         self.cache = PagedCache(model, block_size)
@@ -90,21 +96,25 @@ class Runner:
             flat += recv(rest, self.group, 0, scope="serve.plan").tolist()
         return op, blocks, bool(greedy), flat
 
-    def lead_step(self, forwards: list[list[Piece]], blocks: int, greedy: bool = False
+    def lead_step(self, forwards: list[list[Piece]], blocks: int, greedy: bool = False,
+                  masks: tuple[list[int], list] | None = None
                   ) -> list[tuple[torch.Tensor | None, list[torch.Tensor]]]:
         """Rank 0: run `forwards` on every rank (the cache grown to `blocks` first);
-        each forward's (logits of its pieces' last rows, EVERY pieces' other rows)."""
+        each forward's (logits of its pieces' last rows, EVERY pieces' other rows).
+        `masks`: the grammars' trailer and rank 0's bitmasks (`serve.masks.Lead.plan`)."""
+        trailer, allowed = masks or ([0], None)
         try:
             if self.group.size > 1:
-                self._header(STEP, encode(forwards), blocks, greedy)
-            return self._run(forwards, blocks, greedy)
+                self._header(STEP, encode(forwards) + trailer, blocks, greedy)
+            return self._run(forwards, blocks, greedy, allowed)
         except CollectiveFailed as e:  # a worker died or is stuck: which step it was
             e.after_step(self.steps)
             raise
 
-    def _run(self, forwards, blocks: int, greedy: bool):
+    def _run(self, forwards, blocks: int, greedy: bool, allowed=None):
         self.cache.grow(blocks)
-        out = [forward(self.model, self.cache, pieces, greedy) for pieces in forwards]
+        out = [forward(self.model, self.cache, pieces, greedy, allowed and allowed[i])
+               for i, pieces in enumerate(forwards)]
         self.steps += 1  # completed
         return out
 
@@ -164,12 +174,16 @@ class Runner:
             if op == STOP:
                 return self.steps
             if op == STEP:
-                if expected is not None and expected[:2] == (flat, blocks) and greedy:
-                    out = [expected[2]()]
+                hit = expected is not None and expected[:2] == (flat, blocks) and greedy
+                forwards = [expected[3]] if hit else decode(flat)
+                allowed = self.mirrors.follow(flat, [sum(1 for p in f if p.logits)
+                                                     for f in forwards], greedy)
+                if hit:
+                    out = [expected[2](allowed[0])]
                     self.steps, self.expected = self.steps + 1, self.expected + 1
                 else:
                     expected = None  # (its buffers are the plan's to use now)
-                    out = self._run(decode(flat), blocks, greedy)
+                    out = self._run(forwards, blocks, greedy, allowed)
                 expected = self._expect(flat, out, blocks) if greedy else None
             else:
                 expected = None
@@ -184,8 +198,9 @@ class Runner:
     def _expect(self, flat: list[int], out, blocks: int) -> tuple | None:
         """The step rank 0 plans after the greedy step `flat` that gave `out` if nothing
         changes (every row one position on, its greedy token in, its blocks the same),
-        readied (`paged_kv.ready`): (its plan, blocks, the function that runs it), or
-        None where that is not a step of decode rows alone that fit their blocks."""
+        readied (`paged_kv.ready`): (its plan, blocks, the function that runs it, its
+        pieces), or None where that is not a step of decode rows alone that fit their
+        blocks."""
         forwards = decode(flat)
         if len(forwards) != 1 or out[0][0] is None:
             return None
@@ -198,7 +213,8 @@ class Runner:
                     p.start + 2 > len(p.blocks) * self.cache.block_size:
                 return None
             nxt.append(Piece([int(token)], p.start + 1, p.blocks, LAST))
-        return encode([nxt]), blocks, ready(self.model, self.cache, nxt, True)
+        return (encode([nxt]) + expect(flat, picked[:, 0].long().tolist()), blocks,
+                ready(self.model, self.cache, nxt, True), nxt)
 
 
 def post(x: torch.Tensor, group) -> None:

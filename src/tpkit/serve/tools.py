@@ -14,6 +14,9 @@ the output must match, and how the output becomes `message.tool_calls`.
                              forced: the arguments of F, as its schema says (vLLM's shape)
 
 A call's `arguments` are a JSON string, as OpenAI sends them; its id `call_` + 24 hex.
+A forced call's `arguments` are the generated text of its arguments as it is (compact
+JSON), so that streamed (`Streamed`: `delta.tool_calls` fragments as they are
+generated, vLLM's way) they add up to the same string.
 """
 
 from __future__ import annotations
@@ -57,11 +60,9 @@ def calls(text: str, tools: list[dict], choice, fmt: str | None) -> list[dict] |
     """The tool calls in an answer (None: it is text). A forced call's output is
     parsed as the grammar shaped it; "auto"'s as the template's format."""
     try:
-        if isinstance(choice, dict):
-            json.loads(text)
-            return [_call(choice["function"]["name"], text)]
-        if choice == "required":
-            return [_call(c["name"], json.dumps(c["parameters"])) for c in json.loads(text)]
+        if isinstance(choice, dict) or choice == "required":
+            json.loads(text)  # complete
+            return [_call(name, args) for name, args in forced(text, choice)]
         if fmt == "hermes":
             found = [json.loads(m) for m in _HERMES.findall(text)]
             return [_call(c["name"], json.dumps(c.get("arguments", {}))) for c in found] \
@@ -101,3 +102,64 @@ def _params(tool: dict) -> dict:
 def _call(name: str, arguments: str) -> dict:
     return {"id": "call_" + os.urandom(12).hex(), "type": "function",
             "function": {"name": name, "arguments": arguments}}
+
+
+def forced(text: str, choice) -> list[tuple[str | None, str]]:
+    """The calls a forced answer (`forced_grammar`'s) has begun, cut anywhere: each
+    (its function's name, None until complete; the raw text of its arguments so far)."""
+    if isinstance(choice, dict):
+        return [(choice["function"]["name"], text)]
+    out: list[list] = []  # "required": [{"name": ..., "parameters": {...}}, ...]
+    depth, key, begun, quote, escaped = 0, None, None, None, False
+    for i, ch in enumerate(text):
+        if quote is not None:  # in a string
+            if escaped or ch == "\\":
+                escaped = not escaped
+            elif ch == '"':
+                word, quote = json.loads(text[quote:i + 1]), None
+                if depth == 2 and key is None:
+                    key = word  # a call's key
+                elif depth == 2:
+                    out[-1][0] = word if key == "name" else out[-1][0]
+                    key = None
+        elif ch == '"':
+            quote = i
+        elif ch in "[{":
+            depth += 1
+            if depth == 2:
+                out.append([None, ""])
+            if depth == 3 and key == "parameters":
+                begun = i
+        elif ch in "]}":
+            if depth == 3 and begun is not None:
+                out[-1][1], begun, key = text[begun:i + 1], None, None
+            depth -= 1
+    if begun is not None:
+        out[-1][1] = text[begun:]
+    return [(name, args) for name, args in out]
+
+
+class Streamed:
+    """A forced call streamed: each piece of text in, OpenAI's `delta.tool_calls` out (a
+    call's id, type and name first, once its name is complete; then its arguments' new
+    text), which the client adds up to the calls `calls()` gives."""
+
+    def __init__(self, choice) -> None:
+        self.choice, self.text = choice, ""
+        self.sent: list[list] = []  # per call begun: [its id, its arguments' length sent]
+
+    def feed(self, piece: str) -> list[dict]:
+        """The deltas `piece` (the answer's next text) adds."""
+        self.text += piece
+        out = []
+        for k, (name, args) in enumerate(forced(self.text, self.choice)):
+            if name is None:
+                break
+            if k == len(self.sent):
+                self.sent.append([_call(name, "")["id"], 0])
+                out.append({"index": k, "id": self.sent[k][0], "type": "function",
+                            "function": {"name": name, "arguments": ""}})
+            if len(args) > self.sent[k][1]:
+                out.append({"index": k, "function": {"arguments": args[self.sent[k][1]:]}})
+                self.sent[k][1] = len(args)
+        return out

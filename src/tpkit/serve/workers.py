@@ -12,14 +12,20 @@ from __future__ import annotations
 import torch
 
 from tpkit.mesh import ParallelMesh
+from tpkit.serve.grammar import Grammars
+from tpkit.serve.masks import Mirrors
 from tpkit.serve.runner import Runner
-from tpkit.weights.sources import load_model
+from tpkit.weights.sources import load_model, source_tokenizer
+from tpkit.weights.tokenizer import load_tokenizer
 
 
 def follow(mesh: ParallelMesh, source, slots: int, max_len: int | None, chunk: int | None,
            dtype: torch.dtype | None = None, quantize: str | None = None) -> None:
     """A follower rank: load this rank's slices of `source` (opened by the command) in
     `dtype` (`quantize`: then as int8), then run rank 0's steps until told to stop
-    (max_len None or 0: the model's)."""
+    (max_len None or 0: the model's). Its grammars' mirrors (`serve.masks`) load the
+    source's tokenizer when the first grammar comes."""
     model = load_model(source, mesh, dtype=dtype, decode=True, quantize=quantize)
-    Runner(model, slots, max_len or model.config.max_seq_len, chunk).follow()
+    mirrors = Mirrors(lambda: Grammars(load_tokenizer(source_tokenizer(source)),
+                                       model.config.vocab_size))  # rank 0's tokenizer
+    Runner(model, slots, max_len or model.config.max_seq_len, chunk, mirrors=mirrors).follow()
