@@ -112,8 +112,10 @@ class Speculator:
             wants = [w for w in wants if w[0] >= LOADED_RATE]
         drafts = {}
         for _, req, st, k in sorted(wants, key=lambda w: -w[0]):
-            k = min(k, spare, room(req, len(req.prompt) + len(req.tokens) + k) - req.computed - 1)
-            draft = self.lookup(st, req, k) if k > 0 else []
+            draft = self.lookup(st, req, min(k, spare)) if spare > 0 else []
+            if draft:  # blocks for its rows, only now (none taken for nothing)
+                fits = room(req, req.computed + 1 + len(draft)) - req.computed - 1
+                draft = draft[:max(0, fits)]
             if draft:
                 drafts[req.id], spare = draft, spare - len(draft)
         return drafts
