@@ -125,14 +125,18 @@ def test_lookup_proposes_what_followed_the_latest_match():
     assert lookup(_State(4), [4, 5, 4, 5], 3) == [4, 5]  # what exists after it
 
 
-def test_failing_proposals_back_off_and_sampling_is_not_speculated():
-    """Proposals whose first token is always wrong: the sequence's k halves, then it
-    rests, doubling, so that over 120 tokens it proposes a few tokens only; a sampled
-    request proposes nothing and keeps its seeded tokens; /metrics counts proposals."""
+def _tiny():
     mesh = ParallelMesh.single()
     model = Transformer(CONFIG, mesh)
     fill(model, random_full(CONFIG, seed=5, scale=1.0), mesh)
-    model = for_decode(model)
+    return for_decode(model)
+
+
+def test_failing_proposals_back_off_and_metrics_count_them():
+    """Proposals whose first token is always wrong: the sequence's k halves, then it
+    rests, doubling, so that over 120 tokens it proposes a few tokens only; /metrics
+    counts them."""
+    model = _tiny()
     ref = Engine(model).generate([[1, 2, 3]], SamplingParams(max_tokens=120))[0].tokens
     spec = Oracle({(1, 2, 3): ref}, wrong=True)
     engine = Engine(model, speculator=spec)
@@ -142,11 +146,45 @@ def test_failing_proposals_back_off_and_sampling_is_not_speculated():
     text = engine.metrics.render()
     assert f"tpkit_spec_proposed_tokens_total {spec.proposed}.0" in text
     assert "tpkit_spec_acceptance_rate 0.0" in text
-    sampled = SamplingParams(max_tokens=20, temperature=0.8, seed=4)
-    spec = Oracle({(1, 2, 3): ref})
-    want = Engine(model).generate([[1, 2, 3]], sampled)[0].tokens
-    assert Engine(model, speculator=spec).generate([[1, 2, 3]], sampled)[0].tokens == want
-    assert spec.proposed == 0
+
+
+def test_sampling_draws_the_same_tokens_and_accepts_at_the_models_rate():
+    """Sampled requests (temperature 0.8, top-p 0.9): with proposals (the reference
+    tokens, half with one wrong) a seed draws the same tokens and log-probabilities as
+    without (the rejection rule for a one-token proposal is the draw itself). Then the
+    rule's rate: 160 seeds at temperature 1, each proposing its likeliest second token
+    d (looked up without speculation, same seed: same first token, same logits); the
+    number accepted must match the sum of the model's p(d) within 3.29 standard
+    deviations (a false alarm once in 1000 runs, normal approximation; p(d) here 0.2-0.9)."""
+    model = _tiny()
+    prompts = [PROMPTS[0], PROMPTS[2]]
+    sampled = [SamplingParams(max_tokens=24, temperature=0.8, top_p=0.9, seed=s, logprobs=1)
+               for s in (4, 5)]
+    want = Engine(model).generate(prompts, sampled)
+    spec = Oracle({tuple(p): r.tokens for p, r in zip(prompts, want)})
+    got = Engine(model, speculator=spec).generate(prompts, sampled)
+    assert [(r.tokens, r.logprobs, r.top) for r in got] == \
+        [(r.tokens, r.logprobs, r.top) for r in want]
+    assert 0 < spec.accepted < spec.proposed
+    seeds = range(160)
+    free = [SamplingParams(max_tokens=3, temperature=1.0, seed=s, logprobs=1) for s in seeds]
+    base = Engine(model, max_batch=4).generate([[1, 2, 3]] * len(free), free)
+    likeliest = {s: r.top[1][0] for s, r in zip(seeds, base)}  # (d, log p(d)) at token 2
+    asked = []
+
+    class Likeliest(Speculator):
+        def lookup(self, st, req, k):
+            asked.append(req.params.seed)
+            return [likeliest[req.params.seed][0]]
+
+    spec, engine = Likeliest(1), Engine(model, max_batch=4)
+    engine.speculator = engine.scheduler.speculator = spec
+    for i in range(0, len(free), 4):  # 4 at once: their decodes in one step, no prompt
+        engine.generate([[1, 2, 3]] * 4, free[i:i + 4])
+    p = torch.tensor([likeliest[s][1] for s in asked]).exp()
+    assert spec.proposed == len(asked) == len(free)
+    z = (spec.accepted - p.sum()) / (p * (1 - p)).sum().sqrt()
+    assert abs(z) < 3.29, (spec.accepted, p.sum(), z)
 
 
 def test_generate_cli_prints_the_acceptance_rate(tmp_path, capsys):

@@ -1,7 +1,7 @@
-"""N-gram (prompt lookup) speculative decoding for the engine, greedy requests only:
+"""N-gram (prompt lookup) speculative decoding for the engine:
 
-    spec = Speculator(tokens=4)                     # Engine(..., speculative=spec)
-    drafts = spec.propose(decodes, room)            # the scheduler, for a decode-only step
+    spec = Speculator(tokens=4)                     # Engine(..., speculator=spec)
+    drafts = spec.propose(decodes, spare, room)     # the scheduler, for a decode step
     why = spec.accept(req, draft, rows, give)       # the engine, after the forward
 
 Propose: the k tokens that followed the latest earlier occurrence of the sequence's last
@@ -13,16 +13,23 @@ row i is computed exactly as the decode step of position start + i would be: the
 native kernels, whose every product row is summed in a fixed order whatever the other
 rows (`layers.decode_ops`: batch invariant by construction). The tokens are then taken
 row by row as without speculation (`give`: the greedy token, or `OutputProcessor.take`
-with its penalties, log-probabilities and stop strings) while each one equals the
-proposed token that the next row assumed; the first that differs is the last taken (the
-"bonus" token). The KV rows past it are rolled back (`Scheduler.rolled_back`: the
+with its penalties, sampling, log-probabilities and stop strings) while each one equals
+the proposed token that the next row assumed; the first that differs is the last taken
+(the "bonus" token). The KV rows past it are rolled back (`Scheduler.rolled_back`: the
 blocks past the tokens kept are freed; decode tokens never enter the prefix cache).
+
+Sampling: for a proposal that is one token d (a point mass, as every n-gram proposal),
+the standard rejection rule (accept d with probability min(1, p(d) / q(d)) = p(d), else
+draw from (p - q)+ normalized = p without d) is the same as drawing t from p and keeping
+it, accepting d if t == d: that is what `give` does, row by row, with the request's own
+generator, one draw per token kept as without speculation. So a seeded request draws
+the same tokens with or without speculation, its logits being the same bits.
 
 Exactness: a step of speculation has decode rows only and at most `decode_ops.ROWS`
 rows in all (default mode), so it stays on the native kernels whose rows do not depend
 on the batch; in the batch-invariant mode the proposed rows only fill the padding rows
-of the C-row forwards the decodes take anyway. Not speculated (their tokens come one per
-step as before): a sampling request (temperature > 0) and one with a grammar.
+of the C-row forwards the decodes take anyway. Not speculated: a request with a grammar
+(structured outputs: its matcher would have to step back).
 
 Adaptive, per sequence: `k` starts at `tokens`; a fully accepted proposal raises it by
 one (up to `tokens`), a rejected first token halves it; at 0 the sequence rests for
@@ -37,7 +44,6 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from tpkit.model.sampling import GREEDY_BELOW
 from tpkit.spec.speculative import TOKENS, check
 
 SIZES = (4, 3, 2)  # n-gram lengths looked up, longest first
@@ -85,9 +91,8 @@ class Speculator:
 
     @staticmethod
     def eligible(req) -> bool:
-        """Whether `req`'s tokens may be verified in rows (greedy, no grammar)."""
-        p = req.params
-        return p.temperature < GREEDY_BELOW and p.grammar is None
+        """Whether `req`'s tokens may be verified in rows (no grammar)."""
+        return req.params.grammar is None
 
     def propose(self, decodes: list, spare: int, room) -> dict[int, list[int]]:
         """Request id -> its proposed tokens, for `decodes` (requests decoding one token
