@@ -100,8 +100,7 @@ def add_pool_arguments(g: argparse._ArgumentGroup, max_batch: int | None, batch_
     g.add_argument("--speculative", choices=speculate.METHODS, default=None,
                    help="ngram: propose the tokens that followed the latest earlier match "
                         "of the last few tokens (prompt lookup) and verify them in one "
-                        "forward; greedy requests only, their text unchanged "
-                        "(docs/serving.md)")
+                        "forward, the output unchanged (docs/serving.md); default: none")
     g.add_argument("--speculative-tokens", type=int, default=speculate.TOKENS, metavar="K",
                    help=f"with --speculative: tokens proposed at most per sequence and step "
                         f"(1..{speculate.MAX_TOKENS}, default {speculate.TOKENS})")
