@@ -3,7 +3,7 @@ started through its real CLI on the same weights (issue 49). Not part of `make t
 
     .venv/bin/python benchmarks/serve_speculative.py --hf SMOLLM2 \\
         [--llama-server LLAMA/build/bin/llama-server --gguf F32=f32.gguf --gguf BF16=bf16.gguf] \\
-        [--rounds 5] [--clients 1,8] [--max-tokens 128] [--only tpkit]
+        [--rounds 5] [--clients 1,8] [--max-tokens 128] [--only tpkit] [--sets grounded]
 
 Contenders: `tpkit serve` float32 and bfloat16, each without and with `--speculative
 ngram`; llama-server (each GGUF given) without and with `--spec-type ngram-simple`
@@ -192,11 +192,13 @@ def main() -> None:
     ap.add_argument("--clients", default="1,8")
     ap.add_argument("--max-tokens", type=int, default=128)
     ap.add_argument("--only", default="", help="comma-separated name parts to keep")
+    ap.add_argument("--sets", default="grounded,ungrounded", help="prompt sets to run")
     ap.add_argument("--log", default="/tmp/serve_speculative.log")
     args = ap.parse_args()
     args.llama_spec = args.llama_spec or ["ngram-simple"]
     levels = [int(x) for x in args.clients.split(",")]
-    sets = {"grounded": grounded(), "ungrounded": OPEN}
+    sets = {k: v for k, v in (("grounded", grounded()), ("ungrounded", OPEN))
+            if k in args.sets.split(",")}
     cs, log = contenders(args), Path(args.log)
     results = {c.name: [] for c in cs}
     for r in range(args.rounds):
