@@ -22,6 +22,7 @@ import argparse
 import re
 import sys
 
+from tpkit.spec import speculative as speculate
 from tpkit.spec.config import QUANTIZE
 from tpkit.spec.errors import UserError
 from tpkit.spec.words import suggest
@@ -96,6 +97,32 @@ def add_pool_arguments(g: argparse._ArgumentGroup, max_batch: int | None, batch_
                    help=f"with --batch-invariant: rows per decode forward (default: "
                         f"{INVARIANT_CHUNK}; 8 serves many clients best, 1 decodes each "
                         f"sequence alone)")
+    g.add_argument("--speculative", choices=speculate.METHODS, default=None,
+                   help="ngram: propose the tokens that followed the latest earlier match "
+                        "of the last few tokens (prompt lookup) and verify them in one "
+                        "forward, the output unchanged (docs/serving.md); default: none")
+    g.add_argument("--speculative-tokens", type=int, default=speculate.TOKENS, metavar="K",
+                   help=f"with --speculative: tokens proposed at most per sequence and step "
+                        f"(1..{speculate.MAX_TOKENS}, default {speculate.TOKENS})")
+
+
+def check_speculative(args: argparse.Namespace) -> None:
+    """UserError for --speculative-tokens out of bounds or without --speculative."""
+    if args.speculative is None and args.speculative_tokens != speculate.TOKENS:
+        raise UserError(f"--speculative-tokens={args.speculative_tokens} needs "
+                        f"--speculative ngram")
+    speculate.check(args.speculative, args.speculative_tokens)
+
+
+def speculator(args: argparse.Namespace):
+    """The engine's `serve.speculate.Speculator` from --speculative and
+    --speculative-tokens, or None (`check_speculative`'s errors)."""
+    check_speculative(args)
+    if args.speculative is None:
+        return None
+    from tpkit.serve.speculate import Speculator  # torch: only where it runs
+
+    return Speculator(args.speculative_tokens)
 
 
 def decode_chunk(args: argparse.Namespace) -> int | None:

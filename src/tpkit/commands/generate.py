@@ -25,7 +25,14 @@ from contextlib import nullcontext
 
 import torch
 
-from tpkit.commands.common import add_pool_arguments, decode_chunk, follower, group
+from tpkit.commands.common import (
+    add_pool_arguments,
+    check_speculative,
+    decode_chunk,
+    follower,
+    group,
+    speculator,
+)
 from tpkit.launch import launch
 from tpkit.mesh import ParallelMesh
 from tpkit.model.sampling import GREEDY_BELOW
@@ -77,7 +84,7 @@ def _generate(args: argparse.Namespace, source, model, max_len: int) -> dict:
                         f"there or pass --prompt-ids")
     prompts = _prompts(args, tok)
     engine = Engine(model, tokenizer=tok, max_batch=args.max_batch, max_len=max_len,
-                    decode_chunk=decode_chunk(args))
+                    decode_chunk=decode_chunk(args), speculator=speculator(args))
     params = _sampling(args)
     for p in prompts:  # every prompt, before any is queued
         engine.check(p, params)
@@ -92,8 +99,10 @@ def _generate(args: argparse.Namespace, source, model, max_len: int) -> dict:
         print(flush=True)
     new = [r.result().tokens for r in reqs] or [[] for _ in prompts]
     seconds = time.perf_counter() - t0
+    spec = engine.speculator
     return dict(new=new, seconds=seconds, streamed=streamed,
-                texts=[_show(args, i, r) for i, r in enumerate(reqs)])
+                texts=[_show(args, i, r) for i, r in enumerate(reqs)],
+                speculated=None if spec is None else (spec.proposed, spec.accepted))
 
 
 def _printer(_req, text: str) -> None:
@@ -157,6 +166,15 @@ def _sampling(args: argparse.Namespace) -> SamplingParams:
                           stop=tuple(args.stop), ignore_eos=args.ignore_eos)
 
 
+def _acceptance(speculated: tuple[int, int] | None) -> str:
+    """', speculative: A of P proposed tokens accepted (R%)' (nothing without it)."""
+    if speculated is None:
+        return ""
+    proposed, accepted = speculated
+    rate = f" ({100 * accepted / proposed:.0f}%)" if proposed else ""
+    return f", speculative: {accepted} of {plural(proposed, 'proposed token')} accepted{rate}"
+
+
 def _check_args(args: argparse.Namespace) -> None:
     """UserError for flags no model can accept (before loading anything)."""
     if not args.prompt and not args.prompt_ids:
@@ -173,6 +191,7 @@ def _check_args(args: argparse.Namespace) -> None:
     if args.max_batch is None:  # slots for the prompts given: no row computed for nobody
         args.max_batch = min(8, len(args.prompt_ids or args.prompt))
     decode_chunk(args)  # --decode-chunk needs --batch-invariant
+    check_speculative(args)
     if args.max_batch < 1 or (args.max_len is not None and args.max_len < 1):
         bad.append("--max-batch and --max-len must be >= 1")
     if bad:
@@ -194,5 +213,5 @@ def run(args: argparse.Namespace) -> int:
     n = sum(len(r) for r in result["new"])
     print(f"[{plural(n, 'token')} ({plural(len(result['new']), 'prompt')}) in "
           f"{result['seconds']:.2f} s: {n / max(result['seconds'], 1e-9):.1f} tokens/s, "
-          f"tp={args.tp}]", file=sys.stderr)
+          f"tp={args.tp}{_acceptance(result['speculated'])}]", file=sys.stderr)
     return 0

@@ -32,7 +32,14 @@ from pathlib import Path
 import torch
 
 from tpkit.comm.failure import DEFAULT_COLLECTIVE_TIMEOUT_S
-from tpkit.commands.common import add_pool_arguments, decode_chunk, follower, group
+from tpkit.commands.common import (
+    add_pool_arguments,
+    check_speculative,
+    decode_chunk,
+    follower,
+    group,
+    speculator,
+)
 from tpkit.host.exit import Stopped
 from tpkit.host.web import ALLOWED_HOST_HELP, HOST, bound_socket, listen, warn_if_exposed
 from tpkit.launch import SpawnError, is_rank0, launch
@@ -136,6 +143,7 @@ def _check_args(args: argparse.Namespace) -> None:
     if bad:
         raise UserError("; ".join(bad))
     decode_chunk(args)  # --decode-chunk needs --batch-invariant
+    check_speculative(args)
 
 
 def api_key(args: argparse.Namespace) -> str | None:
@@ -187,6 +195,9 @@ def _serve(mesh: ParallelMesh, args, source, sock, pooling, tokenizer, followers
     model = load_model(source, mesh, dtype=getattr(torch, args.dtype), decode=True,
                        quantize=args.quantize)
     if pooling is not None:
+        if args.speculative is not None:
+            raise UserError(f"--speculative={args.speculative}: {args.checkpoint} is an "
+                            f"embedding model (it generates no tokens)")
         engine = Embedder(model, pooling, max_batch=args.max_batch, max_len=args.max_len,
                           tokens_per_forward=args.max_tokens_in_flight)
     else:
@@ -195,7 +206,7 @@ def _serve(mesh: ParallelMesh, args, source, sock, pooling, tokenizer, followers
                         prefill_per_step=args.prefill_per_step,
                         decode_chunk=decode_chunk(args), itl_ratio=args.itl_ratio,
                         kv_cache_bytes=args.kv_cache_bytes,
-                        prefix_caching=not args.no_prefix_cache)
+                        prefix_caching=not args.no_prefix_cache, speculator=speculator(args))
     name = args.served_model_name or Path(str(args.checkpoint).rstrip("/")).resolve().name
     app = App(engine, name, tokenizer, max_body=args.max_body_bytes, timeout=args.timeout,
               api_key=api_key(args), metrics_need_key=args.metrics_need_key)

@@ -64,6 +64,7 @@ from tpkit.serve.params import SamplingParams
 from tpkit.serve.request import Request, RequestFailed, Token
 from tpkit.serve.runner import Runner
 from tpkit.serve.scheduler import Scheduler, SchedulerOutput
+from tpkit.serve.speculate import Speculator
 from tpkit.spec.errors import UserError
 
 PREFILL_PER_STEP = 256  # prompt tokens computed per step (pieces of longer prompts)
@@ -123,7 +124,8 @@ class Engine(Intake):
                  decode_chunk: int | None = None, prefill_per_step: int = PREFILL_PER_STEP,
                  kv_cache_bytes: int | None = None, prefix_caching: bool = True,
                  piece: int = PIECE, itl_ratio: float = 0.0,
-                 runner: Runner | None = None) -> None:
+                 runner: Runner | None = None, speculator: Speculator | None = None
+                 ) -> None:
         check_ratio(itl_ratio)
         if prefill_per_step < 0:
             raise UserError(f"prefill_per_step={prefill_per_step} must be >= 0 (0: no limit)")
@@ -153,7 +155,9 @@ class Engine(Intake):
                                    prefill_per_step=prefill_per_step,
                                    chunk=None if decode_chunk is None
                                    else min(decode_chunk, max_batch),
-                                   piece=max(block_size, piece // block_size * block_size))
+                                   piece=max(block_size, piece // block_size * block_size),
+                                   speculator=speculator)
+        self.speculator = speculator  # n-gram speculation (`serve.speculate`), or None
         # the batch-invariant mode's pieces are fixed: nothing to pace
         self.pacer = Pacer(itl_ratio) if itl_ratio and decode_chunk is None else None
         self.paced = 0  # the pacer's budget for the last step with a prompt to compute
@@ -278,6 +282,7 @@ class Engine(Intake):
         results = self.runner.lead_step([f.pieces for f in out.forwards], out.blocks, greedy,
                                         masks)
         self.scheduler.computed(out)
+        verify: dict[Request, list[torch.Tensor]] = {}  # a speculated request's rows
         for fwd, (last, rest) in zip(out.forwards, results):
             j = k = 0  # rows of `last`, entries of `rest`
             for piece, req in zip(fwd.pieces, fwd.reqs):
@@ -286,10 +291,15 @@ class Engine(Intake):
                     row, j = last[j], j + 1
                 if req is None or row is None:
                     continue
+                if req.id in out.drafts:
+                    verify.setdefault(req, []).append(row)
+                    continue
                 other = None
                 if piece.logits == EVERY:
                     other, k = rest[k], k + 1
                 self._alone(req, self._take, req, piece, row, other, greedy)
+        for req, rows in verify.items():
+            self._alone(req, self._verify, req, out.drafts[req.id], rows, greedy)
         if self.pacer is not None and not grew:  # this step's cost, tokens handed out too
             self.pacer.observe(time.perf_counter() - began, out.decodes, out.prefill)
         self._account(out)
@@ -302,6 +312,13 @@ class Engine(Intake):
             self.outputs.score(req, logits, piece.start + 1)
         if not end:
             return
+        why = self._give(req, row, greedy)
+        if why is not None:
+            self._end(req, why)
+
+    def _give(self, req: Request, row: torch.Tensor, greedy: bool) -> str | None:
+        """`req`'s next token from its row (greedy: [token, log-probability]; else its
+        full logits); why it ends there, or None."""
         if greedy:
             why = self.outputs.chosen(req, int(row[0]), float(row[1]))
         else:
@@ -309,8 +326,16 @@ class Engine(Intake):
         if len(req.tokens) > 1:
             with self.metrics.lock:
                 self.metrics.itl.observe(req.last_at - req.prev_at)
+        return why
+
+    def _verify(self, req: Request, draft: list[int], rows: list, greedy: bool) -> None:
+        """A speculated request's tokens from its verify rows, its KV rolled back past
+        the last one kept (`serve.speculate`)."""
+        why = self.speculator.accept(req, draft, rows, lambda r: self._give(req, r, greedy))
         if why is not None:
             self._end(req, why)
+        else:
+            self.scheduler.rolled_back(req)
 
     def _alone(self, req: Request, work, *args) -> None:
         """work(*args) for `req` alone (rank 0's, no collective): an error fails `req`."""
@@ -350,6 +375,8 @@ class Engine(Intake):
             m.prefix_hit_tokens += sum(r.cached for r in out.admitted) * self.pool.block_size
             m.kv_blocks_used, m.kv_bytes = self.pool.in_use, self.runner.cache.nbytes()
             m.preemptions += len(out.preempted)
+            if self.speculator is not None:
+                m.speculated = (self.speculator.proposed, self.speculator.accepted)
             if self.pacer is not None:
                 p = self.pacer
                 m.pacing = Pacing(p.ratio, self.paced, p.decode_s, p.costs())

@@ -17,6 +17,9 @@ through prometheus_client (a collector: the engine keeps plain numbers, under a 
                                                         decode-only step measuring D)
     tpkit_pacing_decode_step_seconds                   (D, a decode-only step; NaN: unseen)
     tpkit_pacing_cost_seconds{term="token"|"token_kpos"|"kkeys"}  (its learned costs a, b, g)
+    with speculation on (`--speculative ngram`, `serve.speculate`):
+    tpkit_spec_proposed_tokens_total, tpkit_spec_accepted_tokens_total, and
+    tpkit_spec_acceptance_rate                         (accepted / proposed; NaN: none yet)
 """
 
 from __future__ import annotations
@@ -68,6 +71,7 @@ class Metrics:
         self.embedding_inputs = 0
         self.ttft, self.itl = Histogram(), Histogram()
         self.pacing: Pacing | None = None  # with prompt pacing on
+        self.speculated: tuple[int, int] | None = None  # (proposed, accepted) tokens
 
     def collect(self):
         """The metric families (prometheus_client's collector protocol)."""
@@ -110,6 +114,9 @@ class Metrics:
                                                  sum_value=h.sum))
             if self.pacing is not None:
                 out.extend(_pacing(self.pacing, GaugeMetricFamily))
+            if self.speculated is not None:
+                out.extend(_speculated(*self.speculated, CounterMetricFamily,
+                                       GaugeMetricFamily))
             col = CounterMetricFamily("tpkit_collectives", "collectives the tp group ran",
                                       labels=["op"])
             for k, v in sorted(self.collectives.items()):
@@ -141,3 +148,12 @@ def _pacing(p: Pacing, gauge) -> list:
                   "pacer measured them (NaN: not yet)",
                   value=math.nan if p.decode_s is None else p.decode_s),
             costs]
+
+
+def _speculated(proposed: int, accepted: int, counter, gauge) -> list:
+    return [counter("tpkit_spec_proposed_tokens", "tokens proposed by n-gram speculation "
+                    "(--speculative)", value=proposed),
+            counter("tpkit_spec_accepted_tokens", "proposed tokens the model confirmed",
+                    value=accepted),
+            gauge("tpkit_spec_acceptance_rate", "accepted / proposed tokens so far (NaN: "
+                  "none proposed yet)", value=accepted / proposed if proposed else math.nan)]

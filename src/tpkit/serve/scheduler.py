@@ -53,6 +53,7 @@ from __future__ import annotations
 from collections import Counter, deque
 from dataclasses import dataclass, field
 
+from tpkit.layers.decode_ops import ROWS
 from tpkit.model.paged_kv import EVERY, LAST, NONE, Piece
 from tpkit.serve.blocks import BlockPool, block_keys
 from tpkit.serve.request import Request
@@ -79,6 +80,7 @@ class SchedulerOutput:
     prompt_tokens: int = 0  # computed in this step (prefix-cache hits excluded)
     decodes: int = 0  # requests decoding one token in this step
     prefill: list[tuple[int, int]] = field(default_factory=list)  # (start, tokens) of pieces
+    drafts: dict[int, list[int]] = field(default_factory=dict)  # request id -> proposed
 
     @property
     def empty(self) -> bool:
@@ -90,9 +92,11 @@ class Scheduler:
     """Admission, chunked prefill, preemption, over a `BlockPool`."""
 
     def __init__(self, pool: BlockPool, *, max_batch: int, max_tokens_in_flight: int,
-                 prefill_per_step: int, chunk: int | None, piece: int) -> None:
+                 prefill_per_step: int, chunk: int | None, piece: int,
+                 speculator=None) -> None:
         self.pool, self.max_batch, self.budget = pool, max_batch, max_tokens_in_flight
         self.prefill_per_step, self.chunk, self.piece = prefill_per_step, chunk, piece
+        self.speculator = speculator  # `serve.speculate.Speculator`, or None
         self.waiting: deque[Request] = deque()
         self.running: list[Request] = []
 
@@ -152,6 +156,9 @@ class Scheduler:
             left -= n
         for i, req in enumerate(self.running):
             req.slot = i
+        if self.speculator is not None and decodes and (self.invariant or not pieces):
+            out.drafts = self.speculator.propose(decodes, self._spare(len(decodes)),
+                                                 self._capacity)
         self._plan(out, decodes, pieces)
         out.blocks = self.pool.size
         return out
@@ -269,6 +276,33 @@ class Scheduler:
                 return False
         return True
 
+    def _spare(self, decodes: int) -> int:
+        """Rows a step of `decodes` decode rows has for proposed tokens: the padding of
+        its C-row forwards (batch invariant), else up to `decode_ops.ROWS` in all."""
+        if self.invariant:
+            return -(-decodes // self.chunk) * self.chunk - decodes
+        return max(0, ROWS - decodes)
+
+    def _capacity(self, req: Request, upto: int) -> int:
+        """Tokens `req`'s blocks hold once grown towards `upto` from free blocks alone
+        (speculation never preempts nor evicts the prefix cache)."""
+        bs, pool = self.pool.block_size, self.pool
+        need = min(-(-upto // bs) - len(req.blocks),
+                   len(pool.free) + pool.max_blocks - pool.size)
+        if need > 0:
+            req.blocks += pool.allocate(need)
+        return len(req.blocks) * bs
+
+    def rolled_back(self, req: Request) -> None:
+        """After a verify step: `req`'s keys are its tokens' but the last (the rows past
+        the first rejected token are not), and the blocks past them free (default mode;
+        batch invariant: its blocks were taken to the end at admission)."""
+        req.computed = _tokens(req) - 1
+        keep = -(-_tokens(req) // self.pool.block_size)
+        if not self.invariant and len(req.blocks) > keep:
+            self.pool.release(req.blocks[keep:])
+            del req.blocks[keep:]
+
     def preempt(self, req: Request) -> None:
         """Release `req`'s blocks; it waits first in line to be computed again."""
         self.running.remove(req)
@@ -313,20 +347,25 @@ class Scheduler:
 
         out.prompt_tokens = sum(n for _, n in pieces)
         out.decodes, out.prefill = len(decodes), [(r.computed, n) for r, n in pieces]
+        rows = []  # each decode's row, then one per proposed token (`serve.speculate`)
+        for r in decodes:
+            rows.append((piece(r, 1), r))
+            rows += [(Piece([t], r.computed + 1 + i, list(r.blocks), LAST), r)
+                     for i, t in enumerate(out.drafts.get(r.id, ()))]
         if not self.invariant:
-            if decodes or pieces:
-                reqs = [r for r, _ in pieces] + decodes
+            if rows or pieces:
                 out.forwards.append(Forward([piece(r, n) for r, n in pieces] +
-                                            [piece(r, 1) for r in decodes], reqs))
+                                            [p for p, _ in rows],
+                                            [r for r, _ in pieces] + [r for _, r in rows]))
             return
         for req, n in pieces:
             out.forwards.append(Forward([piece(req, n)], [req]))
-        for i in range(0, len(decodes), self.chunk):
-            group = decodes[i:i + self.chunk]
+        for i in range(0, len(rows), self.chunk):
+            group = rows[i:i + self.chunk]
             pad = self.chunk - len(group)
-            out.forwards.append(Forward([piece(r, 1) for r in group] +
+            out.forwards.append(Forward([p for p, _ in group] +
                                         [Piece([0], 0, [0], LAST)] * pad,
-                                        [*group, *[None] * pad]))
+                                        [*(r for _, r in group), *[None] * pad]))
 
 
 def _tokens(req: Request) -> int:

@@ -1,0 +1,158 @@
+"""N-gram (prompt lookup) speculative decoding for the engine:
+
+    spec = Speculator(tokens=4)                     # Engine(..., speculator=spec)
+    drafts = spec.propose(decodes, spare, room)     # the scheduler, for a decode step
+    why = spec.accept(req, draft, rows, give)       # the engine, after the forward
+
+Propose: the k tokens that followed the latest earlier occurrence of the sequence's last
+n tokens (n = 4, 3, 2, longest first) in its prompt + output. Verify: the sequence's last
+token and its k proposed ones are k + 1 decode rows of one forward, each at its own
+position on the sequence's block table (`paged_kv.layout`: every row's keys and values
+are written before any row attends, each row reads the keys up to its own position), so
+row i is computed exactly as the decode step of position start + i would be: the same
+native kernels, whose every product row is summed in a fixed order whatever the other
+rows (`layers.decode_ops`: batch invariant by construction). The tokens are then taken
+row by row as without speculation (`give`: the greedy token, or `OutputProcessor.take`
+with its penalties, sampling, log-probabilities and stop strings) while each one equals
+the proposed token that the next row assumed; the first that differs is the last taken
+(the "bonus" token). The KV rows past it are rolled back (`Scheduler.rolled_back`: the
+blocks past the tokens kept are freed; decode tokens never enter the prefix cache).
+
+Sampling: for a proposal that is one token d (a point mass, as every n-gram proposal),
+the standard rejection rule (accept d with probability min(1, p(d) / q(d)) = p(d), else
+draw from (p - q)+ normalized = p without d) is the same as drawing t from p and keeping
+it, accepting d if t == d: that is what `give` does, row by row, with the request's own
+generator, one draw per token kept as without speculation. So a seeded request draws
+the same tokens with or without speculation, its logits being the same bits.
+
+Exactness: a step of speculation has decode rows only and at most `decode_ops.ROWS`
+rows in all (default mode), so it stays on the native kernels whose rows do not depend
+on the batch; in the batch-invariant mode the proposed rows only fill the padding rows
+of the C-row forwards the decodes take anyway. Not speculated: a request with a grammar
+(structured outputs: its matcher would have to step back).
+
+Adaptive, per sequence: `k` starts at `tokens`; a fully accepted proposal raises it by
+one (up to `tokens`), a rejected first token halves it; at 0 the sequence rests for
+`rest` steps (doubling at each failure, up to REST_MAX) and tries one token again. A
+proposal is made only where the n-gram matches (nothing to look up costs nothing).
+Under load, the step's spare rows go first to the sequences whose acceptance rate
+(EWMA) is highest, and with more than one sequence running only to those above
+`LOADED_RATE`: at 8 running sequences there is no spare row and nobody pays.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from tpkit.spec.speculative import TOKENS, check
+
+SIZES = (4, 3, 2)  # n-gram lengths looked up, longest first
+REST_MAX = 64  # steps a sequence rests at most after its proposals failed
+LOADED_RATE = 0.5  # with several sequences running, the acceptance a proposer needs
+
+
+@dataclass
+class _State:
+    """A sequence's n-gram index and its speculation's state."""
+
+    k: int
+    index: dict[tuple[int, ...], int] = field(default_factory=dict)  # n-gram -> end
+    indexed: int = 0  # context positions whose n-grams ending there are in `index`
+    rate: float = 1.0  # EWMA of its proposals' acceptance
+    rest: int = 0  # steps to wait before proposing again
+    backoff: int = 1  # the next rest
+
+
+def lookup(st: _State, ctx: list[int], k: int) -> list[int]:
+    """The k tokens after the latest earlier occurrence of ctx's last n tokens (n of
+    SIZES, longest first), [] if none; the index is brought up to ctx first."""
+    end = len(ctx)
+    for e in range(max(st.indexed, 1), end):  # n-grams ending before the last position
+        for n in SIZES:
+            if e >= n:
+                st.index[(n, *ctx[e - n:e])] = e
+    st.indexed = max(st.indexed, end)
+    for n in SIZES:
+        if end > n:
+            at = st.index.get((n, *ctx[end - n:]))
+            if at is not None:
+                return ctx[at:at + k]
+    return []
+
+
+class Speculator:
+    """The engine's n-gram proposer and verifier, and its counts (`/metrics`)."""
+
+    def __init__(self, tokens: int = TOKENS, rows: int = 8) -> None:
+        check("ngram", tokens)
+        self.tokens, self.rows = tokens, rows
+        self.proposed = self.accepted = 0  # tokens proposed / accepted (metrics)
+        self.states: dict[int, _State] = {}  # request id -> its state
+
+    @staticmethod
+    def eligible(req) -> bool:
+        """Whether `req`'s tokens may be verified in rows (no grammar)."""
+        return req.params.grammar is None
+
+    def propose(self, decodes: list, spare: int, room) -> dict[int, list[int]]:
+        """Request id -> its proposed tokens, for `decodes` (requests decoding one token
+        this step) within `spare` extra rows; `room(req, tokens)`: how many of its
+        tokens' KV its blocks can hold (the scheduler's, never preempting)."""
+        alive = {r.id for r in decodes}
+        for rid in [i for i in self.states if i not in alive]:
+            del self.states[rid]  # finished (or preempted: its state starts again)
+        wants = []
+        for req in decodes:
+            st = self.states.setdefault(req.id, _State(self.tokens))
+            if not self.eligible(req):
+                continue
+            if st.rest > 0:
+                st.rest -= 1
+                continue
+            left = req.params.max_tokens - len(req.tokens) - 1  # the bonus token's place
+            k = min(st.k, left)
+            if k > 0:
+                wants.append((st.rate, req, st, k))
+        if len(decodes) > 1:
+            wants = [w for w in wants if w[0] >= LOADED_RATE]
+        drafts = {}
+        for _, req, st, k in sorted(wants, key=lambda w: -w[0]):
+            draft = self.lookup(st, req, min(k, spare)) if spare > 0 else []
+            if draft:  # blocks for its rows, only now (none taken for nothing)
+                fits = room(req, req.computed + 1 + len(draft)) - req.computed - 1
+                draft = draft[:max(0, fits)]
+            if draft:
+                drafts[req.id], spare = draft, spare - len(draft)
+        return drafts
+
+    def lookup(self, st: _State, req, k: int) -> list[int]:
+        """At most k tokens proposed to follow `req`'s (`lookup` on its prompt + output)."""
+        return lookup(st, req.prompt + req.tokens, k)
+
+    def accept(self, req, draft: list[int], rows: list, give) -> str | None:
+        """Take `req`'s tokens from its verify rows (one per proposed token, and one
+        more) while each equals the proposed token after it; `give(row)` takes one (why
+        the request ends, or None). Why it ends, or None."""
+        st = self.states.get(req.id)
+        taken, why = 0, None
+        for i, row in enumerate(rows):
+            why = give(row)
+            if why is not None or i == len(draft) or req.tokens[-1] != draft[i]:
+                break
+            taken += 1
+        self.proposed, self.accepted = self.proposed + len(draft), self.accepted + taken
+        if st is not None:
+            _adapt(st, taken, len(draft), self.tokens)
+        return why
+
+
+def _adapt(st: _State, taken: int, proposed: int, most: int) -> None:
+    """A sequence's k and rest after `taken` of its `proposed` tokens were accepted."""
+    st.rate = 0.7 * st.rate + 0.3 * taken / proposed
+    if taken == proposed:
+        st.k, st.backoff = min(most, st.k + 1), 1
+    elif taken == 0:
+        st.k //= 2
+        if st.k == 0:
+            st.rest, st.backoff = st.backoff, min(REST_MAX, 2 * st.backoff)
+            st.k = 1
