@@ -8,7 +8,6 @@ parameter of the model (on every rank) is unchanged afterwards.
 
 from __future__ import annotations
 
-import argparse
 import os
 import signal
 import subprocess
@@ -23,6 +22,7 @@ from checkpoint_helpers import LLAMA, fill, gather, local_state, random_full, se
 from tpkit.checkpoint import convert, retention
 from tpkit.checkpoint import store as ckpt
 from tpkit.checkpoint.manifest import PAUSE_ENV
+from tpkit.cli import command_parser
 from tpkit.commands import convert as convert_cmd
 from tpkit.mesh import ParallelMesh
 from tpkit.model.transformer import Transformer
@@ -158,8 +158,8 @@ def plain_load(mesh, path, with_optimizer=True):
 def test_convert_full_and_offline_reshard(run_tp, tmp_path):
     want = run_tp(train_save, 2, str(tmp_path / "c22"), pp=2)
     full = convert.to_full(tmp_path / "c22", tmp_path / "full.safetensors")
-    args = argparse.Namespace(source=str(tmp_path / "c22"), dest=str(tmp_path / "c41"),
-                              to="sharded", tp=4, pp=1, overwrite=False)
+    args = command_parser("convert").parse_args(  # as `tpkit convert` reads its line
+        [str(tmp_path / "c22"), str(tmp_path / "c41"), "--to", "sharded", "--tp", "4"])
     assert convert_cmd.run(args) == 0  # keeps the optimizer state
     convert.reshard(full, tmp_path / "f12", tp=1, pp=2)  # weights only
     v = LLAMA.vocab_size
@@ -171,8 +171,8 @@ def test_convert_full_and_offline_reshard(run_tp, tmp_path):
     assert got.keys() == gather(want, v, "opt").keys()
     for n, t in gather(want, v, "opt").items():
         assert torch.equal(got[n], t), n
-    bad = argparse.Namespace(source=str(tmp_path / "nowhere"), dest=str(tmp_path / "x"),
-                             to="full", tp=1, pp=1, overwrite=False)
+    bad = command_parser("convert").parse_args(
+        [str(tmp_path / "nowhere"), str(tmp_path / "x"), "--to", "full"])
     with pytest.raises(ckpt.CheckpointError, match="nowhere"):  # one line, from tpkit.cli
         convert_cmd.run(bad)
 
