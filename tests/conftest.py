@@ -26,9 +26,9 @@ from tpkit.mesh import ParallelMesh
 # that start torchrun agents take turns (each an agent and its workers; two at once
 # slowed each other threefold here), and the longest go first so that neither worker is
 # left alone with one at the end.
-TAKE_TURNS = {"test_restart", "test_restart_two_node", "test_two_node", "test_torchrun_flags",
+TAKE_TURNS = {"test_restart", "test_two_node", "test_torchrun_flags",
               "test_two_hosts"}
-FIRST = ["test_restart", "test_restart_two_node", "test_two_node", "test_two_hosts",
+FIRST = ["test_restart", "test_two_node", "test_two_hosts",
          "test_readme_lines",
          "test_shutdown", "test_run_safety", "test_determinism", "test_quiz_web"]
 

@@ -3,9 +3,9 @@
 A damaged newest checkpoint is skipped for the previous one, with a warning; under
 torchrun a flipped byte in one rank's shard too: rank 0 chooses for every rank. A worker
 killed mid-run, torchrun restarting every worker and the run finishing with the losses
-of an uninterrupted one: test_restart_two_node.py (a worker of the second of two agents;
-one agent restarting its own workers is the same path, with one agent fewer) and
-test_two_hosts.py (a simulated host lost whole and started again).
+of an uninterrupted one: test_two_hosts.py (two torchrun agents on two simulated hosts,
+one host lost whole and started again: the other agent restarts its own workers, the
+path of a single agent whose worker died).
 """
 
 from __future__ import annotations

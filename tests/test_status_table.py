@@ -148,7 +148,6 @@ def test_the_check_catches_rows_that_lie():
         "float32 1.31x llama.cpp": "float32 1.91x llama.cpp",
         '"One GPU"': '"Two GPUs"',
         "`tests/test_shm.py`, ": "",
-        "`tests/test_restart_two_node.py`": "`tests/test_restart.py`",
         ", `tests/test_two_hosts.py`": "",
     }
     found = problems(readme)
