@@ -286,3 +286,25 @@ def test_the_tokenizer_is_part_of_the_checkpoint(tmp_path):
     # no tokenizer saved: None (tpkit's presets read bytes)
     ckpt.save(tmp_path / "plain", model, mesh=mesh)
     assert source_tokenizer(tmp_path / "plain") is None
+
+
+def test_a_shard_pruned_between_two_looks_is_a_missing_shard(tmp_path, monkeypatch):
+    """`latest` checks sizes while a run may prune old checkpoints beside it: a shard
+    that exists for `is_file` and is gone for its size is missing, not a crash (a CI run
+    once raised FileNotFoundError out of `latest` here)."""
+    from tpkit.weights.files import size_problem
+
+    shard = tmp_path / "model.safetensors"
+    shard.write_bytes(b"12345678")
+    real, looks = Path.stat, []
+
+    def pruned_after_one_look(self, *args, **kwargs):
+        if self == shard:
+            looks.append(self)
+            if len(looks) > 1:
+                raise FileNotFoundError(2, "No such file or directory", str(self))
+        return real(self, *args, **kwargs)
+
+    monkeypatch.setattr(Path, "stat", pruned_after_one_look)
+    said = size_problem(tmp_path, shard.name, {"bytes": 8})
+    assert len(looks) == 2 and said is not None and "missing shard" in said, (looks, said)

@@ -108,9 +108,12 @@ def size_problem(root: Path, name: str, entry: dict | None) -> str | None:
     path = root / name
     if entry is None:
         return f"{path}: not listed in {root / MANIFEST}"
-    if not path.is_file():
+    try:  # a prune running beside this check may remove the file between these two stats
+        size = path.stat().st_size if path.is_file() else None
+    except FileNotFoundError:
+        size = None
+    if size is None:
         return f"{path}: missing shard (listed in {MANIFEST})"
-    size = path.stat().st_size
     if size != entry["bytes"]:
         return (f"{path}: truncated or resized: {size} bytes on disk, "
                 f"{entry['bytes']} in {MANIFEST}")
