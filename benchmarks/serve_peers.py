@@ -211,21 +211,18 @@ def ask(client, c: Contender, prompt: str, max_tokens: int) -> tuple[str, int]:
     return r.choices[0].message.content or "", r.usage.completion_tokens
 
 
-def level(client, c: Contender, clients: int, max_tokens: int) -> tuple[float, list[str]]:
-    """Output tokens/s of `clients` clients sharing the first max(2, clients) PROMPTS (closed
-    loop); the texts by prompt."""
-    work = PROMPTS[:max(2, clients)]
-    todo, texts, tokens, lock = list(enumerate(work)), [""] * len(work), [0], threading.Lock()
+def closed_loop(work: list, clients: int, answer) -> tuple[float, list]:
+    """`clients` threads sharing `work` in a closed loop (each takes the next item once its
+    answer is back): (wall seconds, `answer(item)` for each item, in `work`'s order)."""
+    todo, answers, lock = list(enumerate(work)), [None] * len(work), threading.Lock()
 
     def worker() -> None:
         while True:
             with lock:
                 if not todo:
                     return
-                i, prompt = todo.pop(0)
-            text, n = ask(client, c, prompt, max_tokens)
-            with lock:
-                texts[i], tokens[0] = text, tokens[0] + n
+                i, item = todo.pop(0)
+            answers[i] = answer(item)
 
     t0 = time.perf_counter()
     threads = [threading.Thread(target=worker) for _ in range(clients)]
@@ -233,7 +230,15 @@ def level(client, c: Contender, clients: int, max_tokens: int) -> tuple[float, l
         t.start()
     for t in threads:
         t.join()
-    return tokens[0] / (time.perf_counter() - t0), texts
+    return time.perf_counter() - t0, answers
+
+
+def level(client, c: Contender, clients: int, max_tokens: int) -> tuple[float, list[str]]:
+    """Output tokens/s of `clients` clients sharing the first max(2, clients) PROMPTS (closed
+    loop); the texts by prompt."""
+    wall, answers = closed_loop(PROMPTS[:max(2, clients)], clients,
+                                lambda prompt: ask(client, c, prompt, max_tokens))
+    return sum(n for _, n in answers) / wall, [text for text, _ in answers]
 
 
 def one_round(c: Contender, levels: list[int], max_tokens: int, log: Path) -> dict:

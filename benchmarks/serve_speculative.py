@@ -30,8 +30,6 @@ import json
 import re
 import statistics
 import sys
-import threading
-import time
 import urllib.request
 from pathlib import Path
 
@@ -40,6 +38,7 @@ from serve_peers import PROMPTS as OPEN  # noqa: E402
 from serve_peers import (  # noqa: E402  (the peers script's server handling, reused)
     TPKIT,
     Contender,
+    closed_loop,
     first_difference,
     loadavg,
     start,
@@ -124,28 +123,9 @@ def ask(port: int, c: Contender, prompt: str, max_tokens: int) -> tuple[str, int
 def level(port: int, c: Contender, prompts: list[str], clients: int, max_tokens: int):
     """Output tokens/s of `clients` closed-loop clients over `prompts`; the texts, drafted
     and accepted tokens (llama.cpp's)."""
-    todo, texts, sums, lock = list(enumerate(prompts)), [""] * len(prompts), [0, 0, 0], \
-        threading.Lock()
-
-    def worker() -> None:
-        while True:
-            with lock:
-                if not todo:
-                    return
-                i, prompt = todo.pop(0)
-            text, *counts = ask(port, c, prompt, max_tokens)
-            with lock:
-                texts[i] = text
-                for j, n in enumerate(counts):
-                    sums[j] += n
-
-    t0 = time.perf_counter()
-    threads = [threading.Thread(target=worker) for _ in range(clients)]
-    for t in threads:
-        t.start()
-    for t in threads:
-        t.join()
-    return sums[0] / (time.perf_counter() - t0), texts, sums[1], sums[2]
+    wall, answers = closed_loop(prompts, clients, lambda prompt: ask(port, c, prompt, max_tokens))
+    tokens, drafted, accepted = (sum(a[j] for a in answers) for j in (1, 2, 3))
+    return tokens / wall, [a[0] for a in answers], drafted, accepted
 
 
 def _spec_metrics(port: int) -> tuple[float, float]:
