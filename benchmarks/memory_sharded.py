@@ -19,7 +19,7 @@ sampled after each layer's forward and as each parameter's gradient is accumulat
 (before the unit's reduce-scatter). Predicted: `tpkit.plan.memory.memory_per_device`
 at fp32 (`Precision.for_dtype("fp32")`: 4 + 4 + 8 bytes per parameter, 4 per activation
 element), flash attention (torch's CPU attention saves only the log-sum-exp), tpkit's
-eager block (`eager`: unfused RMSNorm and SwiGLU, GQA's k/v repeated), no recompute:
+eager block (`kernels="eager"`: unfused RMSNorm and SwiGLU, GQA's k/v repeated), no recompute:
 what `tpkit plan --hardware local` prints for the layout (memory does not depend on the
 hardware's speed). Step time: the median of the steps after the first (the "vs none"
 ratio against the unsharded run of the same number of processes, in this run).
@@ -145,7 +145,7 @@ def predicted(dp: int, cp: int, flags: dict) -> dict:
     lay = Layout(1, 1, dp, B, recompute="none", zero=zero, cp=cp,
                  fsdp_reshard=flags.get("fsdp_reshard", "after-forward"))
     got = memory_per_device(model_config(), SEQ, lay, flags.get("micro_batches", 1),
-                            Precision.for_dtype("fp32"), eager=True)
+                            Precision.for_dtype("fp32"), kernels="eager")
     return {"weights": got["weights"], "grads": got["grads"], "optimizer": got["optimizer"],
             "activations": got["activations"]}
 

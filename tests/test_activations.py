@@ -46,9 +46,9 @@ def test_formula_matches_the_tensors_the_block_saves(name, changes):
     cfg = get_preset(name).with_(**changes)
     b, s = 2, 64
     got = measured_saved_bytes(cfg, b, s)
-    want = layer_activation_bytes(cfg, s, b, act_bytes=4, flash=True, eager=True)
+    want = layer_activation_bytes(cfg, s, b, act_bytes=4, flash=True, kernels="eager")
     assert want == pytest.approx(got, rel=0.03), saved_tensors(cfg, s, b, act_bytes=4,
-                                                                eager=True)
+                                                                kernels="eager")
 
 
 def test_swiglu_and_gqa_change_the_split_not_a_constant():

@@ -218,9 +218,9 @@ def test_cpu_and_local_profiles_predict_tpkits_eager_block():
 
     c, lay = get_preset("llama-tiny"), Layout(1, 1, 2, 4, recompute="none")
     prec = Precision.for_dtype("fp32")
-    for hw, eager in (("cpu", True), ("h100", False)):
+    for hw, kernels in (("cpu", "eager"), ("h100", "fused")):
         got = evaluate(c, 128, 8, lay, Cluster(get_hardware(hw), 1, 2), prec).memory
-        want = stage_activation_bytes(c, 128, lay, 0, 1, 4, True, eager)
+        want = stage_activation_bytes(c, 128, lay, 0, 1, 4, True, kernels)
         assert got["activations"] == pytest.approx(want)
-    assert stage_activation_bytes(c, 128, lay, 0, 1, 4, True, True) > \
-        stage_activation_bytes(c, 128, lay, 0, 1, 4, True, False)
+    assert stage_activation_bytes(c, 128, lay, 0, 1, 4, True, "eager") > \
+        stage_activation_bytes(c, 128, lay, 0, 1, 4, True, "fused")

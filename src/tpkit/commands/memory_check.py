@@ -51,7 +51,7 @@ def estimate(cfg: TrainConfig) -> tuple[float, dict[str, float]]:
     """(bytes the whole local run needs, the fullest rank's parts)."""
     lay = layout_of(cfg)
     stages = memory_per_stage(cfg.model_config(), cfg.seq, lay, cfg.micro_batches,
-                              precision_of(cfg), eager=True)  # tpkit's own block runs here
+                              precision_of(cfg), kernels="eager")  # tpkit's own block runs here
     ranks_per_stage = lay.devices // lay.pp
     total = sum(s["total"] for s in stages) * ranks_per_stage + PROCESS_BYTES * lay.devices
     return total, max(stages, key=lambda s: s["total"])

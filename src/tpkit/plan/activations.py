@@ -19,12 +19,14 @@ a heads, g kv heads, d head dim, A bytes per activation element, t tensor-parall
                                                           dropped probabilities when p > 0)
     GeLU MLP: fc1 output, fc2 input   2 s b f        t
     SwiGLU: gate|up, silu(gate), fc2 input    eager 4 s b f, fused (Megatron) 3 s b f, over t
+            xformers' fused op: gate|up only      2 s b f over t (its backward recomputes
+                                                  the fc2 input, silu(gate) * up)
     dropout masks (p > 0, 1 byte)     2 s b h        t only with SP
 
 For GPT with dropout and no flash this gives back Korthikanti's sbh(34 + 5as/h) bytes
 (2-byte activations): 4 (norm inputs) + 4 (their outputs) + 6 (q, k, v) + 2 (attention
 output) + 16 (MLP) + 2 (masks) = 34. `tests/test_activations.py` measures the saved
-tensors of tpkit's real block (torch's saved-tensor hooks) against `eager=True`.
+tensors of tpkit's real block (torch's saved-tensor hooks) against `kernels="eager"`.
 
 Flash attention (the default) never stores the a s^2 b scores, whatever the recompute
 mode. Selective recomputation (Megatron's core-attention recompute) drops the scores
@@ -43,6 +45,15 @@ from tpkit.spec.theory import RECOMPUTE
 
 FP32 = 4
 MASK = 1  # a dropout mask is one byte per element
+# Whose kernels run the block, which decides what it keeps for backward:
+#   fused     Megatron-Core with Transformer Engine (fused norms and SwiGLU, native GQA)
+#   eager     tpkit's own block in eager PyTorch (unfused RMSNorm and SwiGLU, k and v
+#             repeated to every query head)
+#   xformers  Meta's xformers SwiGLU (`xformers.ops.SwiGLU`, the fused op): it saves its
+#             input and the two fc1 outputs only, and its backward (`silu_bw_fused`)
+#             recomputes silu(gate) * up for fc2's weight gradient; the rest as fused
+KERNELS = ("fused", "eager", "xformers")
+SWIGLU_KEPT = {"fused": 3, "eager": 4, "xformers": 2}  # s b f/t tensors a SwiGLU MLP keeps
 
 
 def kv_heads_per_rank(c: ModelConfig, tp: int) -> int:
@@ -53,15 +64,18 @@ def kv_heads_per_rank(c: ModelConfig, tp: int) -> int:
 
 def saved_tensors(c: ModelConfig, s: int, b: int, tp: int = 1, sp: bool = False,
                   recompute: str = "none", act_bytes: int = 2, flash: bool = True,
-                  eager: bool = False, cp: int = 1) -> dict[str, float]:
+                  kernels: str = "fused", cp: int = 1) -> dict[str, float]:
     """Bytes kept for backward by one layer and one micro-batch on one rank, by tensor.
 
-    `eager` describes tpkit's own block in eager PyTorch (unfused RMSNorm and SwiGLU,
-    k and v repeated to every query head); the default describes Megatron-Core with
-    fused kernels (Transformer Engine norms, fused SwiGLU, native GQA in flash attention).
+    `kernels` (one of `KERNELS`) names whose kernels run the block: Megatron-Core's
+    fused ones by default (Transformer Engine norms, fused SwiGLU, native GQA in flash
+    attention), tpkit's own eager block, or xformers' fused SwiGLU (Meta's).
     """
     if recompute not in RECOMPUTE:
         raise ValueError(f"recompute={recompute!r} is not one of {RECOMPUTE}")
+    if kernels not in KERNELS:
+        raise ValueError(f"kernels={kernels!r} is not one of {KERNELS}")
+    eager = kernels == "eager"
     s = s / cp
     # the residual stream is split over tp only with SP; the largest rank holds ceil(s/tp)
     # of the s tokens (`shapes.even_range`), s/outer
@@ -72,7 +86,7 @@ def saved_tensors(c: ModelConfig, s: int, b: int, tp: int = 1, sp: bool = False,
     out = _norm_terms(c, s, b, act_bytes, eager, outer)
     out.update(_attention_terms(c, s, b, tp, act_bytes, flash, eager,
                                 drop_scores=recompute == "selective"))
-    out.update(_mlp_terms(c, s, b, tp, act_bytes, eager))
+    out.update(_mlp_terms(c, s, b, tp, act_bytes, kernels))
     if c.dropout > 0:
         out["dropout masks"] = 2 * sbh * MASK / outer
     return out
@@ -110,16 +124,17 @@ def _attention_terms(c: ModelConfig, s: float, b: int, tp: int, act: int, flash:
 
 
 def _mlp_terms(c: ModelConfig, s: float, b: int, tp: int, act: int,
-               eager: bool) -> dict[str, float]:
+               kernels: str) -> dict[str, float]:
     sbf = s * b * -(-c.ffn // tp) * act  # the largest rank's columns
     if c.activation == "swiglu":
-        return {"MLP (gate|up, silu, fc2 input)": (4 if eager else 3) * sbf}
+        return {"MLP (gate|up, silu, fc2 input)": SWIGLU_KEPT[kernels] * sbf}
     return {"MLP (fc1 output, fc2 input)": 2 * sbf}
 
 
 @lru_cache(maxsize=4096)  # the planner prices 10^4 layouts, few distinct layers among them
 def layer_activation_bytes(c: ModelConfig, s: int, b: int, tp: int = 1, sp: bool = False,
                            recompute: str = "none", act_bytes: int = 2, flash: bool = True,
-                           eager: bool = False, cp: int = 1) -> float:
+                           kernels: str = "fused", cp: int = 1) -> float:
     """The sum of `saved_tensors`: bytes of one layer and one micro-batch on one rank."""
-    return sum(saved_tensors(c, s, b, tp, sp, recompute, act_bytes, flash, eager, cp).values())
+    return sum(saved_tensors(c, s, b, tp, sp, recompute, act_bytes, flash, kernels,
+                             cp).values())

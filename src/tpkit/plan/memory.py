@@ -34,8 +34,9 @@ Gradients are fp32 by default, as Megatron-Core keeps them with bf16 training (m
 gradients accumulated and reduced in fp32); `Precision(grad=2)` is bf16 gradients.
 
 Activations: `activations.py`, tensor by tensor, times the micro-batches in flight;
-`eager` (tpkit's own block on a CPU or `local` profile: unfused RMSNorm and SwiGLU, k
-and v repeated for GQA) instead of Megatron-Core's fused kernels.
+`kernels` says whose kernels keep them (`activations.KERNELS`: Megatron-Core's fused
+ones by default; "eager", tpkit's own block on a CPU or `local` profile; "xformers",
+Meta's fused SwiGLU, which keeps one s b f/t tensor fewer).
 """
 
 from __future__ import annotations
@@ -153,11 +154,12 @@ def in_flight_micro_batches(pp: int, stage: int, m: int, interleave: int = 1) ->
 
 
 def stage_activation_bytes(c: ModelConfig, seq: int, lay: Layout, stage: int, m: int,
-                           act_bytes: int = 2, flash: bool = True, eager: bool = False) -> float:
+                           act_bytes: int = 2, flash: bool = True,
+                           kernels: str = "fused") -> float:
     """Activation bytes of one rank of `stage` at the schedule's peak (+ logits on the last)."""
     tp, pp = lay.tp, lay.pp
     per_layer = layer_activation_bytes(c, seq, lay.micro_batch, tp, lay.sp, lay.recompute,
-                                       act_bytes, flash, eager, cp=lay.cp)
+                                       act_bytes, flash, kernels, cp=lay.cp)
     layers = layout_stage_layers(c.num_layers, lay)[stage]
     total = per_layer * layers * in_flight_micro_batches(pp, stage, m, lay.interleave)
     if stage == pp - 1:  # fp32 logits of one micro-batch, vocab-parallel (Korthikanti eq. 3)
@@ -166,13 +168,14 @@ def stage_activation_bytes(c: ModelConfig, seq: int, lay: Layout, stage: int, m:
 
 
 def memory_per_device(c: ModelConfig, seq: int, lay: Layout, m: int, prec: Precision,
-                      flash: bool = True, eager: bool = False) -> dict[str, float]:
+                      flash: bool = True, kernels: str = "fused") -> dict[str, float]:
     """Peak bytes of the fullest rank, as {weights, grads, optimizer, activations, total}."""
-    return max(memory_per_stage(c, seq, lay, m, prec, flash, eager), key=lambda p: p["total"])
+    return max(memory_per_stage(c, seq, lay, m, prec, flash, kernels),
+               key=lambda p: p["total"])
 
 
 def memory_per_stage(c: ModelConfig, seq: int, lay: Layout, m: int, prec: Precision,
-                     flash: bool = True, eager: bool = False) -> list[dict[str, float]]:
+                     flash: bool = True, kernels: str = "fused") -> list[dict[str, float]]:
     """Peak bytes of one rank of each pipeline stage (every tp and dp rank of a stage
     holds the same), as {weights, grads, optimizer, activations, total}."""
     out = []
@@ -180,7 +183,7 @@ def memory_per_stage(c: ModelConfig, seq: int, lay: Layout, m: int, prec: Precis
         parts = model_state_bytes(stage_params(c, lay, stage), lay.replicas, lay.zero, prec,
                                   c.layer_params(lay.tp), lay.keeps_gathered_weights, m)
         parts["activations"] = stage_activation_bytes(c, seq, lay, stage, m, prec.activation,
-                                                      flash, eager)
+                                                      flash, kernels)
         parts["total"] = sum(parts.values())
         out.append(parts)
     return out

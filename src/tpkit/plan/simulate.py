@@ -49,12 +49,16 @@ class Cluster:
     usable_memory: float = 0.9  # share of device memory a run may use (context, fragmentation)
     overlap_dp: bool = True
     flash_attention: bool = True  # False: attention scores hit memory (pre-2022 Megatron)
+    kernels: str | None = None  # whose kernels keep the activations; None: the profile's
 
     @property
-    def eager(self) -> bool:
-        """Activations of tpkit's own eager block (a CPU or calibrated `local` profile runs
-        tpkit itself), not Megatron-Core's fused kernels."""
-        return self.hardware.name in ("cpu", "local")
+    def activation_kernels(self) -> str:
+        """`kernels`, or by default tpkit's own eager block on a CPU or calibrated `local`
+        profile (which run tpkit itself) and Megatron-Core's fused kernels elsewhere
+        (`plan.activations.KERNELS`)."""
+        if self.kernels:
+            return self.kernels
+        return "eager" if self.hardware.name in ("cpu", "local") else "fused"
 
     @property
     def per_node(self) -> int:
@@ -208,7 +212,8 @@ def evaluate(c: ModelConfig, seq: int, global_batch: int, lay: Layout, cluster: 
     terms.update(_dp_and_optimizer(c, lay, cluster, hw, prec, m, *windows))
     terms["step_sync"] = _step_sync(c, lay, hw, prec)
     step = sum(terms.values())
-    mem = memory_per_device(c, seq, lay, m, prec, cluster.flash_attention, cluster.eager)
+    mem = memory_per_device(c, seq, lay, m, prec, cluster.flash_attention,
+                            cluster.activation_kernels)
     e = _estimate(c, seq, global_batch, lay, cluster, step, terms, lt, mem, m)
     e.notes["stage_imbalance"] = max(sum(s) for s in stages) / min(sum(s) for s in stages) - 1
     e.notes["tp_imbalance"] = c.tp_shares(lay.tp)["attention"] * lay.tp - 1
