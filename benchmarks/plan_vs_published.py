@@ -6,8 +6,9 @@ In-sample: Narayanan et al. 2021 table 1 (the A100 GEMM efficiency was fitted on
 Out-of-sample: Korthikanti et al. 2022 table 5 (sequence parallelism + selective
 recomputation, and full recomputation), Narayanan et al. 2021 figure 13 peaks, and the
 Llama 3 paper's table 4 (405B, GQA + SwiGLU, H100, with and without context
-parallelism; FSDP resharding after forward or after the step, interleaving 1 or 8).
-Pure Python, a few seconds.
+parallelism; FSDP resharding after forward or after the step, interleaving 1 or 8;
+activations kept by Meta's fused SwiGLU, `papers.LLAMA3_KERNELS`, and by
+Megatron-Core's). Pure Python, a few seconds.
 """
 
 from __future__ import annotations
@@ -15,10 +16,12 @@ from __future__ import annotations
 from dataclasses import replace
 
 from tpkit.plan import Request, get_hardware, papers, plan
-from tpkit.plan.hardware import LINKS
+from tpkit.plan.activations import layer_activation_bytes
+from tpkit.plan.hardware import LINKS, Hardware
 from tpkit.plan.layout import ZERO_NAMES
-from tpkit.plan.memory import Precision
+from tpkit.plan.memory import Precision, memory_per_stage
 from tpkit.plan.simulate import Cluster, Layout, evaluate
+from tpkit.spec import theory
 from tpkit.spec.config import get_preset
 
 
@@ -64,9 +67,13 @@ LLAMA3_VARIANTS = [("FSDP after-forward, v1", 3, "after-forward", 1, 4),
                    (f"the same, bf16 gradients, v{V}", 2, "after-forward", V, 2)]
 
 
+def _roce() -> Hardware:
+    """The H100 profile on the RoCE fabric Meta ran on (400 Gb/s a GPU)."""
+    return replace(get_hardware("h100"), name="h100-roce", inter=LINKS["roce-400"])
+
+
 def llama3() -> None:
-    hw = get_hardware("h100")
-    roce = replace(hw, name="h100-roce", inter=LINKS["roce-400"])
+    roce, kernels = _roce(), papers.LLAMA3_KERNELS
     c = get_preset("llama3-405b").with_(max_seq_len=131072)
     print("| GPUs | (tp, cp, pp, dp) | seq | data parallel, schedule | TFLOP/s pub / pred | "
           "error | MFU pub / pred | memory GB (85.5) |")
@@ -74,7 +81,8 @@ def llama3() -> None:
         for label, zero, reshard, v, grad in LLAMA3_VARIANTS:
             lay = Layout(tp, pp, dp, 1, True, "none", zero, v, cp, lighter_ends=True,
                          fsdp_reshard=reshard)
-            e = evaluate(c, seq, gbs, lay, Cluster(roce, nodes=gpus // 8), Precision(grad=grad))
+            e = evaluate(c, seq, gbs, lay, Cluster(roce, nodes=gpus // 8, kernels=kernels),
+                         Precision(grad=grad))
             print(f"| {gpus} | ({tp}, {cp}, {pp}, {dp}) | {seq} | {label} | "
                   f"{tf} / {e.tflops_per_device:.0f} | {_err(e.tflops_per_device, tf)} | "
                   f"{mfu:.0%} / {e.mfu:.1%} | "
@@ -85,25 +93,49 @@ def llama3_searched() -> None:
     """What `tpkit plan` picks for each run when given what the paper states (tp, cp, pp,
     dp, one sequence a micro-batch, no recomputation) and left to choose the rest
     (interleaving, data-parallel sharding, FSDP resharding, lighter ends), the card's
-    usable share at its default (90%); and the memory the paper's layout needs (v 8,
-    weights kept, gradients sharded every micro-batch in fp32: `--zero 2`)."""
-    hw = get_hardware("h100")
-    roce = replace(hw, name="h100-roce", inter=LINKS["roce-400"])
+    usable share at its default (90%), with Megatron-Core's kernels (before) and Meta's
+    fused SwiGLU (after); and the memory the paper's layout needs (v 8, weights kept,
+    gradients sharded every micro-batch in fp32: `--zero 2`)."""
+    roce = _roce()
     c = get_preset("llama3-405b").with_(max_seq_len=131072)
     card = roce.accelerator.memory_bytes
-    print("| GPUs | seq | TFLOP/s pub / planner's pick | error | its layout | GB | "
+    print("| GPUs | seq | kernels | TFLOP/s pub / planner's pick | error | its layout | GB | "
           "paper's layout: TFLOP/s, GB (share of the card) |")
     for gpus, tp, cp, pp, dp, seq, gbs, tf, _ in papers.LLAMA3_TABLE4:
-        cl = Cluster(roce, nodes=gpus // 8)
-        fixed = dict(tp=tp, cp=cp, pp=pp, dp=dp, micro_batch=1, recompute="none")
-        e = plan(Request(c, seq, gbs, cl, fixed))[0]
-        lay = e.layout
-        paper = evaluate(c, seq, gbs, Layout(tp, pp, dp, 1, True, "none", 2, V, cp, True), cl)
-        print(f"| {gpus} | {seq} | {tf} / {e.tflops_per_device:.0f} | "
-              f"{_err(e.tflops_per_device, tf)} | v{lay.interleave} {ZERO_NAMES[lay.zero]}"
-              f"{' ' + lay.fsdp_reshard if lay.zero == 3 else ''} | "
-              f"{e.memory['total'] / 1e9:.1f} | {paper.tflops_per_device:.0f}, "
-              f"{paper.memory['total'] / 1e9:.1f} ({paper.memory['total'] / card:.0%}) |")
+        for kernels in ("fused", papers.LLAMA3_KERNELS):
+            cl = Cluster(roce, nodes=gpus // 8, kernels=kernels)
+            fixed = dict(tp=tp, cp=cp, pp=pp, dp=dp, micro_batch=1, recompute="none")
+            e = plan(Request(c, seq, gbs, cl, fixed))[0]
+            lay = e.layout
+            paper = evaluate(c, seq, gbs, Layout(tp, pp, dp, 1, True, "none", 2, V, cp, True),
+                             cl)
+            print(f"| {gpus} | {seq} | {kernels} | {tf} / {e.tflops_per_device:.0f} | "
+                  f"{_err(e.tflops_per_device, tf)} | v{lay.interleave} {ZERO_NAMES[lay.zero]}"
+                  f"{' ' + lay.fsdp_reshard if lay.zero == 3 else ''} | "
+                  f"{e.memory['total'] / 1e9:.1f} | {paper.tflops_per_device:.0f}, "
+                  f"{paper.memory['total'] / 1e9:.1f} ({paper.memory['total'] / card:.0%}) |")
+
+
+def llama3_memory() -> None:
+    """The parts of the 8,192-GPU run's memory on its fullest rank (the paper's layout),
+    with each kernel set: which stage, how many one-layer chunks it holds at the peak
+    (the interleaved warm-up + 1), the bytes a layer keeps, and the model state."""
+    gpus, tp, cp, pp, dp, seq, gbs, _, _ = papers.LLAMA3_TABLE4[0]
+    c = get_preset("llama3-405b")
+    lay = Layout(tp, pp, dp, 1, True, "none", 2, V, cp, True)
+    m = gbs // dp
+    card = _roce().accelerator.memory_bytes
+    print("| kernels | fullest stage | chunks in flight | MB a layer | weights | grads | "
+          "optimizer | activations | total GB (share of the card) |")
+    for kernels in ("fused", papers.LLAMA3_KERNELS):
+        stages = memory_per_stage(c, seq, lay, m, Precision(), True, kernels)
+        i = max(range(pp), key=lambda k: stages[k]["total"])
+        per = layer_activation_bytes(c, seq, 1, tp, True, kernels=kernels)
+        p = stages[i]
+        print(f"| {kernels} | {i} | {theory.peak_in_flight(i, pp, V, m)} | {per / 1e6:.0f} | "
+              + " | ".join(f"{p[k] / 1e9:.1f}" for k in ("weights", "grads", "optimizer",
+                                                          "activations"))
+              + f" | {p['total'] / 1e9:.1f} ({p['total'] / card:.0%}) |")
 
 
 if __name__ == "__main__":
@@ -115,3 +147,5 @@ if __name__ == "__main__":
     llama3()
     print("\n## the same, as `tpkit plan` searches it (the held-out check)")
     llama3_searched()
+    print("\n## the 8,192-GPU run's memory, part by part")
+    llama3_memory()
