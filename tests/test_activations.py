@@ -79,3 +79,53 @@ def test_flash_attention_never_keeps_the_scores_whatever_the_recompute_mode():
         assert kept == saved_tensors(c, s, b, tp=8, sp=True, recompute="selective")
     no_flash = saved_tensors(c, s, b, tp=8, sp=True, recompute="none", flash=False)
     assert no_flash["softmax output"] == 16 * s * s * b * 2  # a/t heads of s x s, bf16
+
+
+class _SwiGLUKeepingGateUp(torch.autograd.Function):
+    """The contract of xformers' fused SwiGLU (`xformers.ops.SwiGLU`, Meta's): the forward
+    saves its input, the weights and the two fc1 outputs; the backward recomputes
+    silu(gate) * up, the fc2 input, for fc2's weight gradient."""
+
+    @staticmethod
+    def forward(ctx, x, w1, w2, w3):
+        x1, x2 = x @ w1.t(), x @ w2.t()
+        ctx.save_for_backward(x, w1, w2, w3, x1, x2)
+        return (torch.nn.functional.silu(x1) * x2) @ w3.t()
+
+    @staticmethod
+    def backward(ctx, dx5):
+        x, w1, w2, w3, x1, x2 = ctx.saved_tensors
+        sig = torch.sigmoid(x1)
+        silu = x1 * sig
+        dx4 = dx5 @ w3
+        dx1, dx2 = dx4 * x2 * sig * (1 + x1 * (1 - sig)), dx4 * silu
+        return dx1 @ w1 + dx2 @ w2, dx1.t() @ x, dx2.t() @ x, dx5.t() @ (silu * x2)
+
+
+def test_xformers_swiglu_keeps_gate_and_up_only_and_is_exact():
+    """`kernels="xformers"`: the MLP term is the bytes that op's contract saves beyond its
+    input (the norm output, counted with the norms), and recomputing the product in the
+    backward gives autograd's gradients."""
+    cfg = get_preset("llama-tiny")
+    s, f, h = 64, cfg.ffn, cfg.hidden
+    torch.manual_seed(0)
+    x = torch.randn(s, h, dtype=torch.float64, requires_grad=True)
+    ws = [(torch.randn(o, i, dtype=torch.float64) / i ** 0.5).requires_grad_()
+          for o, i in ((f, h), (f, h), (h, f))]  # gate, up, down
+    kept: dict[int, int] = {}
+    weights = {w.untyped_storage().data_ptr() for w in [x, *ws]}
+
+    def pack(t: torch.Tensor) -> torch.Tensor:
+        if t.untyped_storage().data_ptr() not in weights:
+            kept[t.untyped_storage().data_ptr()] = t.untyped_storage().nbytes()
+        return t
+
+    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+        out = _SwiGLUKeepingGateUp.apply(x, *ws)
+    want = saved_tensors(cfg, s, 1, act_bytes=8, kernels="xformers")
+    assert sum(kept.values()) == want["MLP (gate|up, silu, fc2 input)"]
+    grads = torch.autograd.grad(out.square().sum(), [x, *ws])
+    x1, x2 = x @ ws[0].t(), x @ ws[1].t()
+    ref = ((torch.nn.functional.silu(x1) * x2) @ ws[2].t()).square().sum()
+    for got, exp in zip(grads, torch.autograd.grad(ref, [x, *ws])):
+        torch.testing.assert_close(got, exp, rtol=1e-12, atol=1e-12)
