@@ -127,5 +127,5 @@ def test_xformers_swiglu_keeps_gate_and_up_only_and_is_exact():
     grads = torch.autograd.grad(out.square().sum(), [x, *ws])
     x1, x2 = x @ ws[0].t(), x @ ws[1].t()
     ref = ((torch.nn.functional.silu(x1) * x2) @ ws[2].t()).square().sum()
-    for got, exp in zip(grads, torch.autograd.grad(ref, [x, *ws])):
-        torch.testing.assert_close(got, exp, rtol=1e-12, atol=1e-12)
+    for got, exp in zip(grads, torch.autograd.grad(ref, [x, *ws])):  # float64: ~1e-16
+        assert (got - exp).abs().max() <= 1e-12 * exp.abs().max()
