@@ -19,9 +19,8 @@ from tpkit.plan import Request, get_hardware, papers, plan
 from tpkit.plan.activations import layer_activation_bytes
 from tpkit.plan.hardware import LINKS, Hardware
 from tpkit.plan.layout import ZERO_NAMES
-from tpkit.plan.memory import Precision, memory_per_stage
+from tpkit.plan.memory import Precision, layers_in_flight, memory_per_stage
 from tpkit.plan.simulate import Cluster, Layout, evaluate
-from tpkit.spec import theory
 from tpkit.spec.config import get_preset
 
 
@@ -117,25 +116,27 @@ def llama3_searched() -> None:
 
 
 def llama3_memory() -> None:
-    """The parts of the 8,192-GPU run's memory on its fullest rank (the paper's layout),
-    with each kernel set: which stage, how many one-layer chunks it holds at the peak
-    (the interleaved warm-up + 1), the bytes a layer keeps, and the model state."""
+    """The 8,192-GPU run's memory (the paper's layout) on its first, second (the fullest)
+    and last stages, with each kernel set: the layer-micro-batches each holds at the
+    interleaved schedule's peak (its embedding-only and output-only chunks hold none),
+    the bytes a layer keeps, and the model state."""
     gpus, tp, cp, pp, dp, seq, gbs, _, _ = papers.LLAMA3_TABLE4[0]
     c = get_preset("llama3-405b")
     lay = Layout(tp, pp, dp, 1, True, "none", 2, V, cp, True)
     m = gbs // dp
     card = _roce().accelerator.memory_bytes
-    print("| kernels | fullest stage | chunks in flight | MB a layer | weights | grads | "
-          "optimizer | activations | total GB (share of the card) |")
+    print("| kernels | stage | layers in flight | MB a layer | weights | grads | optimizer | "
+          "activations | total GB (share of the card) |")
     for kernels in ("fused", papers.LLAMA3_KERNELS):
         stages = memory_per_stage(c, seq, lay, m, Precision(), True, kernels)
-        i = max(range(pp), key=lambda k: stages[k]["total"])
         per = layer_activation_bytes(c, seq, 1, tp, True, kernels=kernels)
-        p = stages[i]
-        print(f"| {kernels} | {i} | {theory.peak_in_flight(i, pp, V, m)} | {per / 1e6:.0f} | "
-              + " | ".join(f"{p[k] / 1e9:.1f}" for k in ("weights", "grads", "optimizer",
-                                                          "activations"))
-              + f" | {p['total'] / 1e9:.1f} ({p['total'] / card:.0%}) |")
+        for i in (0, 1, pp - 1):
+            p = stages[i]
+            print(f"| {kernels} | {i} | {layers_in_flight(c.num_layers, lay, i, m):.0f} | "
+                  f"{per / 1e6:.0f} | "
+                  + " | ".join(f"{p[k] / 1e9:.1f}" for k in ("weights", "grads", "optimizer",
+                                                              "activations"))
+                  + f" | {p['total'] / 1e9:.1f} ({p['total'] / card:.0%}) |")
 
 
 if __name__ == "__main__":

@@ -20,7 +20,8 @@ from tpkit.model import Transformer
 from tpkit.parallel import (
     interleaved_order,
 )
-from tpkit.plan.memory import in_flight_micro_batches
+from tpkit.plan.layout import Layout
+from tpkit.plan.memory import chunk_layers, layers_in_flight
 from tpkit.spec import get_preset
 from tpkit.spec.theory import bubble_theory, peak_in_flight
 from tpkit.train.config import TrainConfig
@@ -60,17 +61,33 @@ def test_order_never_deadlocks_and_leaves_the_theoretical_bubble():
 
 def test_the_planners_in_flight_count_is_the_schedules():
     """Walk each stage's program: the most chunk activations it holds at once is
-    `peak_in_flight`, and the planner's micro-batches in flight are that over v (the
-    1F1B case, v = 1, is measured in a real run: tests/test_pipeline.py)."""
+    `peak_in_flight`, and the planner's layers in flight are that times the layers of a
+    chunk (the 1F1B case, v = 1, is measured in a real run: tests/test_pipeline.py)."""
     for p, v, m in [(2, 2, 2), (3, 2, 6), (4, 3, 8), (4, 2, 4), (16, 8, 32), (8, 4, 8)]:
+        lay = Layout(1, p, 1, 1, interleave=v)
         for s in range(p):
             held = peak = 0
             for kind, _, _ in interleaved_order(s, p, v, m):
                 held += 1 if kind == "F" else -1
                 peak = max(peak, held)
             assert peak == peak_in_flight(s, p, v, m), (p, v, m, s)
-            assert in_flight_micro_batches(p, s, m, v) == peak / v
+            assert layers_in_flight(2 * p * v, lay, s, m) == 2 * peak
     assert peak_in_flight(1, 16, 8, 32) == 141  # the 405B layout of docs/planner.md
+
+
+def test_llama3s_embedding_and_output_chunks_hold_no_layer_in_flight():
+    """With lighter ends the first chunk of the first stage holds only the embedding and
+    the last chunk of the last stage only the output: the chunk forwards those stages
+    hold at the peak are not all layers. Walked by hand from the order: stage 0's warm-up
+    runs chunk 0 for 16 + 15 of its 143 forwards; stage 15 holds chunks 0-6 of 16
+    micro-batches when chunk 0 of the next 16 starts."""
+    lay = Layout(8, 16, 64, 1, True, "none", 2, 8, 1, lighter_ends=True)
+    assert chunk_layers(126, lay, 0) == (0,) + (1,) * 7
+    assert chunk_layers(126, lay, 15) == (1,) * 7 + (0,)
+    first = [c for kind, c, _ in interleaved_order(0, 16, 8, 32)[:peak_in_flight(0, 16, 8, 32)]]
+    assert layers_in_flight(126, lay, 0, 32) == len(first) - first.count(0) == 143 - 31
+    assert layers_in_flight(126, lay, 1, 32) == peak_in_flight(1, 16, 8, 32)
+    assert layers_in_flight(126, lay, 15, 32) == 7 * 16 + 1
 
 
 # -- equivalence with the single-process run ----------------------------------------------

@@ -36,7 +36,6 @@ from collections import deque
 from collections.abc import Callable
 from contextlib import AbstractContextManager, nullcontext
 from dataclasses import dataclass, field
-from functools import partial
 from typing import Protocol
 
 import torch
@@ -44,7 +43,7 @@ import torch
 from tpkit.parallel.p2p import StageLink
 from tpkit.spec.errors import UserError
 from tpkit.spec.shapes import interleave_problem
-from tpkit.spec.theory import warmup_forwards
+from tpkit.spec.theory import interleaved_order, interleaved_slot, warmup_forwards
 
 
 class StageModel(Protocol):
@@ -157,24 +156,6 @@ def one_f_one_b(model: StageModel, link: StageLink, micro: list[MicroBatch],
     return _finish(link, stats, t0, idle0)
 
 
-def _slot(p: int, v: int, k: int, backward: bool) -> tuple[int, int]:
-    """(chunk, micro-batch) of a stage's k-th forward (or backward), interleaved."""
-    c = (k // p) % v
-    return (v - 1 - c if backward else c), (k // (p * v)) * p + k % p
-
-
-def interleaved_order(stage: int, stages: int, chunks: int, m: int
-                      ) -> list[tuple[str, int, int]]:
-    """The program of one stage under interleaved 1F1B: ("F" | "B", chunk, micro-batch)."""
-    p, v, total = stages, chunks, m * chunks
-    at = partial(_slot, p, v)
-    warmup = warmup_forwards(stage, p, v, m)
-    ops = [("F", *at(k, False)) for k in range(warmup)]
-    for k in range(total - warmup):
-        ops += [("F", *at(k + warmup, False)), ("B", *at(k, True))]
-    return ops + [("B", *at(k, True)) for k in range(total - warmup, total)]
-
-
 def interleaved(model: StageModel, link: StageLink, micro: list[MicroBatch],
                 autocast: AbstractContextManager | None = None) -> StepStats:
     """Interleaved 1F1B over the model's `virtual_stages` chunks (needs m % p == 0)."""
@@ -199,7 +180,7 @@ def forward_only(model: StageModel, link: StageLink, micro: list[MicroBatch],
     stats, t0, idle0 = StepStats(), time.perf_counter(), link.idle_s
     v = model.virtual_stages
     with torch.no_grad():
-        for c, i in (_slot(link.stages, v, k, False) for k in range(v * len(micro))):
+        for c, i in (interleaved_slot(link.stages, v, k, False) for k in range(v * len(micro))):
             _forward(model, link, micro[i], 1.0, stats, autocast, c)
     return _finish(link, stats, t0, idle0)
 

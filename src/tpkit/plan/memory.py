@@ -143,14 +143,31 @@ def model_state_bytes(params: int, replicas: int, zero: int, prec: Precision,
             "optimizer": prec.optimizer * params / (n if zero >= 1 else 1)}
 
 
-def in_flight_micro_batches(pp: int, stage: int, m: int, interleave: int = 1) -> float:
-    """Micro-batches whose activations stage `stage` holds at the schedule's peak, in
-    whole-stage units: the chunk forwards the schedule itself holds at once
-    (`spec.theory.peak_in_flight`), over its v chunks. 1F1B: min(p - i, m); interleaved,
-    p + (p - 2i - 1)/v (at most m): Narayanan et al.'s p (1 + (p - 1)/(p v)) on the first
-    stage (sec. 2.2.2), and more than that figure scaled by (p - i)/p on the others.
-    """
-    return theory.peak_in_flight(stage, pp, interleave, m) / interleave
+def chunk_layers(num_layers: int, lay: Layout, stage: int) -> tuple[int, ...]:
+    """Layers of each of `stage`'s chunks: the stage's layers split evenly over its
+    `interleave` chunks; with lighter ends, (num_layers + 2)/(pp v) each, less one on the
+    first chunk of the first stage (its embedding) and the last chunk of the last (its
+    output): Llama 3's 126 layers over pp 16, v 8 give (0, 1, ..., 1) on stage 0."""
+    layers, v = layout_stage_layers(num_layers, lay)[stage], lay.interleave
+    if lay.lighter_ends and v > 1:
+        out = [(num_layers + 2) // (lay.pp * v)] * v
+        out[0] -= stage == 0
+        out[-1] -= stage == lay.pp - 1
+        return tuple(out)
+    return (layers // v,) * v if layers % v == 0 else (layers,)
+
+
+def layers_in_flight(num_layers: int, lay: Layout, stage: int, m: int) -> float:
+    """Layer-micro-batches whose activations stage `stage` holds at the schedule's peak:
+    its chunks' forwards walked in the schedule's order (`spec.theory.peak_layers_in_flight`;
+    1F1B: its layers x min(p - i, m); interleaved, the warm-up 2(p - i - 1) + (v - 1)p + 1
+    chunk forwards, at most m v). Chunks that do not split evenly: the stage's layers x
+    the chunk forwards in flight / v."""
+    chunks = chunk_layers(num_layers, lay, stage)
+    if len(chunks) != lay.interleave:
+        return chunks[0] * theory.peak_in_flight(stage, lay.pp, lay.interleave, m) \
+            / lay.interleave
+    return theory.peak_layers_in_flight(stage, lay.pp, chunks, m)
 
 
 def stage_activation_bytes(c: ModelConfig, seq: int, lay: Layout, stage: int, m: int,
@@ -160,8 +177,7 @@ def stage_activation_bytes(c: ModelConfig, seq: int, lay: Layout, stage: int, m:
     tp, pp = lay.tp, lay.pp
     per_layer = layer_activation_bytes(c, seq, lay.micro_batch, tp, lay.sp, lay.recompute,
                                        act_bytes, flash, kernels, cp=lay.cp)
-    layers = layout_stage_layers(c.num_layers, lay)[stage]
-    total = per_layer * layers * in_flight_micro_batches(pp, stage, m, lay.interleave)
+    total = per_layer * layers_in_flight(c.num_layers, lay, stage, m)
     if stage == pp - 1:  # fp32 logits of one micro-batch, vocab-parallel (Korthikanti eq. 3)
         total += 4 * seq / lay.cp * lay.micro_batch * c.padded_vocab(tp) / tp
     return total

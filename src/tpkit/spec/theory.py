@@ -27,6 +27,7 @@ from __future__ import annotations
 
 from collections import Counter
 from dataclasses import dataclass
+from functools import lru_cache
 
 from tpkit.spec.shapes import even_range, sp_padded_seq
 
@@ -54,6 +55,43 @@ def peak_in_flight(stage: int, stages: int, chunks: int, micro_batches: int) -> 
     `tpkit.parallel.schedules`; the planner prices its memory from this)."""
     return min(warmup_forwards(stage, stages, chunks, micro_batches) + 1,
                micro_batches * chunks)
+
+
+def interleaved_slot(p: int, v: int, k: int, backward: bool) -> tuple[int, int]:
+    """(chunk, micro-batch) of a stage's k-th forward (or backward), interleaved:
+    Megatron-LM's order (groups of p micro-batches through chunk 0, then chunk 1, ...;
+    the backwards with the chunks reversed)."""
+    c = (k // p) % v
+    return (v - 1 - c if backward else c), (k // (p * v)) * p + k % p
+
+
+def interleaved_order(stage: int, stages: int, chunks: int, m: int
+                      ) -> list[tuple[str, int, int]]:
+    """The program of one stage under interleaved 1F1B: ("F" | "B", chunk, micro-batch)."""
+    p, v, total = stages, chunks, m * chunks
+    warmup = warmup_forwards(stage, p, v, m)
+    ops = [("F", *interleaved_slot(p, v, k, False)) for k in range(warmup)]
+    for k in range(total - warmup):
+        ops += [("F", *interleaved_slot(p, v, k + warmup, False)),
+                ("B", *interleaved_slot(p, v, k, True))]
+    return ops + [("B", *interleaved_slot(p, v, k, True)) for k in range(total - warmup, total)]
+
+
+@lru_cache(maxsize=4096)  # the planner asks for every stage of 10^4 layouts: few distinct
+def peak_layers_in_flight(stage: int, stages: int, chunk_layers: tuple[int, ...],
+                          micro_batches: int) -> int:
+    """Layer-micro-batches whose activations a stage holds at once, at the peak, when its
+    chunks hold `chunk_layers` layers each: the interleaved order walked (Llama 3's
+    first chunk of the first stage holds only the embedding, the last chunk of the
+    last stage only the output: 0 layers). 1F1B (one chunk): its layers x `peak_in_flight`."""
+    v = len(chunk_layers)
+    if v == 1:
+        return chunk_layers[0] * peak_in_flight(stage, stages, 1, micro_batches)
+    held = peak = 0
+    for kind, c, _ in interleaved_order(stage, stages, v, micro_batches):
+        held += chunk_layers[c] if kind == "F" else -chunk_layers[c]
+        peak = max(peak, held)
+    return peak
 
 
 def ring_factor(op: str, p: int) -> float:
