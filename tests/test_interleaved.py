@@ -23,7 +23,7 @@ from tpkit.parallel import (
 from tpkit.plan.layout import Layout
 from tpkit.plan.memory import chunk_layers, layers_in_flight
 from tpkit.spec import get_preset
-from tpkit.spec.theory import bubble_theory, peak_in_flight
+from tpkit.spec.theory import bubble_theory, peak_in_flight, peak_layers_in_flight
 from tpkit.train.config import TrainConfig
 from tpkit.train.loop import train
 
@@ -72,6 +72,7 @@ def test_the_planners_in_flight_count_is_the_schedules():
                 peak = max(peak, held)
             assert peak == peak_in_flight(s, p, v, m), (p, v, m, s)
             assert layers_in_flight(2 * p * v, lay, s, m) == 2 * peak
+            assert peak_layers_in_flight(s, p, (2,) * v, m) == 2 * peak
     assert peak_in_flight(1, 16, 8, 32) == 141  # the 405B layout of docs/planner.md
 
 

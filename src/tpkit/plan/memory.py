@@ -159,15 +159,15 @@ def chunk_layers(num_layers: int, lay: Layout, stage: int) -> tuple[int, ...]:
 
 def layers_in_flight(num_layers: int, lay: Layout, stage: int, m: int) -> float:
     """Layer-micro-batches whose activations stage `stage` holds at the schedule's peak:
-    its chunks' forwards walked in the schedule's order (`spec.theory.peak_layers_in_flight`;
-    1F1B: its layers x min(p - i, m); interleaved, the warm-up 2(p - i - 1) + (v - 1)p + 1
-    chunk forwards, at most m v). Chunks that do not split evenly: the stage's layers x
-    the chunk forwards in flight / v."""
+    its layers x the chunk forwards in flight / v (`spec.theory.peak_in_flight`; 1F1B:
+    min(p - i, m); interleaved, the warm-up 2(p - i - 1) + (v - 1)p + 1, at most m v);
+    chunks of unequal layers (lighter ends) by walking the schedule's order
+    (`spec.theory.peak_layers_in_flight`)."""
     chunks = chunk_layers(num_layers, lay, stage)
-    if len(chunks) != lay.interleave:
-        return chunks[0] * theory.peak_in_flight(stage, lay.pp, lay.interleave, m) \
-            / lay.interleave
-    return theory.peak_layers_in_flight(stage, lay.pp, chunks, m)
+    if len(set(chunks)) > 1:  # an embedding-only or output-only chunk: walk the order
+        return theory.peak_layers_in_flight(stage, lay.pp, chunks, m)
+    return sum(chunks) * theory.peak_in_flight(stage, lay.pp, lay.interleave, m) \
+        / lay.interleave
 
 
 def stage_activation_bytes(c: ModelConfig, seq: int, lay: Layout, stage: int, m: int,
