@@ -55,11 +55,12 @@ def _prompts(args: argparse.Namespace, tok) -> list[list[int]]:
     return [tok.encode(p) for p in args.prompt]
 
 
-def _lead(mesh: ParallelMesh, args: argparse.Namespace, cfg: ServeConfig, source) -> dict:
+def _lead(mesh: ParallelMesh, args: argparse.Namespace, source) -> dict:
     """Rank 0: run the prompts through the serving engine (`tpkit.serve.Engine`: the same
     paged KV cache, scheduler and sampler as `tpkit serve`, so the same tokens) and stream
     the text of a single prompt as it comes, while the other ranks follow its steps
     (`serve.workers.follow`). `source`: the checkpoint, opened by `run`."""
+    cfg = config(args)
     model = load(source, mesh, cfg)
     try:
         return _generate(args, cfg, source, model)
@@ -166,16 +167,21 @@ def _acceptance(speculated: tuple[int, int] | None) -> str:
     return f", speculative: {accepted} of {plural(proposed, 'proposed token')} accepted{rate}"
 
 
+def config(args: argparse.Namespace) -> ServeConfig:
+    """The engine's `ServeConfig` from the flags (unchecked: `_check_args`). --max-batch's
+    default: slots for the prompts given (at most 8), no row computed for nobody."""
+    return ServeConfig(**{"max_batch": min(8, len(args.prompt_ids or args.prompt) or 1),
+                          **knob_values(args, ServeConfig)})
+
+
 def _check_args(args: argparse.Namespace) -> ServeConfig:
     """The engine's `ServeConfig`, or UserError for flags no model can accept (before
-    loading anything). --max-batch's default: slots for the prompts given (at most 8),
-    no row computed for nobody."""
+    loading anything)."""
     if not args.prompt and not args.prompt_ids:
         raise UserError("give --prompt or --prompt-ids")
     for p in args.prompt_ids or []:
         _prompt_ids(p)
-    cfg = ServeConfig(**{"max_batch": min(8, len(args.prompt_ids or args.prompt)),
-                         **knob_values(args, ServeConfig)})
+    cfg = config(args)
     bad = []
     if args.max_new_tokens < 0:
         bad.append(f"--max-new-tokens={args.max_new_tokens} must be >= 0")
@@ -195,7 +201,7 @@ def run(args: argparse.Namespace) -> int:
     cfg = _check_args(args)
     comm = comm_choice(getattr(args, "comm", None))
     source = open_source(args.checkpoint)  # once, before any process
-    result = launch(_lead, args, cfg, source, ranks=cfg.tp, mesh=dict(tp=cfg.tp, comm=comm),
+    result = launch(_lead, args, source, ranks=cfg.tp, mesh=dict(tp=cfg.tp, comm=comm),
                     follow=(follow, (source, cfg)))
     if result is None:  # a torchrun rank > 0: rank 0 prints
         return 0
