@@ -48,7 +48,7 @@ def _case(mesh, folder: str, tokens: int) -> list[tuple[str, float, float]]:
     for _ in range(2):  # the first run warms up
         spans.clear()
         if mesh.tp_rank != 0:
-            Runner(model, 1, 128).follow()
+            Runner(model).follow()
         else:
             engine = Engine(model, max_batch=1, max_len=128)
             engine.submit(list(range(1, 17)), SamplingParams(max_tokens=tokens,

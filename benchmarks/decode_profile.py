@@ -156,11 +156,11 @@ def _case(mesh, folder: str, batch: int, tokens: int, quantize: str | None) -> d
     runs = 3  # warm-up, timed, profiled
     if mesh.tp_rank != 0:
         for _ in range(runs):
-            Runner(model, batch, 128).follow()
+            Runner(model).follow()
         return {}
     result = {}
     for run in range(runs):
-        runner = Runner(model, batch, 128)
+        runner = Runner(model)
         engine = Engine(model, max_batch=batch, max_len=128, runner=runner)
         params = SamplingParams(max_tokens=tokens, temperature=0.0, ignore_eos=True)
         reqs = [engine.submit([p + i for p in PROMPT], params) for i in range(batch)]
@@ -205,7 +205,7 @@ def _follower_case(mesh, folder, batch, tokens, quantize) -> dict:
         return {}
     NATIVE_REDUCE[0] = 0.0
     with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU]) as prof:
-        steps = Runner(model, batch, 128).follow()
+        steps = Runner(model).follow()
     return {"profile_ms": _self_ms(prof, steps)}
 
 

@@ -4,7 +4,7 @@
 - `reference/cli.md`: every command's `--help`, from the parsers the CLI builds
   (`tpkit.cli.command_parser`);
 - `reference/config.md`: `tpkit train`'s knobs, section by section, from their
-  declarations (`tpkit.train.config_knobs`, `TrainConfig`).
+  declarations (`tpkit.spec.knobs`, `TrainConfig`).
 
 And every page's plain mention of another, `docs/X.md` in its prose, becomes a link to
 it, and each section of the benchmarks' history that the current results cite ("Title",
@@ -24,9 +24,9 @@ from mkdocs.structure.files import File
 
 from tpkit.cli import COMMANDS, command_parser
 from tpkit.commands.common import HelpFormatter
+from tpkit.spec.knobs import Knob, sections
 from tpkit.train.config import TrainConfig
 from tpkit.train.config_file import to_toml, toml_value
-from tpkit.train.config_knobs import Knob, sections
 
 ROOT = Path(__file__).resolve().parents[1]
 WIDTH = 96  # --help's lines on the page
@@ -117,7 +117,7 @@ def _row(k: Knob) -> str:
 def config_page() -> str:
     """`tpkit train`'s knobs: one table a section, then a whole file of the defaults."""
     lines = ["# Configuration reference: `tpkit train`", "",
-             "Generated from the knobs' declarations (`tpkit.train.config_knobs`): each knob "
+             "Generated from the knobs' declarations (`tpkit.spec.knobs`): each knob "
              "is a key of a run's TOML file (`tpkit train --config run.toml`, in its "
              "section) and a flag of `tpkit train` (the flag wins over the file). A run "
              "folder keeps the file it ran as `config.toml`.", ""]

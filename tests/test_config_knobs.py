@@ -1,4 +1,4 @@
-"""Each knob of `tpkit train` is declared once (`tpkit.train.config_knobs`): a knob added
+"""Each knob of `tpkit train` is declared once (`tpkit.spec.knobs`): a knob added
 in one place is a flag under its section's heading in --help, a key of that section of a
 TOML file and a line of --print-config; a value of the wrong type or out of range is one
 line and exit 2 before anything is printed; files written before still read."""
@@ -12,8 +12,8 @@ import pytest
 
 import tpkit.commands.train as train_command
 from tpkit.cli import main
+from tpkit.spec.knobs import COUNT, knobs
 from tpkit.train.config import OPTIMIZER, TrainConfig
-from tpkit.train.config_knobs import COUNT, knobs
 
 HERE = Path(__file__).resolve().parent
 

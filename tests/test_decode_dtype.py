@@ -43,7 +43,7 @@ def engine_worker(mesh, path, dtype, chunk=None):
     model decode-only, as generate and serve load it: bfloat16 weights packed)."""
     model = load_model(open_source(path), mesh, dtype=dtype, decode=True)
     if mesh.tp_rank != 0:
-        return Runner(model, 4, 64, chunk).follow()
+        return Runner(model).follow()
     engine = Engine(model, max_batch=4, max_len=64, decode_chunk=chunk)
     reqs = engine.generate(PROMPTS, SamplingParams(max_tokens=NEW, ignore_eos=True,
                                                    logprobs=TOP))
@@ -152,7 +152,7 @@ def greedy_worker(mesh, path):
     """Rank 0: greedy requests of different lengths, one through a block boundary, one
     ending first (the plans change); the others follow: (steps, steps readied)."""
     model = load_model(open_source(path), mesh, dtype=torch.float32, decode=True)
-    runner = Runner(model, 4, 64)
+    runner = Runner(model)
     if mesh.tp_rank != 0:
         return runner.follow(), runner.expected
     engine = Engine(model, max_batch=4, max_len=64, runner=runner)

@@ -43,7 +43,7 @@ def batch_worker(mesh, config, sampled: bool, chunk: int = CHUNK):
     """Rank 0: every prompt alone, then all 16 at once; the others follow."""
     model = _model(mesh, config)
     if mesh.tp_rank != 0:
-        return Runner(model, SLOTS, MAX_LEN, chunk).follow()
+        return Runner(model).follow()
     engine = Engine(model, max_batch=SLOTS, max_len=MAX_LEN, decode_chunk=chunk)
     params = [SamplingParams(max_tokens=NEW, temperature=0.9 if sampled else 0.0, top_p=0.9,
                              seed=i) for i in range(len(PROMPTS))]

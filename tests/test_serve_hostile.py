@@ -151,7 +151,7 @@ def slow_leader(mesh):
     fill(model, random_full(LLAMA, seed=5, scale=1.0), mesh)
     assert model.group.shm is not None  # the transport whose wait this tests
     if mesh.tp_rank != 0:
-        return Runner(model, 2, 32).follow()
+        return Runner(model).follow()
     engine = Engine(model, max_batch=2, max_len=32)
     first = engine.generate([[1, 2, 3]], SamplingParams(max_tokens=4))[0].tokens
     time.sleep(PAUSE_S)
@@ -165,7 +165,7 @@ def dying_leader(mesh):
     model = Transformer(LLAMA, mesh)
     fill(model, random_full(LLAMA, seed=5, scale=1.0), mesh)
     if mesh.tp_rank != 0:
-        return Runner(model, 2, 32).follow()
+        return Runner(model).follow()
     Engine(model, max_batch=2, max_len=32).generate([[1, 2, 3]], SamplingParams(max_tokens=4))
     os._exit(3)
 

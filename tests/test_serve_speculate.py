@@ -79,7 +79,7 @@ def exact_worker(mesh, dtype, chunk):
     model = Transformer(CONFIG, mesh)
     fill(model, random_full(CONFIG, seed=5, scale=1.0), mesh)
     model = for_decode(model.to(dtype))
-    runner = Runner(model, 8, 128, chunk)
+    runner = Runner(model)
     if mesh.tp_rank != 0:
         return runner.follow()
     got = []

@@ -12,6 +12,9 @@ as the new one, with one notice line on stderr, hidden from --help:
     tpkit train: warning: --nproc is deprecated, use --processes (under torchrun only
     --processes works)
 
+A command's knobs (`tpkit.spec.knobs`: `TrainConfig`, `ServeConfig`) become its flags
+with `add_knobs`, read back with `knob_values`.
+
 Pure Python (argparse; the suggestion: `tpkit.spec.words.suggest`): `tpkit --help` and
 `tpkit plan` import no torch.
 """
@@ -22,9 +25,7 @@ import argparse
 import re
 import sys
 
-from tpkit.spec import speculative as speculate
-from tpkit.spec.config import QUANTIZE
-from tpkit.spec.errors import UserError
+from tpkit.spec.knobs import Knob, knobs, sections
 from tpkit.spec.words import suggest
 
 
@@ -64,91 +65,48 @@ def deprecated_alias(where: argparse.ArgumentParser | argparse._ArgumentGroup,
                        default=argparse.SUPPRESS, help=argparse.SUPPRESS)
 
 
-DTYPES = ("float32", "bfloat16", "float16")  # --dtype of generate and serve
-INVARIANT_CHUNK = 8  # --decode-chunk's default under --batch-invariant
+def add_knobs(parser: argparse.ArgumentParser, cls: type, keep=None) -> None:
+    """The flags of the knobs of `cls` (`tpkit.spec.knobs`; `keep(knob)`: those it says),
+    in a group per section titled by its name, each help with its default. A flag not
+    given is not in the namespace (SUPPRESS): the declaration's default (or a file's
+    value) stands, as `knob_values` reads them."""
+    for name, ks in sections(cls).items():
+        ks = [k for k in ks if keep is None or keep(k)]
+        if ks:
+            where = group(parser, name, ks[0].section.about)
+            for k in ks:
+                _add_knob(where, k)
 
 
-def add_pool_arguments(g: argparse._ArgumentGroup, max_batch: int | None, batch_help: str
-                       ) -> None:
-    """The serving engine's KV cache and decode, as `tpkit generate` and `tpkit serve` both
-    take them: --dtype, --quantize, --max-batch (default and help per command), --max-len,
-    --batch-invariant and its --decode-chunk (`decode_chunk` reads the pair)."""
-    g.add_argument("--dtype", choices=DTYPES, default="float32",
-                   help="weights, activations and KV cache in this dtype (bfloat16, "
-                        "float16: half the memory); the logits' softmax and the sampling "
-                        "run in float32 whatever it is")
-    g.add_argument("--quantize", choices=QUANTIZE, default=None,
-                   help="int8: every linear weight and the head as int8 with a scale per "
-                        "row, a quarter of float32's bytes per token (bfloat16 activations "
-                        "in the product; its quality cost: docs/benchmarks.md); default: "
-                        "none, the weights as --dtype says")
-    g.add_argument("--max-batch", type=int, default=max_batch, metavar="B", help=batch_help)
-    g.add_argument("--max-len", type=int, default=None, metavar="L",
-                   help="tokens per sequence, prompt included (default: the model's "
-                        "max_seq_len)")
-    g.add_argument("--batch-invariant", action="store_true",
-                   help="decode in forwards of --decode-chunk rows (padded) and prompts in "
-                        "pieces cut at multiples of 64 tokens, so a "
-                        "request's tokens are bit for bit the same whatever else runs; "
-                        "without it each decode computes the running requests' rows only "
-                        "(fastest at any load; a token may then change with the batch where "
-                        "two logits are within rounding)")
-    g.add_argument("--decode-chunk", type=int, default=None, metavar="C",
-                   help=f"with --batch-invariant: rows per decode forward (default: "
-                        f"{INVARIANT_CHUNK}; 8 serves many clients best, 1 decodes each "
-                        f"sequence alone)")
-    g.add_argument("--speculative", choices=speculate.METHODS, default=None,
-                   help="ngram: propose the tokens that followed the latest earlier match "
-                        "of the last few tokens (prompt lookup) and verify them in one "
-                        "forward, the output unchanged (docs/serving.md); default: none")
-    g.add_argument("--speculative-tokens", type=int, default=speculate.TOKENS, metavar="K",
-                   help=f"with --speculative: tokens proposed at most per sequence and step "
-                        f"(1..{speculate.MAX_TOKENS}, default {speculate.TOKENS})")
+def _add_knob(where: argparse._ArgumentGroup, k: Knob) -> None:
+    """The flag of knob `k` (default: SUPPRESS; repeatable for a tuple knob)."""
+    flag, text, kw = k.option, k.help, dict(dest=k.name, default=argparse.SUPPRESS)
+    if k.kind is bool:
+        action = where.add_argument(flag, action="store_false" if k.default else "store_true",
+                                    help=text, **kw)
+        return _old_flags(where, action, k)
+    if k.default is not None and not says_default(text):
+        text += f" (default: {shown(k.default)})"
+    if k.choices is not None:
+        action = where.add_argument(flag, choices=k.choices, help=text, **kw)
+    else:
+        action = where.add_argument(flag, type=k.kind, help=text,
+                                    action="append" if k.many else "store",
+                                    metavar=k.metavar or ("N" if k.kind is int else "X"), **kw)
+    _old_flags(where, action, k)
 
 
-def check_speculative(args: argparse.Namespace) -> None:
-    """UserError for --speculative-tokens out of bounds or without --speculative."""
-    if args.speculative is None and args.speculative_tokens != speculate.TOKENS:
-        raise UserError(f"--speculative-tokens={args.speculative_tokens} needs "
-                        f"--speculative ngram")
-    speculate.check(args.speculative, args.speculative_tokens)
+def _old_flags(where: argparse._ArgumentGroup, action: argparse.Action, k: Knob) -> None:
+    for old in k.old_flags:
+        deprecated_alias(where, action, old)
 
 
-def speculator(args: argparse.Namespace):
-    """The engine's `serve.speculate.Speculator` from --speculative and
-    --speculative-tokens, or None (`check_speculative`'s errors)."""
-    check_speculative(args)
-    if args.speculative is None:
-        return None
-    from tpkit.serve.speculate import Speculator  # torch: only where it runs
-
-    return Speculator(args.speculative_tokens)
-
-
-def decode_chunk(args: argparse.Namespace) -> int | None:
-    """The engine's `decode_chunk` from --batch-invariant and --decode-chunk: None (the
-    running rows) without --batch-invariant; UserError for --decode-chunk without it or
-    below 1."""
-    if not args.batch_invariant:
-        if args.decode_chunk is not None:
-            raise UserError(f"--decode-chunk={args.decode_chunk} needs --batch-invariant "
-                            f"(without it a decode computes the running requests' rows)")
-        return None
-    chunk = INVARIANT_CHUNK if args.decode_chunk is None else args.decode_chunk
-    if chunk < 1:
-        raise UserError(f"--decode-chunk={chunk} must be >= 1")
-    return chunk
-
-
-def follower(args: argparse.Namespace, source) -> tuple:
-    """`launch(follow=)` for `tpkit generate` and `tpkit serve`: every follower rank loads
-    `source` as rank 0 does (--dtype, --quantize) and runs its steps (`serve.workers`)."""
-    import torch  # lazy: this module stays pure Python (`tpkit --help`, `tpkit plan`)
-
-    from tpkit.serve.workers import follow
-
-    return (follow, (source, args.max_batch, args.max_len, decode_chunk(args),
-                     getattr(torch, args.dtype), args.quantize))
+def knob_values(args: argparse.Namespace, cls: type) -> dict:
+    """The knobs of `cls` given on the command line (`add_knobs`), as the dataclass takes
+    them (a repeated flag's values as a tuple)."""
+    given = vars(args)
+    return {k.name: tuple(given[k.name]) if k.many else given[k.name]
+            for k in knobs(cls) if k.name in given}
 
 
 def shown(value) -> str:

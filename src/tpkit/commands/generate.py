@@ -23,27 +23,20 @@ import sys
 import time
 from contextlib import nullcontext
 
-import torch
-
-from tpkit.commands.common import (
-    add_pool_arguments,
-    check_speculative,
-    decode_chunk,
-    follower,
-    group,
-    speculator,
-)
+from tpkit.commands.common import add_knobs, group, knob_values
 from tpkit.launch import launch
 from tpkit.mesh import ParallelMesh
 from tpkit.model.sampling import GREEDY_BELOW
 from tpkit.serve import Engine, SamplingParams
+from tpkit.serve.config import GENERATE, ServeConfig
 from tpkit.serve.openai_api import ApiError, chat_ids
 from tpkit.serve.params import MAX_TEMPERATURE, SamplingError, shown
 from tpkit.serve.runner import Runner
+from tpkit.serve.workers import follow, load
 from tpkit.spec.errors import UserError
 from tpkit.spec.transport import add_comm_argument, comm_choice
 from tpkit.spec.words import plural
-from tpkit.weights.sources import load_model, open_source, source_tokenizer
+from tpkit.weights.sources import open_source, source_tokenizer
 from tpkit.weights.tokenizer import ByteTokenizer, load_tokenizer
 
 
@@ -67,15 +60,15 @@ def _lead(mesh: ParallelMesh, args: argparse.Namespace, source) -> dict:
     paged KV cache, scheduler and sampler as `tpkit serve`, so the same tokens) and stream
     the text of a single prompt as it comes, while the other ranks follow its steps
     (`serve.workers.follow`). `source`: the checkpoint, opened by `run`."""
-    model = load_model(source, mesh, dtype=getattr(torch, args.dtype), decode=True,
-                       quantize=args.quantize)
+    cfg = config(args)
+    model = load(source, mesh, cfg)
     try:
-        return _generate(args, source, model, args.max_len or model.config.max_seq_len)
+        return _generate(args, cfg, source, model)
     finally:
-        Runner.stop_followers(model, args.max_batch)
+        Runner.stop_followers(model)
 
 
-def _generate(args: argparse.Namespace, source, model, max_len: int) -> dict:
+def _generate(args: argparse.Namespace, cfg: ServeConfig, source, model) -> dict:
     tok = load_tokenizer(source_tokenizer(source))
     vocab, name = model.config.vocab_size, model.config.name
     if isinstance(tok, ByteTokenizer) and not args.prompt_ids and not model.config.byte_level:
@@ -83,8 +76,7 @@ def _generate(args: argparse.Namespace, source, model, max_len: int) -> dict:
                         f"{vocab}) is not a byte-level model; copy its tokenizer files "
                         f"there or pass --prompt-ids")
     prompts = _prompts(args, tok)
-    engine = Engine(model, tokenizer=tok, max_batch=args.max_batch, max_len=max_len,
-                    decode_chunk=decode_chunk(args), speculator=speculator(args))
+    engine = Engine(model, tokenizer=tok, **cfg.engine_options())
     params = _sampling(args)
     for p in prompts:  # every prompt, before any is queued
         engine.check(p, params)
@@ -116,12 +108,13 @@ def _show(args: argparse.Namespace, i: int, req) -> str:
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
-    """Options of `tpkit generate`, under the shared headings (`tpkit.commands.common`)."""
+    """Options of `tpkit generate`, under the shared headings (`tpkit.commands.common`):
+    the prompts and their sampling, and the knobs of `ServeConfig` it shares with `tpkit
+    serve` (`serve.config.GENERATE`)."""
     group(parser, "model").add_argument(
         "--checkpoint", required=True, help="tpkit checkpoint dir, run folder (its latest "
         "valid checkpoint), full .safetensors, or Hugging Face dir")
-    group(parser, "parallelism").add_argument("--tp", type=int, default=1, metavar="N",
-                                              help="tensor-parallel processes")
+    group(parser, "parallelism", GENERATE[0].about)
     g = group(parser, "generation")
     g.add_argument("--prompt", action="append", default=[],
                    help="text, tokenized with the model folder's tokenizer (byte level "
@@ -145,8 +138,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     g.add_argument("--seed", type=int, default=0, help="seed of the sampling (64-bit)")
     g.add_argument("--ignore-eos", action="store_true",
                    help="do not stop at the tokenizer's end-of-sequence token")
-    add_pool_arguments(g, None, "sequences generated at once (KV slots, as in tpkit serve; "
-                                "default: the number of prompts, at most 8)")
+    add_knobs(parser, ServeConfig, lambda k: k.section in GENERATE)
     add_comm_argument(group(parser, "parallelism"))
 
 
@@ -175,37 +167,42 @@ def _acceptance(speculated: tuple[int, int] | None) -> str:
     return f", speculative: {accepted} of {plural(proposed, 'proposed token')} accepted{rate}"
 
 
-def _check_args(args: argparse.Namespace) -> None:
-    """UserError for flags no model can accept (before loading anything)."""
+def config(args: argparse.Namespace) -> ServeConfig:
+    """The engine's `ServeConfig` from the flags (unchecked: `_check_args`). --max-batch's
+    default: slots for the prompts given (at most 8), no row computed for nobody."""
+    return ServeConfig(**{"max_batch": min(8, len(args.prompt_ids or args.prompt) or 1),
+                          **knob_values(args, ServeConfig)})
+
+
+def _check_args(args: argparse.Namespace) -> ServeConfig:
+    """The engine's `ServeConfig`, or UserError for flags no model can accept (before
+    loading anything)."""
     if not args.prompt and not args.prompt_ids:
         raise UserError("give --prompt or --prompt-ids")
     for p in args.prompt_ids or []:
         _prompt_ids(p)
-    bad = [f"--tp={args.tp} must be a positive integer"] if args.tp < 1 else []
+    cfg = config(args)
+    bad = []
     if args.max_new_tokens < 0:
         bad.append(f"--max-new-tokens={args.max_new_tokens} must be >= 0")
     try:
         _sampling(args)
     except SamplingError as e:  # the server's bounds (serve.params.RULES), as flags
         bad += [f"--{n.replace('_', '-')}={shown(v)} {must}" for n, v, must in e.problems]
-    if args.max_batch is None:  # slots for the prompts given: no row computed for nobody
-        args.max_batch = min(8, len(args.prompt_ids or args.prompt))
-    decode_chunk(args)  # --decode-chunk needs --batch-invariant
-    check_speculative(args)
-    if args.max_batch < 1 or (args.max_len is not None and args.max_len < 1):
-        bad.append("--max-batch and --max-len must be >= 1")
+    bad += cfg.problems()
     if bad:
         raise UserError("; ".join(bad))
+    return cfg
 
 
 def run(args: argparse.Namespace) -> int:
     """Generate on `--tp` local processes (or torchrun's); print the text and tokens/s.
     Mistakes (flags, paths, token ids) are `UserError`s: one line from `tpkit.cli`."""
-    _check_args(args)
+    cfg = _check_args(args)
     comm = comm_choice(getattr(args, "comm", None))
     source = open_source(args.checkpoint)  # once, before any process
-    result = launch(_lead, args, source, ranks=args.tp, mesh=dict(tp=args.tp, comm=comm),
-                    follow=follower(args, source))
+    result = launch(_lead, args, source, ranks=cfg.tp, mesh=dict(tp=cfg.tp, comm=comm),
+                    follow=(follow, (source, cfg)))
     if result is None:  # a torchrun rank > 0: rank 0 prints
         return 0
     if not result["streamed"]:
@@ -213,5 +210,5 @@ def run(args: argparse.Namespace) -> int:
     n = sum(len(r) for r in result["new"])
     print(f"[{plural(n, 'token')} ({plural(len(result['new']), 'prompt')}) in "
           f"{result['seconds']:.2f} s: {n / max(result['seconds'], 1e-9):.1f} tokens/s, "
-          f"tp={args.tp}{_acceptance(result['speculated'])}]", file=sys.stderr)
+          f"tp={cfg.tp}{_acceptance(result['speculated'])}]", file=sys.stderr)
     return 0

@@ -22,7 +22,7 @@ from functools import partial
 from pathlib import Path
 from typing import TYPE_CHECKING
 
-from tpkit.commands.common import deprecated_alias, group, says_default, shown
+from tpkit.commands.common import add_knobs, deprecated_alias, group
 from tpkit.commands.memory_check import check_fits
 from tpkit.commands.train_continue import continue_hint, continues
 from tpkit.host.device import best_device, cuda_available, device_name
@@ -35,12 +35,12 @@ from tpkit.plan.hardware import profile_of_device
 from tpkit.plan.topology import cross_node_penalty
 from tpkit.spec.errors import UserError
 from tpkit.spec.grid import dp_left, locality_problem
+from tpkit.spec.knobs import knobs
 from tpkit.spec.shapes import default_micro_batches
 from tpkit.spec.transport import add_comm_argument, comm_choice
 from tpkit.spec.words import plural
 from tpkit.train.config import TrainConfig
 from tpkit.train.config_file import read_toml, to_toml
-from tpkit.train.config_knobs import Knob, knobs, sections
 from tpkit.train.data import load_tokens
 from tpkit.train.loop import train
 from tpkit.train.report import report
@@ -56,11 +56,7 @@ if TYPE_CHECKING:
 def add_arguments(parser: argparse.ArgumentParser, cls: type | None = None) -> None:
     """The flags of `tpkit train`: one per knob of TrainConfig (or `cls`), in a group per
     section titled by its name, each help with its default; then the command's own."""
-    cls = cls or TrainConfig
-    for name, ks in sections(cls).items():
-        where = group(parser, name, ks[0].section.about)
-        for k in ks:
-            _add_knob(where, k)
+    add_knobs(parser, cls or TrainConfig)
     parser.add_argument("--config", help="TOML file, sectioned ([model], [parallelism], ...) or "
                                       "flat; the flags given override it (default: none)")
     parser.add_argument("--print-config", action="store_true",
@@ -78,26 +74,6 @@ def add_arguments(parser: argparse.ArgumentParser, cls: type | None = None) -> N
         "--force", action="store_true",
         help="run even when the memory estimate (weights, gradients, AdamW, activations of "
              "every local rank) is more than the machine or its cgroup offers")
-
-
-def _add_knob(where: argparse._ArgumentGroup, k: Knob) -> None:
-    """The flag of knob `k`: given, it overrides the file (default: SUPPRESS)."""
-    flag, text = k.option, k.help
-    if k.kind is bool:
-        action = where.add_argument(flag, dest=k.name, action="store_false" if k.default
-                                    else "store_true", default=argparse.SUPPRESS, help=text)
-    else:
-        if k.default is not None and not says_default(text):
-            text += f" (default: {shown(k.default)})"
-        if k.choices is not None:
-            action = where.add_argument(flag, dest=k.name, choices=k.choices,
-                                        default=argparse.SUPPRESS, help=text)
-        else:
-            action = where.add_argument(flag, dest=k.name, type=k.kind,
-                                        default=argparse.SUPPRESS, help=text,
-                                        metavar=k.metavar or ("N" if k.kind is int else "X"))
-    for old in k.old_flags:
-        deprecated_alias(where, action, old)
 
 
 def config_from_args(args: argparse.Namespace, world: int | None) -> TrainConfig:

@@ -1,16 +1,20 @@
 """What the HTTP routes serve (`tpkit.serve.http`): the engine, the model's name, the
-tokenizer and the limits, with the two steps of a POST that are not HTTP: its body to a
-validated request and prompt ids (`parse`, `parse_embeddings`), and their submission
-(`submit`, `embed`: the engine's refusals as OpenAI's errors). The engine is an
-`Engine` (a decoder: completions) or, for an encoder, an `Embedder` (embeddings).
+tokenizer and the limits, with the part of a POST that is not HTTP, in one call
+(`post`: a `Posted`): its body to a validated request and prompt ids (`parse`,
+`parse_embeddings`), and their submission (`submit`, `embed`: the engine's refusals as
+OpenAI's errors). The engine is an `Engine` (a decoder: completions) or, for an
+encoder, an `Embedder` (embeddings).
 """
 
 from __future__ import annotations
 
 import copy
+import dataclasses
+import functools
 import hmac
 import threading
 import time
+from dataclasses import dataclass
 
 from tpkit.serve import openai_api as api
 from tpkit.serve import protocol, tools
@@ -18,7 +22,7 @@ from tpkit.serve.embedder import Embedder, EmbedJob
 from tpkit.serve.engine import Engine, TooLong
 from tpkit.serve.loop import unwell
 from tpkit.serve.openai_api import MAX_BODY
-from tpkit.serve.request import Request, RequestFailed
+from tpkit.serve.request import Done, Request, RequestFailed
 from tpkit.serve.responses import to_chat
 from tpkit.spec.errors import UserError
 from tpkit.weights.tokenizer import bytes_per_token
@@ -33,6 +37,34 @@ def fingerprint(model) -> str:
     dtype = "?" if first is None else str(first.dtype).removeprefix("torch.")
     mesh = getattr(model, "mesh", None)
     return f"tpkit-{__version__}-{dtype}-tp{mesh.tp_size if mesh else 1}"
+
+
+COMPLETIONS, CHAT, RESPONSES, EMBEDDINGS = "completions", "chat", "responses", "embeddings"
+
+
+@dataclass
+class Posted:
+    """One POST, parsed and submitted (`App.post`): what its answer is made from."""
+
+    kind: str  # COMPLETIONS, CHAT, RESPONSES or EMBEDDINGS: the route
+    asked: object  # the validated request (`protocol`)
+    prompts: list[list[int]]  # the ids of each prompt (of each input, embeddings)
+    handles: list  # its Requests (n choices of each prompt), or its one EmbedJob
+
+    @property
+    def chat(self) -> bool:
+        """Answered as a chat (the Responses API's too)."""
+        return self.kind in (CHAT, RESPONSES)
+
+    @property
+    def stream(self) -> bool:
+        """Answered as server-sent events."""
+        return bool(getattr(self.asked, "stream", False))
+
+    def cancel(self) -> None:
+        """Its generations (or its embedding) stop: their blocks are freed at the next step."""
+        for h in self.handles:
+            h.cancel()
 
 
 class App:
@@ -185,6 +217,40 @@ class App:
             raise api.ApiError(400, str(e)) from None
         except RequestFailed as e:
             raise api.ApiError(e.status, str(e)) from None
+
+    def post(self, kind: str, raw: bytes, put) -> Posted:
+        """A POST body of route `kind` parsed and submitted, in one call (the HTTP layer
+        makes it in a thread of its pool): its events go to put(index, event) (an
+        embedding's: one Done once its job is); ApiError for a bad or refused body,
+        nothing of it left running."""
+        if kind == EMBEDDINGS:
+            asked, inputs = self.parse_embeddings(raw)
+            return Posted(kind, asked, inputs, [self.embed(inputs, functools.partial(
+                put, 0, Done("embedded")))])
+        chat = kind != COMPLETIONS
+        asked, prompts = self.parse(raw, chat, kind == RESPONSES)
+        return Posted(kind, asked, prompts, self.submit_all(prompts, asked.sampling(),
+                                                            asked.n or 1, put, chat))
+
+    def submit_all(self, prompts: list[list[int]], params, n: int, put, chat: bool
+                   ) -> list[Request]:
+        """n choices of each prompt (choice i of prompt p: index p * n + i; a seed s gives
+        choice i the seed s ^ i); their events go to put(index, event); they take their
+        turns as one (the first one's group). One refused: those submitted are
+        cancelled, the ApiError raised."""
+        reqs: list[Request] = []
+        try:
+            for ids in prompts:
+                for i in range(n):
+                    q = params if i == 0 or params.seed is None else \
+                        dataclasses.replace(params, seed=params.seed ^ i)
+                    reqs.append(self.submit(ids, q, functools.partial(put, len(reqs)), chat,
+                                            reqs[0].id if reqs else None))
+        except api.ApiError:
+            for r in reqs:
+                r.cancel()
+            raise
+        return reqs
 
     def tool_answer(self, asked, text: str, reason: str | None) -> tuple[dict, str | None]:
         """(the assistant's message, the finish reason) of a chat answer that may call

@@ -76,11 +76,10 @@ class Embedder(Intake):
         self.tokens_per_forward = tokens_per_forward or max_batch * self.max_len
         if self.tokens_per_forward < 1:
             raise UserError(f"tokens_per_forward={tokens_per_forward} must be >= 1")
-        self.runner = runner or Runner(model, 1, model.config.max_seq_len)
+        super().__init__(model, runner)
         self.width = model.config.hidden
         self.metrics, self.tokenizer_lock = Metrics(), threading.Lock()
         self.waiting: deque[EmbedJob] = deque()
-        super().__init__()
 
     def limit_text(self) -> str:
         """Where the longest input comes from ('max positions 512, max_seq_length 256')."""

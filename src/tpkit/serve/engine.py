@@ -55,11 +55,12 @@ from torch import nn
 
 from tpkit.model.paged_kv import EVERY, LAST, PagedCache
 from tpkit.serve.blocks import BlockPool
+from tpkit.serve.config import PREFILL_PER_STEP, refuse
 from tpkit.serve.logits import shaped
 from tpkit.serve.masks import Lead
 from tpkit.serve.metrics import Metrics, Pacing
 from tpkit.serve.output import OutputProcessor
-from tpkit.serve.pacing import Pacer, check_ratio
+from tpkit.serve.pacing import Pacer
 from tpkit.serve.params import SamplingParams
 from tpkit.serve.request import Request, RequestFailed, Token
 from tpkit.serve.runner import Runner
@@ -67,7 +68,6 @@ from tpkit.serve.scheduler import Scheduler, SchedulerOutput
 from tpkit.serve.speculate import Speculator
 from tpkit.spec.errors import UserError
 
-PREFILL_PER_STEP = 256  # prompt tokens computed per step (pieces of longer prompts)
 PIECE = 64  # the batch-invariant mode's prompt pieces (a multiple of the block size)
 
 
@@ -78,9 +78,11 @@ class TooLong(UserError):
 class Intake:
     """What the serving loop (`serve.loop`) needs of an engine besides its steps: one lock
     over submissions, refused (503) once `stop_accepting` was called, each given the next
-    id, and a wake-up for the loop waiting for work. `Engine` and `Embedder` are ones."""
+    id, and a wake-up for the loop waiting for work; and rank 0's executor (`runner`, the
+    one built on rank 0; a follower's: `serve.workers`). `Engine` and `Embedder` are ones."""
 
-    def __init__(self) -> None:
+    def __init__(self, model: nn.Module, runner: Runner | None = None) -> None:
+        self.runner = runner or Runner(model)
         self.looping = False  # True while a serving loop calls step()
         self.stepping: float | None = None  # when the loop's step in flight began (monotonic)
         self.accepting = True
@@ -126,17 +128,13 @@ class Engine(Intake):
                  piece: int = PIECE, itl_ratio: float = 0.0,
                  runner: Runner | None = None, speculator: Speculator | None = None
                  ) -> None:
-        check_ratio(itl_ratio)
-        if prefill_per_step < 0:
-            raise UserError(f"prefill_per_step={prefill_per_step} must be >= 0 (0: no limit)")
-        if max_batch < 1 or (decode_chunk is not None and decode_chunk < 1):
-            raise UserError(f"max_batch={max_batch} and decode_chunk={decode_chunk} "
-                            f"must be >= 1")
+        refuse(itl_ratio=itl_ratio, prefill_per_step=prefill_per_step, max_batch=max_batch,
+               decode_chunk=decode_chunk)  # `ServeConfig`'s checks, by their fields
         max_len = max_len or model.config.max_seq_len
         if max_len > model.config.max_seq_len:
             raise UserError(f"max_len={max_len} exceeds the model's max_seq_len="
                             f"{model.config.max_seq_len}")
-        self.runner = runner or Runner(model, max_batch, max_len, decode_chunk)
+        super().__init__(model, runner)
         block_size = self.runner.cache.block_size  # every rank's (runner.BLOCK_SIZE)
         self.model, self.tokenizer = model, tokenizer
         self.max_batch, self.max_len = max_batch, max_len
@@ -166,7 +164,6 @@ class Engine(Intake):
         self.tokenizer_lock = self.outputs.lock
         self.masks = Lead(model.group.size > 1)  # grammars' masks on every rank's shard
         self.metrics = Metrics()
-        super().__init__()
 
     # -- requests in -------------------------------------------------------------------
     def submit(self, prompt_ids: list[int], params: SamplingParams | None = None,

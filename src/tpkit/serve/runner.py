@@ -52,16 +52,14 @@ INLINE = 124  # payload integers sent with the header (a 1 KB message)
 class Runner:
     """The model and its paged KV cache on one rank; `lead_*` on rank 0, `follow` elsewhere.
 
-    `slots`, `max_len` and `chunk` are the engine's (rank 0 plans with them; a follower
-    needs only the model, and grows its cache to what each plan says)."""
+    It needs only the model: rank 0 plans with the engine's limits (`serve.config`), and
+    every rank grows its cache to what each plan says. Built once on rank 0 (the
+    engine's, `engine.Intake`) and once on each follower (`serve.workers.follow`)."""
 
-    def __init__(self, model: nn.Module, slots: int = 8, max_len: int | None = None,
-                 chunk: int | None = None, block_size: int = BLOCK_SIZE,
-                 mirrors: Mirrors | None = None) -> None:
+    def __init__(self, model: nn.Module, mirrors: Mirrors | None = None,
+                 block_size: int = BLOCK_SIZE) -> None:
         self.model, self.group = model.eval(), model.group
         self.mirrors = mirrors or Mirrors()  # a follower's grammars (`serve.masks`)
-        self.slots, self.chunk = slots, chunk
-        self.max_len = max_len or model.config.max_seq_len
         self.cache = PagedCache(model, block_size)
         self.device = self.cache.device
         self.steps = self.expected = 0  # steps run; of them, readied before their plan came
@@ -148,7 +146,7 @@ class Runner:
         self._header(STOP)
 
     @staticmethod
-    def stop_followers(model: nn.Module, slots: int = 0) -> None:
+    def stop_followers(model: nn.Module) -> None:
         """Rank 0, with or without a Runner: STOP to the followers."""
         h = torch.zeros(4 + INLINE, dtype=torch.long, device=next(model.parameters()).device)
         h[0] = STOP

@@ -1,17 +1,20 @@
-"""The one follower loop: a rank other than its tp group's first loads its slices of the
-model and runs rank 0's steps (`Runner.follow`) until rank 0 says STOP. `tpkit generate`
-and `tpkit serve` hand it to `tpkit.launch.launch` as `follow=`, which runs it on every
-such rank: spawned local processes (their `dead()` names one that died, so that the
-server can answer 503 and stop with one line naming the rank) or torchrun's.
+"""The ranks' start: every rank loads its slices of the model as the `ServeConfig` says
+(`load`), and a rank other than its tp group's first runs rank 0's steps
+(`Runner.follow`) until rank 0 says STOP. `tpkit generate` and `tpkit serve` hand
+`follow` to `tpkit.launch.launch` as `follow=`, which runs it on every such rank:
+spawned local processes (their `dead()` names one that died, so that the server can
+answer 503 and stop with one line naming the rank) or torchrun's.
 
-    launch(lead, ..., follow=(follow, (source, slots, max_len, chunk, dtype)))
+    launch(lead, ..., follow=(follow, (source, config)))
 """
 
 from __future__ import annotations
 
 import torch
+from torch import nn
 
 from tpkit.mesh import ParallelMesh
+from tpkit.serve.config import ServeConfig
 from tpkit.serve.grammar import Grammars
 from tpkit.serve.masks import Mirrors
 from tpkit.serve.runner import Runner
@@ -19,13 +22,18 @@ from tpkit.weights.sources import load_model, source_tokenizer
 from tpkit.weights.tokenizer import load_tokenizer
 
 
-def follow(mesh: ParallelMesh, source, slots: int, max_len: int | None, chunk: int | None,
-           dtype: torch.dtype | None = None, quantize: str | None = None) -> None:
-    """A follower rank: load this rank's slices of `source` (opened by the command) in
-    `dtype` (`quantize`: then as int8), then run rank 0's steps until told to stop
-    (max_len None or 0: the model's). Its grammars' mirrors (`serve.masks`) load the
-    source's tokenizer when the first grammar comes."""
-    model = load_model(source, mesh, dtype=dtype, decode=True, quantize=quantize)
+def load(source, mesh: ParallelMesh, config: ServeConfig) -> nn.Module:
+    """This rank's slices of `source` (opened by the command) for decoding, in the
+    config's dtype (`quantize`: then as int8): what every rank, rank 0 included, serves."""
+    return load_model(source, mesh, dtype=getattr(torch, config.dtype), decode=True,
+                      quantize=config.quantize)
+
+
+def follow(mesh: ParallelMesh, source, config: ServeConfig) -> None:
+    """A follower rank: load as rank 0 does (`load`), then run rank 0's steps until told
+    to stop. Its grammars' mirrors (`serve.masks`) load the source's tokenizer when the
+    first grammar comes."""
+    model = load(source, mesh, config)
     mirrors = Mirrors(lambda: Grammars(load_tokenizer(source_tokenizer(source)),
                                        model.config.vocab_size))  # rank 0's tokenizer
-    Runner(model, slots, max_len or model.config.max_seq_len, chunk, mirrors=mirrors).follow()
+    Runner(model, mirrors).follow()

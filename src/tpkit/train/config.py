@@ -18,10 +18,7 @@ from tpkit.parallel.schedules import CHUNKED, SCHEDULES, schedule_problems
 from tpkit.spec.config import LORA_TARGETS, get_preset
 from tpkit.spec.errors import UserError
 from tpkit.spec.grid import world_of
-from tpkit.spec.shapes import LOSS_CHUNK_SAYS, chunks_problem, interleave_problem, loss_chunk_ok
-from tpkit.spec.theory import FSDP_RESHARD
-from tpkit.train.config_file import read_toml
-from tpkit.train.config_knobs import (
+from tpkit.spec.knobs import (
     AT_LEAST_0,
     COUNT,
     POSITIVE_INT,
@@ -30,6 +27,9 @@ from tpkit.train.config_knobs import (
     knob_problems,
     sections,
 )
+from tpkit.spec.shapes import LOSS_CHUNK_SAYS, chunks_problem, interleave_problem, loss_chunk_ok
+from tpkit.spec.theory import FSDP_RESHARD
+from tpkit.train.config_file import read_toml
 from tpkit.train.data import assistant_mask_problem, read_by_the_model
 from tpkit.train.trackers import problems
 from tpkit.weights.hf import hf_config
@@ -55,7 +55,7 @@ def _trackers_check(name: str, value: str) -> list[str]:
 
 @dataclass(frozen=True)
 class TrainConfig:
-    """A training run: each field a knob (`tpkit.train.config_knobs`), which is also its
+    """A training run: each field a knob (`tpkit.spec.knobs`), which is also its
     flag, TOML key and --help line, in its section."""
 
     preset: str = MODEL.knob("gpt2-tiny", "model preset (`tpkit presets` lists them)",

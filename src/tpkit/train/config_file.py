@@ -9,7 +9,7 @@
     [logging]          out = "runs/llama"   log = "tensorboard"
     [reliability]      collective_timeout = 300.0
 
-Every key is a knob of `TrainConfig` (`tpkit.train.config_knobs`: its section, type and
+Every key is a knob of `TrainConfig` (`tpkit.spec.knobs`: its section, type and
 resume rule are declared with it), dashes allowed, in its section or at the top level
 (the flat files of earlier versions still read). An unknown key or section, a key in
 the wrong section or a value of the wrong type is one error naming it (and the nearest
@@ -27,7 +27,7 @@ import sys
 from pathlib import Path
 
 from tpkit.spec.errors import UserError
-from tpkit.train.config_knobs import Knob, knobs, sections
+from tpkit.spec.knobs import Knob, knobs, sections
 from tpkit.weights.files import MANIFEST
 
 if sys.version_info >= (3, 11):

@@ -1,6 +1,8 @@
-"""One declaration per knob of `tpkit train`: a `TrainConfig` field made by
+"""One declaration per knob: a field of a config dataclass (`tpkit train`'s
+`TrainConfig`, `tpkit serve`'s and `tpkit generate`'s `ServeConfig`) made by
 `Section.knob`, with its default, help, choices, checks and resume rule; its type is
-the field's annotation. Everything else is generated from the declarations:
+the field's annotation (int, float, str, bool, `X | None`, or `tuple[str, ...]`: a
+repeatable flag). Everything else is generated from the declarations:
 
     OPTIMIZER = Section("optimizer", "AdamW and its learning rate")
     warmup: int = OPTIMIZER.knob(10, "warmup steps", check=COUNT)     # in TrainConfig
@@ -9,7 +11,9 @@ the field's annotation. Everything else is generated from the declarations:
     [optimizer] warmup = 10              its key in a file (`tpkit.train.config_file`)
     warmup=-1 must be an integer >= 0    its check (`TrainConfig.problems`, exit 2)
 
-A bool knob is a flag: --name when its default is False, --no-name when True.
+A bool knob is a flag: --name when its default is False, --no-name when True. The flags
+are `tpkit.commands.common.add_knobs`'; pure Python, at the bottom of the layers, so that
+every command can declare its knobs here.
 """
 
 from __future__ import annotations
@@ -42,7 +46,8 @@ AT_LEAST_0 = Check(lambda v: v >= 0, "must be a number >= 0")
 
 @dataclass(frozen=True)
 class Section:
-    """A group of knobs: one TOML section, one heading of `tpkit train --help`."""
+    """A group of knobs: one TOML section, one heading of the command's --help (two
+    sections of one name share their heading)."""
 
     name: str
     about: str  # one line under the heading
@@ -83,6 +88,7 @@ class Knob:
     fixed: str | None
     noted: bool
     old_flags: tuple[str, ...]  # former spellings of `option` (deprecated aliases)
+    many: bool = False  # a tuple of `kind`s: a repeatable flag
 
     @property
     def option(self) -> str:
@@ -96,29 +102,38 @@ class Knob:
         """Whether `value` is of this knob's type (an integer for a float: yes)."""
         if value is None:
             return self.optional
+        if self.many:
+            return isinstance(value, tuple) and all(map(self._fits_one, value))
+        return self._fits_one(value)
+
+    def _fits_one(self, value) -> bool:
         if self.kind is float:
             return isinstance(value, (int, float)) and not isinstance(value, bool)
         return isinstance(value, self.kind) and isinstance(value, bool) == (self.kind is bool)
 
     def typed(self, value):
         """`value` as this knob holds it: an integer given for a float knob, a float."""
-        exact = self.kind is not float or value is None or not self.fits(value)
+        exact = self.kind is not float or self.many or value is None or not self.fits(value)
         return value if exact else float(value)
 
-    def type_problem(self, value) -> str | None:
-        """'name='five' is not an integer' when `value` is not of this knob's type."""
+    def type_problem(self, value, name: str | None = None) -> str | None:
+        """'name='five' is not an integer' when `value` is not of this knob's type
+        (`name`: how to call it, default its field's name)."""
         if self.fits(value):
             return None
-        return f"{self.name}={value!r} is not {_KINDS[self.kind]}"
+        kind = _KINDS[self.kind] + (" each" if self.many else "")
+        return f"{name or self.name}={value!r} is not {kind}"
 
-    def problems(self, value) -> list[str]:
-        """Why `value` cannot be this knob's: its type, choices, check (empty: it can)."""
-        bad = self.type_problem(value)
+    def problems(self, value, name: str | None = None) -> list[str]:
+        """Why `value` cannot be this knob's: its type, choices, check (empty: it can).
+        `name`: how the lines call it (default: its field's name; a command: its flag)."""
+        name = name or self.name
+        bad = self.type_problem(value, name)
         if bad or value is None:
             return [bad] if bad else []
         if self.choices is not None and value not in self.choices:
-            return [f"{self.name}={value!r} is not one of {self.choices}"]
-        return self.check(self.name, value) if self.check else []
+            return [f"{name}={value!r} is not one of {self.choices}"]
+        return self.check(name, value) if self.check else []
 
 
 @cache
@@ -129,18 +144,21 @@ def knobs(cls: type) -> tuple[Knob, ...]:
     for f in fields(cls):
         if KNOB not in f.metadata:
             raise TypeError(f"{cls.__name__}.{f.name} is not declared with Section.knob")
-        kind, optional = _kind(hints[f.name])
+        kind, optional, many = _kind(hints[f.name])
         default = f.default if f.default is not MISSING else None
-        out.append(Knob(f.name, kind, optional, default, **f.metadata[KNOB]))
+        out.append(Knob(f.name, kind, optional, default, **f.metadata[KNOB], many=many))
     return tuple(out)
 
 
-def _kind(hint) -> tuple[type, bool]:
-    """int | None -> (int, True); float -> (float, False)."""
+def _kind(hint) -> tuple[type, bool, bool]:
+    """int | None -> (int, True, False); float -> (float, False, False); tuple[str, ...]
+    -> (str, False, True)."""
+    if typing.get_origin(hint) is tuple:
+        return typing.get_args(hint)[0], False, True
     args = [a for a in typing.get_args(hint) if a is not type(None)]
     if args:
-        return args[0], len(args) < len(typing.get_args(hint))
-    return hint, False
+        return args[0], len(args) < len(typing.get_args(hint)), False
+    return hint, False, False
 
 
 def sections(cls: type) -> dict[str, tuple[Knob, ...]]:
