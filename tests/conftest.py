@@ -30,9 +30,9 @@ from tpkit.mesh import ParallelMesh
 # lets a plugin change (every test was its own group, a module fixture built on both).
 TAKE_TURNS = {"test_restart", "test_two_node", "test_torchrun_flags",
               "test_two_hosts"}
-FIRST = ["test_restart", "test_two_node", "test_two_hosts",
-         "test_readme_lines",
-         "test_shutdown", "test_run_safety", "test_determinism", "test_quiz_web"]
+FIRST = ["test_stop_save", "test_restart", "test_two_node", "test_two_hosts",
+         "test_readme_lines", "test_shutdown", "test_run_safety", "test_quiz_web",
+         "test_determinism", "test_compile", "test_hf_families", "test_workflow"]
 
 
 def _group(nodeid: str) -> str:
