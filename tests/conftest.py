@@ -25,26 +25,44 @@ from tpkit.mesh import ParallelMesh
 # file's tests stay together on one worker (its module fixtures built once), the files
 # that start torchrun agents take turns (each an agent and its workers; two at once
 # slowed each other threefold here), and the longest go first so that neither worker is
-# left alone with one at the end.
+# left alone with one at the end. The groups go to xdist through its scheduler hook:
+# its own `xdist_group` marks reach it through the test ids, which pytest 9 no longer
+# lets a plugin change (every test was its own group, a module fixture built on both).
 TAKE_TURNS = {"test_restart", "test_two_node", "test_torchrun_flags",
               "test_two_hosts"}
-FIRST = ["test_restart", "test_two_node", "test_two_hosts",
-         "test_readme_lines",
-         "test_shutdown", "test_run_safety", "test_determinism", "test_quiz_web"]
+FIRST = ["test_stop_save", "test_restart", "test_two_node", "test_two_hosts",
+         "test_readme_lines", "test_shutdown", "test_run_safety", "test_quiz_web",
+         "test_determinism", "test_compile", "test_hf_families", "test_workflow"]
+
+
+def _group(nodeid: str) -> str:
+    """The test's file, or "torchrun" for the files that take turns."""
+    path = nodeid.split("::")[0]
+    return "torchrun" if Path(path).stem in TAKE_TURNS else path
 
 
 def pytest_collection_modifyitems(config, items):
-    def group(item) -> str:
-        name = Path(str(item.fspath)).stem
-        return "torchrun" if name in TAKE_TURNS else name
-
     def rank(item) -> int:
         name = Path(str(item.fspath)).stem
         return FIRST.index(name) if name in FIRST else len(FIRST)
 
     items.sort(key=rank)  # stable: the rest keep their order
-    for item in items:
-        item.add_marker(pytest.mark.xdist_group(group(item)))
+
+
+@pytest.hookimpl(optionalhook=True)
+def pytest_xdist_make_scheduler(config, log):
+    """`--dist loadgroup`: one work unit per `_group`, handed out in collection order."""
+    if config.getvalue("dist") != "loadgroup":
+        return None
+    from xdist.scheduler import LoadScopeScheduling
+
+    config.option.loadscopereorder = False  # not by count of tests: FIRST's order
+
+    class ByGroup(LoadScopeScheduling):
+        def _split_scope(self, nodeid: str) -> str:
+            return _group(nodeid)
+
+    return ByGroup(config, log)
 
 
 class Pools:

@@ -7,17 +7,13 @@ what the installed `tpkit` runs; one process, so torch is imported once), with
 simulated hosts have their own test in test_quiz.py), `--compile-backend eager` added
 where `--compile` appears (Inductor's C++ code generation takes minutes on a 2-core machine;
 benchmarks/compile_speedup.py runs it) and the quiz's eight answers on its stdin. A
-line that refuses what an earlier line left (a shared --out) fails here.
-
-The fine-tuning block runs whole, as pasted (its shell variable and its multi-line
-`python -c` included): `tpkit generate` must print text after the prompt, not blanks,
-and transformers' greedy text must be the start of it."""
+line that refuses what an earlier line left (a shared --out) fails here. The fine-tuning
+block runs whole, as pasted, in test_workflow.py (the checks of its outputs beside it)."""
 
 from __future__ import annotations
 
 import io
 import re
-import runpy
 import shlex
 import sys
 from pathlib import Path
@@ -73,47 +69,3 @@ def test_every_line_of_what_you_can_do_runs_one_after_another(tmp_path, monkeypa
         monkeypatch.setattr(sys, "stdin", io.StringIO("1\n" * 8))  # the quiz's answers
         code = main(reduced(line))
         assert code == 0, f"{line}\n{capsys.readouterr().err[-3000:]}"
-
-
-def commands(block: str):
-    """The argv of each command of a bash block: continued lines joined, a quote left open
-    continued on the next lines, `NAME=value` assignments applied to later `$NAME`s."""
-    names: dict[str, str] = {}
-    text = ""
-    for line in block.replace("\\\n", " ").splitlines():
-        text += line + "\n"
-        try:
-            argv = shlex.split(re.sub(r"\$(\w+)", lambda m: names[m.group(1)], text),
-                               comments=True)
-        except ValueError:  # a quotation still open
-            continue
-        text = ""
-        if len(argv) == 1 and re.fullmatch(r"\w+=\S*", argv[0]):
-            names.update([argv[0].split("=", 1)])
-        elif argv:
-            yield argv
-
-
-@pytest.mark.slow
-@pytest.mark.timeout(900)
-def test_the_fine_tuning_block_runs_and_generates_text(tmp_path, monkeypatch, capfd):
-    monkeypatch.chdir(tmp_path)
-    text = (ROOT / "README.md").read_text()
-    section = text[text.index("\n### Fine-tune a Hugging Face model\n"):]
-    block = re.search(r"```bash\n(.*?)```", section, re.S).group(1)
-    said = {}
-    for argv in commands(block):
-        if argv[0] == ".venv/bin/tpkit":
-            assert main(argv[1:]) == 0, (argv, capfd.readouterr().err[-3000:])
-        elif argv[:2] == [".venv/bin/python", "-c"]:
-            exec(compile(argv[2], "README.md", "exec"), {"__name__": "__readme__"})
-        else:
-            assert argv[0] == ".venv/bin/python" and argv[1].startswith("tests/"), argv
-            monkeypatch.setattr(sys, "argv", [str(ROOT / argv[1]), *argv[2:]])
-            runpy.run_path(str(ROOT / argv[1]), run_name="__main__")
-        said[argv[1]] = capfd.readouterr().out
-    prompt = "Tensor parallelism splits"
-    ours = next(s for s in said["generate"].splitlines() if s.startswith(prompt))
-    assert ours.removeprefix(prompt).strip(), f"generate printed blanks: {ours!r}"
-    theirs = said["-c"].strip()
-    assert theirs.startswith(prompt) and ours.startswith(theirs), (ours, theirs)

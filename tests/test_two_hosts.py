@@ -1,8 +1,9 @@
 """Two simulated hosts (`tpkit cluster`: network namespaces, each with its own hostname,
 /dev/shm and TCP/IP stack, joined by 1 Gbit/s links): torchrun's two agents (`--nnodes
 2`, 2 processes each, `--master_addr` host A's name) train tp=2 inside each host x pp=2
-across them. Each rank's start-up line names its groups' transports: shared memory for
-tp (inside a host), gloo over the hosts' link for pp (GLOO_SOCKET_IFNAME set from the
+across them. Each rank's start-up line names its tp group (host A's ranks 0 and 1, so
+no warning of a tp group across nodes: test_two_node's tp=4 has one) and its groups'
+transports: shared memory for tp (inside a host), gloo over the hosts' link for pp (GLOO_SOCKET_IFNAME set from the
 route to the master). Every step's loss equals the same run on one host.
 
 Losing a host: torchrun's c10d rendezvous with `--max-restarts`, every process of host B
@@ -90,8 +91,11 @@ def test_tp_inside_hosts_pp_across_matches_one_host(tmp_path, cluster):
     for p in procs:
         assert p.returncode == 0, p.stderr[-3000:]
     said = "".join(p.stdout for p in procs)
-    ranks = dict(re.findall(r"rank (\d): ParallelMesh.*transports: ([^\n]*)", said))
-    assert ranks == {r: "tp shm, pp gloo over eth0" for r in "0123"}, said[-3000:]
+    ranks = {r: (g, t) for r, g, t in re.findall(
+        r"rank (\d): ParallelMesh.*tp group \[([\d, ]+)\], transports: ([^\n]*)", said)}
+    assert ranks == {r: ("0, 1" if r in "01" else "2, 3", "tp shm, pp gloo over eth0")
+                     for r in "0123"}, said[-3000:]  # torchrun's numbering: host A has 0, 1
+    assert "tensor-parallel group of tp=" not in "".join(p.stderr for p in procs)  # no warning
 
     one = subprocess.run([sys.executable, *TRAIN, "--out", str(tmp_path / "one")], env=env,
                          text=True, capture_output=True, timeout=400)

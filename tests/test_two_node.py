@@ -1,10 +1,11 @@
 """Two "nodes" on this machine: two torchrun agents (--nnodes 2, --node_rank 0 and 1,
 2 processes each, so LOCAL_WORLD_SIZE=2) run `tpkit train` together.
 
-tp=2 x dp=2: torchrun numbers node 0's processes 0,1 and node 1's 2,3, and the mesh
-puts tp innermost, so each tp group is one node's pair and only dp crosses nodes.
 tp=4 x dp=1 must span both nodes: the run still trains but warns, with the reason
-(4 all-reduces of the activations per layer and micro-batch over the slow link).
+(4 all-reduces of the activations per layer and micro-batch over the slow link) and the
+planner's price. Its converse, tp=2 inside each node's pair (torchrun numbers node 0's
+processes 0,1 and node 1's 2,3) without a warning: test_two_hosts, whose two agents on two
+simulated hosts run the same 2 x 2 processes.
 """
 
 from __future__ import annotations
@@ -70,15 +71,11 @@ def _tp_groups(procs) -> dict[int, list[int]]:
 
 
 @pytest.mark.slow
-@pytest.mark.timeout(1200)  # two 4-process runs; a loaded 2-core machine
-def test_tp_stays_inside_a_node_and_tp_across_nodes_warns(tmp_path):
-    procs = _two_agents(tmp_path / "tp2", "--tp", "2")
-    assert _tp_groups(procs) == {0: [0, 1], 1: [0, 1], 2: [2, 3], 3: [2, 3]}
-    assert "TopologyWarning" not in procs[0].stderr + procs[1].stderr
-    assert "loss" in procs[0].stdout and "dp=2" in procs[0].stdout  # rank 0 reports
-
+@pytest.mark.timeout(600)  # a 4-process run; a loaded 2-core machine
+def test_tp_across_nodes_warns(tmp_path):
     procs = _two_agents(tmp_path / "tp4", "--tp", "4")
     assert _tp_groups(procs) == {r: [0, 1, 2, 3] for r in range(4)}
+    assert "loss" in procs[0].stdout  # it still trains; rank 0 reports
     err = procs[0].stderr + procs[1].stderr
     assert "tensor-parallel group of tp=4 spans 2 nodes of 2 ranks each" in err
     assert "keep tp <= 2" in err

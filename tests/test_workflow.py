@@ -1,20 +1,30 @@
-"""The user's workflow end to end, as the README shows it:
+"""The user's workflow end to end: README.md's fine-tuning block, run whole as pasted (its
+shell variable and its multi-line `python -c` included) in one fresh folder, once for the
+module, through the CLI's entry (`tpkit.cli.main`, what the installed `tpkit` runs):
 
     Hugging Face folder (tiny random Llama + a BPE tokenizer trained here)
       -> tpkit prepare-data corpus.txt --tokenizer HF --out data
-      -> tpkit train --from-hf HF --data data --tp 2 --pp 2 --steps 3, then resumed to 6
-      -> tpkit convert CKPT OUT --to hf          (weights + the tokenizer files)
-      -> transformers loads OUT and generates
+      -> tpkit train --from-hf HF --data data --tp 2 --pp 2, then resumed to more steps
+      -> tpkit convert RUN OUT --to hf           (weights + the tokenizer files)
+      -> tpkit generate, and transformers loads OUT and generates
 
-Checked: the fine-tuned loss goes down across the resume; the exported model's logits
-equal tpkit's from the checkpoint (at tp=1 and tp=2) within 1e-4; tpkit's greedy
-generate equals transformers' greedy generate, token ids and text, for a batch of
-prompts of different lengths (left padding) and for one prompt through the CLI.
+Checked: `tpkit generate` prints text after the prompt, not blanks, and transformers'
+greedy text is the start of it; the fine-tuned loss goes down across the resume; the
+exported model's logits equal tpkit's from the checkpoint (at tp=1 and tp=2) within 1e-4;
+tpkit's greedy generate equals transformers' greedy generate, token ids and text, for a
+batch of prompts of different lengths (left padding) and for one prompt through the CLI.
 """
 
 from __future__ import annotations
 
-import argparse
+import contextlib
+import io
+import json
+import re
+import runpy
+import shlex
+import sys
+from pathlib import Path
 
 import pytest
 import torch
@@ -22,25 +32,19 @@ import transformers
 
 from helpers import generate_args
 from hf_folders import TEXT, tiny_llama_folder
-from tpkit.checkpoint import load_model
+from tpkit.checkpoint import latest, load_model
 from tpkit.cli import main
 from tpkit.comm import all_gather
 from tpkit.commands import generate as generate_cmd
-from tpkit.commands.train import add_arguments, config_from_args, resume_dir
 from tpkit.mesh import ParallelMesh
 from tpkit.model.generate import generate, pad_left
 from tpkit.spec.errors import UserError
-from tpkit.train.loop import train
 from tpkit.weights.tokenizer import load_tokenizer
 
+ROOT = Path(__file__).resolve().parents[1]
 PROMPTS = ["Tensor parallelism splits", "the pipeline sends activations from stage 2 to",
            "one all-reduce"]
 NEW = 12
-
-
-def train_worker(mesh, cfg):
-    r = train(cfg, mesh)
-    return dict(losses=r.losses, first_step=r.first_step, checkpoint=r.checkpoint)
 
 
 def logits_worker(mesh, ckpt, ids):
@@ -58,42 +62,84 @@ def generate_worker(mesh, ckpt, prompts, eos=None):
     return out[:, ids.shape[1]:]
 
 
-def train_config(argv: list[str]):
-    """The TrainConfig `tpkit train` runs (--resume resolved to one checkpoint, as there)."""
-    parser = argparse.ArgumentParser()
-    add_arguments(parser)
-    cfg = config_from_args(parser.parse_args(argv), None)
-    return cfg.with_(resume=resume_dir(cfg))
+def commands(block: str):
+    """The argv of each command of a bash block: continued lines joined, a quote left open
+    continued on the next lines, `NAME=value` assignments applied to later `$NAME`s."""
+    names: dict[str, str] = {}
+    text = ""
+    for line in block.replace("\\\n", " ").splitlines():
+        text += line + "\n"
+        try:
+            argv = shlex.split(re.sub(r"\$(\w+)", lambda m: names[m.group(1)], text),
+                               comments=True)
+        except ValueError:  # a quotation still open
+            continue
+        text = ""
+        if len(argv) == 1 and re.fullmatch(r"\w+=\S*", argv[0]):
+            names.update([argv[0].split("=", 1)])
+        elif argv:
+            yield argv
+
+
+def run_line(argv: list[str]) -> None:
+    """One line of the block: a tpkit command, a `python -c` or a script of tests/."""
+    if argv[0] == ".venv/bin/tpkit":
+        assert main(argv[1:]) == 0, argv
+    elif argv[:2] == [".venv/bin/python", "-c"]:
+        exec(compile(argv[2], "README.md", "exec"), {"__name__": "__readme__"})
+    else:
+        assert argv[0] == ".venv/bin/python" and argv[1].startswith("tests/"), argv
+        with pytest.MonkeyPatch.context() as mp:
+            mp.setattr(sys, "argv", [str(ROOT / argv[1]), *argv[2:]])
+            runpy.run_path(str(ROOT / argv[1]), run_name="__main__")
 
 
 @pytest.fixture(scope="module")
-def workflow(tmp_path_factory, run_tp):
+def workflow(tmp_path_factory):
+    """The block run in a fresh folder: the folder, and each line's argv and stdout."""
     root = tmp_path_factory.mktemp("workflow")
-    hf = tiny_llama_folder(root / "hf")
-    (root / "corpus.txt").write_text(TEXT)
-    assert main(["prepare-data", str(root / "corpus.txt"), "--tokenizer", str(hf),
-                 "--out", str(root / "data"), "--no-progress"]) == 0
-    flags = ["--from-hf", str(hf), "--data", str(root / "data"), "--tp", "2", "--pp", "2",
-             "--micro-batches", "2", "--global-batch", "8", "--seq", "32", "--lr", "3e-3",
-             "--warmup", "1", "--eval-every", "0", "--out", str(root / "run"), "--no-progress"]
-    cfg = train_config(flags + ["--steps", "3"]).with_(plot=False)
-    first = run_tp(train_worker, 2, cfg, pp=2)[0]
-    cfg = train_config(flags + ["--steps", "6", "--resume", str(root / "run")]).with_(plot=False)
-    second = run_tp(train_worker, 2, cfg, pp=2)[0]
-    ckpt = second["checkpoint"]
-    assert main(["convert", ckpt, str(root / "export"), "--to", "hf"]) == 0
-    return dict(root=root, hf=hf, ckpt=ckpt, first=first, second=second,
-                export=root / "export")
+    text = (ROOT / "README.md").read_text()
+    section = text[text.index("\n### Fine-tune a Hugging Face model\n"):]
+    block = re.search(r"```bash\n(.*?)```", section, re.S).group(1)
+    said = []
+    with pytest.MonkeyPatch.context() as mp:
+        mp.chdir(root)
+        for argv in commands(block):
+            with contextlib.redirect_stdout(io.StringIO()) as out:
+                run_line(argv)
+            said.append((argv, out.getvalue()))
+    return dict(root=root, said=said, hf=root / "tiny-llama", export=root / "export",
+                ckpt=str(latest(root / "run")))
+
+
+def _printed(workflow, command: str) -> list[str]:
+    return [out for argv, out in workflow["said"] if argv[1] == command]
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(900)
+def test_the_fine_tuning_block_runs_and_generates_text(workflow):
+    prompt = "Tensor parallelism splits"
+    ours = next(s for s in _printed(workflow, "generate")[0].splitlines()
+                if s.startswith(prompt))
+    assert ours.removeprefix(prompt).strip(), f"generate printed blanks: {ours!r}"
+    theirs = _printed(workflow, "-c")[0].strip()
+    assert theirs.startswith(prompt) and ours.startswith(theirs), (ours, theirs)
 
 
 @pytest.mark.slow
 @pytest.mark.timeout(300)
 def test_finetune_resume_lowers_the_loss(workflow):
-    first, second = workflow["first"], workflow["second"]
-    assert second["first_step"] == 4  # resumed after step 3, not restarted
-    losses = first["losses"] + second["losses"]
-    print("fine-tune losses", " ".join(f"{x:.4f}" for x in losses))
-    assert len(losses) == 6 and losses[-1] < losses[0] - 0.3, losses
+    trains = [argv for argv, _ in workflow["said"] if argv[1] == "train"]
+    assert len(trains) == 2 and "--resume" in trains[1]
+    steps = [int(t[t.index("--steps") + 1]) for t in trains]
+    resumed = re.search(r"loss [\d.]+ \(step (\d+)\)", _printed(workflow, "train")[1])
+    assert resumed and int(resumed[1]) == steps[0] + 1  # resumed after the first run
+    rows = [json.loads(r) for r in (workflow["root"] / "run" / "metrics.jsonl").open()]
+    losses = [r["loss"] for r in rows if "loss" in r]
+    assert [r["step"] for r in rows if "loss" in r] == list(range(1, steps[1] + 1))
+    print("fine-tune losses", " ".join(f"{x:.4f}" for x in losses[::10]))
+    assert losses[-1] < losses[0] - 0.3, losses
 
 
 @pytest.mark.slow
