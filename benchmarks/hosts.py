@@ -12,13 +12,14 @@ contender runs once, the order rotating: torchrun's two agents (`--nnodes 2
     tp=4          tp across the two hosts (every all-reduce over the link)
     tp=2 x dp=2   tp inside each host, the gradients' all-reduce across
 
-Beside each, the planner's prediction from a calibration of the same link: `tpkit
-calibrate` on the machine (its cores, shared memory between the ranks of a host), then
-per cluster `tpkit calibrate --across` under torchrun, one process per host (gloo over
-the link, written as the profile's inter link; the hosts share the machine's cores and
-each has one port), and `tpkit.plan.evaluate` of the same run (model, sequence, batch,
+Beside each, the planner's prediction from a calibration of the same link under the
+same load: each round starts with `tpkit calibrate` of the machine (its cores, shared
+memory between the ranks of a host), and right before each run `tpkit calibrate
+--across` measures that run's link under torchrun, one process per host (gloo over the
+link, written as the profile's inter link; the hosts share the machine's cores and each
+has one port); `tpkit.plan.evaluate` prices the run (model, sequence, batch,
 micro-batches as `tpkit train` picks them, the dp all-reduce after the backward as
-tpkit's loop runs it).
+tpkit's loop runs it). The planner's error is the median of each run's own ratio.
 
 A run's tokens/s is its tokens over its step time after `--skip` warm-up steps
 (metrics.jsonl); the table shows the median of the rounds and the load average
