@@ -92,7 +92,7 @@ def calibrate_link(base: Path, link: str, layout: Layout, reps: int) -> Path:
     out = Path("bench-results") / f"hosts-{link}.toml"
     out.write_text(base.read_text())
     _agents(layout, ["calibrate", "--across", "--reps", str(reps), "--out", str(out)],
-            "29501", 1)
+            "29501", 2)  # as many per host as the runs
     return out
 
 
