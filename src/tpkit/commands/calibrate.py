@@ -54,9 +54,10 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     deprecated_alias(p, processes, "--nproc")
     p.add_argument("--reps", type=int, default=30, help="timed all-reduces per size")
     p.add_argument("--across", action="store_true",
-                   help="under torchrun, one process per host: time gloo between the hosts "
-                        "and write it as the inter link of the profile at --out (made by a "
-                        "plain `tpkit calibrate` first)")
+                   help="under torchrun on every host: time gloo between the hosts and "
+                        "write it as the inter link of the profile at --out (made by a plain "
+                        "`tpkit calibrate` first); with --nproc_per_node as the run's, both "
+                        "links as the run loads them")
 
 
 HEADER = "# tpkit calibrate"
