@@ -12,13 +12,14 @@ contender runs once, the order rotating: torchrun's two agents (`--nnodes 2
     tp=4          tp across the two hosts (every all-reduce over the link)
     tp=2 x dp=2   tp inside each host, the gradients' all-reduce across
 
-Beside each, the planner's prediction from a calibration of the same link: `tpkit
-calibrate` on the machine (its cores, shared memory between the ranks of a host), then
-per cluster `tpkit calibrate --across` under torchrun, one process per host (gloo over
-the link, written as the profile's inter link; the hosts share the machine's cores and
-each has one port), and `tpkit.plan.evaluate` of the same run (model, sequence, batch,
+Beside each, the planner's prediction from a calibration of the same link under the
+same load: each round starts with `tpkit calibrate` of the machine (its cores, shared
+memory between the ranks of a host), and right before each run `tpkit calibrate
+--across` measures that run's link under torchrun, one process per host (gloo over the
+link, written as the profile's inter link; the hosts share the machine's cores and each
+has one port); `tpkit.plan.evaluate` prices the run (model, sequence, batch,
 micro-batches as `tpkit train` picks them, the dp all-reduce after the backward as
-tpkit's loop runs it).
+tpkit's loop runs it). The planner's error is the median of each run's own ratio.
 
 A run's tokens/s is its tokens over its step time after `--skip` warm-up steps
 (metrics.jsonl); the table shows the median of the rounds and the load average
@@ -75,19 +76,23 @@ def _agents(layout: Layout, argv: list[str], port: str, procs: int) -> list[str]
     return [out for out, _ in outs]
 
 
-def calibrate(clusters: dict[str, Layout], folder: Path, reps: int) -> dict[str, Path]:
-    """The machine's profile, then one per link with that link as its inter link."""
+def calibrate_machine(folder: Path, reps: int) -> Path:
+    """`tpkit calibrate` of the machine (cores, shared memory between a host's ranks)."""
     base = folder / "machine.toml"
-    Path("bench-results").mkdir(exist_ok=True)
+    base.unlink(missing_ok=True)
     subprocess.run([sys.executable, "-m", "tpkit", "calibrate", "--out", str(base), "--reps",
                     str(reps)], check=True, stdout=subprocess.DEVNULL)
-    out = {}
-    for link, layout in clusters.items():
-        out[link] = Path("bench-results") / f"hosts-{link}.toml"  # kept beside the results
-        out[link].write_text(base.read_text())
-        said = _agents(layout, ["calibrate", "--across", "--reps", str(reps), "--out",
-                                str(out[link])], "29501", 1)
-        print(f"{link}: {said[0].splitlines()[0]}", flush=True)
+    return base
+
+
+def calibrate_link(base: Path, link: str, layout: Layout, reps: int) -> Path:
+    """`base` with `link` measured as its inter link (`tpkit calibrate --across`), kept
+    beside the results."""
+    Path("bench-results").mkdir(exist_ok=True)
+    out = Path("bench-results") / f"hosts-{link}.toml"
+    out.write_text(base.read_text())
+    _agents(layout, ["calibrate", "--across", "--reps", str(reps), "--out", str(out)],
+            "29501", 2)  # as many per host as the runs
     return out
 
 
@@ -136,24 +141,26 @@ def main() -> None:
                 for link, name in LINKS.items()}
     contenders = [(link, name) for link in clusters for name in LAYOUTS]
     tps: dict = {c: [] for c in contenders}
+    pred: dict = {c: [] for c in contenders}
     losses: dict = {}
     load = [os.getloadavg()[0]]
     try:
         for layout in clusters.values():
             up(layout)
         with tempfile.TemporaryDirectory() as tmp:
-            profiles = calibrate(clusters, Path(tmp), args.calibrate_reps)
-            pred = {(link, name): predict(profiles[link], name, args)
-                    for link, name in contenders}
             for r in range(args.reps):
+                base = calibrate_machine(Path(tmp), args.calibrate_reps)
                 for i in range(len(contenders)):
                     link, name = contenders[(i + r) % len(contenders)]
+                    profile = calibrate_link(base, link, clusters[link], args.calibrate_reps)
+                    pred[(link, name)].append(predict(profile, name, args))
                     out = Path(tmp) / f"r{r}-{i}"
                     _run(clusters[link], LAYOUTS[name], out, args)
                     tps[(link, name)].append(_tokens_per_s(out, args.skip))
                     losses.setdefault(name, set()).add(tuple(_losses(out)))
-                    print(f"round {r}: {link:>6} {name}: {tps[(link, name)][-1]:,.0f} tokens/s",
-                          flush=True)
+                    print(f"round {r}: {link:>6} {name}: {tps[(link, name)][-1]:,.0f} tokens/s, "
+                          f"planner {pred[(link, name)][-1]:,.0f} (load "
+                          f"{os.getloadavg()[0]:.1f})", flush=True)
     finally:
         for layout in clusters.values():
             down(layout)
@@ -162,18 +169,22 @@ def main() -> None:
 
 
 def _report(tps: dict, pred: dict, losses: dict, load: list[float], args) -> None:
+    """Medians of the rounds; the planner's error is the median of each round's ratio of
+    step times (its calibration and its run under the same load)."""
     med = {c: statistics.median(v) for c, v in tps.items()}
     rows = []
     for (link, name), m in med.items():
         base = med[(link, next(iter(LAYOUTS)))]
-        p = pred[(link, name)]
-        rows.append([name, link, f"{m:,.0f}", f"{m / base:.2f}x", f"{p:,.0f}",
-                     f"{m / p - 1:+.0%}", " ".join(f"{x:,.0f}" for x in tps[(link, name)])])
+        ratios = [t / p for t, p in zip(tps[(link, name)], pred[(link, name)])]
+        rows.append([name, link, f"{m:,.0f}", f"{m / base:.2f}x",
+                     f"{statistics.median(pred[(link, name)]):,.0f}",
+                     f"{statistics.median(ratios) - 1:+.0%}",
+                     " ".join(f"{r - 1:+.0%}" for r in ratios)])
     print_table(f"gpt2-tiny, seq {args.seq} x batch {args.global_batch}, 2 simulated hosts x 2 "
                 f"processes, medians of {args.reps} rounds (load average {load[0]:.1f} -> "
                 f"{load[1]:.1f})",
                 ["layout", "link", "tokens/s", "vs tp inside", "planner", "step time: planner "
-                 "vs measured", "runs"], rows)
+                 "vs measured", "each round"], rows)
     same = {name: len(v) == 1 for name, v in losses.items()}
     print(f"every run of a layout had the same losses, at both speeds: {same}")
     runs = {f"{link} {name}": v for (link, name), v in tps.items()}

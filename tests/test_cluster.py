@@ -51,6 +51,19 @@ def test_names_and_addresses_come_from_the_name():
             bad()
 
 
+def test_a_link_passes_no_burst_a_step_would_ride_on():
+    """tbf's bucket: a tp all-reduce of gpt2-tiny (128 KiB) must pay the link's rate, so
+    the bucket holds less than that at 1 Gbit/s and at most 0.5 ms of any rate above
+    (a 10 ms bucket let 1 MiB through "1 Gbit/s" in a sixth of its wire time)."""
+    from tpkit.cluster.hosts import burst_bytes
+
+    assert burst_bytes("1gbit") < 128 * 1024
+    for rate, bits in (("10gbit", 10e9), ("1gbit", 1e9), ("100mbit", 100e6)):
+        held = burst_bytes(rate)
+        assert held >= 64 * 1024  # one GSO packet: tbf must not drop what TCP hands it
+        assert held * 8 / bits <= max(0.5e-3, 64 * 1024 * 8 / bits)
+
+
 def test_without_privileges_one_line_names_what_is_missing():
     as_nobody = [] if os.geteuid() != 0 else [
         "setpriv", "--reuid", "65534", "--regid", "65534", "--clear-groups",

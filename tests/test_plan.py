@@ -70,8 +70,44 @@ def test_calibrate_across_hosts_runs_under_torchrun_only(tmp_path, capsys, monke
     out.write_text("# tpkit calibrate, by hand\n[local]\n")
     assert tpkit_main(["calibrate", "--across", "--out", str(out)]) != 0
     err = capsys.readouterr().err
-    assert "--across runs under torchrun with one process per host" in err
+    assert "--across runs under torchrun on two or more hosts" in err
     assert len(err.strip().splitlines()) == 1
+
+
+def _ring(alpha: float, bw: float, p: int = 2) -> list:
+    return [(p, n, 2 * (p - 1) * alpha + 2 * (p - 1) / p * n / bw) for n in (4096, 1 << 20, 1 << 24)]
+
+
+@pytest.mark.parametrize("per_host", [1, 2])
+def test_calibrate_across_with_the_runs_processes_prices_both_links_as_measured(
+        tmp_path, capsys, monkeypatch, per_host):
+    """With P processes per host both transports are measured under the run's load (P
+    groups at once): the profile takes them as they are, no descheduled-peer wait and
+    no port share on top; with one per host, the inter link only, the port shared."""
+    from tpkit.commands import calibrate
+
+    out = tmp_path / "local.toml"
+    hw = replace(get_hardware("cpu"), name="local", cores_per_node=2, devices_per_node=2,
+                 shared_latency=5e-3)
+    out.write_text(f"{calibrate.HEADER}, by test\n" + profile_to_toml(hw))
+    inside = ("shm", _ring(3e-4, 1e9, per_host)) if per_host > 1 else None
+    found = dict(transport="gloo", samples=_ring(8e-4, 1e8), inside=inside,
+                 per_host=per_host, hosts=["a", "b"], machines=1)
+    monkeypatch.setattr(calibrate, "measure_across", lambda reps: found)
+    monkeypatch.setenv("WORLD_SIZE", str(2 * per_host))
+    monkeypatch.setenv("LOCAL_WORLD_SIZE", str(per_host))
+    monkeypatch.setenv("RANK", "0")
+    assert tpkit_main(["calibrate", "--across", "--out", str(out)]) == 0
+    got = load_profiles(out)["local"]
+    assert got.inter.latency == pytest.approx(8e-4) and got.inter.bandwidth == pytest.approx(1e8)
+    run = Cluster(got, nodes=2, devices_per_node=2).profile
+    assert run.inter.latency == pytest.approx(8e-4 if per_host > 1 else 8e-4 + 5e-3 - hw.intra.latency)
+    if per_host > 1:
+        assert run.intra.latency == pytest.approx(3e-4) and got.shared_latency == pytest.approx(3e-4)
+        assert cost.link_for(4, run, stride=2).bandwidth == pytest.approx(1e8)  # dp across
+    else:
+        assert got.intra.latency == pytest.approx(hw.intra.latency)
+        assert cost.link_for(4, run, stride=2).bandwidth == pytest.approx(0.5e8)
 
 
 # -- compute and pipeline ---------------------------------------------------------------------

@@ -16,6 +16,7 @@ A "device" here is one process with one thread (how `tpkit.launch` runs tests wi
 
 from __future__ import annotations
 
+import os
 import socket
 import statistics
 import time
@@ -150,24 +151,33 @@ def measure_shared_latency(cores: int, reps: int) -> float:
 
 
 def measure_across(sizes: tuple[int, ...] = SIZES, reps: int = 10) -> dict:
-    """Under torchrun with one process per host: all-reduces over all of them, as `tpkit
-    train`'s groups across hosts run them (the same mesh, transport and interface).
+    """Under torchrun with P processes per host: all-reduces between the hosts, as
+    `tpkit train`'s groups across hosts run them (the same mesh, transport and
+    interface), in groups of one rank per host, the P groups at once (the port and the
+    cores shared as a run with P per host shares them); with P > 1, then inside each
+    host (its P ranks, every host at once, on the transport a run uses there).
 
     Returns (on every rank) {"transport", "samples": [(p, bytes, seconds)] (rank 0's
-    view), "hosts": each rank's hostname, "machines": how many distinct kernels (boot ids)
-    run them: simulated hosts (`tpkit cluster`) are one machine and share its cores}.
+    view), "inside": (transport, samples) or None with P = 1, "per_host": P, "hosts":
+    each rank's hostname, "machines": how many distinct kernels (boot ids) run them:
+    simulated hosts (`tpkit cluster`) are one machine and share its cores}.
     """
     import torch.distributed as dist
 
     from tpkit.mesh import ParallelMesh
 
-    mesh = ParallelMesh.from_env(tp=1, dp=None)
+    per_host = int(os.environ.get("LOCAL_WORLD_SIZE", "1"))
+    mesh = ParallelMesh.from_env(tp=per_host, dp=None)
     transport, got = _all_reduce_worker(mesh, sizes, reps, group="dp")
+    inside = _all_reduce_worker(mesh, sizes, reps, group="tp") if per_host > 1 else None
     me = (socket.gethostname(), Path("/proc/sys/kernel/random/boot_id").read_text().strip())
     everyone: list = [None] * mesh.world_size
     dist.all_gather_object(everyone, me)
-    samples: list = [got]
-    dist.broadcast_object_list(samples, src=0)
+    found: list = [(got, inside)]
+    dist.broadcast_object_list(found, src=0)
     dist.destroy_process_group()
-    return {"transport": transport, "samples": [(mesh.dp_size, n, t) for n, t in samples[0]],
-            "hosts": [h for h, _ in everyone], "machines": len({b for _, b in everyone})}
+    got, inside = found[0]
+    return {"transport": transport, "samples": [(mesh.dp_size, n, t) for n, t in got],
+            "inside": inside and (inside[0], [(per_host, n, t) for n, t in inside[1]]),
+            "per_host": per_host, "hosts": [h for h, _ in everyone[::per_host]],
+            "machines": len({b for _, b in everyone})}

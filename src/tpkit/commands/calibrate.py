@@ -54,9 +54,10 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     deprecated_alias(p, processes, "--nproc")
     p.add_argument("--reps", type=int, default=30, help="timed all-reduces per size")
     p.add_argument("--across", action="store_true",
-                   help="under torchrun, one process per host: time gloo between the hosts "
-                        "and write it as the inter link of the profile at --out (made by a "
-                        "plain `tpkit calibrate` first)")
+                   help="under torchrun on every host: time gloo between the hosts and "
+                        "write it as the inter link of the profile at --out (made by a plain "
+                        "`tpkit calibrate` first); with --nproc_per_node as the run's, both "
+                        "links as the run loads them")
 
 
 HEADER = "# tpkit calibrate"
@@ -112,29 +113,40 @@ def refuse_foreign(out: Path) -> None:
 
 
 def run_across(out: Path, args: argparse.Namespace) -> int:
-    """The link between hosts into the profile's inter link (rank 0 writes, every rank
-    measures). Hosts that are one machine (`tpkit cluster`) share its cores and its
-    port: the profile then counts a host's share of the cores and one port per host."""
+    """The links of a run over hosts into the profile (rank 0 writes, every rank
+    measures). Hosts that are one machine (`tpkit cluster`) share its cores: the profile
+    then counts a host's share of them. With P processes per host (torchrun
+    --nproc_per_node P, as the run will have), both transports are measured as the run
+    loads them, P groups at once: the inter link per group on a shared port (one port
+    per device in the profile: the sharing is in the figure) and the intra link with
+    the cores shared (its latency is the profile's shared latency: no wait on top)."""
     if not out.exists():
         raise UserError(f"--across updates the profile at {out}: run `tpkit calibrate --out "
                         f"{out}` on one host first")
-    if int(os.environ.get("WORLD_SIZE", "1")) < 2 or os.environ.get("LOCAL_WORLD_SIZE") != "1":
-        raise UserError("--across runs under torchrun with one process per host "
-                        "(--nproc_per_node 1) on two or more hosts")
+    if int(os.environ.get("WORLD_SIZE", "1")) < 2 or "LOCAL_WORLD_SIZE" not in os.environ:
+        raise UserError("--across runs under torchrun on two or more hosts (--nproc_per_node "
+                        "1, or as many as the run will have per host)")
     found = measure_across(reps=args.reps)
     if os.environ.get("RANK") != "0":
         return 0
-    link = fit_link(f"{found['transport']} across hosts (measured)", found["samples"])
+    per_host, hosts = found["per_host"], len(found["hosts"])
+    link = fit_link(f"{found['transport']} across hosts (measured, {per_host} per host)",
+                    found["samples"])
     hw = load_profiles(out)["local"]
-    hosts = len(found["hosts"])
     cores = hw.cores_per_node // hosts if found["machines"] == 1 else hw.cores_per_node
-    hw = replace(hw, inter=link, nics_per_node=1, cores_per_node=max(cores, 1),
-                 devices_per_node=max(cores, 1))
-    lines = link_notes(link, found["samples"]) + [
-        f"hosts {', '.join(found['hosts'])} on {found['machines']} machine(s): "
-        f"{hw.cores_per_node} cores and one port per host"]
+    hw = replace(hw, inter=link, nics_per_node=per_host, cores_per_node=max(cores, 1),
+                 devices_per_node=max(cores, per_host, 1))
+    lines = link_notes(link, found["samples"])
+    if found["inside"]:
+        transport, samples = found["inside"]
+        intra = fit_link(f"{transport} inside a host (measured, {per_host} per host)", samples)
+        hw = replace(hw, intra=intra, shared_latency=intra.latency)
+        lines += link_notes(intra, samples)
+    lines.append(f"hosts {', '.join(found['hosts'])} on {found['machines']} machine(s): "
+                 f"{hw.cores_per_node} cores and one port per host, {per_host} process(es) "
+                 f"per host")
     kept = [ln for ln in out.read_text().splitlines() if ln.startswith("#")]
     out.write_text("\n".join(kept) + "\n" + "".join(f"# {ln}\n" for ln in lines)
                    + profile_to_toml(hw))
-    print("\n".join(lines) + f"\nwrote the inter link into {out}")
+    print("\n".join(lines) + f"\nwrote the links across hosts into {out}")
     return 0
