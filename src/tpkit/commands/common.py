@@ -148,7 +148,7 @@ def follower(args: argparse.Namespace, source) -> tuple:
     from tpkit.serve.workers import follow
 
     return (follow, (source, args.max_batch, args.max_len, decode_chunk(args),
-                     getattr(torch, args.dtype), args.quantize))
+                     getattr(torch, args.dtype), args.quantize, tuple(getattr(args, "lora", ()))))
 
 
 def shown(value) -> str:

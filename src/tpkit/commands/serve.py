@@ -44,6 +44,7 @@ from tpkit.host.exit import Stopped
 from tpkit.host.web import ALLOWED_HOST_HELP, HOST, bound_socket, listen, warn_if_exposed
 from tpkit.launch import SpawnError, is_rank0, launch
 from tpkit.mesh import ParallelMesh
+from tpkit.serve.adapters import Adapters, read_all
 from tpkit.serve.embedder import Embedder
 from tpkit.serve.engine import PREFILL_PER_STEP, Engine
 from tpkit.serve.loop import serve_watched
@@ -68,6 +69,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     group(parser, "model").add_argument(
         "--served-model-name", default=None, metavar="NAME",
         help="the model id clients send (default: the checkpoint folder's name)")
+    group(parser, "model").add_argument(
+        "--lora", action="append", default=[], metavar="NAME=ADAPTER_DIR",
+        help="serve a PEFT LoRA adapter folder over the base as model NAME (a request's "
+             "\"model\": NAME; batched with the base's requests); repeatable")
     p = group(parser, "parallelism")
     p.add_argument("--tp", type=int, default=1, metavar="N", help="tensor-parallel processes")
     p.add_argument("--collective-timeout", type=float, default=DEFAULT_COLLECTIVE_TIMEOUT_S,
@@ -171,13 +176,14 @@ def run(args: argparse.Namespace) -> int:
     source = open_source(args.checkpoint)  # once, before any process
     pooling = None if getattr(source.config, "causal", True) else \
         read_pooling(getattr(source, "root", None))  # an encoder's; refused before any process
+    adapters = read_all(args.lora, source.config, _name(args)) if is_rank0() else None
     sock = listen(lambda: bound_socket(args.host, args.port), args.host,
                   args.port) if is_rank0() else None  # a busy port fails before any loading
     # rank 0's tokenizer before any process (seconds: transformers' import): once loaded,
     # the followers wait for its first heartbeat only while it builds the engine
     tokenizer = load_tokenizer(source_tokenizer(source)) if is_rank0() else None
     try:  # rank 0 serves here, the others follow (spawned, or torchrun's)
-        launch(_serve, args, source, sock, pooling, tokenizer, ranks=args.tp, mesh=dict(tp=args.tp, comm=comm),
+        launch(_serve, args, source, sock, pooling, tokenizer, adapters, ranks=args.tp, mesh=dict(tp=args.tp, comm=comm),
                follow=follower(args, source), lead_here=True,
                collective_timeout=args.collective_timeout)
         return 0
@@ -186,10 +192,15 @@ def run(args: argparse.Namespace) -> int:
             sock.close()
 
 
-def _serve(mesh: ParallelMesh, args, source, sock, pooling, tokenizer, followers=None
-           ) -> None:
+def _name(args: argparse.Namespace) -> str:
+    return args.served_model_name or Path(str(args.checkpoint).rstrip("/")).resolve().name
+
+
+def _serve(mesh: ParallelMesh, args, source, sock, pooling, tokenizer, adapters,
+           followers=None) -> None:
     """Rank 0: load, build the server complete, serve until a signal (`Stopped`) or a
-    follower's death (SpawnError). `pooling`: an encoder's (it embeds), else None."""
+    follower's death (SpawnError). `pooling`: an encoder's (it embeds), else None;
+    `adapters`: --lora's, read (`serve.adapters`)."""
     from tpkit.serve.http import App, make_server  # lazy: the serve extra is optional
 
     model = load_model(source, mesh, dtype=getattr(torch, args.dtype), decode=True,
@@ -206,8 +217,9 @@ def _serve(mesh: ParallelMesh, args, source, sock, pooling, tokenizer, followers
                         prefill_per_step=args.prefill_per_step,
                         decode_chunk=decode_chunk(args), itl_ratio=args.itl_ratio,
                         kv_cache_bytes=args.kv_cache_bytes,
-                        prefix_caching=not args.no_prefix_cache, speculator=speculator(args))
-    name = args.served_model_name or Path(str(args.checkpoint).rstrip("/")).resolve().name
+                        prefix_caching=not args.no_prefix_cache, speculator=speculator(args),
+                        adapters=Adapters(model, adapters) if adapters else None)
+    name = _name(args)
     app = App(engine, name, tokenizer, max_body=args.max_body_bytes, timeout=args.timeout,
               api_key=api_key(args), metrics_need_key=args.metrics_need_key)
     app.peers = followers  # /health: 503 while one is gone or stopped
@@ -237,6 +249,9 @@ def _serve(mesh: ParallelMesh, args, source, sock, pooling, tokenizer, followers
               f"rank ({engine.pool.max_blocks - 1} blocks of {engine.pool.block_size} "
               f"tokens), taken as tokens arrive; prefix cache "
               f"{'off' if args.no_prefix_cache else 'on'}", flush=True)
+    if app.lora:
+        print("tpkit serve: LoRA adapters (model: folder): " + ", ".join(
+            f"{n}: {f}" for n, (_, f) in app.lora.items()), flush=True)
     try:
         line = serve_watched(app.engine, stop, followers, args.drain_seconds)
     finally:

@@ -116,7 +116,7 @@ def build_api(app: App, guard: Guard) -> FastAPI:
 
     @fa.get("/v1/models", summary="the model served")
     async def models(request: HttpRequest):
-        return ok(request, api.models(app.name, app.created))
+        return ok(request, app.models())
 
     @fa.get("/health", summary="200 while serving, else 503 and why (a worker stuck...)")
     async def health(request: HttpRequest):
@@ -211,7 +211,7 @@ async def _post(app: App, request: HttpRequest, chat: bool, error, ok, cors,
 
         try:
             asked, prompts = await run_in_threadpool(app.parse, raw, chat, responses)
-            reqs = _submit_all(app, prompts, asked.sampling(), asked.n or 1, put, chat)
+            reqs = _submit_all(app, prompts, app.sampling(asked), asked.n or 1, put, chat)
         except api.ApiError as e:
             return error(request, e)
         rid = f"{'chatcmpl' if chat else 'cmpl'}-{reqs[0].id}"
