@@ -83,7 +83,8 @@ def _modules(c: ModelConfig) -> dict[str, tuple[int, str, int, str]]:
     return out
 
 
-def _in_features(c: ModelConfig, path: str) -> int:
+def in_features(c: ModelConfig, path: str) -> int:
+    """The input width of the linear at `path` of a block (`layers.lora.layer_parts`)."""
     return {"attn.qkv": c.hidden, "attn.out": c.num_heads * c.head_dim,
             "mlp.fc1": c.hidden, "mlp.fc2": c.ffn}[path]
 
@@ -132,7 +133,7 @@ def read(name: str, folder: Path, c: ModelConfig) -> Adapter:
             raise UserError(f"--lora {name}: {key}: not a LoRA factor of a linear layer this "
                             f"base adapts (q, k, v, o, gate, up, down of {c.name})")
         i, path, _, target = where
-        shape = (r, _in_features(c, path)) if kind[0] == "A" else (parts[path][target], r)
+        shape = (r, in_features(c, path)) if kind[0] == "A" else (parts[path][target], r)
         if tuple(t.shape) != shape:
             raise UserError(f"--lora {name}: {key} is {list(t.shape)}, this base needs "
                             f"{list(shape)} (an adapter of another model?)")
