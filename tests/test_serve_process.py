@@ -1,6 +1,7 @@
 """`tpkit serve --tp 2` as a user runs it (a subprocess on a free loopback port), with the
 `openai` client: 16 concurrent greedy requests each equal to its solo output and to
-tp=1's; a seed of 2^64 refused (400) and a temperature of 1e-300 greedy; SIGTERM with requests in flight (each ends, the server exits 143 within
+tp=1's; with `--lora one=PEFT`, the adapter's requests beside the base's give tp=1's
+merged model's text and the base's their text without it; a seed of 2^64 refused (400) and a temperature of 1e-300 greedy; SIGTERM with requests in flight (each ends, the server exits 143 within
 seconds, no process left); kill -9 of the rank-1 worker (its requests get 503, the
 server exits 1 with one line naming the rank, no process left).
 """

@@ -137,7 +137,7 @@ class Engine(Intake):
             raise UserError(f"max_len={max_len} exceeds the model's max_seq_len="
                             f"{model.config.max_seq_len}")
         self.runner = runner or Runner(model, max_batch, max_len, decode_chunk, adapters=adapters)
-        self.adapters = len(self.runner.adapters or ())  # served LoRA adapters 1..n
+        self.n_adapters = len(self.runner.adapters or ())  # served LoRA adapters 1..n
         block_size = self.runner.cache.block_size  # every rank's (runner.BLOCK_SIZE)
         self.model, self.tokenizer = model, tokenizer
         self.max_batch, self.max_len = max_batch, max_len
@@ -232,8 +232,8 @@ class Engine(Intake):
         if far:
             raise UserError(f"logit_bias names token ids {far[:5]} outside the model's "
                             f"vocabulary [0, {vocab})")
-        if not 0 <= params.adapter <= self.adapters:
-            raise UserError(f"adapter={params.adapter} is not served (0..{self.adapters})")
+        if not 0 <= params.adapter <= self.n_adapters:
+            raise UserError(f"adapter={params.adapter} is not served (0..{self.n_adapters})")
         if params.stop and self.tokenizer is None:
             raise UserError("stop strings need a tokenizer (Engine(..., tokenizer=...))")
         need = n + params.max_tokens
