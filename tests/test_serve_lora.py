@@ -10,6 +10,7 @@
 - one forward holds base and both adapters' rows; /v1/models lists the adapters with
   their parent, an unknown model is a 404; the prefix cache keys the adapter (a prompt
   the base computed is computed again under an adapter);
+- a folder PEFT's `save_pretrained` wrote serves PeftModel's greedy tokens;
 - a missing folder, two adapters with one name, a rank, a target or a shape the base
   cannot take: one line at start-up, exit 2.
 """
@@ -140,3 +141,25 @@ def test_bad_adapters_are_one_line_at_start(chat_llama, adapters, capsys, tmp_pa
     narrow = variant("shape", tensors=lambda t: {k: v[:, :32].contiguous() if "lora_A" in k else v
                                                  for k, v in t.items()})
     assert "an adapter of another model" in _refused(capsys, narrow)
+
+
+def test_a_folder_peft_saved_serves_its_greedy_tokens(chat_llama, tmp_path):
+    import peft
+    import transformers
+
+    hf = transformers.AutoModelForCausalLM.from_pretrained(str(chat_llama))
+    model = peft.get_peft_model(hf, peft.LoraConfig(
+        r=4, lora_alpha=8, target_modules=["q_proj", "v_proj", "down_proj"])).eval()
+    g = torch.Generator().manual_seed(0)
+    for name, p in model.named_parameters():
+        if "lora_B" in name:  # PEFT starts B at zero: the adapter would change nothing
+            p.data.copy_(torch.randn(p.shape, generator=g) * 0.3)
+    model.save_pretrained(str(tmp_path / "saved"))
+    tok = load_tokenizer(chat_llama)
+    ids = tok.encode(PROMPTS[0])
+    with torch.no_grad():
+        want = model.generate(torch.tensor([ids]), max_new_tokens=MAX, do_sample=False)
+    engine = _engine(chat_llama, tok, [f"p={tmp_path / 'saved'}"])
+    got = engine.generate([ids], SamplingParams(max_tokens=MAX, adapter=1))[0].tokens
+    base = _engine(chat_llama, tok).generate([ids], SamplingParams(max_tokens=MAX))[0].tokens
+    assert got == want[0, len(ids):].tolist() != base

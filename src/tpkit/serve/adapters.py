@@ -107,7 +107,10 @@ def _config(name: str, folder: Path) -> dict:
         ("fan_in_fan_out", not cfg.get("fan_in_fan_out")),
         ("rank_pattern", not cfg.get("rank_pattern")),
         ("alpha_pattern", not cfg.get("alpha_pattern")),
-        ("modules_to_save", not cfg.get("modules_to_save"))) if not ok]
+        ("modules_to_save", not cfg.get("modules_to_save")),
+        ("lora_bias", not cfg.get("lora_bias")),
+        ("layer_replication", not cfg.get("layer_replication")),
+        ("trainable_token_indices", not cfg.get("trainable_token_indices"))) if not ok]
     if bad:
         raise UserError(f"--lora {name}: {where}: {', '.join(bad)}: tpkit serves plain LoRA "
                         f"(peft_type LORA, one r and lora_alpha, no bias, no extra modules)")
