@@ -1,7 +1,8 @@
 """What a served LoRA adapter costs a decode step (`tpkit serve --lora`): the tokens/s of
 greedy decode steps of B rows, every row the base's, against one row (and every row)
-with an adapter, on SmolLM2-135M's shape (random weights, float32, tp=1, CPU), an
-adapter of rank 8 on all 7 projections.
+with an adapter, on SmolLM2-135M's shape (random weights, float32, tp=1, CPU): an
+adapter of rank 8 on all 7 projections, and one on q, k, v, o only (no gate/up: no
+fused SwiGLU computed again).
 
     PYTHONPATH=src .venv/bin/python benchmarks/serve_lora.py [--rows 1 8] [--steps 32]
 
@@ -42,16 +43,18 @@ def engine(rows: int):
                               torch.randn(n, RANK) * 0.02)
                for i in range(c.num_layers) for path, parts in layer_parts(c).items()
                for t, n in parts}
-    adapters = Adapters(model, [Adapter("a", None, RANK, 2.0, tensors)])
+    attention = {k: v for k, v in tensors.items() if k[2] in ("q", "k", "v", "o")}
+    adapters = Adapters(model, [Adapter("all7", None, RANK, 2.0, tensors),
+                                Adapter("qkvo", None, RANK, 2.0, attention)])
     return Engine(model, max_batch=rows, max_len=512, adapters=adapters)
 
 
-def tokens_per_s(e, adapted: int, rows: int, steps: int) -> float:
-    """Decode steps of `rows` rows, the first `adapted` of them with the adapter."""
+def tokens_per_s(e, adapted: int, rows: int, steps: int, adapter: int = 1) -> float:
+    """Decode steps of `rows` rows, the first `adapted` of them with adapter `adapter`."""
     from tpkit.serve.params import SamplingParams
 
     reqs = [e.submit(list(range(1 + i, 17 + i)), SamplingParams(
-        max_tokens=steps + 4, ignore_eos=True, adapter=int(i < adapted))) for i in range(rows)]
+        max_tokens=steps + 4, ignore_eos=True, adapter=adapter if i < adapted else 0)) for i in range(rows)]
     while any(not r.tokens for r in reqs):
         e.step()
     t0 = time.perf_counter()
@@ -72,19 +75,20 @@ def main() -> None:
     out = []
     for rows in args.rows:
         e = engine(rows)
-        variants = {"base only": 0, "one adapter row": 1} | (
-            {"every row adapted": rows} if rows > 1 else {})
+        variants = {"base only": (0, 1), "one row, all 7 targets": (1, 1),
+                    "one row, q,k,v,o": (1, 2)} | (
+            {"every row, all 7 targets": (rows, 1)} if rows > 1 else {})
         got = {v: [] for v in variants}
         for _ in range(args.rounds):
-            for v, n in variants.items():
-                got[v].append(tokens_per_s(e, n, rows, args.steps))
+            for v, (n, k) in variants.items():
+                got[v].append(tokens_per_s(e, n, rows, args.steps, k))
         base = statistics.median(got["base only"])
         for v, xs in got.items():
             out.append(dict(rows=rows, variant=v, tokens_per_s=statistics.median(xs),
                             vs_base=statistics.median(xs) / base))
-    print_table(f"decode steps with a served LoRA adapter (rank {RANK}, all 7 targets), "
+    print_table(f"greedy decode steps with a served LoRA adapter (rank {RANK}), "
                 f"SmolLM2-135M shape, fp32, tp=1", ["rows", "variant", "tokens/s", "vs base"],
-                [[str(r["rows"]), r["variant"], f"{r['tokens_per_s']:,.0f}",
+                [[str(r["rows"]), r["variant"], f"{r['tokens_per_s']:,.1f}",
                   f"{r['vs_base']:.2f}x"] for r in out])
     write_json("serve_lora", dict(environment=environment(), steps=args.steps,
                                   rounds=args.rounds, rows=out))
