@@ -165,3 +165,32 @@ if __name__ == "__main__":  # python tests/hf_folders.py DIR: the README's examp
     tiny_llama_folder(out)
     (out.parent / "corpus.txt").write_text(TEXT)
     print(f"wrote {out} (model + tokenizer) and {out.parent / 'corpus.txt'}")
+
+
+def lora_folders(base: Path, out: Path, targets: str = "q,k,v,o,gate,up,down", seed: int = 0,
+                 rank: int = 4, std: float = 0.3) -> tuple[Path, Path]:
+    """Random LoRA adapters (B nonzero: they change the text) over the Hugging Face folder
+    `base`, written by `tpkit convert`'s own functions: (PEFT's adapter folder, as `--to
+    peft` writes it; the merged model, as `--to hf --merge`)."""
+    from dataclasses import replace
+
+    import torch
+
+    from tpkit.checkpoint.convert import to_hf, to_peft
+    from tpkit.weights.peft import adapted
+    from tpkit.weights.slices import DictSource
+    from tpkit.weights.sources import open_source
+
+    src = open_source(str(base))
+    full = {n: src.read(n, 0, 0, src.logical_shape(n)[0]) for n in src.names}
+    c = replace(src.config, lora_rank=rank, lora_alpha=2.0 * rank,
+                lora_targets=tuple(targets.split(",")))
+    g = torch.Generator().manual_seed(seed)
+    for base_name, _, _, rows, _, a, b in adapted(c):
+        full[a] = torch.randn(rank, src.logical_shape(base_name)[1], generator=g) * std
+        full[b] = torch.randn(rows, rank, generator=g) * std
+    peft = to_peft(DictSource(full, c), out / "peft")
+    merged = to_hf(DictSource(full, c), out / "merged", merge=True)
+    for f in base.glob("tokenizer*"):  # the base's tokenizer (a dict has none)
+        (merged / f.name).write_bytes(f.read_bytes())
+    return peft, merged

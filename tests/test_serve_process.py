@@ -1,6 +1,7 @@
 """`tpkit serve --tp 2` as a user runs it (a subprocess on a free loopback port), with the
 `openai` client: 16 concurrent greedy requests each equal to its solo output and to
-tp=1's; a seed of 2^64 refused (400) and a temperature of 1e-300 greedy; SIGTERM with requests in flight (each ends, the server exits 143 within
+tp=1's; with `--lora one=PEFT`, the adapter's requests beside the base's give tp=1's
+merged model's text and the base's their text without it; a seed of 2^64 refused (400) and a temperature of 1e-300 greedy; SIGTERM with requests in flight (each ends, the server exits 143 within
 seconds, no process left); kill -9 of the rank-1 worker (its requests get 503, the
 server exits 1 with one line naming the rank, no process left).
 """
@@ -21,7 +22,7 @@ import openai
 import pytest
 
 from helpers import generate_args
-from hf_folders import tiny_llama_folder
+from hf_folders import lora_folders, tiny_llama_folder
 from tpkit.commands import generate as generate_cmd
 from tpkit.mesh import ParallelMesh
 from tpkit.weights.sources import open_source
@@ -37,6 +38,12 @@ pytestmark = pytest.mark.slow
 @pytest.fixture(scope="module")
 def folder(tmp_path_factory):
     return tiny_llama_folder(tmp_path_factory.mktemp("served") / "llama", initializer_range=0.3)
+
+
+@pytest.fixture(scope="module")
+def lora(folder, tmp_path_factory):
+    """(PEFT adapter folder, merged model) over `folder` (`tpkit serve --lora`)."""
+    return lora_folders(folder, tmp_path_factory.mktemp("lora"))
 
 
 def children(pid: int) -> set[int]:
@@ -102,8 +109,8 @@ class Served:
     def stderr(self) -> str:
         return self.proc.stderr.read() if self.proc.poll() is not None else ""
 
-    def complete(self, prompt: str, **kw) -> str:
-        r = self.client.completions.create(model="llama", prompt=prompt, temperature=0, **kw)
+    def complete(self, prompt: str, model: str = "llama", **kw) -> str:
+        r = self.client.completions.create(model=model, prompt=prompt, temperature=0, **kw)
         return r.choices[0].text
 
     def stream(self, out: list, **kw) -> None:
@@ -139,8 +146,8 @@ def _in_flight(served: Served, n: int) -> tuple[list[list], list[threading.Threa
 
 
 @pytest.mark.timeout(240)
-def test_tp2_concurrent_equals_alone_and_tp1_then_sigterm(folder):
-    served = Served(folder, 2, "--batch-invariant")
+def test_tp2_concurrent_equals_alone_and_tp1_then_sigterm(folder, lora):
+    served = Served(folder, 2, "--batch-invariant", "--lora", f"one={lora[0]}")
     try:
         alone = [served.complete(t, max_tokens=12) for t in TEXTS]
         with ThreadPoolExecutor(len(TEXTS)) as pool:
@@ -152,6 +159,15 @@ def test_tp2_concurrent_equals_alone_and_tp1_then_sigterm(folder):
         tok = load_tokenizer(folder)  # tp=1, in this process: the same text
         new = generate_cmd._lead(ParallelMesh.single(), args, open_source(folder))["new"]
         assert [tok.decode(n) for n in new] == alone
+        # --lora one=: its requests beside the base's, as tp=1's merged model served alone
+        asks = [(m, t) for t in TEXTS[:4] for m in ("one", "llama")]
+        with ThreadPoolExecutor(len(asks)) as pool:
+            got = list(pool.map(lambda a: served.complete(a[1], max_tokens=12, model=a[0]),
+                                asks))
+        assert got[1::2] == alone[:4]
+        args.checkpoint, args.prompt = str(lora[1]), TEXTS[:4]
+        new = generate_cmd._lead(ParallelMesh.single(), args, open_source(lora[1]))["new"]
+        assert got[::2] == [tok.decode(n) for n in new] != alone[:4]
         # what used to end the server (a traceback, exit): a 400, and greedy
         with pytest.raises(openai.BadRequestError, match="seed=18446744073709551616"):
             served.complete(TEXTS[3], max_tokens=12, seed=1 << 64)

@@ -33,6 +33,7 @@ from tpkit.host.exit import Stopped
 from tpkit.host.web import bound_socket, listen, warn_if_exposed
 from tpkit.launch import SpawnError, is_rank0, launch
 from tpkit.mesh import ParallelMesh
+from tpkit.serve.adapters import Adapters, read_all
 from tpkit.serve.config import ServeConfig
 from tpkit.serve.embedder import Embedder
 from tpkit.serve.engine import Engine
@@ -88,14 +89,16 @@ def run(args: argparse.Namespace) -> int:
     source = open_source(args.checkpoint)  # once, before any process
     pooling = None if getattr(source.config, "causal", True) else \
         read_pooling(getattr(source, "root", None))  # an encoder's; refused before any process
+    adapters = read_all(list(cfg.lora), source.config, _name(cfg, args.checkpoint)) \
+        if is_rank0() else None  # refused in one line before any process
     sock = listen(lambda: bound_socket(cfg.host, cfg.port), cfg.host,
                   cfg.port) if is_rank0() else None  # a busy port fails before any loading
     # rank 0's tokenizer before any process (seconds: transformers' import): once loaded,
     # the followers wait for its first heartbeat only while it builds the engine
     tokenizer = load_tokenizer(source_tokenizer(source)) if is_rank0() else None
     try:  # rank 0 serves here, the others follow (spawned, or torchrun's)
-        launch(_serve, cfg, args.checkpoint, source, sock, pooling, tokenizer, ranks=cfg.tp,
-               mesh=dict(tp=cfg.tp, comm=comm), follow=(follow, (source, cfg)),
+        launch(_serve, cfg, args.checkpoint, source, sock, pooling, tokenizer, adapters,
+               ranks=cfg.tp, mesh=dict(tp=cfg.tp, comm=comm), follow=(follow, (source, cfg)),
                lead_here=True, collective_timeout=cfg.collective_timeout)
         return 0
     finally:
@@ -103,11 +106,18 @@ def run(args: argparse.Namespace) -> int:
             sock.close()
 
 
-def _engine(cfg: ServeConfig, checkpoint: str, model, pooling, tokenizer
+def _name(cfg: ServeConfig, checkpoint: str) -> str:
+    """The model id clients send: --served-model-name, else the checkpoint folder's name."""
+    return cfg.served_model_name or Path(str(checkpoint).rstrip("/")).resolve().name
+
+
+def _engine(cfg: ServeConfig, checkpoint: str, model, pooling, tokenizer, adapters
             ) -> Engine | Embedder:
-    """Rank 0's engine: an encoder's `Embedder` (`pooling`), else the generating `Engine`."""
+    """Rank 0's engine: an encoder's `Embedder` (`pooling`), else the generating `Engine`
+    (`adapters`: --lora's, read)."""
     if pooling is None:
-        return Engine(model, tokenizer=tokenizer, **cfg.engine_options())
+        return Engine(model, tokenizer=tokenizer, **cfg.engine_options(),
+                      adapters=Adapters(model, adapters) if adapters else None)
     if cfg.speculative is not None:
         raise UserError(f"--speculative={cfg.speculative}: {checkpoint} is an "
                         f"embedding model (it generates no tokens)")
@@ -115,13 +125,14 @@ def _engine(cfg: ServeConfig, checkpoint: str, model, pooling, tokenizer
 
 
 def _serve(mesh: ParallelMesh, cfg: ServeConfig, checkpoint: str, source, sock, pooling,
-           tokenizer, followers=None) -> None:
+           tokenizer, adapters, followers=None) -> None:
     """Rank 0: load, build the server complete, serve until a signal (`Stopped`) or a
-    follower's death (SpawnError). `pooling`: an encoder's (it embeds), else None."""
+    follower's death (SpawnError). `pooling`: an encoder's (it embeds), else None;
+    `adapters`: --lora's, read (`serve.adapters`)."""
     from tpkit.serve.http import App, make_server  # lazy: the serve extra is optional
 
-    engine = _engine(cfg, checkpoint, load(source, mesh, cfg), pooling, tokenizer)
-    name = cfg.served_model_name or Path(str(checkpoint).rstrip("/")).resolve().name
+    engine = _engine(cfg, checkpoint, load(source, mesh, cfg), pooling, tokenizer, adapters)
+    name = _name(cfg, checkpoint)
     app = App(engine, name, tokenizer, max_body=cfg.max_body_bytes, timeout=cfg.timeout,
               api_key=api_key(cfg), metrics_need_key=cfg.metrics_need_key)
     app.peers = followers  # /health: 503 while one is gone or stopped
@@ -151,6 +162,9 @@ def _serve(mesh: ParallelMesh, cfg: ServeConfig, checkpoint: str, source, sock, 
               f"rank ({engine.pool.max_blocks - 1} blocks of {engine.pool.block_size} "
               f"tokens), taken as tokens arrive; prefix cache "
               f"{'on' if cfg.prefix_cache else 'off'}", flush=True)
+    if app.lora:
+        print("tpkit serve: LoRA adapters (model: folder): " + ", ".join(
+            f"{n}: {f}" for n, (_, f) in app.lora.items()), flush=True)
     try:
         line = serve_watched(app.engine, stop, followers, cfg.drain_seconds)
     finally:

@@ -70,6 +70,7 @@ class PagedBatch:
     angles: dict = field(default_factory=dict)
     decode: paged_attention.DecodePlan | None = None
     native: bool | None = None  # whether `decode_ops.rope_write` takes them (first layer decides)
+    adapted: bool = False  # rows with served LoRA adapters: no one-call stack (`serve.adapters`)
 
 
 @dataclass

@@ -145,6 +145,7 @@ class ColumnParallelLinear(nn.Module):
                              split=self.split) if bias else None
         self.decoding = None  # the weight in a decode-only form (`layers.quant.for_decode`)
         self.lora = None  # its low-rank adapters (`layers.lora.LoRA`), or None
+        self.served = None  # served adapters per row (`serve.adapters.Served`), or None
         self.reset_parameters()
 
     def reset_parameters(self) -> None:
@@ -160,6 +161,8 @@ class ColumnParallelLinear(nn.Module):
         else:
             y = column_parallel_linear(x, self.weight, self.bias, self.group,
                                        self.sequence_parallel)  # [b, s, out/tp]
+        if self.served is not None:  # the adapted rows' deltas (a served decode)
+            y = self.served(x, y)
         return ops.gather_from_tp(y, self.group) if self.gather_output else y
 
     def extra_repr(self) -> str:
@@ -202,6 +205,7 @@ class RowParallelLinear(nn.Module):
                              sequence_parallel=sequence_parallel) if bias else None
         self.decoding = None  # the weight in a decode-only form (`layers.quant.for_decode`)
         self.lora = None  # its low-rank adapters (`layers.lora.LoRA`), or None
+        self.served = None  # served adapters per row (`serve.adapters.Served`), or None
         self.reset_parameters()
 
     def reset_parameters(self) -> None:
@@ -213,9 +217,11 @@ class RowParallelLinear(nn.Module):
         if not self.input_is_parallel:
             x = ops.scatter_to_tp(x, self.group)  # [b, s, in/tp]
         if self.decoding is not None:  # decode-only weights (`layers.quant`)
-            return self.decoding(x)  # [b, s, out], a partial sum
-        y = F.linear(x, self.weight)  # [b, s, out], a partial sum
-        return y if self.lora is None else y + self.lora.row_delta(x)  # summed alike
+            y = self.decoding(x)  # [b, s, out], a partial sum
+        else:
+            y = F.linear(x, self.weight)  # [b, s, out], a partial sum
+            y = y if self.lora is None else y + self.lora.row_delta(x)  # summed alike
+        return y if self.served is None else self.served(x, y)  # served adapters' too
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         """x [b, s, in/tp] (or [b, s, in] if not input_is_parallel) -> [b, s, out]."""

@@ -83,8 +83,10 @@ class ParallelMLP(nn.Module):
         """x [b, s, h] -> [b, s, h]; one all-reduce forward, one backward."""
         if self.activation == "swiglu" and self.fc1.decoding is not None:  # decode-only
             a = self.fc1.decoding.gated(x, self.fc1.bias)  # the gate fused, or None
-            if a is not None:
-                return self.fc2(a)
+            if a is not None:  # served adapters: their rows again, unfused
+                served = self.fc1.served
+                return self.fc2(a if served is None else served.gated(
+                    x, a, lambda t: self.fc1.decoding(t, self.fc1.bias), self.act))
         y = self.fc1(x)  # [b, s, ffn/tp] (or [b, s, 2ffn/tp] fused)
         return self.fc2(self.act(y))  # [b, s, h], summed over tp
 

@@ -55,6 +55,8 @@ class NativeLayer:
         self.gated, self.act = mlp.activation == "swiglu", mlp.act
         self.attend, self.hd, self.group = at._attend_paged, at.head_dim, at.group
         self.rank0 = at.group.rank == 0  # the rank whose partial products carry the residual
+        self.served = [m.served for m in (at.qkv, at.out, mlp.fc1, mlp.fc2)]  # adapters'
+        self.adapters = next((s.adapters for s in self.served if s is not None), None)
 
     @classmethod
     def of(cls, b) -> NativeLayer | None:
@@ -82,16 +84,18 @@ class NativeLayer:
             decode_ops.ACTS[b.mlp.activation], at.local_heads, at.local_kv, at.head_dim,
             kv[1].value)
 
-    def _row(self, op: decode_ops.Operand, x: torch.Tensor, bias, residual: torch.Tensor
-             ) -> torch.Tensor:
+    def _row(self, op: decode_ops.Operand, x: torch.Tensor, bias, residual: torch.Tensor,
+             served=None) -> torch.Tensor:
         """residual + x W^T + bias of a row-parallel product: at tp=1 one call; at tp > 1
         rank 0's partial product takes the residual and the bias in its call (the others'
-        nothing), then the all-reduce sums them: (residual + bias + p0) + p1 + ..."""
-        if self.rank0:
-            return reduce_from_tp(op(x, bias, residual), self.group)
-        return reduce_from_tp(op(x), self.group)
+        nothing), then the all-reduce sums them: (residual + bias + p0) + p1 + ...
+        `served`: served adapters' deltas added to each rank's partial (`serve.adapters`)."""
+        p = op(x, bias, residual) if self.rank0 else op(x)
+        return reduce_from_tp(p if served is None else served(x, p), self.group)
 
     def __call__(self, x: torch.Tensor, cache: PagedKV) -> torch.Tensor:
+        if self.adapters is not None and self.adapters.rows is not None:
+            return self._adapted(x, cache)
         T = x.shape[0]
         h = decode_ops.norm(x, *self.norms[0])
         y = self.attend(self.qkv(h, self.qkv_bias).view(T, -1, self.hd), cache)  # [T, nq, hd]
@@ -99,6 +103,24 @@ class NativeLayer:
         h = decode_ops.norm(x, *self.norms[1])
         a = self.fc1.gated(h, self.fc1_bias) if self.gated else self.act(self.fc1(h, self.fc1_bias))
         return self._row(self.fc2, a, self.fc2_bias, x)
+
+    def _adapted(self, x: torch.Tensor, cache: PagedKV) -> torch.Tensor:
+        """`__call__` with served adapters on some rows (`serve.adapters`): the same calls,
+        each adapted row's delta added to its products (its fused SwiGLU again unfused)."""
+        T, (q, o, f1, f2) = x.shape[0], self.served
+        h = decode_ops.norm(x, *self.norms[0])
+        y = self.qkv(h, self.qkv_bias)
+        y = self.attend((y if q is None else q(h, y)).view(T, -1, self.hd), cache)
+        x = self._row(self.out, y.view(T, 1, -1), self.out_bias, x, o)
+        h = decode_ops.norm(x, *self.norms[1])
+        if self.gated:
+            a = self.fc1.gated(h, self.fc1_bias)
+            a = a if f1 is None else f1.gated(h, a, lambda t: self.fc1(t, self.fc1_bias),
+                                              self.act)
+        else:
+            y = self.fc1(h, self.fc1_bias)
+            a = self.act(y if f1 is None else f1(h, y))
+        return self._row(self.fc2, a, self.fc2_bias, x, f2)
 
 
 class NativeStack:
@@ -143,7 +165,7 @@ class NativeStack:
         """Whether this forward's rows (`rows` of `dtype`) are all decode rows the kernels
         take."""
         batch, k = caches[0].batch, caches[0].k
-        return (batch.decode is not None and batch.decode.rows == rows
+        return (batch.decode is not None and not batch.adapted and batch.decode.rows == rows
                 and rows <= decode_ops.ROWS and dtype in (torch.float32, torch.bfloat16)
                 and k.dtype == dtype and k.is_contiguous() and k.device.type == "cpu")
 

@@ -69,6 +69,7 @@ class Piece:
     start: int
     blocks: list[int]
     logits: int = LAST
+    adapter: int = 0  # the served LoRA adapter of its rows (0: the base; `serve.adapters`)
     extra: dict = field(default_factory=dict, compare=False, repr=False)  # rank 0's notes
 
 
@@ -172,12 +173,15 @@ def ready(model: nn.Module, cache: PagedCache, pieces: list[Piece], greedy: bool
     decode rows is moved on in the same buffers: `_moved`)."""
     _check(model)
     c = model.config
-    decodes = greedy and all(len(p.tokens) == 1 and p.logits == LAST for p in pieces)
+    adapted = any(p.adapter for p in pieces)  # their layers one by one (`serve.adapters`)
+    decodes = greedy and not adapted and all(len(p.tokens) == 1 and p.logits == LAST
+                                             for p in pieces)
     if decodes and (run := _moved(cache, pieces, c.sliding_window)) is not None:
         return run
     cache.moving = None
     ids, batch = layout(pieces, cache.block_size, c.sliding_window, c.max_seq_len,
                         cache.device)
+    batch.adapted = adapted
     caches = [PagedKV(k, v, batch) for k, v in zip(cache.k, cache.v)]
     if decodes:
         native = model.greedy_ready(ids, caches)  # one native call, or None

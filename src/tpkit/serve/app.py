@@ -22,6 +22,7 @@ from tpkit.serve.embedder import Embedder, EmbedJob
 from tpkit.serve.engine import Engine, TooLong
 from tpkit.serve.loop import unwell
 from tpkit.serve.openai_api import MAX_BODY
+from tpkit.serve.params import SamplingParams
 from tpkit.serve.request import Done, Request, RequestFailed
 from tpkit.serve.responses import to_chat
 from tpkit.spec.errors import UserError
@@ -83,6 +84,9 @@ class App:
         self.fingerprint = fingerprint(engine.model)
         self.tool_style = tools.style(getattr(getattr(tokenizer, "hf", None),
                                               "chat_template", None))
+        served = getattr(getattr(engine, "runner", None), "adapters", None)  # --lora's
+        self.lora = {n: (k, f) for k, (n, f) in enumerate(zip(served.names, served.folders))
+                     if k} if served else {}  # name -> (adapter index, its folder)
         self.peers = None  # the tp workers (`launch.Followers`), if spawned: /health asks
         # prompts are tokenized by a copy of their own, never under the lock the engine's
         # detokenizer takes (a long prompt stalled every stream); sizes are checked first
@@ -155,10 +159,25 @@ class App:
                                     f"{self.engine.max_len} tokens", "prompt",
                                "context_length_exceeded")
 
-    def _served(self, model: str | None) -> None:
-        if model not in (None, self.name):
-            raise api.ApiError(404, f"model {model!r} is not served here (GET /v1/models: "
-                                    f"{self.name!r})", "model", "model_not_found")
+    def _served(self, model: str | None) -> int:
+        """The adapter `model` names (0: the base), or the 404 of an unknown model."""
+        if model in (None, self.name):
+            return 0
+        if model in self.lora:
+            return self.lora[model][0]
+        raise api.ApiError(404, f"model {model!r} is not served here (GET /v1/models: "
+                                f"{', '.join(map(repr, [self.name, *self.lora]))})", "model",
+                           "model_not_found")
+
+    def sampling(self, asked) -> SamplingParams:
+        """A parsed request's SamplingParams, with the adapter its model names."""
+        params, k = asked.sampling(), self._served(asked.model)
+        return dataclasses.replace(params, adapter=k) if k else params
+
+    def models(self) -> dict:
+        """GET /v1/models: the base, then each adapter with its parent (as vLLM)."""
+        return api.models(self.name, self.created,
+                          [(n, str(f)) for n, (_, f) in self.lora.items()])
 
     @property
     def encoder(self) -> bool:
@@ -229,7 +248,7 @@ class App:
                 put, 0, Done("embedded")))])
         chat = kind != COMPLETIONS
         asked, prompts = self.parse(raw, chat, kind == RESPONSES)
-        return Posted(kind, asked, prompts, self.submit_all(prompts, asked.sampling(),
+        return Posted(kind, asked, prompts, self.submit_all(prompts, self.sampling(asked),
                                                             asked.n or 1, put, chat))
 
     def submit_all(self, prompts: list[list[int]], params, n: int, put, chat: bool

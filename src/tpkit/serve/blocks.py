@@ -1,6 +1,6 @@
 """Which KV blocks hold what (rank 0's books; the tensors are `model.paged_kv`'s on every
 rank), and the prefix cache: a full block is known by the chain hash of its tokens and
-of every token before it, so a second request starting with the same tokens (a system
+of every token before it (and of its LoRA adapter, `root`), so a second request starting with the same tokens (a system
 prompt, few-shot examples) reuses the blocks instead of computing them again.
 
     pool = BlockPool(block_size=16, max_blocks=512)
@@ -21,6 +21,12 @@ from __future__ import annotations
 from collections import OrderedDict
 
 ROOT = 0  # the hash before a sequence's first block
+
+
+def root(adapter: int) -> int:
+    """The chain's first parent for the rows of served LoRA adapter `adapter` (0: the base,
+    ROOT): one prompt's blocks under two adapters hold other keys, never shared."""
+    return ROOT if not adapter else hash(("lora", adapter))
 
 
 def block_keys(tokens: list[int], block_size: int, parent: int = ROOT,

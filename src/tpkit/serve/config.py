@@ -70,6 +70,10 @@ class ServeConfig:
     served_model_name: str | None = MODEL.knob(
         None, "the model id clients send (default: the checkpoint folder's name)",
         metavar="NAME")
+    lora: tuple[str, ...] = MODEL.knob(
+        (), "serve a PEFT LoRA adapter folder over the base as model NAME (a request's "
+        "\"model\": NAME; batched with the base's requests); repeatable",
+        metavar="NAME=ADAPTER_DIR")
     tp: int = TP.knob(1, "tensor-parallel processes", metavar="N", check=AT_LEAST_1)
     collective_timeout: float = PARALLELISM.knob(
         DEFAULT_COLLECTIVE_TIMEOUT_S, "seconds a step may wait for a stuck worker; then its "

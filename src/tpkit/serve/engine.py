@@ -126,15 +126,16 @@ class Engine(Intake):
                  decode_chunk: int | None = None, prefill_per_step: int = PREFILL_PER_STEP,
                  kv_cache_bytes: int | None = None, prefix_caching: bool = True,
                  piece: int = PIECE, itl_ratio: float = 0.0,
-                 runner: Runner | None = None, speculator: Speculator | None = None
-                 ) -> None:
+                 runner: Runner | None = None, speculator: Speculator | None = None,
+                 adapters=None) -> None:
         refuse(itl_ratio=itl_ratio, prefill_per_step=prefill_per_step, max_batch=max_batch,
                decode_chunk=decode_chunk)  # `ServeConfig`'s checks, by their fields
         max_len = max_len or model.config.max_seq_len
         if max_len > model.config.max_seq_len:
             raise UserError(f"max_len={max_len} exceeds the model's max_seq_len="
                             f"{model.config.max_seq_len}")
-        super().__init__(model, runner)
+        super().__init__(model, runner or Runner(model, adapters=adapters))
+        self.n_adapters = len(self.runner.adapters or ())  # served LoRA adapters 1..n
         block_size = self.runner.cache.block_size  # every rank's (runner.BLOCK_SIZE)
         self.model, self.tokenizer = model, tokenizer
         self.max_batch, self.max_len = max_batch, max_len
@@ -228,6 +229,8 @@ class Engine(Intake):
         if far:
             raise UserError(f"logit_bias names token ids {far[:5]} outside the model's "
                             f"vocabulary [0, {vocab})")
+        if not 0 <= params.adapter <= self.n_adapters:
+            raise UserError(f"adapter={params.adapter} is not served (0..{self.n_adapters})")
         if params.stop and self.tokenizer is None:
             raise UserError("stop strings need a tokenizer (Engine(..., tokenizer=...))")
         need = n + params.max_tokens

@@ -94,7 +94,7 @@ def build_api(app: App, guard: Guard) -> FastAPI:
 
     @fa.get("/v1/models", summary="the model served")
     async def models(request: HttpRequest):
-        return ok(request, api.models(app.name, app.created))
+        return ok(request, app.models())
 
     @fa.get("/health", summary="200 while serving, else 503 and why (a worker stuck...)")
     async def health(request: HttpRequest):

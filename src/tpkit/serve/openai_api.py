@@ -151,8 +151,10 @@ def embeddings(model: str, vectors: list, tokens: int) -> dict:
             "usage": {"prompt_tokens": tokens, "total_tokens": tokens}}
 
 
-def models(name: str, created: int | None = None) -> dict:
-    """GET /v1/models."""
-    return {"object": "list", "data": [{"id": name, "object": "model",
-                                        "created": created or int(time.time()),
-                                        "owned_by": "tpkit"}]}
+def models(name: str, created: int | None = None, lora: list[tuple[str, str]] = ()) -> dict:
+    """GET /v1/models: the base `name`, then its LoRA adapters (name, folder), each with
+    `parent` and `root` as vLLM lists them."""
+    created = created or int(time.time())
+    base = {"id": name, "object": "model", "created": created, "owned_by": "tpkit"}
+    return {"object": "list", "data": [base, *({**base, "id": n, "root": f, "parent": name}
+                                                for n, f in lora)]}

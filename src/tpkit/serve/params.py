@@ -102,6 +102,7 @@ class SamplingParams:
     logit_bias: tuple[tuple[int, float], ...] = ()  # (token id, bias) pairs
     min_tokens: int = 0
     grammar: str | None = None  # what the output must match (`serve.grammar`)
+    adapter: int = 0  # the served LoRA adapter it runs with (0: the base; `serve.adapters`)
 
     def __post_init__(self) -> None:
         bad = [(f.name, getattr(self, f.name), RULES[f.name][1]) for f in fields(self)

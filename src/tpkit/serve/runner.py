@@ -11,7 +11,8 @@ wait for the followers to take it: the forward's first collective meets them):
     the payload, if longer, in a second message
         op STEP : the payload int64 [length], the step's forwards:
                   [forwards, then per forward: pieces, then per piece:
-                   start, tokens n, blocks m, logits kind, ids [n], block table [m]],
+                   start, tokens n, blocks m, logits kind + 4 x its adapter (`Piece`),
+                   ids [n], block table [m]],
                   then the grammars' trailer (`serve.masks`: [..., its length])
                   -> every rank grows its cache to `blocks`, runs each forward
         op EMBED: the payload int64 [length], an encoder's batch of inputs:
@@ -57,8 +58,9 @@ class Runner:
     engine's, `engine.Intake`) and once on each follower (`serve.workers.follow`)."""
 
     def __init__(self, model: nn.Module, mirrors: Mirrors | None = None,
-                 block_size: int = BLOCK_SIZE) -> None:
+                 block_size: int = BLOCK_SIZE, adapters=None) -> None:
         self.model, self.group = model.eval(), model.group
+        self.adapters = adapters  # served LoRA adapters (`serve.adapters.Adapters`), or None
         self.mirrors = mirrors or Mirrors()  # a follower's grammars (`serve.masks`)
         self.cache = PagedCache(model, block_size)
         self.device = self.cache.device
@@ -111,8 +113,11 @@ class Runner:
 
     def _run(self, forwards, blocks: int, greedy: bool, allowed=None):
         self.cache.grow(blocks)
-        out = [forward(self.model, self.cache, pieces, greedy, allowed and allowed[i])
-               for i, pieces in enumerate(forwards)]
+        out = []
+        for i, pieces in enumerate(forwards):
+            with self.adapters.select(pieces) if self.adapters else nullcontext():
+                out.append(forward(self.model, self.cache, pieces, greedy,
+                                   allowed and allowed[i]))
         self.steps += 1  # completed
         return out
 
@@ -207,7 +212,7 @@ class Runner:
             return None
         nxt = []
         for p, token in zip(pieces, picked[:, 0].tolist()):
-            if len(p.tokens) != 1 or p.logits != LAST or \
+            if len(p.tokens) != 1 or p.logits != LAST or p.adapter or \
                     p.start + 2 > len(p.blocks) * self.cache.block_size:
                 return None
             nxt.append(Piece([int(token)], p.start + 1, p.blocks, LAST))
@@ -228,7 +233,8 @@ def encode(forwards: list[list[Piece]]) -> list[int]:
     for pieces in forwards:
         out.append(len(pieces))
         for p in pieces:
-            out += [p.start, len(p.tokens), len(p.blocks), p.logits, *p.tokens, *p.blocks]
+            out += [p.start, len(p.tokens), len(p.blocks), p.logits + 4 * p.adapter,
+                    *p.tokens, *p.blocks]
     return out
 
 
@@ -241,7 +247,8 @@ def decode(flat: list[int]) -> list[list[Piece]]:
         for _ in range(count):
             start, n, m, kind = flat[at:at + 4]
             at += 4
-            pieces.append(Piece(flat[at:at + n], start, flat[at + n:at + n + m], kind))
+            pieces.append(Piece(flat[at:at + n], start, flat[at + n:at + n + m], kind % 4,
+                                kind // 4))
             at += n + m
         forwards.append(pieces)
     return forwards

@@ -55,7 +55,7 @@ from dataclasses import dataclass, field
 
 from tpkit.layers.decode_ops import ROWS
 from tpkit.model.paged_kv import EVERY, LAST, NONE, Piece
-from tpkit.serve.blocks import BlockPool, block_keys
+from tpkit.serve.blocks import BlockPool, block_keys, root
 from tpkit.serve.request import Request
 
 FLOOR = 4  # prompt tokens a step computes at least while requests decode
@@ -188,7 +188,8 @@ class Scheduler:
         """The chain keys of the full blocks of `req`'s tokens (kept while they last)."""
         n = _tokens(req)
         if req.keys[0] != n:
-            req.keys = (n, block_keys(req.prompt + req.tokens, self.pool.block_size))
+            req.keys = (n, block_keys(req.prompt + req.tokens, self.pool.block_size,
+                                      root(req.params.adapter)))
         return req.keys[1]
 
     def _computing(self, req: Request | None = None,
@@ -343,14 +344,15 @@ class Scheduler:
             every = req.params.echo and req.params.logprobs is not None and \
                 req.computed < len(req.prompt)
             kind = EVERY if every else LAST if end else NONE
-            return Piece(toks, req.computed, list(req.blocks), kind)
+            return Piece(toks, req.computed, list(req.blocks), kind, req.params.adapter)
 
         out.prompt_tokens = sum(n for _, n in pieces)
         out.decodes, out.prefill = len(decodes), [(r.computed, n) for r, n in pieces]
         rows = []  # each decode's row, then one per proposed token (`serve.speculate`)
         for r in decodes:
             rows.append((piece(r, 1), r))
-            rows += [(Piece([t], r.computed + 1 + i, list(r.blocks), LAST), r)
+            rows += [(Piece([t], r.computed + 1 + i, list(r.blocks), LAST,
+                            r.params.adapter), r)
                      for i, t in enumerate(out.drafts.get(r.id, ()))]
         if not self.invariant:
             if rows or pieces:

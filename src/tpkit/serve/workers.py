@@ -14,6 +14,7 @@ import torch
 from torch import nn
 
 from tpkit.mesh import ParallelMesh
+from tpkit.serve.adapters import Adapters, read_all
 from tpkit.serve.config import ServeConfig
 from tpkit.serve.grammar import Grammars
 from tpkit.serve.masks import Mirrors
@@ -32,8 +33,10 @@ def load(source, mesh: ParallelMesh, config: ServeConfig) -> nn.Module:
 def follow(mesh: ParallelMesh, source, config: ServeConfig) -> None:
     """A follower rank: load as rank 0 does (`load`), then run rank 0's steps until told
     to stop. Its grammars' mirrors (`serve.masks`) load the source's tokenizer when the
-    first grammar comes."""
+    first grammar comes; --lora's adapters (`serve.adapters`): this rank's shards."""
     model = load(source, mesh, config)
+    adapters = Adapters(model, read_all(list(config.lora), model.config)) \
+        if config.lora else None
     mirrors = Mirrors(lambda: Grammars(load_tokenizer(source_tokenizer(source)),
                                        model.config.vocab_size))  # rank 0's tokenizer
-    Runner(model, mirrors).follow()
+    Runner(model, mirrors, adapters=adapters).follow()

@@ -61,7 +61,7 @@ def _full(src: Any, name: str) -> torch.Tensor:
     return src.read(name, 0, 0, shape[0]) if shape else src.read(name, 0, 0, 1)
 
 
-def _module(c: ModelConfig, base: str, part: int) -> str:
+def peft_module(c: ModelConfig, base: str, part: int) -> str:
     """The Hugging Face module (below the whole model) of part `part` of tpkit's `base`."""
     fam = of_config(c)
     recipe = fam.table(c)[base]
@@ -81,7 +81,7 @@ def write_peft(src: Any, out_dir: str | Path) -> Path:
     c = with_family(_has_adapters(src, "export"))
     tensors, modules = {}, set()
     for base, part, _, _, _, a, b in adapted(c):
-        module = _module(c, base, part)
+        module = peft_module(c, base, part)
         modules.add(module.rsplit(".", 1)[-1])
         tensors[f"base_model.model.{module}.lora_A.weight"] = _full(src, a).contiguous()
         tensors[f"base_model.model.{module}.lora_B.weight"] = _full(src, b).contiguous()
