@@ -99,30 +99,41 @@ def add_pool_arguments(g: argparse._ArgumentGroup, max_batch: int | None, batch_
                         f"sequence alone)")
     g.add_argument("--speculative", choices=speculate.METHODS, default=None,
                    help="ngram: propose the tokens that followed the latest earlier match "
-                        "of the last few tokens (prompt lookup) and verify them in one "
-                        "forward, the output unchanged (docs/serving.md); default: none")
+                        "of the last few tokens (prompt lookup); draft: a smaller model's "
+                        "(--draft-checkpoint); either verified in one forward, the output "
+                        "unchanged (docs/serving.md); default: none")
     g.add_argument("--speculative-tokens", type=int, default=speculate.TOKENS, metavar="K",
                    help=f"with --speculative: tokens proposed at most per sequence and step "
                         f"(1..{speculate.MAX_TOKENS}, default {speculate.TOKENS})")
+    g.add_argument("--draft-checkpoint", default=None, metavar="PATH",
+                   help="with --speculative draft: the draft model (any checkpoint tpkit "
+                        "loads, with the model's tokenizer), run at tp=1 on rank 0")
 
 
 def check_speculative(args: argparse.Namespace) -> None:
     """UserError for --speculative-tokens out of bounds or without --speculative."""
     if args.speculative is None and args.speculative_tokens != speculate.TOKENS:
         raise UserError(f"--speculative-tokens={args.speculative_tokens} needs "
-                        f"--speculative ngram")
-    speculate.check(args.speculative, args.speculative_tokens)
+                        f"--speculative ngram or draft")
+    speculate.check(args.speculative, args.speculative_tokens, args.draft_checkpoint)
 
 
-def speculator(args: argparse.Namespace):
-    """The engine's `serve.speculate.Speculator` from --speculative and
-    --speculative-tokens, or None (`check_speculative`'s errors)."""
+def speculator(args: argparse.Namespace, model=None, tokenizer=None):
+    """The engine's `serve.speculate.Speculator` from --speculative,
+    --speculative-tokens and --draft-checkpoint (its model loaded at tp=1, --dtype,
+    checked against the target `model` and its `tokenizer`), or None
+    (`check_speculative`'s errors)."""
     check_speculative(args)
     if args.speculative is None:
         return None
     from tpkit.serve.speculate import Speculator  # torch: only where it runs
 
-    return Speculator(args.speculative_tokens)
+    if args.speculative == "ngram":
+        return Speculator(args.speculative_tokens)
+    from tpkit.serve.draft import draft_speculator
+
+    return draft_speculator(args.draft_checkpoint, model, tokenizer, args.speculative_tokens,
+                            args.max_batch, args.max_len, args.dtype)
 
 
 def decode_chunk(args: argparse.Namespace) -> int | None:

@@ -84,7 +84,8 @@ def _generate(args: argparse.Namespace, source, model, max_len: int) -> dict:
                         f"there or pass --prompt-ids")
     prompts = _prompts(args, tok)
     engine = Engine(model, tokenizer=tok, max_batch=args.max_batch, max_len=max_len,
-                    decode_chunk=decode_chunk(args), speculator=speculator(args))
+                    decode_chunk=decode_chunk(args),
+                    speculator=speculator(args, model, tok))
     params = _sampling(args)
     for p in prompts:  # every prompt, before any is queued
         engine.check(p, params)

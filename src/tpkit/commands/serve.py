@@ -206,7 +206,8 @@ def _serve(mesh: ParallelMesh, args, source, sock, pooling, tokenizer, followers
                         prefill_per_step=args.prefill_per_step,
                         decode_chunk=decode_chunk(args), itl_ratio=args.itl_ratio,
                         kv_cache_bytes=args.kv_cache_bytes,
-                        prefix_caching=not args.no_prefix_cache, speculator=speculator(args))
+                        prefix_caching=not args.no_prefix_cache,
+                        speculator=speculator(args, model, tokenizer))
     name = args.served_model_name or Path(str(args.checkpoint).rstrip("/")).resolve().name
     app = App(engine, name, tokenizer, max_body=args.max_body_bytes, timeout=args.timeout,
               api_key=api_key(args), metrics_need_key=args.metrics_need_key)
