@@ -30,14 +30,18 @@ from tpkit.serve.speculate import Speculator
 
 
 class Wrong(Speculator):
-    """Proposes `k` copies of the sequence's last token at every step, unadapted."""
+    """Proposes `k` copies of the sequence's last token every `every`-th step,
+    unadapted."""
 
-    def __init__(self, k: int) -> None:
+    def __init__(self, k: int, every: int = 1) -> None:
         super().__init__(max(k, 1))
-        self.k = k
+        self.k, self.every, self.steps = k, every, 0
 
     def propose(self, decodes, spare, room):
         out = {}
+        self.steps += 1
+        if self.steps % self.every:
+            return out
         for req in decodes:
             k = min(self.k, spare, req.params.max_tokens - len(req.tokens) - 1)
             if k > 0:
@@ -47,10 +51,11 @@ class Wrong(Speculator):
         return out
 
 
-def per_step(model, seqs: int, k: int, new: int) -> float:
+def per_step(model, seqs: int, k: int, new: int, every: int = 1) -> float:
     """Seconds per engine step, `seqs` sequences generating `new` tokens, `k` wrong
-    proposed tokens each per step (0: no speculation)."""
-    engine = Engine(model, max_batch=8, max_len=512, speculator=Wrong(k) if k else None)
+    proposed tokens each every `every`-th step (0: no speculation)."""
+    engine = Engine(model, max_batch=8, max_len=512,
+                    speculator=Wrong(k, every) if k else None)
     prompts = [[1 + (7 * i + j) % 400 for j in range(40)] for i in range(seqs)]
     for p in prompts:
         engine.submit(p, SamplingParams(max_tokens=new))

@@ -57,7 +57,7 @@ def _run(engine, together: bool):
 
 
 def draft_worker(mesh, dtype, ways=(False, True)):
-    """Rank 0: every prompt alone, then together (`ways`), without and with the draft;
+    """Rank 0: every prompt alone, or together (`ways`), without and with the draft;
     followers run the target's steps. [(reference, speculated, proposed, accepted)]."""
     target, draft_model = _models(mesh, dtype)
     runner = Runner(target, 8, 128)
@@ -66,7 +66,7 @@ def draft_worker(mesh, dtype, ways=(False, True)):
     got = []
     for together in ways:
         ref = _run(Engine(target, max_batch=8, runner=runner), together)
-        spec = DraftSpeculator(Draft(draft_model, 8, 128), tokens=4)
+        spec = DraftSpeculator(Draft(draft_model, 8, 128), tokens=4, row_cost=0.0)
         engine = Engine(target, max_batch=8, runner=runner, speculator=spec)
         got.append((ref, _run(engine, together), spec.proposed, spec.accepted))
         spec.draft.keep(set())
@@ -83,7 +83,7 @@ def _check(got):
 
 @pytest.mark.timeout(120)
 def test_draft_speculation_keeps_the_targets_tokens():
-    _check(draft_worker(ParallelMesh.single(), torch.float32))
+    _check(draft_worker(ParallelMesh.single(), torch.float32, (False,)))
 
 
 @pytest.mark.slow

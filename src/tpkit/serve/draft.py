@@ -99,8 +99,9 @@ class Draft:
 class DraftSpeculator(Speculator):
     """`serve.speculate.Speculator` whose proposals come from a `Draft` model."""
 
-    def __init__(self, draft: Draft, tokens: int = TOKENS, rows: int = 8) -> None:
-        super().__init__(tokens, rows)
+    def __init__(self, draft: Draft, tokens: int = TOKENS, rows: int = 8,
+                 row_cost: float | None = None) -> None:
+        super().__init__(tokens, rows, row_cost)
         self.draft = draft
 
     def propose(self, decodes: list, spare: int, room) -> dict[int, list[int]]:
