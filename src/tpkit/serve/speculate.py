@@ -1,4 +1,5 @@
-"""N-gram (prompt lookup) speculative decoding for the engine:
+"""N-gram (prompt lookup) speculative decoding for the engine (a draft model's proposals,
+verified the same way: `serve.draft`):
 
     spec = Speculator(tokens=4)                     # Engine(..., speculator=spec)
     drafts = spec.propose(decodes, spare, room)     # the scheduler, for a decode step
