@@ -160,6 +160,8 @@ def test_rows_are_proposed_only_where_they_pay_at_the_measured_cost():
     for seconds in (0.010, 0.010, 0.014, 0.010, 0.014):
         cost.observe(1, 0 if seconds == 0.010 else 2, seconds)
     assert cost.per_row(1) == pytest.approx(0.2, rel=1e-9) and cost.per_row(4) == ROW_COST
+    cost.observe(1, 1, 0.005)  # a faster step (noise) pulls the average down: unclipped
+    assert cost.per_row(1) == pytest.approx(0.2 + 0.2 * (-0.5 - 0.2), rel=1e-9)
     assert [worth(0.5, k, 0.2) for k in (1, 2, 4)] == [1, 2, 2]
     assert worth(0.1, 4, 0.2) == 0 and StepCost(0.3).per_row(1) == 0.3
     model = _tiny()

@@ -103,13 +103,14 @@ class StepCost:
             old = self.plain.get(decodes, seconds)
             self.plain[decodes] = old + SMOOTH * (seconds - old)
         elif decodes in self.plain:
-            got = max(0.0, (seconds / self.plain[decodes] - 1) / extra)
+            got = (seconds / self.plain[decodes] - 1) / extra  # unclipped: noise averages out
             old = self.row.get(decodes, got)
             self.row[decodes] = old + SMOOTH * (got - old)
 
     def per_row(self, decodes: int) -> float:
         """What one more row costs a step of `decodes` decode rows, in steps."""
-        return self.fixed if self.fixed is not None else self.row.get(decodes, ROW_COST)
+        return self.fixed if self.fixed is not None else \
+            max(0.0, self.row.get(decodes, ROW_COST))
 
 
 def lookup(st: _State, ctx: list[int], k: int) -> list[int]:
