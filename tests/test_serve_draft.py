@@ -116,6 +116,10 @@ def test_generate_cli_with_a_draft_and_one_with_another_vocabulary(tmp_path, cap
         run(generate_args("--checkpoint", str(tmp_path / "target"), "--prompt-ids", ids,
                           "--speculative", "draft", "--draft-checkpoint",
                           str(tmp_path / "other")))
+    with pytest.raises(UserError, match="--draft-checkpoint=.*nowhere: no such file"):
+        run(generate_args("--checkpoint", str(tmp_path / "target"), "--prompt-ids", ids,
+                          "--speculative", "draft", "--draft-checkpoint",
+                          str(tmp_path / "nowhere")))
     with pytest.raises(UserError, match="--speculative draft needs --draft-checkpoint"):
         run(generate_args("--checkpoint", str(tmp_path / "target"), "--prompt-ids", ids,
                           "--speculative", "draft"))

@@ -3,6 +3,8 @@ engine's `serve.speculate` both check them here)."""
 
 from __future__ import annotations
 
+from pathlib import Path
+
 from tpkit.spec.errors import UserError
 
 METHODS = ("ngram", "draft")  # --speculative's choices
@@ -18,6 +20,8 @@ def check(method: str | None, tokens: int, draft: str | None = None) -> None:
     if (method == "draft") != (draft is not None):
         raise UserError("--speculative draft needs --draft-checkpoint PATH" if draft is None
                         else f"--draft-checkpoint={draft} needs --speculative draft")
+    if draft is not None and not Path(draft).exists():
+        raise UserError(f"--draft-checkpoint={draft}: no such file or folder")
     if not 1 <= tokens <= MAX_TOKENS:
         raise UserError(f"--speculative-tokens={tokens} must be in [1, {MAX_TOKENS}] (the "
                         f"proposed tokens and the last one are one forward of <= 8 rows)")
