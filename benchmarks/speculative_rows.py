@@ -10,9 +10,9 @@ engine (tp=1, no tokenizer: no end of sequence) generates `--new` tokens per seq
 with a proposer that gives every sequence `extra / seqs` wrong tokens per step (the
 same token again: rejected, one token per step as without speculation) and without
 one; each figure is the median over the rounds (contenders alternated) of the seconds
-per step, and the ratio to the step without extra rows. Prints a table and the cost
-per extra row relative to a one-row-per-sequence step (`serve.speculate.COST` reads
-these figures).
+per step, and the ratio to the step without extra rows. Prints the cost per extra row
+relative to the step without (what `serve.speculate.StepCost` measures online in the
+engine). On a loaded machine the figures are noise (docs/benchmarks_history.md).
 """
 
 from __future__ import annotations
