@@ -6,7 +6,8 @@ started through its real CLI on the same weights (issue 49). Not part of `make t
         [--rounds 5] [--clients 1,8] [--max-tokens 128] [--only tpkit] [--sets grounded]
 
 Contenders: `tpkit serve` float32 and bfloat16, each without and with `--speculative
-ngram`; llama-server (each GGUF given) without and with `--spec-type ngram-simple`
+ngram` (and, `--draft PATH`, `--speculative draft --draft-checkpoint PATH`: a draft
+model with SmolLM2's tokenizer, e.g. its first layers, benchmarks/smollm2_draft.py); llama-server (each GGUF given) without and with `--spec-type ngram-simple`
 (`--llama-spec TYPE`, repeatable, adds others, e.g. ngram-map-k). Every server holds 8
 sequences (tpkit `--max-batch 8 --max-len 2048`, llama-server `-np 8 -c 16384`).
 
@@ -84,7 +85,9 @@ def contenders(args) -> list[Contender]:
     """tpkit with and without --speculative, and the llama-servers given."""
     hf, out, src = Path(args.hf), [], {"PYTHONPATH": str(ROOT / "src")}
     for dtype in ("float32", "bfloat16"):
-        for spec in ([], ["--speculative", "ngram", *args.tpkit_arg]):
+        draft = [["--speculative", "draft", "--draft-checkpoint", args.draft,
+                  *args.tpkit_arg]] if args.draft else []
+        for spec in ([], ["--speculative", "ngram", *args.tpkit_arg], *draft):
             out.append(Contender(
                 " ".join(["tpkit", dtype, *spec]),
                 [*TPKIT, "serve", "--checkpoint", str(hf), "--dtype", dtype, "--max-batch",
@@ -168,6 +171,9 @@ def main() -> None:
                     help="llama-server --spec-type values (default: ngram-simple)")
     ap.add_argument("--tpkit-arg", action="append", default=[],
                     help="added to tpkit's speculative command line (--tpkit-arg=X)")
+    ap.add_argument("--draft", default=None,
+                    help="a draft model's folder (benchmarks/smollm2_draft.py): adds tpkit "
+                         "--speculative draft contenders")
     ap.add_argument("--rounds", type=int, default=5)
     ap.add_argument("--clients", default="1,8")
     ap.add_argument("--max-tokens", type=int, default=128)

@@ -26,7 +26,7 @@ from tpkit.mesh import ParallelMesh
 from tpkit.model.transformer import Transformer
 from tpkit.serve import Engine, SamplingParams
 from tpkit.serve.runner import Runner
-from tpkit.serve.speculate import Speculator, _State, lookup
+from tpkit.serve.speculate import ROW_COST, Speculator, StepCost, _State, lookup, worth
 from tpkit.spec.errors import UserError
 
 CONFIG = LLAMA.with_(max_seq_len=128)
@@ -39,8 +39,9 @@ class Oracle(Speculator):
     """Proposes the reference continuation, one token made wrong in about half the
     proposals (seeded); `wrong`: every proposal's first token wrong."""
 
-    def __init__(self, ref: dict[tuple, list[int]], tokens: int = 5, wrong: bool = False):
-        super().__init__(tokens)
+    def __init__(self, ref: dict[tuple, list[int]], tokens: int = 5, wrong: bool = False,
+                 row_cost: float = 0.0):
+        super().__init__(tokens, row_cost=row_cost)
         self.ref, self.wrong, self.rng = ref, wrong, random.Random(0)
 
     def lookup(self, st, req, k):
@@ -149,6 +150,34 @@ def test_failing_proposals_back_off_and_metrics_count_them():
     assert "tpkit_spec_acceptance_rate 0.0" in text
 
 
+def test_rows_are_proposed_only_where_they_pay_at_the_measured_cost():
+    """The never-lose rule: a step of 1 decode row measured at 10 ms, one with 2 more
+    rows at 14 ms: a row costs 0.2 of a step; at acceptance 0.5 two tokens pay (0.5,
+    0.25), a third (0.125) does not. Rows so dear that no token pays (0.6 > the prior
+    0.5): the sequence proposes one probe after each rest only, its tokens unchanged."""
+    cost = StepCost()
+    assert cost.per_row(1) == ROW_COST  # unmeasured
+    for seconds in (0.010, 0.010, 0.014, 0.010, 0.014):
+        cost.observe(1, 0 if seconds == 0.010 else 2, seconds)
+    assert cost.per_row(1) == pytest.approx(0.2, rel=1e-9) and cost.per_row(4) == ROW_COST
+    cost.observe(1, 1, 0.005)  # a faster step (noise) pulls the average down: unclipped
+    assert cost.per_row(1) == pytest.approx(0.2 + 0.2 * (-0.5 - 0.2), rel=1e-9)
+    assert [worth(0.5, k, 0.2) for k in (1, 2, 4)] == [1, 2, 2]
+    assert worth(0.1, 4, 0.2) == 0 and StepCost(0.3).per_row(1) == 0.3
+    model = _tiny()
+    ref = Engine(model).generate([[1, 2, 3]], SamplingParams(max_tokens=64))[0].tokens
+    counts = []
+    for row_cost in (0.0, 0.6):
+        spec = Oracle({(1, 2, 3): ref}, tokens=4, row_cost=row_cost)
+        got = Engine(model, speculator=spec).generate([[1, 2, 3]],
+                                                      SamplingParams(max_tokens=64))
+        assert got[0].tokens == ref
+        counts.append((spec.proposed, spec.accepted))
+    (free, _), (dear, dear_accepted) = counts
+    assert 0 < dear < free / 2, counts  # probes of one token: 1 after 1, 2, 4.. steps
+    assert dear_accepted > 0  # an accepted probe raises the rate: it proposes again
+
+
 def test_sampling_draws_the_same_tokens_and_accepts_at_the_models_rate():
     """Sampled requests (temperature 0.8, top-p 0.9): with proposals (the reference
     tokens, half with one wrong) a seed draws the same tokens and log-probabilities as
@@ -178,7 +207,7 @@ def test_sampling_draws_the_same_tokens_and_accepts_at_the_models_rate():
             asked.append(req.params.seed)
             return [likeliest[req.params.seed][0]]
 
-    spec, engine = Likeliest(1), Engine(model, max_batch=4)
+    spec, engine = Likeliest(1, row_cost=0.0), Engine(model, max_batch=4)
     engine.speculator = engine.scheduler.speculator = spec
     for i in range(0, len(free), 4):  # 4 at once: their decodes in one step, no prompt
         engine.generate([[1, 2, 3]] * 4, free[i:i + 4])

@@ -76,7 +76,7 @@ def _generate(args: argparse.Namespace, cfg: ServeConfig, source, model) -> dict
                         f"{vocab}) is not a byte-level model; copy its tokenizer files "
                         f"there or pass --prompt-ids")
     prompts = _prompts(args, tok)
-    engine = Engine(model, tokenizer=tok, **cfg.engine_options())
+    engine = Engine(model, tokenizer=tok, **cfg.engine_options(model, tok))
     params = _sampling(args)
     for p in prompts:  # every prompt, before any is queued
         engine.check(p, params)

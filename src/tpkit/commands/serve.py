@@ -116,7 +116,7 @@ def _engine(cfg: ServeConfig, checkpoint: str, model, pooling, tokenizer, adapte
     """Rank 0's engine: an encoder's `Embedder` (`pooling`), else the generating `Engine`
     (`adapters`: --lora's, read)."""
     if pooling is None:
-        return Engine(model, tokenizer=tokenizer, **cfg.engine_options(),
+        return Engine(model, tokenizer=tokenizer, **cfg.engine_options(model, tokenizer),
                       adapters=Adapters(model, adapters) if adapters else None)
     if cfg.speculative is not None:
         raise UserError(f"--speculative={cfg.speculative}: {checkpoint} is an "

@@ -122,12 +122,16 @@ class ServeConfig:
         check=AT_LEAST_1)
     speculative: str | None = ENGINE.knob(
         None, "ngram: propose the tokens that followed the latest earlier match of the last "
-        "few tokens (prompt lookup) and verify them in one forward, the output unchanged "
-        "(docs/serving.md); default: none", choices=speculate.METHODS)
+        "few tokens (prompt lookup); draft: a smaller model's (--draft-checkpoint); either "
+        "verified in one forward, the output unchanged (docs/serving.md); default: none",
+        choices=speculate.METHODS)
     speculative_tokens: int = ENGINE.knob(
         speculate.TOKENS, f"with --speculative: tokens proposed at most per sequence and "
         f"step (1..{speculate.MAX_TOKENS}, default {speculate.TOKENS})", metavar="K",
         check=lambda _, v: _said(speculate.check, None, v))
+    draft_checkpoint: str | None = ENGINE.knob(
+        None, "with --speculative draft: the draft model (any checkpoint tpkit loads, with "
+        "the model's tokenizer), run at tp=1 on rank 0; default: none", metavar="PATH")
     prefill_per_step: int = SERVING.knob(
         PREFILL_PER_STEP, "prompt tokens prefilled per step, at most (a longer prompt "
         "alone; 0: no limit): the running requests decode in between", metavar="T",
@@ -173,7 +177,10 @@ class ServeConfig:
                        f"it a decode computes the running requests' rows)")
         if self.speculative is None and self.speculative_tokens != speculate.TOKENS:
             out.append(f"--speculative-tokens={self.speculative_tokens} needs --speculative "
-                       f"ngram")
+                       f"ngram or draft")
+        if self.speculative is not None or self.draft_checkpoint is not None:
+            out += _said(speculate.check, self.speculative, self.speculative_tokens,
+                         self.draft_checkpoint)  # draft <-> its checkpoint, which exists
         return out
 
     def check(self) -> ServeConfig:
@@ -191,17 +198,29 @@ class ServeConfig:
             return None
         return INVARIANT_CHUNK if self.decode_chunk is None else self.decode_chunk
 
-    def speculator(self):
-        """The engine's `serve.speculate.Speculator` (--speculative), or None."""
-        return None if self.speculative is None else Speculator(self.speculative_tokens)
+    def speculator(self, model=None, tokenizer=None):
+        """The engine's `serve.speculate.Speculator` (--speculative), or None; a draft's
+        (--draft-checkpoint) loaded at tp=1 and checked against the target `model` and
+        its `tokenizer` (`serve.draft`)."""
+        if self.speculative is None:
+            return None
+        if self.speculative == "ngram":
+            return Speculator(self.speculative_tokens)
+        from tpkit.serve.draft import draft_speculator  # loads a model: only where it runs
 
-    def engine_options(self) -> dict:
-        """`Engine`'s keywords (besides the model and the tokenizer)."""
+        return draft_speculator(self.draft_checkpoint, model, tokenizer,
+                                self.speculative_tokens, self.max_batch, self.max_len,
+                                self.dtype)
+
+    def engine_options(self, model=None, tokenizer=None) -> dict:
+        """`Engine`'s keywords (besides the model and the tokenizer, which a draft model's
+        speculator is checked against)."""
         return dict(max_batch=self.max_batch, max_len=self.max_len,
                     max_tokens_in_flight=self.max_tokens_in_flight,
                     prefill_per_step=self.prefill_per_step, decode_chunk=self.chunk,
                     itl_ratio=self.itl_ratio, kv_cache_bytes=self.kv_cache_bytes,
-                    prefix_caching=self.prefix_cache, speculator=self.speculator())
+                    prefix_caching=self.prefix_cache,
+                    speculator=self.speculator(model, tokenizer))
 
     def embedder_options(self) -> dict:
         """`Embedder`'s keywords (besides the model and the pooling)."""

@@ -302,6 +302,8 @@ class Engine(Intake):
             self._alone(req, self._verify, req, out.drafts[req.id], rows, greedy)
         if self.pacer is not None and not grew:  # this step's cost, tokens handed out too
             self.pacer.observe(time.perf_counter() - began, out.decodes, out.prefill)
+        if self.speculator is not None and not grew and not out.prefill:  # a row's cost
+            self.speculator.observe(out, time.perf_counter() - began)
         self._account(out)
         return True
 

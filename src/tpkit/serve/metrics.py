@@ -17,7 +17,7 @@ through prometheus_client (a collector: the engine keeps plain numbers, under a 
                                                         decode-only step measuring D)
     tpkit_pacing_decode_step_seconds                   (D, a decode-only step; NaN: unseen)
     tpkit_pacing_cost_seconds{term="token"|"token_kpos"|"kkeys"}  (its learned costs a, b, g)
-    with speculation on (`--speculative ngram`, `serve.speculate`):
+    with speculation on (`--speculative ngram|draft`, `serve.speculate`):
     tpkit_spec_proposed_tokens_total, tpkit_spec_accepted_tokens_total, and
     tpkit_spec_acceptance_rate                         (accepted / proposed; NaN: none yet)
 """
@@ -151,7 +151,7 @@ def _pacing(p: Pacing, gauge) -> list:
 
 
 def _speculated(proposed: int, accepted: int, counter, gauge) -> list:
-    return [counter("tpkit_spec_proposed_tokens", "tokens proposed by n-gram speculation "
+    return [counter("tpkit_spec_proposed_tokens", "tokens proposed by speculation "
                     "(--speculative)", value=proposed),
             counter("tpkit_spec_accepted_tokens", "proposed tokens the model confirmed",
                     value=accepted),

@@ -1,4 +1,5 @@
-"""N-gram (prompt lookup) speculative decoding for the engine:
+"""N-gram (prompt lookup) speculative decoding for the engine (a draft model's proposals,
+verified the same way: `serve.draft`):
 
     spec = Speculator(tokens=4)                     # Engine(..., speculator=spec)
     drafts = spec.propose(decodes, spare, room)     # the scheduler, for a decode step
@@ -35,6 +36,16 @@ Adaptive, per sequence: `k` starts at `tokens`; a fully accepted proposal raises
 one (up to `tokens`), a rejected first token halves it; at 0 the sequence rests for
 `rest` steps (doubling at each failure, up to REST_MAX) and tries one token again. A
 proposal is made only where the n-gram matches (nothing to look up costs nothing).
+
+Cost-aware (the never-lose rule): a proposal's i-th token is accepted with chance about
+a^i (a: the sequence's acceptance, an EWMA from PRIOR) and costs one more row of the
+step; rows are not free (a bfloat16 step of a few rows costs more than its one-row
+step on a CPU). So a sequence proposes only its first n tokens with a^i >= c (each one
+expected to pay for its row; `worth`), c the measured cost of a row as a fraction of the
+step without it (`StepCost`: the engine's wall times of decode-only steps, per number
+of decode rows, a moving average; ROW_COST until measured). Where not even one token
+pays, the sequence rests as after a failure and then probes one token (its rate then
+moves again).
 Under load, the step's spare rows go first to the sequences whose acceptance rate
 (EWMA) is highest, and with more than one sequence running only to those above
 `LOADED_RATE`: at 8 running sequences there is no spare row and nobody pays.
@@ -49,6 +60,9 @@ from tpkit.spec.speculative import TOKENS, check
 SIZES = (4, 3, 2)  # n-gram lengths looked up, longest first
 REST_MAX = 64  # steps a sequence rests at most after its proposals failed
 LOADED_RATE = 0.5  # with several sequences running, the acceptance a proposer needs
+PRIOR = 0.5  # a new sequence's acceptance, before any proposal of its own
+ROW_COST = 0.1  # a verify row's cost in steps until `StepCost` has measured it
+SMOOTH = 0.2  # weight of a new step time in `StepCost`'s moving averages
 
 
 @dataclass
@@ -58,9 +72,45 @@ class _State:
     k: int
     index: dict[tuple[int, ...], int] = field(default_factory=dict)  # n-gram -> end
     indexed: int = 0  # context positions whose n-grams ending there are in `index`
-    rate: float = 1.0  # EWMA of its proposals' acceptance
+    rate: float = PRIOR  # EWMA of its proposals' acceptance
     rest: int = 0  # steps to wait before proposing again
     backoff: int = 1  # the next rest
+    probe: bool = False  # after a rest: one token proposed whatever it costs
+
+
+def worth(rate: float, k: int, cost: float) -> int:
+    """How many of k tokens to propose: the first n whose chance of being accepted
+    (rate^i for the i-th) is at least `cost`, a row's cost in steps."""
+    n = 0
+    while n < k and rate ** (n + 1) >= cost:
+        n += 1
+    return n
+
+
+class StepCost:
+    """A verify row's cost as a fraction of the decode-only step without it, measured
+    (per number of decode rows: moving averages of the step's seconds without rows and
+    of each step with r rows' (seconds / that - 1) / r); `fixed`: that cost, unmeasured."""
+
+    def __init__(self, fixed: float | None = None) -> None:
+        self.fixed = fixed
+        self.plain: dict[int, float] = {}  # decode rows -> seconds of a step without more
+        self.row: dict[int, float] = {}  # decode rows -> an extra row's cost (fraction)
+
+    def observe(self, decodes: int, extra: int, seconds: float) -> None:
+        """A decode-only step of `decodes` rows and `extra` verify rows took `seconds`."""
+        if extra == 0:
+            old = self.plain.get(decodes, seconds)
+            self.plain[decodes] = old + SMOOTH * (seconds - old)
+        elif decodes in self.plain:
+            got = (seconds / self.plain[decodes] - 1) / extra  # unclipped: noise averages out
+            old = self.row.get(decodes, got)
+            self.row[decodes] = old + SMOOTH * (got - old)
+
+    def per_row(self, decodes: int) -> float:
+        """What one more row costs a step of `decodes` decode rows, in steps."""
+        return self.fixed if self.fixed is not None else \
+            max(0.0, self.row.get(decodes, ROW_COST))
 
 
 def lookup(st: _State, ctx: list[int], k: int) -> list[int]:
@@ -83,9 +133,11 @@ def lookup(st: _State, ctx: list[int], k: int) -> list[int]:
 class Speculator:
     """The engine's n-gram proposer and verifier, and its counts (`/metrics`)."""
 
-    def __init__(self, tokens: int = TOKENS, rows: int = 8) -> None:
-        check("ngram", tokens)
+    def __init__(self, tokens: int = TOKENS, rows: int = 8,
+                 row_cost: float | None = None) -> None:
+        check(None, tokens)
         self.tokens, self.rows = tokens, rows
+        self.cost = StepCost(row_cost)  # the engine's `observe`s (fixed: `row_cost`)
         self.proposed = self.accepted = 0  # tokens proposed / accepted (metrics)
         self.states: dict[int, _State] = {}  # request id -> its state
 
@@ -101,7 +153,7 @@ class Speculator:
         alive = {r.id for r in decodes}
         for rid in [i for i in self.states if i not in alive]:
             del self.states[rid]  # finished (or preempted: its state starts again)
-        wants = []
+        wants, cost = [], self.cost.per_row(len(decodes))
         for req in decodes:
             st = self.states.setdefault(req.id, _State(self.tokens))
             if not self.eligible(req):
@@ -110,9 +162,11 @@ class Speculator:
                 st.rest -= 1
                 continue
             left = req.params.max_tokens - len(req.tokens) - 1  # the bonus token's place
-            k = min(st.k, left)
+            k = min(1 if st.probe else worth(st.rate, st.k, cost), left)
             if k > 0:
                 wants.append((st.rate, req, st, k))
+            elif left > 0:  # not even one token pays: rest, then probe one
+                _rest(st)
         if len(decodes) > 1:
             wants = [w for w in wants if w[0] >= LOADED_RATE]
         drafts = {}
@@ -123,7 +177,12 @@ class Speculator:
                 draft = draft[:max(0, fits)]
             if draft:
                 drafts[req.id], spare = draft, spare - len(draft)
+                st.probe = False
         return drafts
+
+    def observe(self, out, seconds: float) -> None:
+        """The engine: a decode-only step (its `SchedulerOutput`) took `seconds`."""
+        self.cost.observe(out.decodes, sum(map(len, out.drafts.values())), seconds)
 
     def lookup(self, st: _State, req, k: int) -> list[int]:
         """At most k tokens proposed to follow `req`'s (`lookup` on its prompt + output)."""
@@ -154,5 +213,10 @@ def _adapt(st: _State, taken: int, proposed: int, most: int) -> None:
     elif taken == 0:
         st.k //= 2
         if st.k == 0:
-            st.rest, st.backoff = st.backoff, min(REST_MAX, 2 * st.backoff)
+            _rest(st)
             st.k = 1
+
+
+def _rest(st: _State) -> None:
+    """The sequence rests `backoff` steps (doubled for the next time), then probes."""
+    st.rest, st.backoff, st.probe = st.backoff, min(REST_MAX, 2 * st.backoff), True
