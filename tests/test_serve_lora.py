@@ -64,6 +64,7 @@ def _alone(folder, tok) -> list[tuple[str, list[float]]]:
 def _ask(client, model: str, prompt: str):
     r = client.completions.create(model=model, prompt=prompt, max_tokens=MAX, temperature=0,
                                   logprobs=0)
+    assert r.model == model  # the adapter's name echoed, as vLLM does
     return r.choices[0].text, r.choices[0].logprobs.token_logprobs, r.usage
 
 

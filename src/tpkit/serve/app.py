@@ -174,6 +174,11 @@ class App:
         params, k = asked.sampling(), self._served(asked.model)
         return dataclasses.replace(params, adapter=k) if k else params
 
+    def answering(self, asked) -> str:
+        """The model an answer names: the adapter the request asked for, else the base's
+        (as vLLM echoes a LoRA's name)."""
+        return asked.model if asked.model in self.lora else self.name
+
     def models(self) -> dict:
         """GET /v1/models: the base, then each adapter with its parent (as vLLM)."""
         return api.models(self.name, self.created,

@@ -169,8 +169,9 @@ def _rid(posted: Posted) -> str:
 def _whole(app: App, posted: Posted) -> dict:
     """The body of a generated answer, whole (the Responses API's shape for its route)."""
     reqs, asked, chat = posted.handles, posted.asked, posted.chat
-    body = api.completion(_rid(posted), app.name, "", None, _usage(app, posted)(reqs), chat,
-                          app.created, fingerprint=app.fingerprint)
+    body = api.completion(_rid(posted), app.answering(asked), "", None,
+                          _usage(app, posted)(reqs), chat, app.created,
+                          fingerprint=app.fingerprint)
     body["choices"] = [answers.choice(app, r, chat, i) for i, r in enumerate(reqs)]
     if chat and asked.offered:  # a call or text: the answer's whole text says
         for ch, r in zip(body["choices"], reqs):
@@ -184,7 +185,7 @@ def _streamed(app: App, posted: Posted, events: asyncio.Queue):
     reqs, asked, usage = posted.handles, posted.asked, _usage(app, posted)
     if posted.kind == RESPONSES:
         return answer_of.stream(app, reqs[0], events, str(reqs[0].id), asked, usage)
-    return _stream(app, reqs, events, _rid(posted), posted.chat,
+    return _stream(app, app.answering(asked), reqs, events, _rid(posted), posted.chat,
                    usage if asked.include_usage else None,
                    asked if posted.chat and asked.offered else None)
 
@@ -200,12 +201,12 @@ def _cancel(reqs: list[Request]) -> None:
         r.cancel()
 
 
-async def _stream(app: App, reqs: list[Request], events: asyncio.Queue, rid: str,
+async def _stream(app: App, name: str, reqs: list[Request], events: asyncio.Queue, rid: str,
                   chat: bool, usage, tooled=None):
     """The server-sent events of a streamed answer, its choices interleaved as their
     tokens come (echo: a choice's prompt first); a client gone cancels them. A chat
     that offers tools (`tooled`: its request): `answers.Tooled`."""
-    name, created, left = app.name, app.created, len(reqs)
+    created, left = app.created, len(reqs)
     held = [answers.Tooled(app, tooled) if tooled is not None else None for _ in reqs]
     chunk = functools.partial(api.chunk, fingerprint=app.fingerprint)
     tokens, offsets, started = [0] * len(reqs), [0] * len(reqs), [False] * len(reqs)
