@@ -47,25 +47,31 @@ def test_a_bad_value_gets_its_declared_line_on_the_line_and_from_python():
         "--decode-chunk=2 needs --batch-invariant (without it a decode computes the "
         "running requests' rows)"]
     assert ServeConfig(batch_invariant=True).chunk == 8 and ServeConfig().chunk is None
+    assert ServeConfig(speculative="ngram", speculative_tokens=9).problems() == [
+        "--speculative-tokens=9 must be in [1, 7] (the proposed tokens and the last one are "
+        "one forward of <= 8 rows)"]  # said once
+    assert ServeConfig(speculative="draft").problems() == [
+        "--speculative draft needs --draft-checkpoint PATH"]
 
 
 NEW = Section("serving", "a section of a new knob")
 
 
 @dataclass(frozen=True)
-class WithLora(ServeConfig):
-    """ServeConfig and one more knob, a repeatable one, as `--lora NAME=DIR` would be."""
+class WithMore(ServeConfig):
+    """ServeConfig and two more knobs, one repeatable (as `--lora NAME=DIR` is)."""
 
-    lora: tuple[str, ...] = NEW.knob((), "an adapter requests may name; repeatable",
-                                     metavar="NAME=DIR")
-    lora_rank: int = NEW.knob(8, "largest adapter rank", check=AT_LEAST_1)
+    preload: tuple[str, ...] = NEW.knob((), "a prompt file read at start; repeatable",
+                                        metavar="NAME=FILE")
+    preload_limit: int = NEW.knob(8, "prompt files at most", check=AT_LEAST_1)
 
 
 def test_a_new_knob_is_one_entry():
     parser = argparse.ArgumentParser()
-    add_knobs(parser, WithLora)
-    args = parser.parse_args(["--lora", "a=/x", "--lora", "b=/y", "--lora-rank", "0"])
-    cfg = WithLora(**knob_values(args, WithLora))
-    assert cfg.lora == ("a=/x", "b=/y")
-    assert cfg.problems() == ["--lora-rank=0 must be >= 1"]
-    assert "--lora NAME=DIR" in parser.format_help()
+    add_knobs(parser, WithMore)
+    args = parser.parse_args(["--preload", "a=/x", "--preload", "b=/y",
+                              "--preload-limit", "0", "--lora", "c=/z"])
+    cfg = WithMore(**knob_values(args, WithMore))
+    assert cfg.preload == ("a=/x", "b=/y") and cfg.lora == ("c=/z",)
+    assert cfg.problems() == ["--preload-limit=0 must be >= 1"]
+    assert "--preload NAME=FILE" in parser.format_help()

@@ -7,8 +7,8 @@ the config whole), so rank 0 and its followers cannot drift apart.
 
 Adding a serving knob is one entry here plus its use:
 
-    lora: tuple[str, ...] = ENGINE.knob((), "NAME=DIR: an adapter requests may name; "
-                                        "repeatable", metavar="NAME=DIR", check=...)
+    draft_checkpoint: str | None = ENGINE.knob(
+        None, "with --speculative draft: the draft model ...", metavar="PATH")
 
 - its section says which commands take it: `GENERATE` (the engine's sections, shown by
   `tpkit generate` too) or a section of `tpkit serve` alone (`MODEL`, `PARALLELISM`,
@@ -178,9 +178,8 @@ class ServeConfig:
         if self.speculative is None and self.speculative_tokens != speculate.TOKENS:
             out.append(f"--speculative-tokens={self.speculative_tokens} needs --speculative "
                        f"ngram or draft")
-        if self.speculative is not None or self.draft_checkpoint is not None:
-            out += _said(speculate.check, self.speculative, self.speculative_tokens,
-                         self.draft_checkpoint)  # draft <-> its checkpoint, which exists
+        out += _said(speculate.check_draft, self.speculative,
+                     self.draft_checkpoint)  # draft <-> its checkpoint, which exists
         return out
 
     def check(self) -> ServeConfig:
