@@ -152,12 +152,14 @@ def test_budget_queue_refusal_and_cancel():
     b = engine.submit([2] * 10, SamplingParams(max_tokens=8))  # would make 36: waits
     engine.step()
     engine.step()
-    assert a.slot is not None and b.slot is None and len(a.tokens) == 2
+    slot = {s.id: s.slot for s in engine.scheduler.running}  # the engine's `Seq`s
+    assert slot.get(a.id) is not None and b.id not in slot and len(a.tokens) == 2
     assert engine.pool.in_use == 1  # 11 tokens in flight: one block of 16
     a.cancel()
     engine.step()  # a's place and blocks are free: b runs
     engine.step()
-    assert a.finish_reason == "cancelled" and b.slot is not None and len(b.tokens) == 2
+    slot = {s.id: s.slot for s in engine.scheduler.running}
+    assert a.finish_reason == "cancelled" and slot.get(b.id) is not None and len(b.tokens) == 2
     while engine.busy:
         engine.step()
     assert b.finish_reason == "length" and len(b.tokens) == 8
