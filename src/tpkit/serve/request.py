@@ -9,10 +9,11 @@ as the engine produces them.
 Nothing here steps the engine: a serving loop (`tpkit.serve.loop`) or
 `Engine.generate` does. The engine runs its own object beside the handle
 (`serve.sequence.Seq`: blocks, slot, generator, ...) and writes the handle only through
-`push`, `finish` and `fail`; the caller's threads `cancel`, `attach`, iterate and read. Events go from the engine's thread to the caller's through a
-queue: `Token` (its id and the text now safe to show; id None: text held back until
-the end), then `Done` (finish reason "stop", "length" or "cancelled") or `Failed`
-(status and message) when the server could not finish it.
+`push`, `finish` and `fail`; the caller's threads `cancel`, `attach`, iterate and read.
+Events go from the engine's thread to the caller's through a queue: `Token` (its id
+and the text now safe to show; id None: text held back until the end), then `Done`
+(finish reason "stop", "length" or "cancelled") or `Failed` (status and message) when
+the server could not finish it.
 """
 
 from __future__ import annotations
