@@ -21,11 +21,14 @@ import torch
 
 from checkpoint_helpers import GPT2, LLAMA, fill, random_full
 from tpkit.mesh import ParallelMesh
+from tpkit.model.paged_kv import PagedCache
 from tpkit.model.sampling import filtered
 from tpkit.model.transformer import Transformer
 from tpkit.serve import Engine, SamplingParams, TooLong
 from tpkit.serve.params import StopText
+from tpkit.serve.request import Request
 from tpkit.serve.runner import Runner
+from tpkit.serve.speculate import Speculator
 from tpkit.spec.errors import UserError
 
 SLOTS, MAX_LEN, NEW, CHUNK = 4, 32, 6, 2  # decode in 2 chunks of 2 slots
@@ -152,16 +155,50 @@ def test_budget_queue_refusal_and_cancel():
     b = engine.submit([2] * 10, SamplingParams(max_tokens=8))  # would make 36: waits
     engine.step()
     engine.step()
-    assert a.slot is not None and b.slot is None and len(a.tokens) == 2
+    slot = {s.id: s.slot for s in engine.scheduler.running}  # the engine's `Seq`s
+    assert slot.get(a.id) is not None and b.id not in slot and len(a.tokens) == 2
     assert engine.pool.in_use == 1  # 11 tokens in flight: one block of 16
     a.cancel()
     engine.step()  # a's place and blocks are free: b runs
     engine.step()
-    assert a.finish_reason == "cancelled" and b.slot is not None and len(b.tokens) == 2
+    slot = {s.id: s.slot for s in engine.scheduler.running}
+    assert a.finish_reason == "cancelled" and slot.get(b.id) is not None and len(b.tokens) == 2
     while engine.busy:
         engine.step()
     assert b.finish_reason == "length" and len(b.tokens) == 8
     assert engine.pool.in_use == 0
+
+
+def test_a_step_writes_the_callers_handle_only_through_push_finish_and_fail(monkeypatch):
+    """Issue 48's Request split: the engine's state is its own (`serve.sequence.Seq`); the
+    caller's handle is written only inside its own methods (the engine's thread: push,
+    finish, fail), whatever runs: greedy and sampled with echo and log-probabilities,
+    n-gram speculation, a preemption (a KV cache of 4 blocks), a cancel."""
+    writers: set[tuple[str, str, str]] = set()
+    setter = Request.__setattr__
+
+    def spy(self, name, value):
+        code = sys._getframe(1).f_code
+        writers.add((Path(code.co_filename).name, code.co_name, name))
+        setter(self, name, value)
+
+    monkeypatch.setattr(Request, "__setattr__", spy)
+    model = _model(ParallelMesh.single(), GPT2)
+    engine = Engine(model, max_batch=3, max_len=MAX_LEN,
+                    kv_cache_bytes=4 * PagedCache.block_bytes(model, 16),
+                    speculator=Speculator(tokens=2, row_cost=0.0))
+    reqs = [engine.submit(PROMPTS[i], SamplingParams(max_tokens=6, ignore_eos=True, **kw))
+            for i, kw in [(3, {}), (12, dict(temperature=0.9, seed=1, logprobs=2, echo=True)),
+                          (10, dict(logprobs=0)), (1, {})]]  # 2 + 1 + 1 blocks, then grow
+    engine.step()
+    reqs[3].cancel()
+    while engine.busy:
+        engine.step()
+    assert [r.finish_reason for r in reqs] == ["length"] * 3 + ["cancelled"]
+    assert engine.metrics.preemptions > 0 and len(reqs[1].prompt_logprobs) == len(PROMPTS[12])
+    outside = {w for w in writers if w[0] != "request.py"}
+    assert not outside, outside
+    assert {w[1] for w in writers} <= {"__init__", "push", "finish", "fail"}
 
 
 @pytest.mark.slow

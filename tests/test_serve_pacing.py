@@ -27,6 +27,7 @@ from tpkit.serve.blocks import BlockPool
 from tpkit.serve.pacing import REFRESH, Pacer
 from tpkit.serve.request import Request
 from tpkit.serve.scheduler import FLOOR, Scheduler
+from tpkit.serve.sequence import Seq
 from tpkit.spec.errors import UserError
 
 PER_STEP = 64
@@ -37,9 +38,9 @@ def _scheduler(chunk: int | None = None) -> Scheduler:
                      prefill_per_step=PER_STEP, chunk=chunk, piece=32)
 
 
-def _request(rid: int, n: int) -> Request:
-    return Request(rid, [(rid * 31 + i) % 97 for i in range(n)],
-                   SamplingParams(max_tokens=500, ignore_eos=True))
+def _request(rid: int, n: int) -> Seq:
+    return Seq(Request(rid, [(rid * 31 + i) % 97 for i in range(n)],
+                       SamplingParams(max_tokens=500, ignore_eos=True)))
 
 
 def _step(sched: Scheduler, budget: int | None):

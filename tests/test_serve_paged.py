@@ -32,6 +32,7 @@ from tpkit.serve.blocks import BlockPool, block_keys
 from tpkit.serve.request import Request
 from tpkit.serve.runner import Runner
 from tpkit.serve.scheduler import STALL, Scheduler
+from tpkit.serve.sequence import Seq
 
 SYSTEM = torch.randint(0, 257, (48,), generator=torch.Generator().manual_seed(1)).tolist()
 TAILS = [torch.randint(0, 257, (n,), generator=torch.Generator().manual_seed(n)).tolist()
@@ -111,7 +112,7 @@ def test_requests_arriving_together_wait_for_the_shared_blocks_a_bounded_time():
     its 3 blocks from the cache; if A's step never lands (it makes no progress), B
     waits STALL steps more, then computes the blocks itself."""
     def queue(sched):
-        reqs = [Request(i, p, SamplingParams(max_tokens=4)) for i, p in enumerate(
+        reqs = [Seq(Request(i, p, SamplingParams(max_tokens=4))) for i, p in enumerate(
             [SYSTEM + TAILS[0], SYSTEM + TAILS[1], [9] * 40, SYSTEM + TAILS[2]])]
         sched.waiting.extend(reqs)
         return reqs

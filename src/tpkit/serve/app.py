@@ -292,11 +292,11 @@ class App:
         prompt counted once, with the tokens of it the prefix cache gave
         (`prompt_tokens_details.cached_tokens`: its first choice's; the others share
         its blocks)."""
-        p, block = sum(map(len, prompts)), self.engine.pool.block_size
+        p = sum(map(len, prompts))
 
         def of(reqs: list[Request]) -> dict:
             c = sum(len(r.tokens) for r in reqs)
-            cached = sum(min(len(r.prompt), r.cached * block) for r in reqs[::n])
+            cached = sum(r.cached_tokens for r in reqs[::n])
             return dict(prompt_tokens=p, completion_tokens=c, total_tokens=p + c,
                         prompt_tokens_details={"cached_tokens": cached})
         return of

@@ -65,6 +65,7 @@ from tpkit.serve.params import SamplingParams
 from tpkit.serve.request import Request, RequestFailed, Token
 from tpkit.serve.runner import Runner
 from tpkit.serve.scheduler import Scheduler, SchedulerOutput
+from tpkit.serve.sequence import Seq
 from tpkit.serve.speculate import Speculator
 from tpkit.spec.errors import UserError
 
@@ -175,14 +176,14 @@ class Engine(Intake):
         params = self.to_the_end(len(prompt_ids), params or SamplingParams())
         self.check(prompt_ids, params)
         with self._intake() as rid:
-            req = Request(rid, list(prompt_ids), params)
-            req.group = rid if group is None else group
+            req = Request(rid, list(prompt_ids), params)  # the caller's handle
+            seq = Seq(req, group)  # the engine's: its thread alone writes it from here on
             try:
-                self.outputs.start(req, self.runner.device)
+                self.outputs.start(seq, self.runner.device)
             except Exception as e:  # noqa: BLE001 - an unchecked seed: this one fails
-                self._fail(req, e)
+                self._fail(seq, e)
                 return req
-            self.scheduler.waiting.append(req)
+            self.scheduler.waiting.append(seq)
         return req
 
     def generate(self, prompts: list[list[int]], params: SamplingParams |
@@ -250,26 +251,22 @@ class Engine(Intake):
         """Requests waiting or running."""
         return bool(self.scheduler.waiting or self.scheduler.running)
 
-    @property
-    def _waiting(self):
-        return self.scheduler.waiting
-
     # -- one iteration -----------------------------------------------------------------
     @torch.no_grad()
     def step(self) -> bool:
         """Schedule, run, and hand out one step's tokens; False if there was nothing."""
         began = time.perf_counter()
         with self._lock:
-            for req in [*self.scheduler.running, *self.scheduler.waiting]:
-                if req.cancelled:
-                    self._end(req, "cancelled")
+            for seq in [*self.scheduler.running, *self.scheduler.waiting]:
+                if seq.cancelled:
+                    self._end(seq, "cancelled")
             start = self.scheduler.prompt_start() if self.pacer else None
             budget = None if start is None else self.pacer.budget(start)
             out = self.scheduler.schedule(budget)
         if budget is not None:
             self.paced = budget
-        for req in out.preempted:  # recomputed from its first token: scored again
-            req.prompt_logprobs, req.prompt_top = req.prompt_logprobs[:1], req.prompt_top[:1]
+        for seq in out.preempted:  # recomputed from its first token: scored again
+            seq.prompt_logprobs, seq.prompt_top = seq.prompt_logprobs[:1], seq.prompt_top[:1]
         if out.empty:
             self._account(out)
             return False
@@ -282,24 +279,24 @@ class Engine(Intake):
         results = self.runner.lead_step([f.pieces for f in out.forwards], out.blocks, greedy,
                                         masks)
         self.scheduler.computed(out)
-        verify: dict[Request, list[torch.Tensor]] = {}  # a speculated request's rows
+        verify: dict[Seq, list[torch.Tensor]] = {}  # a speculated sequence's rows
         for fwd, (last, rest) in zip(out.forwards, results):
             j = k = 0  # rows of `last`, entries of `rest`
-            for piece, req in zip(fwd.pieces, fwd.reqs):
+            for piece, seq in zip(fwd.pieces, fwd.reqs):
                 row = None
                 if piece.logits in (LAST, EVERY):
                     row, j = last[j], j + 1
-                if req is None or row is None:
+                if seq is None or row is None:
                     continue
-                if req.id in out.drafts:
-                    verify.setdefault(req, []).append(row)
+                if seq.id in out.drafts:
+                    verify.setdefault(seq, []).append(row)
                     continue
                 other = None
                 if piece.logits == EVERY:
                     other, k = rest[k], k + 1
-                self._alone(req, self._take, req, piece, row, other, greedy)
-        for req, rows in verify.items():
-            self._alone(req, self._verify, req, out.drafts[req.id], rows, greedy)
+                self._alone(seq, self._take, seq, piece, row, other, greedy)
+        for seq, rows in verify.items():
+            self._alone(seq, self._verify, seq, out.drafts[seq.id], rows, greedy)
         if self.pacer is not None and not grew:  # this step's cost, tokens handed out too
             self.pacer.observe(time.perf_counter() - began, out.decodes, out.prefill)
         if self.speculator is not None and not grew and not out.prefill:  # a row's cost
@@ -307,71 +304,71 @@ class Engine(Intake):
         self._account(out)
         return True
 
-    def _take(self, req: Request, piece, row: torch.Tensor, other, greedy: bool) -> None:
-        end = piece.start + len(piece.tokens) == len(req.prompt) + len(req.tokens)
+    def _take(self, seq: Seq, piece, row: torch.Tensor, other, greedy: bool) -> None:
+        end = piece.start + len(piece.tokens) == len(seq.prompt) + len(seq.tokens)
         if other is not None:  # an echoed prompt's own log-probabilities
             logits = torch.cat([other, row[None]]) if end is False else other
-            self.outputs.score(req, logits, piece.start + 1)
+            self.outputs.score(seq, logits, piece.start + 1)
         if not end:
             return
-        why = self._give(req, row, greedy)
+        why = self._give(seq, row, greedy)
         if why is not None:
-            self._end(req, why)
+            self._end(seq, why)
 
-    def _give(self, req: Request, row: torch.Tensor, greedy: bool) -> str | None:
-        """`req`'s next token from its row (greedy: [token, log-probability]; else its
+    def _give(self, seq: Seq, row: torch.Tensor, greedy: bool) -> str | None:
+        """`seq`'s next token from its row (greedy: [token, log-probability]; else its
         full logits); why it ends there, or None."""
         if greedy:
-            why = self.outputs.chosen(req, int(row[0]), float(row[1]))
+            why = self.outputs.chosen(seq, int(row[0]), float(row[1]))
         else:
-            why = self.outputs.take(req, row)
-        if len(req.tokens) > 1:
+            why = self.outputs.take(seq, row)
+        if len(seq.tokens) > 1:
             with self.metrics.lock:
-                self.metrics.itl.observe(req.last_at - req.prev_at)
+                self.metrics.itl.observe(seq.handle.last_at - seq.handle.prev_at)
         return why
 
-    def _verify(self, req: Request, draft: list[int], rows: list, greedy: bool) -> None:
+    def _verify(self, seq: Seq, draft: list[int], rows: list, greedy: bool) -> None:
         """A speculated request's tokens from its verify rows, its KV rolled back past
         the last one kept (`serve.speculate`)."""
-        why = self.speculator.accept(req, draft, rows, lambda r: self._give(req, r, greedy))
+        why = self.speculator.accept(seq, draft, rows, lambda r: self._give(seq, r, greedy))
         if why is not None:
-            self._end(req, why)
+            self._end(seq, why)
         else:
-            self.scheduler.rolled_back(req)
+            self.scheduler.rolled_back(seq)
 
-    def _alone(self, req: Request, work, *args) -> None:
-        """work(*args) for `req` alone (rank 0's, no collective): an error fails `req`."""
-        if req.done:
+    def _alone(self, seq: Seq, work, *args) -> None:
+        """work(*args) for `seq` alone (rank 0's, no collective): an error fails `seq`."""
+        if seq.done:
             return
         try:
             work(*args)
         except Exception as e:  # noqa: BLE001 - the other requests go on
-            self._fail(req, e)
+            self._fail(seq, e)
 
-    def _fail(self, req: Request, e: Exception) -> None:
+    def _fail(self, seq: Seq, e: Exception) -> None:
         why = f"the server failed on this request ({type(e).__name__}: {e})"
-        print(f"tpkit: request {req.id}: {why}", file=sys.stderr, flush=True)
-        self.scheduler.finish(req)
-        req.fail(500, why)
+        print(f"tpkit: request {seq.id}: {why}", file=sys.stderr, flush=True)
+        self.scheduler.finish(seq)
+        seq.handle.fail(500, why)
         with self.metrics.lock:
             self.metrics.requests["error"] += 1
 
-    def _end(self, req: Request, reason: str) -> None:
-        tail = self.outputs.tail(req) if reason != "cancelled" else ""
-        self.scheduler.finish(req)
-        req.finish(reason, tail)
+    def _end(self, seq: Seq, reason: str) -> None:
+        tail = self.outputs.tail(seq) if reason != "cancelled" else ""
+        self.scheduler.finish(seq)
+        seq.handle.finish(reason, tail, seq.cached_tokens(self.pool.block_size))
         with self.metrics.lock:
             self.metrics.requests[reason] += 1
-            self.metrics.prompt_tokens += len(req.prompt)
-            self.metrics.generation_tokens += len(req.tokens)
-            if req.first_at is not None:
-                self.metrics.ttft.observe(req.first_at - req.arrived)
+            self.metrics.prompt_tokens += len(seq.prompt)
+            self.metrics.generation_tokens += len(seq.tokens)
+            if (at := seq.handle.first_at) is not None:
+                self.metrics.ttft.observe(at - seq.handle.arrived)
 
     def _account(self, out: SchedulerOutput) -> None:
         ledger = self.model.mesh.ledger
         with self.metrics.lock:
             m = self.metrics
-            m.batch_size, m.queue_length = len(self.scheduler.running), len(self._waiting)
+            m.batch_size, m.queue_length = len(self.scheduler.running), len(self.scheduler.waiting)
             m.collectives.update(r.op for r in ledger.records)
             m.prompt_tokens_computed += out.prompt_tokens
             m.prefix_hit_tokens += sum(r.cached for r in out.admitted) * self.pool.block_size
@@ -390,10 +387,10 @@ class Engine(Intake):
         with self._lock:
             self.accepting = False
             doomed = [*self.scheduler.waiting, *self.scheduler.running]
-            for req in doomed:
-                self.scheduler.finish(req)
-        for req in doomed:
-            req.fail(status, message)
+            for seq in doomed:
+                self.scheduler.finish(seq)
+        for seq in doomed:
+            seq.handle.fail(status, message)
             with self.metrics.lock:
                 self.metrics.requests["error"] += 1
 

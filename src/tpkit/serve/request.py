@@ -7,10 +7,13 @@ as the engine produces them.
     req.tokens, req.text, req.finish_reason, req.usage
 
 Nothing here steps the engine: a serving loop (`tpkit.serve.loop`) or
-`Engine.generate` does. Events go from the engine's thread to the caller's through a
-queue: `Token` (its id and the text now safe to show; id None: text held back until
-the end), then `Done` (finish reason "stop", "length" or "cancelled") or `Failed`
-(status and message) when the server could not finish it.
+`Engine.generate` does. The engine runs its own object beside the handle
+(`serve.sequence.Seq`: blocks, slot, generator, ...) and writes the handle only through
+`push`, `finish` and `fail`; the caller's threads `cancel`, `attach`, iterate and read.
+Events go from the engine's thread to the caller's through a queue: `Token` (its id
+and the text now safe to show; id None: text held back until the end), then `Done`
+(finish reason "stop", "length" or "cancelled") or `Failed` (status and message) when
+the server could not finish it.
 """
 
 from __future__ import annotations
@@ -59,7 +62,8 @@ class RequestFailed(RuntimeError):
 
 
 class Request:
-    """A prompt being generated: its tokens, text, finish reason and timings."""
+    """A prompt being generated, as its caller sees it: its events, and its output (tokens,
+    log-probabilities, text, finish reason, timings) as the engine pushes it."""
 
     def __init__(self, rid: int, prompt: list[int], params: SamplingParams) -> None:
         self.id, self.prompt, self.params = rid, prompt, params
@@ -72,17 +76,7 @@ class Request:
         self.text = ""
         self.finish_reason: str | None = None
         self.error: RequestFailed | None = None
-        self.slot: int | None = None  # its place among the running (None: not running)
-        self.group = rid  # the requests of one POST share one: they take turns with others'
-        self.preempted = False  # waiting to be computed again (first in line)
-        self.blocks: list[int] = []  # its KV block table
-        self.computed = 0  # tokens (prompt, then generated) whose keys are in its blocks
-        self.cached = 0  # blocks of its prompt found in the prefix cache (not computed)
-        self.registered = 0  # its full blocks entered in the prefix cache
-        self.prefill_end = 0  # tokens computed as a prefill since it was (re)admitted
-        self.keys: tuple[int, list[int]] = (0, [])  # its full blocks' chain keys, at a length
-        self.waits: tuple[object, int, int] | None = None  # (request computing its prefix,
-        # that one's computed tokens when last seen, steps it made no progress since)
+        self.cached_tokens = 0  # of its prompt, given by the prefix cache (at the end)
         self.arrived, self.first_at, self.last_at = time.perf_counter(), None, None
         self.prev_at: float | None = None  # the token before the last one's time
         self.events: queue.Queue = queue.Queue()
@@ -138,10 +132,13 @@ class Request:
 
     # -- engine side -------------------------------------------------------------------
     def push(self, token: int, logprob: float, shown: str,
-             top: list[tuple[int, float]] | None = None) -> None:
+             top: list[tuple[int, float]] | None = None, prompt: tuple | None = None) -> None:
         """A new token, its log-probability (and the likeliest tokens' when asked), and
-        the text it makes safe to show."""
+        the text it makes safe to show; `prompt`: the prompt's scores (log-probabilities,
+        likeliest), when they were (re)computed since the last token."""
         now = time.perf_counter()
+        if prompt is not None:
+            self.prompt_logprobs, self.prompt_top = prompt
         self.first_at = self.first_at or now
         self.tokens.append(token)
         self.logprobs.append(logprob)
@@ -151,8 +148,10 @@ class Request:
         self.prev_at, self.last_at = self.last_at, now
         self._emit(Token(token, shown))
 
-    def finish(self, reason: str, tail: str = "") -> None:
-        """The end: the text still held back, then the finish reason."""
+    def finish(self, reason: str, tail: str = "", cached_tokens: int = 0) -> None:
+        """The end: the text still held back, then the finish reason (and the prompt's
+        tokens the prefix cache gave)."""
+        self.cached_tokens = cached_tokens
         if tail:
             self.text += tail
             self._emit(Token(None, tail))

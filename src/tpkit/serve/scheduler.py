@@ -1,6 +1,8 @@
 """The scheduler: which tokens of which requests the next step computes (vLLM v1's shape:
 `schedule()` returns a plan, `SchedulerOutput`, that the executor runs and the output
-processor reads; nothing here touches a tensor).
+processor reads; nothing here touches a tensor). Its requests are the engine's
+`serve.sequence.Seq`s (their state is written here and by the output processor, on the
+engine's thread), never their callers' handles.
 
 A request's tokens are its prompt then what it generated; `computed` of them have their
 keys in its blocks. Each step, in order:
@@ -56,7 +58,7 @@ from dataclasses import dataclass, field
 from tpkit.layers.decode_ops import ROWS
 from tpkit.model.paged_kv import EVERY, LAST, NONE, Piece
 from tpkit.serve.blocks import BlockPool, block_keys, root
-from tpkit.serve.request import Request
+from tpkit.serve.sequence import Seq
 
 FLOOR = 4  # prompt tokens a step computes at least while requests decode
 STALL = 2  # steps a request waits on another's computing its prefix without progress
@@ -66,7 +68,7 @@ class Forward:
     """One forward of the plan: its pieces, and the request of each (None: padding)."""
 
     pieces: list[Piece] = field(default_factory=list)
-    reqs: list[Request | None] = field(default_factory=list)
+    reqs: list[Seq | None] = field(default_factory=list)
 
 
 @dataclass
@@ -75,8 +77,8 @@ class SchedulerOutput:
 
     forwards: list[Forward]
     blocks: int
-    admitted: list[Request] = field(default_factory=list)
-    preempted: list[Request] = field(default_factory=list)
+    admitted: list[Seq] = field(default_factory=list)
+    preempted: list[Seq] = field(default_factory=list)
     prompt_tokens: int = 0  # computed in this step (prefix-cache hits excluded)
     decodes: int = 0  # requests decoding one token in this step
     prefill: list[tuple[int, int]] = field(default_factory=list)  # (start, tokens) of pieces
@@ -97,8 +99,8 @@ class Scheduler:
         self.pool, self.max_batch, self.budget = pool, max_batch, max_tokens_in_flight
         self.prefill_per_step, self.chunk, self.piece = prefill_per_step, chunk, piece
         self.speculator = speculator  # `serve.speculate.Speculator`, or None
-        self.waiting: deque[Request] = deque()
-        self.running: list[Request] = []
+        self.waiting: deque[Seq] = deque()
+        self.running: list[Seq] = []
 
     @property
     def invariant(self) -> bool:
@@ -163,7 +165,7 @@ class Scheduler:
         out.blocks = self.pool.size
         return out
 
-    def _turns(self) -> list[Request]:
+    def _turns(self) -> list[Seq]:
         """The waiting requests in the order they are admitted: the preempted first, then
         a POST's k-th request still waiting after those of the POSTs with fewer requests
         running or waiting before it (its group's load), first come first served among
@@ -184,7 +186,7 @@ class Scheduler:
                 return req.computed
         return 0 if self.waiting else None
 
-    def _keys(self, req: Request) -> list[int]:
+    def _keys(self, req: Seq) -> list[int]:
         """The chain keys of the full blocks of `req`'s tokens (kept while they last)."""
         n = _tokens(req)
         if req.keys[0] != n:
@@ -192,8 +194,8 @@ class Scheduler:
                                       root(req.params.adapter)))
         return req.keys[1]
 
-    def _computing(self, req: Request | None = None,
-                   into: dict[int, Request] | None = None) -> dict[int, Request]:
+    def _computing(self, req: Seq | None = None,
+                   into: dict[int, Seq] | None = None) -> dict[int, Seq]:
         """Chain key -> the running request (or only `req`) computing that full block of
         its prompt, not yet in the prefix cache."""
         into = {} if into is None else into
@@ -204,7 +206,7 @@ class Scheduler:
                     into.setdefault(key, r)
         return into
 
-    def _usable(self, req: Request) -> int:
+    def _usable(self, req: Seq) -> int:
         """How many full blocks of `req`'s tokens the prefix cache may give it."""
         if req.params.echo and req.params.logprobs is not None:
             return 0  # every prompt position's logits are needed: nothing from the cache
@@ -214,7 +216,7 @@ class Scheduler:
                 self.pool.block_size
         return usable
 
-    def _defer(self, req: Request, computing: dict[int, Request]) -> bool:
+    def _defer(self, req: Seq, computing: dict[int, Seq]) -> bool:
         """Does waiting `req` wait for a running request computing the next block of its
         prefix (it is admitted once that block is in the cache)? Only while that request
         progresses: after STALL steps without, `req` computes the block itself."""
@@ -231,7 +233,7 @@ class Scheduler:
         req.waits = (owner, owner.computed, seen[2] + 1)
         return seen[2] + 1 <= STALL
 
-    def _next(self, req: Request, left: float, first: bool) -> int:
+    def _next(self, req: Seq, left: float, first: bool) -> int:
         """Tokens of `req` to compute this step (0: none, the budget is spent)."""
         todo = _tokens(req) - req.computed
         if todo <= 1 and req.computed >= req.prefill_end:
@@ -242,7 +244,7 @@ class Scheduler:
             return n if first or n <= left else 0
         return int(min(n, left)) if left >= 1 else (n if first else 0)
 
-    def _admit(self, req: Request) -> bool:
+    def _admit(self, req: Seq) -> bool:
         """Find its cached prefix and take its blocks (False: it must wait)."""
         bs = self.pool.block_size
         hits = self.pool.lookup(self._keys(req)[:self._usable(req)])
@@ -261,7 +263,7 @@ class Scheduler:
         req.blocks = hits + fresh
         return True
 
-    def _room(self, req: Request, upto: int, out: SchedulerOutput) -> bool:
+    def _room(self, req: Seq, upto: int, out: SchedulerOutput) -> bool:
         """Blocks for `req`'s first `upto` tokens, preempting the last admitted requests
         while there are none; False if `req` itself was preempted."""
         need = -(-upto // self.pool.block_size) - len(req.blocks)
@@ -284,7 +286,7 @@ class Scheduler:
             return -(-decodes // self.chunk) * self.chunk - decodes
         return max(0, ROWS - decodes)
 
-    def _capacity(self, req: Request, upto: int) -> int:
+    def _capacity(self, req: Seq, upto: int) -> int:
         """Tokens `req`'s blocks hold once grown towards `upto` from free blocks alone
         (speculation never preempts nor evicts the prefix cache)."""
         bs, pool = self.pool.block_size, self.pool
@@ -294,7 +296,7 @@ class Scheduler:
             req.blocks += pool.allocate(need)
         return len(req.blocks) * bs
 
-    def rolled_back(self, req: Request) -> None:
+    def rolled_back(self, req: Seq) -> None:
         """After a verify step: `req`'s keys are its tokens' but the last (the rows past
         the first rejected token are not), and the blocks past them free (default mode;
         batch invariant: its blocks were taken to the end at admission)."""
@@ -304,14 +306,14 @@ class Scheduler:
             self.pool.release(req.blocks[keep:])
             del req.blocks[keep:]
 
-    def preempt(self, req: Request) -> None:
+    def preempt(self, req: Seq) -> None:
         """Release `req`'s blocks; it waits first in line to be computed again."""
         self.running.remove(req)
         self.pool.release(req.blocks)
         req.blocks, req.computed, req.slot, req.preempted = [], 0, None, True
         self.waiting.appendleft(req)
 
-    def finish(self, req: Request) -> None:
+    def finish(self, req: Seq) -> None:
         """`req` is done (or cancelled): its place and blocks are free."""
         if req in self.running:
             self.running.remove(req)
@@ -336,9 +338,9 @@ class Scheduler:
                         self.pool.register(req.blocks[b], keys[b])
                     req.registered = full
 
-    def _plan(self, out: SchedulerOutput, decodes: list[Request],
-              pieces: list[tuple[Request, int]]) -> None:
-        def piece(req: Request, n: int) -> Piece:
+    def _plan(self, out: SchedulerOutput, decodes: list[Seq],
+              pieces: list[tuple[Seq, int]]) -> None:
+        def piece(req: Seq, n: int) -> Piece:
             toks = (req.prompt + req.tokens)[req.computed:req.computed + n]
             end = req.computed + n == _tokens(req)
             every = req.params.echo and req.params.logprobs is not None and \
@@ -370,10 +372,10 @@ class Scheduler:
                                         [*(r for _, r in group), *[None] * pad]))
 
 
-def _tokens(req: Request) -> int:
+def _tokens(req: Seq) -> int:
     return len(req.prompt) + len(req.tokens)
 
 
-def _decoding(req: Request) -> bool:
+def _decoding(req: Seq) -> bool:
     """Its prompt is computed: the next step computes its one new token."""
     return _tokens(req) - req.computed == 1 and req.computed >= req.prefill_end
