@@ -65,7 +65,7 @@ def _label_comm() -> None:
 
     from tpkit.comm import collectives
     from tpkit.comm.shm import ShmChannel
-    from tpkit.layers import decode_ops
+    from tpkit.kernels import decode_ops
     from tpkit.model import paged_kv
     from tpkit.serve import engine, output
 

@@ -1,4 +1,4 @@
-"""The decode rows' attention: the native kernel (`layers.paged_attention`) against the
+"""The decode rows' attention: the native kernel (`kernels.paged_attention`) against the
 SDPA loop it replaces (one fused attention per sequence), side by side in one run.
 
     .venv/bin/python benchmarks/paged_attention.py [--folder HF_DIR] [--dtype bfloat16]
@@ -46,10 +46,10 @@ def smollm2_shaped(folder: Path) -> Path:
 class Kernel:
     """Switch between the kernel as it runs by default (`kernel_threads()`: torch's
     OpenMP team), the kernel on one thread, and SDPA (the kernel unavailable:
-    `layers.paged_attention.load` gives None)."""
+    `kernels.paged_attention.load` gives None)."""
 
     def __init__(self) -> None:
-        from tpkit.layers import paged_attention as pa
+        from tpkit.kernels import paged_attention as pa
         from tpkit.model import paged_kv
 
         self.pa, self.kv, self.load, self.plan = pa, paged_kv, pa.load, paged_kv.decode_plan
@@ -137,7 +137,7 @@ def main() -> None:
     p.add_argument("--long", action=argparse.BooleanOptionalAction, default=True,
                    help="also the steps at 1 x 4096 and 8 x 2048 keys (default: yes)")
     args = p.parse_args()
-    from tpkit.layers import paged_attention as pa
+    from tpkit.kernels import paged_attention as pa
     from tpkit.weights.sources import load_model
 
     if pa.load() is None:

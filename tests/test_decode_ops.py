@@ -1,4 +1,4 @@
-"""The decode step's native kernels (`layers.decode_ops`) and the layer path built on them.
+"""The decode step's native kernels (`kernels.decode_ops`) and the layer path built on them.
 
 Checked against float64 references: the products of a few rows (float32, bfloat16 and
 int8 weights; bias, residual, SwiGLU's gate fused) within K float32 roundings of the sum
@@ -32,7 +32,7 @@ import torch.nn.functional as F
 
 from checkpoint_helpers import SMOL, fill, random_full
 from test_paged_attention_kernel import _decode_logits
-from tpkit.layers import decode_ops as D
+from tpkit.kernels import decode_ops as D
 from tpkit.layers.quant import QMAX, for_decode
 from tpkit.layers.rotary import apply_rope, rope_at
 from tpkit.mesh import ParallelMesh
@@ -420,7 +420,7 @@ def test_a_rank_dead_during_the_stacks_all_reduce_is_named_in_one_line():
 
 def test_without_the_library_decode_weights_are_packed_as_before():
     code = ("import torch\n"
-            "from tpkit.layers import decode_ops\n"
+            "from tpkit.kernels import decode_ops\n"
             "from tpkit.layers.quant import for_decode, PackedWeight\n"
             "from tpkit.mesh import ParallelMesh\n"
             "from tpkit.model.transformer import Transformer\n"

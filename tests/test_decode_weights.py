@@ -15,7 +15,7 @@ import torch
 import torch.nn.functional as F
 
 from hf_folders import tiny_llama_folder
-from tpkit.layers import decode_ops
+from tpkit.kernels import decode_ops
 from tpkit.layers.quant import PackedWeight, RowsWeight
 from tpkit.serve import Engine, SamplingParams
 from tpkit.weights.sources import load_model, open_source

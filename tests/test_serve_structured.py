@@ -21,7 +21,7 @@ import pytest
 import torch
 from pydantic import BaseModel, Field
 
-from tpkit.layers import decode_ops
+from tpkit.kernels import decode_ops
 from tpkit.mesh import ParallelMesh
 from tpkit.serve import grammar
 from tpkit.serve.params import SamplingParams

@@ -33,7 +33,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from tpkit.comm.group import CommGroup
-from tpkit.layers import decode_ops, paged_attention
+from tpkit.kernels import decode_ops, paged_attention
 from tpkit.layers.linear import ColumnParallelLinear, RowParallelLinear
 from tpkit.layers.norm import Norm
 from tpkit.layers.random import TPRandom
@@ -58,8 +58,8 @@ class PagedBatch:
     time cost ~3x as much: ~100 ms a step at 4k keys for SmolLM2-135M here); `mask`
     [rows, L] (None: every key). `angles`: the rows' rotary cos and sin, read from the
     table once per forward for every layer that rotates alike. `decode`: the rows of
-    one token for the native kernel (`layers.paged_attention`; None: every row on SDPA).
-    `native`: whether the rows rotate and write the cache natively (`layers.decode_ops`),
+    one token for the native kernel (`kernels.paged_attention`; None: every row on SDPA).
+    `native`: whether the rows rotate and write the cache natively (`kernels.decode_ops`),
     decided by the first layer."""
 
     positions: torch.Tensor
@@ -206,7 +206,7 @@ class ParallelAttention(nn.Module):
         """heads [T, nq + 2 kv_local, hd] (a row per token, its q, k, v heads) -> [T, nq, hd]:
         q and k normed and rotated together, the keys and values written into their
         blocks, then each sequence's rows attend over its own keys only: the decode rows
-        (one token) in one native call for all of them (`layers.paged_attention`), each
+        (one token) in one native call for all of them (`kernels.paged_attention`), each
         longer piece in a fused attention of its own on exactly its keys. Either way a
         row's result depends on its own tokens alone, never on the other rows or on how
         full the cache is (batched, the CPU's fused attention would split its work over
@@ -234,7 +234,7 @@ class ParallelAttention(nn.Module):
             cache.v[batch.write] = v
         plan = batch.decode if native or paged_attention.usable(qk, cache.k) else None
         y = torch.empty(T, nq, heads.shape[2], dtype=heads.dtype, device=heads.device)
-        if plan is not None:  # the decode rows: one native call (`layers.paged_attention`)
+        if plan is not None:  # the decode rows: one native call (`kernels.paged_attention`)
             kv = paged_attention.kv_map(nq, cache.k.shape[1], self._kv_key)
             paged_attention.attend(qk[:, :nq], cache.k, cache.v, y, plan, kv)
             if plan.rows == T:

@@ -14,7 +14,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from tpkit.layers import decode_ops
+from tpkit.kernels import decode_ops
 from tpkit.layers.sharding import set_meta
 from tpkit.spec.config import NORMS
 

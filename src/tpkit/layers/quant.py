@@ -32,7 +32,7 @@ from torch import nn
 
 from tpkit.comm import all_reduce
 from tpkit.comm.group import CommGroup
-from tpkit.layers import decode_ops
+from tpkit.kernels import decode_ops
 from tpkit.layers.linear import ColumnParallelLinear, RowParallelLinear
 from tpkit.layers.lora import merge_adapters
 from tpkit.layers.norm import Norm
@@ -139,7 +139,7 @@ class PackedWeight(nn.Module):
 
 
 class RowsWeight(nn.Module):
-    """A float32 or bfloat16 weight [out, in] kept as is for `layers.decode_ops`: a call
+    """A float32 or bfloat16 weight [out, in] kept as is for `kernels.decode_ops`: a call
     of at most `decode_ops.ROWS` rows (a decode step) is one native product, the weight
     read once on torch's threads; a longer one (a prompt) is `F.linear`."""
 
@@ -210,7 +210,7 @@ def for_decode(model: nn.Module, quantize: str | None = None) -> nn.Module:
     fastest, and the float weight gone (nothing trains it, nothing reads it):
     `quantize="int8"`: an `Int8Weight` (row-parallel layers all-reduce their row
     maxima: call it on every rank); else float32 and bfloat16 weights a `RowsWeight`
-    (the native decode products, `layers.decode_ops`) or, without that library, a
+    (the native decode products, `kernels.decode_ops`) or, without that library, a
     `PackedWeight` where oneDNN takes them (float16 ones stay). Returns the model, in
     eval mode."""
     if quantize is not None and quantize not in QUANTIZE:

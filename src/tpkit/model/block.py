@@ -17,7 +17,8 @@ import torch
 from torch import nn
 
 from tpkit.comm.group import CommGroup
-from tpkit.layers import decode_ops, lora
+from tpkit.kernels import decode_ops
+from tpkit.layers import lora
 from tpkit.layers.attention import PagedKV, ParallelAttention
 from tpkit.layers.experts import ParallelMoE
 from tpkit.layers.mlp import ParallelMLP
@@ -56,7 +57,7 @@ class Block(nn.Module):
         self._native = None  # the decode rows' native plan (`native_decode`), or False
 
     def native_decode(self) -> NativeLayer | None:
-        """This layer's decode rows on `layers.decode_ops` alone (`NativeLayer`), or None:
+        """This layer's decode rows on `kernels.decode_ops` alone (`NativeLayer`), or None:
         a pre-norm dense layer whose norms and linear weights are all native decode-only
         ones (`layers.quant.for_decode` with the library), not training, no SP, no cp.
         Decided at the first decode (the weights do not change after `for_decode`)."""

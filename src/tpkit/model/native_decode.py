@@ -1,4 +1,4 @@
-"""A decode-only model's decode rows on the native kernels alone (`layers.decode_ops`).
+"""A decode-only model's decode rows on the native kernels alone (`kernels.decode_ops`).
 
     NativeLayer.of(block)(x, cache)          # one pre-norm dense layer, its calls in a row
     stack = NativeStack.of(blocks, scopes)   # every layer in one native call
@@ -28,7 +28,7 @@ import torch
 
 from tpkit.comm import collectives
 from tpkit.comm.ops import reduce_from_tp
-from tpkit.layers import decode_ops, paged_attention
+from tpkit.kernels import decode_ops, paged_attention
 from tpkit.layers.attention import PagedKV
 from tpkit.layers.mlp import ParallelMLP
 from tpkit.layers.rotary import rope_table

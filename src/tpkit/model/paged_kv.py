@@ -49,9 +49,9 @@ import torch
 from torch import nn
 
 from tpkit.comm import all_gather
-from tpkit.layers import decode_ops
+from tpkit.kernels import decode_ops
+from tpkit.kernels.paged_attention import decode_plan
 from tpkit.layers.attention import PagedBatch, PagedKV
-from tpkit.layers.paged_attention import decode_plan
 from tpkit.spec.errors import UserError
 
 NONE, LAST, EVERY = 0, 1, 2  # which logits a piece asks for

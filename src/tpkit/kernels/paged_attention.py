@@ -41,7 +41,7 @@ its name hashing the CPU's flags) by `comm.native.NativeLibrary`, like the share
 kernels. Without it (no compiler, a CUDA tensor, float16, TPKIT_ATTN_DISABLE=1)
 `decode_plan` gives None or `usable` False, and the rows take SDPA as before.
 
-    python -m tpkit.layers.paged_attention   # build it (what `make` runs after installing)
+    python -m tpkit.kernels.paged_attention   # build it (what `make` runs after installing)
 """
 
 from __future__ import annotations

@@ -28,7 +28,7 @@ decode step); longer pieces (a prompt) keep torch's matmuls. Without the library
 compiler, a CUDA tensor, float16, TPKIT_DECODE_OPS_DISABLE=1) `usable` is False and every call
 keeps torch's matmul.
 
-    python -m tpkit.layers.decode_ops   # build it (what `make` runs after installing)
+    python -m tpkit.kernels.decode_ops   # build it (what `make` runs after installing)
 """
 
 from __future__ import annotations
