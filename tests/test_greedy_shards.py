@@ -15,7 +15,7 @@ import pytest
 import torch
 
 from checkpoint_helpers import LLAMA, fill, random_full
-from tpkit.model.paged_kv import PagedCache, Piece, _greedy, forward
+from tpkit.decode.paged_kv import PagedCache, Piece, _greedy, forward
 from tpkit.model.transformer import Transformer
 
 V = 7  # a vocabulary of 7 over tp=2: shards of 4, the last column padding

@@ -20,10 +20,10 @@ import torch
 import torch.nn.functional as F
 
 from checkpoint_helpers import LLAMA, SMOL, fill, random_full
+from tpkit.decode.paged_kv import LAST, NONE, PagedCache, Piece, forward
 from tpkit.kernels import paged_attention as pa
 from tpkit.layers.attention import kv_index
 from tpkit.mesh import ParallelMesh
-from tpkit.model.paged_kv import LAST, NONE, PagedCache, Piece, forward
 from tpkit.model.transformer import Transformer
 
 BS = 16

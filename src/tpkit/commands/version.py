@@ -139,8 +139,8 @@ def fast_paths() -> list[tuple[str, str]]:
     from tpkit.host.device import LOW_PRECISION_FLAGS, cpu_flags, gpu_bf16, gpu_names
 
     flags, onednn = cpu_flags(), torch.backends.mkldnn.is_available()
+    from tpkit.decode.forms import PackedWeight
     from tpkit.kernels import decode_ops
-    from tpkit.layers.quant import PackedWeight
 
     native = decode_ops.load() is not None
     out = [("cpu", f"{torch.backends.cpu.get_cpu_capability()} (torch's kernels for this "

@@ -3,7 +3,7 @@
 The commands `tpkit generate` and `tpkit serve` run on `tpkit.serve.Engine`, over the
 same cache with a scheduler.
 
-Each prompt gets its own blocks of a `PagedCache` (`tpkit.model.paged_kv`), enough for
+Each prompt gets its own blocks of a `PagedCache` (`tpkit.decode.paged_kv`), enough for
 its prompt and every new token, taken once: each rank keeps the keys and values of
 *its own* heads only, split over tp exactly like the qkv weights. A prompt is prefilled
 alone, then every step decodes one token for all of them in one forward:
@@ -25,8 +25,8 @@ from collections.abc import Callable
 import torch
 from torch import nn
 
-from tpkit.model.paged_kv import PP_ERROR, PagedCache, Piece, forward
-from tpkit.model.sampling import sample, seeded
+from tpkit.decode.paged_kv import PP_ERROR, PagedCache, Piece, forward
+from tpkit.decode.sampling import sample, seeded
 from tpkit.spec.errors import UserError
 
 __all__ = ["PP_ERROR", "generate", "pad_left"]
