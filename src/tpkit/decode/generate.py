@@ -16,6 +16,13 @@ Two all-reduces per layer per forward (as in training) plus one all-gather of th
 logits. Prompts of different lengths need no padding (each has its own positions), so
 each row generates what it would alone. `pad_left` still builds the left-padded batches
 (ids + attention mask) that the full forward takes.
+
+It shares with serve's `Engine` the forward (`paged_kv.forward`) and the sampler
+(`sampling`), not the loop: this one runs alike on every rank (as `tpkit.spawn` calls
+it), draws a batch's tokens from one generator seeded once and pads the rows that have
+ended, where the engine's rank 0 alone schedules and samples (a generator per request)
+and its followers replay its plans. Run on the engine, the Python API's seeded draws
+would change.
 """
 
 from __future__ import annotations
