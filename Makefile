@@ -22,7 +22,7 @@ $(BIN)/python:
 $(STAMP): pyproject.toml | $(BIN)/python
 	$(PIP) torch==2.13.0
 	$(PIP) -e '.[dev,hf,web,track,data,serve,docs]'
-	$(BIN)/python -c 'import tpkit.comm.shm_build as s, tpkit.layers.paged_attention as a, tpkit.layers.decode_ops as d; s.main(); a.main(); d.main()'   # C++ kernels (g++, a few s)
+	$(BIN)/python -c 'import tpkit.comm.shm_build as s, tpkit.kernels.paged_attention as a, tpkit.kernels.decode_ops as d; s.main(); a.main(); d.main()'   # C++ kernels (g++, a few s)
 	touch $(STAMP)
 
 venv: $(STAMP)

@@ -31,7 +31,7 @@ import torch
 
 def _case(mesh, folder: str, tokens: int) -> list[tuple[str, float, float]]:
     from tpkit.comm import collectives
-    from tpkit.model import native_decode
+    from tpkit.decode import native
     from tpkit.serve import Engine, SamplingParams
     from tpkit.serve.runner import Runner
     from tpkit.weights.sources import load_model, open_source
@@ -43,7 +43,7 @@ def _case(mesh, folder: str, tokens: int) -> list[tuple[str, float, float]]:
         spans.extend((str(sc or op), a, b) for (a, b), sc in zip(got, scopes))
         return record(group, op, x, got, scopes, phase)
 
-    native_decode.collectives.record_native = keep
+    native.collectives.record_native = keep
     model = load_model(open_source(folder), mesh, dtype=torch.float32, decode=True)
     for _ in range(2):  # the first run warms up
         spans.clear()

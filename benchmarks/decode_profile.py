@@ -65,8 +65,8 @@ def _label_comm() -> None:
 
     from tpkit.comm import collectives
     from tpkit.comm.shm import ShmChannel
-    from tpkit.layers import decode_ops
-    from tpkit.model import paged_kv
+    from tpkit.decode import paged_kv
+    from tpkit.kernels import decode_ops
     from tpkit.serve import engine, output
 
     if getattr(ShmChannel, "_labelled", False):

@@ -1,4 +1,4 @@
-"""The decode rows' attention: the native kernel (`layers.paged_attention`) against the
+"""The decode rows' attention: the native kernel (`kernels.paged_attention`) against the
 SDPA loop it replaces (one fused attention per sequence), side by side in one run.
 
     .venv/bin/python benchmarks/paged_attention.py [--folder HF_DIR] [--dtype bfloat16]
@@ -9,7 +9,7 @@ SDPA loop it replaces (one fused attention per sequence), side by side in one ru
    16)`, 1 or 8 sequences prefilled with 40 tokens, then `paged_kv.forward(m, cache,
    [Piece([7], 40 + k, blocks)...], greedy=True)`; then 1 x 4096 and 8 x 2048 keys. The
    kernel (as by default: torch's threads; and on one thread) and SDPA alternating.
-2. One layer's `_attend_paged` alone (the cache writes, rotary, then the attention) on
+2. One layer's `attend_paged` alone (the cache writes, rotary, then the attention) on
    its own cache at 1 or 8 sequences of 45 or 4096 keys, blocks scattered: the kernel
    (both ways) against the SDPA loop.
 Medians of alternating rounds (`common.round_robin`); the load average is printed and
@@ -46,11 +46,11 @@ def smollm2_shaped(folder: Path) -> Path:
 class Kernel:
     """Switch between the kernel as it runs by default (`kernel_threads()`: torch's
     OpenMP team), the kernel on one thread, and SDPA (the kernel unavailable:
-    `layers.paged_attention.load` gives None)."""
+    `kernels.paged_attention.load` gives None)."""
 
     def __init__(self) -> None:
-        from tpkit.layers import paged_attention as pa
-        from tpkit.model import paged_kv
+        from tpkit.decode import paged_kv
+        from tpkit.kernels import paged_attention as pa
 
         self.pa, self.kv, self.load, self.plan = pa, paged_kv, pa.load, paged_kv.decode_plan
 
@@ -69,7 +69,7 @@ def step_case(model, dtype, b: int, keys: int, reps: int, kernel: Kernel) -> dic
     keys 40: the sequences' 40-token prompts prefilled first; more: random keys and values
     stand for the prompts (the time does not depend on the values; written, so that they
     are read from memory, not from the zero page of untouched pages)."""
-    from tpkit.model.paged_kv import NONE, PagedCache, Piece, forward
+    from tpkit.decode.paged_kv import NONE, PagedCache, Piece, forward
 
     nb = (keys + 80) // 16 + 1
     cache = PagedCache(model, 16, dtype)
@@ -95,10 +95,10 @@ def step_case(model, dtype, b: int, keys: int, reps: int, kernel: Kernel) -> dic
 
 
 def attention_case(attn, dtype, b: int, L: int, budget: float, kernel: Kernel) -> dict:
-    """Part 2: one layer's `_attend_paged` at `b` sequences of `L` keys, kernel (threads
+    """Part 2: one layer's `attend_paged` at `b` sequences of `L` keys, kernel (threads
     as torch's, and 1) vs SDPA."""
-    from tpkit.layers.attention import PagedKV
-    from tpkit.model.paged_kv import Piece, layout
+    from tpkit.decode.attend import attend_paged
+    from tpkit.decode.paged_kv import PagedKV, Piece, layout
 
     nq, nkv, hd = attn.local_heads, attn.local_kv, attn.head_dim
     nb = -(-L // 16)
@@ -115,7 +115,7 @@ def attention_case(attn, dtype, b: int, L: int, budget: float, kernel: Kernel) -
         kernel.on()
 
     def call(name):
-        return lambda: attn._attend_paged(heads, PagedKV(k, v, batches[name]))
+        return lambda: attend_paged(attn, heads, PagedKV(k, v, batches[name]))
     t0 = time.perf_counter()
     call("sdpa")()
     reps = reps_for(3 * (time.perf_counter() - t0), budget, lo=7, hi=200)
@@ -137,7 +137,7 @@ def main() -> None:
     p.add_argument("--long", action=argparse.BooleanOptionalAction, default=True,
                    help="also the steps at 1 x 4096 and 8 x 2048 keys (default: yes)")
     args = p.parse_args()
-    from tpkit.layers import paged_attention as pa
+    from tpkit.kernels import paged_attention as pa
     from tpkit.weights.sources import load_model
 
     if pa.load() is None:

@@ -28,8 +28,8 @@ def engine(rows: int):
     """A decode-only SmolLM2-shaped model with one adapter, in an Engine of `rows` slots."""
     import torch
 
+    from tpkit.decode.forms import for_decode
     from tpkit.layers.lora import layer_parts
-    from tpkit.layers.quant import for_decode
     from tpkit.mesh import ParallelMesh
     from tpkit.model import Transformer
     from tpkit.serve import Engine

@@ -1,4 +1,4 @@
-"""Decode-only weights (`tpkit.layers.quant.for_decode`, `RowsWeight`, `PackedWeight`).
+"""Decode-only weights (`tpkit.decode.forms.for_decode`, `RowsWeight`, `PackedWeight`).
 
 Math checked: a bfloat16 weight packed for oneDNN gives F.linear's products bit for bit
 (the same kernel, the weight reordered once instead of at every call). A float32 one
@@ -15,8 +15,8 @@ import torch
 import torch.nn.functional as F
 
 from hf_folders import tiny_llama_folder
-from tpkit.layers import decode_ops
-from tpkit.layers.quant import PackedWeight, RowsWeight
+from tpkit.decode.forms import PackedWeight, RowsWeight
+from tpkit.kernels import decode_ops
 from tpkit.serve import Engine, SamplingParams
 from tpkit.weights.sources import load_model, open_source
 

@@ -17,8 +17,8 @@ from tpkit.checkpoint import load_model
 from tpkit.checkpoint import store as ckpt
 from tpkit.comm import all_gather
 from tpkit.commands.generate import run
+from tpkit.decode.generate import PP_ERROR, generate, pad_left
 from tpkit.mesh import ParallelMesh
-from tpkit.model.generate import PP_ERROR, generate, pad_left
 from tpkit.model.transformer import Transformer
 from tpkit.spec.errors import UserError
 from tpkit.weights.tokenizer import ByteTokenizer

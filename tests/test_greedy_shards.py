@@ -15,7 +15,7 @@ import pytest
 import torch
 
 from checkpoint_helpers import LLAMA, fill, random_full
-from tpkit.model.paged_kv import PagedCache, Piece, _greedy, forward
+from tpkit.decode.paged_kv import PagedCache, Piece, _greedy, forward
 from tpkit.model.transformer import Transformer
 
 V = 7  # a vocabulary of 7 over tp=2: shards of 4, the last column padding
@@ -78,7 +78,7 @@ def test_the_native_best_is_torchs_argmax_and_logsumexp(n):
     exactly, NaN counted as the largest as torch's argmax, the padding after column n
     never read; the log-sum-exp within 4 float32 ulps of float64's (its exp: a
     polynomial); a shard's columns offset to token ids, a shard of padding alone -inf."""
-    from tpkit.layers import decode_ops
+    from tpkit.kernels import decode_ops
 
     g = torch.Generator().manual_seed(n)
     x = torch.randn(5, n + 3, generator=g) * 8  # 3 columns of padding past n

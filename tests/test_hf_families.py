@@ -18,7 +18,7 @@ from safetensors.torch import load_file
 from tpkit.checkpoint import convert
 from tpkit.checkpoint import store as ckpt
 from tpkit.comm import all_gather
-from tpkit.model.paged_kv import NONE, PagedCache, Piece, forward
+from tpkit.decode.paged_kv import NONE, PagedCache, Piece, forward
 from tpkit.weights.hf_check import compare, gather, reference, tp_case
 from tpkit.weights.sources import load_model
 

@@ -1,4 +1,4 @@
-"""The decode rows' native attention over the paged cache (`layers.paged_attention`).
+"""The decode rows' native attention over the paged cache (`kernels.paged_attention`).
 
 Checked, on a flat cache whose blocks are scattered: every layout of query heads to kv
 heads (MHA, GQA, MQA, and 9 heads / 3 kv at tp=2, whose ranks read kv heads unevenly),
@@ -20,10 +20,10 @@ import torch
 import torch.nn.functional as F
 
 from checkpoint_helpers import LLAMA, SMOL, fill, random_full
-from tpkit.layers import paged_attention as pa
+from tpkit.decode.paged_kv import LAST, NONE, PagedCache, Piece, forward
+from tpkit.kernels import paged_attention as pa
 from tpkit.layers.attention import kv_index
 from tpkit.mesh import ParallelMesh
-from tpkit.model.paged_kv import LAST, NONE, PagedCache, Piece, forward
 from tpkit.model.transformer import Transformer
 
 BS = 16

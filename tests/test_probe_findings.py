@@ -185,7 +185,7 @@ def test_every_bit_of_a_64_bit_seed_counts(models, capsys):
 def test_seeds_below_2_32_draw_as_before():
     """`seeded(s)` for s in [0, 2**32) is torch's own `manual_seed(s)`, state for state
     (every sample of such a seed is unchanged); above, both halves make the state."""
-    from tpkit.model.sampling import seeded
+    from tpkit.decode.sampling import seeded
 
     for s in (0, 7, 123456789, (1 << 32) - 1):
         assert torch.equal(seeded(s).get_state(), torch.Generator().manual_seed(s).get_state())

@@ -1,4 +1,4 @@
-"""Weight-only int8 (`tpkit.layers.quant`, `--quantize int8`).
+"""Weight-only int8 (`tpkit.decode.forms`, `--quantize int8`).
 
 Math checked: each weight row becomes q * scale with q = round(w / scale) in
 [-127, 127] and scale = max |w_row| / 127 (rounded to bfloat16), so |q * scale - w| is
@@ -22,7 +22,7 @@ import torch
 from hf_folders import SMOL, tiny_llama_folder
 from tpkit.cli import main
 from tpkit.comm import all_gather
-from tpkit.layers.quant import Int8Weight
+from tpkit.decode.forms import Int8Weight
 from tpkit.layers.sharding import shard
 from tpkit.weights.sources import load_model, open_source
 

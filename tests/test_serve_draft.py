@@ -15,7 +15,7 @@ from checkpoint_helpers import LLAMA, fill, random_full
 from helpers import generate_args
 from tpkit.checkpoint import store as ckpt
 from tpkit.commands.generate import run
-from tpkit.layers.quant import for_decode
+from tpkit.decode.forms import for_decode
 from tpkit.mesh import ParallelMesh
 from tpkit.model.transformer import Transformer
 from tpkit.serve import Engine, SamplingParams

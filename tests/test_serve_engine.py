@@ -20,9 +20,9 @@ import pytest
 import torch
 
 from checkpoint_helpers import GPT2, LLAMA, fill, random_full
+from tpkit.decode.paged_kv import PagedCache
+from tpkit.decode.sampling import filtered
 from tpkit.mesh import ParallelMesh
-from tpkit.model.paged_kv import PagedCache
-from tpkit.model.sampling import filtered
 from tpkit.model.transformer import Transformer
 from tpkit.serve import Engine, SamplingParams, TooLong
 from tpkit.serve.params import StopText

@@ -19,8 +19,8 @@ import time
 import pytest
 
 from checkpoint_helpers import LLAMA, fill, random_full
+from tpkit.decode.paged_kv import NONE
 from tpkit.mesh import ParallelMesh
-from tpkit.model.paged_kv import NONE
 from tpkit.model.transformer import Transformer
 from tpkit.serve import Engine, SamplingParams
 from tpkit.serve.blocks import BlockPool

@@ -23,9 +23,9 @@ import pytest
 import torch
 
 from checkpoint_helpers import LLAMA, SMOL, fill, random_full
-from tpkit.layers.quant import for_decode
+from tpkit.decode.forms import for_decode
+from tpkit.decode.paged_kv import LAST, PagedCache, Piece, forward
 from tpkit.mesh import ParallelMesh
-from tpkit.model.paged_kv import LAST, PagedCache, Piece, forward
 from tpkit.model.transformer import Transformer
 from tpkit.serve import Engine, SamplingParams
 from tpkit.serve.blocks import BlockPool, block_keys
@@ -155,7 +155,7 @@ def test_kv_memory_follows_the_tokens_in_flight():
 def test_decodes_and_a_piece_of_a_long_prompt_share_a_step(monkeypatch):
     """Default mode, a 16-token prompt budget: while a request decodes, a 40-token prompt
     is computed in pieces of 16, 16, 8, each in the same forward as the decode."""
-    from tpkit.model import paged_kv
+    from tpkit.decode import paged_kv
 
     model = _model(ParallelMesh.single(), LLAMA)
     engine = Engine(model, max_batch=4, max_len=96, prefill_per_step=16)

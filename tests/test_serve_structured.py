@@ -21,7 +21,7 @@ import pytest
 import torch
 from pydantic import BaseModel, Field
 
-from tpkit.layers import decode_ops
+from tpkit.kernels import decode_ops
 from tpkit.mesh import ParallelMesh
 from tpkit.serve import grammar
 from tpkit.serve.params import SamplingParams
@@ -174,7 +174,7 @@ def test_every_rank_masks_its_shard_with_rank_0s_bits(chat_llama):
     expects after a greedy step is the one rank 0 sends."""
     from types import SimpleNamespace as NS
 
-    from tpkit.model.paged_kv import LAST, Piece
+    from tpkit.decode.paged_kv import LAST, Piece
     from tpkit.serve.masks import Lead, Mirrors, expect
     from tpkit.serve.runner import encode
     from tpkit.weights.tokenizer import load_tokenizer

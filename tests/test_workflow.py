@@ -36,8 +36,8 @@ from tpkit.checkpoint import latest, load_model
 from tpkit.cli import main
 from tpkit.comm import all_gather
 from tpkit.commands import generate as generate_cmd
+from tpkit.decode.generate import generate, pad_left
 from tpkit.mesh import ParallelMesh
-from tpkit.model.generate import generate, pad_left
 from tpkit.spec.errors import UserError
 from tpkit.weights.tokenizer import load_tokenizer
 

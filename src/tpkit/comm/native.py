@@ -3,7 +3,7 @@
     lib = NativeLibrary("shm", (SOURCE, HEADER), BUILD_DIR, FLAGS, ...).open()
 
 One builder for every such library: the shared-memory collectives (`comm/shm_build.py`)
-and the paged decode attention (`layers/paged_attention.py`), each built by `make` after
+and the paged decode attention (`kernels/paged_attention.py`), each built by `make` after
 installing (and on first use if missing). A library lands in its `build_dir` (ignored by
 git), named after a hash of its sources (the file compiled and the headers it includes)
 and flags, so an edited source is rebuilt and a stale library is never loaded; built with

@@ -24,9 +24,9 @@ import time
 from contextlib import nullcontext
 
 from tpkit.commands.common import add_knobs, group, knob_values
+from tpkit.decode.sampling import GREEDY_BELOW
 from tpkit.launch import launch
 from tpkit.mesh import ParallelMesh
-from tpkit.model.sampling import GREEDY_BELOW
 from tpkit.serve import Engine, SamplingParams
 from tpkit.serve.config import GENERATE, ServeConfig
 from tpkit.serve.openai_api import ApiError, chat_ids

@@ -139,8 +139,8 @@ def fast_paths() -> list[tuple[str, str]]:
     from tpkit.host.device import LOW_PRECISION_FLAGS, cpu_flags, gpu_bf16, gpu_names
 
     flags, onednn = cpu_flags(), torch.backends.mkldnn.is_available()
-    from tpkit.layers import decode_ops
-    from tpkit.layers.quant import PackedWeight
+    from tpkit.decode.forms import PackedWeight
+    from tpkit.kernels import decode_ops
 
     native = decode_ops.load() is not None
     out = [("cpu", f"{torch.backends.cpu.get_cpu_capability()} (torch's kernels for this "
@@ -169,7 +169,7 @@ def fast_paths() -> list[tuple[str, str]]:
                     else f"not accelerated ({why if has else 'no ' + ', '.join(wanted)}): "
                          f"--dtype {dtype} is emulated, slower than float32 here"
                          f"{packed.replace('; a', ' except a') if packed else ''}"))
-    from tpkit.layers import paged_attention
+    from tpkit.kernels import paged_attention
 
     out.append(("attention", "decode rows: one native call a layer (float32, bfloat16)"
                 if paged_attention.load() is not None else

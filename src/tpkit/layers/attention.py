@@ -26,61 +26,21 @@ scaling (`rope_llama3`), a sliding window (Mistral).
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
-
 import torch
 import torch.nn.functional as F
 from torch import nn
 
 from tpkit.comm.group import CommGroup
-from tpkit.layers import decode_ops, paged_attention
 from tpkit.layers.linear import ColumnParallelLinear, RowParallelLinear
 from tpkit.layers.norm import Norm
 from tpkit.layers.random import TPRandom
 from tpkit.layers.ring_attention import cp_positions, ring_attention
-from tpkit.layers.rotary import apply_rope, rope_angles, rope_at
+from tpkit.layers.rotary import apply_rope, rope_angles
 from tpkit.layers.sharding import seed_for, set_meta
 from tpkit.spec.config import ModelConfig
 from tpkit.spec.errors import UserError
 from tpkit.spec.shapes import even_range, heads_problems, kv_range
 from tpkit.spec.split import TPSplit
-
-
-@dataclass
-class PagedBatch:
-    """One forward's rows over a paged KV cache, shared by every layer
-    (`tpkit.model.paged_kv`). Every token is a row of its own ([T, 1] ids): row t has
-    position `positions[t]` and writes its key and value at flat cache position
-    `write[t]` (block * block_size + offset). `seqs`: (first row, rows, keys, mask) of
-    each sequence: its rows are consecutive, `keys` the L keys they read: a slice of the
-    flat cache where its blocks are adjacent, else (its block table [nb], the slice of
-    those blocks' nb * block_size positions), gathered a block at a time (a row at a
-    time cost ~3x as much: ~100 ms a step at 4k keys for SmolLM2-135M here); `mask`
-    [rows, L] (None: every key). `angles`: the rows' rotary cos and sin, read from the
-    table once per forward for every layer that rotates alike. `decode`: the rows of
-    one token for the native kernel (`layers.paged_attention`; None: every row on SDPA).
-    `native`: whether the rows rotate and write the cache natively (`layers.decode_ops`),
-    decided by the first layer."""
-
-    positions: torch.Tensor
-    write: torch.Tensor
-    seqs: list[tuple[int, int, slice | tuple[torch.Tensor, slice], torch.Tensor | None]]
-    rope_len: int
-    block_size: int
-    angles: dict = field(default_factory=dict)
-    decode: paged_attention.DecodePlan | None = None
-    native: bool | None = None  # whether `decode_ops.rope_write` takes them (first layer decides)
-    adapted: bool = False  # rows with served LoRA adapters: no one-call stack (`serve.adapters`)
-
-
-@dataclass
-class PagedKV:
-    """One layer's paged keys and values, k, v [blocks * block_size, kv_local, hd] (flat
-    over the blocks), as one forward (`batch`) sees them."""
-
-    k: torch.Tensor
-    v: torch.Tensor
-    batch: PagedBatch
 
 
 def heads_of_rank(num_heads: int, kv_heads: int, tp: int, rank: int
@@ -145,19 +105,17 @@ class ParallelAttention(nn.Module):
         return heads_of_rank(self.num_heads, self.kv_heads, self.group.size, self.group.rank)
 
     def forward(self, x: torch.Tensor, attention_mask: torch.Tensor | None = None,
-                rng: TPRandom | None = None, kv_cache: PagedKV | None = None
-                ) -> torch.Tensor:
+                rng: TPRandom | None = None, kv_cache=None) -> torch.Tensor:
         """x [b, s, h] ([b, s/tp, h] with SP) -> same shape; one all-reduce forward.
 
         `attention_mask` [b, s] is 1 for real tokens and 0 for padding. With `kv_cache`
-        (a causal model generating) the keys come from the paged cache instead (`PagedKV`).
-        """
+        (a causal model generating: `tpkit.decode.paged_kv.PagedKV`) the cache attends
+        the rows' q, k, v over its keys instead."""
         qkv = self.qkv(x)  # [b, s, (nh/tp + 2 kv_local) hd]
+        if kv_cache is not None:  # the decode wing's: rows of one token, [T, 1, ...]
+            return self.out(kv_cache.attend(self, qkv))  # [T, 1, h] summed over tp
         b, s, _ = qkv.shape
         hd, nq, nkv = self.head_dim, self.local_heads, self.local_kv
-        if kv_cache is not None:  # rows of one token: [T, 1, ...]
-            y = self._attend_paged(qkv.view(b, nq + 2 * nkv, hd), kv_cache)  # [T, nq, hd]
-            return self.out(y.view(b, s, nq * hd))  # [T, 1, h] summed over tp
         q, k, v = qkv.split([nq * hd, nkv * hd, nkv * hd], dim=-1)
         q = q.view(b, s, nq, hd).transpose(1, 2)  # [b, nh/tp, s, hd]
         k = k.view(b, s, nkv, hd).transpose(1, 2)  # [b, kv_local, s, hd]
@@ -202,57 +160,6 @@ class ParallelAttention(nn.Module):
         pos = cp_positions(s, self.cp, device=device)  # [s] global positions
         return cos[pos], sin[pos]
 
-    def _attend_paged(self, heads: torch.Tensor, cache: PagedKV) -> torch.Tensor:
-        """heads [T, nq + 2 kv_local, hd] (a row per token, its q, k, v heads) -> [T, nq, hd]:
-        q and k normed and rotated together, the keys and values written into their
-        blocks, then each sequence's rows attend over its own keys only: the decode rows
-        (one token) in one native call for all of them (`layers.paged_attention`), each
-        longer piece in a fused attention of its own on exactly its keys. Either way a
-        row's result depends on its own tokens alone, never on the other rows or on how
-        full the cache is (batched, the CPU's fused attention would split its work over
-        threads by batch row)."""
-        batch, nq, nkv, T = cache.batch, self.local_heads, self.local_kv, heads.shape[0]
-        qk, v = heads[:, :nq + nkv], heads[:, nq + nkv:]
-        if self.q_norm is not None:
-            qk = torch.cat([self.q_norm(qk[:, :nq]), self.k_norm(qk[:, nq:])], 1)
-        angles = None
-        if self.rope_theta is not None:
-            angles = paged_angles(batch, (self.rope_dim, self.rope_theta, self.rope_llama3), T)
-        native = batch.native
-        if native is None:  # decided once per forward: the same tensors' kinds every layer
-            native = batch.native = decode_ops.takes(heads, cache.k)
-        if native:  # one native call: rotate q and k, write k and v into their blocks
-            if self.q_norm is not None:
-                heads[:, :nq + nkv] = qk
-            decode_ops.rope_write(heads, nq + nkv, nkv, *(angles or (None, None)),
-                                  batch.write, cache.k, cache.v)
-            qk = heads  # q: its first nq heads of every row
-        else:
-            if angles is not None:
-                qk = apply_rope(qk, *angles)  # q and k heads alike
-            cache.k[batch.write] = qk[:, nq:]  # [T, kv_local, hd] into their blocks
-            cache.v[batch.write] = v
-        plan = batch.decode if native or paged_attention.usable(qk, cache.k) else None
-        y = torch.empty(T, nq, heads.shape[2], dtype=heads.dtype, device=heads.device)
-        if plan is not None:  # the decode rows: one native call (`layers.paged_attention`)
-            kv = paged_attention.kv_map(nq, cache.k.shape[1], self._kv_key)
-            paged_attention.attend(qk[:, :nq], cache.k, cache.v, y, plan, kv)
-            if plan.rows == T:
-                return y  # every row was a decode row
-        q = qk[:, :nq]
-        gqa, uneven = nq != cache.k.shape[1], self.kv_index is not None
-        for first, n, keys, mask in batch.seqs:
-            if plan is not None and n == 1:
-                continue  # computed above
-            k_i = _paged(cache.k, keys, batch.block_size).transpose(0, 1)[None]
-            v_i = _paged(cache.v, keys, batch.block_size).transpose(0, 1)[None]  # [1, kv, L, hd]
-            if uneven:
-                k_i, v_i = self.for_queries(k_i), self.for_queries(v_i)
-            q_i = q[first:first + n].transpose(0, 1)[None]  # [1, nq, n, hd]
-            y[first:first + n] = F.scaled_dot_product_attention(
-                q_i, k_i, v_i, mask, enable_gqa=gqa and not uneven)[0].transpose(0, 1)
-        return y
-
     def _attend(self, q, k, v, attention_mask, rng):
         s, t = q.shape[2], k.shape[2]
         p = self.dropout if self.training else 0.0
@@ -273,24 +180,3 @@ class ParallelAttention(nn.Module):
             with rng.fork():
                 return F.scaled_dot_product_attention(q, k, v, mask, p, is_causal=causal)
         return F.scaled_dot_product_attention(q, k, v, mask, p, is_causal=causal)
-
-
-def paged_angles(batch: PagedBatch, how: tuple, T: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """cos, sin [T, 1, rd] (contiguous float32) of the rows' positions for rotary `how`
-    (rope_dim, theta, llama3 scaling), made once per forward and shared by the layers."""
-    angles = batch.angles.get(how)
-    if angles is None:
-        angles = batch.angles[how] = tuple(a.reshape(T, 1, -1).contiguous() for a in rope_at(
-            batch.positions[:, None], *how[:2], batch.rope_len, how[2]))
-    return angles
-
-
-def _paged(flat: torch.Tensor, keys: slice | tuple[torch.Tensor, slice], block_size: int
-           ) -> torch.Tensor:
-    """A sequence's keys (or values) [L, kv_local, hd] from the flat cache (`PagedBatch`):
-    a view where its blocks are adjacent, else its blocks gathered (a contiguous copy,
-    the same values and strides as a gather of its positions)."""
-    if isinstance(keys, slice):
-        return flat[keys]
-    table, part = keys
-    return flat.view(-1, block_size, *flat.shape[1:])[table].flatten(0, 1)[part]

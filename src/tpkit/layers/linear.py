@@ -143,7 +143,7 @@ class ColumnParallelLinear(nn.Module):
                                split=self.split)
         self.bias = set_meta(nn.Parameter(torch.empty(local, **kw)),
                              split=self.split) if bias else None
-        self.decoding = None  # the weight in a decode-only form (`layers.quant.for_decode`)
+        self.decoding = None  # the weight in a decode-only form (`decode.forms.for_decode`)
         self.lora = None  # its low-rank adapters (`layers.lora.LoRA`), or None
         self.served = None  # served adapters per row (`serve.adapters.Served`), or None
         self.reset_parameters()
@@ -203,7 +203,7 @@ class RowParallelLinear(nn.Module):
         # with SP the bias is added on [b, s/tp, h]: its grad is partial per tp rank
         self.bias = set_meta(nn.Parameter(torch.empty(out_features, **kw)),
                              sequence_parallel=sequence_parallel) if bias else None
-        self.decoding = None  # the weight in a decode-only form (`layers.quant.for_decode`)
+        self.decoding = None  # the weight in a decode-only form (`decode.forms.for_decode`)
         self.lora = None  # its low-rank adapters (`layers.lora.LoRA`), or None
         self.served = None  # served adapters per row (`serve.adapters.Served`), or None
         self.reset_parameters()
@@ -216,7 +216,7 @@ class RowParallelLinear(nn.Module):
         """This rank's partial product x_r A_r^T [b, s, out] (no reduce, no bias)."""
         if not self.input_is_parallel:
             x = ops.scatter_to_tp(x, self.group)  # [b, s, in/tp]
-        if self.decoding is not None:  # decode-only weights (`layers.quant`)
+        if self.decoding is not None:  # decode-only weights (`decode.forms`)
             y = self.decoding(x)  # [b, s, out], a partial sum
         else:
             y = F.linear(x, self.weight)  # [b, s, out], a partial sum

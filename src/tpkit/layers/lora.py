@@ -215,7 +215,7 @@ def merged(w: torch.Tensor, a: torch.Tensor, b: torch.Tensor, scale: float) -> t
 
 def merge_adapters(model: nn.Module) -> None:
     """Fold every adapter into its base weight, on this rank's slices, and drop it (a
-    decode-only model: `layers.quant.for_decode`)."""
+    decode-only model: `decode.forms.for_decode`)."""
     for m in list(model.modules()):
         lora = getattr(m, "lora", None)
         if not isinstance(lora, LoRA):

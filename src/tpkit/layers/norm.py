@@ -14,7 +14,6 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from tpkit.layers import decode_ops
 from tpkit.layers.sharding import set_meta
 from tpkit.spec.config import NORMS
 
@@ -35,12 +34,9 @@ class Norm(nn.Module):
             if kind == "layernorm" else None
         for p in self.parameters():
             set_meta(p, sequence_parallel=sequence_parallel)
-        self.native = False  # a decode-only model's norms: one native call (`for_decode`)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         """x [..., h] -> [..., h]."""
-        if self.native and x.dtype == self.weight.dtype and x.device.type == "cpu":
-            return decode_ops.norm(x, self.weight, self.bias, self.eps, self.offset)
         w = self.weight + self.offset if self.offset else self.weight  # [h]
         if self.kind == "layernorm":
             return F.layer_norm(x, (self.hidden,), w, self.bias, self.eps)

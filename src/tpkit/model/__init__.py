@@ -1,6 +1,7 @@
 """The model as an nn.Module: `Transformer` (one definition; tp=1 is the reference), its
 layers (`Block`), the parameter names other packages use (`names`, pure Python), and
-generation: the paged KV cache (`paged_kv`), the sampler and `Transformer.generate`.
+`Transformer.generate` (text in, text out: `text`). The decode forward itself (the paged
+KV cache, the native decode, the sampler, the generation loop) is `tpkit.decode`'s.
 
 Reading weights (Hugging Face, the family adapters, tokenizers) is `tpkit.weights`'s, run
 checkpoints `tpkit.checkpoint`'s; the configuration and presets live in `tpkit.spec`.

@@ -17,15 +17,14 @@ import torch
 from torch import nn
 
 from tpkit.comm.group import CommGroup
-from tpkit.layers import decode_ops, lora
-from tpkit.layers.attention import PagedKV, ParallelAttention
+from tpkit.layers import lora
+from tpkit.layers.attention import ParallelAttention
 from tpkit.layers.experts import ParallelMoE
 from tpkit.layers.mlp import ParallelMLP
 from tpkit.layers.norm import Norm
 from tpkit.layers.random import TPRandom, dropout
 from tpkit.layers.sharding import seed_for
 from tpkit.model.names import layer
-from tpkit.model.native_decode import NativeLayer
 from tpkit.spec.config import ModelConfig
 
 
@@ -53,22 +52,14 @@ class Block(nn.Module):
             ParallelMLP.from_config(c, group, seed=mlp_seed, **own)  # top-k experts, or dense
         if c.lora_rank:  # low-rank adapters on the targeted linears (the model freezes the rest)
             lora.attach(self, c, seed_for(seed, f"{name}.lora"))
-        self._native = None  # the decode rows' native plan (`native_decode`), or False
-
-    def native_decode(self) -> NativeLayer | None:
-        """This layer's decode rows on `layers.decode_ops` alone (`NativeLayer`), or None:
-        a pre-norm dense layer whose norms and linear weights are all native decode-only
-        ones (`layers.quant.for_decode` with the library), not training, no SP, no cp.
-        Decided at the first decode (the weights do not change after `for_decode`)."""
-        if self._native is None:
-            self._native = NativeLayer.of(self) or False
-        return self._native or None
 
     def forward(self, x: torch.Tensor, attention_mask: torch.Tensor | None = None,
-                rng: TPRandom | None = None, kv_cache: PagedKV | None = None) -> torch.Tensor:
-        """x [b, s, h] ([b, s/tp, h] with SP) -> same shape."""
-        if kv_cache is not None and decode_ops.fits(x) and self.native_decode():
-            return self._native(x, kv_cache)
+                rng: TPRandom | None = None, kv_cache=None) -> torch.Tensor:
+        """x [b, s, h] ([b, s/tp, h] with SP) -> same shape. `kv_cache`: a decode's
+        (`tpkit.decode.paged_kv.PagedKV`), handed to the attention; it runs the whole
+        layer natively where it can."""
+        if kv_cache is not None and (y := kv_cache.native(self, x)) is not None:
+            return y
         sharded = self.sequence_parallel  # residual stream split over tp only with SP
         if self.parallel_residual:
             a = self.attn(self.attn_norm(x), attention_mask, rng, kv_cache)

@@ -6,7 +6,7 @@
     for piece in model.generate("a", max_new_tokens=20, stream=True): print(piece, end="")
 
 A prompt is encoded as `tpkit generate --prompt` encodes it (the tokenizer's BOS
-included); the tokens are `model.generate`'s on ids (`tpkit.model.generate`: the same
+included); the tokens are `model.generate`'s on ids (`tpkit.decode.generate`: the same
 greedy or sampled tokens), stopping at the tokenizer's end-of-sequence ids unless
 `eos_id` says otherwise; the text is each row's new tokens up to its first
 end-of-sequence id, decoded without special tokens. `stream=True` (one prompt) yields

@@ -19,17 +19,16 @@ in the one `layers` dict, run one chunk at a time by `forward_chunk(c, x)`:
 
 from __future__ import annotations
 
-from collections.abc import Callable
 from contextlib import nullcontext
 
 import torch
 from torch import nn
 
 from tpkit.comm import compile_ready, ops
-from tpkit.layers.attention import PagedKV
+from tpkit.decode.generate import generate, pad_left
 from tpkit.layers.chunked_loss import chunked_head_cross_entropy
 from tpkit.layers.cross_entropy import vocab_parallel_cross_entropy
-from tpkit.layers.embedding import VocabParallelEmbedding, check_ids, padded_master
+from tpkit.layers.embedding import VocabParallelEmbedding, padded_master
 from tpkit.layers.grads import finalize_tp_grads
 from tpkit.layers.linear import column_parallel_linear
 from tpkit.layers.lora import freeze_base
@@ -39,9 +38,7 @@ from tpkit.layers.ring_attention import cp_positions
 from tpkit.layers.sharding import TPSplit, master_normal, seed_for, set_meta, shard
 from tpkit.model import names
 from tpkit.model.block import Block
-from tpkit.model.generate import generate, pad_left
 from tpkit.model.names import EMBED_WEIGHT
-from tpkit.model.native_decode import NativeEnds, NativeStack
 from tpkit.model.text import generate_text, is_text
 from tpkit.spec.config import ModelConfig
 from tpkit.spec.errors import UserError
@@ -175,8 +172,7 @@ class Transformer(nn.Module):
 
     def _make_head(self, kw) -> None:
         c, tp = self.config, self.group.size
-        self.head_decoding = None  # the head in a decode-only form (`layers.quant`)
-        self._stacks = {}  # layer indices -> their NativeStack (or None), decided at a decode
+        self.head_decoding = None  # the head in a decode-only form (`decode.forms.for_decode`)
         if c.tie_embeddings and self.is_first_stage:
             self.head = None  # the embedding table itself
             return
@@ -228,7 +224,6 @@ class Transformer(nn.Module):
 
     def forward(self, x: torch.Tensor, attention_mask: torch.Tensor | None = None,
                 token_types: torch.Tensor | None = None,
-                kv_caches: list[PagedKV] | None = None,
                 position_offset: int | torch.Tensor = 0, seq: int | None = None
                 ) -> torch.Tensor:
         """First stage: ids [b, s]; others: hidden. Last stage returns logits [b, s, V_pad/tp].
@@ -236,7 +231,7 @@ class Transformer(nn.Module):
         if self.virtual_stages > 1 and self.mesh.pp_size > 1:
             raise RuntimeError("an interleaved stage holds several chunks: use forward_chunk")
         with self._sequence(x, seq):
-            h = self.body(x, attention_mask, token_types, kv_caches, position_offset)
+            h = self.body(x, attention_mask, token_types, position_offset)
             return self.logits(h) if self.is_last_stage and not self.loss_chunk else h
 
     def forward_chunk(self, c: int, x: torch.Tensor,
@@ -248,18 +243,18 @@ class Transformer(nn.Module):
         with self._sequence(x, seq):
             if self.chunk_is_first(c):
                 x = self._embed(x, token_types, 0)
-            x = self._run_layers(self.chunk_layers[c], x, attention_mask, None)
+            x = self._run_layers(self.chunk_layers[c], x, attention_mask)
             if not self.chunk_is_last(c):
                 return x
             x = self.final_norm(x) if self.final_norm is not None else x
             return x if self.loss_chunk else self.logits(x)
 
-    def body(self, x, attention_mask=None, token_types=None, kv_caches=None, position_offset=0):
+    def body(self, x, attention_mask=None, token_types=None, position_offset=0):
         """Embedding (first stage) and this stage's layers; final norm on the last stage."""
         with self._sequence(x, None):
             if self.is_first_stage:
                 x = self._embed(x, token_types, position_offset)
-            x = self._run_layers(list(self.layers), x, attention_mask, kv_caches)
+            x = self._run_layers(list(self.layers), x, attention_mask)
             return self.final_norm(x) if self.is_last_stage and self.final_norm is not None \
                 else x
 
@@ -267,70 +262,20 @@ class Transformer(nn.Module):
         with self.mesh.ledger.scope("embed"):  # its all-reduce (or reduce-scatter) is named
             return self.embed(ids, token_types, position_offset, self.rng)
 
-    def _run_layers(self, indices, x, attention_mask, kv_caches) -> torch.Tensor:
-        """Layers `indices` (global) in order; kv_caches[j] goes to the j-th of them."""
+    def _run_layers(self, indices, x, attention_mask) -> torch.Tensor:
+        """Layers `indices` (global) in order."""
         seq = self.group.sp_seq  # SP: the recomputed forward (in backward) gathers it too
         if self.config.lora_rank and torch.is_grad_enabled() and not x.requires_grad:
             x = x.detach().requires_grad_()  # LoRA's frozen stem: each layer sends as ever
-        if kv_caches is not None and not self.training:  # a decode: all layers in one call?
-            stack = self._stack(indices)
-            if stack is not None and stack.takes(x.shape[0], x.dtype, kv_caches):
-                return stack(x, kv_caches)
-        for j, i in enumerate(indices):
-            layer, cache = self.layers[str(i)], kv_caches[j] if kv_caches is not None else None
+        for i in indices:
+            layer = self.layers[str(i)]
             with self.mesh.ledger.scope(f"layers.{i}"):
-                if self.recompute and self.training and cache is None:
+                if self.recompute and self.training:
                     x = checkpointed(lambda t, lay=layer: self._again(lay, t, attention_mask, seq),
                                      self.rng, x)
                 else:
-                    x = layer(x, attention_mask, self.rng, cache)
+                    x = layer(x, attention_mask, self.rng)
         return x
-
-    def _stack(self, indices) -> NativeStack | None:
-        """Layers `indices` in one native call (`model.native_decode`), or None."""
-        key = tuple(indices)
-        if key not in self._stacks:
-            self._stacks[key] = NativeStack.of([self.layers[str(i)] for i in indices],
-                                               [f"layers.{i}" for i in indices])
-        return self._stacks[key]
-
-    def decode_greedy(self, ids: torch.Tensor, kv_caches) -> torch.Tensor | None:
-        """Greedy decode rows ids [T, 1] -> each row's greedy token and log-probability
-        [T, 2] (`paged_kv._greedy`'s), the embedding, layers, final norm, head and pick
-        in one native call (`NativeStack` with `NativeEnds`), or None where that cannot
-        run (the modules do: `tpkit.model.paged_kv`). Every tp rank calls it."""
-        run = self.greedy_ready(ids, kv_caches)
-        return None if run is None else run()
-
-    def greedy_ready(self, ids: torch.Tensor, kv_caches) -> Callable[[], torch.Tensor] | None:
-        """`decode_greedy` up to its native call: the function that makes it (given the
-        rows' grammar bitmasks or None: `NativeEnds.allow`), or None (`NativeStack.ready`)."""
-        stack = self._stack(list(self.layers))
-        if stack is None or not stack.takes(ids.shape[0], stack.dtype, kv_caches):
-            return None
-        if "ends" not in self._stacks:
-            self._stacks["ends"] = NativeEnds.of(self)
-        ends = self._stacks["ends"]
-        if ends is None:
-            return None
-        if ends.embeds:
-            go, pick = stack.ready(ids, kv_caches, ends), ends.pick
-        else:  # the embedding's modules run with the call (no collective before it)
-            def go(allowed=None) -> torch.Tensor:
-                x = self._embed(ids, None, kv_caches[0].batch.positions)
-                return stack.ready(x, kv_caches, ends)(allowed)
-            pick = None
-
-        def run(allowed: torch.Tensor | None = None) -> torch.Tensor:  # grammars' bitmasks
-            try:
-                return go(allowed)
-            except IndexError:  # an id outside the table: named, as the module would
-                check_ids(ids, self.config.vocab_size)
-                raise
-        # whether the call still points at these tensors (another call re-points `ends`):
-        # their values may change in place between calls (`paged_kv.ready`)
-        run.still = lambda: pick is None or ends.pick is pick
-        return run
 
     def _again(self, layer: Block, x: torch.Tensor, attention_mask, seq: int | None):
         """`layer(x)` under the sequence of its first forward (a recompute runs it again)."""
@@ -381,7 +326,7 @@ class Transformer(nn.Module):
 
     def generate(self, ids, max_new_tokens: int = 32, **kw):
         """Tokens [b, s + n] after `ids` [b, s] (or a list of prompts, left-padded):
-        `tpkit.model.generate.generate` (its keywords: temperature, top_k, eos_id...).
+        `tpkit.decode.generate.generate` (its keywords: temperature, top_k, eos_id...).
         Text (a string, or a list of them) gives text, through `self.tokenizer`
         (`tpkit.model.text`; `stream=True`: an iterator of its pieces).
         Call on every tp rank; every rank returns the same tokens."""

@@ -33,6 +33,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from tpkit.decode.native import forget
 from tpkit.layers.lora import layer_parts, part_split
 from tpkit.layers.sharding import shard
 from tpkit.model.names import layer
@@ -179,14 +180,14 @@ class Adapters:
                            for k, a in enumerate(adapters)
                            if (f := _factors(linear, a, i, path, [n for n, _ in named]))}
                 linear.served = Served(self, factors) if factors else None
-            block._native = None  # its native plan picks the hooks up (`NativeLayer`)
+            forget(block)  # its native plan picks the hooks up (`NativeLayer`)
 
     def __len__(self) -> int:
         return len(self.names) - 1
 
     @contextmanager
     def select(self, pieces):
-        """The forward of `pieces` (`model.paged_kv.Piece`, each its `adapter`) adds each
+        """The forward of `pieces` (`decode.paged_kv.Piece`, each its `adapter`) adds each
         row's adapter."""
         by, row = {}, 0
         for p in pieces:

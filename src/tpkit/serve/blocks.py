@@ -1,4 +1,4 @@
-"""Which KV blocks hold what (rank 0's books; the tensors are `model.paged_kv`'s on every
+"""Which KV blocks hold what (rank 0's books; the tensors are `decode.paged_kv`'s on every
 rank), and the prefix cache: a full block is known by the chain hash of its tokens and
 of every token before it (and of its LoRA adapter, `root`), so a second request starting with the same tokens (a system
 prompt, few-shot examples) reuses the blocks instead of computing them again.

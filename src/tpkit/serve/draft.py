@@ -21,8 +21,8 @@ from __future__ import annotations
 import torch
 from torch import nn
 
+from tpkit.decode.paged_kv import LAST, PagedCache, Piece, forward
 from tpkit.mesh import ParallelMesh
-from tpkit.model.paged_kv import LAST, PagedCache, Piece, forward
 from tpkit.serve.blocks import BlockPool
 from tpkit.serve.speculate import Speculator
 from tpkit.spec.errors import UserError

@@ -17,7 +17,7 @@ request alone (sampling, log-probabilities, detokenizing, stop strings) fails th
 request with 500 and the step goes on for the others; an error in a forward (every
 rank's) ends the step. Nothing else steps the engine: a `Request` handle only waits.
 
-KV memory: blocks of 16 tokens (`model.paged_kv`), taken as requests need them and
+KV memory: blocks of 16 tokens (`decode.paged_kv`), taken as requests need them and
 kept for the prefix cache, at most `kv_cache_bytes` per rank (default: what
 max_batch x max_len tokens take, today's worst case, never reserved up front).
 
@@ -37,7 +37,7 @@ How a decode runs is `decode_chunk`:
   exactly C rows, prompts in pieces cut at multiples of `piece` tokens, each its own
   forward: a request's tokens and log-probabilities are bit for bit the same whatever
   else runs, and with or without the prefix cache (`serve.scheduler`), for a model
-  with decode-only weights (`layers.quant.for_decode`, what `tpkit serve` loads): MKL's
+  with decode-only weights (`decode.forms.for_decode`, what `tpkit serve` loads): MKL's
   `F.linear` of a trainable one may round a row by its place among the rows.
 """
 
@@ -53,7 +53,7 @@ from contextlib import contextmanager
 import torch
 from torch import nn
 
-from tpkit.model.paged_kv import EVERY, LAST, PagedCache
+from tpkit.decode.paged_kv import EVERY, LAST, PagedCache
 from tpkit.serve.blocks import BlockPool
 from tpkit.serve.config import PREFILL_PER_STEP, refuse
 from tpkit.serve.logits import shaped

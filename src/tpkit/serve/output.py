@@ -20,7 +20,7 @@ import threading
 
 import torch
 
-from tpkit.model.sampling import sample, seeded
+from tpkit.decode.sampling import sample, seeded
 from tpkit.serve.grammar import Grammars
 from tpkit.serve.logits import process
 from tpkit.serve.params import StopText

@@ -10,7 +10,7 @@ import math
 from collections.abc import Callable
 from dataclasses import dataclass, field, fields
 
-from tpkit.model.sampling import GREEDY_BELOW, TOP_P_MIN
+from tpkit.decode.sampling import GREEDY_BELOW, TOP_P_MIN
 from tpkit.spec.errors import UserError
 
 MAX_LOGPROBS = 20  # alternatives per token, as OpenAI's top_logprobs

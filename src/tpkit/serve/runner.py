@@ -42,7 +42,7 @@ from torch import nn
 
 from tpkit.comm import recv, send
 from tpkit.comm.failure import CollectiveFailed
-from tpkit.model.paged_kv import LAST, PagedCache, Piece, forward, ready
+from tpkit.decode.paged_kv import LAST, PagedCache, Piece, forward, ready
 from tpkit.serve.masks import Mirrors, expect
 
 STEP, EMBED, IDLE, STOP = 1, 2, 3, 4

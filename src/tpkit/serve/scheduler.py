@@ -55,8 +55,8 @@ from __future__ import annotations
 from collections import Counter, deque
 from dataclasses import dataclass, field
 
-from tpkit.layers.decode_ops import ROWS
-from tpkit.model.paged_kv import EVERY, LAST, NONE, Piece
+from tpkit.decode.paged_kv import EVERY, LAST, NONE, Piece
+from tpkit.kernels.decode_ops import ROWS
 from tpkit.serve.blocks import BlockPool, block_keys, root
 from tpkit.serve.sequence import Seq
 

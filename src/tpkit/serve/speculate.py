@@ -12,7 +12,7 @@ position on the sequence's block table (`paged_kv.layout`: every row's keys and 
 are written before any row attends, each row reads the keys up to its own position), so
 row i is computed exactly as the decode step of position start + i would be: the same
 native kernels, whose every product row is summed in a fixed order whatever the other
-rows (`layers.decode_ops`: batch invariant by construction). The tokens are then taken
+rows (`kernels.decode_ops`: batch invariant by construction). The tokens are then taken
 row by row as without speculation (`give`: the greedy token, or `OutputProcessor.take`
 with its penalties, sampling, log-probabilities and stop strings) while each one equals
 the proposed token that the next row assumed; the first that differs is the last taken

@@ -20,7 +20,7 @@ ACTIVATIONS = ("gelu", "gelu_exact", "swiglu", "geglu", "relu")  # gelu: tanh; e
 GATED = {"swiglu": "silu", "geglu": "gelu"}  # act(gate) * up, with act = this element-wise
 POSITIONS = ("learned", "rope")
 LORA_TARGETS = ("q", "k", "v", "o", "gate", "up", "down")  # the linear layers LoRA adapts
-QUANTIZE = ("int8",)  # weight-only quantization a loaded model takes (`tpkit.layers.quant`)
+QUANTIZE = ("int8",)  # weight-only quantization a loaded model takes (`tpkit.decode.forms`)
 
 
 @dataclass(frozen=True)

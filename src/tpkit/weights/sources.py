@@ -22,8 +22,8 @@ from typing import Any
 import torch
 from torch import nn
 
+from tpkit.decode.forms import for_decode
 from tpkit.launch import mesh_here
-from tpkit.layers.quant import for_decode
 from tpkit.mesh import ParallelMesh
 from tpkit.spec.config import ModelConfig
 from tpkit.spec.errors import CheckpointError, UserError
@@ -82,7 +82,7 @@ def load_model(source: Any, mesh: ParallelMesh | None = None, *, tp: int | None 
     mixture of experts' experts spread whole over tp. BERT models keep their pooler
     (`model.pooled(h)`) if present. `decode=True`: the model only runs forward, its
     linear weights in the form this machine multiplies fastest once loaded
-    (`tpkit.layers.quant.for_decode`: bfloat16 packed for oneDNN); `quantize="int8"`
+    (`tpkit.decode.forms.for_decode`: bfloat16 packed for oneDNN); `quantize="int8"`
     (implies decode): as int8. This is `tpkit.load`."""
     if mesh is not None and tp not in (None, mesh.tp_size):
         raise UserError(f"tp={tp} but the mesh has tp={mesh.tp_size}: give one of them")

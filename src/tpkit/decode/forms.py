@@ -1,4 +1,7 @@
-"""Weight-only int8 for decoding (`tpkit generate --quantize int8`, `tpkit serve`):
+"""The decode-only forms of a model's modules, swapped in by `for_decode`: its linear
+weights (below) and its norms (`NativeNorm`: one native call per row batch).
+
+Weight-only int8 for decoding (`tpkit generate --quantize int8`, `tpkit serve`):
 each linear weight [out, in] becomes int8 with one scale per output row,
 
     w ~ q * scale[:, None]      q = round(w / scale) in [-127, 127],  scale = max|w_row| / 127
@@ -21,7 +24,8 @@ int8 copy; the embedding table stays in the model's dtype (a lookup reads one ro
 Inference only: a quantized model has no float weights to train.
 
 Without int8, a float32 or bfloat16 model's weights are reordered once for oneDNN
-(`PackedWeight`); `for_decode` does either.
+(`PackedWeight`), or kept as they are for the native products (`RowsWeight`);
+`for_decode` does one of them.
 """
 
 from __future__ import annotations
@@ -32,7 +36,7 @@ from torch import nn
 
 from tpkit.comm import all_reduce
 from tpkit.comm.group import CommGroup
-from tpkit.layers import decode_ops
+from tpkit.kernels import decode_ops
 from tpkit.layers.linear import ColumnParallelLinear, RowParallelLinear
 from tpkit.layers.lora import merge_adapters
 from tpkit.layers.norm import Norm
@@ -41,6 +45,18 @@ from tpkit.spec.errors import UserError
 
 KERNEL_K = 16  # _weight_int8pack_mm needs the input width to be a multiple of this
 QMAX = 127
+
+
+class NativeNorm(Norm):
+    """A decode-only model's `Norm` (`for_decode` swaps the class in place: the same
+    parameters and names): float32 and bfloat16 rows on the CPU in one native call
+    (`kernels.decode_ops.norm`), anything else as `Norm` does."""
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        """x [..., h] -> [..., h]."""
+        if x.dtype == self.weight.dtype and x.device.type == "cpu":
+            return decode_ops.norm(x, self.weight, self.bias, self.eps, self.offset)
+        return super().forward(x)
 
 
 class Int8Weight(nn.Module):
@@ -139,7 +155,7 @@ class PackedWeight(nn.Module):
 
 
 class RowsWeight(nn.Module):
-    """A float32 or bfloat16 weight [out, in] kept as is for `layers.decode_ops`: a call
+    """A float32 or bfloat16 weight [out, in] kept as is for `kernels.decode_ops`: a call
     of at most `decode_ops.ROWS` rows (a decode step) is one native product, the weight
     read once on torch's threads; a longer one (a prompt) is `F.linear`."""
 
@@ -210,7 +226,7 @@ def for_decode(model: nn.Module, quantize: str | None = None) -> nn.Module:
     fastest, and the float weight gone (nothing trains it, nothing reads it):
     `quantize="int8"`: an `Int8Weight` (row-parallel layers all-reduce their row
     maxima: call it on every rank); else float32 and bfloat16 weights a `RowsWeight`
-    (the native decode products, `layers.decode_ops`) or, without that library, a
+    (the native decode products, `kernels.decode_ops`) or, without that library, a
     `PackedWeight` where oneDNN takes them (float16 ones stay). Returns the model, in
     eval mode."""
     if quantize is not None and quantize not in QUANTIZE:
@@ -229,9 +245,9 @@ def for_decode(model: nn.Module, quantize: str | None = None) -> nn.Module:
         del m.weight
     if decode_ops.load() is not None:  # the norms of float32 / bfloat16 rows: one call each
         for m in model.modules():
-            if isinstance(m, Norm) and m.weight.dtype in (torch.float32, torch.bfloat16) \
+            if type(m) is Norm and m.weight.dtype in (torch.float32, torch.bfloat16) \
                     and m.weight.device.type == "cpu":
-                m.native = True
+                m.__class__ = NativeNorm  # in place: its parameters, names and state dict
     if getattr(model, "is_last_stage", False) and hasattr(model, "head_weight"):
         w = model.head_weight  # whole rows: int8 has tp=1's scales
         model.head_decoding = decode_form(w, quantize)

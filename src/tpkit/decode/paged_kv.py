@@ -15,7 +15,7 @@ batch-invariant mode's fixed shapes) writes there and reads only itself.
 A forward's tokens are rows of their own, ids [T, 1] at positions [T] (each sequence's
 rows consecutive): every product of the model is then one [T, h] product, a decode's row
 next to a piece of a prompt (chunked prefill). Attention runs per sequence over its own
-keys (`layers.attention.PagedBatch`): a sequence's result depends on its tokens and on
+keys (`decode.attend.PagedBatch`): a sequence's result depends on its tokens and on
 which rows share the forward only through the shape of the products, so a forward of a
 fixed shape gives a sequence the same bits whatever the other rows hold.
 
@@ -31,7 +31,7 @@ too). A grammar (structured outputs) masks each rank's own shard the same way: t
 rows' bitmasks over the whole vocabulary (`allowed`), the same on every rank, limit
 each shard's largest to its allowed tokens, its log-sum-exp kept (the token's
 log-probability stays the model's). A greedy forward of decode rows alone runs whole in
-one native call where the model allows it (`Transformer.decode_greedy`: the same
+one native call where the model allows it (`decode.stacks.greedy_ready`: the same
 kernels, the same bits, the mask included).
 
 The cache's dtype is the model's (bfloat16 weights: a bfloat16 cache); the logits
@@ -49,15 +49,41 @@ import torch
 from torch import nn
 
 from tpkit.comm import all_gather
-from tpkit.layers import decode_ops
-from tpkit.layers.attention import PagedBatch, PagedKV
-from tpkit.layers.paged_attention import decode_plan
+from tpkit.decode import stacks
+from tpkit.decode.attend import PagedBatch, attend_paged
+from tpkit.decode.native import layer_plan
+from tpkit.kernels import decode_ops
+from tpkit.kernels.paged_attention import decode_plan
 from tpkit.spec.errors import UserError
 
 NONE, LAST, EVERY = 0, 1, 2  # which logits a piece asks for
 PP_ERROR = ("generate runs at pp=1: one sequence's tokens come one at a time, so a "
             "pipeline would keep all but one stage idle; every tpkit checkpoint loads at "
             "pp=1 (split the model's memory with tp instead)")
+
+
+@dataclass
+class PagedKV:
+    """One layer's paged keys and values, k, v [blocks * block_size, kv_local, hd] (flat
+    over the blocks), as one forward (`batch`) sees them: what the layer's modules are
+    handed as their `kv_cache`."""
+
+    k: torch.Tensor
+    v: torch.Tensor
+    batch: PagedBatch
+
+    def attend(self, at, qkv: torch.Tensor) -> torch.Tensor:
+        """A `ParallelAttention`'s qkv product [T, 1, (nq + 2 kv_local) hd] -> its rows'
+        attention [T, 1, nq hd] over this cache (`attend.attend_paged`)."""
+        T, s, _ = qkv.shape
+        y = attend_paged(at, qkv.view(T, -1, at.head_dim), self)  # [T, nq, hd]
+        return y.view(T, s, -1)
+
+    def native(self, block, x: torch.Tensor) -> torch.Tensor | None:
+        """A `Block`'s rows x [T, 1, h] on its native plan (`native.layer_plan`), or None
+        where it has none (the block's modules run)."""
+        plan = layer_plan(block) if decode_ops.fits(x) else None
+        return None if plan is None else plan(x, self)
 
 
 @dataclass
@@ -184,7 +210,7 @@ def ready(model: nn.Module, cache: PagedCache, pieces: list[Piece], greedy: bool
     batch.adapted = adapted
     caches = [PagedKV(k, v, batch) for k, v in zip(cache.k, cache.v)]
     if decodes:
-        native = model.greedy_ready(ids, caches)  # one native call, or None
+        native = stacks.greedy_ready(model, ids, caches)  # one native call, or None
         if native is not None:
             def run(allowed=None):  # a copy: the call's buffers serve the next step too
                 return native(allowed).clone(), []
@@ -239,7 +265,7 @@ def _modules(model: nn.Module, ids: torch.Tensor, batch: PagedBatch, caches: lis
              pieces: list[Piece], greedy: bool, allowed: torch.Tensor | None = None
              ) -> tuple[torch.Tensor | None, list[torch.Tensor]]:
     """`forward` on the model's modules."""
-    h = model.body(ids, kv_caches=caches, position_offset=batch.positions)  # [T, 1, h]
+    h = _body(model, ids, caches, batch.positions)  # [T, 1, h]
     lasts = [first + n - 1 for (first, n, _, _), p in zip(batch.seqs, pieces) if p.logits]
     every = [(first, n) for (first, n, _, _), p in zip(batch.seqs, pieces)
              if p.logits == EVERY]
@@ -248,6 +274,23 @@ def _modules(model: nn.Module, ids: torch.Tensor, batch: PagedBatch, caches: lis
         return None, rest
     last = h[torch.tensor(lasts, device=h.device)]  # [m, 1, h]
     return (_greedy(model, last, allowed) if greedy else _full(model, last)), rest
+
+
+def _body(model: nn.Module, ids: torch.Tensor, caches: list[PagedKV], positions: torch.Tensor
+          ) -> torch.Tensor:
+    """ids [T, 1] -> final hidden [T, 1, h]: the embedding at the rows' positions, the
+    layers (in one native call where `stacks.stack` takes the rows, else each layer's
+    modules, handed its cache), the final norm."""
+    with model._sequence(ids, None):
+        x = model._embed(ids, None, positions)
+        layers = stacks.stack(model) if not model.training else None
+        if layers is not None and layers.takes(x.shape[0], x.dtype, caches):
+            x = layers(x, caches)
+        else:
+            for (i, layer), cache in zip(model.layers.items(), caches):
+                with model.mesh.ledger.scope(f"layers.{i}"):
+                    x = layer(x, None, model.rng, cache)
+        return model.final_norm(x) if model.final_norm is not None else x
 
 
 def _full(model: nn.Module, h: torch.Tensor) -> torch.Tensor:

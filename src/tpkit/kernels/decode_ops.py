@@ -23,12 +23,12 @@ Guarantees:
 - Accuracy: float32 sums of exact products of widened values: within K float32
   roundings of F.linear (tests/test_decode_ops.py).
 
-Used by the decode-only weights (`layers.quant`) for calls of at most `ROWS` rows (a
+Used by the decode-only weights (`decode.forms`) for calls of at most `ROWS` rows (a
 decode step); longer pieces (a prompt) keep torch's matmuls. Without the library (no
 compiler, a CUDA tensor, float16, TPKIT_DECODE_OPS_DISABLE=1) `usable` is False and every call
 keeps torch's matmul.
 
-    python -m tpkit.layers.decode_ops   # build it (what `make` runs after installing)
+    python -m tpkit.kernels.decode_ops   # build it (what `make` runs after installing)
 """
 
 from __future__ import annotations

@@ -1,11 +1,11 @@
-"""A decode-only model's decode rows on the native kernels alone (`layers.decode_ops`).
+"""A decode-only model's decode rows on the native kernels alone (`kernels.decode_ops`).
 
-    NativeLayer.of(block)(x, cache)          # one pre-norm dense layer, its calls in a row
+    layer_plan(block)(x, cache)              # one pre-norm dense layer, its calls in a row
     stack = NativeStack.of(blocks, scopes)   # every layer in one native call
     x = stack(x, kv_caches)
 
 What runs: the same kernels as `Block.forward` with decode-only weights would call one by
-one (`ParallelAttention._attend_paged`, `RowsWeight`, the native norms), without the
+one (`attend.attend_paged`, `RowsWeight`, `NativeNorm`), without the
 modules between them: a module attribute costs ~1 us and a module call ~3, ~15 a layer,
 and at one row a 30-layer model's token is ~12 ms of weights and was ~5 ms of this.
 `NativeStack` runs every layer in one call (`tpk_layers`: the attention kernel called
@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import ctypes
 import time
+import weakref
 from collections.abc import Callable
 from functools import partial
 
@@ -28,10 +29,30 @@ import torch
 
 from tpkit.comm import collectives
 from tpkit.comm.ops import reduce_from_tp
-from tpkit.layers import decode_ops, paged_attention
-from tpkit.layers.attention import PagedKV
+from tpkit.decode.attend import attend_paged
+from tpkit.decode.forms import NativeNorm
+from tpkit.kernels import decode_ops, paged_attention
 from tpkit.layers.mlp import ParallelMLP
 from tpkit.layers.rotary import rope_table
+
+_PLANS: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()  # block -> NativeLayer | False
+
+
+def layer_plan(block) -> NativeLayer | None:
+    """A `Block`'s decode rows on `kernels.decode_ops` alone (`NativeLayer`), or None:
+    a pre-norm dense layer whose norms and linear weights are all native decode-only
+    ones (`decode.forms.for_decode` with the library), not training, no SP, no cp.
+    Decided at the first decode (the weights do not change after `for_decode`; served
+    adapters hooked in later: `forget`)."""
+    plan = _PLANS.get(block)
+    if plan is None:
+        plan = _PLANS[block] = NativeLayer.of(block) or False
+    return plan or None
+
+
+def forget(block) -> None:
+    """Decide `block`'s plan again at the next decode (its linears changed)."""
+    _PLANS.pop(block, None)
 
 
 class NativeLayer:
@@ -53,7 +74,7 @@ class NativeLayer:
         self.fc1, self.fc1_bias = mlp.fc1.decoding.rows, mlp.fc1.bias
         self.fc2, self.fc2_bias = mlp.fc2.decoding.rows, mlp.fc2.bias
         self.gated, self.act = mlp.activation == "swiglu", mlp.act
-        self.attend, self.hd, self.group = at._attend_paged, at.head_dim, at.group
+        self.attend, self.hd, self.group = partial(attend_paged, at), at.head_dim, at.group
         self.rank0 = at.group.rank == 0  # the rank whose partial products carry the residual
         self.served = [m.served for m in (at.qkv, at.out, mlp.fc1, mlp.fc2)]  # adapters'
         self.adapters = next((s.adapters for s in self.served if s is not None), None)
@@ -63,7 +84,7 @@ class NativeLayer:
         at, mlp = b.attn, b.mlp
         if not (b.pre_norm and not b.parallel_residual and not b.training
                 and not b.sequence_parallel and isinstance(mlp, ParallelMLP)
-                and b.attn_norm.native and b.mlp_norm.native
+                and isinstance(b.attn_norm, NativeNorm) and isinstance(b.mlp_norm, NativeNorm)
                 and (at.cp is None or at.cp.size == 1)):
             return None
         if any(getattr(m.decoding, "rows", None) is None
@@ -93,7 +114,7 @@ class NativeLayer:
         p = op(x, bias, residual) if self.rank0 else op(x)
         return reduce_from_tp(p if served is None else served(x, p), self.group)
 
-    def __call__(self, x: torch.Tensor, cache: PagedKV) -> torch.Tensor:
+    def __call__(self, x: torch.Tensor, cache) -> torch.Tensor:
         if self.adapters is not None and self.adapters.rows is not None:
             return self._adapted(x, cache)
         T = x.shape[0]
@@ -104,7 +125,7 @@ class NativeLayer:
         a = self.fc1.gated(h, self.fc1_bias) if self.gated else self.act(self.fc1(h, self.fc1_bias))
         return self._row(self.fc2, a, self.fc2_bias, x)
 
-    def _adapted(self, x: torch.Tensor, cache: PagedKV) -> torch.Tensor:
+    def _adapted(self, x: torch.Tensor, cache) -> torch.Tensor:
         """`__call__` with served adapters on some rows (`serve.adapters`): the same calls,
         each adapted row's delta added to its products (its fused SwiGLU again unfused)."""
         T, (q, o, f1, f2) = x.shape[0], self.served
@@ -148,7 +169,7 @@ class NativeStack:
 
     @classmethod
     def of(cls, blocks: list, scopes: list[str]) -> NativeStack | None:
-        plans = [b.native_decode() for b in blocks]
+        plans = [layer_plan(b) for b in blocks]
         if not plans or any(p is None or p.group is not plans[0].group for p in plans):
             return None
         if paged_attention.load() is None or (plans[0].group.size > 1 and
@@ -161,7 +182,7 @@ class NativeStack:
             return None
         return cls(plans, blocks, scopes)
 
-    def takes(self, rows: int, dtype: torch.dtype, caches: list[PagedKV]) -> bool:
+    def takes(self, rows: int, dtype: torch.dtype, caches: list) -> bool:
         """Whether this forward's rows (`rows` of `dtype`) are all decode rows the kernels
         take."""
         batch, k = caches[0].batch, caches[0].k
@@ -169,13 +190,13 @@ class NativeStack:
                 and rows <= decode_ops.ROWS and dtype in (torch.float32, torch.bfloat16)
                 and k.dtype == dtype and k.is_contiguous() and k.device.type == "cpu")
 
-    def __call__(self, x: torch.Tensor, caches: list[PagedKV], ends: NativeEnds | None = None
+    def __call__(self, x: torch.Tensor, caches: list, ends: NativeEnds | None = None
                  ) -> torch.Tensor:
         """x [T, 1, H] through the layers; with `ends` (x: the ids [T, 1] where the ends
         embed them) each row's greedy token and log-probability [T, 2] instead."""
         return self.ready(x, caches, ends)()
 
-    def ready(self, x: torch.Tensor, caches: list[PagedKV], ends: NativeEnds | None = None
+    def ready(self, x: torch.Tensor, caches: list, ends: NativeEnds | None = None
               ) -> Callable[[], torch.Tensor]:
         """`self(x, caches, ends)` up to the native call: the function that makes it (a
         follower readies the step it expects while rank 0 plans it: `serve.runner`). Until
@@ -235,7 +256,7 @@ class NativeStack:
                                       [(s[2 * n + 2], s[2 * n + 3])], [None])
         return x if ends is None else pick
 
-    def _pointers(self, caches: list[PagedKV]) -> tuple[ctypes.c_void_p, ctypes.c_void_p]:
+    def _pointers(self, caches: list) -> tuple[ctypes.c_void_p, ctypes.c_void_p]:
         """The layers' k and v caches' pointers (made again only when the cache grew)."""
         key = caches[0].k
         if self._cached[0] is not key:
@@ -277,7 +298,7 @@ class NativeEnds:
         rows = getattr(model.head_decoding, "rows", None)
         fn, g = model.final_norm, model.group
         if rows is None or not (model.is_first_stage and model.is_last_stage) or (
-                fn is not None and not fn.native) or (
+                fn is not None and not isinstance(fn, NativeNorm)) or (
                 g.size > 1 and collectives.native_all_gather(g) is None):
             return None
         e = model.embed

@@ -1,4 +1,4 @@
-// Decode attention over a paged KV cache (called through ctypes: layers/paged_attention.py).
+// Decode attention over a paged KV cache (called through ctypes: kernels/paged_attention.py).
 //
 // For every decode row r (one query token) and every local query head h:
 //   out[row_r, h, :] = softmax(q[row_r, h, :] . K^T * scale) V

@@ -1,4 +1,4 @@
-// A decode step's native kernels (called through ctypes: layers/decode_ops.py): the
+// A decode step's native kernels (called through ctypes: kernels/decode_ops.py): the
 // products of a few rows (tpk_linear), the norms (tpk_norm), the rotary embedding with
 // the KV-cache write (tpk_rope_write).
 //

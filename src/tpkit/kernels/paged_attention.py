@@ -13,7 +13,7 @@ kv head kv_map[h] (a plain group, or `ParallelAttention.kv_index`'s uneven mappi
 scale is SDPA's, 1/sqrt(hd). float32 or bfloat16 (queries and cache of one dtype):
 bfloat16 values are widened exactly, every sum is float32, the output is rounded once
 to q's dtype. One call does every decode row of a layer; rows of longer pieces
-(prefill) stay on SDPA (`ParallelAttention._attend_paged`).
+(prefill) stay on SDPA (`decode.attend.attend_paged`).
 
 Guarantees:
 - Batch invariance by construction: a row's output depends only on its own q, keys and
@@ -41,7 +41,7 @@ its name hashing the CPU's flags) by `comm.native.NativeLibrary`, like the share
 kernels. Without it (no compiler, a CUDA tensor, float16, TPKIT_ATTN_DISABLE=1)
 `decode_plan` gives None or `usable` False, and the rows take SDPA as before.
 
-    python -m tpkit.layers.paged_attention   # build it (what `make` runs after installing)
+    python -m tpkit.kernels.paged_attention   # build it (what `make` runs after installing)
 """
 
 from __future__ import annotations

@@ -3,7 +3,7 @@
 The commands `tpkit generate` and `tpkit serve` run on `tpkit.serve.Engine`, over the
 same cache with a scheduler.
 
-Each prompt gets its own blocks of a `PagedCache` (`tpkit.model.paged_kv`), enough for
+Each prompt gets its own blocks of a `PagedCache` (`tpkit.decode.paged_kv`), enough for
 its prompt and every new token, taken once: each rank keeps the keys and values of
 *its own* heads only, split over tp exactly like the qkv weights. A prompt is prefilled
 alone, then every step decodes one token for all of them in one forward:
@@ -16,6 +16,13 @@ Two all-reduces per layer per forward (as in training) plus one all-gather of th
 logits. Prompts of different lengths need no padding (each has its own positions), so
 each row generates what it would alone. `pad_left` still builds the left-padded batches
 (ids + attention mask) that the full forward takes.
+
+It shares with serve's `Engine` the forward (`paged_kv.forward`) and the sampler
+(`sampling`), not the loop: this one runs alike on every rank (as `tpkit.spawn` calls
+it), draws a batch's tokens from one generator seeded once and pads the rows that have
+ended, where the engine's rank 0 alone schedules and samples (a generator per request)
+and its followers replay its plans. Run on the engine, the Python API's seeded draws
+would change.
 """
 
 from __future__ import annotations
@@ -25,8 +32,8 @@ from collections.abc import Callable
 import torch
 from torch import nn
 
-from tpkit.model.paged_kv import PP_ERROR, PagedCache, Piece, forward
-from tpkit.model.sampling import sample, seeded
+from tpkit.decode.paged_kv import PP_ERROR, PagedCache, Piece, forward
+from tpkit.decode.sampling import sample, seeded
 from tpkit.spec.errors import UserError
 
 __all__ = ["PP_ERROR", "generate", "pad_left"]
