@@ -23,7 +23,8 @@ tpkit's loop runs it). The planner's error is the median of each run's own ratio
 
 A run's tokens/s is its tokens over its step time after `--skip` warm-up steps
 (metrics.jsonl); the table shows the median of the rounds and the load average
-before and after. Needs root (network namespaces); everything made is removed at the
+before and after; the JSON keeps each run's calibrated profile and rank 0's median
+seconds per step in each group's collectives, to price the runs again. Needs root (network namespaces); everything made is removed at the
 end, on an error too.
 """
 
@@ -121,6 +122,13 @@ def _tokens_per_s(out: Path, skip: int) -> float:
         sum(r["step_s"] for r in rows[skip:])
 
 
+def _comm(out: Path, skip: int) -> dict:
+    """Rank 0's median seconds per step in each group's collectives (metrics.jsonl)."""
+    rows = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
+    rows = [r["comm"] for r in rows if "step_s" in r][skip:]
+    return {g: statistics.median(r[g]["seconds"] for r in rows if g in r) for g in rows[-1]}
+
+
 def _losses(out: Path) -> list[float]:
     rows = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
     return [r["loss"] for r in rows if "loss" in r]
@@ -142,6 +150,8 @@ def main() -> None:
     contenders = [(link, name) for link in clusters for name in LAYOUTS]
     tps: dict = {c: [] for c in contenders}
     pred: dict = {c: [] for c in contenders}
+    profiles: dict = {c: [] for c in contenders}  # each run's calibration, to re-price it
+    comm: dict = {c: [] for c in contenders}
     losses: dict = {}
     load = [os.getloadavg()[0]]
     try:
@@ -154,9 +164,11 @@ def main() -> None:
                     link, name = contenders[(i + r) % len(contenders)]
                     profile = calibrate_link(base, link, clusters[link], args.calibrate_reps)
                     pred[(link, name)].append(predict(profile, name, args))
+                    profiles[(link, name)].append(profile.read_text())
                     out = Path(tmp) / f"r{r}-{i}"
                     _run(clusters[link], LAYOUTS[name], out, args)
                     tps[(link, name)].append(_tokens_per_s(out, args.skip))
+                    comm[(link, name)].append(_comm(out, args.skip))
                     losses.setdefault(name, set()).add(tuple(_losses(out)))
                     print(f"round {r}: {link:>6} {name}: {tps[(link, name)][-1]:,.0f} tokens/s, "
                           f"planner {pred[(link, name)][-1]:,.0f} (load "
@@ -165,10 +177,11 @@ def main() -> None:
         for layout in clusters.values():
             down(layout)
     load.append(os.getloadavg()[0])
-    _report(tps, pred, losses, load, args)
+    _report(tps, pred, losses, load, args, dict(profiles=profiles, comm=comm))
 
 
-def _report(tps: dict, pred: dict, losses: dict, load: list[float], args) -> None:
+def _report(tps: dict, pred: dict, losses: dict, load: list[float], args,
+            runs_kept: dict) -> None:
     """Medians of the rounds; the planner's error is the median of each round's ratio of
     step times (its calibration and its run under the same load)."""
     med = {c: statistics.median(v) for c, v in tps.items()}
@@ -190,7 +203,9 @@ def _report(tps: dict, pred: dict, losses: dict, load: list[float], args) -> Non
     runs = {f"{link} {name}": v for (link, name), v in tps.items()}
     path = write_json(f"hosts-seq{args.seq}-batch{args.global_batch}", dict(
         environment=environment(), load=load, reps=args.reps, steps=args.steps,
-        tokens_per_s=runs, predicted={f"{k[0]} {k[1]}": v for k, v in pred.items()}))
+        tokens_per_s=runs, predicted={f"{k[0]} {k[1]}": v for k, v in pred.items()},
+        **{what: {f"{k[0]} {k[1]}": v for k, v in kept.items()}
+           for what, kept in runs_kept.items()}))
     print(f"wrote {path}")
 
 

@@ -317,6 +317,34 @@ def test_calibrate_fits_recover_known_alpha_beta_and_gemm_curve():
     assert (peak, d_half) == pytest.approx((1e11, 100))
 
 
+def test_calibrate_keeps_the_model_that_fits_a_link_and_the_planner_prices_by_it(tmp_path):
+    from tpkit.plan.fit import fit_link
+
+    # a link whose steps cost the longer of latency and wire time (gloo between simulated
+    # hosts: the bytes travel while the peer is being woken) is fitted as such, with its
+    # alpha and B; times with alpha and B added stay the ring model's
+    alpha, bw, sizes = 1e-3, 60e6, [4 << (10 + 2 * i) for i in range(7)]
+    over = [(2, n, 2 * max(alpha, n / 2 / bw)) for n in sizes]
+    link = fit_link("gloo", over)
+    assert link.overlap and (link.latency, link.bandwidth) == pytest.approx((alpha, bw))
+    added = [(2, n, 2 * alpha + n / bw) for n in sizes]
+    assert not fit_link("gloo", added).overlap
+    # priced so: a step of a small message costs alpha whatever the bandwidth, a large
+    # one its wire time; a send is one step
+    assert cost.all_reduce_time(128 << 10, 4, link) == pytest.approx(6 * alpha)
+    assert cost.all_reduce_time(16 << 20, 2, link) == pytest.approx((16 << 20) / bw)
+    assert cost.p2p_time(16 << 10, link) == link.latency
+    slow = replace(link, bandwidth=bw / 10)
+    assert cost.all_reduce_time(8 << 10, 4, slow) == cost.all_reduce_time(8 << 10, 4, link)
+    # kept through the profile's file, and through the links the planner derives from it
+    hw = replace(get_hardware("cpu"), name="local", inter=link, devices_per_node=2)
+    path = tmp_path / "local.toml"
+    path.write_text(profile_to_toml(hw))
+    got = load_profiles(path)["local"]
+    assert got.inter.overlap and not got.intra.overlap
+    assert cost.link_for(4, got).overlap and cost.p2p_link(4, replace(got, nics_per_node=1)).overlap
+
+
 # -- the local CPU profile: dispatch overhead and processes sharing cores ------------------------
 def _cpu(op_overhead: float = 0.0, cores: int = 0, shared: float = 0.0):
     from dataclasses import replace

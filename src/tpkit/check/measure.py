@@ -29,7 +29,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 from tpkit.comm import all_reduce
 from tpkit.launch import spawn
 
-SIZES = (4 << 10, 64 << 10, 1 << 20, 4 << 20, 16 << 20)
+SIZES = tuple(4 << (10 + 2 * i) for i in range(7))  # 4 KiB, 16 KiB, ... 16 MiB: x4 apart
 DIMS = (16, 32, 64, 128, 256, 512, 1024)
 
 

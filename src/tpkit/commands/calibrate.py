@@ -11,7 +11,9 @@
                 host (shared memory, `--comm auto`; gloo where its kernels are missing)
                 -> the profile's intra link, and over gloo (TCP, what groups across
                 hosts use; on one machine, over loopback) -> its inter link;
-                least squares fit of t = 2(p-1) alpha + 2(p-1)/p n / B (the ring model);
+                least squares fit of t = 2(p-1) alpha + 2(p-1)/p n / B (the ring model),
+                or of t = 2(p-1) max(alpha, n/(p B)) where that fits better (a step's
+                bytes travel while its peer is still being woken: gloo between hosts);
                 then 2 x cores processes in pairs: the latency of a step when processes
                 outnumber cores and a peer must first be scheduled
 

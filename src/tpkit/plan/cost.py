@@ -7,6 +7,11 @@ bus-bandwidth convention), n bytes per rank, alpha latency per step, B bus bandw
     all-gather, reduce-scatter   (p-1) alpha +  (p-1)/p * n/B     (n = the full tensor)
     point-to-point                     alpha +            n/B
 
+On a link measured as overlapped (`Link.overlap`: `tpkit calibrate` found its steps fit
+max(alpha, wire time) better than the sum), each ring step costs the longer of alpha and
+its chunk's wire time: the bytes travel while the peer is still being woken, as over
+TCP between hosts whose alpha is mostly the time to schedule a process, not the wire.
+
 A group runs on the intra-node link when all its ranks share a node, else on the
 inter-node link. Compute (Narayanan et al. 2021, appendix; Megatron counting):
 
@@ -21,6 +26,8 @@ device: (p-1)/(v m) (Narayanan et al. 2021, sections 2.2.1-2.2.2).
 
 from __future__ import annotations
 
+from dataclasses import replace
+
 from tpkit.plan.hardware import Accelerator, Hardware, Link
 from tpkit.spec.config import ModelConfig
 from tpkit.spec.grid import group_fits_node
@@ -28,10 +35,19 @@ from tpkit.spec.theory import ring_factor, ring_steps
 
 
 # -- collectives -----------------------------------------------------------------------------
+def step_time(nbytes: float, link: Link) -> float:
+    """One step that moves `nbytes` over `link`: a + n/B, or max(a, n/B) where the link
+    overlaps its latency with the transfer (`Link.overlap`)."""
+    wire = nbytes / link.bandwidth
+    return max(link.latency, wire) if link.overlap else link.latency + wire
+
+
 def collective_time(op: str, nbytes: float, p: int, link: Link) -> float:
     """Ring `op` of `nbytes` per rank over p ranks: steps a + factor n/B, with the steps
-    and wire factor of `spec.theory` (2(p-1) and 2(p-1)/p for an all-reduce)."""
-    return ring_steps(op, p) * link.latency + ring_factor(op, p) * nbytes / link.bandwidth
+    and wire factor of `spec.theory` (2(p-1) and 2(p-1)/p for an all-reduce); each step
+    moves factor n / steps bytes (n/p), priced by `step_time`."""
+    steps = ring_steps(op, p)
+    return steps * step_time(ring_factor(op, p) * nbytes / steps, link) if steps else 0.0
 
 
 def all_reduce_time(nbytes: float, p: int, link: Link) -> float:
@@ -50,8 +66,8 @@ def reduce_scatter_time(nbytes: float, p: int, link: Link) -> float:
 
 
 def p2p_time(nbytes: float, link: Link) -> float:
-    """One send/recv of `nbytes`: a + n/B."""
-    return link.latency + nbytes / link.bandwidth
+    """One send/recv of `nbytes`: a + n/B (one `step_time`)."""
+    return step_time(nbytes, link)
 
 
 def link_for(span: int, hw: Hardware, stride: int = 1) -> Link:
@@ -72,7 +88,7 @@ def link_for(span: int, hw: Hardware, stride: int = 1) -> Link:
     ports = k * nic_share(hw)
     bandwidth = min(hw.intra.bandwidth, ports * hw.inter.bandwidth)
     name = hw.inter.name + (f" x{ports:g} NICs" if ports != 1 else "")
-    return Link(name, bandwidth, hw.inter.latency)
+    return replace(hw.inter, name=name, bandwidth=bandwidth)
 
 
 def nic_share(hw: Hardware) -> float:
@@ -87,8 +103,7 @@ def p2p_link(span: int, hw: Hardware) -> Link:
     if group_fits_node(span, hw.devices_per_node):
         return hw.intra
     share = nic_share(hw)
-    return hw.inter if share == 1 else Link(hw.inter.name, share * hw.inter.bandwidth,
-                                            hw.inter.latency)
+    return hw.inter if share == 1 else replace(hw.inter, bandwidth=share * hw.inter.bandwidth)
 
 
 # -- compute ---------------------------------------------------------------------------------

@@ -2,6 +2,8 @@
 
     matmul      1/rate = 1/peak + (d_half/peak) (1/d)          (the planner's GEMM model)
     all-reduce  t = 2(p-1) alpha + 2(p-1)/p n / B               (the ring model)
+                or, where it fits the samples better, each of the 2(p-1) steps the longer
+                of alpha and its chunk's wire time: t = 2(p-1) max(alpha, n/(p B))
 
 The measuring itself needs torch and processes, so it lives in `tpkit.check.measure`, and the
 `tpkit calibrate` command joins the two: `tpkit.plan` imports no torch.
@@ -9,8 +11,10 @@ The measuring itself needs torch and processes, so it lives in `tpkit.check.meas
 
 from __future__ import annotations
 
+import math
 import os
 
+from tpkit.plan.cost import all_reduce_time
 from tpkit.plan.hardware import GB, Accelerator, Hardware, Link
 
 
@@ -60,10 +64,43 @@ def build_profile(gemm1: list, mem_bw: float, intra: Link, inter: Link,
     return Hardware("local", acc, intra, inter, cores, cores, shared_latency)
 
 
+def fit_overlapped(samples: list[tuple[int, float, float]]) -> tuple[float, float]:
+    """(alpha s, bandwidth B/s) from (p, bytes, seconds): each of the 2(p-1) ring steps
+    costs max(alpha, n/(p B)), least squares on log times.
+
+    The steps sorted by chunk, the first k latency-bound and the rest wire-bound: for
+    each k, alpha is the geometric mean of the first k step times and B that of the
+    rest's chunk / time; the k whose max-model fits all steps best wins."""
+    steps = sorted((n / p, t / (2 * (p - 1))) for p, n, t in samples)
+    best = (math.inf, 0.0, math.inf)
+    for k in range(len(steps) + 1):
+        alpha = math.exp(_mean([math.log(s) for _, s in steps[:k]])) if k else 0.0
+        bw = math.exp(_mean([math.log(c / s) for c, s in steps[k:]])) if k < len(steps) \
+            else math.inf
+        err = sum(math.log(max(alpha, c / bw) / s) ** 2 for c, s in steps)
+        best = min(best, (err, alpha, bw))
+    return best[1], best[2]
+
+
+def _mean(xs: list[float]) -> float:
+    return sum(xs) / len(xs)
+
+
+def log_error(link: Link, samples: list[tuple[int, float, float]]) -> float:
+    """Root mean square of log(model / measured) over all-reduce samples (p, bytes, s)."""
+    return math.sqrt(_mean([math.log(all_reduce_time(n, p, link) / t) ** 2
+                            for p, n, t in samples]))
+
+
 def fit_link(name: str, samples: list[tuple[int, float, float]]) -> Link:
-    """A Link named `name` from all-reduce samples (the ring model's alpha and B)."""
+    """A Link named `name` from all-reduce samples: the ring model with alpha and B added
+    (`fit_alpha_beta`) or overlapped (`fit_overlapped`), whichever fits them better (the
+    added one on a tie)."""
     alpha, bw = fit_alpha_beta(samples)
-    return Link(name, bw, alpha)
+    added = Link(name, bw, alpha)
+    alpha, bw = fit_overlapped(samples)
+    overlapped = Link(name, bw, alpha, overlap=True)
+    return min((added, overlapped), key=lambda link: log_error(link, samples))
 
 
 def ram_bytes() -> float:
@@ -85,11 +122,11 @@ def matmul_note(one: list, allt: list) -> str:
 
 def link_notes(link: Link, samples: list) -> list[str]:
     """The fit of one link and each sample against it."""
-    alpha, bw = link.latency, link.bandwidth
-    lines = [f"all-reduce over {link.name}: alpha {alpha * 1e6:.1f} us, bandwidth "
-             f"{bw / GB:.2f} GB/s"]
+    how = "the longer of the two per step (overlapped)" if link.overlap else "added"
+    lines = [f"all-reduce over {link.name}: alpha {link.latency * 1e6:.1f} us, bandwidth "
+             f"{link.bandwidth / GB:.2f} GB/s, {how}"]
     for p, n, t in samples:
-        model = 2 * (p - 1) * alpha + 2 * (p - 1) / p * n / bw
+        model = all_reduce_time(n, p, link)
         lines.append(f"  p={p} {n >> 10:>6} KiB: measured {t * 1e3:8.3f} ms, fit "
                      f"{model * 1e3:8.3f} ms ({model / t - 1:+.0%})")
     return lines

@@ -54,6 +54,7 @@ class Link:
     name: str
     bandwidth: float  # bytes/s, achievable bus bandwidth per device
     latency: float  # seconds per ring step (alpha)
+    overlap: bool = False  # a step costs max(alpha, wire time), not their sum (`cost.step_time`)
 
 
 @dataclass(frozen=True)
@@ -241,6 +242,7 @@ def _link(d: dict, which: str, default: Link) -> Link:
             raise HardwareError(f"{which}_link={d[f'{which}_link']!r} is not one of "
                                 f"{', '.join(LINKS)}")
         link = LINKS[d[f"{which}_link"]]
+    link = replace(link, overlap=bool(d.get(f"{which}_overlap", link.overlap)))
     return replace(link, **_scaled(d, {f"{which}_bandwidth_gbs": ("bandwidth", GB),
                                        f"{which}_latency_us": ("latency", 1e-6)}))
 
@@ -258,11 +260,12 @@ def profile_to_toml(hw: Hardware, comments: dict[str, str] | None = None) -> str
               "intra_bandwidth_gbs": hw.intra.bandwidth / GB,
               "intra_latency_us": hw.intra.latency / 1e-6,
               "inter_bandwidth_gbs": hw.inter.bandwidth / GB,
-              "inter_latency_us": hw.inter.latency / 1e-6}
+              "inter_latency_us": hw.inter.latency / 1e-6,
+              "intra_overlap": hw.intra.overlap, "inter_overlap": hw.inter.overlap}
     lines = [f"[{hw.name}]"]
     for key, value in fields.items():
-        text = f'"{value}"' if isinstance(value, str) else (
-            str(value) if isinstance(value, int) else f"{value:.6g}")
+        text = f'"{value}"' if isinstance(value, str) else str(value).lower() if isinstance(
+            value, bool) else str(value) if isinstance(value, int) else f"{value:.6g}"
         note = f"  # {comments[key]}" if comments and key in comments else ""
         lines.append(f"{key} = {text}{note}")
     return "\n".join(lines) + "\n"
