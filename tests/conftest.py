@@ -18,8 +18,15 @@ from pathlib import Path
 
 import pytest
 
+from tpkit.host import forkserver
 from tpkit.launch import WorkerPool
 from tpkit.mesh import ParallelMesh
+
+# One forkserver per pytest process forks every rank here (the pools' and those of the
+# commands run through `tpkit.cli.main`): whoever starts it, it preloads what `tpkit
+# train`'s ranks import, as `tpkit train` has its own preload (otherwise each rank of the
+# many in-process train runs imports Dynamo itself: 2 s of CPU a rank).
+forkserver.preload(*forkserver.COMMANDS["train"])
 
 # `make test` runs the files on two pytest-xdist workers (`-n 2 --dist loadgroup`): a
 # file's tests stay together on one worker (its module fixtures built once), the files

@@ -6,7 +6,9 @@ seed wrote each question in). Options are shown in a seeded order; `--answers` k
 the seed's numbering. Tutor: a scripted run shows the verdict, the correct option and
 the explanation right after each answer, reviews the missed ones and ends with the
 score once. Live: each demonstration computes its figures on local gloo processes (or
-with the planner), they change with tp, and each comes with a chart for the page.
+with the planner), they change with tp, and each comes with a chart for the page. The
+CLI's `quiz --live`, a demonstration after each answer: the README's line, run by
+test_readme_lines.py.
 """
 
 from __future__ import annotations
@@ -452,12 +454,3 @@ def test_live_text_in_the_quiz_language_same_figures(live):
     assert fr["column_row"]["wire_bytes"] == en["column_row"]["wire_bytes"]
     fr = _plain(live.run(6, tp=2, lang="fr")["text"])
     assert "4 rangs : tp=2 × pp=2 × dp=1" in fr and "groupe tp [0, 1]" in fr
-
-
-@pytest.mark.timeout(120)
-def test_cli_live_shows_a_demonstration_after_each_answer():
-    r = _cli("--live", "--no-hosts", "--lang", "en", "--answers", "1,2,3,4,1,2,3,3")
-    assert r.returncode == 0, r.stderr[-2000:]
-    assert r.stdout.count("--- Live demonstration ---") == 8
-    assert "max |diff|" in r.stdout and "all_gather forward" in r.stdout
-    assert r.stdout.splitlines()[-1] == "Score: 7/8"

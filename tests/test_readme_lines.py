@@ -7,7 +7,9 @@ what the installed `tpkit` runs; one process, so torch is imported once), with
 simulated hosts have their own test in test_quiz.py), `--compile-backend eager` added
 where `--compile` appears (Inductor's C++ code generation takes minutes on a 2-core machine;
 benchmarks/compile_speedup.py runs it) and the quiz's eight answers on its stdin. A
-line that refuses what an earlier line left (a shared --out) fails here. The fine-tuning
+line that refuses what an earlier line left (a shared --out) fails here. The live quiz's
+line is the suite's run of `quiz --live` through the CLI: a demonstration after each of
+its eight answers, its figures in the quiz's language, the score last. The fine-tuning
 block runs whole, as pasted, in test_workflow.py (the checks of its outputs beside it)."""
 
 from __future__ import annotations
@@ -68,4 +70,24 @@ def test_every_line_of_what_you_can_do_runs_one_after_another(tmp_path, monkeypa
     for line in lines:
         monkeypatch.setattr(sys, "stdin", io.StringIO("1\n" * 8))  # the quiz's answers
         code = main(reduced(line))
-        assert code == 0, f"{line}\n{capsys.readouterr().err[-3000:]}"
+        out, err = capsys.readouterr()
+        assert code == 0, f"{line}\n{err[-3000:]}"
+        if "--live" in line:
+            shows_a_demonstration_after_each_answer(reduced(line), out)
+
+
+def shows_a_demonstration_after_each_answer(argv: list[str], out: str) -> None:
+    """The live quiz's output: eight demonstrations, each after its answer, with figures
+    measured against tp=1 and the communication log, in the quiz's language (French
+    here); the score last."""
+    from tpkit.quiz.content import load_quiz
+
+    assert argv[argv.index("--lang") + 1] == "fr", argv
+    ui = load_quiz().ui("fr")
+    parts = out.split(f"--- {ui['live']} ---\n")
+    assert len(parts) == 9, out[-3000:]  # eight demonstrations
+    assert all(p.split("\n\n")[0].strip() for p in parts[1:]), out[-3000:]  # none blank
+    assert all(f"Question {n}/8" in parts[n - 1] for n in range(1, 9)), out[-3000:]
+    assert "écart max = " in out and "all-gather en passe avant" in out, out[-3000:]
+    assert re.fullmatch(ui["score_line"].format(score=r"\d", total=8),
+                        out.splitlines()[-1]), out[-300:]

@@ -97,11 +97,24 @@ def _no_shared_memory_left(run_id: str) -> None:
     assert list(Path("/dev/shm").glob(f"tpkit-*-{run_id}*")) == []
 
 
-def _stopped_then_resumed(tmp_path: Path, layout: list[str], sig: int, run_id: str) -> None:
-    """Stop a 200-step run after 3 steps with `sig`, continue it by the command its line
-    gives, to 2 steps past the saved one; the same steps straight through: same losses."""
+def _here(argv: list[str], capsys) -> None:
+    """`tpkit ARGV` through the CLI's entry in this process (`tpkit.cli.main`, what the
+    installed `tpkit` runs): its ranks forked from this process's forkserver, torch
+    imported once for the file, not once a run."""
+    from tpkit.cli import main
+
+    capsys.readouterr()
+    assert main(argv) == 0, capsys.readouterr().err[-3000:]
+
+
+def _stopped_then_resumed(tmp_path: Path, layout: list[str], sig: int, run_id: str,
+                          monkeypatch, capsys) -> None:
+    """Stop a 200-step run after 3 steps with `sig` (the real CLI in its own process
+    group), continue it by the command its line gives, to 2 steps past the saved one; the
+    same steps straight through: same losses. (Resumed and straight: in this process.)"""
     out = tmp_path / "stopped"
     env = {"TPKIT_RUN_ID": run_id}
+    monkeypatch.setenv("TPKIT_RUN_ID", run_id)  # the segments of the runs in this process
     proc = _start(["train", *TRAIN, *layout, "--steps", "200", "--out", str(out)], env)
     line = _one_quiet_line(proc, sig, *_stop(proc, sig, _steps_written(out, 3)))
     name = signal.Signals(sig).name
@@ -114,28 +127,28 @@ def _stopped_then_resumed(tmp_path: Path, layout: list[str], sig: int, run_id: s
         [*TRAIN, *layout, "--steps", "200", "--out", str(out)], command
     assert len(_losses(out)) == step  # the step finished, none after it
     steps = ["--steps", str(step + 2)]
-    resumed = _start([*command[1:], *steps], env)
-    assert resumed.wait(timeout=300) == 0, resumed.communicate()[1]
+    _here([*command[1:], *steps], capsys)
     straight = tmp_path / "straight"
-    proc = _start(["train", *TRAIN, *layout, *steps, "--out", str(straight)], env)
-    assert proc.wait(timeout=300) == 0, proc.communicate()[1]
+    _here(["train", *TRAIN, *layout, *steps, "--out", str(straight)], capsys)
     assert _losses(out) == _losses(straight)  # exactly
     _no_shared_memory_left(run_id)
 
 
 @pytest.mark.slow
 @pytest.mark.timeout(900)
-def test_ctrl_c_saves_at_the_step_boundary_and_resume_continues_exactly(tmp_path):
+def test_ctrl_c_saves_at_the_step_boundary_and_resume_continues_exactly(tmp_path, monkeypatch,
+                                                                        capsys):
     """tp=2 x pp=2, SIGINT."""
     _stopped_then_resumed(tmp_path, ["--tp", "2", "--pp", "2", "--micro-batches", "2"],
-                          signal.SIGINT, "stopsave1")
+                          signal.SIGINT, "stopsave1", monkeypatch, capsys)
 
 
 @pytest.mark.slow
 @pytest.mark.timeout(900)
-def test_sigterm_saves_an_fsdp_run_and_resume_continues_exactly(tmp_path):
+def test_sigterm_saves_an_fsdp_run_and_resume_continues_exactly(tmp_path, monkeypatch, capsys):
     """FSDP over dp=2, SIGTERM (a scheduler's preemption)."""
-    _stopped_then_resumed(tmp_path, ["--dp", "2", "--fsdp"], signal.SIGTERM, "stopsave2")
+    _stopped_then_resumed(tmp_path, ["--dp", "2", "--fsdp"], signal.SIGTERM, "stopsave2",
+                          monkeypatch, capsys)
 
 
 @pytest.mark.slow
