@@ -153,8 +153,8 @@ def test_failing_proposals_back_off_and_metrics_count_them():
 def test_rows_are_proposed_only_where_they_pay_at_the_measured_cost():
     """The never-lose rule: a step of 1 decode row measured at 10 ms, one with 2 more
     rows at 14 ms: a row costs 0.2 of a step; at acceptance 0.5 two tokens pay (0.5,
-    0.25), a third (0.125) does not. Rows so dear that no token pays (0.6 > the prior
-    0.5): the sequence proposes one probe after each rest only, its tokens unchanged."""
+    0.25), a third (0.125) does not. Rows dearer than a step (no token can pay): the
+    sequence proposes nothing at all, not even probes, its tokens unchanged."""
     cost = StepCost()
     assert cost.per_row(1) == ROW_COST  # unmeasured
     for seconds in (0.010, 0.010, 0.014, 0.010, 0.014):
@@ -167,15 +167,40 @@ def test_rows_are_proposed_only_where_they_pay_at_the_measured_cost():
     model = _tiny()
     ref = Engine(model).generate([[1, 2, 3]], SamplingParams(max_tokens=64))[0].tokens
     counts = []
-    for row_cost in (0.0, 0.6):
+    for row_cost in (0.0, 1.01):
         spec = Oracle({(1, 2, 3): ref}, tokens=4, row_cost=row_cost)
         got = Engine(model, speculator=spec).generate([[1, 2, 3]],
                                                       SamplingParams(max_tokens=64))
         assert got[0].tokens == ref
         counts.append((spec.proposed, spec.accepted))
-    (free, _), (dear, dear_accepted) = counts
-    assert 0 < dear < free / 2, counts  # probes of one token: 1 after 1, 2, 4.. steps
-    assert dear_accepted > 0  # an accepted probe raises the rate: it proposes again
+    assert counts[0][1] > 0 and counts[1] == (0, 0), counts
+
+
+class Logged(Oracle):
+    """An Oracle that keeps the length of each proposal it makes."""
+
+    def propose(self, decodes, spare, room):
+        drafts = super().propose(decodes, spare, room)
+        self.made = getattr(self, "made", []) + [len(d) for d in drafts.values()]
+        return drafts
+
+
+def test_lookups_not_proposed_teach_the_rate():
+    """A sequence proposes only after one of its lookups was scored for free: where the
+    lookups copy (the reference, all right) its first proposal has all K tokens (not the
+    one token the prior of 0.5 pays at a row cost of 0.3); where they fail (first token
+    wrong) at a cost above what one failure leaves it (0.4 < 0.45), it never proposes."""
+    model = _tiny()
+    ref = Engine(model).generate([[1, 2, 3]], SamplingParams(max_tokens=40))[0].tokens
+    right = Logged({(1, 2, 3): ref}, tokens=4, row_cost=0.3)
+    right.rng.random = lambda: 1.0  # never made wrong
+    wrong = Logged({(1, 2, 3): ref}, tokens=4, wrong=True, row_cost=0.45)
+    for spec in (right, wrong):
+        got = Engine(model, speculator=spec).generate([[1, 2, 3]],
+                                                      SamplingParams(max_tokens=40))
+        assert got[0].tokens == ref
+    assert right.made[0] == 4 and right.accepted == right.proposed > 0, right.made
+    assert wrong.proposed == 0 and not getattr(wrong, "made", None)
 
 
 def test_sampling_draws_the_same_tokens_and_accepts_at_the_models_rate():

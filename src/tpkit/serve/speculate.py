@@ -34,18 +34,26 @@ of the C-row forwards the decodes take anyway. Not speculated: a request with a 
 
 Adaptive, per sequence: `k` starts at `tokens`; a fully accepted proposal raises it by
 one (up to `tokens`), a rejected first token halves it; at 0 the sequence rests for
-`rest` steps (doubling at each failure, up to REST_MAX) and tries one token again. A
+`rest` steps (doubling at each failure, up to REST_MAX) and then probes one token. A
 proposal is made only where the n-gram matches (nothing to look up costs nothing).
 
+Free evidence (`_score`): a sequence that does not propose (resting, or no token pays)
+still looks up, and once the tokens it would have proposed are decoded (or one differs)
+that lookup moves its rate as a proposal's would, at no row's cost; all of it right
+ends a rest. Where rows cost anything, a sequence's first proposal waits for one such
+scored lookup: an ungrounded answer (whose lookups fail) starts with none, a grounded
+one (whose lookups copy) with its rate already up, so with K tokens rather than one.
+
 Cost-aware (the never-lose rule): a proposal's i-th token is accepted with chance about
-a^i (a: the sequence's acceptance, an EWMA from PRIOR) and costs one more row of the
-step; rows are not free (a bfloat16 step of a few rows costs more than its one-row
-step on a CPU). So a sequence proposes only its first n tokens with a^i >= c (each one
-expected to pay for its row; `worth`), c the measured cost of a row as a fraction of the
-step without it (`StepCost`: the engine's wall times of decode-only steps, per number
-of decode rows, a moving average; ROW_COST until measured). Where not even one token
-pays, the sequence rests as after a failure and then probes one token (its rate then
-moves again).
+a^i (a: the sequence's chance that a proposed token is accepted, a moving average over
+the tokens tried, the accepted ones and the first rejected, from PRIOR) and costs one
+more row of the step; rows are not free (a bfloat16 step of a few rows costs more than
+its one-row step on a CPU). So a sequence proposes only its first n tokens with a^i >=
+c (each one expected to pay for its row; `worth`), c the measured cost of a row as a
+fraction of the step without it (`StepCost`: the engine's wall times of decode-only
+steps, per number of decode rows, a moving average; ROW_COST until measured). Where not
+even one token pays (a probe too), the sequence proposes nothing and learns from its
+lookups until one does.
 Under load, the step's spare rows go first to the sequences whose acceptance rate
 (EWMA) is highest, and with more than one sequence running only to those above
 `LOADED_RATE`: at 8 running sequences there is no spare row and nobody pays.
@@ -63,6 +71,7 @@ LOADED_RATE = 0.5  # with several sequences running, the acceptance a proposer n
 PRIOR = 0.5  # a new sequence's acceptance, before any proposal of its own
 ROW_COST = 0.1  # a verify row's cost in steps until `StepCost` has measured it
 SMOOTH = 0.2  # weight of a new step time in `StepCost`'s moving averages
+LEARN = 0.2  # weight of a token tried in a sequence's acceptance rate
 
 
 @dataclass
@@ -72,10 +81,12 @@ class _State:
     k: int
     index: dict[tuple[int, ...], int] = field(default_factory=dict)  # n-gram -> end
     indexed: int = 0  # context positions whose n-grams ending there are in `index`
-    rate: float = PRIOR  # EWMA of its proposals' acceptance
+    rate: float = PRIOR  # a proposed token's chance of acceptance (EWMA per token tried)
     rest: int = 0  # steps to wait before proposing again
     backoff: int = 1  # the next rest
-    probe: bool = False  # after a rest: one token proposed whatever it costs
+    probe: bool = False  # after a rest: one token proposed (if one pays)
+    shadow: tuple[int, list[int]] | None = None  # (tokens then, lookup not proposed)
+    scored: bool = False  # whether a lookup of its own was scored yet (`_score`)
 
 
 def worth(rate: float, k: int, cost: float) -> int:
@@ -158,15 +169,17 @@ class Speculator:
             st = self.states.setdefault(req.id, _State(self.tokens))
             if not self.eligible(req):
                 continue
+            _score(st, req.tokens)
+            left = req.params.max_tokens - len(req.tokens) - 1  # the bonus token's place
             if st.rest > 0:
                 st.rest -= 1
-                continue
-            left = req.params.max_tokens - len(req.tokens) - 1  # the bonus token's place
-            k = min(1 if st.probe else worth(st.rate, st.k, cost), left)
-            if k > 0:
+            elif (st.scored or cost <= 0) and (k := min(worth(st.rate, 1 if st.probe else st.k, cost),
+                                         left)) > 0:
                 wants.append((st.rate, req, st, k))
-            elif left > 0:  # not even one token pays: rest, then probe one
-                _rest(st)
+                continue
+            if st.shadow is None and left > 0:  # not proposed: looked up all the same
+                draft = self.lookup(st, req, self.tokens)
+                st.shadow = (len(req.tokens), draft) if draft else None
         if len(decodes) > 1:
             wants = [w for w in wants if w[0] >= LOADED_RATE]
         drafts = {}
@@ -207,7 +220,7 @@ class Speculator:
 
 def _adapt(st: _State, taken: int, proposed: int, most: int) -> None:
     """A sequence's k and rest after `taken` of its `proposed` tokens were accepted."""
-    st.rate = 0.7 * st.rate + 0.3 * taken / proposed
+    _learn(st, taken, proposed)
     if taken == proposed:
         st.k, st.backoff = min(most, st.k + 1), 1
     elif taken == 0:
@@ -215,6 +228,32 @@ def _adapt(st: _State, taken: int, proposed: int, most: int) -> None:
         if st.k == 0:
             _rest(st)
             st.k = 1
+
+
+def _learn(st: _State, taken: int, proposed: int) -> None:
+    """The rate after `taken` of `proposed` tokens were accepted: each token tried (the
+    taken ones and the first rejected) moves it by LEARN towards 1 or 0."""
+    for hit in [1.0] * taken + [0.0] * (taken < proposed):
+        st.rate += LEARN * (hit - st.rate)
+
+
+def _score(st: _State, tokens: list[int]) -> None:
+    """A lookup not proposed (`_State.shadow`), once the tokens it would have proposed
+    are known or one differs: its outcome moves the rate as a proposal's would (free
+    evidence); all of it right ends a rest."""
+    if st.shadow is None:
+        return
+    at, draft = st.shadow
+    got = tokens[at:at + len(draft)]
+    taken = 0
+    while taken < len(got) and got[taken] == draft[taken]:
+        taken += 1
+    if taken == len(got) < len(draft):
+        return  # every token so far right: not known yet
+    st.shadow, st.scored = None, True
+    _learn(st, taken, len(draft))
+    if taken == len(draft):
+        st.rest, st.backoff = 0, 1
 
 
 def _rest(st: _State) -> None:
