@@ -170,15 +170,11 @@ class Speculator:
             if not self.eligible(req):
                 continue
             _score(st, req.tokens)
-            left = req.params.max_tokens - len(req.tokens) - 1  # the bonus token's place
-            if st.rest > 0:
-                st.rest -= 1
-            elif (st.scored or cost <= 0) and (k := min(worth(st.rate, 1 if st.probe else st.k, cost),
-                                         left)) > 0:
+            k = _wanted(st, req.params.max_tokens - len(req.tokens) - 1, cost)
+            if k > 0:
                 wants.append((st.rate, req, st, k))
-                continue
-            if st.shadow is None and left > 0:  # not proposed: looked up all the same
-                draft = self.lookup(st, req, self.tokens)
+            elif st.shadow is None and len(req.tokens) < req.params.max_tokens - 1:
+                draft = self.lookup(st, req, self.tokens)  # not proposed: looked up anyway
                 st.shadow = (len(req.tokens), draft) if draft else None
         if len(decodes) > 1:
             wants = [w for w in wants if w[0] >= LOADED_RATE]
@@ -216,6 +212,17 @@ class Speculator:
         if st is not None:
             _adapt(st, taken, len(draft), self.tokens)
         return why
+
+
+def _wanted(st: _State, left: int, cost: float) -> int:
+    """How many tokens a sequence proposes this step, `left` before its last token (0:
+    none; a rest counted down; where rows cost, none before a scored lookup)."""
+    if st.rest > 0:
+        st.rest -= 1
+        return 0
+    if not st.scored and cost > 0:
+        return 0
+    return max(0, min(worth(st.rate, 1 if st.probe else st.k, cost), left))
 
 
 def _adapt(st: _State, taken: int, proposed: int, most: int) -> None:
