@@ -71,7 +71,7 @@ LOADED_RATE = 0.5  # with several sequences running, the acceptance a proposer n
 PRIOR = 0.5  # a new sequence's acceptance, before any proposal of its own
 ROW_COST = 0.1  # a verify row's cost in steps until `StepCost` has measured it
 SMOOTH = 0.2  # weight of a new step time in `StepCost`'s moving averages
-LEARN = 0.2  # weight of a token tried in a sequence's acceptance rate
+LEARN = 0.1  # weight of a token tried in a sequence's acceptance rate
 
 
 @dataclass
