@@ -161,15 +161,18 @@ def test_failing_proposals_back_off_and_metrics_count_them():
 def test_rows_are_proposed_only_where_they_pay_at_the_measured_cost():
     """The never-lose rule: a step of 1 decode row measured at 10 ms, one with 2 more
     rows at 14 ms: a row costs 0.2 of a step; at acceptance 0.5 two tokens pay (0.5,
-    0.25), a third (0.125) does not. Rows dearer than a step (no token can pay): the
-    sequence proposes nothing at all, not even probes, its tokens unchanged."""
+    0.25), a third (0.125) does not. Rows dearer than a step (no token can pay): a
+    sequence whose tokens are likely accepted proposes one probe after each rest only
+    (re-measuring the cost), its tokens unchanged."""
     cost = StepCost()
     assert cost.per_row(1) == ROW_COST  # unmeasured
+    cost.observe(1, 0, 0.5)  # each shape's first step (a warm-up) is not counted
+    cost.observe(1, 2, 1.0)
     for seconds in (0.010, 0.010, 0.014, 0.010, 0.014):
         cost.observe(1, 0 if seconds == 0.010 else 2, seconds)
     assert cost.per_row(1) == pytest.approx(0.2, rel=1e-9) and cost.per_row(4) == ROW_COST
-    cost.observe(1, 1, 0.005)  # a faster step (noise) pulls the average down: unclipped
-    assert cost.per_row(1) == pytest.approx(0.2 + 0.2 * (-0.5 - 0.2), rel=1e-9)
+    cost.observe(1, 2, 0.009)  # a faster step (noise) pulls the average down: unclipped
+    assert cost.per_row(1) == pytest.approx(0.2 + 0.2 * (-0.05 - 0.2), rel=1e-9)
     assert [worth(0.5, k, 0.2) for k in (1, 2, 4)] == [1, 2, 2]
     assert worth(0.1, 4, 0.2) == 0 and StepCost(0.3).per_row(1) == 0.3
     model = _tiny()
@@ -181,7 +184,9 @@ def test_rows_are_proposed_only_where_they_pay_at_the_measured_cost():
                                                       SamplingParams(max_tokens=64))
         assert got[0].tokens == ref
         counts.append((spec.proposed, spec.accepted))
-    assert counts[0][1] > 0 and counts[1] == (0, 0), counts
+    (free, _), (dear, dear_accepted) = counts
+    assert 0 < dear < free / 2, counts  # probes of one token: 1 after 1, 2, 4.. steps
+    assert dear_accepted > 0
 
 
 class Logged(Oracle):

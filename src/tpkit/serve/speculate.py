@@ -107,9 +107,15 @@ class StepCost:
         self.fixed = fixed
         self.plain: dict[int, float] = {}  # decode rows -> seconds of a step without more
         self.row: dict[int, float] = {}  # decode rows -> an extra row's cost (fraction)
+        self.seen: set[tuple[int, int]] = set()  # (decode rows, extra rows) observed
 
     def observe(self, decodes: int, extra: int, seconds: float) -> None:
-        """A decode-only step of `decodes` rows and `extra` verify rows took `seconds`."""
+        """A decode-only step of `decodes` rows and `extra` verify rows took `seconds`
+        (the first step of each shape not counted: a first call's warm-up, measured at
+        up to a second, would stop every proposal before it was measured again)."""
+        if (decodes, extra) not in self.seen:
+            self.seen.add((decodes, extra))
+            return
         if extra == 0:
             old = self.plain.get(decodes, seconds)
             self.plain[decodes] = old + SMOOTH * (seconds - old)
@@ -222,7 +228,12 @@ def _wanted(st: _State, left: int, cost: float) -> int:
         return 0
     if not st.scored and cost > 0:
         return 0
-    return max(0, min(worth(st.rate, 1 if st.probe else st.k, cost), left))
+    if st.probe and st.rate >= LOADED_RATE:  # likely accepted: one token, whatever the
+        return max(0, min(1, left))  # cost (which this step measures again: it may be stale)
+    n = min(worth(st.rate, 1 if st.probe else st.k, cost), left)
+    if n <= 0 < left and st.rate >= LOADED_RATE:
+        _rest(st)  # likely accepted, yet no token pays: rest, then probe one
+    return max(0, n)
 
 
 def _adapt(st: _State, taken: int, proposed: int, most: int) -> None:
