@@ -160,7 +160,8 @@ def test_failing_proposals_back_off_and_metrics_count_them():
 
 def test_rows_are_proposed_only_where_they_pay_at_the_measured_cost():
     """The never-lose rule: a step of 1 decode row measured at 10 ms, one with 2 more
-    rows at 14 ms: a row costs 0.2 of a step; at acceptance 0.5 two tokens pay (0.5,
+    rows at 14 ms (medians of the last steps, a shape's first not counted): a row costs
+    0.2 of a step; at acceptance 0.5 two tokens pay (0.5,
     0.25), a third (0.125) does not. Rows dearer than a step (no token can pay): a
     sequence whose tokens are likely accepted proposes one probe after each rest only
     (re-measuring the cost), its tokens unchanged."""
@@ -171,8 +172,12 @@ def test_rows_are_proposed_only_where_they_pay_at_the_measured_cost():
     for seconds in (0.010, 0.010, 0.014, 0.010, 0.014):
         cost.observe(1, 0 if seconds == 0.010 else 2, seconds)
     assert cost.per_row(1) == pytest.approx(0.2, rel=1e-9) and cost.per_row(4) == ROW_COST
-    cost.observe(1, 2, 0.009)  # a faster step (noise) pulls the average down: unclipped
-    assert cost.per_row(1) == pytest.approx(0.2 + 0.2 * (-0.05 - 0.2), rel=1e-9)
+    cost.observe(1, 2, 0.5)  # one step slowed by the machine: medians, no jump
+    cost.observe(1, 0, 0.2)
+    assert cost.per_row(1) == pytest.approx(0.2, rel=1e-9)
+    for _ in range(5):  # steps of 2 more rows now faster: the median follows
+        cost.observe(1, 2, 0.012)
+    assert cost.per_row(1) == pytest.approx(0.1, rel=1e-9)
     assert [worth(0.5, k, 0.2) for k in (1, 2, 4)] == [1, 2, 2]
     assert worth(0.1, 4, 0.2) == 0 and StepCost(0.3).per_row(1) == 0.3
     model = _tiny()

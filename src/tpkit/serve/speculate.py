@@ -51,7 +51,7 @@ more row of the step; rows are not free (a bfloat16 step of a few rows costs mor
 its one-row step on a CPU). So a sequence proposes only its first n tokens with a^i >=
 c (each one expected to pay for its row; `worth`), c the measured cost of a row as a
 fraction of the step without it (`StepCost`: the engine's wall times of decode-only
-steps, per number of decode rows, a moving average; ROW_COST until measured). Where not
+steps, per number of decode rows, medians of the last steps; ROW_COST until measured). Where not
 even one token pays (a probe too), the sequence proposes nothing and learns from its
 lookups until one does.
 Under load, the step's spare rows go first to the sequences whose acceptance rate
@@ -61,7 +61,9 @@ Under load, the step's spare rows go first to the sequences whose acceptance rat
 
 from __future__ import annotations
 
+from collections import deque
 from dataclasses import dataclass, field
+from statistics import median
 
 from tpkit.spec.speculative import TOKENS, check
 
@@ -70,7 +72,7 @@ REST_MAX = 64  # steps a sequence rests at most after its proposals failed
 LOADED_RATE = 0.5  # with several sequences running, the acceptance a proposer needs
 PRIOR = 0.5  # a new sequence's acceptance, before any proposal of its own
 ROW_COST = 0.1  # a verify row's cost in steps until `StepCost` has measured it
-SMOOTH = 0.2  # weight of a new step time in `StepCost`'s moving averages
+WINDOW = 15  # steps of each shape whose times `StepCost` keeps
 LEARN = 0.1  # weight of a token tried in a sequence's acceptance rate
 
 
@@ -100,34 +102,37 @@ def worth(rate: float, k: int, cost: float) -> int:
 
 class StepCost:
     """A verify row's cost as a fraction of the decode-only step without it, measured
-    (per number of decode rows: moving averages of the step's seconds without rows and
-    of each step with r rows' (seconds / that - 1) / r); `fixed`: that cost, unmeasured."""
+    (per number of decode rows: the median of the last WINDOW step times of each number
+    of extra rows against the steps without, (median / that - 1) / extra, averaged over
+    the numbers of extra rows by their steps); `fixed`: that cost, unmeasured. Medians,
+    not moving averages: one step slowed by the machine (measured at up to a second on
+    a loaded one) would set a row's cost above a step's, stop every proposal, and so
+    never be measured again."""
 
     def __init__(self, fixed: float | None = None) -> None:
         self.fixed = fixed
-        self.plain: dict[int, float] = {}  # decode rows -> seconds of a step without more
-        self.row: dict[int, float] = {}  # decode rows -> an extra row's cost (fraction)
-        self.seen: set[tuple[int, int]] = set()  # (decode rows, extra rows) observed
+        self.times: dict[tuple[int, int], deque[float]] = {}  # (decode, extra rows) -> s
 
     def observe(self, decodes: int, extra: int, seconds: float) -> None:
         """A decode-only step of `decodes` rows and `extra` verify rows took `seconds`
-        (the first step of each shape not counted: a first call's warm-up, measured at
-        up to a second, would stop every proposal before it was measured again)."""
-        if (decodes, extra) not in self.seen:
-            self.seen.add((decodes, extra))
-            return
-        if extra == 0:
-            old = self.plain.get(decodes, seconds)
-            self.plain[decodes] = old + SMOOTH * (seconds - old)
-        elif decodes in self.plain:
-            got = (seconds / self.plain[decodes] - 1) / extra  # unclipped: noise averages out
-            old = self.row.get(decodes, got)
-            self.row[decodes] = old + SMOOTH * (got - old)
+        (each shape's first step, a first call's warm-up, not counted)."""
+        kept = self.times.get((decodes, extra))
+        if kept is None:
+            self.times[(decodes, extra)] = deque(maxlen=WINDOW)
+        else:
+            kept.append(seconds)
 
     def per_row(self, decodes: int) -> float:
         """What one more row costs a step of `decodes` decode rows, in steps."""
-        return self.fixed if self.fixed is not None else \
-            max(0.0, self.row.get(decodes, ROW_COST))
+        if self.fixed is not None:
+            return self.fixed
+        plain = self.times.get((decodes, 0))
+        rows = [(e, t) for (d, e), t in self.times.items() if d == decodes and e and t]
+        if not plain or not rows:
+            return ROW_COST
+        base = median(plain)
+        got = sum((median(t) / base - 1) / e * len(t) for e, t in rows)
+        return max(0.0, got / sum(len(t) for _, t in rows))
 
 
 def lookup(st: _State, ctx: list[int], k: int) -> list[int]:
