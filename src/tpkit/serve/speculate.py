@@ -51,9 +51,10 @@ more row of the step; rows are not free (a bfloat16 step of a few rows costs mor
 its one-row step on a CPU). So a sequence proposes only its first n tokens with a^i >=
 c (each one expected to pay for its row; `worth`), c the measured cost of a row as a
 fraction of the step without it (`StepCost`: the engine's wall times of decode-only
-steps, per number of decode rows, medians of the last steps; ROW_COST until measured). Where not
-even one token pays (a probe too), the sequence proposes nothing and learns from its
-lookups until one does.
+steps, per number of decode rows, medians of the last steps; ROW_COST until
+measured). Where not even one token pays, the sequence proposes nothing and learns from
+its lookups; if its rate is LOADED_RATE or more it also rests and then probes one token
+whatever it costs (the cost, measured again: it may be stale).
 Under load, the step's spare rows go first to the sequences whose acceptance rate
 (EWMA) is highest, and with more than one sequence running only to those above
 `LOADED_RATE`: at 8 running sequences there is no spare row and nobody pays.
