@@ -203,9 +203,8 @@ class Speculator:
 
     def observe(self, out, seconds: float) -> None:
         """The engine: a decode-only step (its `SchedulerOutput`) took `seconds` to the
-        end of its forward (the tokens' delivery after it is paid with or without rows,
-        and in a server, one thread handing each token to another, costs a bfloat16
-        step of 5 tokens several ms)."""
+        end of its forward (the tokens' delivery after it is paid with or without
+        rows: counted, a step that delivers 5 tokens would charge 4 to its rows)."""
         self.cost.observe(out.decodes, sum(map(len, out.drafts.values())), seconds)
 
     def lookup(self, st: _State, req, k: int) -> list[int]:
