@@ -7,8 +7,9 @@ of these counts.
         [--costs 0.1,0.3,0.5] [--texts FILE]
 
 The texts: `serve_speculative.py`'s prompts, chat-templated, greedy, grounded 96 tokens
-and ungrounded 64 (one engine, all at once; `--texts FILE` keeps them, and reads them
-from there next time). Then each sequence alone (one client) through
+and ungrounded 64 (one engine, one prompt at a time: a bfloat16 text may depend on
+what else the step computed; `--texts FILE` keeps them, and reads them from there next
+time). Then each sequence alone (one client) through
 `serve.speculate.Speculator(row_cost=c)`: proposals, accepted tokens, and the estimated
 decode speed-up, decode tokens / sum over steps of (1 + c * proposed rows) (a step of
 r more rows costing 1 + c r steps); "bound": a proposer that knew how many of its
@@ -44,9 +45,9 @@ def texts(hf: str, dtype: str) -> dict[str, list]:
         ids = [tok.apply_chat_template([{"role": "user", "content": p}], tokenize=True,
                                        add_generation_prompt=True, return_dict=False)
                for p in prompts]
-        got = Engine(model, max_batch=8, max_len=2048).generate(
-            ids, [SamplingParams(max_tokens=new)] * len(ids))
-        out[name] = [(p, r.tokens) for p, r in zip(ids, got)]
+        engine = Engine(model, max_batch=8, max_len=2048)  # one at a time, as one client
+        out[name] = [(p, engine.generate([p], SamplingParams(max_tokens=new))[0].tokens)
+                     for p in ids]
     return out
 
 
