@@ -98,6 +98,8 @@ def test_a_rows_bits_do_not_depend_on_the_other_rows_or_the_threads(wdtype):
         for threads in (1, 2):
             assert torch.equal(op(x[m:m + 1], threads=threads), together[m:m + 1])
     assert torch.equal(op(x[2:5], threads=1), together[2:5])
+    for rows in (5, 6, 7):  # one pass of 5 or 6 (bfloat16), or 4 and the rest
+        assert torch.equal(op(x[:rows], threads=2), together[:rows])
 
 
 def _fused_gelu(x, threads, bias=None):

@@ -26,7 +26,15 @@ from tpkit.mesh import ParallelMesh
 from tpkit.model.transformer import Transformer
 from tpkit.serve import Engine, SamplingParams
 from tpkit.serve.runner import Runner
-from tpkit.serve.speculate import ROW_COST, Speculator, StepCost, _State, lookup, worth
+from tpkit.serve.speculate import (
+    PRIOR,
+    ROW_COST,
+    Speculator,
+    StepCost,
+    _State,
+    lookup,
+    worth,
+)
 from tpkit.spec.errors import UserError
 
 CONFIG = LLAMA.with_(max_seq_len=128)
@@ -152,22 +160,30 @@ def test_failing_proposals_back_off_and_metrics_count_them():
 
 def test_rows_are_proposed_only_where_they_pay_at_the_measured_cost():
     """The never-lose rule: a step of 1 decode row measured at 10 ms, one with 2 more
-    rows at 14 ms: a row costs 0.2 of a step; at acceptance 0.5 two tokens pay (0.5,
-    0.25), a third (0.125) does not. Rows so dear that no token pays (0.6 > the prior
-    0.5): the sequence proposes one probe after each rest only, its tokens unchanged."""
+    rows at 14 ms (medians of the last steps, a shape's first not counted): a row costs
+    0.2 of a step; at acceptance 0.5 two tokens pay (0.5,
+    0.25), a third (0.125) does not. Rows dearer than a step (no token can pay): a
+    sequence whose tokens are likely accepted proposes one probe after each rest only
+    (re-measuring the cost), its tokens unchanged."""
     cost = StepCost()
     assert cost.per_row(1) == ROW_COST  # unmeasured
+    cost.observe(1, 0, 0.5)  # each shape's first step (a warm-up) is not counted
+    cost.observe(1, 2, 1.0)
     for seconds in (0.010, 0.010, 0.014, 0.010, 0.014):
         cost.observe(1, 0 if seconds == 0.010 else 2, seconds)
     assert cost.per_row(1) == pytest.approx(0.2, rel=1e-9) and cost.per_row(4) == ROW_COST
-    cost.observe(1, 1, 0.005)  # a faster step (noise) pulls the average down: unclipped
-    assert cost.per_row(1) == pytest.approx(0.2 + 0.2 * (-0.5 - 0.2), rel=1e-9)
+    cost.observe(1, 2, 0.5)  # one step slowed by the machine: medians, no jump
+    cost.observe(1, 0, 0.2)
+    assert cost.per_row(1) == pytest.approx(0.2, rel=1e-9)
+    for _ in range(5):  # steps of 2 more rows now faster: the median follows
+        cost.observe(1, 2, 0.012)
+    assert cost.per_row(1) == pytest.approx(0.1, rel=1e-9)
     assert [worth(0.5, k, 0.2) for k in (1, 2, 4)] == [1, 2, 2]
     assert worth(0.1, 4, 0.2) == 0 and StepCost(0.3).per_row(1) == 0.3
     model = _tiny()
     ref = Engine(model).generate([[1, 2, 3]], SamplingParams(max_tokens=64))[0].tokens
     counts = []
-    for row_cost in (0.0, 0.6):
+    for row_cost in (0.0, 1.01):
         spec = Oracle({(1, 2, 3): ref}, tokens=4, row_cost=row_cost)
         got = Engine(model, speculator=spec).generate([[1, 2, 3]],
                                                       SamplingParams(max_tokens=64))
@@ -175,7 +191,35 @@ def test_rows_are_proposed_only_where_they_pay_at_the_measured_cost():
         counts.append((spec.proposed, spec.accepted))
     (free, _), (dear, dear_accepted) = counts
     assert 0 < dear < free / 2, counts  # probes of one token: 1 after 1, 2, 4.. steps
-    assert dear_accepted > 0  # an accepted probe raises the rate: it proposes again
+    assert dear_accepted > 0
+
+
+class Logged(Oracle):
+    """An Oracle that keeps the length of each proposal it makes."""
+
+    def propose(self, decodes, spare, room):
+        drafts = super().propose(decodes, spare, room)
+        self.made = getattr(self, "made", []) + [len(d) for d in drafts.values()]
+        return drafts
+
+
+def test_lookups_not_proposed_teach_the_rate():
+    """A sequence proposes only after one of its lookups was scored for free: where the
+    lookups copy (the reference, all right) its first proposal has more tokens than the
+    prior pays for at a row cost of 0.3; where they fail (first token wrong) at a cost
+    above what one failure leaves of the prior (0.45 < 0.48), it never proposes."""
+    model = _tiny()
+    ref = Engine(model).generate([[1, 2, 3]], SamplingParams(max_tokens=40))[0].tokens
+    right = Logged({(1, 2, 3): ref}, tokens=4, row_cost=0.3)
+    right.rng.random = lambda: 1.0  # never made wrong
+    wrong = Logged({(1, 2, 3): ref}, tokens=4, wrong=True, row_cost=0.48)
+    for spec in (right, wrong):
+        got = Engine(model, speculator=spec).generate([[1, 2, 3]],
+                                                      SamplingParams(max_tokens=40))
+        assert got[0].tokens == ref
+    assert right.made[0] > worth(PRIOR, 4, 0.3), right.made
+    assert right.accepted == right.proposed > 0
+    assert wrong.proposed == 0 and not getattr(wrong, "made", None)
 
 
 def test_sampling_draws_the_same_tokens_and_accepts_at_the_models_rate():

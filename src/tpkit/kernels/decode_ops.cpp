@@ -182,15 +182,16 @@ void activate(const Call& c, float* o, int64_t n, int64_t i0) {
 // at a time from far apart (row j with rows j + rows / R, ...: separate pages, so the
 // prefetchers run R streams), R C U accumulators in registers. With AVX-512's 32: at one
 // input row float32 8, bfloat16 4 (float32 4 -> 8: 3-4% faster at two threads; bfloat16
-// 8: slower), int8 2 (its rows are short); at two 4 (int8 2); at four 3. Measured on the
-// Sapphire Rapids machine of docs/benchmarks.md against one stream at four rows and two
-// at two (GPT-2's products, the head included): 0.71x the time at four and eight rows,
-// 0.84-0.90x at two, float32 and bfloat16, one thread or two; int8 0.83x at four. With
+// 8: slower), int8 2 (its rows are short); at two 4 (int8 2); at four 3; at five or six
+// 2 (bfloat16 only: `columns`). Measured on the Sapphire Rapids machine of
+// docs/benchmarks.md against one stream at four rows and two at two (GPT-2's products,
+// the head included): 0.71x the time at four and eight rows, 0.84-0.90x at two, float32
+// and bfloat16, one thread or two; int8 0.83x at four. With
 // AVX2's 16 (L = 8): 4 at one input row (float32 ~8% faster than 2; int8 2), 2 at two, 1
 // at four. R only groups the loads: each sum's order is dots' whatever R.
 template <class W, int C>
 void sums(const float* x, const W* const* at, int64_t rows, int64_t K, float (*s)[8], int c0) {
-  constexpr int R = L == 16 ? (C >= 4 ? 3 : sizeof(W) == 1 ? 2 : C == 2 || sizeof(W) == 2 ? 4 : 8)
+  constexpr int R = L == 16 ? (C >= 5 ? 2 : C >= 4 ? 3 : sizeof(W) == 1 ? 2 : C == 2 || sizeof(W) == 2 ? 4 : 8)
                             : (C >= 4 ? 1 : C == 1 && sizeof(W) > 1 ? 4 : 2);
   const int64_t stride = rows / R;
   float t[R * C];
@@ -225,7 +226,13 @@ void columns(const Call& c, int64_t f0, int64_t f1) {
     for (int64_t m = m0; m < m1;) {
       const float* x = c.x + m * c.K;
       const int c0 = int(m - m0);
-      if (m1 - m >= 4) {
+      if (sizeof(W) == 2 && (m1 - m == 5 || m1 - m == 6)) {  // bfloat16: widened once
+        if (m1 - m == 5)  // for all (4 + 1 widened twice: a speculation step's 5th row
+          sums<W, 5>(x, at, rows, c.K, s, c0);  // cost ~0.4 of a one-row step, now ~0.25)
+        else
+          sums<W, 6>(x, at, rows, c.K, s, c0);
+        m = m1;
+      } else if (m1 - m >= 4) {
         sums<W, 4>(x, at, rows, c.K, s, c0);
         m += 4;
       } else if (m1 - m >= 2) {

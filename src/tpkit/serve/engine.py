@@ -278,6 +278,7 @@ class Engine(Intake):
         masks = self.masks.plan(out.forwards, greedy)  # grammars': every rank's shard
         results = self.runner.lead_step([f.pieces for f in out.forwards], out.blocks, greedy,
                                         masks)
+        computed = time.perf_counter()  # the tokens' delivery after: paid with or without rows
         self.scheduler.computed(out)
         verify: dict[Seq, list[torch.Tensor]] = {}  # a speculated sequence's rows
         for fwd, (last, rest) in zip(out.forwards, results):
@@ -300,7 +301,7 @@ class Engine(Intake):
         if self.pacer is not None and not grew:  # this step's cost, tokens handed out too
             self.pacer.observe(time.perf_counter() - began, out.decodes, out.prefill)
         if self.speculator is not None and not grew and not out.prefill:  # a row's cost
-            self.speculator.observe(out, time.perf_counter() - began)
+            self.speculator.observe(out, computed - began)
         self._account(out)
         return True
 

@@ -34,18 +34,27 @@ of the C-row forwards the decodes take anyway. Not speculated: a request with a 
 
 Adaptive, per sequence: `k` starts at `tokens`; a fully accepted proposal raises it by
 one (up to `tokens`), a rejected first token halves it; at 0 the sequence rests for
-`rest` steps (doubling at each failure, up to REST_MAX) and tries one token again. A
+`rest` steps (doubling at each failure, up to REST_MAX) and then probes one token. A
 proposal is made only where the n-gram matches (nothing to look up costs nothing).
 
+Free evidence (`_score`): a sequence that does not propose (resting, or no token pays)
+still looks up, and once the tokens it would have proposed are decoded (or one differs)
+that lookup moves its rate as a proposal's would, at no row's cost; all of it right
+ends a rest. Where rows cost anything, a sequence's first proposal waits for one such
+scored lookup: an ungrounded answer (whose lookups fail) starts with none, a grounded
+one (whose lookups copy) with its rate already up, so with K tokens rather than one.
+
 Cost-aware (the never-lose rule): a proposal's i-th token is accepted with chance about
-a^i (a: the sequence's acceptance, an EWMA from PRIOR) and costs one more row of the
-step; rows are not free (a bfloat16 step of a few rows costs more than its one-row
-step on a CPU). So a sequence proposes only its first n tokens with a^i >= c (each one
-expected to pay for its row; `worth`), c the measured cost of a row as a fraction of the
-step without it (`StepCost`: the engine's wall times of decode-only steps, per number
-of decode rows, a moving average; ROW_COST until measured). Where not even one token
-pays, the sequence rests as after a failure and then probes one token (its rate then
-moves again).
+a^i (a: the sequence's chance that a proposed token is accepted, a moving average over
+the tokens tried, the accepted ones and the first rejected, from PRIOR) and costs one
+more row of the step; rows are not free (a bfloat16 step of a few rows costs more than
+its one-row step on a CPU). So a sequence proposes only its first n tokens with a^i >=
+c (each one expected to pay for its row; `worth`), c the measured cost of a row as a
+fraction of the step without it (`StepCost`: the engine's wall times of decode-only
+steps, per number of decode rows, medians of the last steps; ROW_COST until
+measured). Where not even one token pays, the sequence proposes nothing and learns from
+its lookups; if its rate is LOADED_RATE or more it also rests and then probes one token
+whatever it costs (the cost, measured again: it may be stale).
 Under load, the step's spare rows go first to the sequences whose acceptance rate
 (EWMA) is highest, and with more than one sequence running only to those above
 `LOADED_RATE`: at 8 running sequences there is no spare row and nobody pays.
@@ -53,7 +62,9 @@ Under load, the step's spare rows go first to the sequences whose acceptance rat
 
 from __future__ import annotations
 
+from collections import deque
 from dataclasses import dataclass, field
+from statistics import median
 
 from tpkit.spec.speculative import TOKENS, check
 
@@ -62,7 +73,8 @@ REST_MAX = 64  # steps a sequence rests at most after its proposals failed
 LOADED_RATE = 0.5  # with several sequences running, the acceptance a proposer needs
 PRIOR = 0.5  # a new sequence's acceptance, before any proposal of its own
 ROW_COST = 0.1  # a verify row's cost in steps until `StepCost` has measured it
-SMOOTH = 0.2  # weight of a new step time in `StepCost`'s moving averages
+WINDOW = 15  # steps of each shape whose times `StepCost` keeps
+LEARN = 0.1  # weight of a token tried in a sequence's acceptance rate
 
 
 @dataclass
@@ -72,10 +84,12 @@ class _State:
     k: int
     index: dict[tuple[int, ...], int] = field(default_factory=dict)  # n-gram -> end
     indexed: int = 0  # context positions whose n-grams ending there are in `index`
-    rate: float = PRIOR  # EWMA of its proposals' acceptance
+    rate: float = PRIOR  # a proposed token's chance of acceptance (EWMA per token tried)
     rest: int = 0  # steps to wait before proposing again
     backoff: int = 1  # the next rest
-    probe: bool = False  # after a rest: one token proposed whatever it costs
+    probe: bool = False  # after a rest: one token proposed (if one pays)
+    shadow: tuple[int, list[int]] | None = None  # (tokens then, lookup not proposed)
+    scored: bool = False  # whether a lookup of its own was scored yet (`_score`)
 
 
 def worth(rate: float, k: int, cost: float) -> int:
@@ -89,28 +103,37 @@ def worth(rate: float, k: int, cost: float) -> int:
 
 class StepCost:
     """A verify row's cost as a fraction of the decode-only step without it, measured
-    (per number of decode rows: moving averages of the step's seconds without rows and
-    of each step with r rows' (seconds / that - 1) / r); `fixed`: that cost, unmeasured."""
+    (per number of decode rows: the median of the last WINDOW step times of each number
+    of extra rows against the steps without, (median / that - 1) / extra, averaged over
+    the numbers of extra rows by their steps); `fixed`: that cost, unmeasured. Medians,
+    not moving averages: one step slowed by the machine (measured at up to a second on
+    a loaded one) would set a row's cost above a step's, stop every proposal, and so
+    never be measured again."""
 
     def __init__(self, fixed: float | None = None) -> None:
         self.fixed = fixed
-        self.plain: dict[int, float] = {}  # decode rows -> seconds of a step without more
-        self.row: dict[int, float] = {}  # decode rows -> an extra row's cost (fraction)
+        self.times: dict[tuple[int, int], deque[float]] = {}  # (decode, extra rows) -> s
 
     def observe(self, decodes: int, extra: int, seconds: float) -> None:
-        """A decode-only step of `decodes` rows and `extra` verify rows took `seconds`."""
-        if extra == 0:
-            old = self.plain.get(decodes, seconds)
-            self.plain[decodes] = old + SMOOTH * (seconds - old)
-        elif decodes in self.plain:
-            got = (seconds / self.plain[decodes] - 1) / extra  # unclipped: noise averages out
-            old = self.row.get(decodes, got)
-            self.row[decodes] = old + SMOOTH * (got - old)
+        """A decode-only step of `decodes` rows and `extra` verify rows took `seconds`
+        (each shape's first step, a first call's warm-up, not counted)."""
+        kept = self.times.get((decodes, extra))
+        if kept is None:
+            self.times[(decodes, extra)] = deque(maxlen=WINDOW)
+        else:
+            kept.append(seconds)
 
     def per_row(self, decodes: int) -> float:
         """What one more row costs a step of `decodes` decode rows, in steps."""
-        return self.fixed if self.fixed is not None else \
-            max(0.0, self.row.get(decodes, ROW_COST))
+        if self.fixed is not None:
+            return self.fixed
+        plain = self.times.get((decodes, 0))
+        rows = [(e, t) for (d, e), t in self.times.items() if d == decodes and e and t]
+        if not plain or not rows:
+            return ROW_COST
+        base = median(plain)
+        got = sum((median(t) / base - 1) / e * len(t) for e, t in rows)
+        return max(0.0, got / sum(len(t) for _, t in rows))
 
 
 def lookup(st: _State, ctx: list[int], k: int) -> list[int]:
@@ -158,15 +181,13 @@ class Speculator:
             st = self.states.setdefault(req.id, _State(self.tokens))
             if not self.eligible(req):
                 continue
-            if st.rest > 0:
-                st.rest -= 1
-                continue
-            left = req.params.max_tokens - len(req.tokens) - 1  # the bonus token's place
-            k = min(1 if st.probe else worth(st.rate, st.k, cost), left)
+            _score(st, req.tokens)
+            k = _wanted(st, req.params.max_tokens - len(req.tokens) - 1, cost)
             if k > 0:
                 wants.append((st.rate, req, st, k))
-            elif left > 0:  # not even one token pays: rest, then probe one
-                _rest(st)
+            elif st.shadow is None and len(req.tokens) < req.params.max_tokens - 1:
+                draft = self.lookup(st, req, self.tokens)  # not proposed: looked up anyway
+                st.shadow = (len(req.tokens), draft) if draft else None
         if len(decodes) > 1:
             wants = [w for w in wants if w[0] >= LOADED_RATE]
         drafts = {}
@@ -181,7 +202,9 @@ class Speculator:
         return drafts
 
     def observe(self, out, seconds: float) -> None:
-        """The engine: a decode-only step (its `SchedulerOutput`) took `seconds`."""
+        """The engine: a decode-only step (its `SchedulerOutput`) took `seconds` to the
+        end of its forward (the tokens' delivery after it is paid with or without
+        rows: counted, a step that delivers 5 tokens would charge 4 to its rows)."""
         self.cost.observe(out.decodes, sum(map(len, out.drafts.values())), seconds)
 
     def lookup(self, st: _State, req, k: int) -> list[int]:
@@ -205,9 +228,25 @@ class Speculator:
         return why
 
 
+def _wanted(st: _State, left: int, cost: float) -> int:
+    """How many tokens a sequence proposes this step, `left` before its last token (0:
+    none; a rest counted down; where rows cost, none before a scored lookup)."""
+    if st.rest > 0:
+        st.rest -= 1
+        return 0
+    if not st.scored and cost > 0:
+        return 0
+    if st.probe and st.rate >= LOADED_RATE:  # likely accepted: one token, whatever the
+        return max(0, min(1, left))  # cost (which this step measures again: it may be stale)
+    n = min(worth(st.rate, 1 if st.probe else st.k, cost), left)
+    if n <= 0 < left and st.rate >= LOADED_RATE:
+        _rest(st)  # likely accepted, yet no token pays: rest, then probe one
+    return max(0, n)
+
+
 def _adapt(st: _State, taken: int, proposed: int, most: int) -> None:
     """A sequence's k and rest after `taken` of its `proposed` tokens were accepted."""
-    st.rate = 0.7 * st.rate + 0.3 * taken / proposed
+    _learn(st, taken, proposed)
     if taken == proposed:
         st.k, st.backoff = min(most, st.k + 1), 1
     elif taken == 0:
@@ -215,6 +254,32 @@ def _adapt(st: _State, taken: int, proposed: int, most: int) -> None:
         if st.k == 0:
             _rest(st)
             st.k = 1
+
+
+def _learn(st: _State, taken: int, proposed: int) -> None:
+    """The rate after `taken` of `proposed` tokens were accepted: each token tried (the
+    taken ones and the first rejected) moves it by LEARN towards 1 or 0."""
+    for hit in [1.0] * taken + [0.0] * (taken < proposed):
+        st.rate += LEARN * (hit - st.rate)
+
+
+def _score(st: _State, tokens: list[int]) -> None:
+    """A lookup not proposed (`_State.shadow`), once the tokens it would have proposed
+    are known or one differs: its outcome moves the rate as a proposal's would (free
+    evidence); all of it right ends a rest."""
+    if st.shadow is None:
+        return
+    at, draft = st.shadow
+    got = tokens[at:at + len(draft)]
+    taken = 0
+    while taken < len(got) and got[taken] == draft[taken]:
+        taken += 1
+    if taken == len(got) < len(draft):
+        return  # every token so far right: not known yet
+    st.shadow, st.scored = None, True
+    _learn(st, taken, len(draft))
+    if taken == len(draft):
+        st.rest, st.backoff = 0, 1
 
 
 def _rest(st: _State) -> None:
