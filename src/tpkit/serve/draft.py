@@ -99,6 +99,8 @@ class Draft:
 class DraftSpeculator(Speculator):
     """`serve.speculate.Speculator` whose proposals come from a `Draft` model."""
 
+    free_lookups = False  # a lookup is the draft's forwards: only for tokens proposed
+
     def __init__(self, draft: Draft, tokens: int = TOKENS, rows: int = 8,
                  row_cost: float | None = None) -> None:
         super().__init__(tokens, rows, row_cost)

@@ -156,6 +156,8 @@ def lookup(st: _State, ctx: list[int], k: int) -> list[int]:
 class Speculator:
     """The engine's n-gram proposer and verifier, and its counts (`/metrics`)."""
 
+    free_lookups = True  # a lookup costs nothing (an n-gram's): one not proposed is scored
+
     def __init__(self, tokens: int = TOKENS, rows: int = 8,
                  row_cost: float | None = None) -> None:
         check(None, tokens)
@@ -185,7 +187,8 @@ class Speculator:
             k = _wanted(st, req.params.max_tokens - len(req.tokens) - 1, cost)
             if k > 0:
                 wants.append((st.rate, req, st, k))
-            elif st.shadow is None and len(req.tokens) < req.params.max_tokens - 1:
+            elif self.free_lookups and st.shadow is None and \
+                    len(req.tokens) < req.params.max_tokens - 1:
                 draft = self.lookup(st, req, self.tokens)  # not proposed: looked up anyway
                 st.shadow = (len(req.tokens), draft) if draft else None
         if len(decodes) > 1:
