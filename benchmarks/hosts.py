@@ -1,7 +1,7 @@
 """Layouts across two simulated hosts at two link speeds: tokens/s of `tpkit train`.
 
     sudo PYTHONPATH=$PWD/src .venv/bin/python benchmarks/hosts.py [--reps 3] [--steps 40]
-        [--seq 64 --global-batch 8]
+        [--seq 64 --global-batch 8] [--per-host 2]
 
 Two clusters of two hosts each (`tpkit cluster`: network namespaces, links shaped
 with tbf), one per link speed (10gbit, 1gbit), both up at once. In each round every
@@ -12,10 +12,15 @@ contender runs once, the order rotating: torchrun's two agents (`--nnodes 2
     tp=4          tp across the two hosts (every all-reduce over the link)
     tp=2 x dp=2   tp inside each host, the gradients' all-reduce across
 
+With `--per-host 1`, one process per host: pp=2, tp=2 and dp=2, each across the hosts.
+On a machine of 2 cores that is a core per process; with 2 per host, 4 processes share
+the 2 cores, which the planner models as 1/share of a core each plus a calibrated
+latency per collective step (docs/planner.md says where that misses).
+
 Beside each, the planner's prediction from a calibration of the same link under the
 same load: each round starts with `tpkit calibrate` of the machine (its cores, shared
 memory between the ranks of a host), and right before each run `tpkit calibrate
---across` measures that run's link under torchrun, one process per host (gloo over the
+--across` measures that run's link under torchrun, as many processes per host (gloo over the
 link, written as the profile's inter link; the hosts share the machine's cores and each
 has one port); `tpkit.plan.evaluate` prices the run (model, sequence, batch,
 micro-batches as `tpkit train` picks them, the dp all-reduce after the backward as
@@ -47,11 +52,15 @@ from tpkit.plan.simulate import Layout as PlanLayout
 from tpkit.spec.config import get_preset
 from tpkit.spec.shapes import default_micro_batches
 
-LAYOUTS = {"tp=2 x pp=2 (tp inside hosts)": ["--tp", "2", "--pp", "2"],
-           "tp=4 (tp across hosts)": ["--tp", "4"],
-           "tp=2 x dp=2 (dp across hosts)": ["--tp", "2", "--dp", "2"]}
-DEGREES = {"tp=2 x pp=2 (tp inside hosts)": (2, 2, 1), "tp=4 (tp across hosts)": (4, 1, 1),
-           "tp=2 x dp=2 (dp across hosts)": (2, 1, 2)}
+LAYOUTS = {  # processes per host -> layout -> (tp, pp, dp); the first is the table's base
+    2: {"tp=2 x pp=2 (tp inside hosts)": (2, 2, 1), "tp=4 (tp across hosts)": (4, 1, 1),
+        "tp=2 x dp=2 (dp across hosts)": (2, 1, 2)},
+    1: {"pp=2 (pp across hosts)": (1, 2, 1), "tp=2 (tp across hosts)": (2, 1, 1),
+        "dp=2 (dp across hosts)": (1, 1, 2)}}
+
+
+def _argv(degrees: tuple[int, int, int]) -> list[str]:
+    return [a for flag, n in zip(("--tp", "--pp", "--dp"), degrees) for a in (flag, str(n))]
 
 
 def _agents(layout: Layout, argv: list[str], port: str, procs: int) -> list[str]:
@@ -86,24 +95,25 @@ def calibrate_machine(folder: Path, reps: int) -> Path:
     return base
 
 
-def calibrate_link(base: Path, link: str, layout: Layout, reps: int) -> Path:
+def calibrate_link(base: Path, link: str, layout: Layout, reps: int, procs: int) -> Path:
     """`base` with `link` measured as its inter link (`tpkit calibrate --across`), kept
     beside the results."""
     Path("bench-results").mkdir(exist_ok=True)
     out = Path("bench-results") / f"hosts-{link}.toml"
     out.write_text(base.read_text())
     _agents(layout, ["calibrate", "--across", "--reps", str(reps), "--out", str(out)],
-            "29501", 2)  # as many per host as the runs
+            "29501", procs)  # as many per host as the runs
     return out
 
 
 def predict(profile: Path, name: str, args) -> float:
     """The planner's tokens/s for one layout of `tpkit train --preset gpt2-tiny` on 2 hosts
     x 2 processes."""
-    tp, pp, dp = DEGREES[name]
+    tp, pp, dp = LAYOUTS[args.per_host][name]
     m = default_micro_batches(pp, args.global_batch // dp)
     lay = PlanLayout(tp, pp, dp, args.global_batch // (dp * m), recompute="none")
-    cl = Cluster(get_hardware("local", profile), nodes=2, devices_per_node=2, overlap_dp=False)
+    cl = Cluster(get_hardware("local", profile), nodes=2,
+                 devices_per_node=args.per_host, overlap_dp=False)
     e = evaluate(get_preset("gpt2-tiny"), args.seq, args.global_batch, lay, cl)
     return e.tokens_per_s
 LINKS = {"10gbit": "tpb10g", "1gbit": "tpb1g"}
@@ -112,7 +122,7 @@ LINKS = {"10gbit": "tpb10g", "1gbit": "tpb1g"}
 def _run(layout: Layout, train: list[str], out: Path, args) -> None:
     _agents(layout, ["train", "--preset", "gpt2-tiny", "--steps", str(args.steps), "--seq",
                      str(args.seq), "--global-batch", str(args.global_batch), "--no-progress",
-                     "--out", str(out), *train], "29500", 2)
+                     "--out", str(out), *train], "29500", args.per_host)
 
 
 def _tokens_per_s(out: Path, skip: int) -> float:
@@ -144,10 +154,15 @@ def main() -> None:
     p.add_argument("--global-batch", type=int, default=8, help="tpkit train --global-batch")
     p.add_argument("--prefix", default="tpb", help="the clusters' names start with it")
     p.add_argument("--calibrate-reps", type=int, default=10, help="tpkit calibrate --reps")
+    p.add_argument("--per-host", type=int, choices=(1, 2), default=2,
+                   help="processes per host: 2 (the layouts above; 4 processes share this "
+                        "machine's cores when it has fewer than 4) or 1 (pp=2, tp=2, dp=2 "
+                        "across the hosts, a core each on 2 cores)")
     args = p.parse_args()
     clusters = {link: Layout(args.prefix + name.removeprefix("tpb"), 2, link)
                 for link, name in LINKS.items()}
-    contenders = [(link, name) for link in clusters for name in LAYOUTS]
+    layouts = LAYOUTS[args.per_host]
+    contenders = [(link, name) for link in clusters for name in layouts]
     tps: dict = {c: [] for c in contenders}
     pred: dict = {c: [] for c in contenders}
     profiles: dict = {c: [] for c in contenders}  # each run's calibration, to re-price it
@@ -162,11 +177,12 @@ def main() -> None:
                 base = calibrate_machine(Path(tmp), args.calibrate_reps)
                 for i in range(len(contenders)):
                     link, name = contenders[(i + r) % len(contenders)]
-                    profile = calibrate_link(base, link, clusters[link], args.calibrate_reps)
+                    profile = calibrate_link(base, link, clusters[link], args.calibrate_reps,
+                                             args.per_host)
                     pred[(link, name)].append(predict(profile, name, args))
                     profiles[(link, name)].append(profile.read_text())
                     out = Path(tmp) / f"r{r}-{i}"
-                    _run(clusters[link], LAYOUTS[name], out, args)
+                    _run(clusters[link], _argv(layouts[name]), out, args)
                     tps[(link, name)].append(_tokens_per_s(out, args.skip))
                     comm[(link, name)].append(_comm(out, args.skip))
                     losses.setdefault(name, set()).add(tuple(_losses(out)))
@@ -187,21 +203,22 @@ def _report(tps: dict, pred: dict, losses: dict, load: list[float], args,
     med = {c: statistics.median(v) for c, v in tps.items()}
     rows = []
     for (link, name), m in med.items():
-        base = med[(link, next(iter(LAYOUTS)))]
+        base = med[(link, next(iter(LAYOUTS[args.per_host])))]
         ratios = [t / p for t, p in zip(tps[(link, name)], pred[(link, name)])]
         rows.append([name, link, f"{m:,.0f}", f"{m / base:.2f}x",
                      f"{statistics.median(pred[(link, name)]):,.0f}",
                      f"{statistics.median(ratios) - 1:+.0%}",
                      " ".join(f"{r - 1:+.0%}" for r in ratios)])
-    print_table(f"gpt2-tiny, seq {args.seq} x batch {args.global_batch}, 2 simulated hosts x 2 "
-                f"processes, medians of {args.reps} rounds (load average {load[0]:.1f} -> "
+    print_table(f"gpt2-tiny, seq {args.seq} x batch {args.global_batch}, 2 simulated hosts x "
+                f"{args.per_host} processes, medians of {args.reps} rounds (load average {load[0]:.1f} -> "
                 f"{load[1]:.1f})",
-                ["layout", "link", "tokens/s", "vs tp inside", "planner", "step time: planner "
+                ["layout", "link", "tokens/s", "vs the first", "planner", "step time: planner "
                  "vs measured", "each round"], rows)
     same = {name: len(v) == 1 for name, v in losses.items()}
     print(f"every run of a layout had the same losses, at both speeds: {same}")
     runs = {f"{link} {name}": v for (link, name), v in tps.items()}
-    path = write_json(f"hosts-seq{args.seq}-batch{args.global_batch}", dict(
+    per = "" if args.per_host == 2 else f"-per{args.per_host}"
+    path = write_json(f"hosts-seq{args.seq}-batch{args.global_batch}{per}", dict(
         environment=environment(), load=load, reps=args.reps, steps=args.steps,
         tokens_per_s=runs, predicted={f"{k[0]} {k[1]}": v for k, v in pred.items()},
         **{what: {f"{k[0]} {k[1]}": v for k, v in kept.items()}
