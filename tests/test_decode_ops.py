@@ -490,6 +490,44 @@ def test_a_moved_step_is_a_fresh_steps_bits_and_two_caches_do_not_mix():
     assert torch.equal(got, alone[0]) and len(calls) == 1
 
 
+def test_a_table_grown_in_place_is_not_moved_on_with_the_old_one():
+    """A caller that grows a row's block table in place (`serve.draft`'s `blocks +=`)
+    between greedy steps: the step past the old table's blocks is laid out afresh, not
+    moved on with the table the native call holds (it read past that table: row 0 read
+    row 1's block, or past the plan and crashed), so every step gives a fresh step's
+    bits; a table naming a block outside the cache, or too short for its tokens, is a
+    ValueError naming it, not a read outside the cache."""
+    from tpkit.decode.paged_kv import LAST, NONE, PagedCache, Piece, forward
+
+    model = Transformer(SMOL, ParallelMesh.single())
+    fill(model, random_full(SMOL, seed=5, scale=1.0), ParallelMesh.single())
+    for_decode(model)
+    rows = torch.randint(0, 257, (2, 12), generator=torch.Generator().manual_seed(7)).tolist()
+
+    def run(fresh):
+        cache, tables = PagedCache(model, 4), [[1, 2], [4, 5, 6]]
+        cache.grow(8)
+        for prompt, table in zip(rows, tables):
+            forward(model, cache, [Piece(prompt[:6], 0, table, NONE)])
+        got = []
+        for t in range(6, 12):
+            if t == 8:
+                tables[0] += [7]  # in place, as `Draft.propose` grows its table
+            cache.moving = None if fresh else cache.moving
+            got.append(forward(model, cache, [Piece([p[t]], t, b, LAST)
+                                              for p, b in zip(rows, tables)], greedy=True)[0])
+        return torch.cat(got), cache
+
+    with torch.no_grad():
+        (fresh, _), (moved, cache) = run(True), run(False)
+        assert torch.equal(moved, fresh)
+        for blocks, start, what in [([1, 8], 6, "names block 8, outside the cache's 8"),
+                                    ([1, -1], 6, "names block -1"),
+                                    ([1, 2], 8, "2 blocks of 4 hold 8 tokens, not its 9")]:
+            with pytest.raises(ValueError, match=what):
+                forward(model, cache, [Piece([5], start, blocks, LAST)], greedy=True)
+
+
 @pytest.mark.parametrize("native, V", [(True, 100), (True, 1001), (False, 100)],
                          ids=["library", "library-wide", "torch"])
 def test_a_grammars_mask_on_the_shards_is_torchs_masked_argmax(monkeypatch, native, V):

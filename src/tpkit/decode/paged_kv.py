@@ -205,6 +205,7 @@ def ready(model: nn.Module, cache: PagedCache, pieces: list[Piece], greedy: bool
     if decodes and (run := _moved(cache, pieces, c.sliding_window)) is not None:
         return run
     cache.moving = None
+    _check_tables(pieces, cache)
     ids, batch = layout(pieces, cache.block_size, c.sliding_window, c.max_seq_len,
                         cache.device)
     batch.adapted = adapted
@@ -214,9 +215,9 @@ def ready(model: nn.Module, cache: PagedCache, pieces: list[Piece], greedy: bool
         if native is not None:
             def run(allowed=None):  # a copy: the call's buffers serve the next step too
                 return native(allowed).clone(), []
-            cache.moving = _Moving(pieces, batch.positions.numpy(), batch.write.numpy(),
-                                   ids.numpy()[:, 0], batch.decode.meta.numpy(), run,
-                                   native.still, cache.k[0])
+            cache.moving = _Moving([list(p.blocks) for p in pieces], batch.positions.numpy(),
+                                   batch.write.numpy(), ids.numpy()[:, 0],
+                                   batch.decode.meta.numpy(), run, native.still, cache.k[0])
             return run
     return partial(_modules, model, ids, batch, caches, pieces, greedy)
 
@@ -229,7 +230,8 @@ class _Moving:
     (`_moved`: the layout, the call's arguments and its buffers made once, not per token;
     ~0.4 ms of a GPT-2 token in Python, on caches the weights just flushed)."""
 
-    pieces: list[Piece]
+    tables: list[list[int]]  # each row's block table as `meta` holds it: copies (a
+    # caller may grow its list in place, as `serve.draft` does, after the call is planned)
     positions: np.ndarray  # [T] views of the tensors the call reads (no copies)
     slots: np.ndarray  # [T] each row's flat cache position
     ids: np.ndarray  # [T]
@@ -243,9 +245,9 @@ def _moved(cache: PagedCache, pieces: list[Piece], window: int | None) -> Callab
     """`cache.moving`'s step for `pieces` (decode rows), its tensors rewritten in place,
     or None where it is not that step (`_Moving`)."""
     last = cache.moving
-    if last is None or last.k is not cache.k[0] or len(pieces) != len(last.pieces) or \
-            not last.still() or any(p.blocks != q.blocks for p, q in zip(pieces, last.pieces)):
-        return None
+    if last is None or last.k is not cache.k[0] or len(pieces) != len(last.tables) or \
+            not last.still() or any(p.blocks != t for p, t in zip(pieces, last.tables)):
+        return None  # (a table grown since: the kernel would read past the one it holds)
     bs, T = cache.block_size, len(pieces)
     starts = [p.start for p in pieces]
     if any(s >= len(p.blocks) * bs for s, p in zip(starts, pieces)):
@@ -256,7 +258,6 @@ def _moved(cache: PagedCache, pieces: list[Piece], window: int | None) -> Callab
     head = last.meta[:4 * T].reshape(T, 4)  # a view
     head[:, 2] = [max(0, s - window + 1) if window else 0 for s in starts]
     head[:, 3] = [s + 1 for s in starts]
-    last.pieces = pieces
     return last.run
 
 
@@ -304,6 +305,21 @@ def _full(model: nn.Module, h: torch.Tensor) -> torch.Tensor:
 def _check(model: nn.Module) -> None:
     if not (model.is_first_stage and model.is_last_stage):
         raise UserError(PP_ERROR)
+
+
+def _check_tables(pieces: list[Piece], cache: PagedCache) -> None:
+    """ValueError unless every piece's block table covers its tokens with blocks of the
+    cache: the native kernels read and write through the tables unchecked."""
+    for i, p in enumerate(pieces):
+        end = p.start + len(p.tokens)
+        if p.blocks and (min(p.blocks) < 0 or max(p.blocks) >= cache.blocks):
+            bad = next(b for b in p.blocks if not 0 <= b < cache.blocks)
+            raise ValueError(f"paged forward: piece {i}'s block table names block {bad}, "
+                             f"outside the cache's {cache.blocks} blocks")
+        if end > len(p.blocks) * cache.block_size:
+            raise ValueError(f"paged forward: piece {i}'s {len(p.blocks)} blocks of "
+                             f"{cache.block_size} hold {len(p.blocks) * cache.block_size} "
+                             f"tokens, not its {end}")
 
 
 def _greedy(model: nn.Module, h: torch.Tensor, allowed: torch.Tensor | None = None
