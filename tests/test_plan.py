@@ -345,6 +345,34 @@ def test_calibrate_keeps_the_model_that_fits_a_link_and_the_planner_prices_by_it
     assert cost.link_for(4, got).overlap and cost.p2p_link(4, replace(got, nics_per_node=1)).overlap
 
 
+def test_a_steps_scalars_are_priced_by_the_latency_measured_at_their_size(tmp_path):
+    """8-byte all-reduces (the loss, the gradient norm) took 0.1-0.3 ms between two
+    simulated hosts where the 4 KiB ones took 1-2 ms: they are kept out of the ring's fit,
+    their time per step is the link's scalar latency, and the step's closing all-reduces
+    are priced by it."""
+    from tpkit.plan.fit import fit_link, link_notes
+
+    alpha, bw, scalar = 1e-3, 60e6, 75e-6
+    samples = [(2, 8, 2 * scalar)] + [(2, n, 2 * max(alpha, n / 2 / bw))
+                                      for n in (4 << (10 + 2 * i) for i in range(7))]
+    link = fit_link("gloo", samples)
+    assert (link.latency, link.bandwidth, link.scalar_latency) == pytest.approx(
+        (alpha, bw, scalar))  # the 8-byte sample left the fit untouched
+    assert cost.scalar_all_reduce_time(4, link) == pytest.approx(6 * scalar)
+    assert "75.0 us per step for a few bytes" in link_notes(link, samples)[0]
+    assert fit_link("gloo", samples[1:]).scalar_latency is None  # none measured: alpha
+    assert cost.scalar_all_reduce_time(2, fit_link("gloo", samples[1:])) == pytest.approx(2 * alpha)
+    hw = replace(get_hardware("cpu"), name="local", inter=link, devices_per_node=1)
+    path = tmp_path / "local.toml"
+    path.write_text(profile_to_toml(hw))
+    got = load_profiles(path)["local"]
+    assert got.inter.scalar_latency == pytest.approx(scalar) and got.intra.scalar_latency is None
+    c, lay = get_preset("gpt2-tiny"), Layout(1, 2, 1, 2, recompute="none")  # pp across nodes
+    sync = [evaluate(c, 64, 8, lay, Cluster(h, nodes=2)).terms["step_sync"]
+            for h in (got, replace(got, inter=replace(got.inter, scalar_latency=None)))]
+    assert sync[1] - sync[0] == pytest.approx(2 * 2 * (alpha - scalar))  # loss and norm
+
+
 # -- the local CPU profile: dispatch overhead and processes sharing cores ------------------------
 def _cpu(op_overhead: float = 0.0, cores: int = 0, shared: float = 0.0):
     from dataclasses import replace

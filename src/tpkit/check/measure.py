@@ -6,8 +6,8 @@ return; the fits are pure Python in `tpkit.plan.fit`).
     elementwise a layer's mix at activation size (layer norm, tanh-GELU on the 4h MLP
                 activation, residual add): the bytes/s elementwise kernels get
     dispatch    a chain of tiny multiplies, forward + backward: seconds per dispatched op
-    all-reduce  groups of p local processes, 4 KiB .. 16 MiB, over the transport a run
-                uses inside a host (shared memory) and over gloo; and 2 x cores
+    all-reduce  groups of p local processes, 8 bytes and 4 KiB .. 16 MiB, over the
+                transport a run uses inside a host (shared memory) and over gloo; 2 x cores
                 processes in pairs: the latency of a step when processes outnumber cores
 
 A "device" here is one process with one thread (how `tpkit.launch` runs tests with
@@ -29,7 +29,9 @@ from torch.utils._python_dispatch import TorchDispatchMode
 from tpkit.comm import all_reduce
 from tpkit.launch import spawn
 
-SIZES = tuple(4 << (10 + 2 * i) for i in range(7))  # 4 KiB, 16 KiB, ... 16 MiB: x4 apart
+# 8 bytes (the loss, the gradient norm: `plan.fit` keeps it out of the ring's fit), then
+# 4 KiB, 16 KiB, ... 16 MiB: x4 apart
+SIZES = (8, *(4 << (10 + 2 * i) for i in range(7)))
 DIMS = (16, 32, 64, 128, 256, 512, 1024)
 
 
@@ -117,9 +119,9 @@ def _all_reduce_worker(mesh, sizes: tuple[int, ...], reps: int,
     a = torch.randn(192, 192)
     out = []
     for n in sizes:
-        x = torch.ones(n // 4)
+        x = torch.ones(max(n // 4, 1))
         times = []
-        for i in range(reps + 2):
+        for i in range(reps * (4 if n < 1024 else 1) + 2):  # a few bytes: cheap, noisy
             a @ a @ a @ a  # [192, 192]: ~0.3 ms of work between collectives
             t0 = time.perf_counter()
             all_reduce(x, mesh.groups[group])

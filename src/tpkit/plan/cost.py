@@ -55,6 +55,13 @@ def all_reduce_time(nbytes: float, p: int, link: Link) -> float:
     return collective_time("all_reduce", nbytes, p, link)
 
 
+def scalar_all_reduce_time(p: int, link: Link) -> float:
+    """All-reduce of a few bytes over p ranks: 2(p-1) steps of the link's latency at that
+    size (`Link.scalar_latency`, measured by `tpkit calibrate`; else its alpha)."""
+    latency = link.latency if link.scalar_latency is None else link.scalar_latency
+    return ring_steps("all_reduce", p) * latency
+
+
 def all_gather_time(nbytes: float, p: int, link: Link) -> float:
     """Ring all-gather producing `nbytes` per rank: (p-1)a + (p-1)/p n/B."""
     return collective_time("all_gather", nbytes, p, link)

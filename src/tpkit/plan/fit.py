@@ -3,7 +3,9 @@
     matmul      1/rate = 1/peak + (d_half/peak) (1/d)          (the planner's GEMM model)
     all-reduce  t = 2(p-1) alpha + 2(p-1)/p n / B               (the ring model)
                 or, where it fits the samples better, each of the 2(p-1) steps the longer
-                of alpha and its chunk's wire time: t = 2(p-1) max(alpha, n/(p B))
+                of alpha and its chunk's wire time: t = 2(p-1) max(alpha, n/(p B));
+                an all-reduce of 8 bytes (a step's loss, its gradient norm) measured
+                apart: its time per step is the link's scalar latency
 
 The measuring itself needs torch and processes, so it lives in `tpkit.check.measure`, and the
 `tpkit calibrate` command joins the two: `tpkit.plan` imports no torch.
@@ -13,9 +15,12 @@ from __future__ import annotations
 
 import math
 import os
+from dataclasses import replace
 
-from tpkit.plan.cost import all_reduce_time
+from tpkit.plan.cost import all_reduce_time, scalar_all_reduce_time
 from tpkit.plan.hardware import GB, Accelerator, Hardware, Link
+
+SCALAR_MAX = 1024  # samples below this many bytes are a step's scalars, not the ring's fit
 
 
 # -- fits (pure Python) -----------------------------------------------------------------------
@@ -95,12 +100,18 @@ def log_error(link: Link, samples: list[tuple[int, float, float]]) -> float:
 def fit_link(name: str, samples: list[tuple[int, float, float]]) -> Link:
     """A Link named `name` from all-reduce samples: the ring model with alpha and B added
     (`fit_alpha_beta`) or overlapped (`fit_overlapped`), whichever fits them better (the
-    added one on a tie)."""
+    added one on a tie), on the samples of at least 1 KiB; those below (a step's scalars)
+    give `Link.scalar_latency`, their mean time per ring step."""
+    scalars = [(p, n, t) for p, n, t in samples if n < SCALAR_MAX]
+    samples = [(p, n, t) for p, n, t in samples if n >= SCALAR_MAX]
     alpha, bw = fit_alpha_beta(samples)
     added = Link(name, bw, alpha)
     alpha, bw = fit_overlapped(samples)
     overlapped = Link(name, bw, alpha, overlap=True)
-    return min((added, overlapped), key=lambda link: log_error(link, samples))
+    link = min((added, overlapped), key=lambda link: log_error(link, samples))
+    if scalars:
+        link = replace(link, scalar_latency=_mean([t / (2 * (p - 1)) for p, _, t in scalars]))
+    return link
 
 
 def ram_bytes() -> float:
@@ -125,8 +136,12 @@ def link_notes(link: Link, samples: list) -> list[str]:
     how = "the longer of the two per step (overlapped)" if link.overlap else "added"
     lines = [f"all-reduce over {link.name}: alpha {link.latency * 1e6:.1f} us, bandwidth "
              f"{link.bandwidth / GB:.2f} GB/s, {how}"]
+    if link.scalar_latency is not None:
+        lines[0] += f"; {link.scalar_latency * 1e6:.1f} us per step for a few bytes"
     for p, n, t in samples:
-        model = all_reduce_time(n, p, link)
-        lines.append(f"  p={p} {n >> 10:>6} KiB: measured {t * 1e3:8.3f} ms, fit "
+        model = all_reduce_time(n, p, link) if n >= SCALAR_MAX else \
+            scalar_all_reduce_time(p, link)
+        size = f"{n >> 10:>6} KiB" if n >= SCALAR_MAX else f"{n:>6} B  "
+        lines.append(f"  p={p} {size}: measured {t * 1e3:8.3f} ms, fit "
                      f"{model * 1e3:8.3f} ms ({model / t - 1:+.0%})")
     return lines

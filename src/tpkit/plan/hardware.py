@@ -55,6 +55,8 @@ class Link:
     bandwidth: float  # bytes/s, achievable bus bandwidth per device
     latency: float  # seconds per ring step (alpha)
     overlap: bool = False  # a step costs max(alpha, wire time), not their sum (`cost.step_time`)
+    scalar_latency: float | None = None  # seconds per ring step of an all-reduce of a few
+    # bytes (a step's loss and gradient norm), measured at that size; None: `latency`
 
 
 @dataclass(frozen=True)
@@ -244,7 +246,8 @@ def _link(d: dict, which: str, default: Link) -> Link:
         link = LINKS[d[f"{which}_link"]]
     link = replace(link, overlap=bool(d.get(f"{which}_overlap", link.overlap)))
     return replace(link, **_scaled(d, {f"{which}_bandwidth_gbs": ("bandwidth", GB),
-                                       f"{which}_latency_us": ("latency", 1e-6)}))
+                                       f"{which}_latency_us": ("latency", 1e-6),
+                                       f"{which}_scalar_latency_us": ("scalar_latency", 1e-6)}))
 
 
 def profile_to_toml(hw: Hardware, comments: dict[str, str] | None = None) -> str:
@@ -262,6 +265,9 @@ def profile_to_toml(hw: Hardware, comments: dict[str, str] | None = None) -> str
               "inter_bandwidth_gbs": hw.inter.bandwidth / GB,
               "inter_latency_us": hw.inter.latency / 1e-6,
               "intra_overlap": hw.intra.overlap, "inter_overlap": hw.inter.overlap}
+    fields.update({f"{which}_scalar_latency_us": link.scalar_latency / 1e-6
+                   for which, link in (("intra", hw.intra), ("inter", hw.inter))
+                   if link.scalar_latency is not None})
     lines = [f"[{hw.name}]"]
     for key, value in fields.items():
         text = f'"{value}"' if isinstance(value, str) else str(value).lower() if isinstance(

@@ -255,8 +255,8 @@ def _step_sync(c: ModelConfig, lay: Layout, hw: Hardware, prec: Precision) -> fl
     """Once per step: the loss and the gradient norm (one float each over tp x pp, the loss
     again over dp) and, with pp > 1, the tied embedding's gradient between the end stages."""
     mp = lay.tp * lay.pp
-    small = 2 * cost.all_reduce_time(8, mp, cost.link_for(mp, hw))
-    small += cost.all_reduce_time(8, lay.replicas, replica_link(lay, hw))
+    small = 2 * cost.scalar_all_reduce_time(mp, cost.link_for(mp, hw))
+    small += cost.scalar_all_reduce_time(lay.replicas, replica_link(lay, hw))
     if lay.pp > 1 and c.tie_embeddings:
         small += cost.all_reduce_time(c.vocab_size * c.hidden / lay.tp * prec.grad, 2,
                                       cost.p2p_link(mp, hw))
