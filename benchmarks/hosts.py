@@ -108,7 +108,7 @@ def calibrate_link(base: Path, link: str, layout: Layout, reps: int, procs: int)
 
 def predict(profile: Path, name: str, args) -> float:
     """The planner's tokens/s for one layout of `tpkit train --preset gpt2-tiny` on 2 hosts
-    x 2 processes."""
+    x `--per-host` processes."""
     tp, pp, dp = LAYOUTS[args.per_host][name]
     m = default_micro_batches(pp, args.global_batch // dp)
     lay = PlanLayout(tp, pp, dp, args.global_batch // (dp * m), recompute="none")

@@ -371,6 +371,12 @@ def test_a_steps_scalars_are_priced_by_the_latency_measured_at_their_size(tmp_pa
     sync = [evaluate(c, 64, 8, lay, Cluster(h, nodes=2)).terms["step_sync"]
             for h in (got, replace(got, inter=replace(got.inter, scalar_latency=None)))]
     assert sync[1] - sync[0] == pytest.approx(2 * 2 * (alpha - scalar))  # loss and norm
+    # processes sharing cores: a scalar's step waits for the descheduled peer as any does
+    shared = replace(got, intra=replace(got.intra, scalar_latency=1e-6), cores_per_node=1,
+                     shared_latency=got.intra.latency + 5e-4)
+    prof = Cluster(shared, nodes=2, devices_per_node=2).profile
+    assert prof.intra.scalar_latency is None
+    assert prof.inter.scalar_latency == pytest.approx(scalar + 5e-4)
 
 
 # -- the local CPU profile: dispatch overhead and processes sharing cores ------------------------

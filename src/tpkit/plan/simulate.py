@@ -89,7 +89,10 @@ class Cluster:
                       op_overhead=a.op_overhead * share)
         intra = replace(hw.intra, latency=hw.shared_latency or hw.intra.latency)
         wait = max(intra.latency - hw.intra.latency, 0.0)
-        inter = replace(hw.inter, latency=hw.inter.latency + wait)
+        if wait:  # measured unshared: a scalar's step waits as the others do
+            intra = replace(intra, scalar_latency=None)
+        inter = replace(hw.inter, latency=hw.inter.latency + wait, scalar_latency=None
+                        if hw.inter.scalar_latency is None else hw.inter.scalar_latency + wait)
         return replace(hw, accelerator=acc, intra=intra, inter=inter)
 
 
